@@ -1,0 +1,52 @@
+"""mt_convert: GPT checkpoints across formats and layouts (``mt convert``).
+
+Formats: ``"consolidated"`` (one full ``model.safetensors`` + ``config.json`` manifest with
+sha256 checksums), ``"tp"`` (``tp_rank_XX/model.safetensors``, sliced exactly as
+mt_tensor_parallel slices the model) and ``"hf"`` (Hugging Face ``GPT2LMHeadModel``).
+Conversions stream one tensor at a time, verify checksums on read, write checksums, and
+write atomically; every expected failure is a :class:`ConvertError` naming file and tensor.
+"""
+
+from mt_convert.convert import (
+    FORMATS,
+    ConversionResult,
+    MappingEntry,
+    convert_checkpoint,
+    detect_format,
+    load_model,
+    load_state_dict,
+    make_writer,
+    open_checkpoint,
+    plan_conversion,
+    save_model,
+    save_state_dict,
+)
+from mt_convert.errors import ConvertError
+from mt_convert.layout import CheckpointReader, CheckpointWriter, TensorRef, canonical_shapes
+from mt_convert.safetensors_io import SafetensorsReader, SafetensorsWriter, TensorSpec
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "FORMATS",
+    "CheckpointReader",
+    "CheckpointWriter",
+    "ConversionResult",
+    "ConvertError",
+    "MappingEntry",
+    "SafetensorsReader",
+    "SafetensorsWriter",
+    "TensorRef",
+    "TensorSpec",
+    "__version__",
+    "canonical_shapes",
+    "convert_checkpoint",
+    "detect_format",
+    "load_model",
+    "load_state_dict",
+    "make_writer",
+    "open_checkpoint",
+    "plan_conversion",
+    "save_model",
+    "save_state_dict",
+]

@@ -1,0 +1,124 @@
+"""``mt convert SRC DST``: the command line of mt_convert.
+
+``app`` is a Typer app whose callback is the command itself, so it works both standalone
+(``python -m mt_convert SRC DST``) and mounted by the root ``mt`` CLI through the
+``mt.commands`` entry point (``app.add_typer(app, name="convert")``) without an extra
+sub-command name. Expected failures print one ``error:`` line and exit with status 1.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+)
+
+from mt_convert.convert import convert_checkpoint, make_writer, open_checkpoint, plan_conversion
+from mt_convert.errors import ConvertError
+
+__all__ = ["app", "main"]
+
+
+class Format(StrEnum):
+    """Checkpoint formats on the command line."""
+
+    consolidated = "consolidated"
+    hf = "hf"
+    tp = "tp"
+
+
+app = typer.Typer(
+    name="convert",
+    help="Convert GPT checkpoints between formats and layouts.",
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+
+
+def _dry_run(src: Path, dst: Path, to: str, from_format: str | None, tp: int | None,
+             console: Console) -> None:
+    with open_checkpoint(src, from_format) as reader:
+        specs = {name: reader.spec(name) for name in reader.names()}
+        writer = make_writer(to, reader.config, specs, tp)
+        entries = plan_conversion(reader, writer)
+        size = sum(spec.nbytes for spec in specs.values())
+        # Plain lines, not a table: greppable and never folded by the terminal width.
+        lines = [f"{src} ({reader.format}) -> {dst} ({writer.format}): {len(entries)} "
+                 f"tensors, {size / 2**20:.1f} MiB (dry run: nothing written)"]
+        for entry in entries:
+            lines.append(entry.name)
+            lines.extend(f"  <- {ref.describe()}" for ref in entry.sources)
+            lines.extend(f"  -> {ref.describe()}" for ref in entry.targets)
+        console.print("\n".join(lines), markup=False, highlight=False, soft_wrap=True)
+
+
+def _convert(src: Path, dst: Path, to: str, from_format: str | None, tp: int | None,
+             force: bool, console: Console) -> None:
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn(), TextColumn("{task.fields[tensor]}"))
+    with Progress(*columns, console=console, transient=True) as bar:
+        task = bar.add_task("converting", total=None, tensor="")
+
+        def progress(name: str, done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total, tensor=name)
+
+        result = convert_checkpoint(src, dst, to=to, from_format=from_format, tp=tp,
+                                    overwrite=force, progress=progress)
+    console.print(f"wrote {result.destination} ({result.target_format}): {result.tensors} "
+                  f"tensors, {result.bytes / 2**20:.1f} MiB in {result.seconds:.1f} s",
+                  markup=False, highlight=False, soft_wrap=True)
+
+
+@app.callback(invoke_without_command=True, subcommand_metavar="",
+              context_settings={"allow_interspersed_args": True})
+def convert(
+    src: Annotated[Path, typer.Argument(help="Source checkpoint directory.")],
+    dst: Annotated[Path, typer.Argument(help="Destination directory (must not exist unless "
+                                             "--force).")],
+    to: Annotated[Format | None, typer.Option(
+        "--to", help="Target format (default: tp when --tp is given, else consolidated).")
+    ] = None,
+    from_format: Annotated[Format | None, typer.Option(
+        "--from", help="Source format (default: detected from config.json).")] = None,
+    tp: Annotated[int | None, typer.Option(
+        "--tp", min=1, help="Tensor-parallel degree of the tp target format.")] = None,
+    dry_run: Annotated[bool, typer.Option(
+        "--dry-run", help="Print the mapping of source tensors to target tensors and write "
+        "nothing.")] = False,
+    force: Annotated[bool, typer.Option(
+        "--force", help="Replace an existing destination (only once the new one is "
+        "complete).")] = False,
+) -> None:
+    """Convert a GPT checkpoint: mt consolidated, mt tensor-parallel (tp_rank_XX) or
+    Hugging Face GPT-2, tensor by tensor, verified, written atomically."""
+    target = to.value if to is not None else ("tp" if tp is not None else "consolidated")
+    source = from_format.value if from_format is not None else None
+    console = Console(stderr=True)
+    try:
+        if dry_run:
+            _dry_run(src, dst, target, source, tp, Console())
+        else:
+            _convert(src, dst, target, source, tp, force, console)
+    except ConvertError as err:
+        console.print(f"[bold red]error:[/] {escape(str(err))}", highlight=False,
+                      soft_wrap=True)
+        raise typer.Exit(1) from None
+    except KeyboardInterrupt:
+        console.print("interrupted: nothing was written")
+        raise typer.Exit(130) from None
+
+
+def main() -> None:
+    """Console entry point (``python -m mt_convert``)."""
+    app()

@@ -1,0 +1,90 @@
+"""The consolidated format: one ``model.safetensors`` with the full canonical tensors and a
+``config.json`` manifest (model config, format version, per-tensor sha256).
+
+Tensor names are ``mt_model.GPT``'s state-dict names; the tied embedding is stored once as
+``embed.tokens.weight``. This is the hub every other conversion can go through, and the
+easiest file to inspect by hand.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from mt_convert.errors import ConvertError
+from mt_convert.layout import CheckpointReader, CheckpointWriter, TensorRef, canonical_shapes
+from mt_convert.manifest import FileEntries, open_checked, read_manifest, write_manifest
+from mt_convert.safetensors_io import SafetensorsWriter, TensorSpec
+from mt_model import GPTConfig
+
+__all__ = ["CONSOLIDATED_FORMAT", "ConsolidatedReader", "ConsolidatedWriter", "MODEL_FILE"]
+
+CONSOLIDATED_FORMAT = "mt-consolidated"
+MODEL_FILE = "model.safetensors"
+
+
+class ConsolidatedReader(CheckpointReader):
+    """Reads a consolidated checkpoint directory; structure is checked on open."""
+
+    format = "consolidated"
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        manifest = read_manifest(self.root, CONSOLIDATED_FORMAT)
+        self.config = manifest.config
+        self._shapes = canonical_shapes(self.config)
+        extra = sorted(set(manifest.files) - {MODEL_FILE})
+        if extra:
+            raise ConvertError(f"{manifest.path}: unexpected files {extra} in a consolidated "
+                               f"checkpoint (only {MODEL_FILE})")
+        self._file = open_checked(self.root, manifest, MODEL_FILE, self._shapes)
+
+    def names(self) -> list[str]:
+        return list(self._shapes)
+
+    def spec(self, name: str) -> TensorSpec:
+        return self._file.spec(name)
+
+    def sources(self, name: str) -> list[TensorRef]:
+        return [TensorRef(MODEL_FILE, name, self.spec(name))]
+
+    def read(self, name: str) -> torch.Tensor:
+        return self._file.get(name)
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class ConsolidatedWriter(CheckpointWriter):
+    """Writes ``model.safetensors`` tensor by tensor, then ``config.json``."""
+
+    format = "consolidated"
+
+    def __init__(self, config: GPTConfig, specs: dict[str, TensorSpec]) -> None:
+        super().__init__(config, specs)
+        self._writer: SafetensorsWriter | None = None
+        self._directory: Path | None = None
+
+    def targets(self, name: str) -> list[TensorRef]:
+        return [TensorRef(MODEL_FILE, name, self.specs[name])]
+
+    def open(self, directory: Path) -> None:
+        self._directory = Path(directory)
+        self._writer = SafetensorsWriter(self._directory / MODEL_FILE, self.specs,
+                                         {"mt.format": CONSOLIDATED_FORMAT})
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        assert self._writer is not None, "open() first"
+        self._writer.write(name, tensor)
+
+    def finish(self) -> None:
+        assert self._writer is not None and self._directory is not None, "open() first"
+        checksums = self._writer.close()
+        entries: FileEntries = {name: (self.specs[name], checksums[name]) for name in self.specs}
+        write_manifest(self._directory, CONSOLIDATED_FORMAT, self.config, {},
+                       {MODEL_FILE: entries})
+
+    def abort(self) -> None:
+        if self._writer is not None:
+            self._writer.abort()

@@ -1,0 +1,215 @@
+"""Conversions between checkpoint formats, and saving / loading models in them.
+
+Formats: ``"consolidated"`` (one full safetensors file, :mod:`mt_convert.consolidated`),
+``"hf"`` (Hugging Face GPT-2, :mod:`mt_convert.hf`) and ``"tp"`` (one file per tensor-
+parallel rank, :mod:`mt_convert.sharded`). Every conversion streams canonical tensors one
+at a time from a reader to a writer inside an atomic staging directory.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mt_convert.atomic import atomic_directory
+from mt_convert.consolidated import CONSOLIDATED_FORMAT, ConsolidatedReader, ConsolidatedWriter
+from mt_convert.errors import ConvertError
+from mt_convert.hf import HFReader, HFWriter
+from mt_convert.layout import (
+    CheckpointReader,
+    CheckpointWriter,
+    ProgressFn,
+    TensorRef,
+    canonical_shapes,
+)
+from mt_convert.manifest import CONFIG_FILE, read_json
+from mt_convert.safetensors_io import TensorSpec, check_names
+from mt_convert.sharded import SHARDED_FORMAT, ShardedReader, ShardedWriter
+from mt_model import GPT, GPTConfig
+
+__all__ = [
+    "FORMATS",
+    "ConversionResult",
+    "MappingEntry",
+    "convert_checkpoint",
+    "detect_format",
+    "load_model",
+    "load_state_dict",
+    "make_writer",
+    "open_checkpoint",
+    "plan_conversion",
+    "save_model",
+    "save_state_dict",
+]
+
+FORMATS: tuple[str, ...] = ("consolidated", "hf", "tp")
+_READERS: dict[str, Callable[[Path], CheckpointReader]] = {
+    "consolidated": ConsolidatedReader,
+    "hf": HFReader,
+    "tp": ShardedReader,
+}
+
+
+def detect_format(path: Path) -> str:
+    """``"consolidated"``, ``"tp"`` or ``"hf"``, from ``path/config.json``."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ConvertError(f"{path}: checkpoint directory not found")
+    data = read_json(path / CONFIG_FILE)
+    if data.get("format") == CONSOLIDATED_FORMAT:
+        return "consolidated"
+    if data.get("format") == SHARDED_FORMAT:
+        return "tp"
+    if "model_type" in data:
+        return "hf"
+    raise ConvertError(f"{path / CONFIG_FILE}: not an mt or Hugging Face checkpoint config "
+                       "(no 'format' or 'model_type' key)")
+
+
+def _check_format(fmt: str) -> None:
+    if fmt not in FORMATS:
+        raise ConvertError(f"unknown checkpoint format {fmt!r}; known: {list(FORMATS)}")
+
+
+def open_checkpoint(path: Path, fmt: str | None = None) -> CheckpointReader:
+    """Open (and structurally validate) the checkpoint at ``path``; ``fmt`` None detects."""
+    fmt = detect_format(path) if fmt is None else fmt
+    _check_format(fmt)
+    if not Path(path).is_dir():
+        raise ConvertError(f"{path}: checkpoint directory not found")
+    return _READERS[fmt](Path(path))
+
+
+def make_writer(fmt: str, config: GPTConfig, specs: Mapping[str, TensorSpec],
+                tp: int | None = None) -> CheckpointWriter:
+    """A writer for ``fmt``; ``tp`` is required for (and only allowed with) ``"tp"``."""
+    _check_format(fmt)
+    if fmt == "tp":
+        if tp is None:
+            raise ConvertError("the tp format needs a tensor-parallel degree (--tp N)")
+        return ShardedWriter(config, dict(specs), tp)
+    if tp is not None:
+        raise ConvertError(f"--tp {tp} only applies to the tp format, not {fmt!r}")
+    return (ConsolidatedWriter if fmt == "consolidated" else HFWriter)(config, dict(specs))
+
+
+@dataclass(frozen=True)
+class MappingEntry:
+    """One canonical tensor of a conversion: where it is read from and written to."""
+
+    name: str
+    sources: tuple[TensorRef, ...]
+    targets: tuple[TensorRef, ...]
+
+
+@dataclass(frozen=True)
+class ConversionResult:
+    """What a conversion did."""
+
+    source_format: str
+    target_format: str
+    destination: Path
+    tensors: int
+    bytes: int
+    seconds: float
+
+
+def _specs(reader: CheckpointReader) -> dict[str, TensorSpec]:
+    return {name: reader.spec(name) for name in reader.names()}
+
+
+def plan_conversion(reader: CheckpointReader, writer: CheckpointWriter) -> list[MappingEntry]:
+    """The source -> target tensor mapping (headers only; what ``--dry-run`` prints)."""
+    return [MappingEntry(name, tuple(reader.sources(name)), tuple(writer.targets(name)))
+            for name in reader.names()]
+
+
+def _write(writer: CheckpointWriter, names: list[str], get: Callable[[str], torch.Tensor],
+           destination: Path, overwrite: bool, progress: ProgressFn | None) -> int:
+    """Stream every tensor through ``writer`` into an atomic ``destination``; bytes moved.
+    Operating-system failures (disk full, permissions) become a :class:`ConvertError`."""
+    total_bytes = 0
+    try:
+        with atomic_directory(destination, overwrite) as staging:
+            writer.open(staging)
+            try:
+                for done, name in enumerate(names, start=1):
+                    tensor = get(name)
+                    writer.write(name, tensor)
+                    total_bytes += tensor.numel() * tensor.element_size()
+                    del tensor  # keep peak memory at one tensor (plus its shards)
+                    if progress is not None:
+                        progress(name, done, len(names))
+                writer.finish()
+            except BaseException:
+                writer.abort()
+                raise
+    except OSError as err:
+        raise ConvertError(f"{destination}: writing failed, nothing was written: "
+                           f"{err}") from err
+    return total_bytes
+
+
+def convert_checkpoint(source: Path, destination: Path, *, to: str = "consolidated",
+                       from_format: str | None = None, tp: int | None = None,
+                       overwrite: bool = False, progress: ProgressFn | None = None
+                       ) -> ConversionResult:
+    """Convert the checkpoint at ``source`` into format ``to`` at ``destination``.
+
+    Streams tensor by tensor; ``destination`` appears only when everything succeeded (an
+    existing one is replaced only with ``overwrite``). Raises :class:`ConvertError`.
+    """
+    source, destination = Path(source), Path(destination)
+    if destination.resolve() == source.resolve():
+        raise ConvertError(f"{destination}: destination is the source checkpoint")
+    if destination.exists() and not overwrite:  # fail before reading anything
+        raise ConvertError(f"{destination}: destination already exists (use --force to "
+                           "replace it)")
+    start = time.perf_counter()
+    with open_checkpoint(source, from_format) as reader:
+        writer = make_writer(to, reader.config, _specs(reader), tp)
+        moved = _write(writer, reader.names(), reader.read, destination, overwrite, progress)
+        return ConversionResult(reader.format, writer.format, destination,
+                                len(reader.names()), moved, time.perf_counter() - start)
+
+
+def save_state_dict(state_dict: Mapping[str, torch.Tensor], config: GPTConfig,
+                    destination: Path, *, to: str = "consolidated", tp: int | None = None,
+                    overwrite: bool = False, progress: ProgressFn | None = None) -> Path:
+    """Save an unsharded ``mt_model.GPT`` state dict in format ``to`` (atomically)."""
+    shapes = canonical_shapes(config)
+    check_names(Path(destination), list(state_dict), list(shapes))
+    for name, shape in shapes.items():
+        if tuple(state_dict[name].shape) != shape:
+            raise ConvertError(f"tensor {name!r} has shape {list(state_dict[name].shape)}, "
+                               f"the config needs {list(shape)}")
+    specs = {name: TensorSpec.of(state_dict[name]) for name in shapes}
+    writer = make_writer(to, config, specs, tp)
+    _write(writer, list(shapes), lambda n: state_dict[n].detach(), Path(destination),
+           overwrite, progress)
+    return Path(destination)
+
+
+def save_model(model: GPT, destination: Path, **options: object) -> Path:
+    """Save an unsharded ``mt_model.GPT``; options as :func:`save_state_dict`."""
+    return save_state_dict(model.state_dict(), model.config, destination, **options)
+
+
+def load_state_dict(source: Path, fmt: str | None = None
+                    ) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
+    """The config and full canonical state dict of any supported checkpoint (verified)."""
+    with open_checkpoint(source, fmt) as reader:
+        return reader.config, {name: reader.read(name) for name in reader.names()}
+
+
+def load_model(source: Path, fmt: str | None = None) -> GPT:
+    """An ``mt_model.GPT`` with the weights of any supported checkpoint, in the dtype of
+    its token embedding."""
+    config, state = load_state_dict(source, fmt)
+    model = GPT(config, seed=None).to(state["embed.tokens.weight"].dtype)
+    model.load_state_dict(state, strict=True)
+    return model

@@ -1,0 +1,124 @@
+"""The common language of every format: canonical tensors, references into files, and the
+reader / writer interfaces.
+
+A conversion never holds a whole model. Every format's reader presents the checkpoint as
+the *canonical* mt tensors (full, unsharded, named as in ``mt_model.GPT``'s state dict,
+tied embedding once) one at a time; every writer takes canonical tensors one at a time and
+stores them in its own layout (transposed, sliced, renamed). Converting A -> B is then a
+loop over canonical names, so peak memory stays near the largest tensor.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mt_convert.safetensors_io import TensorSpec
+from mt_model import GPT, GPTConfig
+
+__all__ = [
+    "CheckpointReader",
+    "CheckpointWriter",
+    "ProgressFn",
+    "TensorRef",
+    "canonical_shapes",
+]
+
+ProgressFn = Callable[[str, int, int], None]
+"""Called after each canonical tensor as ``(name, done, total)``."""
+
+
+def canonical_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
+    """Name -> full shape of every tensor of ``mt_model.GPT(config)``'s state dict, in
+    module order. Built on the meta device, so it costs no memory even for 530B."""
+    with torch.device("meta"):
+        model = GPT(config, seed=None)
+    return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """Where one stored tensor lives: ``file`` (relative to the checkpoint directory),
+    ``key`` inside it, its spec, and how it relates to the canonical tensor
+    (``transform``, e.g. ``"transpose"`` or ``"tp 1/2 column_qkv"``; empty for as-is)."""
+
+    file: str
+    key: str
+    spec: TensorSpec
+    transform: str = ""
+
+    def describe(self) -> str:
+        """One line for a dry run: ``file:key [shape] DTYPE (transform)``."""
+        extra = f" ({self.transform})" if self.transform else ""
+        return f"{self.file}:{self.key} {self.spec.describe()}{extra}"
+
+
+class CheckpointReader(ABC):
+    """A checkpoint seen as canonical mt tensors. Opening validates structure (config,
+    tensor names and shapes) without reading tensor data; :meth:`read` verifies checksums.
+    """
+
+    format: str
+    root: Path
+    config: GPTConfig
+
+    @abstractmethod
+    def names(self) -> list[str]:
+        """Canonical tensor names, in module order."""
+
+    @abstractmethod
+    def spec(self, name: str) -> TensorSpec:
+        """Full (unsharded) shape and stored dtype of canonical tensor ``name``."""
+
+    @abstractmethod
+    def sources(self, name: str) -> list[TensorRef]:
+        """The stored tensors that make up canonical tensor ``name``."""
+
+    @abstractmethod
+    def read(self, name: str) -> torch.Tensor:
+        """The full canonical tensor ``name`` (checksums verified)."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook, no-op by default
+        """Release open files."""
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class CheckpointWriter(ABC):
+    """Stores canonical tensors in one format. Constructing it only plans the layout
+    (:meth:`targets` works without touching disk, for dry runs); :meth:`open` creates the
+    files inside a directory, :meth:`write` takes each canonical tensor once (any order)
+    and :meth:`finish` completes files and metadata."""
+
+    format: str
+
+    def __init__(self, config: GPTConfig, specs: dict[str, TensorSpec]) -> None:
+        self.config = config
+        self.specs = dict(specs)
+
+    @abstractmethod
+    def targets(self, name: str) -> list[TensorRef]:
+        """The stored tensors canonical tensor ``name`` becomes."""
+
+    @abstractmethod
+    def open(self, directory: Path) -> None:
+        """Start writing into ``directory`` (normally an atomic staging directory)."""
+
+    @abstractmethod
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        """Store the full canonical tensor ``name``."""
+
+    @abstractmethod
+    def finish(self) -> None:
+        """Complete every file (checksums, config); fails if a tensor was not written."""
+
+    def abort(self) -> None:  # noqa: B027 - optional hook, no-op by default
+        """Close open files after a failure (the staging directory is discarded)."""

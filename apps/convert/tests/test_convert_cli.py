@@ -1,0 +1,102 @@
+"""``mt convert`` on the command line: conversions, --dry-run, error exits, mounting under
+the root ``mt`` Typer app, and ``python -m mt_convert``."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from mt_convert import load_state_dict, save_model
+from mt_convert.cli import app
+from mt_model import GPT, preset
+
+runner = CliRunner()
+
+
+@pytest.fixture
+def checkpoint(tmp_path: Path) -> Path:
+    save_model(GPT(preset("tiny"), seed=4), tmp_path / "ckpt")
+    return tmp_path / "ckpt"
+
+
+def test_convert_cli_converts_and_round_trips(checkpoint: Path, tmp_path: Path) -> None:
+    result = runner.invoke(app, [str(checkpoint), str(tmp_path / "hf"), "--to", "hf"])
+    assert result.exit_code == 0, result.output
+    assert "wrote" in result.output and "52 tensors" in result.output
+    # options may come after or before the positional arguments; --tp implies --to tp
+    result = runner.invoke(app, ["--tp", "2", str(tmp_path / "hf"), str(tmp_path / "tp")])
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(app, [str(tmp_path / "tp"), str(tmp_path / "back"), "--from", "tp"])
+    assert result.exit_code == 0, result.output
+    assert (checkpoint / "model.safetensors").read_bytes() == (
+        tmp_path / "back" / "model.safetensors").read_bytes()
+
+
+def test_convert_cli_dry_run_prints_mapping_and_writes_nothing(checkpoint: Path,
+                                                               tmp_path: Path) -> None:
+    result = runner.invoke(app, [str(checkpoint), str(tmp_path / "out"), "--to", "tp",
+                                 "--tp", "2", "--dry-run"])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert "(consolidated) ->" in lines[0] and "52 tensors" in lines[0]
+    at = lines.index("blocks.0.attn.qkv.weight")
+    assert lines[at + 1:at + 4] == [
+        "  <- model.safetensors:blocks.0.attn.qkv.weight [192, 64] F32",
+        "  -> tp_rank_00/model.safetensors:blocks.0.attn.qkv.weight [96, 64] F32 "
+        "(tp 0/2 column_qkv)",
+        "  -> tp_rank_01/model.safetensors:blocks.0.attn.qkv.weight [96, 64] F32 "
+        "(tp 1/2 column_qkv)",
+    ]
+    result = runner.invoke(app, [str(checkpoint), str(tmp_path / "out"), "--to", "hf",
+                                 "--dry-run"])
+    assert ("  -> model.safetensors:transformer.h.0.mlp.c_fc.weight [64, 256] F32 (transpose)"
+            in result.output.splitlines())
+    assert not (tmp_path / "out").exists()
+
+
+def test_convert_cli_errors_exit_1_with_one_message(checkpoint: Path, tmp_path: Path) -> None:
+    weights = checkpoint / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    result = runner.invoke(app, [str(checkpoint), str(tmp_path / "out")])
+    assert result.exit_code == 1
+    assert "error:" in result.output and "model.safetensors: not a readable safetensors " \
+        "file (malformed or truncated)" in result.output
+    assert "Traceback" not in result.output
+    assert not (tmp_path / "out").exists()
+    result = runner.invoke(app, [str(tmp_path / "nowhere"), str(tmp_path / "out")])
+    assert result.exit_code == 1 and "checkpoint directory not found" in result.output
+    result = runner.invoke(app, [str(checkpoint), str(tmp_path / "out"), "--to", "megatron"])
+    assert result.exit_code == 2  # usage error from the option's choices
+
+
+def test_convert_cli_mounts_under_the_root_mt_app(checkpoint: Path, tmp_path: Path) -> None:
+    # what mt_pretrain's root CLI does with the "mt.commands" entry point
+    root = typer.Typer()
+
+    @root.callback()
+    def _root() -> None:
+        """mt"""
+
+    root.add_typer(app, name="convert")
+    result = runner.invoke(root, ["convert", str(checkpoint), str(tmp_path / "hf"),
+                                  "--to", "hf"])
+    assert result.exit_code == 0, result.output
+    config, _ = load_state_dict(tmp_path / "hf")
+    assert config.n_layers == 4
+    usage = runner.invoke(root, ["convert", "--help"]).output
+    assert "root convert [OPTIONS]" in usage and "COMMAND" not in usage  # no sub-command
+
+
+def test_convert_cli_python_dash_m(checkpoint: Path, tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run([sys.executable, "-m", "mt_convert", str(checkpoint),
+                           str(tmp_path / "hf"), "--to", "hf", "--dry-run"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "transformer.wte.weight" in proc.stdout

@@ -1,0 +1,124 @@
+"""Build this rank's model shard and optimizer: the middle of "the path of one training run".
+
+GPT on the meta device -> tensor parallel by plan -> this rank's pipeline stage ->
+materialized and initialized with exactly the values of the unsharded init -> ZeRO / DP
+optimizer wrapper. Each arrow is one call into a package.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from mt_dist import ParallelGroups
+from mt_model import GPT, init_parameter
+from mt_pipeline import PipelineStage, build_stage
+from mt_pretrain.config import PretrainConfig
+from mt_pretrain.plan import RunPlan, sharding_styles
+from mt_tensor_parallel import GPT_PLAN, RNGTracker, apply_tensor_parallel, shard_tensor
+from mt_zero import ZeroConfig, ZeroOptimizer, counts_once, decay_param_groups
+
+__all__ = ["Built", "build", "make_optimizer", "seed_everything"]
+
+TIED = "embed.tokens.weight"
+
+
+@dataclass
+class Built:
+    """This rank's part of the model and its optimizer.
+
+    Attributes:
+        stage: the pipeline stage module (the whole model when pp == 1); parameter names are
+            those of the unsharded GPT.
+        optimizer: the ZeRO / data-parallel optimizer wrapping ``stage``.
+        tracker: the tensor-parallel RNG streams (None when tp == 1).
+        full_shapes: unsharded shape of every parameter of the whole model.
+        styles: tensor-parallel shard style of every parameter name.
+    """
+
+    stage: PipelineStage
+    optimizer: ZeroOptimizer
+    tracker: RNGTracker | None
+    full_shapes: dict[str, tuple[int, ...]]
+    styles: dict[str, str]
+
+
+def seed_everything(seed: int, groups: ParallelGroups) -> None:
+    """Seed torch's default generator: equal across TP ranks (replicated dropout must match),
+    different across pipeline stages and data-parallel replicas."""
+    torch.manual_seed(seed + 100 * groups.pp_rank + 10007 * groups.dp_rank)
+
+
+def build_model_stage(plan: RunPlan, groups: ParallelGroups, seed: int,
+                      sequence_parallel: bool, device: torch.device
+                      ) -> tuple[PipelineStage, RNGTracker | None, dict[str, tuple[int, ...]],
+                                 dict[str, str]]:
+    """Meta GPT -> TP -> stage -> materialize -> the unsharded init's values, sliced."""
+    gpt = plan.gpt
+    with torch.device("meta"):
+        model = GPT(gpt, seed=None)
+    full_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    styles = sharding_styles(gpt)
+    tp = plan.topology.tp
+    tracker = None
+    if tp > 1:
+        tracker = RNGTracker(seed, groups.tp_rank)
+        apply_tensor_parallel(model, groups.tp, GPT_PLAN, sequence_parallel=sequence_parallel,
+                              rng_tracker=tracker)
+    stage = build_stage(model, plan.stages.stages[groups.pp_rank])
+    del model  # modules of other stages stay on the meta device and are dropped here
+    stage.to_empty(device=device)
+    with torch.no_grad():
+        for name, param in stage.named_parameters():
+            # Pure per-name init of the full tensor, then this rank's exact slice: the same
+            # numbers as the one-process model, whatever the layout.
+            full = init_parameter(name, full_shapes[name], gpt, seed)
+            if tp > 1:
+                full = shard_tensor(styles[name], full, groups.tp_rank, tp)
+            param.copy_(full.to(device=device, dtype=param.dtype))
+    if any(True for _ in stage.buffers()):
+        raise RuntimeError("the model has buffers, which meta materialization leaves "
+                           "uninitialized; mt pretrain does not support that")
+    return stage, tracker, full_shapes, styles
+
+
+def make_optimizer(config: PretrainConfig, stage: nn.Module, groups: ParallelGroups,
+                   styles: dict[str, str]) -> ZeroOptimizer:
+    """AdamW inside the ZeRO wrapper; norms count each parameter once over TP x PP x DP."""
+    train = config.train
+
+    def factory(param_groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(param_groups, lr=train.lr,
+                                 betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_eps)
+
+    is_first, is_last = groups.is_first_stage, groups.is_last_stage
+    # The last stage's copy of the tied embedding duplicates the first stage's.
+    def pp_duplicate(name: str, _param: nn.Parameter) -> bool:
+        return name == TIED and is_last and not is_first
+
+    counted = counts_once(groups.tp_rank,
+                          tp_replicated=lambda name, _p: styles.get(name) == "replicate",
+                          pp_duplicate=pp_duplicate)
+    return ZeroOptimizer(
+        stage, factory, dp_group=groups.dp,
+        config=ZeroConfig(stage=config.parallel.zero_stage,
+                          precision=config.parallel.precision, clip_grad=train.clip_grad),
+        param_groups=decay_param_groups(stage.named_parameters(), train.weight_decay),
+        norm_groups=[groups.tp, groups.pp],
+        count_in_norm=counted,
+    )
+
+
+def build(config: PretrainConfig, plan: RunPlan, groups: ParallelGroups,
+          device: torch.device) -> Built:
+    """This rank's stage and optimizer, initialized exactly like the unsharded model."""
+    seed = config.train.seed
+    seed_everything(seed, groups)
+    stage, tracker, full_shapes, styles = build_model_stage(
+        plan, groups, seed, config.parallel.sequence_parallel, device)
+    stage.train()
+    optimizer = make_optimizer(config, stage, groups, styles)
+    return Built(stage, optimizer, tracker, full_shapes, styles)

@@ -1,0 +1,275 @@
+"""Sharded training checkpoints: one file per rank, written atomically, resumable at any layout.
+
+Layout of a checkpoint folder (``--save DIR``)::
+
+    DIR/latest                 name of the newest complete step folder (written last)
+    DIR/step-00000020/
+        meta.json              step, data position, layout, model + run config, the
+                               parameter names of every pipeline stage
+        rank-00000.pt ...      per rank: model weights (DP rank 0 only), ZeRO optimizer
+                               shard (fp32 master + Adam moments), RNG states
+
+Ranks write into ``.step-XXXXXXXX.tmp`` which rank 0 renames once every rank has finished;
+``latest`` is replaced after the rename, so a crash never leaves a half-written checkpoint
+behind ``latest``. Only the ``keep_last`` newest step folders are kept. Files are read with
+``torch.load(weights_only=True)``: tensors and plain containers only, never arbitrary
+pickled objects.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mt_data import DataLoaderState
+from mt_dist import ParallelGroups
+from mt_pretrain.build import Built
+from mt_pretrain.config import ConfigError, PretrainConfig
+from mt_pretrain.plan import RunPlan
+from mt_pretrain.reshard import (
+    canonical_optimizer,
+    local_optimizer,
+    merge_model,
+    stage_param_names,
+)
+from mt_zero import consolidate, load_consolidated, shard_state_dict
+
+__all__ = ["CheckpointError", "Checkpointer", "consolidated_model", "find_checkpoint", "load"]
+
+FORMAT = "mt-pretrain/1"
+RANK_FORMAT = "mt-pretrain-rank/1"
+LATEST = "latest"
+META = "meta.json"
+# Fields that may differ between the saved and the resuming model (regularisation only).
+_MAY_DIFFER = {"dropout", "attention_dropout"}
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete or does not fit the model."""
+
+
+def rank_file(rank: int) -> str:
+    """File name of ``rank``'s shard."""
+    return f"rank-{rank:05d}.pt"
+
+
+def step_dir(step: int) -> str:
+    """Folder name of the checkpoint of ``step``."""
+    return f"step-{step:08d}"
+
+
+def _barrier(groups: ParallelGroups) -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def all_stage_names(plan: RunPlan, full_names: list[str]) -> dict[str, list[str]]:
+    """Parameter names of every pipeline stage of ``plan`` (JSON keys are strings)."""
+    return {str(sp.stage): stage_param_names(full_names, sp.layers, sp.has_embedding,
+                                             sp.has_head) for sp in plan.stages.stages}
+
+
+class Checkpointer:
+    """Writes the checkpoints of one run (every rank calls :meth:`save` together)."""
+
+    def __init__(self, root: Path, keep_last: int, config: PretrainConfig, plan: RunPlan,
+                 groups: ParallelGroups, built: Built) -> None:
+        self.root, self.keep_last = root, keep_last
+        self.config, self.plan, self.groups, self.built = config, plan, groups, built
+        self.last_saved: Path | None = None
+        self.last_step: int | None = None
+
+    def save(self, step: int, data_state: DataLoaderState) -> Path:
+        """Write the checkpoint of ``step`` (collective); returns its folder."""
+        groups, opt = self.groups, self.built.optimizer
+        tmp, final = self.root / f".{step_dir(step)}.tmp", self.root / step_dir(step)
+        if groups.rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+        _barrier(groups)
+        weights = opt.full_parameters()  # collective over DP; also works for ZeRO-3
+        payload: dict[str, Any] = {
+            "format": RANK_FORMAT,
+            "rank": groups.rank,
+            "coord": list(groups.coord),
+            "model": weights if groups.dp_rank == 0 else {},
+            "optimizer": shard_state_dict(opt),
+            "rng": {"torch": torch.get_rng_state(),
+                    "tracker": self.built.tracker.state_dict() if self.built.tracker else {}},
+        }
+        path = tmp / rank_file(groups.rank)
+        with open(path, "wb") as f:
+            torch.save(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+        _barrier(groups)
+        if groups.rank == 0:
+            self._publish(step, data_state, tmp, final)
+        _barrier(groups)
+        self.last_saved, self.last_step = final, step
+        return final
+
+    def _publish(self, step: int, data_state: DataLoaderState, tmp: Path, final: Path) -> None:
+        topo = self.plan.topology
+        meta = {
+            "format": FORMAT,
+            "step": step,
+            "data": data_state.to_dict(),
+            "tokens": data_state.consumed_samples * self.plan.gpt.seq_len,
+            "layout": {"tp": topo.tp, "pp": topo.pp, "dp": topo.dp,
+                       "world_size": topo.world_size,
+                       "virtual_stages": self.plan.pipeline.virtual_stages,
+                       "zero_stage": self.config.parallel.zero_stage,
+                       "precision": self.config.parallel.precision},
+            "model": self.plan.gpt.to_dict(),
+            "styles": self.built.styles,
+            "stage_params": all_stage_names(self.plan, list(self.built.full_shapes)),
+            "config": self.config.to_dict(),
+        }
+        (tmp / META).write_text(json.dumps(meta, indent=1), encoding="utf-8")
+        _fsync_dir(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        pointer = self.root / f".{LATEST}.tmp"
+        pointer.write_text(final.name + "\n", encoding="utf-8")
+        os.replace(pointer, self.root / LATEST)
+        _fsync_dir(self.root)
+        self._prune(final)
+
+    def _prune(self, newest: Path) -> None:
+        steps = sorted(p for p in self.root.glob("step-*") if p.is_dir())
+        for old in steps[: max(len(steps) - self.keep_last, 0)]:
+            if old != newest:
+                shutil.rmtree(old, ignore_errors=True)
+
+
+def find_checkpoint(path: str | Path) -> Path:
+    """The step folder ``path`` designates: itself, or the one its ``latest`` names."""
+    path = Path(path)
+    if (path / META).is_file():
+        return path
+    if (path / LATEST).is_file():
+        target = path / (path / LATEST).read_text(encoding="utf-8").strip()
+        if (target / META).is_file():
+            return target
+        raise CheckpointError(f"{path / LATEST} names {target.name}, which is incomplete")
+    raise CheckpointError(f"no checkpoint at {path} (neither {META} nor {LATEST} found)")
+
+
+def read_meta(folder: Path) -> dict[str, Any]:
+    """The parsed ``meta.json`` of a step folder."""
+    meta = json.loads((folder / META).read_text(encoding="utf-8"))
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{folder / META}: format {meta.get('format')!r}, expected "
+                              f"{FORMAT!r}")
+    return meta
+
+
+def _load_rank(folder: Path, rank: int) -> dict[str, Any]:
+    path = folder / rank_file(rank)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {folder} lacks {path.name}: incomplete checkpoint")
+    data = torch.load(path, map_location="cpu", weights_only=True)
+    if data.get("format") != RANK_FORMAT:
+        raise CheckpointError(f"{path}: format {data.get('format')!r}, expected {RANK_FORMAT}")
+    return data
+
+
+def _check_model(meta: dict[str, Any], plan: RunPlan) -> None:
+    saved, mine = meta["model"], plan.gpt.to_dict()
+    diff = {k: (saved.get(k), mine.get(k)) for k in set(saved) | set(mine)
+            if k not in _MAY_DIFFER and saved.get(k) != mine.get(k)}
+    if diff:
+        raise ConfigError(f"checkpoint model differs from the configured one "
+                          f"(field: (saved, configured)): {dict(sorted(diff.items()))}")
+
+
+def _ranks_at(layout: dict[str, Any], pp: int, tp: int) -> list[int]:
+    """Old ranks (dp order) holding stage ``pp``, TP slice ``tp`` (mt_dist's rank order)."""
+    return [(pp * layout["dp"] + d) * layout["tp"] + tp for d in range(layout["dp"])]
+
+
+def _optimizer_state(folder: Path, meta: dict[str, Any], plan: RunPlan, groups: ParallelGroups,
+                     names: list[str], styles: dict[str, str]) -> dict[str, Any]:
+    """This rank's ``mt-zero-full/1`` optimizer state from a checkpoint of any layout."""
+    old = meta["layout"]
+    old_stages = {int(k): v for k, v in meta["stage_params"].items()}
+    if old["tp"] == plan.topology.tp and set(old_stages.get(groups.pp_rank, ())) == set(names):
+        # Same slicing and stage: only the DP shards of this (pp, tp) need consolidating.
+        shards = [_load_rank(folder, r)["optimizer"]
+                  for r in _ranks_at(old, groups.pp_rank, groups.tp_rank)]
+        return consolidate(shards)
+    wanted = set(names)
+    merged: dict[str, Any] = {"master": {}, "sharded": {}, "replicated": {}, "group_of": {}}
+    for stage, stage_names in sorted(old_stages.items()):
+        if not wanted & set(stage_names):
+            continue
+        by_tp = [[_load_rank(folder, r)["optimizer"] for r in _ranks_at(old, stage, t)]
+                 for t in range(old["tp"])]
+        part = canonical_optimizer(by_tp, wanted & set(stage_names), styles,
+                                   plan.gpt.vocab_size)
+        for key in ("master", "sharded", "replicated", "group_of"):
+            merged[key].update(part[key])
+        for key in ("param_groups", "scaler"):
+            merged.setdefault(key, part[key])
+    return local_optimizer(merged, names, styles, groups.tp_rank, plan.topology.tp)
+
+
+def load(path: str | Path, config: PretrainConfig, plan: RunPlan, groups: ParallelGroups,
+         built: Built) -> tuple[int, DataLoaderState]:
+    """Resume from a checkpoint (any layout): optimizer + weights, RNG, data position.
+
+    Returns (step, data-loader state). The run's hyperparameters (weight decay, betas, eps)
+    come from ``config``, not from the checkpoint.
+    """
+    folder = find_checkpoint(path)
+    meta = read_meta(folder)
+    _check_model(meta, plan)
+    names = [n for n, p in built.stage.named_parameters() if p.requires_grad]
+    state = _optimizer_state(folder, meta, plan, groups, names, built.styles)
+    load_consolidated(built.optimizer, state)
+    train = config.train
+    for index, group in enumerate(built.optimizer.optimizer.param_groups):
+        group["weight_decay"] = train.weight_decay if index == 0 else 0.0
+        group["betas"] = (train.adam_beta1, train.adam_beta2)
+        group["eps"] = train.adam_eps
+    same_world = meta["layout"]["world_size"] == plan.topology.world_size and all(
+        meta["layout"][k] == getattr(plan.topology, k) for k in ("tp", "pp", "dp"))
+    if same_world:
+        rng = _load_rank(folder, groups.rank)["rng"]
+        torch.set_rng_state(rng["torch"])
+        if built.tracker is not None and rng["tracker"]:
+            built.tracker.load_state_dict(rng["tracker"])
+    elif groups.rank == 0 and (config.model.dropout or 0) > 0:
+        warnings.warn("resuming at another layout: dropout RNG streams restart", stacklevel=2)
+    return int(meta["step"]), DataLoaderState.from_dict(meta["data"])
+
+
+def consolidated_model(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(model config dict, unsharded fp32 weights) of a checkpoint, read on one process."""
+    folder = find_checkpoint(path)
+    meta = read_meta(folder)
+    layout = meta["layout"]
+    parts = {}
+    for pp in range(layout["pp"]):
+        for tp in range(layout["tp"]):
+            parts[(pp, tp)] = _load_rank(folder, _ranks_at(layout, pp, tp)[0])["model"]
+    weights = merge_model(parts, meta["styles"], meta["model"]["vocab_size"])
+    return meta["model"], weights

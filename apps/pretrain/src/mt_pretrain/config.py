@@ -1,0 +1,520 @@
+"""Typed configuration of `mt pretrain`: frozen dataclasses <- YAML file <- CLI flags.
+
+Every field has an attribute docstring; the CLI turns each field into a ``--flag`` whose help
+text is that docstring (see :func:`field_docs`). Field names are unique across sections, so a
+YAML file may use sections (``parallel: {tp: 2}``) or flat keys (``tp: 2``).
+
+Checks that need only the config run in ``__post_init__``; checks that need the world size
+(data-parallel degree, batch divisibility, pipeline split) run in :func:`resolve`, which the
+dry run and every rank call. Every error names the numbers involved.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import math
+import textwrap
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "DEFAULT_TRAIN_STEPS",
+    "SECTIONS",
+    "CheckpointArgs",
+    "ConfigError",
+    "DataArgs",
+    "ModelArgs",
+    "ParallelArgs",
+    "PretrainConfig",
+    "TrainArgs",
+    "field_docs",
+    "flat_fields",
+    "load_config",
+]
+
+DEFAULT_TRAIN_STEPS = 300
+ENGINES = ("mt", "deepspeed")
+PRECISIONS = ("fp32", "bf16", "fp16")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+class ConfigError(ValueError):
+    """The configuration is inconsistent; the message names every number involved."""
+
+
+def _positive(problems: list[str], obj: object, *names: str, allow_none: bool = False) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value is None and allow_none:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            problems.append(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+
+
+def _raise(problems: list[str], what: str) -> None:
+    if problems:
+        raise ConfigError(f"invalid {what}: " + "; ".join(problems))
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """The GPT to train: a preset, optionally reshaped."""
+
+    model: str = "tiny"
+    """Model preset: tiny, gpt2-small, gpt2-medium, gpt2-large, gpt2-xl, 1.3b, 8.3b,
+    mt-nlg-530b."""
+    n_layers: int | None = None
+    """Override the preset's number of transformer layers."""
+    hidden: int | None = None
+    """Override the preset's hidden size."""
+    n_heads: int | None = None
+    """Override the preset's number of attention heads."""
+    vocab_size: int | None = None
+    """Override the preset's vocabulary size (must hold every id of the tokenizer)."""
+    seq_len: int | None = None
+    """Sequence length (default: the preset's)."""
+    dropout: float | None = None
+    """Dropout on embeddings, residual branches and attention probabilities (default: the
+    preset's, 0 for tiny). Use 0 to compare layouts exactly."""
+
+    def __post_init__(self) -> None:
+        problems: list[str] = []
+        _positive(problems, self, "n_layers", "hidden", "n_heads", "vocab_size", "seq_len",
+                  allow_none=True)
+        if self.dropout is not None and not 0.0 <= self.dropout < 1.0:
+            problems.append(f"--dropout must be in [0, 1), got {self.dropout}")
+        _raise(problems, "model arguments")
+
+    def gpt_config(self) -> Any:
+        """The resolved :class:`mt_model.GPTConfig` (raises ConfigError if inconsistent)."""
+        from mt_model import GPTConfigError, preset
+
+        try:
+            base = preset(self.model)
+            overrides: dict[str, Any] = {
+                k: getattr(self, k) for k in ("n_layers", "hidden", "n_heads", "vocab_size",
+                                              "seq_len") if getattr(self, k) is not None}
+            if self.dropout is not None:
+                overrides.update(dropout=self.dropout, attention_dropout=self.dropout)
+            return base.replace(**overrides)
+        except GPTConfigError as err:
+            raise ConfigError(str(err)) from None
+
+
+@dataclass(frozen=True)
+class ParallelArgs:
+    """Processes, the (TP, PP, DP) layout and the engine."""
+
+    nproc: int | None = None
+    """Local processes to spawn when not under a launcher (torchrun, mpirun, srun). Default:
+    tp x pp x dp when --dp is given, else 8. Ignored under a launcher."""
+    tp: int = 2
+    """Tensor-parallel degree (slices every layer; keep it inside a node)."""
+    pp: int = 2
+    """Pipeline-parallel degree (stages of consecutive layers)."""
+    dp: int | None = None
+    """Data-parallel degree (default: world size / (tp x pp))."""
+    zero_stage: int = 1
+    """ZeRO stage: 0 plain data parallel, 1 shard optimizer state, 2 + gradients,
+    3 + parameters."""
+    schedule: str = "1f1b"
+    """Pipeline schedule: gpipe, 1f1b or interleaved (ignored with --pp 1)."""
+    virtual_stages: int = 1
+    """Model chunks per pipeline stage (>= 2 with the interleaved schedule)."""
+    sequence_parallel: bool = False
+    """Shard LayerNorm / dropout activations along the sequence over the TP group."""
+    activation_checkpointing: bool = False
+    """Recompute each layer's activations in backward instead of storing them."""
+    engine: str = "mt"
+    """Training engine: mt (this toolkit) or deepspeed (not available in this build)."""
+    precision: str = "fp32"
+    """Parameter and compute precision: fp32, bf16 or fp16 (fp32 master weights and
+    optimizer state; fp16 uses dynamic loss scaling)."""
+    timeout: float = 300.0
+    """Seconds a collective may wait for a peer before the run fails (a dead rank gives an
+    error, not a hang)."""
+
+    def __post_init__(self) -> None:
+        problems: list[str] = []
+        _positive(problems, self, "tp", "pp", "virtual_stages")
+        _positive(problems, self, "nproc", "dp", allow_none=True)
+        if self.zero_stage not in (0, 1, 2, 3):
+            problems.append(f"--zero-stage must be 0, 1, 2 or 3, got {self.zero_stage}")
+        if self.schedule not in SCHEDULES:
+            problems.append(f"--schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        elif self.pp > 1 and self.schedule == "interleaved" and self.virtual_stages < 2:
+            problems.append(f"--schedule interleaved needs --virtual-stages >= 2, got "
+                            f"{self.virtual_stages}")
+        elif self.pp > 1 and self.schedule != "interleaved" and self.virtual_stages != 1:
+            problems.append(f"--virtual-stages {self.virtual_stages} needs --schedule "
+                            f"interleaved (got {self.schedule!r})")
+        if self.engine not in ENGINES:
+            problems.append(f"--engine must be one of {ENGINES}, got {self.engine!r}")
+        if self.precision not in PRECISIONS:
+            problems.append(f"--precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if not self.timeout > 0:
+            problems.append(f"--timeout must be > 0 seconds, got {self.timeout}")
+        if self.zero_stage >= 2 and self.pp > 1:
+            problems.append(f"--zero-stage {self.zero_stage} with --pp {self.pp}: gradient "
+                            "sharding across pipeline micro-batches is not supported; use "
+                            "--zero-stage 0 or 1 with pipeline parallelism")
+        _raise(problems, "parallel arguments")
+
+
+@dataclass(frozen=True)
+class TrainArgs:
+    """Batch sizes, length of training, optimizer and schedules."""
+
+    micro_batch_size: int = 4
+    """Sequences per micro-batch on one data-parallel rank."""
+    global_batch_size: int = 32
+    """Sequences per optimizer step over all data-parallel ranks (must be divisible by
+    micro-batch-size x dp)."""
+    train_steps: int | None = None
+    """Optimizer steps to train (default 300 unless --train-tokens is given)."""
+    train_tokens: int | None = None
+    """Train until this many tokens are consumed (instead of --train-steps)."""
+    lr: float = 3e-3
+    """Peak learning rate (AdamW)."""
+    min_lr: float | None = None
+    """Learning-rate floor of the cosine decay (default: lr / 10, as MT-NLG)."""
+    warmup_tokens: int | None = None
+    """Tokens of linear warmup (default: 5% of the training tokens)."""
+    decay_tokens: int | None = None
+    """Tokens over which the cosine decays to --min-lr, counted from the start (default: all
+    training tokens)."""
+    weight_decay: float = 0.1
+    """AdamW weight decay of matrices (biases and LayerNorms are not decayed)."""
+    adam_beta1: float = 0.9
+    """AdamW beta1."""
+    adam_beta2: float = 0.95
+    """AdamW beta2 (0.95 as MT-NLG)."""
+    adam_eps: float = 1e-8
+    """AdamW epsilon."""
+    clip_grad: float = 1.0
+    """Clip the global gradient norm to this value (0 disables)."""
+    rampup_start: int | None = None
+    """Batch-size ramp-up: first global batch size (MT-NLG: 32)."""
+    rampup_increment: int | None = None
+    """Batch-size ramp-up: increment (MT-NLG: 32)."""
+    rampup_tokens: int | None = None
+    """Batch-size ramp-up: tokens over which the batch grows to --global-batch-size
+    (MT-NLG: 12e9)."""
+    seed: int = 1234
+    """Seed of the initialization, the data shuffle and dropout."""
+    eval_interval: int = 100
+    """Compute the validation loss every this many steps (0: never)."""
+    eval_iters: int = 4
+    """Micro-batches per data-parallel rank in one validation pass."""
+    sample_tokens: int = 48
+    """Tokens to generate greedily at the end of training (0: no sample)."""
+    prompt: str = "The whale"
+    """Prompt of the generated sample."""
+
+    def __post_init__(self) -> None:
+        problems: list[str] = []
+        _positive(problems, self, "micro_batch_size", "global_batch_size")
+        _positive(problems, self, "train_steps", "train_tokens", "warmup_tokens",
+                  "decay_tokens", "rampup_start", "rampup_increment", "rampup_tokens",
+                  allow_none=True)
+        if self.train_steps is not None and self.train_tokens is not None:
+            problems.append(f"give --train-steps ({self.train_steps}) or --train-tokens "
+                            f"({self.train_tokens}), not both")
+        if not self.lr > 0:
+            problems.append(f"--lr must be > 0, got {self.lr}")
+        if self.min_lr is not None and not 0 <= self.min_lr <= self.lr:
+            problems.append(f"--min-lr {self.min_lr} must be in [0, lr {self.lr}]")
+        for name in ("weight_decay", "clip_grad", "adam_eps"):
+            if getattr(self, name) < 0:
+                problems.append(f"--{name.replace('_', '-')} must be >= 0, got "
+                                f"{getattr(self, name)}")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                problems.append(f"--{name.replace('_', '-')} must be in [0, 1)")
+        ramp = (self.rampup_start, self.rampup_increment, self.rampup_tokens)
+        if any(v is not None for v in ramp) and any(v is None for v in ramp):
+            problems.append(f"batch-size ramp-up needs --rampup-start, --rampup-increment and "
+                            f"--rampup-tokens together, got {ramp}")
+        elif self.rampup_start is not None:
+            start, inc = self.rampup_start, self.rampup_increment or 1
+            if start > self.global_batch_size or (self.global_batch_size - start) % inc:
+                problems.append(f"ramp-up from {start} by {inc} does not reach global batch "
+                                f"size {self.global_batch_size} in whole increments")
+        if self.eval_interval < 0 or self.eval_iters < 0 or self.sample_tokens < 0:
+            problems.append(f"--eval-interval ({self.eval_interval}), --eval-iters "
+                            f"({self.eval_iters}) and --sample-tokens ({self.sample_tokens}) "
+                            "must be >= 0")
+        _raise(problems, "training arguments")
+
+    @property
+    def rampup(self) -> tuple[int, int, int] | None:
+        """(start, increment, tokens) or None."""
+        if self.rampup_start is None:
+            return None
+        return (self.rampup_start, self.rampup_increment or 1, self.rampup_tokens or 0)
+
+
+@dataclass(frozen=True)
+class DataArgs:
+    """Training data."""
+
+    data: str | None = None
+    """Prepared dataset folder (`mt data prepare`), a blend such as '0.7 dirA 0.3 dirB', or
+    a file holding a blend. Default: the embedded corpus (Moby-Dick + State of the Union),
+    tokenized once into the cache directory."""
+    tokenizer: str | None = None
+    """Tokenizer of the embedded corpus: tokenizer-1k (default when the vocabulary is below
+    50257), gpt2, or a tokenizer.json."""
+    split: str = "969,30,1"
+    """Train / validation / test split weights by document (Megatron style)."""
+    cache_dir: str | None = None
+    """Where the embedded corpus is tokenized (default: $MT_CACHE_DIR, else
+    $XDG_CACHE_HOME/mt, else ~/.cache/mt)."""
+
+    def __post_init__(self) -> None:
+        parts = [p for p in self.split.replace("/", ",").split(",") if p.strip()]
+        try:
+            ok = len(parts) == 3 and all(float(p) >= 0 for p in parts) and sum(
+                float(p) for p in parts) > 0
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ConfigError(f"--split must be three weights like '969,30,1', got "
+                              f"{self.split!r}")
+
+    def paths(self) -> list[str]:
+        """Dataset folders named by --data (empty for the embedded corpus)."""
+        if self.data is None:
+            return []
+        spec = self.data
+        if Path(spec).is_file():
+            spec = Path(spec).read_text(encoding="utf-8")
+        words = spec.split()
+        if len(words) == 1:
+            return words
+        return [w for w in words if not _is_number(w)]
+
+    def blend(self) -> str:
+        """The blend text for mt_data.build_blended."""
+        assert self.data is not None
+        spec = Path(self.data).read_text(encoding="utf-8") if Path(self.data).is_file() else \
+            self.data
+        return " ".join(spec.split())
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class CheckpointArgs:
+    """Outputs: checkpoints, metrics, logging."""
+
+    out_dir: str = "mt-run"
+    """Run folder: checkpoints and metrics go here unless --save / --metrics say otherwise."""
+    save: str | None = None
+    """Checkpoint folder (default: OUT_DIR/checkpoints; 'none' disables saving)."""
+    save_interval: int = 0
+    """Save every this many steps (0: only at the end and on SIGTERM/SIGINT)."""
+    keep_last: int = 2
+    """Keep this many most recent checkpoints."""
+    load: str | None = None
+    """Resume from this checkpoint folder (its `latest`) or one step folder; the layout may
+    differ from the saved one."""
+    metrics: str | None = None
+    """Metrics JSONL, one object per step (default: OUT_DIR/metrics.jsonl; 'none'
+    disables)."""
+    tensorboard: bool = False
+    """Also write TensorBoard events to OUT_DIR/tensorboard (needs the tensorboard
+    package)."""
+    log_interval: int = 10
+    """Print a log line every this many steps (when no progress bar is shown)."""
+    progress: bool = True
+    """Show a progress bar on rank 0 when the output is a terminal."""
+    dry_run: bool = False
+    """Validate the config and layout and print the plan (ranks, groups, stages, memory
+    estimate) without training."""
+
+    def __post_init__(self) -> None:
+        problems: list[str] = []
+        _positive(problems, self, "keep_last", "log_interval")
+        if self.save_interval < 0:
+            problems.append(f"--save-interval must be >= 0, got {self.save_interval}")
+        _raise(problems, "checkpoint arguments")
+
+    @property
+    def save_dir(self) -> Path | None:
+        """Resolved checkpoint folder (None: saving disabled)."""
+        if self.save is not None and self.save.lower() == "none":
+            return None
+        return Path(self.save) if self.save else Path(self.out_dir) / "checkpoints"
+
+    @property
+    def metrics_path(self) -> Path | None:
+        """Resolved metrics file (None: disabled)."""
+        if self.metrics is not None and self.metrics.lower() == "none":
+            return None
+        return Path(self.metrics) if self.metrics else Path(self.out_dir) / "metrics.jsonl"
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelArgs,
+    "parallel": ParallelArgs,
+    "train": TrainArgs,
+    "data": DataArgs,
+    "checkpoint": CheckpointArgs,
+}
+
+
+@dataclass(frozen=True)
+class PretrainConfig:
+    """Everything `mt pretrain` needs, one section per concern."""
+
+    model: ModelArgs = field(default_factory=ModelArgs)
+    parallel: ParallelArgs = field(default_factory=ParallelArgs)
+    train: TrainArgs = field(default_factory=TrainArgs)
+    data: DataArgs = field(default_factory=DataArgs)
+    checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
+
+    def __post_init__(self) -> None:
+        gpt = self.model.gpt_config()  # raises ConfigError for a bad shape
+        problems: list[str] = []
+        if self.train.eval_interval and self.train.eval_iters == 0:
+            problems.append("--eval-interval needs --eval-iters >= 1")
+        if self.parallel.engine == "deepspeed":
+            problems.append("--engine deepspeed is not available in this build; use --engine mt")
+        if self.parallel.sequence_parallel and gpt.seq_len % self.parallel.tp:
+            problems.append(f"--sequence-parallel needs seq_len {gpt.seq_len} divisible by "
+                            f"tp {self.parallel.tp}")
+        missing = [p for p in self.data.paths() if not Path(p).is_dir()]
+        if missing:
+            problems.append(f"data path(s) not found: {missing} (prepare them with "
+                            "`mt data prepare`, or omit --data for the embedded corpus)")
+        _raise(problems, "configuration")
+        if self.parallel.nproc is not None or self.parallel.dp is not None:
+            from mt_pretrain.plan import resolve
+
+            resolve(self, self.world_size_hint())
+
+    def world_size_hint(self) -> int:
+        """World size implied by the config alone (a launcher may say otherwise)."""
+        p = self.parallel
+        if p.nproc is not None:
+            return p.nproc
+        if p.dp is not None:
+            return p.tp * p.pp * p.dp
+        return 8
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """Plain nested dict (YAML / JSON)."""
+        return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
+
+    def replace(self, **flat: Any) -> PretrainConfig:
+        """A copy with flat field overrides (``tp=1``, ``train_steps=10``...)."""
+        return build_config(self.to_dict(), flat)
+
+
+@cache
+def flat_fields() -> dict[str, tuple[str, dataclasses.Field]]:
+    """Flat field name -> (section, dataclass field), for every section."""
+    out: dict[str, tuple[str, dataclasses.Field]] = {}
+    for section, cls in SECTIONS.items():
+        for f in fields(cls):
+            assert f.name not in out, f"duplicate config field {f.name}"
+            out[f.name] = (section, f)
+    return out
+
+
+@cache
+def field_docs(cls: type) -> dict[str, str]:
+    """Attribute docstrings of a dataclass: the string literal right after each field."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, nxt in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def _coerce(name: str, value: Any, f: dataclasses.Field) -> Any:
+    """YAML gives '1e9' as a string and 5 for a float: convert to the field's type."""
+    kind = str(f.type)
+    if value is None:
+        return None
+    if kind.startswith("int") and isinstance(value, (str, float)) and not isinstance(
+            value, bool):
+        number = float(value)
+        if not math.isfinite(number) or number != int(number):
+            raise ConfigError(f"{name} must be an integer, got {value!r}")
+        return int(number)
+    if kind.startswith("float") and isinstance(value, (int, str)) and not isinstance(
+            value, bool):
+        try:
+            return float(value)
+        except ValueError:
+            raise ConfigError(f"{name} must be a number, got {value!r}") from None
+    return value
+
+
+def build_config(nested: Mapping[str, Any], flat: Mapping[str, Any]) -> PretrainConfig:
+    """Config from a YAML-like mapping (sections or flat keys) and flat overrides."""
+    known = flat_fields()
+    values: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
+    unknown: list[str] = []
+
+    def put(key: str, value: Any) -> None:
+        name = key.replace("-", "_")
+        if name not in known:
+            unknown.append(key)
+            return
+        section, f = known[name]
+        values[section][name] = _coerce(name, value, f)
+
+    for key, value in nested.items():
+        if key in SECTIONS and isinstance(value, Mapping):
+            for sub, v in value.items():
+                put(sub, v)
+        else:
+            put(key, value)
+    for key, value in flat.items():
+        put(key, value)
+    if unknown:
+        raise ConfigError(f"unknown config keys {sorted(unknown)}; valid keys: "
+                          f"{sorted(known)} (optionally under sections {sorted(SECTIONS)})")
+    try:
+        sections = {s: SECTIONS[s](**values[s]) for s in SECTIONS}
+    except TypeError as err:
+        raise ConfigError(str(err)) from None
+    return PretrainConfig(**sections)
+
+
+def load_config(path: str | Path | None = None,
+                overrides: Mapping[str, Any] | None = None) -> PretrainConfig:
+    """Defaults <- YAML file ``path`` <- ``overrides`` (flat field names)."""
+    nested: Mapping[str, Any] = {}
+    if path is not None:
+        import yaml
+
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} not found")
+        loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, Mapping):
+            raise ConfigError(f"{path}: expected a mapping at the top level, got "
+                              f"{type(loaded).__name__}")
+        nested = loaded
+    return build_config(nested, dict(overrides or {}))

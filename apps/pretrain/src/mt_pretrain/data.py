@@ -1,0 +1,124 @@
+"""Training data of a run: the prepared dataset (or the embedded corpus, tokenized once into
+a cache folder), packed GPT samples and this data-parallel rank's loader."""
+
+from __future__ import annotations
+
+import fcntl
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mt_data import (
+    BatchSchedule,
+    DataLoaderState,
+    DPDataLoader,
+    GPTDataset,
+    SplitSpec,
+    TokenDataset,
+    build_blended,
+    load_tokenizer,
+    prepare_demo,
+)
+from mt_pretrain.config import ConfigError, PretrainConfig
+from mt_pretrain.plan import RunPlan
+
+__all__ = ["dataset_paths", "default_tokenizer", "ensure_data", "make_loaders", "tokenizer_for"]
+
+GPT2_VOCAB = 50257
+
+
+def default_tokenizer(config: PretrainConfig) -> str:
+    """Tokenizer of the embedded corpus for this model's vocabulary."""
+    if config.data.tokenizer:
+        return config.data.tokenizer
+    return "tokenizer-1k" if config.model.gpt_config().vocab_size < GPT2_VOCAB else "gpt2"
+
+
+def embedded_dir(config: PretrainConfig, cache_dir: Path) -> Path:
+    """Folder of the tokenized embedded corpus for this config's tokenizer."""
+    name = Path(default_tokenizer(config)).name.replace(".json", "")
+    return cache_dir / "data" / f"embedded-{name}"
+
+
+def ensure_data(config: PretrainConfig, cache_dir: Path) -> list[Path]:
+    """The dataset folders of the run, tokenizing the embedded corpus once if needed.
+
+    Safe to call from every rank at once: a file lock serializes the preparation.
+    """
+    if config.data.data is not None:
+        return [Path(p) for p in config.data.paths()]
+    folder = embedded_dir(config, cache_dir)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.parent / f".{folder.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            prepare_demo(folder, tokenizer=default_tokenizer(config))
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return [folder]
+
+
+def dataset_paths(config: PretrainConfig, cache_dir: Path) -> list[Path]:
+    """Dataset folders without preparing anything."""
+    if config.data.data is not None:
+        return [Path(p) for p in config.data.paths()]
+    return [embedded_dir(config, cache_dir)]
+
+
+def tokenizer_for(paths: list[Path]) -> Any:
+    """The tokenizer recorded in the first dataset's index (for decoding samples)."""
+    info = TokenDataset(paths[0]).index.get("tokenizer", {})
+    name = info.get("name") if isinstance(info, dict) else info
+    return load_tokenizer(name or "gpt2")
+
+
+def _split(config: PretrainConfig) -> SplitSpec:
+    return SplitSpec.parse(config.data.split, seed=config.train.seed)
+
+
+def _dataset(config: PretrainConfig, paths: list[Path], seq_len: int, samples: int,
+             split: str) -> Any:
+    spec = _split(config)
+    if config.data.data is None:
+        return GPTDataset(paths[0], seq_len, samples, config.train.seed, split, spec)
+    return build_blended(config.data.blend(), seq_len, samples, config.train.seed, split, spec)
+
+
+def check_vocab(config: PretrainConfig, paths: list[Path]) -> None:
+    """Every token id of the data must fit the model's vocabulary."""
+    vocab = config.model.gpt_config().vocab_size
+    for path in paths:
+        info = TokenDataset(path).index.get("tokenizer", {})
+        size = info.get("vocab_size") if isinstance(info, dict) else None
+        if size is not None and size > vocab:
+            raise ConfigError(f"dataset {path} uses a tokenizer of {size} ids but the model "
+                              f"vocabulary has {vocab}: use --vocab-size >= {size}")
+
+
+def make_loaders(config: PretrainConfig, plan: RunPlan, paths: list[Path], dp_rank: int,
+                 state: DataLoaderState) -> tuple[DPDataLoader, DPDataLoader | None]:
+    """Train loader (resumed at ``state``) and validation loader of this DP rank."""
+    check_vocab(config, paths)
+    train = config.train
+    seq_len, dp = plan.gpt.seq_len, plan.topology.dp
+    schedule = BatchSchedule(train.global_batch_size, plan.rampup)
+    dataset = _dataset(config, paths, seq_len, max(plan.train_samples, 1), "train")
+    loader = DPDataLoader(dataset, schedule, train.micro_batch_size, dp_rank, dp, state)
+    valid = None
+    if train.eval_interval and train.eval_iters:
+        size = train.eval_iters * train.micro_batch_size * dp
+        try:
+            valid_set = _dataset(config, paths, seq_len, size, "valid")
+        except ValueError:
+            valid_set = None  # no validation split (e.g. a tiny dataset): no eval
+        if valid_set is not None:
+            valid = DPDataLoader(valid_set, size, train.micro_batch_size, dp_rank, dp)
+    return loader, valid
+
+
+def to_batch(micro_batches: list[np.ndarray]) -> Any:
+    """Stack micro-batches into one int64 tensor ``[m * micro, seq + 1]``."""
+    import torch
+
+    return torch.from_numpy(np.concatenate(micro_batches).astype(np.int64, copy=False))

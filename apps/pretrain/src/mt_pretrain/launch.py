@@ -1,0 +1,183 @@
+"""Start the ranks of a run: under a launcher, or N local processes (``--nproc``).
+
+Under torchrun, mpirun/mpiexec (mpi4py) or SLURM srun, this process is one rank: its place
+comes from ``mt_dist.discover(os.environ)``. Otherwise ``--nproc N`` forks N local ranks
+joined by gloo over a free TCP port on 127.0.0.1; the parent prepares the data once, waits,
+forwards SIGTERM / SIGINT (the ranks save a checkpoint and stop), and if a rank dies it stops
+the others and reports the first failure. This module and the CLI are the only places that
+read ``os.environ``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing as mp
+import os
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Mapping
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mt_dist import LaunchInfo, discover, free_port
+from mt_pretrain.config import PretrainConfig
+from mt_pretrain.data import ensure_data
+from mt_pretrain.plan import resolve, sharding_styles
+from mt_pretrain.run import RunSummary, run_rank
+
+__all__ = ["LaunchFailed", "default_cache_dir", "launch", "spawn"]
+
+# After the first rank fails, give the others this long to report (their errors are usually
+# consequences) before killing them.
+_GRACE_S = 5.0
+_PR_SET_PDEATHSIG = 1
+
+
+class LaunchFailed(RuntimeError):
+    """A rank of a local multi-process run failed; the message holds its traceback."""
+
+
+def default_cache_dir(environ: Mapping[str, str]) -> Path:
+    """$MT_CACHE_DIR, else $XDG_CACHE_HOME/mt, else ~/.cache/mt."""
+    if environ.get("MT_CACHE_DIR"):
+        return Path(environ["MT_CACHE_DIR"])
+    if environ.get("XDG_CACHE_HOME"):
+        return Path(environ["XDG_CACHE_HOME"]) / "mt"
+    return Path.home() / ".cache" / "mt"
+
+
+def world_size_for(config: PretrainConfig) -> int:
+    """Processes to start locally: --nproc, else tp x pp x dp, else 8."""
+    return config.world_size_hint()
+
+
+def launch(config: PretrainConfig, environ: Mapping[str, str] | None = None,
+           timeout: float | None = None) -> RunSummary | None:
+    """Run ``config``: as one rank under a launcher, else on ``--nproc`` local processes.
+
+    Returns rank 0's summary (None on other ranks under a launcher).
+    """
+    environ = os.environ if environ is None else environ
+    cache = Path(config.data.cache_dir) if config.data.cache_dir else default_cache_dir(environ)
+    info = discover(environ)
+    if info.launcher != "single":
+        return run_rank(config, info, cache)
+    nproc = world_size_for(config)
+    resolve(config, nproc)  # fail before starting anything
+    ensure_data(config, cache)  # once, here, instead of racing in every rank
+    # Building a meta GPT imports torch's Python reference ops (seconds); do it once before
+    # forking so that every rank inherits them.
+    sharding_styles(config.model.gpt_config())
+    if nproc == 1:
+        single = LaunchInfo(0, 1, 0, 1, "127.0.0.1", free_port("127.0.0.1"), "single")
+        return run_rank(config, single, cache)
+    return spawn(config, nproc, cache, timeout)
+
+
+def _child(config: PretrainConfig, info: LaunchInfo, cache: Path, conn: Connection,
+           threads: int, parent: int) -> None:
+    _die_with_parent(parent)
+    torch.set_num_threads(threads)
+    try:
+        result = run_rank(config, info, cache)
+        conn.send(("ok", result))
+    except BaseException as err:  # noqa: BLE001 - report everything to the parent
+        text = traceback.format_exc()
+        sys.stderr.write(f"[rank {info.rank}] {text}")
+        sys.stderr.flush()
+        try:
+            conn.send(("error", f"{type(err).__name__}: {err}\n{text}"))
+        finally:
+            os._exit(1)
+    finally:
+        conn.close()
+
+
+def _die_with_parent(parent: int) -> None:
+    """Linux: the kernel kills this rank if the launcher dies (no orphans on a small box)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def spawn(config: PretrainConfig, nproc: int, cache: Path,
+          timeout: float | None = None) -> RunSummary | None:
+    """Run ``nproc`` local ranks (forked when possible: no second torch import)."""
+    method = "fork" if "fork" in mp.get_all_start_methods() and not \
+        torch.cuda.is_initialized() else "spawn"
+    ctx = mp.get_context(method)
+    port = free_port("127.0.0.1")
+    threads = max(1, (os.cpu_count() or 1) // nproc)
+    procs, conns = [], []
+    for rank in range(nproc):
+        info = LaunchInfo(rank, nproc, rank, nproc, "127.0.0.1", port, "single")
+        recv, send = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_child, name=f"mt-rank{rank}",
+                           args=(config, info, cache, send, threads, os.getpid()))
+        proc.start()
+        send.close()
+        procs.append(proc)
+        conns.append(recv)
+
+    def forward(signum: int, _frame: Any) -> None:
+        for proc in procs:
+            if proc.is_alive():
+                os.kill(proc.pid, signal.SIGTERM)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return _collect(procs, conns, timeout)
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(5.0)
+
+
+def _collect(procs: list[Any], conns: list[Connection],
+             timeout: float | None) -> RunSummary | None:
+    reports: dict[int, tuple[str, Any]] = {}
+    failures: list[int] = []  # in order of arrival: the first is the likely root cause
+    deadline = None if timeout is None else time.monotonic() + timeout
+    grace_end: float | None = None
+    while len(reports) < len(procs):
+        now = time.monotonic()
+        if grace_end is not None and now > grace_end:
+            break
+        if deadline is not None and now > deadline:
+            raise LaunchFailed(f"the run did not finish within {timeout} s; ranks "
+                               f"{[r for r in range(len(procs)) if r not in reports]} killed")
+        pending = [r for r in range(len(procs)) if r not in reports]
+        wait([conns[r] for r in pending] + [procs[r].sentinel for r in pending], timeout=1.0)
+        for r in pending:
+            if conns[r].poll():
+                try:
+                    reports[r] = conns[r].recv()
+                except EOFError:
+                    reports[r] = ("error", f"rank {r} exited with code {procs[r].exitcode} "
+                                           "without a report")
+            elif not procs[r].is_alive():
+                procs[r].join(1.0)
+                reports[r] = ("error", f"rank {r} died with exit code {procs[r].exitcode}")
+            if r in reports and reports[r][0] != "ok" and r not in failures:
+                failures.append(r)
+                if grace_end is None:
+                    grace_end = time.monotonic() + _GRACE_S
+    if failures or len(reports) < len(procs):
+        first = failures[0] if failures else min(set(range(len(procs))) - set(reports))
+        detail = reports.get(first, ("error", "no report"))[1]
+        raise LaunchFailed(f"rank {first} of {len(procs)} failed first (failed ranks: "
+                           f"{sorted(failures)}):\n{detail}")
+    return reports[0][1]

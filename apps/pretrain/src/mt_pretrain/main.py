@@ -1,0 +1,73 @@
+"""`mt pretrain`: config -> (dry run | launch) -> summary. Returns a process exit code."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from mt_pretrain.config import ConfigError, PretrainConfig, load_config
+
+__all__ = ["dry_run", "pretrain_main"]
+
+
+def _error(console: Console, text: str) -> None:
+    console.print(f"[bold red]error:[/] {text}", highlight=False)
+
+
+def dry_run(config: PretrainConfig, environ: Mapping[str, str]) -> str:
+    """The plan of ``config`` at the world size of the launcher (or --nproc) as text."""
+    from mt_dist import discover
+    from mt_pretrain.plan import describe, resolve
+
+    info = discover(environ, use_mpi4py=False)
+    world = info.world_size if info.launcher != "single" else config.world_size_hint()
+    return describe(config, resolve(config, world))
+
+
+def pretrain_main(config_path: Path | None, overrides: dict[str, Any],
+                  environ: Mapping[str, str] | None = None) -> int:
+    """Run the `mt pretrain` command; 0 on success, 1 on a failed run, 2 on a bad config."""
+    environ = os.environ if environ is None else environ
+    console = Console(stderr=True)
+    try:
+        config = load_config(config_path, overrides)
+        if config.checkpoint.dry_run:
+            Console(soft_wrap=True).print(dry_run(config, environ), highlight=False)
+            return 0
+        from mt_pretrain.launch import LaunchFailed, launch
+        from mt_pretrain.train import NonFiniteLossError
+    except ConfigError as err:
+        _error(console, str(err))
+        return 2
+    try:
+        summary = launch(config, environ)
+    except ConfigError as err:
+        _error(console, str(err))
+        return 2
+    except (LaunchFailed, NonFiniteLossError) as err:
+        _error(console, str(err))
+        return 1
+    if summary is not None:
+        _print_summary(Console(soft_wrap=True), summary)
+    return 0
+
+
+def _print_summary(console: Console, summary: Any) -> None:
+    losses = summary.losses
+    if losses:
+        console.print(
+            f"trained steps {summary.start_step + 1}-{summary.final_step}: loss "
+            f"{losses[0]:.4f} -> {losses[-1]:.4f}, {summary.tokens:,} tokens, "
+            f"{summary.tokens_per_s:,.0f} tokens/s, {summary.wall_time:.1f} s", highlight=False)
+    if summary.val_loss is not None:
+        console.print(f"validation loss {summary.val_loss:.4f}", highlight=False)
+    if summary.checkpoint:
+        console.print(f"checkpoint {summary.checkpoint}", highlight=False)
+    if summary.sample:
+        console.print(f"sample: {summary.sample}", highlight=False)
+    sys.stdout.flush()

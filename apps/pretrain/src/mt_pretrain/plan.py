@@ -1,0 +1,246 @@
+"""The resolved plan of a run (pure: no processes): layout, batches, steps, memory estimate.
+
+:func:`resolve` turns a :class:`~mt_pretrain.config.PretrainConfig` and a world size into a
+:class:`RunPlan`, raising :class:`~mt_pretrain.config.ConfigError` with the numbers when
+the layout cannot work. Every rank calls it; ``--dry-run`` prints :func:`describe` of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from mt_dist import Topology, TopologyError
+from mt_model import GPTConfig, count_parameters, model_flops_per_token_training
+from mt_pipeline import PartitionError, PipelineConfig, PipelinePlan, ScheduleError, plan_pipeline
+from mt_pretrain.config import DEFAULT_TRAIN_STEPS, ConfigError, PretrainConfig
+from mt_tensor_parallel import check_divisibility, padded_vocab_size, param_styles
+
+__all__ = ["RunPlan", "describe", "memory_estimate", "resolve"]
+
+_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """Everything derived from the config and the world size.
+
+    Attributes:
+        topology: the (tp, pp, dp) grid.
+        gpt: the model config.
+        pipeline: schedule config at the full global batch (micro-batches per pipeline).
+        stages: layers of every pipeline stage.
+        rampup: (start, increment, samples) for mt_data.BatchSchedule, or None.
+        train_steps: optimizer steps of the whole run.
+        train_samples: samples consumed by the whole run.
+    """
+
+    topology: Topology
+    gpt: GPTConfig
+    pipeline: PipelineConfig
+    stages: PipelinePlan
+    rampup: tuple[int, int, int] | None
+    train_steps: int
+    train_samples: int
+
+    @property
+    def tokens_per_sample(self) -> int:
+        """Tokens per training sequence (the model's sequence length)."""
+        return self.gpt.seq_len
+
+    def pipeline_for(self, global_batch: int, micro_batch: int) -> PipelineConfig:
+        """The pipeline config for a (ramped-up) global batch size."""
+        m = global_batch // (micro_batch * self.topology.dp)
+        p = self.pipeline
+        return PipelineConfig(p.schedule, m, p.virtual_stages, p.activation_checkpointing)
+
+
+def _batch_schedule(config: PretrainConfig, rampup: tuple[int, int, int] | None) -> Any:
+    from mt_data import BatchSchedule
+
+    return BatchSchedule(config.train.global_batch_size, rampup)
+
+
+def _steps_and_samples(config: PretrainConfig, rampup: tuple[int, int, int] | None,
+                       seq_len: int) -> tuple[int, int]:
+    schedule = _batch_schedule(config, rampup)
+    train = config.train
+    if train.train_tokens is None:
+        steps = train.train_steps or DEFAULT_TRAIN_STEPS
+        return steps, schedule.consumed_at(steps)
+    target = -(-train.train_tokens // seq_len)  # samples, rounded up
+    steps, consumed = 0, 0
+    while consumed < target:
+        size = schedule.batch_size(consumed)
+        if size == train.global_batch_size:  # after the ramp: closed form
+            extra = -(-(target - consumed) // size)
+            return steps + extra, consumed + extra * size
+        consumed += size
+        steps += 1
+    return steps, consumed
+
+
+def resolve(config: PretrainConfig, world_size: int) -> RunPlan:
+    """Check the config against ``world_size`` and derive the run plan."""
+    par, train = config.parallel, config.train
+    gpt = config.model.gpt_config()
+    problems: list[str] = []
+    try:
+        if par.dp is not None and par.tp * par.pp * par.dp != world_size:
+            raise TopologyError(
+                f"tp {par.tp} x pp {par.pp} x dp {par.dp} = {par.tp * par.pp * par.dp} "
+                f"processes, but the world size is {world_size}")
+        topology = Topology.from_world(world_size, tp=par.tp, pp=par.pp)
+    except TopologyError as err:
+        raise ConfigError(f"invalid layout: {err}") from None
+    try:
+        check_divisibility(tp=par.tp, n_heads=gpt.n_heads, hidden=gpt.hidden,
+                           ffn_hidden=gpt.ffn_hidden, seq_len=gpt.seq_len,
+                           sequence_parallel=par.sequence_parallel)
+    except ValueError as err:
+        problems.append(str(err))
+    dp, micro = topology.dp, train.micro_batch_size
+    per_step = micro * dp
+    sizes = {"global batch size": train.global_batch_size}
+    rampup = None
+    if train.rampup is not None:
+        start, inc, tokens = train.rampup
+        sizes.update({"ramp-up start": start, "ramp-up increment": inc})
+        rampup = (start, inc, tokens // gpt.seq_len)
+    for what, size in sizes.items():
+        if size % per_step:
+            problems.append(f"{what} {size} is not divisible by micro-batch size {micro} x "
+                            f"dp {dp} = {per_step}")
+    if problems:
+        raise ConfigError("invalid layout: " + "; ".join(problems))
+    m = train.global_batch_size // per_step
+    v = par.virtual_stages if par.pp > 1 else 1
+    schedule = par.schedule if par.pp > 1 else "1f1b"
+    try:
+        pipeline = PipelineConfig(schedule, m, v, par.activation_checkpointing)
+        stages = plan_pipeline(pipeline, gpt.n_layers, par.pp)
+        if rampup is not None and par.pp > 1:  # every ramp size must also schedule
+            for size in range(rampup[0], train.global_batch_size, rampup[1]):
+                PipelineConfig(schedule, size // per_step, v).schedule_for(par.pp)
+    except (PartitionError, ScheduleError) as err:
+        raise ConfigError(f"invalid pipeline: {err}") from None
+    steps, samples = _steps_and_samples(config, rampup, gpt.seq_len)
+    return RunPlan(topology, gpt, pipeline, stages, rampup, steps, samples)
+
+
+def stage_parameter_count(plan: RunPlan, stage: int) -> int:
+    """Parameters one TP rank of pipeline ``stage`` holds (with vocabulary padding)."""
+    gpt, tp = plan.gpt, plan.topology.tp
+    h, f = gpt.hidden, gpt.ffn_hidden
+    block = 4 * h + 3 * h * h + 3 * h + h * h + h + h * f + f + f * h + h
+    per_block_local = (4 * h + 2 * h  # LayerNorms and row-parallel biases: replicated
+                       + (block - 4 * h - 2 * h) // tp)
+    sp = plan.stages.stages[stage]
+    count = sp.num_layers * per_block_local
+    vocab = padded_vocab_size(gpt.vocab_size, tp) if tp > 1 else gpt.vocab_size
+    if sp.has_embedding or sp.has_head:
+        count += vocab // tp * h  # the tied embedding (a copy on the last stage)
+    if sp.has_embedding:
+        count += gpt.seq_len * h
+    if sp.has_head:
+        count += 2 * h  # final LayerNorm
+    return count
+
+
+def memory_estimate(config: PretrainConfig, plan: RunPlan, stage: int) -> dict[str, float]:
+    """Bytes per rank of pipeline ``stage``: weights, gradients, optimizer, activations.
+
+    Weights / gradients in the compute dtype; fp32 master copy (unless fp32) plus Adam's two
+    moments sharded by ZeRO stage over dp. Activations: Korthikanti et al. 2022's
+    ``s b h (34 + 5 a s / h)`` bytes per layer in 16-bit (divided by tp; fp32 doubles it),
+    ``2 s b h`` per layer with full recomputation, times the micro-batches a stage holds at
+    once (all of them for GPipe, up to pp for 1F1B).
+    """
+    par, topo = config.parallel, plan.topology
+    psi = stage_parameter_count(plan, stage)
+    width = _BYTES[par.precision]
+    master = 0 if par.precision == "fp32" else 4
+    z, dp = par.zero_stage, topo.dp
+    weights = width * psi / (dp if z >= 3 else 1)
+    grads = width * psi / (dp if z >= 2 else 1)
+    optimizer = (master + 8) * psi / (dp if z >= 1 else 1)
+    gpt, b = plan.gpt, config.train.micro_batch_size
+    s, h, a = gpt.seq_len, gpt.hidden, gpt.n_heads
+    layers = plan.stages.stages[stage].num_layers
+    if par.activation_checkpointing:
+        per_layer = 2.0 * s * b * h * width / 2
+    else:
+        per_layer = s * b * h * (34 + 5 * a * s / h) / topo.tp * width / 2
+    m = plan.pipeline.num_micro_batches
+    in_flight = m if plan.pipeline.schedule == "gpipe" else min(m, topo.pp - stage)
+    activations = per_layer * layers * in_flight
+    total = weights + grads + optimizer + activations
+    return {"weights": weights, "grads": grads, "optimizer": optimizer,
+            "activations": activations, "total": total, "params": float(psi)}
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.3f} GiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+
+
+def describe(config: PretrainConfig, plan: RunPlan, max_ranks: int = 32) -> str:
+    """The dry-run report: layout, ranks, groups, stages, parameters, memory, schedule."""
+    topo, gpt, pipe = plan.topology, plan.gpt, plan.pipeline
+    par, train = config.parallel, config.train
+    total = count_parameters(gpt)
+    lines = [
+        f"model      {config.model.model}: {gpt.n_layers} layers, hidden {gpt.hidden}, "
+        f"{gpt.n_heads} heads, vocab {gpt.vocab_size}, seq {gpt.seq_len}: "
+        f"{total:,} parameters",
+        f"layout     tp {topo.tp} x pp {topo.pp} x dp {topo.dp} = {topo.world_size} ranks; "
+        f"ZeRO stage {par.zero_stage}, {par.precision}, engine {par.engine}"
+        + (", sequence parallel" if par.sequence_parallel else "")
+        + (", activation checkpointing" if par.activation_checkpointing else ""),
+        f"batch      global {train.global_batch_size} = micro {train.micro_batch_size} x "
+        f"dp {topo.dp} x {pipe.num_micro_batches} micro-batches"
+        + (f"; ramp-up {plan.rampup[0]} +{plan.rampup[1]} over {plan.rampup[2]:,} samples"
+           if plan.rampup else ""),
+        f"training   {plan.train_steps:,} steps, {plan.train_samples:,} samples, "
+        f"{plan.train_samples * gpt.seq_len:,} tokens; "
+        f"{model_flops_per_token_training(gpt):.3g} FLOPs per token",
+    ]
+    if topo.pp > 1:
+        bubble = (topo.pp - 1) / (pipe.virtual_stages * pipe.num_micro_batches)
+        lines.append(f"schedule   {pipe.schedule}, {pipe.num_micro_batches} micro-batches, "
+                     f"{pipe.virtual_stages} chunk(s) per stage, bubble (p-1)/(v m) = "
+                     f"{bubble:.3f}")
+    lines.append("stages")
+    for sp in plan.stages.stages:
+        ends = ("embedding " if sp.has_embedding else "") + ("head+loss" if sp.has_head else "")
+        mem = memory_estimate(config, plan, sp.stage)
+        chunks = ", ".join(f"[{a}, {b})" for a, b in sp.chunks)
+        lines.append(
+            f"  stage {sp.stage}: layers {chunks} {ends.strip()}; {int(mem['params']):,} "
+            f"parameters per rank; memory per rank ~{_gib(mem['total'])} (weights "
+            f"{_gib(mem['weights'])}, grads {_gib(mem['grads'])}, optimizer "
+            f"{_gib(mem['optimizer'])}, activations {_gib(mem['activations'])})")
+    lines.append("groups")
+    for kind in ("tp", "dp", "pp", "embedding"):
+        groups = getattr(topo, f"{kind}_groups")()
+        shown = ", ".join(str(list(g)) for g in groups[:8])
+        more = f" ... ({len(groups)} groups)" if len(groups) > 8 else ""
+        lines.append(f"  {kind:<9} {shown}{more}")
+    lines.append("ranks")
+    for rank in range(min(topo.world_size, max_ranks)):
+        c = topo.coord(rank)
+        lines.append(f"  rank {rank:>4}: pp {c.pp} dp {c.dp} tp {c.tp}")
+    if topo.world_size > max_ranks:
+        lines.append(f"  ... {topo.world_size - max_ranks} more ranks")
+    return "\n".join(lines)
+
+
+def sharding_styles(gpt: GPTConfig) -> dict[str, str]:
+    """Tensor-parallel shard style of every parameter of the unsharded model."""
+    import torch
+
+    from mt_model import GPT
+    from mt_tensor_parallel import GPT_PLAN
+
+    with torch.device("meta"):
+        model = GPT(gpt, seed=None)
+    return param_styles([n for n, _ in model.named_parameters()], GPT_PLAN)

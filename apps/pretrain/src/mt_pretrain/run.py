@@ -1,0 +1,161 @@
+"""One rank of `mt pretrain`, from an initialized launch to the summary of the run.
+
+launcher info -> process group -> plan -> groups -> model shard + optimizer -> data ->
+(resume) -> training loop -> final checkpoint -> sample.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mt_data import DataLoaderState
+from mt_dist import LaunchInfo, ParallelGroups, build_groups, init_distributed
+from mt_model import count_parameters
+from mt_pretrain.build import Built, build
+from mt_pretrain.checkpoint import Checkpointer, load
+from mt_pretrain.config import PretrainConfig
+from mt_pretrain.data import ensure_data, make_loaders, tokenizer_for
+from mt_pretrain.metrics import MetricsWriter
+from mt_pretrain.plan import RunPlan, resolve
+from mt_pretrain.progress import Reporter
+from mt_pretrain.sample import MAX_SAMPLE_PARAMETERS, gather_model, greedy_generate
+from mt_pretrain.train import StepStats, Trainer, stats_dict
+
+__all__ = ["RunSummary", "run_rank"]
+
+
+@dataclass
+class RunSummary:
+    """What rank 0 reports at the end of a run."""
+
+    losses: list[float] = field(default_factory=list)
+    start_step: int = 0
+    final_step: int = 0
+    tokens: int = 0
+    tokens_per_s: float = 0.0
+    wall_time: float = 0.0
+    val_loss: float | None = None
+    checkpoint: str | None = None
+    sample: str | None = None
+    stopped: bool = False
+
+
+class StopFlag:
+    """Set by SIGTERM / SIGINT; the training loop saves and stops at the next step end."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def __call__(self) -> bool:
+        return self.requested
+
+
+@contextmanager
+def _stop_on_signals(flag: StopFlag) -> Iterator[None]:
+    def handler(signum: int, _frame: Any) -> None:
+        flag.requested = True
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def run_rank(config: PretrainConfig, info: LaunchInfo, cache_dir: Path) -> RunSummary | None:
+    """Train as rank ``info.rank``; returns the summary on rank 0, None elsewhere."""
+    device = torch.device("cpu")
+    init_distributed(info, device, timeout=config.parallel.timeout)
+    try:
+        plan = resolve(config, info.world_size)
+        groups = build_groups(plan.topology, device)
+        flag = StopFlag()
+        with _stop_on_signals(flag):
+            return _train(config, plan, groups, device, cache_dir, flag)
+    finally:
+        dist.destroy_process_group()
+
+
+def _train(config: PretrainConfig, plan: RunPlan, groups: ParallelGroups, device: torch.device,
+           cache_dir: Path, flag: StopFlag) -> RunSummary | None:
+    started = time.perf_counter()
+    rank0 = groups.rank == 0
+    ckpt = config.checkpoint
+    built = build(config, plan, groups, device)
+    paths = ensure_data(config, cache_dir)
+    start_step, state = 0, DataLoaderState()
+    if ckpt.load:
+        start_step, state = load(ckpt.load, config, plan, groups, built)
+    loader, valid = make_loaders(config, plan, paths, groups.dp_rank, state)
+    reporter = Reporter(plan.train_steps, start_step, rank0, ckpt.progress, ckpt.log_interval)
+    if rank0 and start_step:
+        reporter.print(f"resumed from {ckpt.load} at step {start_step}")
+    tb_dir = Path(ckpt.out_dir) / "tensorboard" if ckpt.tensorboard else None
+    metrics = MetricsWriter(ckpt.metrics_path, tb_dir, start_step) if rank0 else None
+    summary = RunSummary(start_step=start_step, final_step=start_step)
+    saver = Checkpointer(ckpt.save_dir, ckpt.keep_last, config, plan, groups, built) \
+        if ckpt.save_dir is not None else None
+
+    def on_step(stats: StepStats) -> None:
+        summary.losses.append(stats.loss)
+        if metrics is not None:
+            metrics.write(stats_dict(stats))
+        reporter.step(stats)
+
+    def on_eval(step: int, loss: float, ppl: float) -> None:
+        summary.val_loss = loss
+        if metrics is not None:
+            metrics.write({"step": step, "val_loss": loss, "val_ppl": ppl})
+        reporter.print(f"step {step}: validation loss {loss:.4f}, perplexity {ppl:.2f}")
+
+    def save(step: int) -> None:
+        if saver is not None:
+            saver.save(step, loader.state)
+            reporter.print(f"saved checkpoint {saver.last_saved}")
+
+    trainer = Trainer(config, plan, groups, built, loader, valid, on_step, on_eval, flag, save)
+    try:
+        stats, stopped = trainer.run()
+    finally:
+        reporter.close()
+        if metrics is not None:
+            metrics.close()
+    summary.final_step, summary.stopped = loader.state.step, stopped
+    if saver is not None and not stopped and saver.last_step != loader.state.step:
+        save(loader.state.step)
+    if stopped:
+        reporter.print(f"stopped by signal after step {loader.state.step}")
+    elif config.train.sample_tokens and count_parameters(plan.gpt) <= MAX_SAMPLE_PARAMETERS:
+        summary.sample = _sample(config, built, groups, plan, paths)
+    if not rank0:
+        return None
+    summary.checkpoint = str(saver.last_saved) if saver and saver.last_saved else None
+    summary.tokens = loader.state.consumed_samples * plan.gpt.seq_len
+    timed = stats[1:] or stats
+    if timed:
+        summary.tokens_per_s = sum(s.global_batch_size * plan.gpt.seq_len for s in timed) / \
+            sum(s.step_time for s in timed)
+    summary.wall_time = time.perf_counter() - started
+    return summary
+
+
+def _sample(config: PretrainConfig, built: Built, groups: ParallelGroups, plan: RunPlan,
+            paths: list[Path]) -> str | None:
+    """Greedy continuation of the prompt on rank 0 (collective gather first)."""
+    model = gather_model(built, groups, plan.gpt)
+    if model is None:
+        return None
+    tokenizer = tokenizer_for(paths)
+    ids = tokenizer.encode(config.train.prompt)
+    out = greedy_generate(model, ids, config.train.sample_tokens)
+    return tokenizer.decode(out)

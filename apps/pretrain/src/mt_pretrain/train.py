@@ -1,0 +1,224 @@
+"""The training loop: micro-batches through the pipeline (or plain gradient accumulation when
+pp == 1), LR warmup + cosine, batch-size ramp-up, clipping, NaN detection, metrics, eval,
+checkpoints and a clean stop on SIGTERM / SIGINT.
+
+Every rank runs the same loop; all decisions that change control flow (non-finite loss,
+stop request) are taken from values that are identical on every rank (all-reduced), so no
+rank leaves a collective behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mt_data import DPDataLoader
+from mt_dist import ParallelGroups
+from mt_model import model_flops_per_token_training
+from mt_pipeline import PipelineExecutor, StageComm
+from mt_pretrain.build import Built
+from mt_pretrain.config import PretrainConfig
+from mt_pretrain.data import to_batch
+from mt_pretrain.evaluate import evaluate
+from mt_pretrain.plan import RunPlan
+from mt_pretrain.schedule import LRSchedule
+from mt_zero.precision import compute_dtype
+
+__all__ = ["NonFiniteLossError", "StepStats", "Trainer"]
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss became NaN or infinite (and no fp16 loss scaler could skip the step)."""
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one optimizer step did (one metrics line)."""
+
+    step: int
+    loss: float
+    lr: float
+    global_batch_size: int
+    tokens: int
+    tokens_per_s: float
+    grad_norm: float
+    step_time: float
+    tflops_per_rank: float
+    skipped: bool
+    loss_scale: float
+
+
+class _ScaledLoss(nn.Module):
+    """Multiplies the loss by the fp16 loss scale inside the pipeline executor, which calls
+    ``backward`` itself (the ZeRO optimizer's ``backward`` is not used on that path)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.scale = 1.0
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.inner(logits, targets) * self.scale
+
+
+class Trainer:
+    """Runs the optimizer steps of one rank.
+
+    Args:
+        config, plan, groups, built: the run's config, resolved plan, process groups, and
+            this rank's model stage and optimizer.
+        loader: this DP rank's training loader (already at the resume position).
+        valid: validation loader or None.
+        on_step: called with every :class:`StepStats` (rank 0 writes metrics there).
+        on_eval: called with ``(step, val_loss, val_ppl)``.
+        should_stop: local stop request (e.g. a signal arrived); agreed on by all ranks.
+        save: called with the step number to write a checkpoint.
+    """
+
+    def __init__(self, config: PretrainConfig, plan: RunPlan, groups: ParallelGroups,
+                 built: Built, loader: DPDataLoader, valid: DPDataLoader | None,
+                 on_step: Callable[[StepStats], None], on_eval: Callable[[int, float, float],
+                                                                         None],
+                 should_stop: Callable[[], bool], save: Callable[[int], None]) -> None:
+        self.config, self.plan, self.groups, self.built = config, plan, groups, built
+        self.loader, self.valid = loader, valid
+        self.on_step, self.on_eval, self.should_stop, self.save = (
+            on_step, on_eval, should_stop, save)
+        train, gpt = config.train, plan.gpt
+        self.lr = LRSchedule.create(train.lr, train.min_lr, train.warmup_tokens,
+                                    train.decay_tokens, plan.train_samples * gpt.seq_len)
+        self.dtype = compute_dtype(config.parallel.precision)
+        seq = gpt.seq_len // plan.topology.tp if config.parallel.sequence_parallel else \
+            gpt.seq_len
+        self.activation_shape = (train.micro_batch_size, seq, gpt.hidden)
+        self._executors: dict[int, PipelineExecutor] = {}
+        self._flops_per_token = model_flops_per_token_training(gpt)
+        self._scaled: _ScaledLoss | None = None
+        stage = built.stage
+        if config.parallel.precision == "fp16" and plan.topology.pp > 1 and \
+                stage.plan.has_head:
+            self._scaled = _ScaledLoss(stage.get_submodule(stage.layout.loss))
+            stage.set_submodule(stage.layout.loss, self._scaled)
+
+    # ------------------------------------------------------------------------- the loop
+    def run(self) -> tuple[list[StepStats], bool]:
+        """Train until ``plan.train_steps``; returns (stats, stopped early)."""
+        stats: list[StepStats] = []
+        interval = self.config.checkpoint.save_interval
+        eval_interval = self.config.train.eval_interval
+        while self.loader.state.step < self.plan.train_steps:
+            record = self.step()
+            stats.append(record)
+            self.on_step(record)
+            step = record.step
+            if self.valid is not None and eval_interval and step % eval_interval == 0:
+                self.on_eval(step, *self.evaluate())
+            if self._agree(self.should_stop()):
+                self.save(step)
+                return stats, True
+            if interval and step % interval == 0 and step < self.plan.train_steps:
+                self.save(step)
+        return stats, False
+
+    def evaluate(self) -> tuple[float, float]:
+        """Validation loss and perplexity (every rank gets the same numbers)."""
+        assert self.valid is not None
+        with self.built.optimizer.gathered():
+            return evaluate(self.built.stage, self.groups, self.valid, self.activation_shape,
+                            self.dtype)
+
+    def _agree(self, flag: bool) -> bool:
+        """True on every rank if it is true on any rank."""
+        value = torch.tensor([1.0 if flag else 0.0])
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return bool(value.item() > 0)
+
+    # ------------------------------------------------------------------------ one step
+    def step(self) -> StepStats:
+        """One optimizer step over one global batch."""
+        start = time.perf_counter()
+        opt, seq = self.built.optimizer, self.plan.gpt.seq_len
+        consumed = self.loader.state.consumed_samples
+        global_batch = self.loader.schedule.batch_size(consumed)
+        tokens = (consumed + global_batch) * seq
+        lr = self.lr(tokens)
+        for group in opt.optimizer.param_groups:
+            group["lr"] = lr
+        micro = self.loader.next()
+        local = self._pipeline_loss(micro) if self.plan.topology.pp > 1 else \
+            self._accumulate_loss(micro)
+        loss = self._mean_over_dp(local)
+        if not math.isfinite(loss) and opt.scaler is None:
+            raise NonFiniteLossError(
+                f"loss is {loss} at step {self.loader.state.step} (lr {lr:.3g}, tokens "
+                f"{tokens:,}); stopping. Lower --lr, enable --clip-grad, or use fp32/bf16 "
+                "with a smaller learning rate")
+        result = opt.step()
+        elapsed = time.perf_counter() - start
+        tokens_per_s = global_batch * seq / elapsed
+        world = self.plan.topology.world_size
+        return StepStats(
+            step=self.loader.state.step, loss=loss, lr=lr, global_batch_size=global_batch,
+            tokens=tokens, tokens_per_s=tokens_per_s, grad_norm=result.grad_norm,
+            step_time=elapsed,
+            tflops_per_rank=self._flops_per_token * tokens_per_s / world / 1e12,
+            skipped=result.skipped, loss_scale=result.loss_scale)
+
+    def _accumulate_loss(self, micro: list[Any]) -> float:
+        """pp == 1: plain gradient accumulation; DP reduction overlaps the last backward."""
+        opt, stage = self.built.optimizer, self.built.stage
+        checkpoint = self.config.parallel.activation_checkpointing
+        m, total = len(micro), 0.0
+        for i, array in enumerate(micro):
+            batch = to_batch([array])
+            quiet = opt.no_sync() if i < m - 1 else contextlib.nullcontext()
+            with quiet:
+                logits = stage.forward_chunk(0, batch[:, :-1], checkpoint)
+                loss = stage.loss(logits, batch[:, 1:])
+                opt.backward(loss / m)
+            total += float(loss.detach())
+        return total / m
+
+    def _executor(self, m: int) -> PipelineExecutor:
+        if m not in self._executors:
+            pipe = self.plan.pipeline
+            config = type(pipe)(pipe.schedule, m, pipe.virtual_stages,
+                                pipe.activation_checkpointing)
+            self._executors[m] = PipelineExecutor(
+                self.built.stage, config, StageComm.from_groups(self.groups),
+                self.activation_shape, dtype=self.dtype)
+        return self._executors[m]
+
+    def _pipeline_loss(self, micro: list[Any]) -> float:
+        """pp > 1: the schedule runs all micro-batches; gradients are reduced at step()."""
+        opt, groups = self.built.optimizer, self.groups
+        batch = to_batch(micro)
+        scale = opt.loss_scale
+        if self._scaled is not None:
+            self._scaled.scale = scale
+        with opt.no_sync():
+            result = self._executor(len(micro)).run(
+                batch[:, :-1] if groups.is_first_stage else None,
+                batch[:, 1:] if groups.is_last_stage else None)
+        return result.loss / scale if self._scaled is not None else result.loss
+
+    def _mean_over_dp(self, local: float) -> float:
+        value = torch.tensor([local], dtype=torch.float64)
+        if self.groups.dp_size > 1:
+            dist.all_reduce(value, group=self.groups.dp)
+            value /= self.groups.dp_size
+        return float(value)
+
+
+def stats_dict(stats: StepStats) -> dict[str, Any]:
+    """The metrics line of a step."""
+    return asdict(stats)

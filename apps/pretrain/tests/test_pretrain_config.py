@@ -1,0 +1,126 @@
+"""Config loading, validation errors that name the numbers, --help and --dry-run (no
+processes)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from mt_pretrain.cli import app
+from mt_pretrain.config import (
+    SECTIONS,
+    ConfigError,
+    PretrainConfig,
+    field_docs,
+    flat_fields,
+    load_config,
+)
+from mt_pretrain.main import dry_run
+from mt_pretrain.plan import memory_estimate, resolve
+from mt_pretrain.schedule import LRSchedule
+
+
+def test_defaults_are_the_3d_demo() -> None:
+    config = PretrainConfig()
+    plan = resolve(config, config.world_size_hint())
+    assert (plan.topology.tp, plan.topology.pp, plan.topology.dp) == (2, 2, 2)
+    assert plan.gpt.vocab_size == 1000 and plan.pipeline.num_micro_batches == 4
+    assert plan.train_samples == plan.train_steps * 32
+
+
+def test_yaml_sections_flat_keys_and_cli_overrides(tmp_path: Path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text("parallel:\n  tp: 1\n  pp: 4\ntrain_tokens: 1.2e4\nlr: 1\n"
+                    "model: {model: tiny, seq_len: 32}\n")
+    config = load_config(path, {"pp": 2, "nproc": 4})
+    assert (config.parallel.tp, config.parallel.pp, config.parallel.nproc) == (1, 2, 4)
+    assert config.train.train_tokens == 12000 and config.train.lr == 1.0
+    assert config.model.seq_len == 32
+    plan = resolve(config, 4)
+    # 12000 tokens / 32 per sample = 375 samples -> 12 steps of 32 samples.
+    assert plan.train_steps == 12 and plan.train_samples == 384
+    again = config.replace(tp=2)
+    assert again.parallel.tp == 2 and again.train.train_tokens == 12000
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"nproc": 8, "global_batch_size": 36},
+     r"global batch size 36 is not divisible by micro-batch size 4 x dp 2 = 8"),
+    ({"nproc": 6}, r"world size.*6.*tp \(2\) x pp \(2\) = 4"),
+    ({"nproc": 8, "dp": 4}, r"tp 2 x pp 2 x dp 4 = 16 processes, but the world size is 8"),
+    ({"nproc": 4, "tp": 1, "pp": 3}, r"num_layers \(4\) divisible by num_stages \(3\)"),
+    ({"nproc": 8, "tp": 8, "pp": 1}, r"n_heads.*4.*tp.*8|tp.*8.*n_heads.*4"),
+    ({"data": "/nonexistent/dataset"}, r"data path\(s\) not found: \['/nonexistent/dataset'\]"),
+    ({"train_steps": 5, "train_tokens": 100}, r"--train-steps \(5\) or --train-tokens \(100\)"),
+    ({"rampup_start": 8, "rampup_increment": 5, "rampup_tokens": 10},
+     r"ramp-up from 8 by 5 does not reach global batch size 32"),
+    ({"zero_stage": 5}, r"--zero-stage must be 0, 1, 2 or 3, got 5"),
+    ({"schedule": "interleaved", "virtual_stages": 1},
+     r"interleaved needs --virtual-stages >= 2, got 1"),
+    ({"unknown_flag": 1}, r"unknown config keys \['unknown_flag'\]"),
+    ({"nproc": 4, "tp": 1, "pp": 2, "schedule": "interleaved", "virtual_stages": 2,
+      "global_batch_size": 24, "micro_batch_size": 4},
+     r"num_micro_batches \(3\).*num_stages \(2\)"),
+])
+def test_bad_configs_name_the_numbers(overrides: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_every_field_has_help_text_and_a_flag() -> None:
+    for name, (section, _) in flat_fields().items():
+        assert field_docs(SECTIONS[section]).get(name), f"{name} has no docstring"
+    result = CliRunner().invoke(app, ["pretrain", "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    for flag in ("--tp", "--pp", "--dp", "--nproc", "--zero-stage", "--schedule",
+                 "--virtual-stages", "--sequence-parallel", "--activation-checkpointing",
+                 "--micro-batch-size", "--global-batch-size", "--train-tokens", "--precision",
+                 "--save-interval", "--load", "--metrics", "--dry-run", "--config"):
+        assert flag in result.output
+    assert "Pipeline schedule: gpipe, 1f1b or interleaved" in result.output
+
+
+def test_cli_rejects_bad_layout_with_exit_code_2() -> None:
+    result = CliRunner().invoke(app, ["pretrain", "--nproc", "8", "--global-batch-size", "36",
+                                      "--dry-run"], env={"COLUMNS": "200"})
+    assert result.exit_code == 2
+    assert "global batch size 36 is not divisible by micro-batch size 4 x dp 2 = 8" in (
+        result.output)
+
+
+def test_dry_run_prints_ranks_groups_stages_memory() -> None:
+    result = CliRunner().invoke(app, ["pretrain", "--dry-run"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    text = result.output
+    assert "tp 2 x pp 2 x dp 2 = 8 ranks" in text
+    assert "268,160 parameters" in text
+    assert "stage 0: layers [0, 2) embedding" in text and "stage 1: layers [2, 4) head+loss" in text
+    assert "dp        [0, 2], [1, 3], [4, 6], [5, 7]" in text
+    assert "rank    7: pp 1 dp 1 tp 1" in text
+    assert "memory per rank" in text
+
+
+def test_dry_run_of_mt_nlg_530b_on_2240_ranks() -> None:
+    config = load_config(None, {"model": "mt-nlg-530b", "tp": 8, "pp": 35, "dp": 8,
+                                "micro_batch_size": 1, "global_batch_size": 1920,
+                                "precision": "bf16", "activation_checkpointing": True,
+                                "rampup_start": 32, "rampup_increment": 32,
+                                "rampup_tokens": 12_000_000_000, "train_tokens": 340e9})
+    text = dry_run(config, {})
+    assert "tp 8 x pp 35 x dp 8 = 2240 ranks" in text
+    assert "529,6" in text  # ~529.6B parameters
+    plan = resolve(config, 2240)
+    assert plan.stages.stages[0].chunks == ((0, 3),)
+    mem = memory_estimate(config, plan, 1)
+    # 3 layers x 20480^2 x 12 / 8 = 1.89e9 parameters per rank of a middle stage.
+    assert mem["params"] == pytest.approx(1.888e9, rel=1e-3)
+    assert 10 * 2**30 < mem["total"] < 80 * 2**30
+
+
+def test_lr_schedule_warmup_cosine_floor() -> None:
+    lr = LRSchedule.create(1.0, None, 100, 1100, 5000)
+    assert lr(0) == 0.0 and lr(50) == pytest.approx(0.5) and lr(100) == pytest.approx(1.0)
+    assert lr(600) == pytest.approx(0.55)  # half way: floor + (peak - floor) / 2
+    assert lr(1100) == pytest.approx(0.1) and lr(4000) == pytest.approx(0.1)

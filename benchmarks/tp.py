@@ -1,0 +1,185 @@
+"""Tokens/s of one full training step (forward + backward + AdamW) of mt_model's GPT:
+
+- mt TP=1: the plain single-process model (with 1 thread, and with as many threads as the
+  TP=2 run uses processes, i.e. the same cores);
+- mt TP=2 on 2 processes (gloo): ``GPT_PLAN`` (blocks + vocabulary-parallel embedding,
+  head and cross entropy), optionally with sequence parallelism;
+- mt TP=2 restricted to the blocks (qkv/fc column, proj row): the same decomposition as ...
+- torch DTensor TP=2: ``parallelize_module`` with ``ColwiseParallel`` on qkv / fc and
+  ``RowwiseParallel`` on the projections, over a 1-D DeviceMesh on gloo (embedding, head
+  and loss stay replicated, as in that plan).
+
+Every variant starts from the same weights and batches, and the first step's loss is
+printed next to the throughput as a sanity check. Example:
+
+    PYTHONPATH=packages/mt-dist/src:packages/mt-model/src:packages/mt-tensor-parallel/src \\
+        python3 benchmarks/tp.py --layers 4 --hidden 512 --seq 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mt_dist.testing import run_distributed
+from mt_model import GPT, GPTConfig
+from mt_tensor_parallel import GPT_PLAN, apply_tensor_parallel, merge_shards, shard_tensor
+
+BLOCKS_PLAN = {k: v for k, v in GPT_PLAN.items() if k.startswith("blocks.")}
+
+
+def _config(args: argparse.Namespace) -> GPTConfig:
+    return GPTConfig(n_layers=args.layers, hidden=args.hidden, n_heads=args.heads,
+                     vocab_size=args.vocab, seq_len=args.seq)
+
+
+def _batches(args: argparse.Namespace) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    out = []
+    for step in range(args.warmup + args.steps):
+        tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1),
+                               generator=torch.Generator().manual_seed(step))
+        out.append((tokens[:, :-1], tokens[:, 1:]))
+    return out
+
+
+def _time_steps(model: nn.Module, args: argparse.Namespace, sync: Callable[[], None]
+                ) -> dict[str, float]:
+    """Run warmup + timed steps; return the median timed step and the first loss.
+
+    Each step is timed between two barriers (all ranks), and the median step is reported:
+    robust to the bursts of other work on a shared machine.
+    """
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+    first_loss = float("nan")
+    times: list[float] = []
+    for step, (idx, targets) in enumerate(_batches(args)):
+        sync()
+        start = time.perf_counter()
+        loss = model(idx, targets)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        sync()
+        if step >= args.warmup:
+            times.append(time.perf_counter() - start)
+        if step == 0:
+            first_loss = float(loss.detach().float())
+    median = statistics.median(times)
+    return {"tokens_per_s": args.batch * args.seq / median, "step_s": median,
+            "best_step_s": min(times), "first_loss": first_loss}
+
+
+def _single(args: argparse.Namespace, threads: int) -> dict[str, float]:
+    torch.set_num_threads(threads)
+    return _time_steps(GPT(_config(args)), args, lambda: None)
+
+
+def _mt_tp(args: argparse.Namespace, plan_name: str, sequence_parallel: bool
+           ) -> dict[str, float]:
+    plan = GPT_PLAN if plan_name == "full" else BLOCKS_PLAN
+    model = apply_tensor_parallel(GPT(_config(args)), dist.group.WORLD, plan,
+                                  sequence_parallel=sequence_parallel)
+    return _time_steps(model, args, dist.barrier)
+
+
+def _dtensor_tp(args: argparse.Namespace) -> dict[str, float]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    tp = dist.get_world_size()
+    model = GPT(_config(args))
+    with torch.no_grad():
+        # DTensor's Colwise gives rank r a contiguous row block; reorder the fused [q; k; v]
+        # rows so that block is [q_r; k_r; v_r] (whole heads), as mt's column_qkv slices.
+        for block in model.blocks:
+            for param in (block.attn.qkv.weight, block.attn.qkv.bias):
+                shards = [shard_tensor("column_qkv", param, r, tp) for r in range(tp)]
+                param.copy_(merge_shards("column", shards))
+    mesh = init_device_mesh("cpu", (tp,))
+    plan = {
+        "blocks.*.attn.qkv": ColwiseParallel(),
+        "blocks.*.attn.proj": RowwiseParallel(),
+        "blocks.*.mlp.fc": ColwiseParallel(),
+        "blocks.*.mlp.proj": RowwiseParallel(),
+    }
+    parallelize_module(model, mesh, plan)
+    return _time_steps(model, args, dist.barrier)
+
+
+def _rank0(results: list[Any]) -> Any:
+    # Rank 0's timings: steps are bracketed by barriers, so all ranks measure the same.
+    return results[0]
+
+
+def _launch(fn: Callable[..., Any], world: int, args: argparse.Namespace, *rest: Any
+            ) -> list[Any]:
+    return run_distributed(fn, world, args, *rest, timeout=args.timeout)
+
+
+def _variants(tp: int) -> list[tuple[str, Callable[..., Any], int, tuple[Any, ...]]]:
+    return [
+        ("mt TP=1 (1 process, 1 thread)", _single, 1, (1,)),
+        (f"mt TP=1 (1 process, {tp} threads)", _single, 1, (tp,)),
+        (f"mt TP={tp} (GPT_PLAN)", _mt_tp, tp, ("full", False)),
+        (f"mt TP={tp} (GPT_PLAN + sequence parallel)", _mt_tp, tp, ("full", True)),
+        (f"mt TP={tp} (blocks only)", _mt_tp, tp, ("blocks", False)),
+        (f"DTensor TP={tp} (blocks only)", _dtensor_tp, tp, ()),
+    ]
+
+
+def _run(args: argparse.Namespace) -> list[tuple[str, dict[str, float]]]:
+    """Every variant, ``--rounds`` times interleaved; keep each variant's fastest round."""
+    best: dict[str, dict[str, float]] = {}
+    for _ in range(args.rounds):
+        for name, fn, world, extra in _variants(args.tp):
+            result = _rank0(_launch(fn, world, args, *extra))
+            if name not in best or result["step_s"] < best[name]["step_s"]:
+                best[name] = result
+    return list(best.items())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=1, help="repeat all variants, keep best")
+    parser.add_argument("--timeout", type=float, default=1200.0)
+    args = parser.parse_args()
+    print(f"GPT layers={args.layers} hidden={args.hidden} heads={args.heads} "
+          f"vocab={args.vocab} seq={args.seq} batch={args.batch}; "
+          f"{args.warmup} warmup + {args.steps} timed steps (fwd + bwd + AdamW), fp32, gloo")
+    rows = _run(args)
+    width = max(len(name) for name, _ in rows)
+    print(f"{'variant':<{width}}  {'tokens/s':>10}  {'median s/step':>13}  "
+          f"{'best s/step':>11}  {'loss@0':>8}")
+    for name, r in rows:
+        print(f"{name:<{width}}  {r['tokens_per_s']:>10.1f}  {r['step_s']:>13.3f}  "
+              f"{r['best_step_s']:>11.3f}  {r['first_loss']:>8.4f}")
+    by_name = dict(rows)
+    dtensor = by_name[f"DTensor TP={args.tp} (blocks only)"]["tokens_per_s"]
+    for name in (f"mt TP={args.tp} (blocks only)", f"mt TP={args.tp} (GPT_PLAN)",
+                 f"mt TP={args.tp} (GPT_PLAN + sequence parallel)"):
+        print(f"ratio {name} / DTensor: {by_name[name]['tokens_per_s'] / dtensor:.2f}")
+
+
+if __name__ == "__main__":
+    main()

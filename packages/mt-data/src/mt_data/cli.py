@@ -1,0 +1,299 @@
+"""``mt data``: prepare, train-tokenizer, export-megatron, import-megatron, inspect.
+
+Every command shows a rich progress bar while it works and ends with a summary table.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    Progress,
+    ProgressColumn,
+    Task,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.table import Table
+from rich.text import Text
+
+from mt_data.decontam import DecontamConfig
+from mt_data.dedup import DedupConfig
+from mt_data.filters import FilterConfig
+from mt_data.ingest import BadInputError, ErrorLog, IngestConfig, iter_documents
+from mt_data.megatron import export_megatron, import_megatron
+from mt_data.pipeline import PrepareConfig, PrepareError, prepare, summary_rows
+from mt_data.shards import TokenDataset
+from mt_data.stages import CleanConfig
+from mt_data.tokenizer import TokenizerError, load_tokenizer, train_tokenizer
+
+app = typer.Typer(name="data", help="Arrow data pipeline: raw text -> deduplicated, tokenized "
+                  "shards -> packed GPT samples; Megatron .bin/.idx interop.",
+                  no_args_is_help=True, add_completion=False)
+console = Console(stderr=True)
+
+
+class RichProgress:
+    """ProgressHook that draws one rich progress bar per stage."""
+
+    def __init__(self, progress: Progress) -> None:
+        self.progress = progress
+        self.task: TaskID | None = None
+
+    def stage(self, name: str, total: float | None, unit: str) -> None:
+        """Start a bar for a new stage."""
+        self.task = self.progress.add_task(name, total=total, unit=unit)
+
+    def advance(self, amount: float) -> None:
+        """Advance the current bar."""
+        if self.task is not None:
+            self.progress.advance(self.task, amount)
+
+    def end(self) -> None:
+        """Complete the current bar."""
+        if self.task is not None:
+            task = self.progress.tasks[-1]
+            self.progress.update(self.task, total=task.total or 1,
+                                 completed=task.total or 1)
+            self.task = None
+
+
+class _AmountColumn(ProgressColumn):
+    """``done/total unit``, or nothing for stages of unknown size."""
+
+    def render(self, task: Task) -> Text:
+        if task.total is None or not task.fields.get("unit"):
+            return Text("")
+        return Text(f"{task.completed:,.1f}/{task.total:,.1f} {task.fields['unit']}")
+
+
+def _progress() -> Progress:
+    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), _AmountColumn(),
+                    TimeElapsedColumn(), TimeRemainingColumn(), console=console)
+
+
+def _table(title: str, rows: list[tuple[str, str]]) -> None:
+    table = Table(title=title, show_header=False)
+    table.add_column(style="bold")
+    table.add_column(justify="right")
+    for key, value in rows:
+        table.add_row(key, value)
+    Console().print(table)
+
+
+def _fail(message: str) -> None:
+    console.print(f"[red]error:[/red] {message}", soft_wrap=True, highlight=False)
+    raise typer.Exit(code=1)
+
+
+@app.command("prepare")
+def prepare_cmd(
+    inputs: Annotated[list[Path], typer.Argument(help="JSONL / Parquet / text files or folders "
+                                                 "(.gz and .zst read transparently).")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Output dataset folder.")],
+    text_key: Annotated[str, typer.Option(help="JSON field / Parquet column with the "
+                                          "text.")] = "text",
+    tokenizer: Annotated[str, typer.Option(help="gpt2, tokenizer-1k, a tokenizer.json, or a "
+                                           "folder with vocab.json + merges.txt.")] = "gpt2",
+    on_error: Annotated[str, typer.Option(help="Bad input lines: 'skip' (count and report) or "
+                                          "'stop'.")] = "skip",
+    workers: Annotated[int, typer.Option(help="Worker processes (0 = one per CPU).")] = 0,
+    normalize: Annotated[bool, typer.Option(help="Unicode NFC normalisation.")] = True,
+    quality_filters: Annotated[bool, typer.Option(help="Length/symbol/alpha/HTML/repeated-line "
+                                                  "filters.")] = True,
+    min_chars: Annotated[int, typer.Option(help="Minimum characters per document.")] = 100,
+    max_chars: Annotated[int, typer.Option(help="Maximum characters per document.")] = 5_000_000,
+    min_words: Annotated[int, typer.Option(help="Minimum words per document.")] = 20,
+    max_symbol_ratio: Annotated[float, typer.Option(help="Max symbols (#, {}, |, ...) per "
+                                                    "word.")] = 0.1,
+    min_alpha_words: Annotated[float, typer.Option(help="Min fraction of words with a "
+                                                   "letter.")] = 0.7,
+    max_html_ratio: Annotated[float, typer.Option(help="Max HTML tags per word.")] = 0.02,
+    max_repeated_lines: Annotated[float, typer.Option(help="Max fraction of repeated "
+                                                      "lines.")] = 0.3,
+    exact_dedup: Annotated[bool, typer.Option(help="Drop exact duplicates.")] = True,
+    fuzzy_dedup: Annotated[bool, typer.Option(help="Drop near duplicates (MinHash + LSH).")] = True,
+    threshold: Annotated[float, typer.Option(help="Jaccard threshold of fuzzy dedup.")] = 0.8,
+    num_perm: Annotated[int, typer.Option(help="MinHash permutations.")] = 128,
+    bands: Annotated[int, typer.Option(help="LSH bands (num_perm / bands rows each).")] = 16,
+    decontaminate: Annotated[list[Path] | None, typer.Option(
+        help="Evaluation files/folders: drop/cut documents sharing n-grams with them "
+             "(off when not given).")] = None,
+    decontam_mode: Annotated[str, typer.Option(help="'drop' or 'cut'.")] = "drop",
+    decontam_ngram: Annotated[int, typer.Option(help="Words per decontamination n-gram.")] = 13,
+    keep_work: Annotated[bool, typer.Option(help="Keep the intermediate work/ folder.")] = False,
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing output folder.")] = False,
+) -> None:
+    """Run the pipeline: ingest, clean/filter, dedup, decontaminate, tokenize, write shards.
+
+    Rerunning the same command after an interruption resumes at the chunk/shard level.
+    """
+    try:
+        if quality_filters:
+            filters = FilterConfig("NFC" if normalize else None, min_chars, max_chars, min_words,
+                                   max_symbol_ratio, min_alpha_words, max_html_ratio,
+                                   max_repeated_lines)
+        else:
+            filters = FilterConfig.disabled()
+            if normalize:
+                filters = FilterConfig("NFC", None, None, None, None, None, None, None)
+        clean = CleanConfig(
+            ingest=IngestConfig(text_key=text_key),
+            filters=filters,
+            dedup=DedupConfig(exact=exact_dedup, fuzzy=fuzzy_dedup, num_perm=num_perm,
+                              bands=bands, threshold=threshold),
+            decontam=DecontamConfig(ngram=decontam_ngram, mode=decontam_mode)
+            if decontaminate else None,
+            eval_paths=tuple(str(p) for p in decontaminate or ()),
+            on_error=on_error,
+        )
+        config = PrepareConfig(clean, tokenizer, workers, keep_work, overwrite)
+        load_tokenizer(tokenizer)  # fail before the long stages
+        with _progress() as progress:
+            summary = prepare(inputs, output, config, RichProgress(progress))
+    except (PrepareError, BadInputError, TokenizerError, ValueError, FileNotFoundError) as exc:
+        _fail(str(exc))
+        return
+    for sample in summary["bad_input_samples"][:10]:
+        console.print(f"[yellow]bad input[/yellow] {sample}", soft_wrap=True, highlight=False)
+    _table(f"prepared {output}", summary_rows(summary))
+
+
+@app.command("train-tokenizer")
+def train_tokenizer_cmd(
+    inputs: Annotated[list[Path], typer.Argument(help="Text files or folders to train on.")],
+    vocab_size: Annotated[int, typer.Option(help="Vocabulary size (EOD token included).")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="tokenizer.json to write.")],
+    text_key: Annotated[str, typer.Option(help="JSON field / Parquet column with the "
+                                          "text.")] = "text",
+    min_frequency: Annotated[int, typer.Option(help="Minimum pair frequency to merge.")] = 2,
+) -> None:
+    """Train a GPT-2 style byte-level BPE tokenizer (EOD token <|endoftext|> = id 0)."""
+    log = ErrorLog("skip")
+    docs, nbytes = 0, 0
+    start = time.perf_counter()
+
+    def texts():
+        nonlocal docs, nbytes
+        for batch in iter_documents(inputs, IngestConfig(text_key=text_key), log):
+            for text in batch.column("text").to_pylist():
+                docs += 1
+                nbytes += len(text)
+                yield text
+
+    with _progress() as progress:
+        task = progress.add_task("train BPE", total=None, unit="")
+        try:
+            tok = train_tokenizer(texts(), vocab_size, min_frequency, name=str(output))
+        except (TokenizerError, FileNotFoundError) as exc:
+            _fail(str(exc))
+            return
+        progress.update(task, total=1, completed=1)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tok.save(output)
+    _table(f"tokenizer {output}", [
+        ("documents", f"{docs:,}"), ("MB", f"{nbytes / 1e6:,.2f}"),
+        ("bad inputs", f"{log.total:,}"), ("vocab size", f"{tok.vocab_size:,}"),
+        ("EOD id", str(tok.eod_id)), ("seconds", f"{time.perf_counter() - start:.2f}"),
+    ])
+
+
+@app.command("export-megatron")
+def export_megatron_cmd(
+    data: Annotated[Path, typer.Argument(help="Prepared dataset folder.")],
+    prefix: Annotated[Path, typer.Argument(help="Output prefix: writes PREFIX.bin, PREFIX.idx.")],
+) -> None:
+    """Write Megatron-LM MMIDIDX PREFIX.bin / PREFIX.idx (one sequence per document, EOD in)."""
+    start = time.perf_counter()
+    with _progress() as progress:
+        task = progress.add_task("export .bin/.idx", total=None, unit="")
+        try:
+            info = export_megatron(data, prefix)
+        except (FileNotFoundError, ValueError) as exc:
+            _fail(str(exc))
+            return
+        progress.update(task, total=1, completed=1)
+    seconds = time.perf_counter() - start
+    _table(f"exported {prefix}", [
+        ("documents", f"{info['documents']:,}"), ("tokens", f"{info['tokens']:,}"),
+        ("dtype", info["dtype"]), ("MB", f"{info['bytes'] / 1e6:,.2f}"),
+        ("seconds", f"{seconds:.2f}"),
+    ])
+
+
+@app.command("import-megatron")
+def import_megatron_cmd(
+    prefix: Annotated[Path, typer.Argument(help="Prefix of PREFIX.bin / PREFIX.idx.")],
+    output: Annotated[Path, typer.Argument(help="Dataset folder to write.")],
+    tokenizer: Annotated[str, typer.Option(help="Tokenizer the ids come from (recorded in the "
+                                           "index).")] = "gpt2",
+) -> None:
+    """Read Megatron-LM .bin/.idx into token shards (each document = its sequences joined)."""
+    start = time.perf_counter()
+    with _progress() as progress:
+        task = progress.add_task("import .bin/.idx", total=None, unit="")
+        try:
+            index = import_megatron(prefix, output, load_tokenizer(tokenizer).describe())
+        except (FileNotFoundError, ValueError) as exc:
+            _fail(str(exc))
+            return
+        progress.update(task, total=1, completed=1)
+    _table(f"imported {output}", [
+        ("documents", f"{index['documents']:,}"), ("tokens", f"{index['tokens']:,}"),
+        ("shards", str(len(index["shards"]))), ("dtype", index["dtype"]),
+        ("seconds", f"{time.perf_counter() - start:.2f}"),
+    ])
+
+
+@app.command("inspect")
+def inspect_cmd(
+    data: Annotated[Path, typer.Argument(help="Prepared dataset folder.")],
+    document: Annotated[int, typer.Option(help="Document to decode as a sample.")] = 0,
+    chars: Annotated[int, typer.Option(help="Characters of the sample to print.")] = 500,
+    verify: Annotated[bool, typer.Option(help="Check shard SHA-256 checksums.")] = False,
+) -> None:
+    """Print documents, tokens, sources and a decoded sample of a prepared dataset."""
+    try:
+        ds = TokenDataset(data)
+    except (FileNotFoundError, ValueError) as exc:
+        _fail(str(exc))
+        return
+    rows = [("documents", f"{len(ds):,}"), ("tokens", f"{ds.num_tokens:,}"),
+            ("shards", str(len(ds.index["shards"]))), ("dtype", ds.index["dtype"]),
+            ("tokenizer", f"{ds.tokenizer['name']} (vocab {ds.tokenizer['vocab_size']:,}, "
+                          f"EOD {ds.tokenizer['eod_id']})")]
+    for name, counts in sorted(ds.index["sources"].items()):
+        rows.append((f"source {name}", f"{counts['documents']:,} docs, "
+                                       f"{counts['tokens']:,} tokens"))
+    if verify:
+        with _progress() as progress:
+            task = progress.add_task("verify checksums", total=None, unit="")
+            bad = ds.verify()
+            progress.update(task, total=1, completed=1)
+        rows.append(("checksums", "ok" if not bad else f"MISMATCH: {', '.join(bad)}"))
+    _table(f"dataset {data}", rows)
+    if len(ds) and 0 <= document < len(ds):
+        doc_id, source = ds.metadata(document)
+        try:
+            text = load_tokenizer(ds.tokenizer["name"]).decode(ds.document(document))
+        except TokenizerError:
+            text = " ".join(str(t) for t in ds.document(document)[:200])
+        Console().print(f"[bold]document {document}[/bold] ({doc_id}, {source}, "
+                        f"{len(ds.document(document))} tokens):")
+        Console().print(text[:chars], markup=False, highlight=False)
+
+
+def main() -> None:
+    """Entry point for ``python -m mt_data.cli``."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""Cleaning and quality filters on Arrow record batches, each filter counted.
+
+Most measures are computed for a whole batch at once with Arrow compute kernels (RE2 regexes
+in C++); only the repeated-line measure loops in Python (``str.split`` + ``set``, C speed).
+A document is dropped by the first filter it fails, in the order of :data:`FILTERS`.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+FILTERS = ("too_short", "too_long", "too_few_words", "symbols", "non_alpha", "html",
+           "repeated_lines")
+# Symbols that are rare in prose but frequent in code, markup, spam and boilerplate.
+SYMBOL_RE = r"[#{}\[\]|\\@$%^*_=+~]|\.\.\.|…"
+HTML_TAG_RE = r"<(?:!--|!doctype|/?[a-zA-Z][a-zA-Z0-9]*(?:\s[^<>]*)?/?>)"
+
+
+@dataclass(frozen=True)
+class FilterConfig:
+    """Cleaning and quality thresholds (each check switched off by ``None``)."""
+
+    normalize: str | None = "NFC"
+    """Unicode normalisation form applied to every text (NFC, NFKC, ...), or None."""
+    min_chars: int | None = 100
+    """Drop documents shorter than this many characters (after normalisation)."""
+    max_chars: int | None = 5_000_000
+    """Drop documents longer than this many characters."""
+    min_words: int | None = 20
+    """Drop documents with fewer whitespace-separated words."""
+    max_symbol_ratio: float | None = 0.1
+    """Drop documents with more than this many symbols (# { } [ ] | ... etc.) per word."""
+    min_alpha_word_fraction: float | None = 0.7
+    """Drop documents where fewer than this fraction of words contain a letter."""
+    max_html_tag_ratio: float | None = 0.02
+    """Drop documents with more HTML/XML tags per word than this (raw markup)."""
+    max_repeated_line_fraction: float | None = 0.3
+    """Drop documents whose non-empty lines are duplicates of earlier lines more than this."""
+
+    def __post_init__(self) -> None:
+        if self.min_chars is not None and self.max_chars is not None:
+            if not 0 <= self.min_chars <= self.max_chars:
+                raise ValueError(
+                    f"need 0 <= min_chars ({self.min_chars}) <= max_chars ({self.max_chars})"
+                )
+        for name in ("max_symbol_ratio", "min_alpha_word_fraction", "max_repeated_line_fraction",
+                     "max_html_tag_ratio"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
+
+    @classmethod
+    def disabled(cls) -> FilterConfig:
+        """A config that keeps every document (normalisation off too)."""
+        return cls(None, None, None, None, None, None, None, None)
+
+
+def repeated_line_fraction(text: str) -> float:
+    """Fraction of non-empty lines that repeat an earlier line of the same text."""
+    lines = [line.strip() for line in text.split("\n")]
+    lines = [line for line in lines if line]
+    if not lines:
+        return 0.0
+    return 1.0 - len(set(lines)) / len(lines)
+
+
+def _np(array: pa.Array) -> np.ndarray:
+    return np.asarray(array.to_numpy(zero_copy_only=False), dtype=np.float64)
+
+
+def measure(texts: pa.Array) -> dict[str, np.ndarray]:
+    """Per-document measures used by the filters, vectorised over the array."""
+    words = np.maximum(_np(pc.count_substring_regex(texts, r"\S+")), 1.0)
+    return {
+        "chars": _np(pc.utf8_length(texts)),
+        "words": _np(pc.count_substring_regex(texts, r"\S+")),
+        "symbol_ratio": _np(pc.count_substring_regex(texts, SYMBOL_RE)) / words,
+        "alpha_fraction": _np(pc.count_substring_regex(texts, r"\S*\pL\S*")) / words,
+        "html_ratio": _np(pc.count_substring_regex(texts, HTML_TAG_RE, ignore_case=True)) / words,
+    }
+
+
+def filter_batch(
+    batch: pa.RecordBatch, config: FilterConfig
+) -> tuple[pa.RecordBatch, Counter[str]]:
+    """Normalise and filter a batch with a ``text`` column; returns kept rows and drop counts."""
+    texts = batch.column("text")
+    if config.normalize:
+        texts = pc.utf8_normalize(texts, config.normalize)
+        batch = batch.set_column(batch.schema.get_field_index("text"), "text", texts)
+    m = measure(texts)
+    n = batch.num_rows
+    checks: list[tuple[str, np.ndarray | None]] = [
+        ("too_short", None if config.min_chars is None else m["chars"] < config.min_chars),
+        ("too_long", None if config.max_chars is None else m["chars"] > config.max_chars),
+        ("too_few_words", None if config.min_words is None else m["words"] < config.min_words),
+        ("symbols", None if config.max_symbol_ratio is None
+         else m["symbol_ratio"] > config.max_symbol_ratio),
+        ("non_alpha", None if config.min_alpha_word_fraction is None
+         else m["alpha_fraction"] < config.min_alpha_word_fraction),
+        ("html", None if config.max_html_tag_ratio is None
+         else m["html_ratio"] > config.max_html_tag_ratio),
+    ]
+    alive = np.ones(n, dtype=bool)
+    counts: Counter[str] = Counter()
+    for name, failed in checks:
+        if failed is not None:
+            dropped = alive & failed
+            counts[name] += int(dropped.sum())
+            alive &= ~failed
+    if config.max_repeated_line_fraction is not None:
+        limit = config.max_repeated_line_fraction
+        counts["repeated_lines"] += 0  # listed even when nothing is dropped
+        for i in np.flatnonzero(alive):
+            if repeated_line_fraction(texts[int(i)].as_py()) > limit:
+                alive[i] = False
+                counts["repeated_lines"] += 1
+    return batch.filter(pa.array(alive)), counts

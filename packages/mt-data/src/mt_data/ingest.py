@@ -1,0 +1,403 @@
+"""Ingest: JSONL, Parquet and plain-text files (optionally .gz / .zst) as Arrow record batches.
+
+Files are streamed: at most one batch of documents (``batch_docs`` / ``batch_bytes``) is held at
+a time. Every bad input (malformed JSON line, invalid UTF-8, missing or non-string text field,
+empty file, unsupported file) is recorded with its file and line in an :class:`ErrorLog`, which
+either counts it and goes on (``on_error="skip"``) or raises :class:`BadInputError` (``"stop"``).
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import os
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+DOC_SCHEMA = pa.schema([("id", pa.string()), ("source", pa.string()), ("text", pa.string())])
+JSON_EXTS = (".jsonl", ".json", ".ndjson")
+TEXT_EXTS = (".txt", ".text", ".md", ".rst")
+PARQUET_EXTS = (".parquet",)
+COMPRESSED = (".gz", ".zst", ".zstd")
+ON_ERROR = ("skip", "stop")
+
+
+@dataclass(frozen=True)
+class InputError:
+    """One bad input: ``line`` is 1-based (a row number for Parquet), 0 for the whole file."""
+
+    file: str
+    line: int
+    kind: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}: {self.kind}: {self.message}"
+
+
+class BadInputError(ValueError):
+    """Raised on the first bad input when ``on_error="stop"``."""
+
+    def __init__(self, error: InputError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+@dataclass
+class ErrorLog:
+    """Counts bad inputs by kind and keeps the first ``keep`` of them (all are counted)."""
+
+    on_error: str = "skip"
+    keep: int = 1000
+    counts: Counter[str] = field(default_factory=Counter)
+    errors: list[InputError] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.on_error not in ON_ERROR:
+            raise ValueError(f"on_error must be one of {ON_ERROR}, got {self.on_error!r}")
+
+    def report(self, file: str | Path, line: int, kind: str, message: str) -> None:
+        """Record one bad input; raises BadInputError when stopping on errors."""
+        error = InputError(str(file), line, kind, message)
+        self.counts[kind] += 1
+        if len(self.errors) < self.keep:
+            self.errors.append(error)
+        if self.on_error == "stop":
+            raise BadInputError(error)
+
+    def merge(self, other: ErrorLog) -> None:
+        """Add another log's counts and kept errors."""
+        self.counts.update(other.counts)
+        self.errors.extend(other.errors[: max(0, self.keep - len(self.errors))])
+
+    @property
+    def total(self) -> int:
+        """Number of bad inputs seen."""
+        return sum(self.counts.values())
+
+
+@dataclass(frozen=True)
+class IngestConfig:
+    """How input files are read."""
+
+    text_key: str = "text"
+    """JSON field / Parquet column holding the document text."""
+    id_key: str = "id"
+    """Field holding a document id (optional; ``file:line`` is used when absent)."""
+    source_key: str = "source"
+    """Field naming the document's source (optional; the file's stem is used when absent)."""
+    batch_docs: int = 2000
+    """Documents per record batch."""
+    batch_bytes: int = 16 << 20
+    """Text characters per record batch (whichever bound is hit first closes the batch)."""
+    split_bytes: int = 8 << 20
+    """Uncompressed JSONL files larger than this are read as several work items in parallel."""
+
+    def __post_init__(self) -> None:
+        if self.batch_docs < 1 or self.batch_bytes < 1 or self.split_bytes < 1:
+            raise ValueError(
+                f"batch_docs ({self.batch_docs}), batch_bytes ({self.batch_bytes}) and "
+                f"split_bytes ({self.split_bytes}) must be >= 1"
+            )
+
+
+def file_kind(path: Path) -> str:
+    """``json``, ``parquet``, ``text`` or ``unknown`` from the name (compression suffix ignored)."""
+    name = path.name.lower()
+    for ext in COMPRESSED:
+        if name.endswith(ext):
+            name = name[: -len(ext)]
+    if name.endswith(JSON_EXTS):
+        return "json"
+    if name.endswith(PARQUET_EXTS):
+        return "parquet"
+    if name.endswith(TEXT_EXTS):
+        return "text"
+    return "unknown"
+
+
+def expand_inputs(paths: Iterable[str | Path]) -> list[Path]:
+    """Input files: files as given, folders searched recursively (sorted, hidden files skipped)."""
+    files: list[Path] = []
+    for raw in paths:
+        path = Path(raw)
+        if path.is_dir():
+            files.extend(sorted(
+                p for p in path.rglob("*")
+                if p.is_file() and not any(s.startswith(".") for s in p.relative_to(path).parts)
+            ))
+        elif path.exists():
+            files.append(path)
+        else:
+            raise FileNotFoundError(f"input {path} does not exist")
+    return files
+
+
+def open_binary(path: Path) -> IO[bytes]:
+    """Open a possibly compressed file for binary reading (gzip built in, zstd via zstandard)."""
+    name = path.name.lower()
+    if name.endswith(".gz"):
+        return gzip.open(path, "rb")
+    if name.endswith((".zst", ".zstd")):
+        try:
+            import zstandard
+        except ImportError as exc:  # optional dependency
+            raise RuntimeError(f"{path}: reading .zst files needs the 'zstandard' package") from exc
+        raw = open(path, "rb")  # noqa: SIM115 - closed with the returned stream
+        reader = zstandard.ZstdDecompressor().stream_reader(raw, closefd=True)
+        return io.BufferedReader(reader)
+    return open(path, "rb")
+
+
+class _Batcher:
+    """Collects (id, source, text) rows and cuts them into bounded record batches."""
+
+    def __init__(self, config: IngestConfig) -> None:
+        self.config = config
+        self.ids: list[str] = []
+        self.sources: list[str] = []
+        self.texts: list[str] = []
+        self.nbytes = 0
+
+    def add(self, doc_id: str, source: str, text: str) -> pa.RecordBatch | None:
+        self.ids.append(doc_id)
+        self.sources.append(source)
+        self.texts.append(text)
+        self.nbytes += len(text)
+        full = len(self.texts) >= self.config.batch_docs or self.nbytes >= self.config.batch_bytes
+        return self.flush() if full else None
+
+    def flush(self) -> pa.RecordBatch | None:
+        if not self.texts:
+            return None
+        batch = pa.RecordBatch.from_arrays(
+            [pa.array(self.ids, pa.string()), pa.array(self.sources, pa.string()),
+             pa.array(self.texts, pa.string())],
+            schema=DOC_SCHEMA,
+        )
+        self.ids, self.sources, self.texts, self.nbytes = [], [], [], 0
+        return batch
+
+
+def source_name(path: Path) -> str:
+    """Default source of a file's documents: its name without extensions."""
+    return path.name.split(".")[0] or path.name
+
+
+def _json_fields(
+    record: object, config: IngestConfig, path: Path, line_no: int, log: ErrorLog
+) -> tuple[str, str, str] | None:
+    if not isinstance(record, dict):
+        log.report(path, line_no, "json", f"expected a JSON object, got {type(record).__name__}")
+        return None
+    text = record.get(config.text_key)
+    if text is None:
+        log.report(path, line_no, "missing_key", f"no {config.text_key!r} field")
+        return None
+    if not isinstance(text, str):
+        log.report(path, line_no, "not_text", f"{config.text_key!r} is {type(text).__name__}")
+        return None
+    doc_id = record.get(config.id_key)
+    source = record.get(config.source_key)
+    return (
+        str(doc_id) if doc_id is not None else f"{path.name}:{line_no}",
+        str(source) if isinstance(source, str) and source else source_name(path),
+        text,
+    )
+
+
+def read_jsonl(path: Path, config: IngestConfig, log: ErrorLog, start: int = 0,
+               end: int | None = None, first_line: int = 1) -> Iterator[pa.RecordBatch]:
+    """Stream a JSON-lines file (or its byte range ``[start, end)`` beginning at line
+    ``first_line``); blank lines are ignored, bad lines reported with their number."""
+    batcher = _Batcher(config)
+    seen = 0
+    with open_binary(path) as f:
+        if start:
+            f.seek(start)
+        pos = start
+        for line_no, raw in enumerate(f, start=first_line):
+            if end is not None and pos >= end:
+                break
+            pos += len(raw)
+            if not raw.strip():
+                continue
+            seen += 1
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                log.report(path, line_no, "utf8", f"invalid UTF-8 at byte {exc.start} of the line")
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                log.report(path, line_no, "json", f"malformed JSON: {exc.msg} (column {exc.colno})")
+                continue
+            fields = _json_fields(record, config, path, line_no, log)
+            if fields is not None and (batch := batcher.add(*fields)) is not None:
+                yield batch
+    if seen == 0 and start == 0 and end is None:
+        log.report(path, 0, "empty_file", "no documents in file")
+    if (batch := batcher.flush()) is not None:
+        yield batch
+
+
+def read_parquet(path: Path, config: IngestConfig, log: ErrorLog) -> Iterator[pa.RecordBatch]:
+    """Stream a Parquet file's text column (row numbers are reported as lines)."""
+    try:
+        pf = pq.ParquetFile(path)
+    except (pa.ArrowInvalid, OSError) as exc:
+        log.report(path, 0, "parquet", f"unreadable Parquet file: {exc}")
+        return
+    names = set(pf.schema_arrow.names)
+    if config.text_key not in names:
+        log.report(path, 0, "missing_key", f"no {config.text_key!r} column (has {sorted(names)})")
+        return
+    if pf.metadata.num_rows == 0:
+        log.report(path, 0, "empty_file", "no rows in file")
+        return
+    columns = [c for c in (config.text_key, config.id_key, config.source_key) if c in names]
+    batcher = _Batcher(config)
+    row = 0
+    for rb in pf.iter_batches(batch_size=config.batch_docs, columns=columns):
+        data = {name: rb.column(name).to_pylist() for name in columns}
+        for i in range(rb.num_rows):
+            row += 1
+            record = {name: data[name][i] for name in columns}
+            fields = _json_fields(record, config, path, row, log)
+            if fields is not None and (batch := batcher.add(*fields)) is not None:
+                yield batch
+    if (batch := batcher.flush()) is not None:
+        yield batch
+
+
+def read_text_files(
+    paths: list[Path], config: IngestConfig, log: ErrorLog, source: str | None = None
+) -> Iterator[pa.RecordBatch]:
+    """One document per plain-text file; the source is the parent folder's name by default."""
+    batcher = _Batcher(config)
+    for path in paths:
+        with open_binary(path) as f:
+            data = f.read()
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            line = data.count(b"\n", 0, exc.start) + 1
+            log.report(path, line, "utf8", f"invalid UTF-8 at byte {exc.start} of the file")
+            continue
+        if not text.strip():
+            log.report(path, 0, "empty_file", "file is empty")
+            continue
+        name = source or path.parent.name or source_name(path)
+        if (batch := batcher.add(str(path), name, text)) is not None:
+            yield batch
+    if (batch := batcher.flush()) is not None:
+        yield batch
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    """A unit of ingest work: a JSONL/Parquet file (or a byte range of a large uncompressed
+    JSONL file, starting at line ``first_line``), or a group of plain-text files."""
+
+    kind: str
+    files: tuple[str, ...]
+    start: int = 0
+    end: int | None = None
+    first_line: int = 1
+
+    @property
+    def label(self) -> str:
+        """Short description for progress displays."""
+        extra = f" (+{len(self.files) - 1} files)" if len(self.files) > 1 else ""
+        span = f" [{self.start}:{self.end}]" if self.end is not None else ""
+        return f"{Path(self.files[0]).name}{extra}{span}"
+
+    @property
+    def nbytes(self) -> int:
+        """Input bytes this item reads (for progress)."""
+        if self.end is not None:
+            return self.end - self.start
+        return sum(os.path.getsize(f) for f in self.files)
+
+
+def split_jsonl(path: Path, split_bytes: int) -> list[WorkItem]:
+    """Byte ranges of an uncompressed JSONL file, cut after newlines, with their first line."""
+    size = path.stat().st_size
+    if size <= split_bytes or path.name.lower().endswith(COMPRESSED):
+        return [WorkItem("json", (str(path),))]
+    items: list[WorkItem] = []
+    start, line = 0, 1
+    with open(path, "rb") as f:
+        while start < size:
+            f.seek(min(start + split_bytes, size))
+            f.readline()  # finish the current line: ranges start at line starts
+            end = min(f.tell(), size) if start + split_bytes < size else size
+            f.seek(start)
+            lines = f.read(end - start).count(b"\n")
+            items.append(WorkItem("json", (str(path),), start, end, line))
+            start, line = end, line + lines
+    return items
+
+
+def plan_work(files: list[Path], text_group: int = 512,
+              split_bytes: int = 8 << 20) -> tuple[list[WorkItem], list[Path]]:
+    """Group files into work items (in input order); also returns unsupported files."""
+    items: list[WorkItem] = []
+    pending: list[str] = []
+    unknown: list[Path] = []
+
+    def close_group() -> None:
+        if pending:
+            items.append(WorkItem("text", tuple(pending)))
+            pending.clear()
+
+    for path in files:
+        kind = file_kind(path)
+        if kind == "unknown":
+            unknown.append(path)
+        elif kind == "text":
+            if pending and Path(pending[-1]).parent != path.parent:
+                close_group()
+            pending.append(str(path))
+            if len(pending) == text_group:
+                close_group()
+        else:
+            close_group()
+            items.extend(split_jsonl(path, split_bytes) if kind == "json"
+                         else [WorkItem(kind, (str(path),))])
+    close_group()
+    return items, unknown
+
+
+def read_work_item(item: WorkItem, config: IngestConfig, log: ErrorLog) -> Iterator[pa.RecordBatch]:
+    """Record batches (schema :data:`DOC_SCHEMA`) of one work item."""
+    if item.kind == "json":
+        yield from read_jsonl(Path(item.files[0]), config, log, item.start, item.end,
+                              item.first_line)
+    elif item.kind == "parquet":
+        yield from read_parquet(Path(item.files[0]), config, log)
+    elif item.kind == "text":
+        yield from read_text_files([Path(f) for f in item.files], config, log)
+    else:
+        raise ValueError(f"unknown work item kind {item.kind!r}")
+
+
+def iter_documents(
+    paths: Iterable[str | Path], config: IngestConfig | None = None, log: ErrorLog | None = None
+) -> Iterator[pa.RecordBatch]:
+    """All documents of the given files/folders as record batches, sequentially."""
+    config = config or IngestConfig()
+    log = log if log is not None else ErrorLog()
+    items, unknown = plan_work(expand_inputs(paths), split_bytes=config.split_bytes)
+    for path in unknown:
+        log.report(path, 0, "unsupported", "unknown file type (expected jsonl/parquet/txt)")
+    for item in items:
+        yield from read_work_item(item, config, log)

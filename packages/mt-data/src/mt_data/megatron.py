@@ -1,0 +1,160 @@
+"""Megatron-LM ``.bin`` / ``.idx`` (MMIDIDX) export and import.
+
+``.bin``: all sequences' token ids back to back in one dtype. ``.idx`` (little endian):
+magic ``b"MMIDIDX\\x00\\x00"``, version u64 = 1, dtype code u8, sequence count u64, document
+count u64 (sequences + 1), sequence lengths int32[n], sequence byte offsets int64[n], document
+boundaries int64[docs] (sequence indices, starting with 0). We write one sequence per document
+(EOD included), which is what Megatron's ``preprocess_data.py`` produces without sentence
+splitting.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mt_data.shards import ShardSetWriter, TokenDataset
+
+MAGIC = b"MMIDIDX\x00\x00"
+VERSION = 1
+DTYPE_CODES: dict[int, np.dtype] = {
+    1: np.dtype(np.uint8), 2: np.dtype(np.int8), 3: np.dtype(np.int16), 4: np.dtype(np.int32),
+    5: np.dtype(np.int64), 6: np.dtype(np.float64), 7: np.dtype(np.float32),
+    8: np.dtype(np.uint16),
+}
+CODE_OF = {dtype: code for code, dtype in DTYPE_CODES.items()}
+_HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequences, documents
+
+
+def megatron_dtype(dtype: np.dtype) -> np.dtype:
+    """The dtype Megatron can read for our token dtype (uint32 ids are stored as int32)."""
+    dtype = np.dtype(dtype)
+    return np.dtype(np.int32) if dtype == np.uint32 else dtype
+
+
+def encode_index(dtype: np.dtype, sizes: np.ndarray, doc_idx: np.ndarray) -> bytes:
+    """The bytes of an ``.idx`` file for sequences of ``sizes`` tokens."""
+    dtype = np.dtype(dtype)
+    sizes32 = np.asarray(sizes, dtype=np.int32)
+    pointers = np.zeros(len(sizes32), dtype=np.int64)
+    if len(sizes32) > 1:
+        np.cumsum(sizes32[:-1].astype(np.int64) * dtype.itemsize, out=pointers[1:])
+    head = _HEADER.pack(MAGIC, VERSION, CODE_OF[dtype], len(sizes32), len(doc_idx))
+    return (head + sizes32.astype("<i4").tobytes() + pointers.astype("<i8").tobytes()
+            + np.asarray(doc_idx, dtype="<i8").tobytes())
+
+
+@dataclass(frozen=True)
+class MegatronIndex:
+    """Parsed ``.idx`` file."""
+
+    dtype: np.dtype
+    sizes: np.ndarray
+    pointers: np.ndarray
+    doc_idx: np.ndarray
+
+
+def read_index(path: str | Path) -> MegatronIndex:
+    """Parse and validate an ``.idx`` file (memory-mapped arrays)."""
+    buffer = np.memmap(path, dtype=np.uint8, mode="r")
+    if len(buffer) < _HEADER.size:
+        raise ValueError(f"{path}: {len(buffer)} bytes is too short for an MMIDIDX header")
+    magic, version, code, n_seq, n_doc = _HEADER.unpack(bytes(buffer[: _HEADER.size]))
+    if magic != MAGIC:
+        raise ValueError(f"{path}: bad magic {magic!r}, expected {MAGIC!r}")
+    if version != VERSION:
+        raise ValueError(f"{path}: index version {version}, expected {VERSION}")
+    if code not in DTYPE_CODES:
+        raise ValueError(f"{path}: unknown dtype code {code}")
+    off = _HEADER.size
+    need = off + n_seq * 4 + n_seq * 8 + n_doc * 8
+    if len(buffer) < need:
+        raise ValueError(f"{path}: {len(buffer)} bytes but the header announces {need}")
+    sizes = np.frombuffer(buffer, dtype="<i4", count=n_seq, offset=off)
+    pointers = np.frombuffer(buffer, dtype="<i8", count=n_seq, offset=off + 4 * n_seq)
+    doc_idx = np.frombuffer(buffer, dtype="<i8", count=n_doc, offset=off + 12 * n_seq)
+    return MegatronIndex(DTYPE_CODES[code], sizes, pointers, doc_idx)
+
+
+class MegatronReader:
+    """Random access to the sequences of a ``PREFIX.bin`` / ``PREFIX.idx`` pair."""
+
+    def __init__(self, prefix: str | Path) -> None:
+        self.index = read_index(f"{prefix}.idx")
+        self.bin = np.memmap(f"{prefix}.bin", dtype=np.uint8, mode="r")
+
+    def __len__(self) -> int:
+        return len(self.index.sizes)
+
+    def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
+        """Tokens of sequence i (a view into the memory map)."""
+        size = int(self.index.sizes[i])
+        length = size - offset if length is None else length
+        start = int(self.index.pointers[i]) + offset * self.index.dtype.itemsize
+        return np.frombuffer(self.bin, dtype=self.index.dtype, count=length, offset=start)
+
+
+def export_megatron(data: TokenDataset | str | Path, prefix: str | Path) -> dict[str, Any]:
+    """Write ``PREFIX.bin`` / ``PREFIX.idx``: one sequence per document, EOD included."""
+    ds = data if isinstance(data, TokenDataset) else TokenDataset(data)
+    dtype = megatron_dtype(ds.dtype)
+    prefix = Path(prefix)
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    bin_path, idx_path = Path(f"{prefix}.bin"), Path(f"{prefix}.idx")
+    tmp_bin = bin_path.with_name(f".{bin_path.name}.tmp")
+    with open(tmp_bin, "wb") as f:
+        for k in range(len(ds.index["shards"])):
+            docs = np.flatnonzero(ds.doc_shards == k)
+            if len(docs) == 0:
+                continue
+            start = int(ds.doc_starts[docs[0]])
+            stop = int(ds.doc_starts[docs[-1]] + ds.doc_lengths[docs[-1]])
+            f.write(ds.tokens(int(docs[0]), 0, stop - start).astype(dtype, copy=False).tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+    tmp_idx = idx_path.with_name(f".{idx_path.name}.tmp")
+    tmp_idx.write_bytes(encode_index(dtype, ds.doc_lengths, np.arange(len(ds) + 1)))
+    os.replace(tmp_bin, bin_path)
+    os.replace(tmp_idx, idx_path)
+    return {"documents": len(ds), "tokens": ds.num_tokens, "dtype": dtype.name,
+            "bin": str(bin_path), "idx": str(idx_path), "bytes": bin_path.stat().st_size}
+
+
+def import_megatron(prefix: str | Path, out_dir: str | Path, tokenizer: dict[str, Any],
+                    shard_tokens: int = 64 << 20) -> dict[str, Any]:
+    """Read ``PREFIX.bin/.idx`` into a token-shard folder; a document = its sequences joined.
+
+    ``tokenizer`` is the metadata to record (see ``Tokenizer.describe``); ids are stored in the
+    smallest unsigned dtype that holds the vocabulary.
+    """
+    reader = MegatronReader(prefix)
+    doc_idx = np.asarray(reader.index.doc_idx, dtype=np.int64)
+    if len(doc_idx) == 0 or doc_idx[0] != 0 or doc_idx[-1] != len(reader):
+        raise ValueError(f"{prefix}.idx: document boundaries must run from 0 to {len(reader)}")
+    vocab = int(tokenizer["vocab_size"])
+    dtype = np.dtype(np.uint16 if vocab <= 65536 else np.uint32)
+    writer = ShardSetWriter(out_dir, tokenizer, dtype.name, resume=False)
+    seq_sizes = np.asarray(reader.index.sizes, dtype=np.int64)
+    doc_sizes = np.add.reduceat(seq_sizes, doc_idx[:-1]) if len(seq_sizes) else seq_sizes
+    doc_sizes[doc_idx[:-1] == doc_idx[1:]] = 0
+    name = Path(prefix).name
+    # Consecutive sequences are contiguous in .bin, so a run of documents is one slice.
+    doc, shard = 0, 0
+    n_docs = len(doc_idx) - 1
+    while doc < n_docs:
+        cum = np.cumsum(doc_sizes[doc:])
+        stop = doc + max(1, int(np.searchsorted(cum, shard_tokens, side="right")))
+        first_seq, last_seq = int(doc_idx[doc]), int(doc_idx[stop])
+        total = int(seq_sizes[first_seq:last_seq].sum())
+        start = int(reader.index.pointers[first_seq]) if total else 0
+        tokens = np.frombuffer(reader.bin, dtype=reader.index.dtype, count=total, offset=start)
+        ids = [f"{name}:{i}" for i in range(doc, stop)]
+        writer.add(f"shard-{shard:05d}.arrow", tokens.astype(dtype), doc_sizes[doc:stop], ids,
+                   [name] * (stop - doc))
+        doc, shard = stop, shard + 1
+    return writer.finish({"imported_from": str(prefix)})

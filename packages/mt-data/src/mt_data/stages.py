@@ -1,0 +1,184 @@
+"""The per-chunk and global steps of ``prepare``, kept free of orchestration and display.
+
+Stage 1 (``clean_item``, run in worker processes): read one work item, normalise and filter,
+decontaminate, hash and MinHash each chunk, and write it as ``work/clean-IIIII-CCCCC.arrow``
+with a ``.json`` sidecar (its stats and bad-input reports). Stage 2 (``global_dedup``): exact
+and fuzzy dedup over all chunks at once. Stage 3 is tokenization (in ``pipeline``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from mt_data.decontam import DecontamConfig, NgramIndex, decontaminate_batch
+from mt_data.dedup import DedupConfig, MinHasher, content_hashes, first_occurrences, fuzzy_dedup
+from mt_data.filters import FilterConfig, filter_batch
+from mt_data.ingest import ErrorLog, IngestConfig, WorkItem, iter_documents, read_work_item
+from mt_data.shards import atomic_write_bytes, atomic_write_json
+
+
+@dataclass(frozen=True)
+class CleanConfig:
+    """Everything stage 1 needs (picklable: sent to worker processes)."""
+
+    ingest: IngestConfig = IngestConfig()
+    filters: FilterConfig = FilterConfig()
+    dedup: DedupConfig = DedupConfig()
+    decontam: DecontamConfig | None = None
+    eval_paths: tuple[str, ...] = ()
+    on_error: str = "skip"
+
+
+@dataclass
+class ChunkStats:
+    """Counts of one chunk (also summed over a whole run)."""
+
+    documents_in: int = 0
+    bytes_in: int = 0
+    documents_out: int = 0
+    dropped: Counter[str] = field(default_factory=Counter)
+    errors: Counter[str] = field(default_factory=Counter)
+    error_samples: list[str] = field(default_factory=list)
+
+    def add(self, other: ChunkStats) -> None:
+        """Accumulate another chunk's counts (keeps at most 100 error samples)."""
+        self.documents_in += other.documents_in
+        self.bytes_in += other.bytes_in
+        self.documents_out += other.documents_out
+        self.dropped.update(other.dropped)
+        self.errors.update(other.errors)
+        self.error_samples.extend(other.error_samples[: max(0, 100 - len(self.error_samples))])
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain dict (for sidecars and the index)."""
+        data = asdict(self)
+        data["dropped"], data["errors"] = dict(self.dropped), dict(self.errors)
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ChunkStats:
+        """Inverse of :meth:`to_json`."""
+        return cls(data["documents_in"], data["bytes_in"], data["documents_out"],
+                   Counter(data["dropped"]), Counter(data["errors"]),
+                   list(data["error_samples"]))
+
+
+def load_eval_index(config: CleanConfig) -> NgramIndex | None:
+    """N-gram index of the evaluation files, or None when decontamination is off."""
+    if config.decontam is None or not config.eval_paths:
+        return None
+    texts: list[str] = []
+    for batch in iter_documents(config.eval_paths, config.ingest, ErrorLog("skip")):
+        texts.extend(batch.column("text").to_pylist())
+    return NgramIndex.from_texts(texts, config.decontam.ngram)
+
+
+def clean_chunk(batch: pa.RecordBatch, config: CleanConfig, hasher: MinHasher,
+                eval_index: NgramIndex | None) -> tuple[pa.RecordBatch, ChunkStats]:
+    """Filter, decontaminate and fingerprint one batch of documents."""
+    stats = ChunkStats(batch.num_rows, int(pa.compute.sum(
+        pa.compute.binary_length(batch.column("text"))).as_py() or 0))
+    batch, dropped = filter_batch(batch, config.filters)
+    stats.dropped.update(dropped)
+    if eval_index is not None and config.decontam is not None:
+        batch, dstats = decontaminate_batch(batch, eval_index, config.decontam)
+        stats.dropped["contaminated"] += dstats["dropped"]
+        stats.dropped["contaminated_cut_pieces"] += dstats["pieces"]
+    texts = batch.column("text")
+    hashes = content_hashes(texts.to_pylist())
+    if config.dedup.fuzzy:
+        sig, has = hasher.signatures(texts)
+    else:
+        sig = np.zeros((batch.num_rows, config.dedup.num_perm), dtype=np.uint32)
+        has = np.zeros(batch.num_rows, dtype=bool)
+    num_perm = config.dedup.num_perm
+    out = pa.RecordBatch.from_arrays(
+        [batch.column("id"), batch.column("source"), texts,
+         pa.FixedSizeBinaryArray.from_buffers(pa.binary(16), len(hashes),
+                                              [None, pa.py_buffer(hashes.tobytes())]),
+         pa.FixedSizeListArray.from_arrays(pa.array(sig.ravel()), num_perm),
+         pa.array(has)],
+        names=["id", "source", "text", "hash", "minhash", "has_shingles"],
+    )
+    stats.documents_out = out.num_rows
+    return out, stats
+
+
+def _write_chunk(path: Path, batch: pa.RecordBatch, stats: ChunkStats) -> None:
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_file(sink, batch.schema) as writer:
+        writer.write_batch(batch)
+    atomic_write_bytes(path, sink.getvalue().to_pybytes())
+    atomic_write_json(path.with_suffix(".json"), stats.to_json())  # the chunk's "done" mark
+
+
+def clean_item(index: int, item: WorkItem, config: CleanConfig, work: str) -> dict[str, Any]:
+    """Stage 1 for one work item; chunks finished by an earlier run are skipped."""
+    work_dir = Path(work)
+    done_mark = work_dir / f"item-{index:05d}.json"
+    if done_mark.exists():
+        return json.loads(done_mark.read_text())
+    hasher = MinHasher(config.dedup.num_perm, config.dedup.ngram, config.dedup.seed)
+    eval_index = load_eval_index(config)
+    log = ErrorLog(config.on_error)
+    chunks: list[str] = []
+    seen = 0
+
+    def new_errors(stats: ChunkStats) -> None:
+        nonlocal seen
+        fresh = log.errors[seen:]
+        seen = len(log.errors)
+        stats.error_samples = [str(e) for e in fresh[:100]]
+        stats.errors = Counter(e.kind for e in fresh)
+
+    for c, batch in enumerate(read_work_item(item, config.ingest, log)):
+        path = work_dir / f"clean-{index:05d}-{c:05d}.arrow"
+        chunks.append(path.name)
+        if path.with_suffix(".json").exists() and path.exists():
+            seen = len(log.errors)
+            continue
+        out, stats = clean_chunk(batch, config, hasher, eval_index)
+        new_errors(stats)
+        _write_chunk(path, out, stats)
+    tail = ChunkStats()
+    new_errors(tail)
+    result = {"item": index, "files": list(item.files), "chunks": chunks, "tail": tail.to_json()}
+    atomic_write_json(done_mark, result)
+    return result
+
+
+def global_dedup(chunk_paths: list[Path], config: DedupConfig) -> tuple[np.ndarray, dict[str, int]]:
+    """Keep mask over all documents of all chunks (in order) and dedup counts."""
+    hashes, sigs, has = [], [], []
+    for path in chunk_paths:
+        batch = pa.ipc.open_file(pa.memory_map(str(path), "r")).get_batch(0)
+        hashes.append(np.frombuffer(batch.column("hash").buffers()[1], dtype=np.uint8)
+                      .reshape(-1, 16)[batch.column("hash").offset:][: batch.num_rows])
+        minhash = batch.column("minhash")
+        sigs.append(minhash.values.to_numpy().reshape(-1, config.num_perm)[: batch.num_rows])
+        has.append(batch.column("has_shingles").to_numpy(zero_copy_only=False))
+    n = sum(len(h) for h in hashes)
+    stats = {"documents": n, "exact_duplicates": 0, "fuzzy_duplicates": 0,
+             "fuzzy_clusters": 0, "candidate_pairs": 0}
+    keep = np.ones(n, dtype=bool)
+    if n == 0:
+        return keep, stats
+    if config.exact:
+        keep = first_occurrences(np.concatenate(hashes))
+        stats["exact_duplicates"] = int(n - keep.sum())
+    if config.fuzzy:
+        alive = np.flatnonzero(keep)
+        result = fuzzy_dedup(np.concatenate(sigs)[alive], np.concatenate(has)[alive],
+                             config.bands, config.threshold)
+        keep[alive[~result.keep]] = False
+        stats["fuzzy_duplicates"] = result.removed
+        stats["fuzzy_clusters"] = result.clusters
+        stats["candidate_pairs"] = result.candidate_pairs
+    return keep, stats

@@ -1,0 +1,125 @@
+"""Tokenizers on real text: GPT-2 ids, round trips, EOD, training, loading from files."""
+
+from __future__ import annotations
+
+import gzip
+import shutil
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mt_data.corpus import corpus_texts
+from mt_data.tokenizer import (
+    EOD_TOKEN,
+    TokenizerError,
+    gpt2,
+    load_tokenizer,
+    train_tokenizer,
+)
+
+
+@pytest.fixture(scope="module")
+def texts() -> list[str]:
+    return corpus_texts()
+
+
+def test_gpt2_known_ids() -> None:
+    tok = gpt2()
+    assert tok.encode("Hello world") == [15496, 995]
+    assert tok.vocab_size == 50257
+    assert tok.eod_id == 50256
+    assert tok.dtype == np.uint16
+
+
+@pytest.mark.parametrize("name", ["gpt2", "tokenizer-1k"])
+def test_round_trip_and_eod(name: str, texts: list[str]) -> None:
+    tok = load_tokenizer(name)
+    sample = texts[::15]  # Moby-Dick chapters and State of the Union addresses
+    batch = tok.encode_batch(sample)
+    docs = batch.documents()
+    assert len(docs) == len(sample)
+    assert int(batch.lengths.sum()) == len(batch.tokens)
+    for text, ids in zip(sample, docs, strict=True):
+        assert ids[-1] == tok.eod_id  # one EOD per document, at its end
+        assert (ids[:-1] != tok.eod_id).all()
+        assert tok.decode(ids[:-1]) == text
+        assert list(ids[:-1]) == tok.encode(text)
+    plain = tok.encode_batch(sample[:2], append_eod=False)
+    assert int(plain.lengths.sum()) == int(batch.lengths[:2].sum()) - 2
+
+
+def test_shipped_tokenizer_1k(texts: list[str]) -> None:
+    tok = load_tokenizer("tokenizer-1k")
+    assert tok.vocab_size == 1000
+    assert tok.eod_id == 0
+    # Trained on this corpus it compresses it better than bytes (about 3 bytes per token).
+    batch = tok.encode_batch(texts[:20], append_eod=False)
+    assert sum(len(t.encode()) for t in texts[:20]) / len(batch.tokens) > 2.5
+
+
+def test_train_is_deterministic(texts: list[str], tmp_path: Path) -> None:
+    a = train_tokenizer(texts[:40], 600)
+    b = train_tokenizer(texts[:40], 600)
+    assert a.vocab_size == 600
+    assert a.backend.get_vocab() == b.backend.get_vocab()
+    assert a.encode(EOD_TOKEN) == [0]
+    a.save(tmp_path / "tok.json")
+    loaded = load_tokenizer(tmp_path / "tok.json")
+    assert loaded.encode(texts[50][:2000]) == a.encode(texts[50][:2000])
+    # A folder holding tokenizer.json works too.
+    shutil.copy(tmp_path / "tok.json", tmp_path / "tokenizer.json")
+    assert load_tokenizer(tmp_path).vocab_size == 600
+
+
+def test_vocab_merges_folder(tmp_path: Path, texts: list[str]) -> None:
+    assets = resources.files("mt_data") / "assets"
+    for name in ("gpt2-vocab.json", "gpt2-merges.txt"):
+        data = gzip.decompress((assets / f"{name}.gz").read_bytes())
+        (tmp_path / name.replace("gpt2-", "")).write_bytes(data)
+    tok = load_tokenizer(tmp_path)
+    assert tok.encode(texts[0][:3000]) == gpt2().encode(texts[0][:3000])
+
+
+def test_errors(tmp_path: Path) -> None:
+    with pytest.raises(TokenizerError, match="no tokenizer"):
+        load_tokenizer(tmp_path / "missing.json")
+    with pytest.raises(TokenizerError, match="neither"):
+        load_tokenizer(tmp_path)
+    with pytest.raises(TokenizerError, match="257"):
+        train_tokenizer(["some text"], 100)
+
+
+TRICKY = [
+    "x² + y² = z²", "a\x1cb\x1fc", "end<|endoftext|>start", "emoji 😀 here", "naïve café",
+    "中文字符 测试", "tab\tsep  \n  lines\n\n", "it's don't we'll I'd 'S", "_foo_ __bar__",
+    "12,345.67 and 3rd", "Ⅻ roman ½", "\u00a0nbsp\u2009thin\u3000ideo", "a\u0085b", "x\u200by",
+    "e\u0301 combining", " leading", "trailing  ", "", "   ", "\n", "Ünïcödé Ωmega",
+]
+
+
+@pytest.mark.parametrize("name", ["gpt2", "tokenizer-1k"])
+def test_fast_encoder_matches_hf_exactly(name: str, texts: list[str]) -> None:
+    fast = load_tokenizer(name)
+    slow = load_tokenizer(name)
+    slow.fast = False  # the plain HF encode_batch path
+    assert fast.fast
+    docs = texts[::9] + TRICKY + [texts[0][:500] + t for t in TRICKY]
+    a, b = fast.encode_batch(docs), slow.encode_batch(docs)
+    np.testing.assert_array_equal(a.lengths, b.lengths)
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    for text in TRICKY:  # one at a time too (exercises the all-safe and all-unsafe paths)
+        assert list(fast.encode_batch([text], append_eod=False).tokens) == slow.encode(text)
+
+
+def test_fast_encoder_only_for_gpt2_style(tmp_path: Path) -> None:
+    from tokenizers import normalizers
+
+    tok = train_tokenizer(corpus_texts()[:5], 400)
+    tok.backend.normalizer = normalizers.Lowercase()
+    tok.save(tmp_path / "lower.json")
+    lowered = load_tokenizer(tmp_path / "lower.json")
+    assert not lowered.fast  # a normalizer: the HF pipeline is used as is
+    assert list(lowered.encode_batch(["Call Me"], append_eod=False).tokens) == \
+        lowered.encode("call me")

@@ -1,0 +1,39 @@
+"""mt_dist: 3D-parallel topology maths, process groups and launcher discovery for mt.
+
+Pure pieces (no processes): :class:`Topology`, the SLURM node-list parsers and
+:func:`discover`. Process-group pieces: :func:`init_distributed` and :func:`build_groups`.
+The multi-process test harness lives in :mod:`mt_dist.testing`.
+"""
+
+from mt_dist.groups import ParallelGroups, backend_for, build_groups
+from mt_dist.launcher import (
+    LaunchError,
+    LaunchInfo,
+    discover,
+    free_port,
+    init_distributed,
+    local_device,
+)
+from mt_dist.nodelist import expand_nodelist, expand_tasks_per_node, first_host
+from mt_dist.topology import Coord, Topology, TopologyError
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Coord",
+    "LaunchError",
+    "LaunchInfo",
+    "ParallelGroups",
+    "Topology",
+    "TopologyError",
+    "__version__",
+    "backend_for",
+    "build_groups",
+    "discover",
+    "expand_nodelist",
+    "expand_tasks_per_node",
+    "first_host",
+    "free_port",
+    "init_distributed",
+    "local_device",
+]

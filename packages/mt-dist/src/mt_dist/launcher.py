@@ -1,0 +1,293 @@
+"""Find out who we are (rank, world, master) from the launcher's environment, then init.
+
+Supported launchers, in priority order:
+
+1. torchrun / torch elastic (``RANK`` and ``WORLD_SIZE`` set);
+2. MPI (``mpirun``/``mpiexec``: ``OMPI_COMM_WORLD_RANK``, ``PMI_RANK`` or ``PMIX_RANK`` set):
+   through mpi4py when it is importable (local rank from a shared-memory communicator split,
+   master address and a free port broadcast from rank 0), else from the launcher's env vars;
+3. SLURM (``srun``: ``SLURM_PROCID`` set), master = first host of the step's node list;
+4. a single process.
+
+Libraries never read ``os.environ``: the app passes it to :func:`discover`.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from mt_dist.groups import backend_for
+from mt_dist.nodelist import expand_tasks_per_node, first_host
+
+__all__ = [
+    "LaunchError", "LaunchInfo", "discover", "free_port", "init_distributed", "local_device",
+]
+
+LAUNCHERS = ("torchrun", "mpi", "slurm", "single")
+DEFAULT_MASTER_ADDR = "127.0.0.1"
+DEFAULT_MASTER_PORT = 29500
+_MPI_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
+
+
+class LaunchError(ValueError):
+    """The launcher environment is incomplete or inconsistent."""
+
+
+@dataclass(frozen=True)
+class LaunchInfo:
+    """Where this process sits in the job, as told by its launcher.
+
+    Attributes:
+        rank: global rank in [0, world_size).
+        world_size: number of processes in the job.
+        local_rank: rank among the processes on this node (selects the GPU).
+        local_world_size: number of processes on this node.
+        master_addr: host of the rendezvous store (where rank 0 runs).
+        master_port: TCP port of the rendezvous store (0: any free port, single process only).
+        launcher: one of ``"torchrun"``, ``"mpi"``, ``"slurm"``, ``"single"``.
+    """
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+    launcher: str
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise LaunchError(f"world size must be >= 1, got {self.world_size}")
+        if not 0 <= self.rank < self.world_size:
+            raise LaunchError(f"rank {self.rank} is outside [0, {self.world_size})")
+        if not 1 <= self.local_world_size <= self.world_size:
+            raise LaunchError(
+                f"local world size {self.local_world_size} is outside [1, {self.world_size}]"
+            )
+        if not 0 <= self.local_rank < self.local_world_size:
+            raise LaunchError(
+                f"local rank {self.local_rank} is outside [0, {self.local_world_size})"
+            )
+        if not 0 <= self.master_port <= 65535 or (self.master_port == 0 and self.world_size > 1):
+            raise LaunchError(
+                f"master port {self.master_port} is invalid for world size {self.world_size} "
+                "(1-65535; 0 means 'any' and is allowed only for a single process)"
+            )
+        if not self.master_addr:
+            raise LaunchError("master address is empty")
+        if self.launcher not in LAUNCHERS:
+            raise LaunchError(f"launcher {self.launcher!r} is not one of {LAUNCHERS}")
+
+
+def _int(environ: Mapping[str, str], *names: str, default: int | None = None) -> int:
+    """The first of ``names`` present in ``environ``, as an int."""
+    for name in names:
+        if name in environ:
+            try:
+                return int(environ[name].strip())
+            except ValueError:
+                raise LaunchError(f"{name}={environ[name]!r} is not an integer") from None
+    if default is None:
+        raise LaunchError(f"none of {', '.join(names)} is set")
+    return default
+
+
+def discover(environ: Mapping[str, str], *, use_mpi4py: bool = True) -> LaunchInfo:
+    """Read this process's :class:`LaunchInfo` from a launcher environment mapping.
+
+    ``MASTER_ADDR`` / ``MASTER_PORT``, when set, override what a launcher would derive.
+    With ``use_mpi4py=False`` (or when mpi4py is not installed) MPI jobs are read from the
+    launcher's variables only; this is pure, needs ``MASTER_ADDR`` for multi-node jobs and
+    cannot pick a free port.
+    """
+    if "RANK" in environ and "WORLD_SIZE" in environ:
+        return _from_torchrun(environ)
+    if any(name in environ for name in _MPI_RANK_VARS):
+        if use_mpi4py:
+            try:
+                from mpi4py import MPI  # noqa: F401 - optional dependency; initializes MPI
+            except ImportError:
+                pass
+            else:
+                return _from_mpi4py(environ)
+        return _from_mpi_env(environ)
+    if "SLURM_PROCID" in environ:
+        return _from_slurm(environ)
+    return LaunchInfo(
+        rank=0, world_size=1, local_rank=0, local_world_size=1,
+        master_addr=environ.get("MASTER_ADDR", DEFAULT_MASTER_ADDR),
+        master_port=_int(environ, "MASTER_PORT", default=0),
+        launcher="single",
+    )
+
+
+def _from_torchrun(environ: Mapping[str, str]) -> LaunchInfo:
+    if "LOCAL_RANK" in environ and "LOCAL_WORLD_SIZE" not in environ:
+        raise LaunchError(f"LOCAL_RANK={environ['LOCAL_RANK']} is set but LOCAL_WORLD_SIZE is not")
+    return LaunchInfo(
+        rank=_int(environ, "RANK"),
+        world_size=_int(environ, "WORLD_SIZE"),
+        local_rank=_int(environ, "LOCAL_RANK", default=0),
+        local_world_size=_int(environ, "LOCAL_WORLD_SIZE", default=1),
+        master_addr=environ.get("MASTER_ADDR", DEFAULT_MASTER_ADDR),
+        master_port=_int(environ, "MASTER_PORT", default=DEFAULT_MASTER_PORT),
+        launcher="torchrun",
+    )
+
+
+def _from_mpi_env(environ: Mapping[str, str]) -> LaunchInfo:
+    """Open MPI (OMPI_COMM_WORLD_*) or MPICH/Hydra (PMI_*, MPI_LOCAL*) variables."""
+    world_size = _int(environ, "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+    local_world_size = _int(environ, "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
+    if "MASTER_ADDR" in environ:
+        addr = environ["MASTER_ADDR"]
+    elif local_world_size == world_size:
+        addr = DEFAULT_MASTER_ADDR  # everyone is on this node
+    else:
+        raise LaunchError(
+            f"MPI job spans nodes ({world_size} ranks, {local_world_size} on this node): set "
+            "MASTER_ADDR or install mpi4py so rank 0 can broadcast its address"
+        )
+    return LaunchInfo(
+        rank=_int(environ, *_MPI_RANK_VARS),
+        world_size=world_size,
+        local_rank=_int(environ, "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID"),
+        local_world_size=local_world_size,
+        master_addr=addr,
+        master_port=_int(environ, "MASTER_PORT", default=DEFAULT_MASTER_PORT),
+        launcher="mpi",
+    )
+
+
+def _from_mpi4py(environ: Mapping[str, str]) -> LaunchInfo:
+    """Ask MPI itself; rank 0 broadcasts the rendezvous address and a free port."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    rank, world_size = comm.Get_rank(), comm.Get_size()
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    local_rank, local_world_size = node.Get_rank(), node.Get_size()
+    node.Free()
+    single_node = local_world_size == world_size  # the same answer on every rank
+    addr = environ.get("MASTER_ADDR")
+    if addr is None:
+        mine = (DEFAULT_MASTER_ADDR if single_node else socket.gethostname()) if rank == 0 else None
+        addr = comm.bcast(mine, root=0)
+    if "MASTER_PORT" in environ:
+        port = _int(environ, "MASTER_PORT")
+    else:
+        port = comm.bcast(free_port() if rank == 0 else None, root=0)
+    return LaunchInfo(
+        rank=rank, world_size=world_size, local_rank=local_rank,
+        local_world_size=local_world_size, master_addr=addr, master_port=port, launcher="mpi",
+    )
+
+
+def _from_slurm(environ: Mapping[str, str]) -> LaunchInfo:
+    """srun tasks: SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID and the step's node list."""
+    world_size = _int(environ, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS")
+    nodelist = next(
+        (environ[n] for n in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
+         if n in environ),
+        None,
+    )
+    if "MASTER_ADDR" in environ:
+        addr = environ["MASTER_ADDR"]
+    elif nodelist is not None:
+        try:
+            addr = first_host(nodelist)
+        except ValueError as err:
+            raise LaunchError(str(err)) from None
+    else:
+        raise LaunchError("SLURM job without SLURM_JOB_NODELIST / SLURM_NODELIST or MASTER_ADDR")
+    # All tasks of a job must agree on the port without talking: derive it from the job id
+    # (so two jobs sharing a node do not collide) unless MASTER_PORT says otherwise.
+    job_port = 15000 + _int(environ, "SLURM_JOB_ID", "SLURM_JOBID", default=14500) % 20000
+    return LaunchInfo(
+        rank=_int(environ, "SLURM_PROCID"),
+        world_size=world_size,
+        local_rank=_int(environ, "SLURM_LOCALID", default=0),
+        local_world_size=_slurm_local_world_size(environ),
+        master_addr=addr,
+        master_port=_int(environ, "MASTER_PORT", default=job_port),
+        launcher="slurm",
+    )
+
+
+def _slurm_local_world_size(environ: Mapping[str, str]) -> int:
+    for name in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
+        if name not in environ:
+            continue
+        try:
+            counts = expand_tasks_per_node(environ[name])
+        except ValueError as err:
+            raise LaunchError(f"{name}: {err}") from None
+        if "SLURM_NODEID" in environ:
+            node = _int(environ, "SLURM_NODEID")
+            if not 0 <= node < len(counts):
+                raise LaunchError(f"SLURM_NODEID {node} is outside the {len(counts)} nodes "
+                                  f"of {name}={environ[name]!r}")
+            return counts[node]
+        if len(set(counts)) == 1:
+            return counts[0]
+    if "SLURM_NTASKS_PER_NODE" in environ:
+        return _int(environ, "SLURM_NTASKS_PER_NODE")
+    raise LaunchError(
+        "cannot tell how many SLURM tasks run on this node: set SLURM_TASKS_PER_NODE with "
+        "SLURM_NODEID, or SLURM_NTASKS_PER_NODE"
+    )
+
+
+def free_port(host: str = "") -> int:
+    """A TCP port that was free a moment ago (the OS's pick for port 0)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def local_device(info: LaunchInfo, *, use_cuda: bool | None = None) -> torch.device:
+    """``cuda:<local_rank>`` when CUDA is used (default: when available), else ``cpu``."""
+    if use_cuda is None:
+        use_cuda = torch.cuda.is_available()
+    return torch.device("cuda", info.local_rank) if use_cuda else torch.device("cpu")
+
+
+def init_distributed(
+    info: LaunchInfo,
+    device: torch.device | str = "cpu",
+    *,
+    timeout: timedelta | float = timedelta(minutes=10),
+) -> None:
+    """Initialize the default process group for ``info`` (gloo on CPU, nccl on CUDA).
+
+    Rendezvous is ``tcp://master_addr:master_port`` (rank 0 hosts the store); the
+    environment is neither read nor modified. ``timeout`` (a timedelta or seconds) bounds
+    the rendezvous and every collective, so a missing rank fails instead of hanging.
+    """
+    if dist.is_initialized():
+        raise RuntimeError("the default process group is already initialized")
+    device = torch.device(device)
+    backend = backend_for(device)
+    if not isinstance(timeout, timedelta):
+        timeout = timedelta(seconds=float(timeout))
+    if device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", info.local_rank)
+        torch.cuda.set_device(device)
+    host = info.master_addr
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"  # IPv6 literal inside a URL
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{host}:{info.master_port}",
+        rank=info.rank,
+        world_size=info.world_size,
+        timeout=timeout,
+        device_id=device if device.type == "cuda" else None,
+    )

@@ -1,0 +1,138 @@
+"""The multi-process test harness: results, failures, crashes and hangs."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mt_dist.testing import (
+    DistributedTestError,
+    DistributedTimeoutError,
+    launch_local,
+    run_distributed,
+)
+
+
+def _describe(offset: int, *, scale: float = 1.0) -> tuple[int, int, str, int, float]:
+    value = torch.tensor([float(dist.get_rank() + offset)])
+    dist.all_reduce(value)
+    return (dist.get_rank(), dist.get_world_size(), dist.get_backend(),
+            torch.get_num_threads(), value.item() * scale)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_returns_values_by_rank(world_size: int) -> None:
+    results = run_distributed(_describe, world_size, 10, scale=0.5, timeout=60)
+    total = sum(range(world_size)) + 10 * world_size
+    assert results == [(r, world_size, "gloo", 1, total * 0.5) for r in range(world_size)]
+
+
+def _tensor_result() -> torch.Tensor:
+    return torch.arange(6, dtype=torch.float32).reshape(2, 3) * (dist.get_rank() + 1)
+
+
+def test_tensor_results_round_trip() -> None:
+    a, b = run_distributed(_tensor_result, 2, timeout=60)
+    assert a.shape == (2, 3) and a.dtype == torch.float32
+    assert torch.equal(b, 2 * a) and torch.equal(a.flatten(), torch.arange(6.0))
+
+
+def _fail_on_rank_one() -> int:
+    if dist.get_rank() == 1:
+        raise ValueError("boom from rank one")
+    return dist.get_rank()
+
+
+def test_propagates_a_rank_exception_with_traceback() -> None:
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_fail_on_rank_one, 3, timeout=60)
+    err = info.value
+    assert err.rank == 1
+    assert "rank 1 of 3 failed" in str(err)
+    assert "ValueError: boom from rank one" in str(err)
+    assert "_fail_on_rank_one" in str(err)  # the traceback names the failing function
+    assert not isinstance(err, DistributedTimeoutError)
+
+
+def _fail_while_others_wait() -> None:
+    if dist.get_rank() == 0:
+        raise KeyError("root cause on rank 0")
+    dist.all_reduce(torch.ones(1))  # never completes: rank 0 is gone
+
+
+def test_root_cause_is_reported_first_and_waiting_ranks_are_killed() -> None:
+    start = time.monotonic()
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_fail_while_others_wait, 4, timeout=60)
+    assert info.value.rank == 0
+    assert "KeyError: 'root cause on rank 0'" in str(info.value)
+    assert time.monotonic() - start < 20  # did not wait for the 60 s timeout
+
+
+def _hang_on_rank_one() -> int:
+    if dist.get_rank() == 1:
+        time.sleep(3600)
+    return dist.get_rank()
+
+
+def test_times_out_on_a_hang_and_shows_the_stuck_stack() -> None:
+    start = time.monotonic()
+    with pytest.raises(DistributedTimeoutError) as info:
+        run_distributed(_hang_on_rank_one, 2, timeout=2.0)
+    elapsed = time.monotonic() - start
+    assert 2.0 <= elapsed < 10.0
+    message = str(info.value)
+    assert "timed out after 2 s" in message and "ranks [1] of 2 had not finished" in message
+    assert "_hang_on_rank_one" in message  # faulthandler dump of the stuck rank
+
+
+def _crash_on_rank_one() -> int:
+    if dist.get_rank() == 1:
+        os._exit(3)
+    return 0
+
+
+def test_a_crashed_rank_is_reported_with_its_exit_code() -> None:
+    with pytest.raises(DistributedTestError, match="rank 1 exited with code 3"):
+        run_distributed(_crash_on_rank_one, 2, timeout=60)
+
+
+def _unpicklable() -> object:
+    return lambda: None
+
+
+def test_unpicklable_result_is_an_error() -> None:
+    with pytest.raises(DistributedTestError, match="rank 0 of 1 failed"):
+        run_distributed(_unpicklable, 1, timeout=60)
+
+
+def _noisy_matmul(n: int) -> float:
+    print("stdout noise " * 1000)
+    print("stderr noise " * 1000, file=sys.stderr)
+    x = torch.ones(n, n)
+    return float((x @ x)[0, 0])
+
+
+def test_after_parent_used_threads_and_with_noisy_children() -> None:
+    x = torch.randn(300, 300)
+    (x @ x).sum()  # the parent's intra-op thread pool is now live before forking
+    assert run_distributed(_noisy_matmul, 2, 64, timeout=60) == [64.0, 64.0]
+
+
+def test_spawn_start_method_also_works() -> None:
+    # One rank only: every spawned child re-imports torch (seconds each on 2 cores).
+    results = launch_local(_describe, 1, args=(1,), kwargs={"scale": 2.0}, timeout=120,
+                           start_method="spawn")
+    assert results == [(0, 1, "gloo", 1, 2.0)]
+
+
+def test_argument_validation() -> None:
+    with pytest.raises(ValueError, match="world_size must be >= 1, got 0"):
+        run_distributed(_describe, 0, 1)
+    with pytest.raises(ValueError, match="timeout must be > 0 seconds, got 0"):
+        run_distributed(_describe, 1, 1, timeout=0)

@@ -1,0 +1,172 @@
+"""Launcher discovery from plain dict environments (pure), and a real tcp:// init."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mt_dist import LaunchError, LaunchInfo, discover, free_port, init_distributed, local_device
+
+TORCHRUN = {
+    "RANK": "5", "WORLD_SIZE": "16", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
+    "MASTER_ADDR": "10.0.0.7", "MASTER_PORT": "29400",
+}
+OPEN_MPI = {
+    "OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "8",
+    "OMPI_COMM_WORLD_LOCAL_RANK": "3", "OMPI_COMM_WORLD_LOCAL_SIZE": "8",
+}
+MPICH = {"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"}
+SLURM = {
+    "SLURM_PROCID": "6", "SLURM_NTASKS": "8", "SLURM_LOCALID": "2", "SLURM_NODEID": "1",
+    "SLURM_TASKS_PER_NODE": "4(x2)", "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "123456",
+}
+
+
+def test_torchrun() -> None:
+    assert discover(TORCHRUN) == LaunchInfo(5, 16, 1, 4, "10.0.0.7", 29400, "torchrun")
+
+
+def test_torchrun_defaults_and_missing_local_world_size() -> None:
+    info = discover({"RANK": "0", "WORLD_SIZE": "2"})
+    assert info == LaunchInfo(0, 2, 0, 1, "127.0.0.1", 29500, "torchrun")
+    with pytest.raises(LaunchError, match="LOCAL_RANK=1 is set but LOCAL_WORLD_SIZE is not"):
+        discover({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"})
+
+
+def test_bad_integer_names_the_variable() -> None:
+    with pytest.raises(LaunchError, match=r"WORLD_SIZE='two' is not an integer"):
+        discover({"RANK": "0", "WORLD_SIZE": "two"})
+    with pytest.raises(LaunchError, match=r"rank 4 is outside \[0, 4\)"):
+        discover({"RANK": "4", "WORLD_SIZE": "4"})
+
+
+def test_open_mpi_env_single_node() -> None:
+    info = discover(OPEN_MPI, use_mpi4py=False)
+    assert info == LaunchInfo(3, 8, 3, 8, "127.0.0.1", 29500, "mpi")
+
+
+def test_mpich_env_with_master_overrides() -> None:
+    env = {**MPICH, "MASTER_ADDR": "head", "MASTER_PORT": "1234"}
+    assert discover(env, use_mpi4py=False) == LaunchInfo(1, 2, 1, 2, "head", 1234, "mpi")
+
+
+def test_pmix_rank_is_recognised() -> None:
+    env = {"PMIX_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "2",
+           "OMPI_COMM_WORLD_LOCAL_SIZE": "4"}
+    assert discover(env, use_mpi4py=False).rank == 2
+
+
+def test_multi_node_mpi_without_mpi4py_needs_master_addr() -> None:
+    env = {**OPEN_MPI, "OMPI_COMM_WORLD_LOCAL_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "3"}
+    with pytest.raises(LaunchError, match=r"spans nodes \(8 ranks, 4 on this node\)"):
+        discover(env, use_mpi4py=False)
+    info = discover({**env, "MASTER_ADDR": "n0"}, use_mpi4py=False)
+    assert (info.master_addr, info.local_world_size) == ("n0", 4)
+
+
+def test_slurm() -> None:
+    info = discover(SLURM)
+    assert info == LaunchInfo(6, 8, 2, 4, "gpu07", 15000 + 123456 % 20000, "slurm")
+
+
+def test_slurm_uneven_nodes_step_nodelist_and_overrides() -> None:
+    env = {
+        "SLURM_PROCID": "6", "SLURM_NTASKS": "7", "SLURM_LOCALID": "0", "SLURM_NODEID": "3",
+        "SLURM_TASKS_PER_NODE": "2(x3),1", "SLURM_STEP_NODELIST": "node[01-03,07]",
+        "SLURM_NODELIST": "ignored[1-9]", "MASTER_PORT": "4000",
+    }
+    assert discover(env) == LaunchInfo(6, 7, 0, 1, "node01", 4000, "slurm")
+    with pytest.raises(LaunchError, match=r"SLURM_NODEID 4 is outside the 4 nodes"):
+        discover({**env, "SLURM_NODEID": "4"})
+
+
+def test_slurm_ntasks_per_node_fallback_and_missing_counts() -> None:
+    env = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "1",
+           "SLURM_NTASKS_PER_NODE": "2", "SLURM_NODELIST": "solo", "MASTER_ADDR": "elsewhere"}
+    info = discover(env)
+    assert (info.local_world_size, info.master_addr) == (2, "elsewhere")
+    del env["SLURM_NTASKS_PER_NODE"]
+    with pytest.raises(LaunchError, match="how many SLURM tasks run on this node"):
+        discover(env)
+
+
+def test_priority_torchrun_then_mpi_then_slurm() -> None:
+    assert discover({**SLURM, **MPICH, **TORCHRUN}, use_mpi4py=False).launcher == "torchrun"
+    assert discover({**SLURM, **MPICH}, use_mpi4py=False).launcher == "mpi"
+    assert discover(SLURM).launcher == "slurm"
+
+
+def test_single_process() -> None:
+    assert discover({}) == LaunchInfo(0, 1, 0, 1, "127.0.0.1", 0, "single")
+    assert discover({"MASTER_PORT": "2222"}).master_port == 2222
+
+
+@pytest.mark.parametrize(
+    ("args", "pattern"),
+    [
+        ((0, 0, 0, 1, "h", 1, "single"), r"world size must be >= 1, got 0"),
+        ((0, 2, 2, 2, "h", 1, "mpi"), r"local rank 2 is outside \[0, 2\)"),
+        ((0, 2, 0, 3, "h", 1, "mpi"), r"local world size 3 is outside \[1, 2\]"),
+        ((0, 2, 0, 1, "h", 0, "mpi"), r"master port 0 is invalid for world size 2"),
+        ((0, 2, 0, 1, "h", 70000, "mpi"), r"master port 70000"),
+        ((0, 1, 0, 1, "", 1, "single"), r"master address is empty"),
+        ((0, 1, 0, 1, "h", 1, "pbs"), r"launcher 'pbs'"),
+    ],
+)
+def test_launch_info_validation(args: tuple, pattern: str) -> None:
+    with pytest.raises(LaunchError, match=pattern):
+        LaunchInfo(*args)
+
+
+def test_local_device() -> None:
+    info = LaunchInfo(3, 8, 3, 4, "h", 1, "torchrun")
+    assert local_device(info, use_cuda=False) == torch.device("cpu")
+    assert local_device(info, use_cuda=True) == torch.device("cuda", 3)
+
+
+def _init_and_reduce(info: LaunchInfo, out: mp.SimpleQueue) -> None:
+    torch.set_num_threads(1)
+    init_distributed(info, "cpu", timeout=timedelta(seconds=30))
+    try:
+        value = torch.tensor([float(info.rank + 1)])
+        dist.all_reduce(value)
+        out.put((info.rank, dist.get_backend(), value.item()))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_init_distributed_tcp_two_processes() -> None:
+    """Real tcp:// rendezvous without the test harness: two forked torchrun-like ranks."""
+    ctx = mp.get_context("fork")
+    out = ctx.SimpleQueue()
+    port = free_port()
+    env = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_PORT": str(port)}
+    infos = [discover({**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(2)]
+    procs = [ctx.Process(target=_init_and_reduce, args=(info, out)) for info in infos]
+    for p in procs:
+        p.start()
+    try:
+        for p in procs:
+            p.join(60)
+        assert [p.exitcode for p in procs] == [0, 0]
+        results = sorted(out.get() for _ in procs)
+        assert results == [(0, "gloo", 3.0), (1, "gloo", 3.0)]
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+
+
+def test_init_distributed_refuses_a_second_init() -> None:
+    info = discover({})
+    init_distributed(info, "cpu", timeout=10.0)
+    try:
+        assert dist.get_world_size() == 1
+        with pytest.raises(RuntimeError, match="already initialized"):
+            init_distributed(info, "cpu")
+    finally:
+        dist.destroy_process_group()

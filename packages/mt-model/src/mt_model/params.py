@@ -1,0 +1,86 @@
+"""Analytic parameter counts and model FLOPs (for planning, throughput and MFU).
+
+Everything here is closed-form arithmetic on a :class:`GPTConfig`; nothing builds a model,
+so it works for 530B-parameter configs on a laptop.
+"""
+
+from __future__ import annotations
+
+from mt_model.config import GPTConfig
+
+__all__ = [
+    "count_parameters",
+    "count_block_parameters",
+    "model_flops_per_iteration",
+    "model_flops_per_token_training",
+    "tflops_per_gpu",
+]
+
+
+def count_block_parameters(config: GPTConfig) -> int:
+    """Parameters of one transformer block (weights and biases of qkv, proj, fc, proj and
+    two LayerNorms): ``4h^2 + 2hf + 9h + f`` with f = ffn_hidden (``12h^2 + 13h`` for 4h)."""
+    h, f = config.hidden, config.ffn_hidden
+    attention = (h * 3 * h + 3 * h) + (h * h + h)
+    mlp = (h * f + f) + (f * h + h)
+    layernorms = 2 * 2 * h
+    return attention + mlp + layernorms
+
+
+def count_parameters(config: GPTConfig) -> int:
+    """Total parameters of :class:`mt_model.GPT` for ``config``; the output projection is
+    tied to the token embedding and counted once."""
+    h = config.hidden
+    embeddings = config.vocab_size * h + config.seq_len * h
+    final_layernorm = 2 * h
+    return embeddings + config.n_layers * count_block_parameters(config) + final_layernorm
+
+
+def model_flops_per_iteration(
+    config: GPTConfig, global_batch: int, seq_len: int | None = None
+) -> float:
+    """Model FLOPs of one training iteration with full activation recomputation.
+
+    ``F = 96 * B * s * l * h^2 * (1 + s / (6h) + V / (16 * l * h))`` (Narayanan et al. 2021,
+    "Efficient large-scale language model training on GPU clusters", eq. 3): forward,
+    backward (2x forward) and one recomputed forward of every matmul, assuming
+    ffn_hidden = 4h. This is the number MT-NLG used to report 126/121/113 TFLOP/s per GPU.
+    ``seq_len`` defaults to ``config.seq_len``.
+    """
+    if global_batch <= 0:
+        raise ValueError(f"global_batch must be positive, got {global_batch}")
+    s = config.seq_len if seq_len is None else seq_len
+    if s <= 0:
+        raise ValueError(f"seq_len must be positive, got {s}")
+    layers, h, vocab = config.n_layers, config.hidden, config.vocab_size
+    return (
+        96.0 * global_batch * s * layers * h * h
+        * (1.0 + s / (6.0 * h) + vocab / (16.0 * layers * h))
+    )
+
+
+def model_flops_per_token_training(config: GPTConfig) -> float:
+    """Training FLOPs per token without recomputation, for MFU: ``6N + 12 * l * h * s``.
+
+    ``6N`` covers forward + backward of every weight matmul (N = :func:`count_parameters`,
+    tied embedding once, since the head matmul is the one using it); ``12 * l * h * s`` is
+    the attention score and value matmuls (PaLM, Chowdhery et al. 2022, appendix B).
+    """
+    n = count_parameters(config)
+    return 6.0 * n + 12.0 * config.n_layers * config.hidden * config.seq_len
+
+
+def tflops_per_gpu(
+    config: GPTConfig,
+    global_batch: int,
+    iteration_seconds: float,
+    n_gpus: int,
+    seq_len: int | None = None,
+) -> float:
+    """Achieved model TFLOP/s per GPU, using :func:`model_flops_per_iteration`."""
+    if iteration_seconds <= 0 or n_gpus <= 0:
+        raise ValueError(
+            f"iteration_seconds={iteration_seconds} and n_gpus={n_gpus} must be positive"
+        )
+    flops = model_flops_per_iteration(config, global_batch, seq_len)
+    return flops / (iteration_seconds * n_gpus) / 1e12

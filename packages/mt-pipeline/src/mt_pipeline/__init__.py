@@ -1,0 +1,133 @@
+"""mt-pipeline: pipeline parallelism for mt.
+
+Pure, process-free core: schedules as data (:mod:`mt_pipeline.schedules`), a simulator that
+checks and times them (:mod:`mt_pipeline.simulator`), timeline export
+(:mod:`mt_pipeline.trace`), layer partitioning (:mod:`mt_pipeline.partition`) and the
+pipeline config (:mod:`mt_pipeline.config`). None of these import torch.
+
+Executor (needs torch and mt_dist, imported on first use): stages built from a GPT-like
+model (:mod:`mt_pipeline.stage`), per-layer activation checkpointing
+(:mod:`mt_pipeline.checkpointing`), P2P / collectives (:mod:`mt_pipeline.p2p`) and the
+instruction executor (:mod:`mt_pipeline.executor`).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from mt_pipeline.config import PipelineConfig, plan_pipeline
+from mt_pipeline.partition import (
+    PartitionError,
+    PipelinePlan,
+    StagePlan,
+    balanced_partition,
+    explicit_partition,
+    partition,
+    uniform_partition,
+)
+from mt_pipeline.schedules import (
+    SCHEDULES,
+    Backward,
+    Exchange,
+    Forward,
+    Instruction,
+    LoadMicroBatch,
+    OptimizerStep,
+    P2POp,
+    RecvActivation,
+    RecvGrad,
+    ReduceTiedGrads,
+    Schedule,
+    ScheduleError,
+    SendActivation,
+    SendGrad,
+    get_schedule,
+    gpipe,
+    interleaved_1f1b,
+    one_f_one_b,
+)
+from mt_pipeline.simulator import (
+    DeadlockError,
+    Event,
+    MismatchError,
+    SimulationResult,
+    check_dataflow,
+    check_matching,
+    peak_in_flight,
+    simulate,
+)
+from mt_pipeline.timeline import measured_timeline
+from mt_pipeline.trace import event_name, to_chrome_trace, write_chrome_trace, write_png
+
+__version__ = "0.1.0"
+
+# Torch-dependent names, imported lazily so the pure core works without torch.
+_LAZY = {
+    "ModelLayout": "mt_pipeline.stage",
+    "PipelineStage": "mt_pipeline.stage",
+    "build_stage": "mt_pipeline.stage",
+    "run_layers": "mt_pipeline.checkpointing",
+    "StageComm": "mt_pipeline.p2p",
+    "PipelineExecutor": "mt_pipeline.executor",
+    "StepResult": "mt_pipeline.executor",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'mt_pipeline' has no attribute {name!r}")
+
+
+__all__ = [
+    "SCHEDULES",
+    "Backward",
+    "DeadlockError",
+    "Event",
+    "Exchange",
+    "Forward",
+    "Instruction",
+    "LoadMicroBatch",
+    "MismatchError",
+    "ModelLayout",
+    "OptimizerStep",
+    "P2POp",
+    "PartitionError",
+    "PipelineConfig",
+    "PipelineExecutor",
+    "PipelinePlan",
+    "PipelineStage",
+    "RecvActivation",
+    "RecvGrad",
+    "ReduceTiedGrads",
+    "Schedule",
+    "ScheduleError",
+    "SendActivation",
+    "SendGrad",
+    "SimulationResult",
+    "StageComm",
+    "StagePlan",
+    "StepResult",
+    "__version__",
+    "balanced_partition",
+    "build_stage",
+    "check_dataflow",
+    "check_matching",
+    "event_name",
+    "explicit_partition",
+    "get_schedule",
+    "gpipe",
+    "interleaved_1f1b",
+    "measured_timeline",
+    "one_f_one_b",
+    "partition",
+    "peak_in_flight",
+    "plan_pipeline",
+    "run_layers",
+    "simulate",
+    "to_chrome_trace",
+    "uniform_partition",
+    "write_chrome_trace",
+    "write_png",
+]

@@ -1,0 +1,201 @@
+"""One pipeline stage of a GPT-like model: its slice of layers, plus the ends it owns.
+
+mt-pipeline does not import any model package. A model only has to follow a *layout*
+(:class:`ModelLayout`, defaults = ``mt_model.GPT``'s module names): an input module
+(token ids -> hidden), a container of layers (hidden -> hidden), final modules (hidden ->
+hidden), a head (``head(hidden, tied_weight)`` -> logits) and a loss module
+(``loss(logits, targets)`` -> scalar). :func:`build_stage` picks this stage's modules out
+of a full (or meta, or tensor-parallel) model; the stage keeps the model's parameter names
+(``blocks.5.attn.qkv.weight`` stays ``blocks.5.attn.qkv.weight``), so per-parameter init,
+checkpoints and gradient checks address parameters exactly as in the unsplit model.
+
+Tied embeddings: the first stage owns the input embedding, the last stage holds its own
+copy of the module that owns the tied weight (same name, same initial values) for the head;
+:meth:`PipelineStage.tied_parameters` lists the copy to sum over the embedding group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from mt_pipeline.checkpointing import run_layers
+from mt_pipeline.partition import PartitionError, StagePlan
+
+__all__ = ["ModelLayout", "PipelineStage", "build_stage"]
+
+
+def _check_name(field: str, name: str) -> None:
+    if not name or any(not part.isidentifier() for part in name.split(".")):
+        raise ValueError(f"ModelLayout.{field} must be a dotted module path, got {name!r}")
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    """Where a GPT-like model keeps its parts (module paths; defaults match ``mt_model.GPT``).
+
+    Attributes:
+        embed: input module, token ids [b, s] -> hidden [b, s, h] (first virtual stage).
+        layers: an ``nn.ModuleList``/``Sequential`` of hidden -> hidden layers.
+        final: modules applied in order after the last layer (e.g. the final LayerNorm).
+        head: output module; called ``head(x, tied_weight)`` when ``tied_weight`` is set,
+            else ``head(x)``; None means the final modules already give the logits.
+        tied_weight: parameter path of the weight shared by ``embed`` and ``head``.
+        loss: loss module, ``loss(logits, targets)`` -> scalar mean loss.
+    """
+
+    embed: str = "embed"
+    layers: str = "blocks"
+    final: tuple[str, ...] = ("ln_f",)
+    head: str | None = "head"
+    tied_weight: str | None = "embed.tokens.weight"
+    loss: str = "loss_fn"
+
+    def __post_init__(self) -> None:
+        for field, name in (("embed", self.embed), ("layers", self.layers), ("loss", self.loss)):
+            _check_name(field, name)
+        for name in self.final:
+            _check_name("final", name)
+        if self.head is not None:
+            _check_name("head", self.head)
+        if self.tied_weight is not None:
+            _check_name("tied_weight", self.tied_weight)
+            if "." not in self.tied_weight:
+                raise ValueError(
+                    f"ModelLayout.tied_weight must name a parameter inside a module "
+                    f"(e.g. 'embed.tokens.weight'), got {self.tied_weight!r}"
+                )
+            if self.head is None:
+                raise ValueError("ModelLayout.tied_weight needs a head that takes the weight")
+
+    @property
+    def tied_module(self) -> str | None:
+        """Path of the module owning the tied weight (e.g. ``embed.tokens``)."""
+        return None if self.tied_weight is None else self.tied_weight.rsplit(".", 1)[0]
+
+
+def _place(root: nn.Module, path: str, module: nn.Module) -> None:
+    """Register ``module`` at dotted ``path`` under ``root``, creating plain containers."""
+    *parents, leaf = path.split(".")
+    node = root
+    for name in parents:
+        child = node._modules.get(name)
+        if child is None:
+            child = nn.Module()
+            node.add_module(name, child)
+        node = child
+    if leaf in node._modules:
+        raise ValueError(f"module path {path!r} is placed twice on this stage")
+    node.add_module(leaf, module)
+
+
+class PipelineStage(nn.Module):
+    """The modules of one pipeline stage, run chunk by chunk by the executor.
+
+    Local chunk ``c`` holds the layers ``plan.chunks[c]`` (virtual stage ``c * p + stage``).
+    The first virtual stage starts with the embedding; the last ends with the final modules
+    and the head and also owns the loss. Parameter names are those of the full model.
+    """
+
+    def __init__(self, model: nn.Module, plan: StagePlan, layout: ModelLayout) -> None:
+        super().__init__()
+        self.plan, self.layout = plan, layout
+        layers = model.get_submodule(layout.layers)
+        for start, stop in plan.chunks:
+            if stop > len(layers):
+                raise PartitionError(
+                    f"stage {plan.stage} needs layers [{start}, {stop}) but "
+                    f"{layout.layers!r} has {len(layers)}"
+                )
+        # Layers keyed by their global index keep full-model names: "blocks.5....".
+        _place(self, layout.layers, nn.ModuleDict({str(i): layers[i] for i in plan.layers}))
+        if plan.has_embedding:
+            _place(self, layout.embed, model.get_submodule(layout.embed))
+        if plan.has_head:
+            for name in layout.final:
+                _place(self, name, model.get_submodule(name))
+            if layout.head is not None:
+                _place(self, layout.head, model.get_submodule(layout.head))
+            _place(self, layout.loss, model.get_submodule(layout.loss))
+            tied = layout.tied_module
+            if tied is not None and not plan.has_embedding:
+                # The last stage's own copy of the tied weight (the caller's model object is
+                # per process, so this is already a separate tensor from stage 0's).
+                _place(self, tied, model.get_submodule(tied))
+
+    @property
+    def stage_index(self) -> int:
+        """Pipeline stage index of this stage."""
+        return self.plan.stage
+
+    @property
+    def num_chunks(self) -> int:
+        """Number of local model chunks (virtual stages per stage)."""
+        return len(self.plan.chunks)
+
+    def is_first_chunk(self, chunk: int) -> bool:
+        """True if local ``chunk`` is the first virtual stage (takes token ids)."""
+        return self.plan.has_embedding and chunk == 0
+
+    def is_last_chunk(self, chunk: int) -> bool:
+        """True if local ``chunk`` is the last virtual stage (gives logits; owns the loss)."""
+        return self.plan.has_head and chunk == self.num_chunks - 1
+
+    def chunk_layers(self, chunk: int) -> list[nn.Module]:
+        """The layers of local ``chunk`` in order."""
+        start, stop = self.plan.chunks[chunk]
+        layers = self.get_submodule(self.layout.layers)
+        return [layers[str(i)] for i in range(start, stop)]
+
+    def forward_chunk(self, chunk: int, x: torch.Tensor, checkpoint: bool = False) -> torch.Tensor:
+        """Run local ``chunk`` on ``x`` (token ids for the first virtual stage, else hidden).
+
+        Returns hidden states, or logits on the last virtual stage. ``checkpoint`` recomputes
+        each layer in backward instead of keeping its inner activations.
+        """
+        if not 0 <= chunk < self.num_chunks:
+            raise IndexError(f"chunk {chunk} outside 0..{self.num_chunks - 1}")
+        if self.is_first_chunk(chunk):
+            x = self.get_submodule(self.layout.embed)(x)
+        x = run_layers(self.chunk_layers(chunk), x, checkpoint)
+        if self.is_last_chunk(chunk):
+            for name in self.layout.final:
+                x = self.get_submodule(name)(x)
+            if self.layout.head is not None:
+                head = self.get_submodule(self.layout.head)
+                tied = self.layout.tied_weight
+                x = head(x, self.get_parameter(tied)) if tied is not None else head(x)
+        return x
+
+    def forward(self, x: torch.Tensor, chunk: int = 0) -> torch.Tensor:
+        """Same as :meth:`forward_chunk` without checkpointing."""
+        return self.forward_chunk(chunk, x)
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The model's loss on the last stage."""
+        if not self.plan.has_head:
+            raise RuntimeError(f"stage {self.plan.stage} has no head, hence no loss")
+        return self.get_submodule(self.layout.loss)(logits, targets)
+
+    def tied_parameters(self) -> list[nn.Parameter]:
+        """Parameters whose gradients are summed over the embedding group: the tied weight
+        on the first and on the last stage when they are different stages, else none."""
+        tied = self.layout.tied_weight
+        if tied is None or self.plan.has_embedding == self.plan.has_head:
+            return []
+        return [self.get_parameter(tied)]
+
+
+def build_stage(
+    model: nn.Module, plan: StagePlan, layout: ModelLayout | None = None
+) -> PipelineStage:
+    """The :class:`PipelineStage` of ``plan`` made of ``model``'s modules (by reference).
+
+    ``model`` may be a real model, a meta one (materialise the stage afterwards with
+    ``to_empty`` and initialise each parameter by its full-model name) or one already made
+    tensor-parallel. Modules of other stages stay in ``model``; drop it after building.
+    """
+    return PipelineStage(model, plan, layout or ModelLayout())
+

@@ -1,0 +1,93 @@
+"""Megatron-style tensor slicing with sequence parallelism, applied to a plain model by plan.
+
+Public API:
+
+- communication (autograd, group passed explicitly): :func:`copy_to_tp`,
+  :func:`reduce_from_tp`, :func:`scatter_to_tp`, :func:`gather_from_tp`,
+  :func:`scatter_to_sequence`, :func:`gather_from_sequence`,
+  :func:`reduce_scatter_to_sequence`;
+- layers: :class:`ColumnParallelLinear`, :class:`RowParallelLinear`,
+  :class:`VocabParallelEmbedding`, :class:`VocabParallelHead`,
+  :func:`vocab_parallel_cross_entropy` / :class:`VocabParallelCrossEntropy`,
+  :class:`SequenceParallelLayerNorm`, :class:`ParallelTokenPositionEmbedding`;
+- randomness: :class:`RNGTracker`, :class:`RNGRegion`;
+- plans: :data:`GPT_PLAN`, :func:`apply_tensor_parallel`, :func:`param_styles`,
+  :func:`shard_state_dict`, :func:`merge_state_dicts`;
+- pure slicing maths: :func:`check_divisibility`, :func:`padded_vocab_size`,
+  :func:`shard_tensor`, :func:`merge_shards`.
+"""
+
+from mt_tensor_parallel.embedding import ParallelTokenPositionEmbedding
+from mt_tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from mt_tensor_parallel.mappings import (
+    copy_to_tp,
+    gather_from_sequence,
+    gather_from_tp,
+    reduce_from_tp,
+    reduce_scatter_to_sequence,
+    scatter_to_sequence,
+    scatter_to_tp,
+)
+from mt_tensor_parallel.plan import (
+    GPT_PLAN,
+    MODULE_STYLES,
+    TPContext,
+    apply_tensor_parallel,
+    match_plan,
+    merge_state_dicts,
+    param_styles,
+    shard_state_dict,
+)
+from mt_tensor_parallel.rng import TP_RNG, RNGTracker
+from mt_tensor_parallel.sequence import RNGRegion, SequenceParallelLayerNorm
+from mt_tensor_parallel.sharding import (
+    DEFAULT_PAD_MULTIPLE,
+    PARAM_STYLES,
+    check_divisibility,
+    merge_shards,
+    padded_vocab_size,
+    shard_tensor,
+    vocab_range,
+)
+from mt_tensor_parallel.vocab import (
+    VocabParallelCrossEntropy,
+    VocabParallelEmbedding,
+    VocabParallelHead,
+    vocab_parallel_cross_entropy,
+)
+
+__all__ = [
+    "DEFAULT_PAD_MULTIPLE",
+    "GPT_PLAN",
+    "MODULE_STYLES",
+    "PARAM_STYLES",
+    "TP_RNG",
+    "ColumnParallelLinear",
+    "ParallelTokenPositionEmbedding",
+    "RNGRegion",
+    "RNGTracker",
+    "RowParallelLinear",
+    "SequenceParallelLayerNorm",
+    "TPContext",
+    "VocabParallelCrossEntropy",
+    "VocabParallelEmbedding",
+    "VocabParallelHead",
+    "apply_tensor_parallel",
+    "check_divisibility",
+    "copy_to_tp",
+    "gather_from_sequence",
+    "gather_from_tp",
+    "match_plan",
+    "merge_shards",
+    "merge_state_dicts",
+    "padded_vocab_size",
+    "param_styles",
+    "reduce_from_tp",
+    "reduce_scatter_to_sequence",
+    "scatter_to_sequence",
+    "scatter_to_tp",
+    "shard_state_dict",
+    "shard_tensor",
+    "vocab_parallel_cross_entropy",
+    "vocab_range",
+]

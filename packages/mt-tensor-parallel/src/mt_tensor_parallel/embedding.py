@@ -1,0 +1,77 @@
+"""Tensor-parallel version of a GPT token + position embedding block."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from mt_tensor_parallel._comm import group_rank, group_size
+from mt_tensor_parallel.mappings import copy_to_tp
+from mt_tensor_parallel.rng import RNGTracker
+from mt_tensor_parallel.sharding import DEFAULT_PAD_MULTIPLE
+from mt_tensor_parallel.vocab import VocabParallelEmbedding
+
+__all__ = ["ParallelTokenPositionEmbedding"]
+
+
+class ParallelTokenPositionEmbedding(nn.Module):
+    """``drop(tokens(idx) + positions(arange(s)))`` with a vocabulary-parallel ``tokens``.
+
+    Children keep the names ``tokens`` (a :class:`VocabParallelEmbedding`), ``positions``
+    (replicated ``nn.Embedding``) and ``drop``, so state-dict keys do not change.
+    Without sequence parallelism the token partial sums are all-reduced and the output is
+    replicated [b, s, h]; dropout uses the default generator (same mask on every rank).
+    With it the partial sums are reduce-scattered along the sequence, this rank's position
+    rows are added (the position weight goes through copy_to_tp so its gradient is summed
+    over ranks) and the output [b, s/tp, h] gets dropout from the TP stream of ``tracker``.
+    """
+
+    def __init__(self, tokens: VocabParallelEmbedding, positions: nn.Embedding, drop: nn.Module,
+                 group: ProcessGroup | None, *, sequence_parallel: bool = False,
+                 tracker: RNGTracker | None = None) -> None:
+        super().__init__()
+        if sequence_parallel and tracker is None and group_size(group) > 1:
+            raise ValueError("sequence-parallel dropout needs an RNGTracker")
+        self.tokens, self.positions, self.drop = tokens, positions, drop
+        self.group, self.sequence_parallel = group, sequence_parallel
+        object.__setattr__(self, "tracker", tracker)
+
+    @classmethod
+    def from_module(cls, embed: nn.Module, group: ProcessGroup | None, *,
+                    sequence_parallel: bool = False, tracker: RNGTracker | None = None,
+                    pad_multiple: int = DEFAULT_PAD_MULTIPLE) -> ParallelTokenPositionEmbedding:
+        """Build from a module with ``tokens`` / ``positions`` embeddings and ``drop``."""
+        for child in ("tokens", "positions", "drop"):
+            if not hasattr(embed, child):
+                raise TypeError(f"{type(embed).__name__} has no '{child}' child")
+        tokens = VocabParallelEmbedding.from_embedding(
+            embed.tokens, group, pad_multiple=pad_multiple,
+            reduce="sequence" if sequence_parallel else "all")
+        return cls(tokens, embed.positions, embed.drop, group,
+                   sequence_parallel=sequence_parallel, tracker=tracker)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """``idx`` [b, s] -> [b, s, h], or [b, s/tp, h] with sequence parallelism."""
+        seq = idx.shape[-1]
+        max_seq = self.positions.num_embeddings
+        if seq > max_seq:
+            raise ValueError(f"sequence length {seq} exceeds the model's seq_len {max_seq}")
+        if not self.sequence_parallel:
+            positions = torch.arange(seq, device=idx.device)
+            return self.drop(self.tokens(idx) + F.embedding(positions, self.positions.weight))
+        size, rank = group_size(self.group), group_rank(self.group)
+        if seq % size != 0:
+            raise ValueError(f"sequence length {seq} is not divisible by tp {size}")
+        local = seq // size
+        x = self.tokens(idx)
+        weight = copy_to_tp(self.positions.weight, self.group)
+        x = x + weight[rank * local:(rank + 1) * local]
+        if self.tracker is None or not self.training:
+            return self.drop(x)
+        with self.tracker.fork():
+            return self.drop(x)
+
+    def extra_repr(self) -> str:
+        return f"sequence_parallel={self.sequence_parallel}"

@@ -1,0 +1,189 @@
+"""Column- and row-parallel Linear layers (Megatron tensor slicing of a matmul).
+
+Column-parallel: Y = X A with A split by output columns, so each rank computes a slice of
+Y's last dim. Row-parallel: A split by input rows; each rank multiplies its slice of X's
+last dim and the partial products are summed across ranks. A column layer followed by a
+row layer (attention qkv -> proj, MLP fc -> proj) needs one all-reduce forward and one
+backward. With sequence parallelism the all-reduce becomes an all-gather of the sequence
+in front of the column layer and a reduce-scatter of the sequence after the row layer.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from mt_tensor_parallel._comm import group_rank, group_size
+from mt_tensor_parallel.mappings import (
+    copy_to_tp,
+    gather_from_sequence,
+    gather_from_tp,
+    reduce_from_tp,
+    reduce_scatter_to_sequence,
+    scatter_to_tp,
+)
+from mt_tensor_parallel.sharding import shard_tensor
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear"]
+
+
+def _empty_param(shape: tuple[int, ...], device: torch.device | str | None,
+                 dtype: torch.dtype | None) -> nn.Parameter:
+    data = torch.empty(shape, device=device, dtype=dtype)
+    if not data.is_meta:
+        data.zero_()  # deterministic until real weights are loaded
+    return nn.Parameter(data)
+
+
+class ColumnParallelLinear(nn.Module):
+    """``nn.Linear(in_features, out_features)`` whose output features are split over the
+    TP group: this rank holds ``out_features / tp`` rows of the weight (and bias).
+
+    ``fused_chunks=3`` is for a fused [q; k; v] projection: each of the 3 blocks is split
+    separately so the local output is [q_local; k_local; v_local]. Input: replicated
+    [b, s, in] (or [b, s/tp, in] with ``sequence_parallel``, gathered here). Output:
+    [b, s, out/tp], or the full [b, s, out] with ``gather_output``.
+
+    Parameters start at zero; fill them with :meth:`load_full_` or build the layer with
+    :meth:`from_linear`.
+    """
+
+    def __init__(self, in_features: int, out_features: int, group: ProcessGroup | None,
+                 bias: bool = True, *, fused_chunks: int = 1, sequence_parallel: bool = False,
+                 gather_output: bool = False, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.group = group
+        self.tp_size, self.tp_rank = group_size(group), group_rank(group)
+        unit = fused_chunks * self.tp_size
+        if out_features % unit != 0:
+            raise ValueError(
+                f"out_features {out_features} is not divisible by fused_chunks {fused_chunks}"
+                f" x tp {self.tp_size} = {unit}"
+            )
+        if gather_output and (sequence_parallel or fused_chunks != 1):
+            raise ValueError("gather_output needs fused_chunks=1 and no sequence_parallel")
+        self.in_features, self.out_features = in_features, out_features
+        self.fused_chunks = fused_chunks
+        self.sequence_parallel = sequence_parallel
+        self.gather_output = gather_output
+        local = out_features // self.tp_size
+        self.weight = _empty_param((local, in_features), device, dtype)
+        self.bias = _empty_param((local,), device, dtype) if bias else None
+
+    @property
+    def param_style(self) -> str:
+        """Shard style of weight and bias (see :mod:`mt_tensor_parallel.sharding`)."""
+        return "column_qkv" if self.fused_chunks != 1 else "column"
+
+    @torch.no_grad()
+    def load_full_(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        """Copy this rank's slice of the unsliced ``weight`` [out, in] (and ``bias``)."""
+        args = (self.tp_rank, self.tp_size)
+        self.weight.copy_(shard_tensor(self.param_style, weight, *args, chunks=self.fused_chunks))
+        if self.bias is not None and bias is not None:
+            self.bias.copy_(shard_tensor(self.param_style, bias, *args, chunks=self.fused_chunks))
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group: ProcessGroup | None, *, fused_chunks: int = 1,
+                    sequence_parallel: bool = False, gather_output: bool = False
+                    ) -> ColumnParallelLinear:
+        """The slice of an existing ``nn.Linear`` (same device and dtype; meta stays meta)."""
+        layer = cls(linear.in_features, linear.out_features, group, linear.bias is not None,
+                    fused_chunks=fused_chunks, sequence_parallel=sequence_parallel,
+                    gather_output=gather_output, device=linear.weight.device,
+                    dtype=linear.weight.dtype)
+        if not linear.weight.is_meta:
+            layer.load_full_(linear.weight, linear.bias)
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            # The reduce-scatter in this gather's backward also sums the partial input
+            # gradients, so no copy_to_tp is needed on top.
+            x = gather_from_sequence(x, self.group)
+        else:
+            x = copy_to_tp(x, self.group)
+        y = F.linear(x, self.weight, self.bias)
+        return gather_from_tp(y, self.group) if self.gather_output else y
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features} "
+            f"(local {self.weight.shape[0]}), tp={self.tp_size}, rank={self.tp_rank}, "
+            f"fused_chunks={self.fused_chunks}, sequence_parallel={self.sequence_parallel}"
+        )
+
+
+class RowParallelLinear(nn.Module):
+    """``nn.Linear(in_features, out_features)`` whose input features are split over the TP
+    group: this rank holds ``in_features / tp`` columns of the weight; the bias is
+    replicated and added once, after the cross-rank sum.
+
+    Input: [b, s, in/tp] (``input_is_parallel``, the output of a column layer) or the full
+    [b, s, in] (sliced here). Output: replicated [b, s, out], or this rank's sequence slice
+    [b, s/tp, out] with ``sequence_parallel`` (reduce-scatter instead of all-reduce).
+    """
+
+    def __init__(self, in_features: int, out_features: int, group: ProcessGroup | None,
+                 bias: bool = True, *, input_is_parallel: bool = True,
+                 sequence_parallel: bool = False, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.group = group
+        self.tp_size, self.tp_rank = group_size(group), group_rank(group)
+        if in_features % self.tp_size != 0:
+            raise ValueError(f"in_features {in_features} is not divisible by tp {self.tp_size}")
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("sequence_parallel needs input_is_parallel=True")
+        self.in_features, self.out_features = in_features, out_features
+        self.input_is_parallel = input_is_parallel
+        self.sequence_parallel = sequence_parallel
+        self.weight = _empty_param((out_features, in_features // self.tp_size), device, dtype)
+        self.bias = _empty_param((out_features,), device, dtype) if bias else None
+
+    param_style = "row"
+
+    @torch.no_grad()
+    def load_full_(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        """Copy this rank's slice of the unsliced ``weight`` [out, in] (and the full bias)."""
+        self.weight.copy_(shard_tensor("row", weight, self.tp_rank, self.tp_size))
+        if self.bias is not None and bias is not None:
+            self.bias.copy_(bias)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group: ProcessGroup | None, *,
+                    input_is_parallel: bool = True, sequence_parallel: bool = False
+                    ) -> RowParallelLinear:
+        """The slice of an existing ``nn.Linear`` (same device and dtype; meta stays meta)."""
+        layer = cls(linear.in_features, linear.out_features, group, linear.bias is not None,
+                    input_is_parallel=input_is_parallel, sequence_parallel=sequence_parallel,
+                    device=linear.weight.device, dtype=linear.weight.dtype)
+        if not linear.weight.is_meta:
+            layer.load_full_(linear.weight, linear.bias)
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:  # nothing to reduce: the fused bias matches nn.Linear bit for bit
+            return F.linear(x, self.weight, self.bias)
+        if not self.input_is_parallel:
+            x = scatter_to_tp(x, self.group)
+        y = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence(y, self.group)
+            # The bias now meets only this rank's sequence slice: copy_to_tp all-reduces its
+            # gradient so every rank gets the full-sequence gradient.
+            bias = None if self.bias is None else copy_to_tp(self.bias, self.group)
+        else:
+            y = reduce_from_tp(y, self.group)
+            bias = self.bias
+        return y if bias is None else y + bias
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features} (local {self.weight.shape[1]}), "
+            f"out_features={self.out_features}, tp={self.tp_size}, rank={self.tp_rank}, "
+            f"sequence_parallel={self.sequence_parallel}"
+        )

@@ -1,0 +1,158 @@
+"""Optimizer checkpoints that move between data-parallel sizes and ZeRO stages.
+
+Each rank saves its own shard (:func:`shard_state_dict`): for every master piece, the
+parameter name, the piece's offset and length inside the flattened parameter, its fp32
+master values and its optimizer state, plus every parameter's full shape. That is enough to
+rebuild full per-parameter tensors offline (:func:`consolidate`, a pure function over the
+shards of all ranks) and to cut them again for any other layout
+(:func:`load_consolidated`, which each rank of the new layout calls with the same full
+state).
+
+Optimizer state tensors shaped like the piece (Adam's moments) are sharded; anything else
+(Adam's ``step`` counter) is replicated and taken from the first piece that has it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from mt_zero.optimizer import ZeroOptimizer
+
+__all__ = ["consolidate", "load_consolidated", "shard_state_dict"]
+
+SHARD_FORMAT = "mt-zero-shard/1"
+FULL_FORMAT = "mt-zero-full/1"
+
+
+def _optimizer_index(opt: ZeroOptimizer) -> dict[int, int]:
+    """Position of every master tensor in the inner optimizer's state_dict numbering."""
+    flat = [p for group in opt.optimizer.param_groups for p in group["params"]]
+    return {id(p): i for i, p in enumerate(flat)}
+
+
+def shard_state_dict(opt: ZeroOptimizer) -> dict[str, Any]:
+    """This rank's shard of the optimizer: master weights, optimizer state, loss scale.
+
+    Local (no communication); tensors are copies.
+    """
+    inner = opt.optimizer.state_dict()
+    index = _optimizer_index(opt)
+    pieces, master, state = [], [], []
+    for mp in opt.pieces:
+        pieces.append({"name": mp.name, "offset": mp.param_offset, "length": mp.length,
+                       "group": mp.group})
+        master.append(mp.tensor.detach().clone())
+        saved = inner["state"].get(index[id(mp.tensor)], {})
+        state.append({k: v.clone() if isinstance(v, torch.Tensor) else v
+                      for k, v in saved.items()})
+    return {
+        "format": SHARD_FORMAT,
+        "stage": opt.config.stage,
+        "dp_size": opt.dp_size,
+        "dp_rank": opt.dp_rank,
+        "shapes": opt.shapes,
+        "param_groups": [{k: v for k, v in g.items() if k != "params"}
+                         for g in inner["param_groups"]],
+        "pieces": pieces,
+        "master": master,
+        "state": state,
+        "scaler": None if opt.scaler is None else opt.scaler.state_dict(),
+    }
+
+
+def consolidate(shards: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Merge the shards of all ranks into full per-parameter tensors keyed by name.
+
+    Returns ``{"format", "shapes", "param_groups", "group_of", "master": {name: fp32
+    tensor}, "state": {name: {"sharded": {key: tensor}, "replicated": {key: value}}},
+    "scaler"}``. Raises ``ValueError`` if a shard is missing (elements left uncovered).
+    """
+    if not shards:
+        raise ValueError("consolidate needs at least one shard")
+    bad = [s.get("format") for s in shards if s.get("format") != SHARD_FORMAT]
+    if bad:
+        raise ValueError(f"expected shards in format {SHARD_FORMAT!r}, got {bad}")
+    shapes: dict[str, tuple[int, ...]] = dict(shards[0]["shapes"])
+    numel = {n: int(torch.Size(s).numel()) for n, s in shapes.items()}
+    master = {n: torch.zeros(numel[n], dtype=torch.float32) for n in shapes}
+    covered = {n: torch.zeros(numel[n], dtype=torch.bool) for n in shapes}
+    sharded: dict[str, dict[str, torch.Tensor]] = {n: {} for n in shapes}
+    replicated: dict[str, dict[str, Any]] = {n: {} for n in shapes}
+    group_of: dict[str, int] = {}
+    for shard in shards:
+        for piece, values, state in zip(shard["pieces"], shard["master"], shard["state"]):
+            name, lo = piece["name"], piece["offset"]
+            hi = lo + piece["length"]
+            master[name][lo:hi] = values
+            covered[name][lo:hi] = True
+            group_of[name] = piece["group"]
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and value.shape == (piece["length"],):
+                    full = sharded[name].setdefault(
+                        key, torch.zeros(numel[name], dtype=value.dtype))
+                    full[lo:hi] = value
+                else:
+                    replicated[name].setdefault(key, value)
+    holes = [n for n, c in covered.items() if not bool(c.all())]
+    if holes:
+        raise ValueError(
+            f"shards from {len(shards)} ranks leave parameters incomplete: {holes} "
+            "(are all ranks' shards present?)")
+    return {
+        "format": FULL_FORMAT,
+        "shapes": shapes,
+        "param_groups": shards[0]["param_groups"],
+        "group_of": group_of,
+        "master": {n: t.view(shapes[n]) for n, t in master.items()},
+        "state": {n: {"sharded": {k: t.view(shapes[n]) for k, t in sharded[n].items()},
+                      "replicated": replicated[n]} for n in shapes},
+        "scaler": shards[0]["scaler"],
+    }
+
+
+def load_consolidated(opt: ZeroOptimizer, full: dict[str, Any]) -> None:
+    """Load a :func:`consolidate` d state into ``opt`` at its own DP size and ZeRO stage.
+
+    Every rank of the data-parallel group calls this with the same ``full`` state (it
+    re-publishes the parameters, a collective). Hyperparameters of the parameter groups
+    (learning rate, weight decay, ...) come from the checkpoint, as with
+    ``torch.optim.Optimizer.load_state_dict``.
+    """
+    if full.get("format") != FULL_FORMAT:
+        raise ValueError(f"expected a state in format {FULL_FORMAT!r}, got {full.get('format')!r}")
+    mine, theirs = opt.shapes, {n: tuple(s) for n, s in full["shapes"].items()}
+    if mine != theirs:
+        diff = sorted(set(mine.items()) ^ set(theirs.items()))
+        raise ValueError(f"checkpoint parameters differ from the model's: {diff}")
+    groups = opt.optimizer.param_groups
+    if len(groups) != len(full["param_groups"]):
+        raise ValueError(f"checkpoint has {len(full['param_groups'])} parameter groups, "
+                         f"the optimizer {len(groups)}")
+    index = _optimizer_index(opt)
+    state: dict[int, dict[str, Any]] = {}
+    with torch.no_grad():
+        for mp in opt.pieces:
+            lo, hi = mp.param_offset, mp.param_offset + mp.length
+            mp.tensor.copy_(full["master"][mp.name].reshape(-1)[lo:hi])
+            saved = full["state"][mp.name]
+            piece_state = {k: t.reshape(-1)[lo:hi].clone() for k, t in saved["sharded"].items()}
+            piece_state.update({k: v.clone() if isinstance(v, torch.Tensor) else v
+                                for k, v in saved["replicated"].items()})
+            if piece_state:
+                state[index[id(mp.tensor)]] = piece_state
+    numbering, start = [], 0
+    for g in groups:
+        numbering.append(list(range(start, start + len(g["params"]))))
+        start += len(g["params"])
+    opt.optimizer.load_state_dict({
+        "state": state,
+        "param_groups": [{**saved, "params": ids}
+                         for saved, ids in zip(full["param_groups"], numbering)],
+    })
+    if opt.scaler is not None and full.get("scaler") is not None:
+        opt.scaler = opt.scaler.load_state_dict(full["scaler"])
+    opt.zero_grad()
+    opt.publish()

@@ -1,0 +1,73 @@
+"""The architecture's layering, enforced: a package may import only what its layer allows.
+
+- mt-model and mt-data import no other mt package;
+- the parallel packages (mt-tensor-parallel, mt-pipeline, mt-zero) import only mt-dist;
+- mt-dist imports no mt package;
+- nothing imports an app (mt_pretrain, mt_convert) but the app itself.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path.cwd()
+APPS = {"mt_pretrain", "mt_convert"}
+#: What each distribution's sources may import among mt modules (itself always allowed).
+ALLOWED: dict[str, set[str]] = {
+    "mt_dist": set(),
+    "mt_model": set(),
+    "mt_data": set(),
+    "mt_tensor_parallel": {"mt_dist"},
+    "mt_pipeline": {"mt_dist"},
+    "mt_zero": {"mt_dist"},
+    "mt_pretrain": {"mt_dist", "mt_model", "mt_data", "mt_tensor_parallel", "mt_pipeline",
+                    "mt_zero"},
+    "mt_convert": {"mt_dist", "mt_model", "mt_data", "mt_tensor_parallel", "mt_pipeline",
+                   "mt_zero"},
+}
+
+
+def mt_imports(path: Path) -> set[tuple[str, int]]:
+    """Top-level mt_* modules imported by a file, with the line of each import."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        else:
+            continue
+        found |= {(n.split(".")[0], node.lineno) for n in names if n.startswith("mt_")}
+    return found
+
+
+def source_trees() -> dict[str, Path]:
+    trees = {}
+    for src in sorted(ROOT.glob("packages/*/src/mt_*")) + sorted(ROOT.glob("apps/*/src/mt_*")):
+        if src.is_dir():
+            trees[src.name] = src
+    return trees
+
+
+def test_every_distribution_is_checked() -> None:
+    missing = set(ALLOWED) - set(source_trees())
+    assert not missing, f"sources not found for {sorted(missing)} under {ROOT}"
+
+
+@pytest.mark.parametrize("module", sorted(ALLOWED))
+def test_layering(module: str) -> None:
+    tree = source_trees()[module]
+    violations = []
+    for path in sorted(tree.rglob("*.py")):
+        for imported, line in sorted(mt_imports(path)):
+            if imported != module and imported not in ALLOWED[module]:
+                violations.append(f"{path.relative_to(ROOT)}:{line} imports {imported}")
+    assert not violations, f"{module} breaks the layering:\n" + "\n".join(violations)
+
+
+def test_rules_forbid_importing_apps() -> None:
+    for module, allowed in ALLOWED.items():
+        assert not (allowed & APPS), f"{module} is allowed to import an app"
