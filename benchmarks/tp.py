@@ -19,6 +19,7 @@ printed next to the throughput as a sanity check. Example:
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -59,9 +60,10 @@ def _time_steps(model: nn.Module, args: argparse.Namespace, sync: Callable[[], N
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
     first_loss = float("nan")
     times: list[float] = []
+    cpu: list[float] = []
     for step, (idx, targets) in enumerate(_batches(args)):
         sync()
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         loss = model(idx, targets)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -69,11 +71,13 @@ def _time_steps(model: nn.Module, args: argparse.Namespace, sync: Callable[[], N
         sync()
         if step >= args.warmup:
             times.append(time.perf_counter() - start)
+            cpu.append(time.process_time() - cpu_start)
         if step == 0:
             first_loss = float(loss.detach().float())
     median = statistics.median(times)
     return {"tokens_per_s": args.batch * args.seq / median, "step_s": median,
-            "best_step_s": min(times), "first_loss": first_loss}
+            "best_step_s": min(times), "cpu_step_s": statistics.median(cpu),
+            "first_loss": first_loss}
 
 
 def _single(args: argparse.Namespace, threads: int) -> dict[str, float]:
@@ -158,22 +162,27 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--tp", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=1, help="repeat all variants, keep best")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="repeat all variants interleaved, keep each one's best round")
     parser.add_argument("--timeout", type=float, default=1200.0)
     args = parser.parse_args()
     print(f"GPT layers={args.layers} hidden={args.hidden} heads={args.heads} "
           f"vocab={args.vocab} seq={args.seq} batch={args.batch}; "
           f"{args.warmup} warmup + {args.steps} timed steps (fwd + bwd + AdamW), fp32, gloo")
+    load_before = os.getloadavg()[0]
     rows = _run(args)
+    print(f"load average (1 min) before / after: {load_before:.1f} / {os.getloadavg()[0]:.1f} "
+          f"on {os.cpu_count()} cores (other work on the machine slows every variant)")
     width = max(len(name) for name, _ in rows)
     print(f"{'variant':<{width}}  {'tokens/s':>10}  {'median s/step':>13}  "
-          f"{'best s/step':>11}  {'loss@0':>8}")
+          f"{'best s/step':>11}  {'CPU s/step':>10}  {'loss@0':>8}")
     for name, r in rows:
         print(f"{name:<{width}}  {r['tokens_per_s']:>10.1f}  {r['step_s']:>13.3f}  "
-              f"{r['best_step_s']:>11.3f}  {r['first_loss']:>8.4f}")
+              f"{r['best_step_s']:>11.3f}  {r['cpu_step_s']:>10.3f}  {r['first_loss']:>8.4f}")
+    print("CPU s/step: rank 0's process CPU time (all its threads) per step")
     by_name = dict(rows)
     dtensor = by_name[f"DTensor TP={args.tp} (blocks only)"]["tokens_per_s"]
     for name in (f"mt TP={args.tp} (blocks only)", f"mt TP={args.tp} (GPT_PLAN)",

@@ -59,6 +59,12 @@ def test_shipped_tokenizer_1k(texts: list[str]) -> None:
     assert sum(len(t.encode()) for t in texts[:20]) / len(batch.tokens) > 2.5
 
 
+def test_shipped_tokenizer_1k_is_reproducible(texts: list[str]) -> None:
+    # The asset is exactly train_tokenizer(embedded corpus, 1000): provenance is checkable.
+    retrained = train_tokenizer(texts, 1000)
+    assert retrained.backend.get_vocab() == load_tokenizer("tokenizer-1k").backend.get_vocab()
+
+
 def test_train_is_deterministic(texts: list[str], tmp_path: Path) -> None:
     a = train_tokenizer(texts[:40], 600)
     b = train_tokenizer(texts[:40], 600)

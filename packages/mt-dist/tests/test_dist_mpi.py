@@ -14,7 +14,10 @@ from pathlib import Path
 
 import pytest
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
+import mt_dist
+
+# The children import mt_dist from wherever this process does (source tree or Pants sandbox).
+SRC = str(Path(mt_dist.__file__).resolve().parents[1])
 
 CHILD = """
 import os, torch, torch.distributed as dist

@@ -271,3 +271,26 @@ def test_exec_stage_keeps_full_model_names_and_single_stage_runs() -> None:
     assert all(a.end <= b.start for a, b in zip(result.events, result.events[1:]))
     assert sum(isinstance(e.instruction, Exchange) for e in result.events) == 0
     assert simulate(config.schedule_for(1)).bubble_fraction == (0.0,)
+
+
+def _saved_tensors(stage: torch.nn.Module, idx: torch.Tensor, checkpoint: bool) -> int:
+    count = 0
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        nonlocal count
+        count += 1
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        stage.forward_chunk(0, idx, checkpoint=checkpoint)
+    return count
+
+
+def test_exec_checkpointing_keeps_only_layer_inputs() -> None:
+    stage = build_stage(ToyLM(), plan_pipeline(PipelineConfig("1f1b", 1), LAYERS, 1).stages[0])
+    idx, _ = toy_batch()
+    plain = _saved_tensors(stage, idx, checkpoint=False)
+    checkpointed = _saved_tensors(stage, idx, checkpoint=True)
+    # Without checkpointing every layer saves several tensors (LayerNorm stats, Linear
+    # input, tanh output, ...); with it each layer keeps only its input for recomputation.
+    assert 3 * checkpointed < plain  # measured here: 16 vs 72

@@ -68,10 +68,11 @@ class Toy(nn.Module):
 
     def __init__(self, device: str = "cpu") -> None:
         super().__init__()
-        torch.manual_seed(0)
-        self.emb = nn.Embedding(300, 16, device=device)
-        self.fc = nn.Linear(16, 32, device=device)
-        self.proj = nn.Linear(32, 16, device=device)
+        with torch.random.fork_rng():  # same weights every time, global RNG untouched
+            torch.manual_seed(0)
+            self.emb = nn.Embedding(300, 16, device=device)
+            self.fc = nn.Linear(16, 32, device=device)
+            self.proj = nn.Linear(32, 16, device=device)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.proj(torch.nn.functional.gelu(self.fc(self.emb(ids))))

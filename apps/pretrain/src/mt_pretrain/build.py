@@ -85,7 +85,7 @@ def build_model_stage(plan: RunPlan, groups: ParallelGroups, seed: int,
     return stage, tracker, full_shapes, styles
 
 
-def make_optimizer(config: PretrainConfig, stage: nn.Module, groups: ParallelGroups,
+def make_optimizer(config: PretrainConfig, stage: PipelineStage, groups: ParallelGroups,
                    styles: dict[str, str]) -> ZeroOptimizer:
     """AdamW inside the ZeRO wrapper; norms count each parameter once over TP x PP x DP."""
     train = config.train
@@ -102,8 +102,11 @@ def make_optimizer(config: PretrainConfig, stage: nn.Module, groups: ParallelGro
     counted = counts_once(groups.tp_rank,
                           tp_replicated=lambda name, _p: styles.get(name) == "replicate",
                           pp_duplicate=pp_duplicate)
+    # ZeRO-3 gathers per unit: the stage (embedding, head, norms) and each block.
+    units = [stage, *stage.get_submodule(stage.layout.layers).values()] \
+        if config.parallel.zero_stage == 3 else None
     return ZeroOptimizer(
-        stage, factory, dp_group=groups.dp,
+        stage, factory, dp_group=groups.dp, units=units,
         config=ZeroConfig(stage=config.parallel.zero_stage,
                           precision=config.parallel.precision, clip_grad=train.clip_grad),
         param_groups=decay_param_groups(stage.named_parameters(), train.weight_decay),

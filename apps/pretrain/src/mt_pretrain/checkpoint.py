@@ -104,15 +104,16 @@ class Checkpointer:
             tmp.mkdir()
         _barrier(groups)
         weights = opt.full_parameters()  # collective over DP; also works for ZeRO-3
-        payload: dict[str, Any] = {
+        payload: dict[str, Any] = _to_cpu({
             "format": RANK_FORMAT,
             "rank": groups.rank,
             "coord": list(groups.coord),
             "model": weights if groups.dp_rank == 0 else {},
             "optimizer": shard_state_dict(opt),
             "rng": {"torch": torch.get_rng_state(),
+                    "cuda": torch.cuda.get_rng_state() if groups.device.type == "cuda" else None,
                     "tracker": self.built.tracker.state_dict() if self.built.tracker else {}},
-        }
+        })
         path = tmp / rank_file(groups.rank)
         with open(path, "wb") as f:
             torch.save(payload, f)
@@ -158,6 +159,17 @@ class Checkpointer:
         for old in steps[: max(len(steps) - self.keep_last, 0)]:
             if old != newest:
                 shutil.rmtree(old, ignore_errors=True)
+
+
+def _to_cpu(value: Any) -> Any:
+    """``value`` with every tensor moved to the CPU (files must load anywhere)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
 
 
 def find_checkpoint(path: str | Path) -> Path:
@@ -255,6 +267,8 @@ def load(path: str | Path, config: PretrainConfig, plan: RunPlan, groups: Parall
     if same_world:
         rng = _load_rank(folder, groups.rank)["rng"]
         torch.set_rng_state(rng["torch"])
+        if rng.get("cuda") is not None and groups.device.type == "cuda":
+            torch.cuda.set_rng_state(rng["cuda"])
         if built.tracker is not None and rng["tracker"]:
             built.tracker.load_state_dict(rng["tracker"])
     elif groups.rank == 0 and (config.model.dropout or 0) > 0:

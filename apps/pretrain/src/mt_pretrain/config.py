@@ -11,14 +11,9 @@ dry run and every rank call. Every error names the numbers involved.
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import inspect
 import math
-import textwrap
-from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
-from functools import cache
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,10 +27,8 @@ __all__ = [
     "ParallelArgs",
     "PretrainConfig",
     "TrainArgs",
-    "field_docs",
-    "flat_fields",
-    "load_config",
 ]
+
 
 DEFAULT_TRAIN_STEPS = 300
 ENGINES = ("mt", "deepspeed")
@@ -135,6 +128,9 @@ class ParallelArgs:
     precision: str = "fp32"
     """Parameter and compute precision: fp32, bf16 or fp16 (fp32 master weights and
     optimizer state; fp16 uses dynamic loss scaling)."""
+    device: str = "auto"
+    """Device of each rank: cuda (GPU local_rank, NCCL), cpu (gloo), or auto (cuda when
+    available)."""
     timeout: float = 300.0
     """Seconds a collective may wait for a peer before the run fails (a dead rank gives an
     error, not a hang)."""
@@ -157,8 +153,13 @@ class ParallelArgs:
             problems.append(f"--engine must be one of {ENGINES}, got {self.engine!r}")
         if self.precision not in PRECISIONS:
             problems.append(f"--precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            problems.append(f"--device must be auto, cpu or cuda, got {self.device!r}")
         if not self.timeout > 0:
             problems.append(f"--timeout must be > 0 seconds, got {self.timeout}")
+        if self.zero_stage == 3 and self.activation_checkpointing:
+            problems.append("--zero-stage 3 with --activation-checkpointing is not supported "
+                            "yet; use ZeRO stage 0-2 with checkpointing")
         if self.zero_stage >= 2 and self.pp > 1:
             problems.append(f"--zero-stage {self.zero_stage} with --pp {self.pp}: gradient "
                             "sharding across pipeline micro-batches is not supported; use "
@@ -209,8 +210,9 @@ class TrainArgs:
     """Seed of the initialization, the data shuffle and dropout."""
     eval_interval: int = 100
     """Compute the validation loss every this many steps (0: never)."""
-    eval_iters: int = 4
-    """Micro-batches per data-parallel rank in one validation pass."""
+    eval_iters: int = 2
+    """Global batches of the validation split in one validation pass (the same samples
+    whatever the layout)."""
     sample_tokens: int = 48
     """Tokens to generate greedily at the end of training (0: no sample)."""
     prompt: str = "The whale"
@@ -219,13 +221,14 @@ class TrainArgs:
     def __post_init__(self) -> None:
         problems: list[str] = []
         _positive(problems, self, "micro_batch_size", "global_batch_size")
-        _positive(problems, self, "train_steps", "train_tokens", "warmup_tokens",
-                  "decay_tokens", "rampup_start", "rampup_increment", "rampup_tokens",
-                  allow_none=True)
+        _positive(problems, self, "train_steps", "train_tokens", "decay_tokens",
+                  "rampup_start", "rampup_increment", "rampup_tokens", allow_none=True)
+        if self.warmup_tokens is not None and self.warmup_tokens < 0:
+            problems.append(f"--warmup-tokens must be >= 0, got {self.warmup_tokens}")
         if self.train_steps is not None and self.train_tokens is not None:
             problems.append(f"give --train-steps ({self.train_steps}) or --train-tokens "
                             f"({self.train_tokens}), not both")
-        if not self.lr > 0:
+        if not (self.lr > 0 and math.isfinite(self.lr)):
             problems.append(f"--lr must be > 0, got {self.lr}")
         if self.min_lr is not None and not 0 <= self.min_lr <= self.lr:
             problems.append(f"--min-lr {self.min_lr} must be in [0, lr {self.lr}]")
@@ -420,101 +423,6 @@ class PretrainConfig:
 
     def replace(self, **flat: Any) -> PretrainConfig:
         """A copy with flat field overrides (``tp=1``, ``train_steps=10``...)."""
+        from mt_pretrain.config_io import build_config
+
         return build_config(self.to_dict(), flat)
-
-
-@cache
-def flat_fields() -> dict[str, tuple[str, dataclasses.Field]]:
-    """Flat field name -> (section, dataclass field), for every section."""
-    out: dict[str, tuple[str, dataclasses.Field]] = {}
-    for section, cls in SECTIONS.items():
-        for f in fields(cls):
-            assert f.name not in out, f"duplicate config field {f.name}"
-            out[f.name] = (section, f)
-    return out
-
-
-@cache
-def field_docs(cls: type) -> dict[str, str]:
-    """Attribute docstrings of a dataclass: the string literal right after each field."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    docs: dict[str, str] = {}
-    for node, nxt in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
-                and isinstance(nxt.value.value, str)):
-            docs[node.target.id] = " ".join(nxt.value.value.split())
-    return docs
-
-
-def _coerce(name: str, value: Any, f: dataclasses.Field) -> Any:
-    """YAML gives '1e9' as a string and 5 for a float: convert to the field's type."""
-    kind = str(f.type)
-    if value is None:
-        return None
-    if kind.startswith("int") and isinstance(value, (str, float)) and not isinstance(
-            value, bool):
-        number = float(value)
-        if not math.isfinite(number) or number != int(number):
-            raise ConfigError(f"{name} must be an integer, got {value!r}")
-        return int(number)
-    if kind.startswith("float") and isinstance(value, (int, str)) and not isinstance(
-            value, bool):
-        try:
-            return float(value)
-        except ValueError:
-            raise ConfigError(f"{name} must be a number, got {value!r}") from None
-    return value
-
-
-def build_config(nested: Mapping[str, Any], flat: Mapping[str, Any]) -> PretrainConfig:
-    """Config from a YAML-like mapping (sections or flat keys) and flat overrides."""
-    known = flat_fields()
-    values: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
-    unknown: list[str] = []
-
-    def put(key: str, value: Any) -> None:
-        name = key.replace("-", "_")
-        if name not in known:
-            unknown.append(key)
-            return
-        section, f = known[name]
-        values[section][name] = _coerce(name, value, f)
-
-    for key, value in nested.items():
-        if key in SECTIONS and isinstance(value, Mapping):
-            for sub, v in value.items():
-                put(sub, v)
-        else:
-            put(key, value)
-    for key, value in flat.items():
-        put(key, value)
-    if unknown:
-        raise ConfigError(f"unknown config keys {sorted(unknown)}; valid keys: "
-                          f"{sorted(known)} (optionally under sections {sorted(SECTIONS)})")
-    try:
-        sections = {s: SECTIONS[s](**values[s]) for s in SECTIONS}
-    except TypeError as err:
-        raise ConfigError(str(err)) from None
-    return PretrainConfig(**sections)
-
-
-def load_config(path: str | Path | None = None,
-                overrides: Mapping[str, Any] | None = None) -> PretrainConfig:
-    """Defaults <- YAML file ``path`` <- ``overrides`` (flat field names)."""
-    nested: Mapping[str, Any] = {}
-    if path is not None:
-        import yaml
-
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {path} not found")
-        loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
-        if loaded is None:
-            loaded = {}
-        if not isinstance(loaded, Mapping):
-            raise ConfigError(f"{path}: expected a mapping at the top level, got "
-                              f"{type(loaded).__name__}")
-        nested = loaded
-    return build_config(nested, dict(overrides or {}))

@@ -107,7 +107,7 @@ def make_loaders(config: PretrainConfig, plan: RunPlan, paths: list[Path], dp_ra
     loader = DPDataLoader(dataset, schedule, train.micro_batch_size, dp_rank, dp, state)
     valid = None
     if train.eval_interval and train.eval_iters:
-        size = train.eval_iters * train.micro_batch_size * dp
+        size = train.eval_iters * train.global_batch_size
         try:
             valid_set = _dataset(config, paths, seq_len, size, "valid")
         except ValueError:

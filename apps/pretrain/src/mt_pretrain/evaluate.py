@@ -23,8 +23,8 @@ __all__ = ["evaluate", "forward_loss"]
 
 
 def _forward_micro(stage: PipelineStage, groups: ParallelGroups, idx: torch.Tensor | None,
-                   targets: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype
-                   ) -> torch.Tensor | None:
+                   targets: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype,
+                   device: torch.device) -> torch.Tensor | None:
     """One micro-batch through every virtual stage; the loss on the last one, else None."""
     p, s = groups.pp_size, groups.pp_rank
     ranks = groups.pp_group_ranks
@@ -35,7 +35,7 @@ def _forward_micro(stage: PipelineStage, groups: ParallelGroups, idx: torch.Tens
         if stage.is_first_chunk(chunk):
             x = idx
         else:
-            x = torch.empty(shape, dtype=dtype)
+            x = torch.empty(shape, dtype=dtype, device=device)
             dist.recv(x, src=ranks[(virtual - 1) % p], group=groups.pp)
         out = stage.forward_chunk(chunk, x)
         if stage.is_last_chunk(chunk):
@@ -50,14 +50,15 @@ def _forward_micro(stage: PipelineStage, groups: ParallelGroups, idx: torch.Tens
 
 @torch.no_grad()
 def forward_loss(stage: PipelineStage, groups: ParallelGroups, micro_batches: list[torch.Tensor],
-                 shape: tuple[int, ...], dtype: torch.dtype) -> float:
+                 shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> float:
     """Mean loss of this DP rank's ``micro_batches`` ([micro, seq + 1] token tensors),
     known on every rank of the pipeline."""
-    total = torch.zeros(1, dtype=torch.float32)
+    total = torch.zeros(1, dtype=torch.float32, device=device)
     for batch in micro_batches:
+        batch = batch.to(device)
         idx, targets = batch[:, :-1], batch[:, 1:]
         loss = _forward_micro(stage, groups, idx if groups.is_first_stage else None,
-                              targets if groups.is_last_stage else None, shape, dtype)
+                              targets if groups.is_last_stage else None, shape, dtype, device)
         if loss is not None:
             total += loss.float()
     if groups.pp_size > 1:
@@ -66,16 +67,17 @@ def forward_loss(stage: PipelineStage, groups: ParallelGroups, micro_batches: li
 
 
 def evaluate(stage: PipelineStage, groups: ParallelGroups, loader: DPDataLoader,
-             shape: tuple[int, ...], dtype: torch.dtype) -> tuple[float, float]:
+             shape: tuple[int, ...], dtype: torch.dtype,
+             device: torch.device | None = None) -> tuple[float, float]:
     """(validation loss, perplexity) over the loader's first global batch, on every rank."""
     micro = [to_batch([m]) for m in loader.global_batch(0)]
     was_training = stage.training
     stage.eval()
     try:
-        local = forward_loss(stage, groups, micro, shape, dtype)
+        local = forward_loss(stage, groups, micro, shape, dtype, device or groups.device)
     finally:
         stage.train(was_training)
-    value = torch.tensor([local], dtype=torch.float32)
+    value = torch.tensor([local], dtype=torch.float32, device=groups.device)
     if groups.dp_size > 1:
         dist.all_reduce(value, group=groups.dp)
         value /= groups.dp_size

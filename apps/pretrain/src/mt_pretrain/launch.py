@@ -25,10 +25,12 @@ from typing import Any
 import torch
 
 from mt_dist import LaunchInfo, discover, free_port
-from mt_pretrain.config import PretrainConfig
+from mt_pretrain.checkpoint import CheckpointError
+from mt_pretrain.config import ConfigError, PretrainConfig
 from mt_pretrain.data import ensure_data
 from mt_pretrain.plan import resolve, sharding_styles
 from mt_pretrain.run import RunSummary, run_rank
+from mt_pretrain.train import NonFiniteLossError
 
 __all__ = ["LaunchFailed", "default_cache_dir", "launch", "spawn"]
 
@@ -86,6 +88,12 @@ def _child(config: PretrainConfig, info: LaunchInfo, cache: Path, conn: Connecti
     try:
         result = run_rank(config, info, cache)
         conn.send(("ok", result))
+    except (ConfigError, CheckpointError, NonFiniteLossError) as err:
+        # Expected failures (every rank sees the same one): a message, no traceback.
+        try:
+            conn.send(("error", str(err)))
+        finally:
+            os._exit(1)
     except BaseException as err:  # noqa: BLE001 - report everything to the parent
         text = traceback.format_exc()
         sys.stderr.write(f"[rank {info.rank}] {text}")
@@ -166,11 +174,13 @@ def _collect(procs: list[Any], conns: list[Connection],
                 try:
                     reports[r] = conns[r].recv()
                 except EOFError:
-                    reports[r] = ("error", f"rank {r} exited with code {procs[r].exitcode} "
-                                           "without a report")
+                    procs[r].join(1.0)
+                    reports[r] = ("error", f"rank {r} died with exit code "
+                                           f"{procs[r].exitcode} (no report)")
             elif not procs[r].is_alive():
                 procs[r].join(1.0)
-                reports[r] = ("error", f"rank {r} died with exit code {procs[r].exitcode}")
+                reports[r] = ("error", f"rank {r} died with exit code "
+                                           f"{procs[r].exitcode} (no report)")
             if r in reports and reports[r][0] != "ok" and r not in failures:
                 failures.append(r)
                 if grace_end is None:

@@ -10,7 +10,8 @@ from typing import Any
 
 from rich.console import Console
 
-from mt_pretrain.config import ConfigError, PretrainConfig, load_config
+from mt_pretrain.config import ConfigError, PretrainConfig
+from mt_pretrain.config_io import load_config
 
 __all__ = ["dry_run", "pretrain_main"]
 
@@ -39,6 +40,7 @@ def pretrain_main(config_path: Path | None, overrides: dict[str, Any],
         if config.checkpoint.dry_run:
             Console(soft_wrap=True).print(dry_run(config, environ), highlight=False)
             return 0
+        from mt_pretrain.checkpoint import CheckpointError
         from mt_pretrain.launch import LaunchFailed, launch
         from mt_pretrain.train import NonFiniteLossError
     except ConfigError as err:
@@ -49,7 +51,7 @@ def pretrain_main(config_path: Path | None, overrides: dict[str, Any],
     except ConfigError as err:
         _error(console, str(err))
         return 2
-    except (LaunchFailed, NonFiniteLossError) as err:
+    except (LaunchFailed, NonFiniteLossError, CheckpointError) as err:
         _error(console, str(err))
         return 1
     if summary is not None:

@@ -1,8 +1,8 @@
 """Per-step metrics: a JSONL file (one object per step) and, optionally, TensorBoard.
 
 Only rank 0 writes. Every line has at least ``step``, ``loss``, ``lr``,
-``global_batch_size``, ``tokens`` (consumed so far) and ``tokens_per_s``; validation lines
-carry ``val_loss`` / ``val_ppl`` instead of ``loss``. A resumed run appends to the same
+``global_batch_size``, ``tokens`` (consumed so far) and ``tokens_per_s``; lines of
+validation steps also carry ``val_loss`` and ``val_ppl``. A resumed run appends to the same
 file, dropping lines of steps at or after the resume point first, so the file always holds
 one line per step.
 """

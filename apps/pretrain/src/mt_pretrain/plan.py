@@ -119,9 +119,13 @@ def resolve(config: PretrainConfig, world_size: int) -> RunPlan:
     try:
         pipeline = PipelineConfig(schedule, m, v, par.activation_checkpointing)
         stages = plan_pipeline(pipeline, gpt.n_layers, par.pp)
-        if rampup is not None and par.pp > 1:  # every ramp size must also schedule
+        if rampup is not None and schedule == "interleaved":
+            # gpipe / 1f1b take any micro-batch count; interleaving needs multiples of pp.
             for size in range(rampup[0], train.global_batch_size, rampup[1]):
-                PipelineConfig(schedule, size // per_step, v).schedule_for(par.pp)
+                if (size // per_step) % par.pp:
+                    raise ScheduleError(
+                        f"ramp-up batch {size} gives {size // per_step} micro-batches, not a "
+                        f"multiple of pp {par.pp} as the interleaved schedule needs")
     except (PartitionError, ScheduleError) as err:
         raise ConfigError(f"invalid pipeline: {err}") from None
     steps, samples = _steps_and_samples(config, rampup, gpt.seq_len)

@@ -32,14 +32,14 @@ class Reporter:
     def __init__(self, total: int, start: int, enabled: bool, bar: bool,
                  log_interval: int, console: Console | None = None) -> None:
         self.enabled, self.total, self.log_interval = enabled, total, log_interval
-        self.console = console or Console(stderr=False)
+        self.console = console or Console(soft_wrap=True)
         self._progress: Progress | None = None
         self._task: Any = None
         self._tokens_per_s: float | None = None
         self._start = time.perf_counter()
         if enabled and bar and self.console.is_terminal:
             self._progress = Progress(
-                TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(),
+                TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(bar_width=16),
                 TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TextColumn("eta"),
                 TimeRemainingColumn(), console=self.console, transient=False)
             self._task = self._progress.add_task("train", total=total, completed=start,
@@ -59,7 +59,7 @@ class Reporter:
         rate = stats.tokens_per_s
         self._tokens_per_s = rate if self._tokens_per_s is None else (
             0.8 * self._tokens_per_s + 0.2 * rate)
-        info = (f"loss {stats.loss:.4f}  lr {stats.lr:.2e}  {self._tokens_per_s:,.0f} tok/s  "
+        info = (f"loss {stats.loss:.4f} lr {stats.lr:.1e} {self._tokens_per_s:,.0f} tok/s "
                 f"{stats.tflops_per_rank * 1e3:.2f} GFLOP/s/rank")
         if self._progress is not None:
             self._progress.update(self._task, completed=stats.step, info=info)

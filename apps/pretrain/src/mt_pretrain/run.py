@@ -18,11 +18,11 @@ import torch
 import torch.distributed as dist
 
 from mt_data import DataLoaderState
-from mt_dist import LaunchInfo, ParallelGroups, build_groups, init_distributed
+from mt_dist import LaunchInfo, ParallelGroups, build_groups, init_distributed, local_device
 from mt_model import count_parameters
 from mt_pretrain.build import Built, build
 from mt_pretrain.checkpoint import Checkpointer, load
-from mt_pretrain.config import PretrainConfig
+from mt_pretrain.config import ConfigError, PretrainConfig
 from mt_pretrain.data import ensure_data, make_loaders, tokenizer_for
 from mt_pretrain.metrics import MetricsWriter
 from mt_pretrain.plan import RunPlan, resolve
@@ -74,7 +74,12 @@ def _stop_on_signals(flag: StopFlag) -> Iterator[None]:
 
 def run_rank(config: PretrainConfig, info: LaunchInfo, cache_dir: Path) -> RunSummary | None:
     """Train as rank ``info.rank``; returns the summary on rank 0, None elsewhere."""
-    device = torch.device("cpu")
+    use_cuda = {"auto": None, "cpu": False, "cuda": True}[config.parallel.device]
+    device = local_device(info, use_cuda=use_cuda)
+    if device.type == "cuda" and info.local_rank >= torch.cuda.device_count():
+        raise ConfigError(f"local rank {info.local_rank} needs GPU {info.local_rank} but this "
+                          f"node has {torch.cuda.device_count()}; use --device cpu or fewer "
+                          "processes per node")
     init_distributed(info, device, timeout=config.parallel.timeout)
     try:
         plan = resolve(config, info.world_size)
@@ -111,19 +116,17 @@ def _train(config: PretrainConfig, plan: RunPlan, groups: ParallelGroups, device
         if metrics is not None:
             metrics.write(stats_dict(stats))
         reporter.step(stats)
-
-    def on_eval(step: int, loss: float, ppl: float) -> None:
-        summary.val_loss = loss
-        if metrics is not None:
-            metrics.write({"step": step, "val_loss": loss, "val_ppl": ppl})
-        reporter.print(f"step {step}: validation loss {loss:.4f}, perplexity {ppl:.2f}")
+        if stats.val_loss is not None:
+            summary.val_loss = stats.val_loss
+            reporter.print(f"step {stats.step}: validation loss {stats.val_loss:.4f}, "
+                           f"perplexity {stats.val_ppl:.2f}")
 
     def save(step: int) -> None:
         if saver is not None:
             saver.save(step, loader.state)
             reporter.print(f"saved checkpoint {saver.last_saved}")
 
-    trainer = Trainer(config, plan, groups, built, loader, valid, on_step, on_eval, flag, save)
+    trainer = Trainer(config, plan, groups, built, loader, valid, on_step, flag, save)
     try:
         stats, stopped = trainer.run()
     finally:
@@ -131,7 +134,7 @@ def _train(config: PretrainConfig, plan: RunPlan, groups: ParallelGroups, device
         if metrics is not None:
             metrics.close()
     summary.final_step, summary.stopped = loader.state.step, stopped
-    if saver is not None and not stopped and saver.last_step != loader.state.step:
+    if saver is not None and stats and not stopped and saver.last_step != loader.state.step:
         save(loader.state.step)
     if stopped:
         reporter.print(f"stopped by signal after step {loader.state.step}")

@@ -13,7 +13,7 @@ import contextlib
 import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -54,6 +54,8 @@ class StepStats:
     tflops_per_rank: float
     skipped: bool
     loss_scale: float
+    val_loss: float | None = None
+    val_ppl: float | None = None
 
 
 class _ScaledLoss(nn.Module):
@@ -77,36 +79,39 @@ class Trainer:
             this rank's model stage and optimizer.
         loader: this DP rank's training loader (already at the resume position).
         valid: validation loader or None.
-        on_step: called with every :class:`StepStats` (rank 0 writes metrics there).
-        on_eval: called with ``(step, val_loss, val_ppl)``.
+        on_step: called with every :class:`StepStats` (rank 0 writes metrics there); on
+            validation steps they carry the validation loss and perplexity.
         should_stop: local stop request (e.g. a signal arrived); agreed on by all ranks.
         save: called with the step number to write a checkpoint.
     """
 
     def __init__(self, config: PretrainConfig, plan: RunPlan, groups: ParallelGroups,
                  built: Built, loader: DPDataLoader, valid: DPDataLoader | None,
-                 on_step: Callable[[StepStats], None], on_eval: Callable[[int, float, float],
-                                                                         None],
-                 should_stop: Callable[[], bool], save: Callable[[int], None]) -> None:
+                 on_step: Callable[[StepStats], None], should_stop: Callable[[], bool],
+                 save: Callable[[int], None]) -> None:
         self.config, self.plan, self.groups, self.built = config, plan, groups, built
         self.loader, self.valid = loader, valid
-        self.on_step, self.on_eval, self.should_stop, self.save = (
-            on_step, on_eval, should_stop, save)
+        self.on_step, self.should_stop, self.save = on_step, should_stop, save
         train, gpt = config.train, plan.gpt
         self.lr = LRSchedule.create(train.lr, train.min_lr, train.warmup_tokens,
                                     train.decay_tokens, plan.train_samples * gpt.seq_len)
         self.dtype = compute_dtype(config.parallel.precision)
+        self.device = groups.device
         seq = gpt.seq_len // plan.topology.tp if config.parallel.sequence_parallel else \
             gpt.seq_len
         self.activation_shape = (train.micro_batch_size, seq, gpt.hidden)
         self._executors: dict[int, PipelineExecutor] = {}
         self._flops_per_token = model_flops_per_token_training(gpt)
+        # fp16 through the pipeline executor: the loss module itself applies the loss scale
+        # (on the last stage); the loss every stage receives is then scaled too.
+        self._scale_in_loss = config.parallel.precision == "fp16" and plan.topology.pp > 1
         self._scaled: _ScaledLoss | None = None
         stage = built.stage
-        if config.parallel.precision == "fp16" and plan.topology.pp > 1 and \
-                stage.plan.has_head:
+        if self._scale_in_loss and stage.plan.has_head:
             self._scaled = _ScaledLoss(stage.get_submodule(stage.layout.loss))
             stage.set_submodule(stage.layout.loss, self._scaled)
+        # ZeRO-3 gathers parameters in module hooks, so the stage must be called as a module.
+        self._call_module = config.parallel.zero_stage == 3
 
     # ------------------------------------------------------------------------- the loop
     def run(self) -> tuple[list[StepStats], bool]:
@@ -116,11 +121,12 @@ class Trainer:
         eval_interval = self.config.train.eval_interval
         while self.loader.state.step < self.plan.train_steps:
             record = self.step()
-            stats.append(record)
-            self.on_step(record)
             step = record.step
             if self.valid is not None and eval_interval and step % eval_interval == 0:
-                self.on_eval(step, *self.evaluate())
+                val_loss, val_ppl = self.evaluate()
+                record = replace(record, val_loss=val_loss, val_ppl=val_ppl)
+            stats.append(record)
+            self.on_step(record)
             if self._agree(self.should_stop()):
                 self.save(step)
                 return stats, True
@@ -133,11 +139,11 @@ class Trainer:
         assert self.valid is not None
         with self.built.optimizer.gathered():
             return evaluate(self.built.stage, self.groups, self.valid, self.activation_shape,
-                            self.dtype)
+                            self.dtype, self.device)
 
     def _agree(self, flag: bool) -> bool:
         """True on every rank if it is true on any rank."""
-        value = torch.tensor([1.0 if flag else 0.0])
+        value = torch.tensor([1.0 if flag else 0.0], device=self.device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(value, op=dist.ReduceOp.MAX)
         return bool(value.item() > 0)
@@ -160,8 +166,8 @@ class Trainer:
         if not math.isfinite(loss) and opt.scaler is None:
             raise NonFiniteLossError(
                 f"loss is {loss} at step {self.loader.state.step} (lr {lr:.3g}, tokens "
-                f"{tokens:,}); stopping. Lower --lr, enable --clip-grad, or use fp32/bf16 "
-                "with a smaller learning rate")
+                f"{tokens:,}); stopping (only fp16 loss scaling skips such steps). Lower "
+                "--lr or set --clip-grad, then resume from the last checkpoint")
         result = opt.step()
         elapsed = time.perf_counter() - start
         tokens_per_s = global_batch * seq / elapsed
@@ -179,10 +185,11 @@ class Trainer:
         checkpoint = self.config.parallel.activation_checkpointing
         m, total = len(micro), 0.0
         for i, array in enumerate(micro):
-            batch = to_batch([array])
+            batch = to_batch([array]).to(self.device)
             quiet = opt.no_sync() if i < m - 1 else contextlib.nullcontext()
             with quiet:
-                logits = stage.forward_chunk(0, batch[:, :-1], checkpoint)
+                logits = stage(batch[:, :-1]) if self._call_module else stage.forward_chunk(
+                    0, batch[:, :-1], checkpoint)
                 loss = stage.loss(logits, batch[:, 1:])
                 opt.backward(loss / m)
             total += float(loss.detach())
@@ -209,10 +216,10 @@ class Trainer:
             result = self._executor(len(micro)).run(
                 batch[:, :-1] if groups.is_first_stage else None,
                 batch[:, 1:] if groups.is_last_stage else None)
-        return result.loss / scale if self._scaled is not None else result.loss
+        return result.loss / scale if self._scale_in_loss else result.loss
 
     def _mean_over_dp(self, local: float) -> float:
-        value = torch.tensor([local], dtype=torch.float64)
+        value = torch.tensor([local], dtype=torch.float64, device=self.device)
         if self.groups.dp_size > 1:
             dist.all_reduce(value, group=self.groups.dp)
             value /= self.groups.dp_size
@@ -220,5 +227,5 @@ class Trainer:
 
 
 def stats_dict(stats: StepStats) -> dict[str, Any]:
-    """The metrics line of a step."""
-    return asdict(stats)
+    """The metrics line of a step (validation keys only on validation steps)."""
+    return {k: v for k, v in asdict(stats).items() if v is not None}

@@ -73,16 +73,32 @@ def _np(array: pa.Array) -> np.ndarray:
     return np.asarray(array.to_numpy(zero_copy_only=False), dtype=np.float64)
 
 
-def measure(texts: pa.Array) -> dict[str, np.ndarray]:
-    """Per-document measures used by the filters, vectorised over the array."""
-    words = np.maximum(_np(pc.count_substring_regex(texts, r"\S+")), 1.0)
-    return {
-        "chars": _np(pc.utf8_length(texts)),
-        "words": _np(pc.count_substring_regex(texts, r"\S+")),
-        "symbol_ratio": _np(pc.count_substring_regex(texts, SYMBOL_RE)) / words,
-        "alpha_fraction": _np(pc.count_substring_regex(texts, r"\S*\pL\S*")) / words,
-        "html_ratio": _np(pc.count_substring_regex(texts, HTML_TAG_RE, ignore_case=True)) / words,
-    }
+_MEASURES = {
+    "chars": lambda t: _np(pc.utf8_length(t)),
+    "words": lambda t: _np(pc.count_substring_regex(t, r"\S+")),
+    "symbols": lambda t: _np(pc.count_substring_regex(t, SYMBOL_RE)),
+    "alpha_words": lambda t: _np(pc.count_substring_regex(t, r"\S*\pL\S*")),
+    "html_tags": lambda t: _np(pc.count_substring_regex(t, HTML_TAG_RE, ignore_case=True)),
+}
+
+
+def measure(texts: pa.Array, names: tuple[str, ...] = tuple(_MEASURES)) -> dict[str, np.ndarray]:
+    """Per-document counts (chars, words, symbols, alpha_words, html_tags), vectorised."""
+    return {name: _MEASURES[name](texts) for name in names}
+
+
+def _needed(config: FilterConfig) -> tuple[str, ...]:
+    needs = set()
+    if config.min_chars is not None or config.max_chars is not None:
+        needs.add("chars")
+    for field_name, measure_name in (("max_symbol_ratio", "symbols"),
+                                     ("min_alpha_word_fraction", "alpha_words"),
+                                     ("max_html_tag_ratio", "html_tags")):
+        if getattr(config, field_name) is not None:
+            needs.update(("words", measure_name))
+    if config.min_words is not None:
+        needs.add("words")
+    return tuple(sorted(needs))
 
 
 def filter_batch(
@@ -93,18 +109,24 @@ def filter_batch(
     if config.normalize:
         texts = pc.utf8_normalize(texts, config.normalize)
         batch = batch.set_column(batch.schema.get_field_index("text"), "text", texts)
-    m = measure(texts)
+    m = measure(texts, _needed(config))
     n = batch.num_rows
-    checks: list[tuple[str, np.ndarray | None]] = [
-        ("too_short", None if config.min_chars is None else m["chars"] < config.min_chars),
-        ("too_long", None if config.max_chars is None else m["chars"] > config.max_chars),
-        ("too_few_words", None if config.min_words is None else m["words"] < config.min_words),
-        ("symbols", None if config.max_symbol_ratio is None
-         else m["symbol_ratio"] > config.max_symbol_ratio),
-        ("non_alpha", None if config.min_alpha_word_fraction is None
-         else m["alpha_fraction"] < config.min_alpha_word_fraction),
-        ("html", None if config.max_html_tag_ratio is None
-         else m["html_ratio"] > config.max_html_tag_ratio),
+    words = np.maximum(m.get("words", np.ones(n)), 1.0)
+
+    def check(limit: float | None, values: str, below: bool,
+              per_word: bool = False) -> np.ndarray | None:
+        if limit is None:
+            return None
+        x = m[values] / words if per_word else m[values]
+        return x < limit if below else x > limit
+
+    checks = [
+        ("too_short", check(config.min_chars, "chars", below=True)),
+        ("too_long", check(config.max_chars, "chars", below=False)),
+        ("too_few_words", check(config.min_words, "words", below=True)),
+        ("symbols", check(config.max_symbol_ratio, "symbols", False, per_word=True)),
+        ("non_alpha", check(config.min_alpha_word_fraction, "alpha_words", True, per_word=True)),
+        ("html", check(config.max_html_tag_ratio, "html_tags", False, per_word=True)),
     ]
     alive = np.ones(n, dtype=bool)
     counts: Counter[str] = Counter()

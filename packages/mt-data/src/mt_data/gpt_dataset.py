@@ -156,7 +156,8 @@ class GPTDataset:
         if folder is not None:
             try:
                 folder.mkdir(parents=True, exist_ok=True)
-                tmp = folder / f".{name}.tmp.npz"
+                # A per-process temporary name: every DP rank may build the same index at once.
+                tmp = folder / f".{name}.{os.getpid()}.tmp.npz"
                 np.savez(tmp, doc_idx=index.doc_idx, sample_doc=index.sample_doc,
                          sample_offset=index.sample_offset, shuffle=index.shuffle,
                          epochs=np.int64(index.epochs))

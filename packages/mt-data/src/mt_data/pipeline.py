@@ -16,8 +16,9 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from multiprocessing import get_context
@@ -29,7 +30,7 @@ import pyarrow as pa
 
 from mt_data.ingest import WorkItem, expand_inputs, plan_work
 from mt_data.shards import INDEX_FILE, ShardInfo, ShardSetWriter, atomic_write_json, write_shard
-from mt_data.stages import ChunkStats, CleanConfig, clean_item, global_dedup
+from mt_data.stages import ChunkStats, CleanConfig, clean_item, global_dedup, load_eval_index
 from mt_data.tokenizer import Tokenizer, load_tokenizer
 
 
@@ -106,26 +107,41 @@ def _check_output(output: Path, fingerprint: dict[str, Any], overwrite: bool) ->
         atomic_write_json(mark, recorded)
 
 
+def _run_tasks(fn: Callable[..., Any], tasks: list[tuple[Any, ...]], sizes: list[float],
+               pool: ProcessPoolExecutor | None, progress: ProgressHook,
+               on_result: Callable[[Any], None] = lambda result: None) -> list[Any]:
+    """``fn(*task)`` for every task, in the pool when there is one and more than one task.
+
+    ``on_result`` sees each result as soon as its task finishes (so finished work is recorded
+    even if a later task fails or the run is interrupted); results are returned in task order.
+    """
+    results: list[Any] = [None] * len(tasks)
+    if pool is None or len(tasks) <= 1:
+        for i, task in enumerate(tasks):
+            results[i] = fn(*task)
+            on_result(results[i])
+            progress.advance(sizes[i])
+        return results
+    futures = {pool.submit(fn, *task): i for i, task in enumerate(tasks)}
+    try:
+        for future in as_completed(futures):
+            i = futures[future]
+            results[i] = future.result()
+            on_result(results[i])
+            progress.advance(sizes[i])
+    except BaseException:
+        for future in futures:  # interrupted: do not start queued tasks
+            future.cancel()
+        raise
+    return results
+
+
 def _run_clean(items: list[WorkItem], config: PrepareConfig, work: Path,
-               progress: ProgressHook) -> list[dict[str, Any]]:
-    sizes = [item.nbytes for item in items]
-    progress.stage("clean + fingerprint", sum(sizes) / 1e6, "MB")
-    workers = config.workers or (os.cpu_count() or 1)
-    workers = min(workers, len(items))
-    results: list[dict[str, Any]] = [{}] * len(items)
-    if workers <= 1:
-        for i, item in enumerate(items):
-            results[i] = clean_item(i, item, config.clean, str(work))
-            progress.advance(sizes[i] / 1e6)
-    else:
-        # spawn, not fork: the parent may hold tokenizer thread pools or torch state.
-        with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
-            futures = {pool.submit(clean_item, i, item, config.clean, str(work)): i
-                       for i, item in enumerate(items)}
-            for future in as_completed(futures):
-                i = futures[future]
-                results[i] = future.result()
-                progress.advance(sizes[i] / 1e6)
+               pool: ProcessPoolExecutor | None, progress: ProgressHook) -> list[dict[str, Any]]:
+    sizes = [item.nbytes / 1e6 for item in items]
+    progress.stage("clean + fingerprint", sum(sizes), "MB")
+    tasks = [(i, item, config.clean, str(work)) for i, item in enumerate(items)]
+    results = _run_tasks(clean_item, tasks, sizes, pool, progress)
     progress.end()
     return results
 
@@ -164,7 +180,8 @@ def tokenize_chunk(chunk: str, keep: np.ndarray, shard: str, tokenizer: str) -> 
 
 
 def _run_tokenize(chunks: list[Path], keep: np.ndarray, writer: ShardSetWriter,
-                  config: PrepareConfig, progress: ProgressHook) -> None:
+                  config: PrepareConfig, pool: ProcessPoolExecutor | None,
+                  progress: ProgressHook) -> None:
     sizes = [p.stat().st_size for p in chunks]
     progress.stage(f"tokenize ({config.tokenizer})", sum(sizes) / 1e6, "MB")
     tasks, start = [], 0
@@ -177,17 +194,8 @@ def _run_tokenize(chunks: list[Path], keep: np.ndarray, writer: ShardSetWriter,
             tasks.append((str(path), mask, str(writer.out_dir / name), config.tokenizer, size))
         else:
             progress.advance(size / 1e6)
-    workers = min(config.workers or (os.cpu_count() or 1), len(tasks))
-    if workers <= 1:
-        for *args, size in tasks:
-            writer.record(tokenize_chunk(*args))
-            progress.advance(size / 1e6)
-    else:
-        with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
-            futures = {pool.submit(tokenize_chunk, *args): size for *args, size in tasks}
-            for future in as_completed(futures):
-                writer.record(future.result())
-                progress.advance(futures[future] / 1e6)
+    _run_tasks(tokenize_chunk, [t[:-1] for t in tasks], [t[-1] / 1e6 for t in tasks], pool,
+               progress, on_result=writer.record)
     progress.end()
 
 
@@ -209,9 +217,26 @@ def prepare(inputs: Sequence[str | Path], output: str | Path,
     items, unknown = plan_work(files, split_bytes=config.clean.ingest.split_bytes)
     if not items:
         raise PrepareError(f"no readable input files among {len(files)} found in {list(inputs)}")
+    load_eval_index(config.clean, work)  # once, before the workers need it
+    workers = config.workers or (os.cpu_count() or 1)
+    with ExitStack() as stack:
+        # One pool for both parallel stages (spawn, not fork: the parent may hold tokenizer
+        # thread pools or torch state); worker start-up is paid once.
+        pool = (stack.enter_context(ProcessPoolExecutor(workers, mp_context=get_context("spawn")))
+                if workers > 1 else None)
+        summary = _stages(items, unknown, files, fingerprint, output, config, pool, progress)
+    if not config.keep_work:
+        shutil.rmtree(work)
+    return summary
+
+
+def _stages(items: list[WorkItem], unknown: list[Path], files: list[Path],
+            fingerprint: dict[str, Any], output: Path, config: PrepareConfig,
+            pool: ProcessPoolExecutor | None, progress: ProgressHook) -> dict[str, Any]:
+    work = output / "work"
     times: dict[str, float] = {}
     t0 = time.perf_counter()
-    results = _run_clean(items, config, work, progress)
+    results = _run_clean(items, config, work, pool, progress)
     times["clean"] = time.perf_counter() - t0
     totals = ChunkStats()
     chunks: list[Path] = []
@@ -227,10 +252,10 @@ def prepare(inputs: Sequence[str | Path], output: str | Path,
     t1 = time.perf_counter()
     keep, dedup_stats = _run_dedup(chunks, config, work, progress)
     times["dedup"] = time.perf_counter() - t1
-    tokenizer = load_tokenizer(config.tokenizer)
+    tokenizer = _worker_tokenizer(config.tokenizer)
     writer = ShardSetWriter(output, tokenizer.describe(), tokenizer.dtype.name, resume=True)
     t2 = time.perf_counter()
-    _run_tokenize(chunks, keep, writer, config, progress)
+    _run_tokenize(chunks, keep, writer, config, pool, progress)
     times["tokenize"] = time.perf_counter() - t2
     elapsed = time.perf_counter() - t0
     tokens = sum(s.tokens for s in writer.shards.values())
@@ -251,8 +276,6 @@ def prepare(inputs: Sequence[str | Path], output: str | Path,
         "tokens_per_s": round(tokens / max(times["tokenize"], 1e-9)),
     }
     writer.finish(summary)
-    if not config.keep_work:
-        shutil.rmtree(work)
     return summary
 
 

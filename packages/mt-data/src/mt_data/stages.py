@@ -9,6 +9,7 @@ and fuzzy dedup over all chunks at once. Stage 3 is tokenization (in ``pipeline`
 from __future__ import annotations
 
 import json
+import os
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -70,14 +71,26 @@ class ChunkStats:
                    list(data["error_samples"]))
 
 
-def load_eval_index(config: CleanConfig) -> NgramIndex | None:
-    """N-gram index of the evaluation files, or None when decontamination is off."""
+EVAL_NGRAMS = "eval-ngrams.npy"
+
+
+def load_eval_index(config: CleanConfig, work_dir: Path | None = None) -> NgramIndex | None:
+    """N-gram index of the evaluation files (None when decontamination is off); read from
+    ``work_dir/eval-ngrams.npy`` when present, so workers do not re-read the evaluation set."""
     if config.decontam is None or not config.eval_paths:
         return None
+    cached = work_dir / EVAL_NGRAMS if work_dir is not None else None
+    if cached is not None and cached.exists():
+        return NgramIndex(np.load(cached), config.decontam.ngram)
     texts: list[str] = []
     for batch in iter_documents(config.eval_paths, config.ingest, ErrorLog("skip")):
         texts.extend(batch.column("text").to_pylist())
-    return NgramIndex.from_texts(texts, config.decontam.ngram)
+    index = NgramIndex.from_texts(texts, config.decontam.ngram)
+    if cached is not None:
+        tmp = cached.with_name(f".{cached.name}.tmp.npy")
+        np.save(tmp, index.hashes)
+        os.replace(tmp, cached)
+    return index
 
 
 def clean_chunk(batch: pa.RecordBatch, config: CleanConfig, hasher: MinHasher,
@@ -126,7 +139,7 @@ def clean_item(index: int, item: WorkItem, config: CleanConfig, work: str) -> di
     if done_mark.exists():
         return json.loads(done_mark.read_text())
     hasher = MinHasher(config.dedup.num_perm, config.dedup.ngram, config.dedup.seed)
-    eval_index = load_eval_index(config)
+    eval_index = load_eval_index(config, work_dir)
     log = ErrorLog(config.on_error)
     chunks: list[str] = []
     seen = 0

@@ -2,7 +2,8 @@
 
 Pure, process-free core: schedules as data (:mod:`mt_pipeline.schedules`), a simulator that
 checks and times them (:mod:`mt_pipeline.simulator`), timeline export
-(:mod:`mt_pipeline.trace`), layer partitioning (:mod:`mt_pipeline.partition`) and the
+(:mod:`mt_pipeline.trace`, measured ones via :mod:`mt_pipeline.timeline`), layer
+partitioning (:mod:`mt_pipeline.partition`) and the
 pipeline config (:mod:`mt_pipeline.config`). None of these import torch.
 
 Executor (needs torch and mt_dist, imported on first use): stages built from a GPT-like

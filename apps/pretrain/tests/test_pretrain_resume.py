@@ -1,0 +1,95 @@
+"""Checkpoints: exact resume (12 steps == 6 + resume + 6, bit for bit) and resume at another
+(TP, PP, DP) layout, where the sharded checkpoint is resharded on load and the loss curve
+continues within fp32 round-off."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from mt_pretrain.checkpoint import consolidated_model
+from mt_pretrain.config_io import load_config
+from mt_pretrain.launch import launch
+from mt_pretrain.metrics import read_metrics
+
+STEPS, HALF = 12, 6
+COMMON: dict[str, Any] = {
+    "model": "tiny", "seq_len": 32, "dropout": 0.0, "micro_batch_size": 2,
+    "global_batch_size": 8, "train_steps": STEPS, "eval_interval": 0, "sample_tokens": 0,
+    "progress": False, "log_interval": 100, "timeout": 120.0,
+}
+
+
+def _run(out: Path, cache: Path, **options: Any) -> Any:
+    config = load_config(None, {**COMMON, **options, "out_dir": str(out),
+                                "cache_dir": str(cache)})
+    return launch(config, environ={}, timeout=300)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """In-process (--nproc 1) runs share this 2-core machine with the other ranks and
+    tests: one intra-op thread avoids spin-waiting threads fighting for cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Any]:
+    """12 steps at TP 1 x PP 2 x DP 2 (ZeRO-1), checkpoints after steps 6 and 12."""
+    cache = tmp_path_factory.mktemp("mt-cache")
+    out = tmp_path_factory.mktemp("full")
+    summary = _run(out, cache, nproc=4, tp=1, pp=2, dp=2, zero_stage=1, save_interval=HALF,
+                   keep_last=5)
+    return out, cache, summary
+
+
+def test_pretrain_exact_resume(full_run: tuple[Path, Path, Any], tmp_path: Path) -> None:
+    out, cache, full = full_run
+    assert len(full.losses) == STEPS
+    assert sorted(p.name for p in (out / "checkpoints").glob("step-*")) == [
+        "step-00000006", "step-00000012"]
+    resumed = _run(tmp_path, cache, nproc=4, tp=1, pp=2, dp=2, zero_stage=1, save="none",
+                   load=str(out / "checkpoints" / "step-00000006"))
+    assert resumed.start_step == HALF and resumed.final_step == STEPS
+    assert resumed.losses == full.losses[HALF:]  # identical, not just close
+    steps = [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")]
+    assert steps == list(range(HALF + 1, STEPS + 1))
+
+
+@pytest.mark.parametrize("layout", [
+    {"nproc": 2, "tp": 2, "pp": 1, "zero_stage": 1},   # TP 1 -> 2, PP 2 -> 1, DP 2 -> 1
+    {"nproc": 1, "tp": 1, "pp": 1, "zero_stage": 0},   # one process, plain optimizer
+])
+def test_pretrain_resume_at_another_layout(full_run: tuple[Path, Path, Any], tmp_path: Path,
+                                           layout: dict[str, Any]) -> None:
+    out, cache, full = full_run
+    resumed = _run(tmp_path, cache, save="none", load=str(out / "checkpoints" / "step-00000006"),
+                   **layout)
+    assert resumed.start_step == HALF
+    assert resumed.losses == pytest.approx(full.losses[HALF:], rel=1e-4)
+
+
+def test_pretrain_checkpoint_consolidates(full_run: tuple[Path, Path, Any]) -> None:
+    out, _, _ = full_run
+    model, weights = consolidated_model(out / "checkpoints")  # follows `latest`
+    assert model["vocab_size"] == 1000 and model["seq_len"] == 32
+    assert weights["embed.tokens.weight"].shape == (1000, 64)
+    assert len([n for n in weights if n.startswith("blocks.3.")]) == 12
+
+
+def test_pretrain_exact_resume_with_dropout(tmp_path: Path, full_run: tuple[Path, Path, Any]
+                                            ) -> None:
+    """RNG states (default generator and the TP stream of the attention dropout) resume."""
+    _, cache, _ = full_run
+    layout = {"nproc": 2, "tp": 2, "pp": 1, "dropout": 0.1, "train_steps": 6}
+    full = _run(tmp_path / "full", cache, save_interval=3, **layout)
+    resumed = _run(tmp_path / "resumed", cache, save="none",
+                   load=str(tmp_path / "full" / "checkpoints" / "step-00000003"), **layout)
+    assert resumed.losses == full.losses[3:]
