@@ -7,6 +7,7 @@ import json
 import math
 
 import pytest
+
 from mt_model import PRESETS, GPTConfig, GPTConfigError, preset
 
 

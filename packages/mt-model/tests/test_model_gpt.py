@@ -8,6 +8,7 @@ import pathlib
 import pytest
 import torch
 import torch.nn.functional as F
+
 from mt_model import GPT, CoreAttention, LMHead, count_parameters, preset
 
 TINY = preset("tiny")

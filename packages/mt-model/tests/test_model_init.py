@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from mt_model import GPT, init_gpt_, init_parameter, init_std_for, parameter_seed, preset
 
 TINY = preset("tiny")

@@ -6,6 +6,7 @@ import time
 
 import pytest
 import torch
+
 from mt_model import (
     GPT,
     PRESETS,

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from mt_pipeline import (
     Backward,
     Exchange,

@@ -33,7 +33,7 @@ def _make(stage: int, precision: str = "fp32", **cfg: object) -> tuple[TinyLM, Z
     model = TinyLM()
     opt = ZeroOptimizer(
         model, lambda g: torch.optim.AdamW(g, lr=1e-2), None,
-        ZeroConfig(stage=stage, precision=precision, bucket_numel=300, **cfg),  # type: ignore[arg-type]
+        ZeroConfig(stage=stage, precision=precision, bucket_numel=300, **cfg),
         param_groups=decay_param_groups(model.named_parameters(), 0.1))
     return model, opt
 
