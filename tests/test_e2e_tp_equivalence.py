@@ -4,9 +4,10 @@ sequence parallelism, computes what the single-process GPT computes.
 One ``run_distributed`` call per (shape, tp) runs everything on the ranks and returns
 numbers; the parent computes the single-process reference once per shape and compares:
 
-- logits (gathered over the vocabulary), loss and EVERY parameter gradient, each rank's
-  gradient against its slice of the reference gradient (padding rows must be zero): fp32,
-  rtol 1e-5 / atol 1e-6;
+- loss and EVERY parameter gradient, each rank's gradient against its slice of the
+  reference gradient (padding rows must be zero): fp32, rtol 1e-5 / atol 1e-6; logits
+  (gathered over the vocabulary): rtol 1e-5 / atol 1e-6 x max|logit|, and no further from
+  the reference than 2x the reference's own distance to a float64 run;
 - 20 AdamW steps: the same loss curve (relative 1e-5);
 - bf16 (model cast to bf16): loss and gradients within the documented bf16 tolerance;
 - a GPT built on the meta device, sliced, materialised and loaded from the pure per-rank
