@@ -70,6 +70,10 @@ def test_one_wheel_per_distribution_with_ranges() -> None:
     pipeline = metadata(wheels["mt_pipeline"])["Requires-Dist"]
     assert any(r.startswith("mt-dist") for r in pipeline), pipeline
     assert any(r.startswith("torch") for r in pipeline), pipeline
+    # Optional integrations stay optional: only behind an extra.
+    for dist, optional in (("mt_dist", "mpi4py"), ("mt_pipeline", "matplotlib")):
+        plain = [r for r in metadata(wheels[dist])["Requires-Dist"] if "extra ==" not in r]
+        assert not any(r.startswith(optional) for r in plain), (dist, plain)
     data = metadata(wheels["mt_data"])["Requires-Dist"]
     assert not any(r.startswith(("torch", "mt-")) for r in data), data
 

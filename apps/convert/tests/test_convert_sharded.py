@@ -100,14 +100,14 @@ def test_convert_tp_errors(tmp_path: Path) -> None:
     with pytest.raises(ConvertError, match="n_heads 4 is not divisible by tp 3"):
         convert_checkpoint(tmp_path / "full", tmp_path / "tp3", to="tp", tp=3)
     assert not (tmp_path / "tp3").exists()
-    with pytest.raises(ConvertError, match="--tp 2 only applies to the tp format"):
+    with pytest.raises(ConvertError, match="--tp 2 only applies to the tp and megatron formats"):
         convert_checkpoint(tmp_path / "full", tmp_path / "x", to="hf", tp=2)
     convert_checkpoint(tmp_path / "full", tmp_path / "tp", to="tp", tp=2)
     config_path = tmp_path / "tp" / "config.json"
     manifest = json.loads(config_path.read_text())
     config_path.write_text(json.dumps({**manifest, "layout": {**manifest["layout"], "pp": 2}}))
-    with pytest.raises(ConvertError, match=r"pipeline-parallel layouts \(pp=2\) are not "
-                                           "supported yet"):
+    with pytest.raises(ConvertError, match=r"files .* do not match tp=2 pp=2 \(expected "
+                                           r"\['pp_rank_00_tp_rank_00/model\.safetensors'"):
         open_checkpoint(tmp_path / "tp")
     config_path.write_text(json.dumps(manifest))
     shutil.rmtree(tmp_path / "tp" / "tp_rank_01")

@@ -35,6 +35,8 @@ class Format(StrEnum):
     consolidated = "consolidated"
     hf = "hf"
     tp = "tp"
+    megatron = "megatron"
+    pretrain = "pretrain"
 
 
 app = typer.Typer(
@@ -46,11 +48,15 @@ app = typer.Typer(
 )
 
 
-def _dry_run(src: Path, dst: Path, to: str, from_format: str | None, tp: int | None,
+Layout = tuple[int | None, int | None, int | None]
+"""(tp, pp, pad_multiple) options."""
+
+
+def _dry_run(src: Path, dst: Path, to: str, from_format: str | None, layout: Layout,
              console: Console) -> None:
     with open_checkpoint(src, from_format) as reader:
         specs = {name: reader.spec(name) for name in reader.names()}
-        writer = make_writer(to, reader.config, specs, tp)
+        writer = make_writer(to, reader.config, specs, *layout)
         entries = plan_conversion(reader, writer)
         size = sum(spec.nbytes for spec in specs.values())
         # Plain lines, not a table: greppable and never folded by the terminal width.
@@ -63,7 +69,7 @@ def _dry_run(src: Path, dst: Path, to: str, from_format: str | None, tp: int | N
         console.print("\n".join(lines), markup=False, highlight=False, soft_wrap=True)
 
 
-def _convert(src: Path, dst: Path, to: str, from_format: str | None, tp: int | None,
+def _convert(src: Path, dst: Path, to: str, from_format: str | None, layout: Layout,
              force: bool, console: Console) -> None:
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn(), TextColumn("{task.fields[tensor]}"))
@@ -73,8 +79,10 @@ def _convert(src: Path, dst: Path, to: str, from_format: str | None, tp: int | N
         def progress(name: str, done: int, total: int) -> None:
             bar.update(task, completed=done, total=total, tensor=name)
 
-        result = convert_checkpoint(src, dst, to=to, from_format=from_format, tp=tp,
-                                    overwrite=force, progress=progress)
+        tp, pp, pad_multiple = layout
+        result = convert_checkpoint(src, dst, to=to, from_format=from_format, tp=tp, pp=pp,
+                                    pad_multiple=pad_multiple, overwrite=force,
+                                    progress=progress)
     console.print(f"wrote {result.destination} ({result.target_format}): {result.tensors} "
                   f"tensors, {result.bytes / 2**20:.1f} MiB in {result.seconds:.1f} s",
                   markup=False, highlight=False, soft_wrap=True)
@@ -87,12 +95,18 @@ def convert(
     dst: Annotated[Path, typer.Argument(help="Destination directory (must not exist unless "
                                              "--force).")],
     to: Annotated[Format | None, typer.Option(
-        "--to", help="Target format (default: tp when --tp is given, else consolidated).")
-    ] = None,
+        "--to", help="Target format (default: tp when --tp or --pp is given, else "
+        "consolidated); pretrain is read-only.")] = None,
     from_format: Annotated[Format | None, typer.Option(
         "--from", help="Source format (default: detected from config.json).")] = None,
     tp: Annotated[int | None, typer.Option(
-        "--tp", min=1, help="Tensor-parallel degree of the tp target format.")] = None,
+        "--tp", min=1, help="Tensor-parallel degree of the tp / megatron target.")] = None,
+    pp: Annotated[int | None, typer.Option(
+        "--pp", min=1, help="Pipeline stages of the tp / megatron target (uniform layer "
+        "split).")] = None,
+    pad_multiple: Annotated[int | None, typer.Option(
+        "--pad-multiple", min=1, help="Pad the vocabulary to a multiple of this x tp "
+        "(tp / megatron target; default 128).")] = None,
     dry_run: Annotated[bool, typer.Option(
         "--dry-run", help="Print the mapping of source tensors to target tensors and write "
         "nothing.")] = False,
@@ -100,16 +114,19 @@ def convert(
         "--force", help="Replace an existing destination (only once the new one is "
         "complete).")] = False,
 ) -> None:
-    """Convert a GPT checkpoint: mt consolidated, mt tensor-parallel (tp_rank_XX) or
-    Hugging Face GPT-2, tensor by tensor, verified, written atomically."""
-    target = to.value if to is not None else ("tp" if tp is not None else "consolidated")
+    """Convert a GPT checkpoint: mt consolidated, mt sharded (TP x PP), Hugging Face
+    GPT-2, Megatron-LM, or (read only) an mt pretrain checkpoint, tensor by tensor,
+    verified, written atomically."""
+    sharded = tp is not None or pp is not None
+    target = to.value if to is not None else ("tp" if sharded else "consolidated")
+    layout = (tp, pp, pad_multiple)
     source = from_format.value if from_format is not None else None
     console = Console(stderr=True)
     try:
         if dry_run:
-            _dry_run(src, dst, target, source, tp, Console())
+            _dry_run(src, dst, target, source, layout, Console())
         else:
-            _convert(src, dst, target, source, tp, force, console)
+            _convert(src, dst, target, source, layout, force, console)
     except ConvertError as err:
         console.print(f"[bold red]error:[/] {escape(str(err))}", highlight=False,
                       soft_wrap=True)

@@ -27,9 +27,12 @@ from mt_convert.layout import (
     canonical_shapes,
 )
 from mt_convert.manifest import CONFIG_FILE, read_json
+from mt_convert.megatron import LATEST_FILE, MegatronReader, MegatronWriter
+from mt_convert.pretrain import PretrainReader, is_pretrain_checkpoint
 from mt_convert.safetensors_io import TensorSpec, check_names
 from mt_convert.sharded import SHARDED_FORMAT, ShardedReader, ShardedWriter
 from mt_model import GPT, GPTConfig
+from mt_tensor_parallel import DEFAULT_PAD_MULTIPLE
 
 __all__ = [
     "FORMATS",
@@ -46,19 +49,28 @@ __all__ = [
     "save_state_dict",
 ]
 
-FORMATS: tuple[str, ...] = ("consolidated", "hf", "tp")
+FORMATS: tuple[str, ...] = ("consolidated", "hf", "tp", "megatron", "pretrain")
 _READERS: dict[str, Callable[[Path], CheckpointReader]] = {
     "consolidated": ConsolidatedReader,
     "hf": HFReader,
     "tp": ShardedReader,
+    "megatron": MegatronReader,
+    "pretrain": PretrainReader,
 }
+_WRITABLE = ("consolidated", "hf", "tp", "megatron")
 
 
 def detect_format(path: Path) -> str:
-    """``"consolidated"``, ``"tp"`` or ``"hf"``, from ``path/config.json``."""
+    """``"consolidated"``, ``"tp"`` or ``"hf"`` from ``path/config.json``; ``"megatron"``
+    (``latest_checkpointed_iteration.txt``) or ``"pretrain"`` (``mt pretrain``'s
+    ``meta.json`` or ``latest``)."""
     path = Path(path)
     if not path.is_dir():
         raise ConvertError(f"{path}: checkpoint directory not found")
+    if (path / LATEST_FILE).is_file():
+        return "megatron"
+    if is_pretrain_checkpoint(path):
+        return "pretrain"
     data = read_json(path / CONFIG_FILE)
     if data.get("format") == CONSOLIDATED_FORMAT:
         return "consolidated"
@@ -85,15 +97,27 @@ def open_checkpoint(path: Path, fmt: str | None = None) -> CheckpointReader:
 
 
 def make_writer(fmt: str, config: GPTConfig, specs: Mapping[str, TensorSpec],
-                tp: int | None = None) -> CheckpointWriter:
-    """A writer for ``fmt``; ``tp`` is required for (and only allowed with) ``"tp"``."""
+                tp: int | None = None, pp: int | None = None,
+                pad_multiple: int | None = None) -> CheckpointWriter:
+    """A writer for ``fmt``. ``tp`` / ``pp`` / ``pad_multiple`` apply to the sharded
+    ``"tp"`` format (which needs ``tp`` or ``pp``) and ``"megatron"``; unset ones default
+    to 1, 1 and 128."""
     _check_format(fmt)
+    if fmt not in _WRITABLE:
+        raise ConvertError(f"cannot write the {fmt!r} format; writable: {list(_WRITABLE)}")
+    pad = DEFAULT_PAD_MULTIPLE if pad_multiple is None else pad_multiple
     if fmt == "tp":
-        if tp is None:
-            raise ConvertError("the tp format needs a tensor-parallel degree (--tp N)")
-        return ShardedWriter(config, dict(specs), tp)
-    if tp is not None:
-        raise ConvertError(f"--tp {tp} only applies to the tp format, not {fmt!r}")
+        if tp is None and pp is None:
+            raise ConvertError("the tp format needs a tensor- or pipeline-parallel degree "
+                               "(--tp N and/or --pp N)")
+        return ShardedWriter(config, dict(specs), tp or 1, pp or 1, pad)
+    if fmt == "megatron":
+        return MegatronWriter(config, dict(specs), tp or 1, pp or 1, pad)
+    layout = {"--tp": tp, "--pp": pp, "--pad-multiple": pad_multiple}
+    for option, value in layout.items():
+        if value is not None:
+            raise ConvertError(f"{option} {value} only applies to the tp and megatron "
+                               f"formats, not {fmt!r}")
     return (ConsolidatedWriter if fmt == "consolidated" else HFWriter)(config, dict(specs))
 
 
@@ -156,6 +180,7 @@ def _write(writer: CheckpointWriter, names: list[str], get: Callable[[str], torc
 
 def convert_checkpoint(source: Path, destination: Path, *, to: str = "consolidated",
                        from_format: str | None = None, tp: int | None = None,
+                       pp: int | None = None, pad_multiple: int | None = None,
                        overwrite: bool = False, progress: ProgressFn | None = None
                        ) -> ConversionResult:
     """Convert the checkpoint at ``source`` into format ``to`` at ``destination``.
@@ -169,9 +194,11 @@ def convert_checkpoint(source: Path, destination: Path, *, to: str = "consolidat
     if destination.exists() and not overwrite:  # fail before reading anything
         raise ConvertError(f"{destination}: destination already exists (use --force to "
                            "replace it)")
+    if to not in _WRITABLE:  # fail before reading anything
+        raise ConvertError(f"cannot write the {to!r} format; writable: {list(_WRITABLE)}")
     start = time.perf_counter()
     with open_checkpoint(source, from_format) as reader:
-        writer = make_writer(to, reader.config, _specs(reader), tp)
+        writer = make_writer(to, reader.config, _specs(reader), tp, pp, pad_multiple)
         moved = _write(writer, reader.names(), reader.read, destination, overwrite, progress)
         return ConversionResult(reader.format, writer.format, destination,
                                 len(reader.names()), moved, time.perf_counter() - start)
@@ -179,6 +206,7 @@ def convert_checkpoint(source: Path, destination: Path, *, to: str = "consolidat
 
 def save_state_dict(state_dict: Mapping[str, torch.Tensor], config: GPTConfig,
                     destination: Path, *, to: str = "consolidated", tp: int | None = None,
+                    pp: int | None = None, pad_multiple: int | None = None,
                     overwrite: bool = False, progress: ProgressFn | None = None) -> Path:
     """Save an unsharded ``mt_model.GPT`` state dict in format ``to`` (atomically)."""
     shapes = canonical_shapes(config)
@@ -188,7 +216,7 @@ def save_state_dict(state_dict: Mapping[str, torch.Tensor], config: GPTConfig,
             raise ConvertError(f"tensor {name!r} has shape {list(state_dict[name].shape)}, "
                                f"the config needs {list(shape)}")
     specs = {name: TensorSpec.of(state_dict[name]) for name in shapes}
-    writer = make_writer(to, config, specs, tp)
+    writer = make_writer(to, config, specs, tp, pp, pad_multiple)
     _write(writer, list(shapes), lambda n: state_dict[n].detach(), Path(destination),
            overwrite, progress)
     return Path(destination)

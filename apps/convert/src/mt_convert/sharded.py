@@ -1,20 +1,28 @@
-"""The tensor-parallel layout: ``tp_rank_XX/model.safetensors`` per TP rank + ``config.json``.
+"""mt's sharded layout: one safetensors file per (pipeline stage, tensor-parallel rank).
 
-Each rank's file holds exactly the state dict of ``mt_model.GPT`` after
-``mt_tensor_parallel.apply_tensor_parallel(model, group, GPT_PLAN)`` on that rank: canonical
-names, tensors sliced by ``mt_tensor_parallel.shard_tensor`` (qkv per [q; k; v] block,
-column / row splits, the token embedding padded to a multiple of ``pad_multiple * tp``
-rows and split by vocabulary range, everything else replicated). Merging uses
-``merge_shards`` and drops the padding rows, so consolidated -> TP -> consolidated is
-bit-identical. Replicated tensors are checked to be equal on every rank when read.
+Files: ``tp_rank_XX/model.safetensors`` when ``pp == 1``, else
+``pp_rank_XX_tp_rank_YY/model.safetensors``, plus ``config.json``. Each file holds exactly
+the state dict of that rank's part of ``mt_model.GPT`` after
+``mt_tensor_parallel.apply_tensor_parallel(model, group, GPT_PLAN)``: canonical (full
+model) names, tensors sliced by ``mt_tensor_parallel.shard_tensor`` (qkv per [q; k; v]
+block, column / row splits, the token embedding padded to a multiple of
+``pad_multiple * tp`` rows and split by vocabulary range, everything else replicated).
 
-The manifest's ``layout`` is ``{"tp": N, "pp": 1, "pad_multiple": 128}``; pipeline stages
-(``pp > 1``) are reserved for a later version and rejected with a clear error.
+Pipeline stages hold contiguous layer ranges (``layout.stage_layers``, uniform as
+``mt_pipeline.uniform_partition`` makes them): ``embed.*`` on the first stage, ``ln_f.*``
+on the last, and the last stage also keeps a copy of ``embed.tokens.weight`` for the tied
+head, exactly as ``mt_pipeline`` names a stage's parameters. Merging uses
+``merge_shards`` and drops padding rows, so A -> B -> A is bit-identical for any layouts
+and padding multiples. Copies (replicated TP tensors, the tied embedding of the last
+stage) are checked to agree when read.
+
+Manifest ``layout``: ``{"tp", "pp", "pad_multiple"}`` (+ ``"stage_layers"`` when pp > 1).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -23,6 +31,7 @@ from mt_convert.layout import CheckpointReader, CheckpointWriter, TensorRef, can
 from mt_convert.manifest import FileEntries, open_checked, read_manifest, write_manifest
 from mt_convert.safetensors_io import SafetensorsReader, SafetensorsWriter, TensorSpec
 from mt_model import GPTConfig
+from mt_pipeline import PartitionError, uniform_partition
 from mt_tensor_parallel import (
     DEFAULT_PAD_MULTIPLE,
     GPT_PLAN,
@@ -32,14 +41,25 @@ from mt_tensor_parallel import (
     shard_tensor,
 )
 
-__all__ = ["SHARDED_FORMAT", "ShardedReader", "ShardedWriter", "shard_file", "shard_specs"]
+__all__ = [
+    "SHARDED_FORMAT",
+    "ShardedReader",
+    "ShardedWriter",
+    "shard_file",
+    "shard_specs",
+    "stage_layers",
+    "stages_of",
+]
 
 SHARDED_FORMAT = "mt-sharded"
+TIED = "embed.tokens.weight"
 
 
-def shard_file(tp_rank: int) -> str:
-    """Relative path of TP rank ``tp_rank``'s file."""
-    return f"tp_rank_{tp_rank:02d}/model.safetensors"
+def shard_file(tp_rank: int, pp_rank: int = 0, pp: int = 1) -> str:
+    """Relative path of the file of TP rank ``tp_rank`` on pipeline stage ``pp_rank``."""
+    if pp == 1:
+        return f"tp_rank_{tp_rank:02d}/model.safetensors"
+    return f"pp_rank_{pp_rank:02d}_tp_rank_{tp_rank:02d}/model.safetensors"
 
 
 def _check_tp(config: GPTConfig, tp: int) -> None:
@@ -48,6 +68,29 @@ def _check_tp(config: GPTConfig, tp: int) -> None:
                            ffn_hidden=config.ffn_hidden)
     except ValueError as err:
         raise ConvertError(str(err)) from None
+
+
+def stage_layers(n_layers: int, pp: int) -> list[tuple[int, int]]:
+    """Half-open layer range of every stage of a uniform ``pp``-stage pipeline."""
+    try:
+        plan = uniform_partition(n_layers, pp)
+    except PartitionError as err:
+        raise ConvertError(f"cannot split the model into pp={pp} stages: {err}") from None
+    return [stage.chunks[0] for stage in plan.stages]
+
+
+def stages_of(name: str, ranges: list[tuple[int, int]]) -> list[int]:
+    """The pipeline stages holding canonical tensor ``name`` (the tied embedding is on the
+    first and the last stage)."""
+    last = len(ranges) - 1
+    if name.startswith("blocks."):
+        layer = int(name.split(".")[1])
+        return [s for s, (start, stop) in enumerate(ranges) if start <= layer < stop]
+    if name == TIED:
+        return sorted({0, last})
+    if name.startswith("embed."):
+        return [0]
+    return [last]  # ln_f and anything after the blocks
 
 
 def shard_specs(specs: dict[str, TensorSpec], tp: int, pad_multiple: int
@@ -72,50 +115,93 @@ def shard_specs(specs: dict[str, TensorSpec], tp: int, pad_multiple: int
     return styles, ranks
 
 
+class _Layout:
+    """Where every canonical tensor lives in a (tp, pp, pad_multiple) layout."""
+
+    def __init__(self, config: GPTConfig, specs: dict[str, TensorSpec], tp: int, pp: int,
+                 pad_multiple: int, ranges: list[tuple[int, int]] | None = None) -> None:
+        _check_tp(config, tp)
+        if pad_multiple < 1:
+            raise ConvertError(f"pad_multiple must be >= 1, got {pad_multiple}")
+        self.tp, self.pp, self.pad_multiple = tp, pp, pad_multiple
+        self.ranges = stage_layers(config.n_layers, pp) if ranges is None else ranges
+        self.styles, self.ranks = shard_specs(specs, tp, pad_multiple)
+        self.stages = {name: stages_of(name, self.ranges) for name in specs}
+
+    def file(self, stage: int, rank: int) -> str:
+        return shard_file(rank, stage, self.pp)
+
+    def files(self) -> list[tuple[int, int, str]]:
+        """(stage, tp rank, file) of every file, stage-major."""
+        return [(s, r, self.file(s, r)) for s in range(self.pp) for r in range(self.tp)]
+
+    def file_specs(self, stage: int, rank: int) -> dict[str, TensorSpec]:
+        return {name: spec for name, spec in self.ranks[rank].items()
+                if stage in self.stages[name]}
+
+    def refs(self, name: str, specs: dict[tuple[int, int], TensorSpec] | None = None
+             ) -> list[TensorRef]:
+        refs = []
+        for stage in self.stages[name]:
+            where = f"pp {stage}/{self.pp} " if self.pp > 1 else ""
+            for rank in range(self.tp):
+                spec = self.ranks[rank][name] if specs is None else specs[(stage, rank)]
+                refs.append(TensorRef(self.file(stage, rank), name, spec,
+                                      f"{where}tp {rank}/{self.tp} {self.styles[name]}"))
+        return refs
+
+    def manifest_layout(self) -> dict[str, Any]:
+        layout: dict[str, Any] = {"tp": self.tp, "pp": self.pp,
+                                  "pad_multiple": self.pad_multiple}
+        if self.pp > 1:
+            layout["stage_layers"] = [list(r) for r in self.ranges]
+        return layout
+
+
 class ShardedWriter(CheckpointWriter):
-    """Splits each canonical tensor into ``tp`` shards, one file per rank."""
+    """Splits each canonical tensor into ``tp`` shards and stores them on the pipeline
+    stage(s) that hold it, one file per (stage, TP rank)."""
 
     format = "tp"
 
-    def __init__(self, config: GPTConfig, specs: dict[str, TensorSpec], tp: int,
+    def __init__(self, config: GPTConfig, specs: dict[str, TensorSpec], tp: int, pp: int = 1,
                  pad_multiple: int = DEFAULT_PAD_MULTIPLE) -> None:
         super().__init__(config, specs)
-        _check_tp(config, tp)
-        self.tp, self.pad_multiple = tp, pad_multiple
-        self._styles, self._ranks = shard_specs(self.specs, tp, pad_multiple)
-        self._writers: list[SafetensorsWriter] = []
+        self._layout = _Layout(config, self.specs, tp, pp, pad_multiple)
+        self.tp, self.pp, self.pad_multiple = tp, pp, pad_multiple
+        self._writers: dict[tuple[int, int], SafetensorsWriter] = {}
         self._directory: Path | None = None
 
     def targets(self, name: str) -> list[TensorRef]:
-        return [TensorRef(shard_file(rank), name, self._ranks[rank][name],
-                          f"tp {rank}/{self.tp} {self._styles[name]}")
-                for rank in range(self.tp)]
+        return self._layout.refs(name)
 
     def open(self, directory: Path) -> None:
         self._directory = Path(directory)
-        meta = {"mt.format": SHARDED_FORMAT, "mt.tp": str(self.tp)}
-        for rank in range(self.tp):
-            self._writers.append(SafetensorsWriter(self._directory / shard_file(rank),
-                                                   self._ranks[rank],
-                                                   {**meta, "mt.tp_rank": str(rank)}))
+        meta = {"mt.format": SHARDED_FORMAT, "mt.tp": str(self.tp), "mt.pp": str(self.pp)}
+        for stage, rank, file in self._layout.files():
+            self._writers[(stage, rank)] = SafetensorsWriter(
+                self._directory / file, self._layout.file_specs(stage, rank),
+                {**meta, "mt.tp_rank": str(rank), "mt.pp_rank": str(stage)})
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
-        for rank, writer in enumerate(self._writers):
-            writer.write(name, shard_tensor(self._styles[name], tensor, rank, self.tp,
-                                            pad_multiple=self.pad_multiple))
+        style, stages = self._layout.styles[name], self._layout.stages[name]
+        for rank in range(self.tp):
+            shard = shard_tensor(style, tensor, rank, self.tp, pad_multiple=self.pad_multiple)
+            for stage in stages:  # the tied embedding goes to two stages: slice it once
+                self._writers[(stage, rank)].write(name, shard)
 
     def finish(self) -> None:
         assert self._directory is not None, "open() first"
         files: dict[str, FileEntries] = {}
-        for rank, writer in enumerate(self._writers):
-            checksums = writer.close()
-            files[shard_file(rank)] = {name: (spec, checksums[name])
-                                       for name, spec in self._ranks[rank].items()}
-        layout = {"tp": self.tp, "pp": 1, "pad_multiple": self.pad_multiple}
-        write_manifest(self._directory, SHARDED_FORMAT, self.config, layout, files)
+        for stage, rank, file in self._layout.files():
+            checksums = self._writers[(stage, rank)].close()
+            files[file] = {name: (spec, checksums[name]) for name, spec
+                           in self._layout.file_specs(stage, rank).items()}
+        write_manifest(self._directory, SHARDED_FORMAT, self.config,
+                       self._layout.manifest_layout(), files)
 
     def abort(self) -> None:
-        for writer in self._writers:
+        for writer in self._writers.values():
             writer.abort()
 
 
@@ -127,8 +213,28 @@ def _layout_int(manifest_path: Path, layout: dict, key: str, default: int | None
     return value
 
 
+def _read_ranges(path: Path, layout: dict, n_layers: int, pp: int
+                 ) -> list[tuple[int, int]] | None:
+    """The stored stage ranges (contiguous, covering every layer), or None for uniform."""
+    raw = layout.get("stage_layers")
+    if raw is None:
+        return None
+    try:
+        ranges = [(int(start), int(stop)) for start, stop in raw]
+    except (TypeError, ValueError):
+        raise ConvertError(f"{path}: layout.stage_layers must be [[start, stop], ...], got "
+                           f"{raw!r}") from None
+    bounds = [0] + [stop for _, stop in ranges]
+    if (len(ranges) != pp or any(start != bounds[i] or stop < start
+                                 for i, (start, stop) in enumerate(ranges))
+            or bounds[-1] != n_layers):
+        raise ConvertError(f"{path}: layout.stage_layers {raw} must be {pp} contiguous "
+                           f"ranges covering layers 0..{n_layers - 1}")
+    return ranges
+
+
 class ShardedReader(CheckpointReader):
-    """Reads a TP-sharded checkpoint and merges each tensor back to its full shape."""
+    """Reads a sharded checkpoint and merges each tensor back to its full shape."""
 
     format = "tp"
 
@@ -136,27 +242,26 @@ class ShardedReader(CheckpointReader):
         self.root = Path(root)
         manifest = read_manifest(self.root, SHARDED_FORMAT)
         self.config = manifest.config
-        self.tp = _layout_int(manifest.path, manifest.layout, "tp", None)
-        pp = _layout_int(manifest.path, manifest.layout, "pp", 1)
-        if pp != 1:
-            raise ConvertError(f"{manifest.path}: pipeline-parallel layouts (pp={pp}) are not "
-                               "supported yet")
-        self.pad_multiple = _layout_int(manifest.path, manifest.layout, "pad_multiple",
-                                        DEFAULT_PAD_MULTIPLE)
-        _check_tp(self.config, self.tp)
+        path, raw = manifest.path, manifest.layout
+        tp = _layout_int(path, raw, "tp", None)
+        pp = _layout_int(path, raw, "pp", 1)
+        pad = _layout_int(path, raw, "pad_multiple", DEFAULT_PAD_MULTIPLE)
+        ranges = _read_ranges(path, raw, self.config.n_layers, pp)
         self._shapes = canonical_shapes(self.config)
-        wanted = {shard_file(rank) for rank in range(self.tp)}
-        if set(manifest.files) != wanted:
-            raise ConvertError(f"{manifest.path}: files {sorted(manifest.files)} do not match "
-                               f"tp={self.tp} (expected {sorted(wanted)})")
         # dtypes only matter for the comparison against headers, which open_checked does
         specs = {name: TensorSpec(shape, torch.float32) for name, shape in self._shapes.items()}
-        self._styles, ranks = shard_specs(specs, self.tp, self.pad_multiple)
-        self._files: list[SafetensorsReader] = []
+        self._layout = _Layout(self.config, specs, tp, pp, pad, ranges)
+        self.tp, self.pp, self.pad_multiple = tp, pp, pad
+        wanted = {file for _, _, file in self._layout.files()}
+        if set(manifest.files) != wanted:
+            raise ConvertError(f"{path}: files {sorted(manifest.files)} do not match tp={tp} "
+                               f"pp={pp} (expected {sorted(wanted)})")
+        self._files: dict[tuple[int, int], SafetensorsReader] = {}
         try:
-            for rank in range(self.tp):
-                shapes = {name: spec.shape for name, spec in ranks[rank].items()}
-                self._files.append(open_checked(self.root, manifest, shard_file(rank), shapes))
+            for stage, rank, file in self._layout.files():
+                shapes = {name: spec.shape
+                          for name, spec in self._layout.file_specs(stage, rank).items()}
+                self._files[(stage, rank)] = open_checked(self.root, manifest, file, shapes)
         except BaseException:
             self.close()
             raise
@@ -165,27 +270,40 @@ class ShardedReader(CheckpointReader):
         return list(self._shapes)
 
     def spec(self, name: str) -> TensorSpec:
-        return TensorSpec(self._shapes[name], self._files[0].spec(name).dtype)
+        stage = self._layout.stages[name][0]
+        return TensorSpec(self._shapes[name], self._files[(stage, 0)].spec(name).dtype)
 
     def sources(self, name: str) -> list[TensorRef]:
-        return [TensorRef(shard_file(rank), name, file.spec(name),
-                          f"tp {rank}/{self.tp} {self._styles[name]}")
-                for rank, file in enumerate(self._files)]
+        specs = {key: file.spec(name) for key, file in self._files.items()
+                 if key[0] in self._layout.stages[name]}
+        return self._layout.refs(name, specs)
 
-    def read(self, name: str) -> torch.Tensor:
-        shards = [file.get(name) for file in self._files]
-        style = self._styles[name]
+    def _stage_shards(self, name: str, stage: int) -> list[torch.Tensor]:
+        shards = [self._files[(stage, rank)].get(name) for rank in range(self.tp)]
         if len({shard.dtype for shard in shards}) > 1:
             raise ConvertError(f"{self.root}: tensor {name!r} has different dtypes on "
                                f"different tp ranks: {[str(s.dtype) for s in shards]}")
-        if style == "replicate":
+        if self._layout.styles[name] == "replicate":
             for rank, shard in enumerate(shards[1:], start=1):
                 if not torch.equal(shard, shards[0]):
-                    raise ConvertError(f"{self.root / shard_file(rank)}: replicated tensor "
-                                       f"{name!r} differs from tp rank 0's copy")
+                    raise ConvertError(f"{self.root / self._layout.file(stage, rank)}: "
+                                       f"replicated tensor {name!r} differs from tp rank 0's "
+                                       "copy")
+        return shards
+
+    def read(self, name: str) -> torch.Tensor:
+        first, *others = self._layout.stages[name]
+        shards = self._stage_shards(name, first)
+        for stage in others:  # the tied embedding's copy on the last stage
+            for rank, shard in enumerate(self._stage_shards(name, stage)):
+                if not torch.equal(shard, shards[rank]):
+                    raise ConvertError(f"{self.root / self._layout.file(stage, rank)}: tied "
+                                       f"tensor {name!r} differs from pipeline stage "
+                                       f"{first}'s copy")
+        style = self._layout.styles[name]
         vocab = self.config.vocab_size if style == "vocab" else None
         return merge_shards(style, shards, vocab_size=vocab)
 
     def close(self) -> None:
-        for file in getattr(self, "_files", []):
+        for file in getattr(self, "_files", {}).values():
             file.close()

@@ -33,7 +33,8 @@ class Built:
     Attributes:
         stage: the pipeline stage module (the whole model when pp == 1); parameter names are
             those of the unsharded GPT.
-        optimizer: the ZeRO / data-parallel optimizer wrapping ``stage``.
+        optimizer: the ZeRO / data-parallel optimizer wrapping ``stage`` (with --engine
+            deepspeed a ``DeepSpeedOptimizer`` offering the same training-loop interface).
         tracker: the tensor-parallel RNG streams (None when tp == 1).
         full_shapes: unsharded shape of every parameter of the whole model.
         styles: tensor-parallel shard style of every parameter name.
@@ -123,5 +124,11 @@ def build(config: PretrainConfig, plan: RunPlan, groups: ParallelGroups,
     stage, tracker, full_shapes, styles = build_model_stage(
         plan, groups, seed, config.parallel.sequence_parallel, device)
     stage.train()
-    optimizer = make_optimizer(config, stage, groups, styles)
+    if config.parallel.engine == "deepspeed":
+        # Lazy: deepspeed is optional, and its environment must be set before its import.
+        from mt_pretrain.deepspeed_run import make_deepspeed_optimizer
+
+        optimizer: Any = make_deepspeed_optimizer(config, plan, stage, groups)
+    else:
+        optimizer = make_optimizer(config, stage, groups, styles)
     return Built(stage, optimizer, tracker, full_shapes, styles)

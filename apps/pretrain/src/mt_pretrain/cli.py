@@ -17,6 +17,8 @@ import typer
 
 from mt_data.cli import app as data_app
 from mt_pretrain.options import with_config_options
+from mt_pretrain.plan_cmd import _HELP as _PLAN_HELP
+from mt_pretrain.plan_cmd import plan
 
 #: Every distribution of the mt monorepo, with its import name.
 DISTRIBUTIONS: dict[str, str] = {
@@ -121,6 +123,7 @@ def plot(
     typer.echo(f"wrote {path}")
 
 
+app.command("plan", help=_PLAN_HELP, context_settings={"max_content_width": 110})(plan)
 app.add_typer(data_app, name="data")
 
 

@@ -124,7 +124,8 @@ class ParallelArgs:
     activation_checkpointing: bool = False
     """Recompute each layer's activations in backward instead of storing them."""
     engine: str = "mt"
-    """Training engine: mt (this toolkit) or deepspeed (not available in this build)."""
+    """Training engine: mt (this toolkit) or deepspeed (DeepSpeed ZeRO 0-3 for pure data
+    parallelism: --tp 1 --pp 1, fp32 or bf16; needs `pip install deepspeed`)."""
     precision: str = "fp32"
     """Parameter and compute precision: fp32, bf16 or fp16 (fp32 master weights and
     optimizer state; fp16 uses dynamic loss scaling)."""
@@ -369,6 +370,29 @@ class CheckpointArgs:
         return Path(self.metrics) if self.metrics else Path(self.out_dir) / "metrics.jsonl"
 
 
+def _deepspeed_problems(config: PretrainConfig) -> list[str]:
+    """What --engine deepspeed does not support (mt's own engine does)."""
+    par, problems = config.parallel, []
+    if par.tp != 1 or par.pp != 1:
+        problems.append(f"--engine deepspeed supports pure data parallelism only (--tp 1 "
+                        f"--pp 1), got --tp {par.tp} --pp {par.pp}; use --engine mt for "
+                        "tensor / pipeline parallelism")
+    if par.precision == "fp16":
+        problems.append("--engine deepspeed supports --precision fp32 or bf16, got fp16; "
+                        "use --engine mt for fp16 with loss scaling")
+    if par.activation_checkpointing:
+        problems.append("--activation-checkpointing is not supported with --engine deepspeed "
+                        "(the engine runs the plain forward); use --engine mt")
+    if config.train.rampup_start is not None:
+        problems.append(f"--rampup-start {config.train.rampup_start}: batch-size ramp-up is "
+                        "not supported with --engine deepspeed (its gradient accumulation "
+                        "steps are fixed)")
+    if config.checkpoint.load:
+        problems.append(f"--load {config.checkpoint.load!r}: resuming is not supported with "
+                        "--engine deepspeed yet (it saves DeepSpeed-format checkpoints)")
+    return problems
+
+
 SECTIONS: dict[str, type] = {
     "model": ModelArgs,
     "parallel": ParallelArgs,
@@ -394,7 +418,7 @@ class PretrainConfig:
         if self.train.eval_interval and self.train.eval_iters == 0:
             problems.append("--eval-interval needs --eval-iters >= 1")
         if self.parallel.engine == "deepspeed":
-            problems.append("--engine deepspeed is not available in this build; use --engine mt")
+            problems.extend(_deepspeed_problems(self))
         if self.parallel.sequence_parallel and gpt.seq_len % self.parallel.tp:
             problems.append(f"--sequence-parallel needs seq_len {gpt.seq_len} divisible by "
                             f"tp {self.parallel.tp}")

@@ -14,12 +14,10 @@ from mt_dist import Topology, TopologyError
 from mt_model import GPTConfig, count_parameters, model_flops_per_token_training
 from mt_pipeline import PartitionError, PipelineConfig, PipelinePlan, ScheduleError, plan_pipeline
 from mt_pretrain.config import DEFAULT_TRAIN_STEPS, ConfigError, PretrainConfig
+from mt_pretrain.estimate import activation_bytes_per_layer, zero_bytes
 from mt_tensor_parallel import check_divisibility, padded_vocab_size, param_styles
 
 __all__ = ["RunPlan", "describe", "memory_estimate", "resolve"]
-
-_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-
 
 @dataclass(frozen=True)
 class RunPlan:
@@ -155,26 +153,21 @@ def memory_estimate(config: PretrainConfig, plan: RunPlan, stage: int) -> dict[s
     """Bytes per rank of pipeline ``stage``: weights, gradients, optimizer, activations.
 
     Weights / gradients in the compute dtype; fp32 master copy (unless fp32) plus Adam's two
-    moments sharded by ZeRO stage over dp. Activations: Korthikanti et al. 2022's
-    ``s b h (34 + 5 a s / h)`` bytes per layer in 16-bit (divided by tp; fp32 doubles it),
-    ``2 s b h`` per layer with full recomputation, times the micro-batches a stage holds at
-    once (all of them for GPipe, up to pp for 1F1B).
+    moments sharded by ZeRO stage over dp (:func:`mt_pretrain.estimate.zero_bytes`).
+    Activations: Korthikanti et al. 2022 per layer
+    (:func:`mt_pretrain.estimate.activation_bytes_per_layer`, with or without sequence
+    parallelism, full recomputation when activation checkpointing), times the micro-batches a
+    stage holds at once (all of them for GPipe, up to pp for 1F1B).
     """
+    # The same formulas as `mt plan`, applied to this run's stages.
     par, topo = config.parallel, plan.topology
     psi = stage_parameter_count(plan, stage)
-    width = _BYTES[par.precision]
-    master = 0 if par.precision == "fp32" else 4
-    z, dp = par.zero_stage, topo.dp
-    weights = width * psi / (dp if z >= 3 else 1)
-    grads = width * psi / (dp if z >= 2 else 1)
-    optimizer = (master + 8) * psi / (dp if z >= 1 else 1)
-    gpt, b = plan.gpt, config.train.micro_batch_size
-    s, h, a = gpt.seq_len, gpt.hidden, gpt.n_heads
+    parts = zero_bytes(psi, topo.dp, par.zero_stage, par.precision)
+    weights, grads, optimizer = parts["weights"], parts["grads"], parts["optimizer"]
     layers = plan.stages.stages[stage].num_layers
-    if par.activation_checkpointing:
-        per_layer = 2.0 * s * b * h * width / 2
-    else:
-        per_layer = s * b * h * (34 + 5 * a * s / h) / topo.tp * width / 2
+    per_layer = activation_bytes_per_layer(
+        plan.gpt, config.train.micro_batch_size, topo.tp, par.sequence_parallel,
+        "full" if par.activation_checkpointing else "none", par.precision)
     m = plan.pipeline.num_micro_batches
     in_flight = m if plan.pipeline.schedule == "gpipe" else min(m, topo.pp - stage)
     activations = per_layer * layers * in_flight

@@ -108,8 +108,13 @@ def _train(config: PretrainConfig, plan: RunPlan, groups: ParallelGroups, device
     tb_dir = Path(ckpt.out_dir) / "tensorboard" if ckpt.tensorboard else None
     metrics = MetricsWriter(ckpt.metrics_path, tb_dir, start_step) if rank0 else None
     summary = RunSummary(start_step=start_step, final_step=start_step)
-    saver = Checkpointer(ckpt.save_dir, ckpt.keep_last, config, plan, groups, built) \
-        if ckpt.save_dir is not None else None
+    saver: Any = None
+    if ckpt.save_dir is not None and config.parallel.engine == "deepspeed":
+        from mt_pretrain.deepspeed_run import DeepSpeedCheckpointer
+
+        saver = DeepSpeedCheckpointer(ckpt.save_dir, built.optimizer)
+    elif ckpt.save_dir is not None:
+        saver = Checkpointer(ckpt.save_dir, ckpt.keep_last, config, plan, groups, built)
 
     def on_step(stats: StepStats) -> None:
         summary.losses.append(stats.loss)

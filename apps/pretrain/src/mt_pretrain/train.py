@@ -110,8 +110,10 @@ class Trainer:
         if self._scale_in_loss and stage.plan.has_head:
             self._scaled = _ScaledLoss(stage.get_submodule(stage.layout.loss))
             stage.set_submodule(stage.layout.loss, self._scaled)
-        # ZeRO-3 gathers parameters in module hooks, so the stage must be called as a module.
-        self._call_module = config.parallel.zero_stage == 3
+        # ZeRO-3 gathers parameters in module hooks, so the stage must be called as a module;
+        # DeepSpeed's engine must see every forward (it wraps the stage).
+        self._module: nn.Module = getattr(built.optimizer, "engine", stage)
+        self._call_module = config.parallel.zero_stage == 3 or self._module is not stage
 
     # ------------------------------------------------------------------------- the loop
     def run(self) -> tuple[list[StepStats], bool]:
@@ -188,7 +190,7 @@ class Trainer:
             batch = to_batch([array]).to(self.device)
             quiet = opt.no_sync() if i < m - 1 else contextlib.nullcontext()
             with quiet:
-                logits = stage(batch[:, :-1]) if self._call_module else stage.forward_chunk(
+                logits = self._module(batch[:, :-1]) if self._call_module else stage.forward_chunk(
                     0, batch[:, :-1], checkpoint)
                 loss = stage.loss(logits, batch[:, 1:])
                 opt.backward(loss / m)

@@ -111,7 +111,7 @@ def discover(environ: Mapping[str, str], *, use_mpi4py: bool = True) -> LaunchIn
     if any(name in environ for name in _MPI_RANK_VARS):
         if use_mpi4py:
             try:
-                from mpi4py import MPI  # noqa: F401 - optional dependency; initializes MPI
+                from mpi4py import MPI  # noqa: F401  # pants: no-infer-dep (optional)
             except ImportError:
                 pass
             else:
@@ -167,7 +167,7 @@ def _from_mpi_env(environ: Mapping[str, str]) -> LaunchInfo:
 
 def _from_mpi4py(environ: Mapping[str, str]) -> LaunchInfo:
     """Ask MPI itself; rank 0 broadcasts the rendezvous address and a free port."""
-    from mpi4py import MPI
+    from mpi4py import MPI  # pants: no-infer-dep (optional: mt-dist[mpi])
 
     comm = MPI.COMM_WORLD
     rank, world_size = comm.Get_rank(), comm.Get_size()

@@ -115,9 +115,9 @@ def write_png(
     for later model chunks. Requires matplotlib (``pip install mt-pipeline[plot]``).
     """
     try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-        from matplotlib.patches import Patch
+        from matplotlib.backends.backend_agg import FigureCanvasAgg  # pants: no-infer-dep
+        from matplotlib.figure import Figure  # pants: no-infer-dep
+        from matplotlib.patches import Patch  # pants: no-infer-dep
     except ImportError as error:  # pragma: no cover - depends on the environment
         raise ImportError("write_png needs matplotlib: pip install 'mt-pipeline[plot]'") from error
     p, end = result.num_stages, max(result.total_time, 1e-9)

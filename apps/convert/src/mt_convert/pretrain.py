@@ -1,0 +1,153 @@
+"""Reading ``mt pretrain`` checkpoints (model weights only) as a conversion source.
+
+A step folder (``checkpoints/step-00000300``, or a ``checkpoints`` folder whose ``latest``
+file names one) holds ``meta.json`` (model config, ``layout`` {tp, pp, dp}, each
+parameter's TP ``styles``) and one ``rank-XXXXX.pt`` per rank; the ranks of DP replica 0
+carry their pipeline stage's fp32 weights, TP-sliced, under ``"model"`` with full-model
+names. Files are opened with ``torch.load(weights_only=True, mmap=True)``, so the
+optimizer state beside the weights is never read into memory. Ranks follow mt_dist's
+order: rank = (pp * dp + dp_rank) * tp + tp_rank.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mt_convert.errors import ConvertError
+from mt_convert.layout import CheckpointReader, TensorRef, canonical_shapes
+from mt_convert.safetensors_io import TensorSpec
+from mt_model import GPTConfig
+from mt_tensor_parallel import GPT_PLAN, merge_shards, param_styles
+
+__all__ = ["PRETRAIN_FORMAT", "PretrainReader", "is_pretrain_checkpoint", "step_folder"]
+
+PRETRAIN_FORMAT = "mt-pretrain/1"
+META, LATEST = "meta.json", "latest"
+
+
+def is_pretrain_checkpoint(path: Path) -> bool:
+    """Whether ``path`` is an mt pretrain step folder or a folder with a ``latest`` file."""
+    return (path / META).is_file() or (path / LATEST).is_file()
+
+
+def step_folder(path: Path) -> Path:
+    """The step folder ``path`` designates: itself, or the one its ``latest`` names."""
+    if (path / META).is_file():
+        return path
+    if (path / LATEST).is_file():
+        target = path / (path / LATEST).read_text(encoding="utf-8").strip()
+        if (target / META).is_file():
+            return target
+        raise ConvertError(f"{path / LATEST}: names {target.name}, which has no {META} "
+                           "(incomplete checkpoint)")
+    raise ConvertError(f"{path}: not an mt pretrain checkpoint (neither {META} nor {LATEST})")
+
+
+def _meta(folder: Path) -> dict[str, Any]:
+    path = folder / META
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ConvertError(f"{path}: not valid JSON: {err}") from None
+    if not isinstance(meta, dict) or meta.get("format") != PRETRAIN_FORMAT:
+        got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise ConvertError(f"{path}: format {got!r}, expected {PRETRAIN_FORMAT!r}")
+    return meta
+
+
+def _weights(path: Path) -> dict[str, torch.Tensor]:
+    if not path.is_file():
+        raise ConvertError(f"{path}: file not found (incomplete checkpoint)")
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as err:
+        raise ConvertError(f"{path}: holds objects other than tensors and plain containers; "
+                           f"refusing to unpickle it ({str(err).splitlines()[0]})") from None
+    except (RuntimeError, OSError, EOFError, ValueError) as err:
+        raise ConvertError(f"{path}: not a readable torch checkpoint (malformed or "
+                           f"truncated): {err}") from None
+    model = data.get("model") if isinstance(data, dict) else None
+    if not isinstance(model, dict) or not model:
+        raise ConvertError(f"{path}: no model weights (expected a non-empty 'model' dict on "
+                           "the ranks of DP replica 0)")
+    return model
+
+
+class PretrainReader(CheckpointReader):
+    """Model weights of an ``mt pretrain`` checkpoint of any (TP, PP, DP) layout."""
+
+    format = "pretrain"
+
+    def __init__(self, root: Path) -> None:
+        self.root = step_folder(Path(root))
+        meta = _meta(self.root)
+        try:
+            self.config = GPTConfig.from_dict(meta["model"])
+            layout = meta["layout"]
+            self.tp, self.pp, dp = int(layout["tp"]), int(layout["pp"]), int(layout["dp"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise ConvertError(f"{self.root / META}: bad model or layout: {err!r}") from None
+        self._shapes = canonical_shapes(self.config)
+        self._styles = {**param_styles(self._shapes, GPT_PLAN), **meta.get("styles", {})}
+        self._files = {(s, t): f"rank-{(s * dp) * self.tp + t:05d}.pt"
+                       for s in range(self.pp) for t in range(self.tp)}
+        self._parts = {key: _weights(self.root / file) for key, file in self._files.items()}
+        self._stages: dict[str, list[int]] = {name: [] for name in self._shapes}
+        for (stage, rank), part in self._parts.items():
+            extra = sorted(set(part) - set(self._shapes))
+            if extra:
+                raise ConvertError(f"{self.root / self._files[(stage, rank)]}: unexpected "
+                                   f"tensors {extra}")
+            if rank == 0:
+                for name in part:
+                    self._stages[name].append(stage)
+        missing = sorted(name for name, stages in self._stages.items() if not stages)
+        if missing:
+            raise ConvertError(f"{self.root}: no rank holds {missing}")
+
+    def names(self) -> list[str]:
+        return list(self._shapes)
+
+    def spec(self, name: str) -> TensorSpec:
+        stage = self._stages[name][0]
+        return TensorSpec(self._shapes[name], self._parts[(stage, 0)][name].dtype)
+
+    def sources(self, name: str) -> list[TensorRef]:
+        return [TensorRef(self._files[(s, t)], f"model/{name}",
+                          TensorSpec.of(self._parts[(s, t)][name]),
+                          f"pp {s}/{self.pp} tp {t}/{self.tp} {self._styles[name]}")
+                for s in self._stages[name] for t in range(self.tp)]
+
+    def _shards(self, name: str, stage: int) -> list[torch.Tensor]:
+        shards = []
+        for rank in range(self.tp):
+            part = self._parts[(stage, rank)]
+            if name not in part:
+                raise ConvertError(f"{self.root / self._files[(stage, rank)]}: lacks {name!r}, "
+                                   "which tp rank 0 of the same stage holds")
+            shards.append(part[name])
+        return shards
+
+    def read(self, name: str) -> torch.Tensor:
+        first, *others = self._stages[name]
+        shards = self._shards(name, first)
+        for stage in others:  # the tied embedding's copy on the last stage
+            for rank, shard in enumerate(self._shards(name, stage)):
+                if not torch.equal(shard, shards[rank]):
+                    raise ConvertError(f"{self.root / self._files[(stage, rank)]}: copy of "
+                                       f"{name!r} differs from pipeline stage {first}'s")
+        style = self._styles[name]
+        full = merge_shards(style, shards, vocab_size=self.config.vocab_size
+                            if style == "vocab" else None)
+        if tuple(full.shape) != self._shapes[name]:
+            raise ConvertError(f"{self.root}: tensor {name!r} merges to {list(full.shape)}, "
+                               f"the model config needs {list(self._shapes[name])}")
+        return full
+
+    def close(self) -> None:
+        self._parts.clear()

@@ -1,0 +1,185 @@
+"""``mt plan``: estimate memory, bubble, communication and speed of a layout, or search layouts.
+
+The maths lives in :mod:`mt_pretrain.estimate`; this module parses flags, resolves the model
+and GPU, and prints a report, one JSON object, or a ranked table.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from mt_pretrain.estimate import EFFICIENCY, Estimate, estimate
+from mt_pretrain.gpus import GPUS, GPUSpec, GPUSpecError, load_gpu
+from mt_pretrain.layout import RECOMPUTE, SCHEDULES, Layout, LayoutError, enumerate_layouts
+
+__all__ = ["JSON_KEYS", "plan"]
+
+#: Keys of ``mt plan --json`` (also listed in --help).
+JSON_KEYS: dict[str, str] = {
+    "tp, pp, dp, global_batch, micro_batch, zero_stage, schedule, virtual_stages, "
+    "sequence_parallel, recompute, precision, num_micro_batches, world_size": "the layout",
+    "gpu, gpu_memory_gb": "GPU type and its memory (GB = 1e9 bytes)",
+    "efficiency": "calibrated fraction of peak FLOP/s reached by the matmuls",
+    "parameters, parameters_per_gpu": "model parameters; on the fullest GPU",
+    "memory_per_gpu_gb": "total on the fullest GPU, = memory_weights_gb + memory_grads_gb + "
+                         "memory_optimizer_gb + memory_activations_gb",
+    "fits": "memory_per_gpu_gb <= gpu_memory_gb",
+    "model_flops_per_iteration": "96 B s l h^2 (1 + s/6h + V/16lh)",
+    "bubble_fraction": "pipeline bubble / ideal compute, worst stage (simulated)",
+    "pipeline_time_s, tp_comm_time_s, p2p_time_s, dp_comm_time_s, optimizer_time_s":
+        "time components (TP and P2P happen inside the pipeline time)",
+    "iteration_time_s, tflops_per_gpu, tokens_per_s": "the estimated speed; TFLOP/s by the "
+        "formula above (it counts a full recompute, as MT-NLG reported)",
+    "simulated": "true when the schedule ran through mt-pipeline's simulator",
+}
+
+_HELP = (
+    "Plan a training run at any scale: memory per GPU, FLOPs, pipeline bubble, communication, "
+    "iteration time and TFLOP/s per GPU, from the model and the cluster. Iteration times use "
+    f"one efficiency constant ({EFFICIENCY}, fitted to MT-NLG 530B's published times).\n\n"
+    "--json keys: " + "; ".join(f"{k} ({v})" for k, v in JSON_KEYS.items())
+)
+
+
+def _fail(message: str) -> typer.Exit:
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(2)
+
+
+def _model(name: str | None, config: Path | None) -> Any:
+    from mt_model import GPTConfig, GPTConfigError, preset
+
+    if (name is None) == (config is None):
+        raise _fail("give exactly one of --model PRESET or --config FILE")
+    try:
+        if name is not None:
+            return preset(name)
+        if not config.is_file():
+            raise _fail(f"config file {config} not found")
+        import yaml
+
+        data = yaml.safe_load(config.read_text(encoding="utf-8"))
+        if isinstance(data, dict) and "model" in data:  # an `mt pretrain` YAML
+            from mt_pretrain.config import ConfigError
+            from mt_pretrain.config_io import load_config
+            try:
+                return load_config(config).model.gpt_config()
+            except ConfigError as err:
+                raise _fail(str(err)) from None
+        if not isinstance(data, dict):
+            raise _fail(f"{config}: expected a mapping of GPTConfig fields")
+        return GPTConfig.from_dict(data)
+    except (GPTConfigError, TypeError) as err:
+        raise _fail(str(err)) from None
+
+
+def _report(est: Estimate) -> str:
+    lay = est.layout
+    lines = [
+        f"layout      tp {lay.tp} x pp {lay.pp} x dp {lay.dp} = {lay.world_size} x {est.gpu}; "
+        f"global batch {lay.global_batch} = micro {lay.micro_batch} x dp {lay.dp} x "
+        f"{lay.num_micro_batches} micro-batches; {lay.schedule}"
+        + (f" v={lay.virtual_stages}" if lay.virtual_stages > 1 else "")
+        + f", ZeRO {lay.zero_stage}, recompute {lay.recompute}"
+        + (", sequence parallel" if lay.sequence_parallel else ""),
+        f"parameters  {est.parameters:,} total, {est.parameters_per_gpu:,} on the fullest GPU",
+        f"memory      {est.memory_per_gpu_gb:.2f} GB per GPU (weights "
+        f"{est.memory_weights_gb:.2f}, grads {est.memory_grads_gb:.2f}, optimizer "
+        f"{est.memory_optimizer_gb:.2f}, activations {est.memory_activations_gb:.2f}) of "
+        f"{est.gpu_memory_gb:.1f} GB: " + ("fits" if est.fits else "DOES NOT FIT"),
+        f"flops       {est.model_flops_per_iteration:.4g} model FLOPs per iteration",
+        f"pipeline    bubble fraction {est.bubble_fraction:.3f}; pipeline "
+        f"{est.pipeline_time_s:.3f} s (TP comm {est.tp_comm_time_s:.3f} s, P2P "
+        f"{est.p2p_time_s:.3f} s inside), DP comm {est.dp_comm_time_s:.3f} s, optimizer "
+        f"{est.optimizer_time_s:.3f} s",
+        f"speed       {est.iteration_time_s:.3f} s per iteration, {est.tflops_per_gpu:.1f} "
+        f"TFLOP/s per GPU, {est.tokens_per_s:,.0f} tokens/s",
+        f"assumes     matmuls at {est.efficiency} x peak bf16 FLOP/s (one constant, "
+        "calibrated on MT-NLG 530B); communication not overlapped",
+    ]
+    return "\n".join(lines)
+
+
+def _search(gpt: Any, gpu: GPUSpec, gpus: int, global_batch: int, zero: int, schedule: str,
+            top: int, as_json: bool) -> None:
+    layouts = list(enumerate_layouts(gpt, gpus, global_batch, gpu.gpus_per_node, zero,
+                                     schedule))
+    # Rank all by the closed form, then simulate the best few for exact figures.
+    quick = [e for e in (estimate(gpt, lay, gpu, simulate_pipeline=False) for lay in layouts)
+             if e.fits]
+    if not quick:
+        raise _fail(f"none of {len(layouts)} layouts on {gpus} x {gpu.name} fits in memory")
+    quick.sort(key=lambda e: -e.tokens_per_s)
+    best = [estimate(gpt, e.layout, gpu) for e in quick[:2 * top]]
+    best = sorted((e for e in best if e.fits), key=lambda e: -e.tokens_per_s)[:top]
+    if as_json:
+        typer.echo(json.dumps([e.to_dict() for e in best]))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{len(quick)} of {len(layouts)} layouts fit on {gpus} x {gpu.name}; "
+                  f"top {len(best)} by estimated throughput")
+    for col in ("tp", "pp", "dp", "micro", "recompute", "SP", "mem GB", "bubble", "iter s",
+                "TFLOP/s", "tokens/s"):
+        table.add_column(col, justify="right")
+    for e in best:
+        lay = e.layout
+        table.add_row(str(lay.tp), str(lay.pp), str(lay.dp), str(lay.micro_batch),
+                      lay.recompute, "y" if lay.sequence_parallel else "n",
+                      f"{e.memory_per_gpu_gb:.1f}", f"{e.bubble_fraction:.3f}",
+                      f"{e.iteration_time_s:.2f}", f"{e.tflops_per_gpu:.1f}",
+                      f"{e.tokens_per_s:,.0f}")
+    Console(width=120).print(table)
+    typer.echo(f"efficiency constant {EFFICIENCY} (matmuls at that fraction of peak)")
+
+
+def plan(
+    model: Annotated[str | None, typer.Option(help="Model preset (tiny .. mt-nlg-530b).")] = None,
+    config: Annotated[Path | None, typer.Option(
+        help="YAML: GPTConfig fields, or an mt pretrain config with a model section.")] = None,
+    gpu: Annotated[str, typer.Option(
+        help=f"GPU type {sorted(GPUS)} or a YAML file (peak_tflops, memory_gb, "
+             "nvlink_gb_per_s, ib_gb_per_s, gpus_per_node).")] = "a100-80gb",
+    gpus: Annotated[int | None, typer.Option(help="Number of GPUs (default tp x pp).")] = None,
+    tp: Annotated[int, typer.Option(help="Tensor-parallel degree.")] = 1,
+    pp: Annotated[int, typer.Option(help="Pipeline stages.")] = 1,
+    global_batch_size: Annotated[int, typer.Option(help="Sequences per step.")] = 32,
+    micro_batch_size: Annotated[int, typer.Option(help="Sequences per micro-batch.")] = 1,
+    zero_stage: Annotated[int, typer.Option(help="ZeRO stage 0-3.")] = 1,
+    schedule: Annotated[str, typer.Option(help=f"Pipeline schedule {SCHEDULES}.")] = "1f1b",
+    virtual_stages: Annotated[int, typer.Option(help="Chunks per stage (interleaved).")] = 1,
+    sequence_parallel: Annotated[bool, typer.Option(
+        "--sequence-parallel", help="Sequence parallelism (Korthikanti et al.).")] = False,
+    recompute: Annotated[str, typer.Option(help=f"Activation recompute {RECOMPUTE}.")] = "full",
+    precision: Annotated[str, typer.Option(help="bf16, fp16 or fp32.")] = "bf16",
+    search: Annotated[bool, typer.Option(
+        "--search", help="Search layouts on --gpus GPUs instead of --tp/--pp.")] = False,
+    top: Annotated[int, typer.Option(help="Rows of --search output.")] = 10,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Plan a run: memory, FLOPs, bubble, communication, iteration time (see --help)."""
+    gpt = _model(model, config)
+    try:
+        spec = load_gpu(gpu)
+    except GPUSpecError as err:
+        raise _fail(str(err)) from None
+    n = gpus if gpus is not None else tp * pp
+    if n < 1 or top < 1:
+        raise _fail(f"--gpus {n} and --top {top} must be >= 1")
+    try:
+        if search:
+            _search(gpt, spec, n, global_batch_size, zero_stage, schedule, top, as_json)
+            return
+        if tp < 1 or pp < 1 or n % (tp * pp):
+            raise _fail(f"--gpus {n} is not divisible by --tp {tp} x --pp {pp} = {tp * pp}")
+        layout = Layout(tp, pp, n // (tp * pp), global_batch_size, micro_batch_size, zero_stage,
+                        schedule, virtual_stages, sequence_parallel, recompute, precision)
+        est = estimate(gpt, layout, spec)
+    except LayoutError as err:
+        raise _fail(str(err)) from None
+    typer.echo(json.dumps(est.to_dict()) if as_json else _report(est))

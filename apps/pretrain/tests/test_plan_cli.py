@@ -1,0 +1,87 @@
+"""`mt plan` command line: report, --json keys, --search table, clear errors."""
+
+import json
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from mt_pretrain.cli import app
+
+RUNNER = CliRunner()
+KEYS = {"iteration_time_s", "tflops_per_gpu", "memory_per_gpu_gb", "bubble_fraction", "fits",
+        "memory_weights_gb", "memory_grads_gb", "memory_optimizer_gb", "memory_activations_gb",
+        "parameters_per_gpu", "model_flops_per_iteration", "efficiency", "tp_comm_time_s",
+        "p2p_time_s", "dp_comm_time_s", "optimizer_time_s", "tokens_per_s", "tp", "pp", "dp",
+        "world_size"}
+
+
+def _plan(*args: str) -> object:
+    return RUNNER.invoke(app, ["plan", *args])
+
+
+def test_json_has_documented_keys() -> None:
+    result = _plan("--model", "gpt2-small", "--gpu", "h100-80gb", "--gpus", "8", "--tp", "2",
+                   "--pp", "2", "--global-batch-size", "64", "--micro-batch-size", "2",
+                   "--zero-stage", "2", "--sequence-parallel", "--recompute", "selective",
+                   "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert KEYS <= set(data)
+    assert (data["tp"], data["pp"], data["dp"], data["num_micro_batches"]) == (2, 2, 2, 16)
+    parts = sum(data[f"memory_{k}_gb"] for k in ("weights", "grads", "optimizer",
+                                                 "activations"))
+    assert abs(parts - data["memory_per_gpu_gb"]) < 1e-9 and data["fits"] is True
+    assert 0 < data["bubble_fraction"] < 1 and data["iteration_time_s"] > 0
+    help_text = RUNNER.invoke(app, ["plan", "--help"]).output
+    for key in ("iteration_time_s", "tflops_per_gpu", "memory_per_gpu_gb", "bubble_fraction",
+                "fits"):
+        assert key in help_text
+
+
+def test_report_states_the_constant_and_mtnlg_figures() -> None:
+    result = _plan("--model", "mt-nlg-530b", "--gpus", "3360", "--tp", "8", "--pp", "35",
+                   "--global-batch-size", "1920")
+    assert result.exit_code == 0, result.output
+    assert "0.506 x peak" in result.output and "fits" in result.output
+    assert "tp 8 x pp 35 x dp 12 = 3360" in result.output
+
+
+def test_search_prints_ranked_table() -> None:
+    result = _plan("--model", "gpt2-small", "--gpus", "8", "--global-batch-size", "64",
+                   "--search", "--top", "4", "--gpu", "a100-40gb")
+    assert result.exit_code == 0, result.output
+    assert "top 4 by estimated throughput" in result.output and "tokens/s" in result.output
+    ranked = json.loads(_plan("--model", "gpt2-small", "--gpus", "8", "--global-batch-size",
+                              "64", "--search", "--top", "4", "--json").output)
+    speeds = [row["tokens_per_s"] for row in ranked]
+    assert len(ranked) == 4 and speeds == sorted(speeds, reverse=True)
+    assert all(row["fits"] and row["world_size"] == 8 for row in ranked)
+
+
+def test_search_drops_layouts_that_do_not_fit() -> None:
+    result = _plan("--model", "mt-nlg-530b", "--gpus", "8", "--global-batch-size", "8",
+                   "--search")
+    assert result.exit_code == 2
+    assert "fits in memory" in result.output
+
+
+def test_bad_inputs_name_the_value(tmp_path: Path) -> None:
+    cases = [
+        (["--model", "tiny", "--gpu", "b200"], "unknown GPU type 'b200'"),
+        (["--model", "nope"], "unknown GPT preset 'nope'"),
+        (["--model", "tiny", "--tp", "3"], "n_heads 4 is not divisible by tp 3"),
+        (["--model", "tiny", "--gpus", "6", "--tp", "4"], "--gpus 6 is not divisible"),
+        (["--model", "tiny", "--recompute", "half"], "recompute 'half'"),
+        (["--model", "tiny", "--gpus", "4", "--global-batch-size", "6"],
+         "global batch 6 is not divisible by micro-batch 1 x dp 4 = 4"),
+        ([], "exactly one of --model"),
+    ]
+    for args, message in cases:
+        result = _plan(*args)
+        assert result.exit_code == 2, (args, result.output)
+        assert message in result.output, (args, result.output)
+    config = tmp_path / "model.yaml"
+    config.write_text("n_layers: 4\nhidden: 128\nn_heads: 4\nvocab_size: 512\nseq_len: 64\n")
+    result = _plan("--config", str(config), "--gpus", "2", "--tp", "2", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["tp"] == 2

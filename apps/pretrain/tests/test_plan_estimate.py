@@ -1,0 +1,124 @@
+"""mt plan's estimator against published numbers: MT-NLG 530B and the ZeRO paper."""
+
+from pathlib import Path
+
+import pytest
+
+from mt_model import preset, tflops_per_gpu
+from mt_pipeline import get_schedule, simulate
+from mt_pretrain.estimate import (
+    EFFICIENCY,
+    MTNLG_PUBLISHED,
+    activation_bytes_per_layer,
+    calibrate_efficiency,
+    estimate,
+    zero_bytes,
+)
+from mt_pretrain.estimate import _in_flight as in_flight_closed_form
+from mt_pretrain.gpus import GPUS, GPUSpecError, load_gpu
+from mt_pretrain.layout import Layout, LayoutError, enumerate_layouts
+from mt_zero import paper_bytes
+
+MTNLG = preset("mt-nlg-530b")
+A100 = GPUS["a100-80gb"]
+
+
+def _mtnlg(dp: int) -> Layout:
+    return Layout(tp=8, pp=35, dp=dp, global_batch=1920, micro_batch=1, zero_stage=1)
+
+
+def test_flops_formula_gives_published_tflops() -> None:
+    for dp, seconds, published in MTNLG_PUBLISHED:
+        got = tflops_per_gpu(MTNLG, 1920, seconds, 280 * dp)
+        assert got == pytest.approx(published, rel=0.02), (dp, got, published)
+
+
+def test_one_calibrated_constant_predicts_published_iteration_times() -> None:
+    cases = [(_mtnlg(dp), seconds) for dp, seconds, _ in MTNLG_PUBLISHED]
+    fitted = calibrate_efficiency(MTNLG, cases, A100)
+    assert fitted == pytest.approx(EFFICIENCY, rel=0.01)  # the stored constant is the fit
+    for layout, seconds in cases:
+        est = estimate(MTNLG, layout, A100)
+        assert est.iteration_time_s == pytest.approx(seconds, rel=0.15)
+        assert est.iteration_time_s == pytest.approx(seconds, rel=0.03)  # what it achieves
+        assert est.fits and 10 < est.memory_per_gpu_gb < 40
+        assert est.efficiency == EFFICIENCY
+    # More replicas: shorter iterations, larger bubble (fewer micro-batches per pipeline).
+    times = [estimate(MTNLG, _mtnlg(dp), A100) for dp in (8, 12)]
+    assert times[1].iteration_time_s < times[0].iteration_time_s
+    assert times[1].bubble_fraction > times[0].bubble_fraction
+
+
+def test_zero_paper_memory_figure() -> None:
+    psi, n = 7.5e9, 64
+    expected = {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.9}
+    for stage, gb in expected.items():
+        got = zero_bytes(psi, n, stage)["total"] / 1e9
+        assert round(got, 1) == gb, (stage, got)
+        assert got * 1e9 == pytest.approx(paper_bytes(int(psi), n, stage)["total"])
+    with pytest.raises(LayoutError, match="ZeRO stage 4"):
+        zero_bytes(psi, n, 4)
+
+
+def test_korthikanti_activation_formulas() -> None:
+    s, b, h, a, t = 2048, 1, 20480, 128, 8
+    sbh = s * b * h
+    full = activation_bytes_per_layer(MTNLG, b, t, False, "none")
+    assert full == pytest.approx(sbh * (10 + 24 / t + 5 * a * s / (h * t)))
+    assert activation_bytes_per_layer(MTNLG, b, t, True, "none") == pytest.approx(
+        sbh / t * (34 + 5 * a * s / h))
+    assert activation_bytes_per_layer(MTNLG, b, t, True, "selective") == pytest.approx(
+        34 * sbh / t)
+    assert activation_bytes_per_layer(MTNLG, b, t, False, "full") == 2 * sbh
+    # fp32 doubles; SP + selective needs far less than no SP / no recompute.
+    assert activation_bytes_per_layer(MTNLG, b, t, False, "none", "fp32") == 2 * full
+    assert activation_bytes_per_layer(MTNLG, b, t, True, "selective") < full / 4.5
+
+
+def test_in_flight_closed_form_matches_simulator() -> None:
+    for sched, p, m, v in (("1f1b", 4, 8, 1), ("1f1b", 4, 2, 1), ("gpipe", 3, 5, 1),
+                           ("interleaved", 4, 8, 2), ("interleaved", 2, 4, 3)):
+        lay = Layout(1, p, 1, m, 1, schedule=sched, virtual_stages=v)
+        sim = simulate(get_schedule(sched, p, m, v), forward_time=1.0, backward_time=2.0)
+        assert in_flight_closed_form(lay) == list(sim.peak_in_flight), (sched, p, m, v)
+
+
+def test_memory_decides_fit_and_search_ranks() -> None:
+    one_gpu = estimate(MTNLG, Layout(1, 1, 1, 8, 1), A100, simulate_pipeline=False)
+    assert not one_gpu.fits and one_gpu.memory_per_gpu_gb > 8000
+    layouts = list(enumerate_layouts(preset("gpt2-small"), 8, 64))
+    assert {(lay.tp, lay.pp, lay.dp) for lay in layouts} >= {(1, 1, 8), (2, 2, 2), (4, 2, 1)}
+    assert all(lay.world_size == 8 for lay in layouts)
+    # Faster GPU, same layout: shorter iteration.
+    lay = Layout(2, 2, 2, 64, 1, sequence_parallel=True)
+    small = preset("gpt2-small")
+    assert (estimate(small, lay, GPUS["h100-80gb"]).iteration_time_s
+            < estimate(small, lay, A100).iteration_time_s)
+
+
+def test_layout_errors_name_the_numbers() -> None:
+    with pytest.raises(LayoutError, match="global batch 10 is not divisible by micro-batch 4 x "
+                                          "dp 2 = 8"):
+        Layout(1, 1, 2, 10, 4)
+    with pytest.raises(LayoutError, match="recompute 'some'"):
+        Layout(1, 1, 1, 8, recompute="some")
+    with pytest.raises(LayoutError, match="n_layers 105 is not divisible by pp 4"):
+        Layout(8, 4, 1, 8).check(MTNLG)
+    with pytest.raises(LayoutError, match="tp 0"):
+        Layout(0, 1, 1, 8)
+
+
+def test_gpu_table_and_custom_yaml(tmp_path: Path) -> None:
+    assert load_gpu("H200").memory_bytes == 141e9
+    assert GPUS["a100-80gb"].peak_flops == 312e12
+    spec = tmp_path / "mi300x.yaml"
+    spec.write_text("peak_tflops: 1307\nmemory_gb: 192\nnvlink_gb_per_s: 448\n"
+                    "ib_gb_per_s: 50\n")
+    gpu = load_gpu(str(spec))
+    assert (gpu.name, gpu.peak_flops, gpu.memory_bytes, gpu.gpus_per_node) == (
+        "mi300x", 1307e12, 192e9, 8)
+    spec.write_text("peak_tflops: 1307\nmemory_gb: -1\nnvlink_gb_per_s: 448\nib_gb_per_s: 50\n")
+    with pytest.raises(GPUSpecError, match="memory_bytes -1"):
+        load_gpu(str(spec))
+    with pytest.raises(GPUSpecError, match="unknown GPU type 'b200'"):
+        load_gpu("b200")

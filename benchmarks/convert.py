@@ -1,0 +1,117 @@
+"""GB/s of an ``mt convert`` layout reshape against a plain file copy, and peak memory.
+
+A random GPT of about 1.1 GB of fp32 weights is written as a consolidated checkpoint (in
+a child process, so its generation does not count towards this process's peak RSS), then
+timed, alternately and ``--repeats`` times each on the same disk:
+
+- copy: ``shutil.copyfile`` of the checkpoint's ``model.safetensors`` + fsync;
+- reshape: ``convert_checkpoint(src, dst, to="tp", tp=2, pp=2)``: TP 1 -> TP 2 x PP 2
+  (read, slice, pad the vocabulary, checksum, write and fsync 4 files + manifest);
+- merge: the TP 2 x PP 2 checkpoint back to consolidated.
+
+Speeds are source bytes / best time. Peak RSS is ``resource.getrusage`` of this process
+(it includes the page-cache pages of memory-mapped source files it touched). Example:
+
+    PYTHONPATH=$(ls -d packages/*/src apps/*/src | tr '\\n' ':') python3 benchmarks/convert.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import resource
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from mt_convert import TensorSpec, canonical_shapes, convert_checkpoint, make_writer
+from mt_model import GPTConfig
+
+
+def _config(args: argparse.Namespace) -> GPTConfig:
+    return GPTConfig(n_layers=args.layers, hidden=args.hidden, n_heads=args.heads,
+                     vocab_size=args.vocab, seq_len=args.seq)
+
+
+def _build(config_dict: dict, directory: str) -> None:
+    """Stream random tensors into a consolidated checkpoint (one tensor in memory)."""
+    config = GPTConfig.from_dict(config_dict)
+    shapes = canonical_shapes(config)
+    writer = make_writer("consolidated", config,
+                         {n: TensorSpec(s, torch.float32) for n, s in shapes.items()})
+    generator = torch.Generator().manual_seed(0)
+    Path(directory).mkdir(parents=True)
+    writer.open(Path(directory))
+    for name, shape in shapes.items():
+        writer.write(name, torch.randn(shape, generator=generator) * 0.02)
+    writer.finish()
+
+
+def _copy(source: Path, target: Path) -> float:
+    start = time.perf_counter()
+    shutil.copyfile(source, target)
+    with open(target, "rb+") as handle:  # the converter fsyncs what it writes: so do we
+        os.fsync(handle.fileno())
+    return time.perf_counter() - start
+
+
+def _timed(fn: object, *args: object, **kwargs: object) -> float:
+    start = time.perf_counter()
+    fn(*args, **kwargs)  # type: ignore[operator]
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=18)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--vocab", type=int, default=50257)
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--dir", type=Path, default=None,
+                        help="scratch directory (default: a temporary one; removed after)")
+    args = parser.parse_args()
+    config = _config(args)
+    scratch = Path(tempfile.mkdtemp(prefix="mt-convert-bench-", dir=args.dir))
+    try:
+        source = scratch / "full"
+        context = multiprocessing.get_context("spawn")
+        child = context.Process(target=_build, args=(config.to_dict(), str(source)))
+        child.start()
+        child.join()
+        if child.exitcode != 0:
+            raise SystemExit(f"building the source checkpoint failed ({child.exitcode})")
+        size = (source / "model.safetensors").stat().st_size
+        print(f"checkpoint: {config.n_layers} layers, hidden {config.hidden}, vocab "
+              f"{config.vocab_size}: {size / 1e9:.3f} GB fp32")
+        copies, reshapes, merges = [], [], []
+        for repeat in range(args.repeats):
+            copies.append(_copy(source / "model.safetensors", scratch / f"copy{repeat}"))
+            (scratch / f"copy{repeat}").unlink()
+            reshapes.append(_timed(convert_checkpoint, source, scratch / "tp2pp2", to="tp",
+                                   tp=2, pp=2))
+            merges.append(_timed(convert_checkpoint, scratch / "tp2pp2", scratch / "back"))
+            shutil.rmtree(scratch / "tp2pp2")
+            shutil.rmtree(scratch / "back")
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        copy = size / min(copies) / 1e9
+        for label, times in (("reshape TP1 -> TP2 x PP2", reshapes),
+                             ("merge TP2 x PP2 -> consolidated", merges)):
+            speed = size / min(times) / 1e9
+            print(f"{label:32s} {min(times):6.2f} s  {speed:5.2f} GB/s  "
+                  f"{speed / copy:4.2f}x copy")
+        print(f"{'shutil.copyfile + fsync':32s} {min(copies):6.2f} s  {copy:5.2f} GB/s")
+        print(f"peak RSS of this process: {peak / 1e9:.2f} GB ({peak / size:.2f}x the "
+              f"checkpoint; largest tensor "
+              f"{config.vocab_size * config.hidden * 4 / 1e9:.2f} GB)")
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

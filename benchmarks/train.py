@@ -1,0 +1,279 @@
+"""Single-process training throughput and MFU: mt against Hugging Face GPT-2.
+
+For each shape (``tiny`` and a reduced GPT-2-small) and each precision (fp32, bf16) this
+times one full optimizer step (forward, backward, clipping, AdamW) of
+
+- **mt**: ``mt_model.GPT`` inside ``mt_zero.ZeroOptimizer`` (ZeRO stage 1 on one process,
+  the wrapper ``mt pretrain`` uses), with the optimizer settings of ``mt pretrain``'s
+  defaults (AdamW lr 3e-3, betas 0.9/0.95, weight decay 0.1 on matrices, clip 1.0).
+  bf16 means bf16 parameters and compute with fp32 master weights and optimizer state;
+- **hf**: ``transformers.GPT2LMHeadModel`` (sdpa attention) with the same config, the
+  same initial weights (copied from mt by the ``mt convert`` name mapping), the same
+  batches, loss, AdamW parameter groups and clipping. bf16 means the usual HF recipe:
+  fp32 weights under ``torch.autocast("cpu", torch.bfloat16)``.
+
+Steps of the two frameworks are interleaved (mt, hf, mt, hf, ...) after warmup so that
+background load hits both alike; best and median step time are reported. MFU is model
+FLOP/s (``mt_model.model_flops_per_token_training``: 6N + 12 l h s per token) over this
+machine's matmul peak in that dtype, measured at the start (best of square matmuls).
+Example (2 cores, a few minutes)::
+
+    PYTHONPATH=packages/mt-dist/src:packages/mt-model/src:packages/mt-zero/src:\\
+packages/mt-pipeline/src:packages/mt-tensor-parallel/src:apps/convert/src \\
+        python3 benchmarks/train.py --json /tmp/train_bench.json
+
+Targets (issue 9): fp32 mt/hf >= 1.0; bf16 mt(bf16) / hf(autocast) >= 2.0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mt_convert.hf_config import hf_config_from_gpt, hf_name
+from mt_model import GPT, GPTConfig, model_flops_per_token_training, preset
+from mt_zero import ZeroConfig, ZeroOptimizer, decay_param_groups
+
+LR, BETAS, EPS, WEIGHT_DECAY, CLIP = 3e-3, (0.9, 0.95), 1e-8, 0.1, 1.0
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+TARGETS = {"fp32": 1.0, "bf16": 2.0}
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+# ----------------------------------------------------------------------------- machine
+def matmul_peak(dtype: torch.dtype, sizes: tuple[int, ...], repeats: int) -> float:
+    """Best FLOP/s of ``n x n @ n x n`` matmuls in ``dtype`` over ``sizes`` (best of
+    ``repeats`` timings each, every timing long enough to be measured reliably)."""
+    best = 0.0
+    for n in sizes:
+        a = torch.randn(n, n).to(dtype)
+        b = torch.randn(n, n).to(dtype)
+        out = torch.empty(n, n, dtype=dtype)
+        torch.mm(a, b, out=out)  # warm up (oneDNN kernel selection / packing)
+        inner = max(1, int(2e9 // (2 * n**3)))  # ~2 GFLOP per timing
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for _ in range(inner):
+                torch.mm(a, b, out=out)
+            elapsed = time.perf_counter() - start
+            best = max(best, 2.0 * n**3 * inner / elapsed)
+    return best
+
+
+def load_average() -> str:
+    """The 1/5/15-minute load averages (other processes compete for the 2 cores)."""
+    one, five, fifteen = os.getloadavg()
+    return f"{one:.2f} {five:.2f} {fifteen:.2f}"
+
+
+# -------------------------------------------------------------------------- frameworks
+@dataclass
+class Runner:
+    """One framework's training step and its measurements."""
+
+    name: str
+    step: Callable[[Batch], float]
+    times: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+
+    def run(self, batch: Batch, timed: bool) -> None:
+        start = time.perf_counter()
+        loss = self.step(batch)
+        elapsed = time.perf_counter() - start
+        self.losses.append(loss)
+        if timed:
+            self.times.append(elapsed)
+
+
+def mt_runner(config: GPTConfig, precision: str, seed: int) -> tuple[Runner, GPT]:
+    """mt's step: GPT in the ZeRO wrapper (stage 1, one process), as ``mt pretrain``."""
+    model = GPT(config, seed=seed)
+    model.train()
+    reference = GPT(config, seed=None)
+    reference.load_state_dict(model.state_dict())  # fp32 init, before ZeRO casts to bf16
+
+    def factory(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS)
+
+    opt = ZeroOptimizer(model, factory, None,
+                        ZeroConfig(stage=1, precision=precision, clip_grad=CLIP),
+                        param_groups=decay_param_groups(model.named_parameters(),
+                                                        WEIGHT_DECAY))
+
+    def step(batch: Batch) -> float:
+        loss = model(batch[0], batch[1])
+        opt.backward(loss)
+        opt.step()
+        return float(loss.detach())
+
+    return Runner("mt", step), reference
+
+
+def hf_model(config: GPTConfig, source: GPT) -> nn.Module:
+    """``GPT2LMHeadModel`` equal to ``source`` (config and weights, via mt_convert names)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    body = hf_config_from_gpt(config, torch.float32)
+    body.pop("mt")
+    body.update(use_cache=False, attn_implementation="sdpa")
+    model = GPT2LMHeadModel(GPT2Config(**body))
+    state = {}
+    for name, tensor in source.state_dict().items():
+        key, transposed = hf_name(name)
+        state["transformer." + key] = tensor.t().contiguous() if transposed else tensor
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if k != "lm_head.weight"]  # tied to wte
+    if missing or unexpected:
+        raise RuntimeError(f"HF state dict mismatch: missing {missing}, unexpected {unexpected}")
+    if model.lm_head.weight.data_ptr() != model.transformer.wte.weight.data_ptr():
+        raise RuntimeError("HF lm_head is not tied to wte")
+    return model
+
+
+def hf_runner(config: GPTConfig, precision: str, source: GPT) -> Runner:
+    """HF's step: fp32 weights; bf16 through autocast (the standard HF CPU recipe)."""
+    model = hf_model(config, source)
+    model.train()
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(decay_param_groups(params, WEIGHT_DECAY), lr=LR, betas=BETAS,
+                            eps=EPS)
+    autocast = precision == "bf16"
+
+    def step(batch: Batch) -> float:
+        idx, targets = batch
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            logits = model(input_ids=idx).logits
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
+                               targets.reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    return Runner("hf", step)
+
+
+# ------------------------------------------------------------------------------ driver
+def make_batches(config: GPTConfig, batch: int, count: int, seed: int) -> list[Batch]:
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        tokens = torch.randint(0, config.vocab_size, (batch, config.seq_len + 1), generator=gen)
+        out.append((tokens[:, :-1], tokens[:, 1:]))
+    return out
+
+
+def bench_case(config: GPTConfig, precision: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Warm up, then interleave timed steps of mt and hf on identical batches."""
+    mt, reference = mt_runner(config, precision, args.seed)
+    hf = hf_runner(config, precision, reference)
+    del reference
+    batches = make_batches(config, args.batch, args.warmup + args.steps, args.seed)
+    for i, batch in enumerate(batches):
+        timed = i >= args.warmup
+        order = (mt, hf) if i % 2 == 0 else (hf, mt)  # neither always runs first
+        for runner in order:
+            runner.run(batch, timed)
+    tokens = args.batch * config.seq_len
+    flops_per_token = model_flops_per_token_training(config)
+    result: dict[str, Any] = {"precision": precision, "tokens_per_step": tokens,
+                              "flops_per_token": flops_per_token}
+    for runner in (mt, hf):
+        best, median = min(runner.times), statistics.median(runner.times)
+        result[runner.name] = {
+            "best_tokens_per_s": tokens / best, "median_tokens_per_s": tokens / median,
+            "first_loss": runner.losses[0], "last_loss": runner.losses[-1],
+        }
+    result["first_loss_rel_diff"] = abs(mt.losses[0] - hf.losses[0]) / abs(hf.losses[0])
+    return result
+
+
+def shapes(args: argparse.Namespace) -> dict[str, GPTConfig]:
+    small = preset("gpt2-small").replace(n_layers=args.small_layers, seq_len=args.small_seq)
+    return {"tiny": preset("tiny"), f"gpt2-small-l{args.small_layers}s{args.small_seq}": small}
+
+
+def print_table(results: list[dict[str, Any]], peaks: dict[str, float]) -> None:
+    header = (f"{'shape':<22}{'prec':<6}{'mt tok/s':>11}{'hf tok/s':>11}{'ratio':>7}"
+              f"{'(med)':>7}{'target':>7}{'mt MFU':>8}{'hf MFU':>8}{'loss0 mt/hf':>18}")
+    print(header)
+    print("-" * len(header))
+    for r in results:
+        peak = peaks[r["precision"]]
+        mt, hf = r["mt"], r["hf"]
+        ratio = mt["best_tokens_per_s"] / hf["best_tokens_per_s"]
+        ratio_med = mt["median_tokens_per_s"] / hf["median_tokens_per_s"]
+        mfu = [x["best_tokens_per_s"] * r["flops_per_token"] / peak for x in (mt, hf)]
+        target = TARGETS[r["precision"]]
+        mark = "ok" if ratio >= target else "MISS"
+        print(f"{r['shape']:<22}{r['precision']:<6}{mt['best_tokens_per_s']:>11.0f}"
+              f"{hf['best_tokens_per_s']:>11.0f}{ratio:>7.2f}{ratio_med:>7.2f}"
+              f"{target:>5.1f}{mark:>3}{mfu[0]:>8.1%}{mfu[1]:>8.1%}"
+              f"{mt['first_loss']:>9.4f}/{hf['first_loss']:.4f}")
+        r.update(ratio_best=ratio, ratio_median=ratio_med, mfu_mt=mfu[0], mfu_hf=mfu[1])
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--batch", type=int, default=4, help="sequences per step")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--steps", type=int, default=6, help="timed steps per framework")
+    p.add_argument("--small-layers", type=int, default=2)
+    p.add_argument("--small-seq", type=int, default=256)
+    p.add_argument("--shapes", default="", help="comma-separated subset (default: all)")
+    p.add_argument("--precisions", default="fp32,bf16")
+    p.add_argument("--peak-sizes", default="512,1024,2048")
+    p.add_argument("--peak-repeats", type=int, default=5)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--json", default="", help="also write the results to this file")
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    precisions = args.precisions.split(",")
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, "
+          f"load average {load_average()}")
+    sizes = tuple(int(s) for s in args.peak_sizes.split(","))
+    peaks = {p: matmul_peak(DTYPES[p], sizes, args.peak_repeats) for p in precisions}
+    print("matmul peak: " + ", ".join(f"{p} {v / 1e9:.1f} GFLOP/s" for p, v in peaks.items()))
+    wanted = [s for s in args.shapes.split(",") if s]
+    results = []
+    for shape, config in shapes(args).items():
+        if wanted and not any(shape.startswith(w) for w in wanted):
+            continue
+        for precision in precisions:
+            result = bench_case(config, precision, args)
+            result["shape"] = shape
+            results.append(result)
+            print(f"  done {shape} {precision} (load {load_average()})", flush=True)
+    # The peak is re-measured at the end and the better value kept: background load on a
+    # shared machine can only lower a measurement, and a low peak would inflate MFU.
+    end = {p: matmul_peak(DTYPES[p], sizes, args.peak_repeats) for p in precisions}
+    peaks = {p: max(peaks[p], end[p]) for p in precisions}
+    print("matmul peak (best of start/end): "
+          + ", ".join(f"{p} {v / 1e9:.1f} GFLOP/s" for p, v in peaks.items()))
+    print_table(results, peaks)
+    print(f"load average at end: {load_average()}")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump({"peaks": peaks, "load_average": load_average(), "args": vars(args),
+                       "results": results}, fh, indent=2)
+
+
+if __name__ == "__main__":
+    main()

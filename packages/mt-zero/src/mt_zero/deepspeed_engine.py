@@ -1,0 +1,136 @@
+"""DeepSpeed as a second engine: the same model, data and optimizer through ``deepspeed``.
+
+:func:`deepspeed_config` translates mt's :class:`~mt_zero.optimizer.ZeroConfig` (stage,
+precision, clipping, bucket size, loss scaling) plus the batch layout into DeepSpeed's JSON
+config, as a pure function. :func:`initialize_deepspeed` wraps ``deepspeed.initialize``
+with a *client* torch optimizer (mt's AdamW with its weight-decay parameter groups), so the
+optimizer math is torch's in both engines and no DeepSpeed op (cpu_adam, fused_adam) has to
+be JIT-compiled.
+
+``deepspeed`` is imported only inside :func:`initialize_deepspeed`: mt-zero imports and
+works without it. DeepSpeed reads its accelerator and ranks from the environment, so the
+caller (an app, or a test's child process) sets the variables of :func:`deepspeed_environ`
+before the first ``import deepspeed``; this library never touches ``os.environ``.
+DeepSpeed's data-parallel group is the whole world here (mt uses it with tp = pp = 1).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from mt_zero.optimizer import ZeroConfig
+
+__all__ = ["deepspeed_config", "deepspeed_environ", "initialize_deepspeed"]
+
+#: Printing every N steps: effectively never (mt reports its own metrics).
+_QUIET_STEPS = 2**31 - 1
+
+
+def deepspeed_config(
+    zero: ZeroConfig,
+    micro_batch_size: int,
+    gradient_accumulation_steps: int,
+    dp_size: int,
+    offload: bool = False,
+) -> dict[str, Any]:
+    """DeepSpeed's config dict for ``zero`` and the batch layout.
+
+    Args:
+        zero: stage 0-3, precision (fp32 / bf16 / fp16 with ``zero.loss_scaler``),
+            ``clip_grad`` (0 disables) and ``bucket_numel`` (DeepSpeed's reduce and
+            all-gather bucket sizes).
+        micro_batch_size: sequences per micro-batch per data-parallel rank.
+        gradient_accumulation_steps: micro-batches per optimizer step (DeepSpeed
+            accumulates and divides the loss by this itself).
+        dp_size: data-parallel ranks (train_batch_size = micro x accumulation x dp).
+        offload: keep the optimizer state (and with stage 3 the parameters) in CPU memory;
+            needs stage >= 1 (stage 3 for parameters).
+
+    The config names no optimizer or scheduler: the client optimizer is passed to
+    ``deepspeed.initialize`` and mt drives the learning rate itself.
+    """
+    problems = []
+    if micro_batch_size < 1 or gradient_accumulation_steps < 1 or dp_size < 1:
+        problems.append(f"micro_batch_size {micro_batch_size}, gradient_accumulation_steps "
+                        f"{gradient_accumulation_steps} and dp_size {dp_size} must all be >= 1")
+    if offload and zero.stage == 0:
+        problems.append(f"CPU offload needs ZeRO stage >= 1, got stage {zero.stage}")
+    if problems:
+        raise ValueError("; ".join(problems))
+    zero_section: dict[str, Any] = {
+        "stage": zero.stage,
+        "reduce_bucket_size": zero.bucket_numel,
+        "allgather_bucket_size": zero.bucket_numel,
+        "overlap_comm": False,  # gloo on CPU: a side stream buys nothing
+    }
+    if offload:
+        zero_section["offload_optimizer"] = {"device": "cpu"}
+        if zero.stage == 3:
+            zero_section["offload_param"] = {"device": "cpu"}
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_accumulation_steps": gradient_accumulation_steps,
+        "train_batch_size": micro_batch_size * gradient_accumulation_steps * dp_size,
+        "zero_optimization": zero_section,
+        "gradient_clipping": float(zero.clip_grad),
+        # A client torch optimizer under ZeRO is "untested" to DeepSpeed; it works.
+        "zero_allow_untested_optimizer": True,
+        # With offload, use the client torch AdamW on the CPU copy (no cpu_adam build).
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": _QUIET_STEPS,
+        "wall_clock_breakdown": False,
+    }
+    if zero.precision == "bf16":
+        config["bf16"] = {"enabled": True}
+    elif zero.precision == "fp16":
+        scaler = zero.loss_scaler
+        config["fp16"] = {
+            "enabled": True,
+            "loss_scale": 0,  # 0 = dynamic
+            "initial_scale_power": round(math.log2(scaler.init_scale)),
+            "loss_scale_window": scaler.growth_interval,
+            "min_loss_scale": scaler.min_scale,
+            "hysteresis": 1,
+        }
+    return config
+
+
+def deepspeed_environ(rank: int, world_size: int, local_rank: int,
+                      accelerator: str = "cpu") -> dict[str, str]:
+    """Environment variables DeepSpeed expects before ``import deepspeed``.
+
+    ``deepspeed.initialize`` asserts LOCAL_RANK is set (its launcher or torchrun set it;
+    ``mt pretrain --nproc`` and test processes do not), and DS_ACCELERATOR picks its
+    accelerator (``cpu`` here: no IPEX / oneCCL needed with gloo). The caller applies them.
+    """
+    if not 0 <= rank < world_size or not 0 <= local_rank < world_size:
+        raise ValueError(f"need 0 <= rank {rank} < world_size {world_size} and "
+                         f"0 <= local_rank {local_rank} < world_size")
+    return {"DS_ACCELERATOR": accelerator, "RANK": str(rank), "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(local_rank)}
+
+
+def initialize_deepspeed(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    config: dict[str, Any],
+    dist_backend: str = "gloo",
+) -> Any:
+    """``deepspeed.initialize`` with a client optimizer; returns the DeepSpeed engine.
+
+    Reuses the already initialized default process group (DeepSpeed wraps it instead of
+    creating one). Train with ``loss = engine(*inputs)``, ``engine.backward(loss)``,
+    ``engine.step()`` once per micro-batch: DeepSpeed accumulates
+    ``gradient_accumulation_steps`` micro-batches and steps the optimizer on the last.
+    Set the learning rate on ``optimizer.param_groups`` (they are shared with the engine).
+    """
+    import deepspeed  # lazy: an optional dependency
+
+    deepspeed.init_distributed(dist_backend=dist_backend)
+    engine, _opt, _loader, _sched = deepspeed.initialize(
+        model=model, optimizer=optimizer, config=config)
+    return engine
