@@ -7,7 +7,9 @@ timed, alternately and ``--repeats`` times each on the same disk:
 - copy: ``shutil.copyfile`` of the checkpoint's ``model.safetensors`` + fsync;
 - reshape: ``convert_checkpoint(src, dst, to="tp", tp=2, pp=2)``: TP 1 -> TP 2 x PP 2
   (read, slice, pad the vocabulary, checksum, write and fsync 4 files + manifest);
-- merge: the TP 2 x PP 2 checkpoint back to consolidated.
+- merge: the TP 2 x PP 2 checkpoint back to consolidated;
+- sha256: one hashlib pass over the source file (a conversion verifies every byte it reads
+  and hashes every byte it writes, so two passes bound it from below on few cores).
 
 Speeds are source bytes / best time. Peak RSS is ``resource.getrusage`` of this process
 (it includes the page-cache pages of memory-mapped source files it touched). Example:
@@ -18,6 +20,7 @@ Speeds are source bytes / best time. Peak RSS is ``resource.getrusage`` of this 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import multiprocessing
 import os
 import resource
@@ -59,6 +62,17 @@ def _copy(source: Path, target: Path) -> float:
     return time.perf_counter() - start
 
 
+def _hash(path: Path) -> float:
+    """Seconds to sha256 the file once (the converter hashes every byte on read to verify
+    and again on write to record digests): the CPU floor next to the copy."""
+    start = time.perf_counter()
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(64 << 20):
+            digest.update(chunk)
+    return time.perf_counter() - start
+
+
 def _timed(fn: object, *args: object, **kwargs: object) -> float:
     start = time.perf_counter()
     fn(*args, **kwargs)  # type: ignore[operator]
@@ -89,10 +103,11 @@ def main() -> None:
         size = (source / "model.safetensors").stat().st_size
         print(f"checkpoint: {config.n_layers} layers, hidden {config.hidden}, vocab "
               f"{config.vocab_size}: {size / 1e9:.3f} GB fp32")
-        copies, reshapes, merges = [], [], []
+        copies, reshapes, merges, hashes = [], [], [], []
         for repeat in range(args.repeats):
             copies.append(_copy(source / "model.safetensors", scratch / f"copy{repeat}"))
             (scratch / f"copy{repeat}").unlink()
+            hashes.append(_hash(source / "model.safetensors"))
             reshapes.append(_timed(convert_checkpoint, source, scratch / "tp2pp2", to="tp",
                                    tp=2, pp=2))
             merges.append(_timed(convert_checkpoint, scratch / "tp2pp2", scratch / "back"))
@@ -106,6 +121,9 @@ def main() -> None:
             print(f"{label:32s} {min(times):6.2f} s  {speed:5.2f} GB/s  "
                   f"{speed / copy:4.2f}x copy")
         print(f"{'shutil.copyfile + fsync':32s} {min(copies):6.2f} s  {copy:5.2f} GB/s")
+        print(f"{'sha256 of the file (one pass)':32s} {min(hashes):6.2f} s  "
+              f"{size / min(hashes) / 1e9:5.2f} GB/s  (a conversion hashes every byte "
+              "twice)")
         print(f"peak RSS of this process: {peak / 1e9:.2f} GB ({peak / size:.2f}x the "
               f"checkpoint; largest tensor "
               f"{config.vocab_size * config.hidden * 4 / 1e9:.2f} GB)")

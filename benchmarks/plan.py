@@ -9,11 +9,16 @@ it runs `python3 -m mt_pretrain pretrain ... --metrics`, then prints:
   measured once per model by the same command with a model of hidden size 8); also the model
   part alone (measured minus runtime vs the estimate);
 - tokens/s: measured (mean of the metrics' tokens_per_s after the first step) vs predicted by
-  `estimate()` on a "GPU" whose peak FLOP/s is the fp32 matmul speed at the model's MLP shape
-  measured in as many concurrent 1-thread processes as the run has ranks, memory bandwidth the measured copy speed, and links the gloo bandwidth
-  measured on this machine (0.7 GiB/s, /work/shared/notes), with efficiency 1.
+  `estimate()` on a "GPU" whose peak FLOP/s is the fp32 matmul speed at the model's MLP and
+  head shapes (FLOP-weighted), measured before and after the run in as many concurrent
+  1-thread processes as the run has ranks, memory bandwidth the measured copy speed, and
+  links the gloo bandwidth measured on this machine (0.7 GiB/s, /work/shared/notes), with
+  efficiency 1.
 
-Run from the repo root (a few minutes on 2 cores):
+Wall-clock figures follow the machine's load: the load average is printed first, and with
+other jobs on the cores the tokens/s errors swing between runs. The estimator has no
+per-operator overhead term, so models as small as `tiny` run slower than it predicts when
+the cores are free. Run from the repo root (about 3 minutes on 2 cores):
 
     PYTHONPATH=$(ls -d packages/*/src apps/*/src | tr '\\n' ':') python3 benchmarks/plan.py
 """
@@ -76,24 +81,33 @@ def _run(overrides: dict[str, Any], workdir: Path) -> tuple[float, float]:
 
 
 def _matmul_rate(shape: tuple[int, int, int]) -> float:
-    """FLOP/s of one thread multiplying [rows, hidden] @ [hidden, ffn] for about a second."""
+    """FLOP/s of one thread multiplying [rows, k] @ [k, n] for half a second."""
     torch.set_num_threads(1)
-    rows, hidden, ffn = shape
-    a, w = torch.randn(rows, hidden), torch.randn(hidden, ffn)
+    rows, k, n = shape
+    a, w = torch.randn(rows, k), torch.randn(k, n)
     a @ w
     count, start = 0, time.perf_counter()
-    while time.perf_counter() - start < 1.0:
+    while time.perf_counter() - start < 0.5:
         a @ w
         count += 1
-    return 2.0 * rows * hidden * ffn * count / (time.perf_counter() - start)
+    return 2.0 * rows * k * n * count / (time.perf_counter() - start)
 
 
-def _cpu_spec(hidden: int, ffn: int, rows: int, ranks: int) -> GPUSpec:
-    """This CPU as one rank sees it: matmul FLOP/s at the MLP shape measured in ``ranks``
-    concurrent 1-thread processes (as the ranks run, sharing the cores with any other load),
-    and the copy speed of one thread."""
+def _matmul_speed(gpt: Any, rows: int, ranks: int) -> float:
+    """FLOP/s of the model's matmuls: the layer (MLP) and head shapes, weighted by their
+    FLOPs per token, each measured in ``ranks`` concurrent 1-thread processes (as the ranks
+    run, sharing the cores with whatever else runs)."""
+    h = gpt.hidden
+    shapes = [(rows, h, gpt.ffn_hidden), (rows, h, gpt.vocab_size)]
+    work = [gpt.n_layers * (8.0 * h * h + 4.0 * h * gpt.ffn_hidden), 2.0 * h * gpt.vocab_size]
     with multiprocessing.get_context("fork").Pool(ranks) as pool:
-        flops = statistics.mean(pool.map(_matmul_rate, [(rows, hidden, ffn)] * ranks))
+        rates = [statistics.mean(pool.map(_matmul_rate, [shape] * ranks)) for shape in shapes]
+    return sum(work) / sum(w / r for w, r in zip(work, rates))
+
+
+def _cpu_spec(flops: float) -> GPUSpec:
+    """This CPU as one rank sees it: matmul FLOP/s as measured, copy speed of one thread,
+    links at the gloo bandwidth."""
     torch.set_num_threads(1)
     x = torch.randn(8 * 2**20)
     y = torch.empty_like(x)
@@ -135,9 +149,11 @@ def main() -> None:
                 overrides = {**model, **lay, **micro}
                 gpt, layout = _layout(overrides)
                 rows = layout.micro_batch * gpt.seq_len
-                spec = _cpu_spec(gpt.hidden, gpt.ffn_hidden, rows, layout.world_size)
-                est = estimate(gpt, layout, spec, efficiency=1.0)
+                before = _matmul_speed(gpt, rows, layout.world_size)
                 rss, tps = _run(overrides, Path(tmp))
+                # Load from other jobs drifts: calibrate on both sides of the run.
+                spec = _cpu_spec((before + _matmul_speed(gpt, rows, layout.world_size)) / 2)
+                est = estimate(gpt, layout, spec, efficiency=1.0)
                 pred_mem = est.memory_per_gpu_gb * 1e9 + runtime
                 part = rss - runtime
                 # A model part below 5% of the runtime's RSS is under the measurement noise.

@@ -60,6 +60,29 @@ def test_convert_cli_dry_run_prints_mapping_and_writes_nothing(checkpoint: Path,
     assert not (tmp_path / "out").exists()
 
 
+def test_convert_cli_pipeline_and_megatron_layouts(checkpoint: Path, tmp_path: Path) -> None:
+    result = runner.invoke(app, [str(checkpoint), str(tmp_path / "out"), "--pp", "2",
+                                 "--tp", "2", "--pad-multiple", "8", "--dry-run"])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    at = lines.index("embed.tokens.weight")
+    assert lines[at + 2:at + 6] == [  # 1000 rows padded to 1008 = 2 x 504; tied on stage 1
+        f"  -> pp_rank_{s:02d}_tp_rank_{t:02d}/model.safetensors:embed.tokens.weight "
+        f"[504, 64] F32 (pp {s}/2 tp {t}/2 vocab)" for s in range(2) for t in range(2)]
+    result = runner.invoke(app, [str(checkpoint), str(tmp_path / "meg"), "--to", "megatron",
+                                 "--pp", "2"])
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(app, [str(tmp_path / "meg"), str(tmp_path / "back"), "--dry-run"])
+    assert result.exit_code == 0, result.output
+    assert "  <- iter_0000000/mp_rank_00_001/model_optim_rng.pt:language_model.encoder.layers." \
+        "1.self_attention.query_key_value.weight [192, 64] F32 (tp 0/1 column (per-head " \
+        "q,k,v order))" in result.output.splitlines()
+    result = runner.invoke(app, [str(tmp_path / "meg"), str(tmp_path / "back")])
+    assert result.exit_code == 0, result.output
+    assert (checkpoint / "model.safetensors").read_bytes() == (
+        tmp_path / "back" / "model.safetensors").read_bytes()
+
+
 def test_convert_cli_errors_exit_1_with_one_message(checkpoint: Path, tmp_path: Path) -> None:
     weights = checkpoint / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-100])

@@ -1,5 +1,5 @@
 """GPT-2-small shape (124M parameters, vocab 50257 not a multiple of anything): exact round
-trips through the HF and TP layouts, and logits against transformers. The model is built
+trips through the HF and TP 2 x PP 2 layouts, and logits against transformers. The model is built
 and saved once per module to keep the suite fast."""
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ def test_convert_gpt2_small_round_trips_are_bit_identical(small: tuple[GPT, Path
     _, root = small
     convert_checkpoint(root / "hf", root / "from_hf")
     assert _same_files(root / "full", root / "from_hf")
-    convert_checkpoint(root / "full", root / "tp2", to="tp", tp=2)
-    convert_checkpoint(root / "tp2", root / "from_tp2")
-    assert _same_files(root / "full", root / "from_tp2")
+    convert_checkpoint(root / "full", root / "tp2pp2", to="tp", tp=2, pp=2)
+    convert_checkpoint(root / "tp2pp2", root / "from_tp2pp2")
+    assert _same_files(root / "full", root / "from_tp2pp2")
 
 
 def test_convert_gpt2_small_logits_match_transformers(small: tuple[GPT, Path]) -> None:

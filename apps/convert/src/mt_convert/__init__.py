@@ -1,8 +1,10 @@
 """mt_convert: GPT checkpoints across formats and layouts (``mt convert``).
 
 Formats: ``"consolidated"`` (one full ``model.safetensors`` + ``config.json`` manifest with
-sha256 checksums), ``"tp"`` (``tp_rank_XX/model.safetensors``, sliced exactly as
-mt_tensor_parallel slices the model) and ``"hf"`` (Hugging Face ``GPT2LMHeadModel``).
+sha256 checksums), ``"tp"`` (``[pp_rank_XX_]tp_rank_YY/model.safetensors``, sliced exactly
+as mt_tensor_parallel and mt_pipeline slice the model), ``"hf"`` (Hugging Face
+``GPT2LMHeadModel``), ``"megatron"`` (Megatron-LM style ``mp_rank_XX[_YYY]`` files) and,
+read only, ``"pretrain"`` (``mt pretrain`` checkpoints, model weights).
 Conversions stream one tensor at a time, verify checksums on read, write checksums, and
 write atomically; every expected failure is a :class:`ConvertError` naming file and tensor.
 """

@@ -1,15 +1,18 @@
 """Conversions between checkpoint formats, and saving / loading models in them.
 
 Formats: ``"consolidated"`` (one full safetensors file, :mod:`mt_convert.consolidated`),
-``"hf"`` (Hugging Face GPT-2, :mod:`mt_convert.hf`) and ``"tp"`` (one file per tensor-
-parallel rank, :mod:`mt_convert.sharded`). Every conversion streams canonical tensors one
-at a time from a reader to a writer inside an atomic staging directory.
-"""
+``"hf"`` (Hugging Face GPT-2, :mod:`mt_convert.hf`), ``"tp"`` (one file per pipeline stage
+x tensor-parallel rank, :mod:`mt_convert.sharded`), ``"megatron"`` (Megatron-LM style
+``iter_XXXXXXX/mp_rank_XX[_YYY]``, :mod:`mt_convert.megatron`) and, read only,
+``"pretrain"`` (``mt pretrain`` checkpoints, :mod:`mt_convert.pretrain`). Every conversion
+streams canonical tensors one at a time from a reader to a writer inside an atomic staging
+directory."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -152,6 +155,26 @@ def plan_conversion(reader: CheckpointReader, writer: CheckpointWriter) -> list[
             for name in reader.names()]
 
 
+def _stream(names: list[str], get: Callable[[str], torch.Tensor]
+            ) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, get(name))`` in order, reading (and checksum-verifying) the next tensor in a
+    background thread while the caller writes the current one: hashing and file I/O
+    release the GIL, so reading and writing overlap. At most two tensors are alive."""
+    if not names:
+        return
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="mt-convert-read") as pool:
+        pending: Future[torch.Tensor] = pool.submit(get, names[0])
+        try:
+            for index, name in enumerate(names):
+                tensor = pending.result()
+                if index + 1 < len(names):
+                    pending = pool.submit(get, names[index + 1])
+                yield name, tensor
+                del tensor
+        finally:
+            pending.cancel()
+
+
 def _write(writer: CheckpointWriter, names: list[str], get: Callable[[str], torch.Tensor],
            destination: Path, overwrite: bool, progress: ProgressFn | None) -> int:
     """Stream every tensor through ``writer`` into an atomic ``destination``; bytes moved.
@@ -161,11 +184,10 @@ def _write(writer: CheckpointWriter, names: list[str], get: Callable[[str], torc
         with atomic_directory(destination, overwrite) as staging:
             writer.open(staging)
             try:
-                for done, name in enumerate(names, start=1):
-                    tensor = get(name)
+                for done, (name, tensor) in enumerate(_stream(names, get), start=1):
                     writer.write(name, tensor)
                     total_bytes += tensor.numel() * tensor.element_size()
-                    del tensor  # keep peak memory at one tensor (plus its shards)
+                    del tensor  # keep peak memory near two tensors (plus shards)
                     if progress is not None:
                         progress(name, done, len(names))
                 writer.finish()

@@ -21,6 +21,7 @@ Manifest ``layout``: ``{"tp", "pp", "pad_multiple"}`` (+ ``"stage_layers"`` when
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -171,6 +172,10 @@ class ShardedWriter(CheckpointWriter):
         self.tp, self.pp, self.pad_multiple = tp, pp, pad_multiple
         self._writers: dict[tuple[int, int], SafetensorsWriter] = {}
         self._directory: Path | None = None
+        # Hashing and file writes release the GIL: the shards of a tensor go to their
+        # files in parallel.
+        self._pool = ThreadPoolExecutor(max_workers=min(4, tp * pp),
+                                        thread_name_prefix="mt-convert-write")
 
     def targets(self, name: str) -> list[TensorRef]:
         return self._layout.refs(name)
@@ -185,10 +190,15 @@ class ShardedWriter(CheckpointWriter):
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         style, stages = self._layout.styles[name], self._layout.stages[name]
+        jobs = []
         for rank in range(self.tp):
             shard = shard_tensor(style, tensor, rank, self.tp, pad_multiple=self.pad_multiple)
             for stage in stages:  # the tied embedding goes to two stages: slice it once
-                self._writers[(stage, rank)].write(name, shard)
+                jobs.append(self._pool.submit(self._writers[(stage, rank)].write, name, shard))
+        # Each file is written (and hashed) by one job at a time; waiting for all before
+        # the next tensor keeps memory at one tensor's shards.
+        for job in jobs:
+            job.result()
 
     def finish(self) -> None:
         assert self._directory is not None, "open() first"
@@ -199,8 +209,10 @@ class ShardedWriter(CheckpointWriter):
                            in self._layout.file_specs(stage, rank).items()}
         write_manifest(self._directory, SHARDED_FORMAT, self.config,
                        self._layout.manifest_layout(), files)
+        self._pool.shutdown()
 
     def abort(self) -> None:
+        self._pool.shutdown(cancel_futures=True)
         for writer in self._writers.values():
             writer.abort()
 

@@ -71,7 +71,8 @@ class DeepSpeedOptimizer:
         return contextlib.nullcontext()
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        """Full fp32 weights by name on every rank (collective under ZeRO-3)."""
+        """Full weights by name, as fp32, on every rank (collective under ZeRO-3); with
+        bf16 these are the bf16 model weights upcast (DeepSpeed keeps the fp32 masters)."""
         import deepspeed
 
         module = self.engine.module

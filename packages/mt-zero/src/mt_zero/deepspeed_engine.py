@@ -128,7 +128,11 @@ def initialize_deepspeed(
     ``gradient_accumulation_steps`` micro-batches and steps the optimizer on the last.
     Set the learning rate on ``optimizer.param_groups`` (they are shared with the engine).
     """
-    import deepspeed  # lazy: an optional dependency
+    try:
+        import deepspeed  # lazy: an optional dependency
+    except ImportError as err:
+        raise ImportError("the DeepSpeed engine needs the deepspeed package "
+                          "(pip install deepspeed==0.19.8)") from err
 
     deepspeed.init_distributed(dist_backend=dist_backend)
     engine, _opt, _loader, _sched = deepspeed.initialize(

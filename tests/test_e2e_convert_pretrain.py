@@ -1,5 +1,5 @@
-"""``mt convert`` reads the checkpoints of a real ``mt pretrain`` run (TP 2 x PP 2, 4 gloo
-processes): the weights equal mt_pretrain's own consolidation, and ``--to hf`` works on a
+"""Cross-app: ``mt convert`` reads the checkpoints of a real ``mt pretrain`` run (TP 2 x PP 2,
+4 gloo processes): the weights equal mt_pretrain's own consolidation, and ``--to hf`` works on a
 step folder or on the checkpoints folder (its ``latest``)."""
 
 from __future__ import annotations
