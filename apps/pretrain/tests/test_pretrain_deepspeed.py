@@ -4,8 +4,9 @@ per-step losses on the same global batches of the embedded corpus, for DeepSpeed
 validation at step 5, fp32, dropout 0).
 
 Measured: every step's loss within 4e-8 relative of mt's (ZeRO 1, 2 and 3), validation loss
-equal; asserted 1e-5. DeepSpeed's environment (DS_ACCELERATOR=cpu, LOCAL_RANK...) is set by
-the app inside the rank processes, never in this process.
+equal; asserted 1e-5. bf16 (ZeRO 1): within 1.6e-4 relative, asserted 1e-3. DeepSpeed's
+environment (DS_ACCELERATOR=cpu, LOCAL_RANK...) is set by the app inside the rank
+processes, never in this process.
 """
 
 from __future__ import annotations
@@ -71,6 +72,19 @@ def test_pretrain_deepspeed_matches_mt_engine(stage: int, reference: Any, cache:
     assert (root / "latest").read_text().strip() == f"step-{STEPS:08d}"
     assert ds.checkpoint == str(root / f"step-{STEPS:08d}")
     assert len(list((root / f"step-{STEPS:08d}").glob("*optim_states.pt"))) == 2
+
+
+def test_pretrain_deepspeed_bf16_close_to_mt_bf16(cache: Path, tmp_path: Path) -> None:
+    """bf16 weights and compute, fp32 masters in both engines; rounding differs (DeepSpeed
+    reduces bf16 gradients in its own order). Measured: within 1.6e-4 relative over 10 steps
+    at ZeRO 1 and 3; asserted 1e-3."""
+    pytest.importorskip("deepspeed")
+    fast = {"precision": "bf16", "zero_stage": 1, "eval_interval": 0, "sample_tokens": 0,
+            "save": "none"}
+    mt = _run(tmp_path / "mt", cache, engine="mt", **fast)
+    ds = _run(tmp_path / "ds", cache, engine="deepspeed", **fast)
+    assert ds.losses == pytest.approx(mt.losses, rel=1e-3)
+    assert ds.losses[-1] < ds.losses[0] - 0.5
 
 
 @pytest.mark.parametrize("options, words", [

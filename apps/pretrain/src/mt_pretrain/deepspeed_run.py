@@ -73,7 +73,7 @@ class DeepSpeedOptimizer:
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Full weights by name, as fp32, on every rank (collective under ZeRO-3); with
         bf16 these are the bf16 model weights upcast (DeepSpeed keeps the fp32 masters)."""
-        import deepspeed
+        import deepspeed  # pants: no-infer-dep (optional engine)
 
         module = self.engine.module
         params = list(module.parameters())
@@ -111,7 +111,7 @@ def make_deepspeed_optimizer(config: PretrainConfig, plan: RunPlan, stage: nn.Mo
     if par.zero_stage == 3 and layout is not None and layout.head and layout.tied_weight:
         # The head uses the embedding's weight outside the embedding module: ZeRO-3 must
         # gather it around the head too (in evaluation as well as in training).
-        import deepspeed
+        import deepspeed  # pants: no-infer-dep (optional engine)
 
         deepspeed.zero.register_external_parameter(stage.get_submodule(layout.head),
                                                    stage.get_parameter(layout.tied_weight))

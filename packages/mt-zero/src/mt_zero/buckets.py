@@ -155,6 +155,11 @@ class FlatBucket:
             if self.master.data_ptr() != self.flat_param.data_ptr():
                 self.flat_param.copy_(self.master)
             return Handle()
+        if group_size(self.group) == 1:
+            # One rank: cast the master straight into the parameters, no gather buffer.
+            if self.master.data_ptr() != self.flat_param.data_ptr():
+                self.flat_param.copy_(self.master)
+            return Handle()
         # A separate send buffer: the master may alias the receive buffer (fp32).
         send = self.master.to(self.dtype, copy=True)
         return all_gather_flat(self.flat_param, send, self.group)

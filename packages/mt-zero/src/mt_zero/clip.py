@@ -72,7 +72,8 @@ def sum_of_squares(
     tensors: Iterable[torch.Tensor], device: torch.device | str = "cpu"
 ) -> torch.Tensor:
     """Sum of squared elements of ``tensors`` as an fp32 scalar (0 for none)."""
-    sums = [t.detach().float().pow(2).sum() for t in tensors]
+    # vector_norm accumulates in fp32 without a full-size squared temporary.
+    sums = [torch.linalg.vector_norm(t.detach(), dtype=torch.float32).square() for t in tensors]
     if not sums:
         return torch.zeros((), dtype=torch.float32, device=device)
     return torch.stack(sums).sum()

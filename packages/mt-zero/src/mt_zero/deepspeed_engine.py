@@ -129,7 +129,7 @@ def initialize_deepspeed(
     Set the learning rate on ``optimizer.param_groups`` (they are shared with the engine).
     """
     try:
-        import deepspeed  # lazy: an optional dependency
+        import deepspeed  # pants: no-infer-dep (lazy: optional, mt-zero[deepspeed])
     except ImportError as err:
         raise ImportError("the DeepSpeed engine needs the deepspeed package "
                           "(pip install deepspeed==0.19.8)") from err

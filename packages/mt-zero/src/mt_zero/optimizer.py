@@ -264,8 +264,12 @@ class ZeroOptimizer:
                 buf.mul_(1.0 / scale)
         counted = sum_of_squares((mp.tensor.grad for mp in self.pieces if mp.counted),
                                  self.buckets[0].device)  # type: ignore[misc]
-        # Count buckets with inf/nan without a host sync per bucket (matters on GPUs).
-        nonfinite = torch.stack([~torch.isfinite(b).all() for b in buffers]).sum()
+        # Count buckets with inf/nan without a host sync per bucket (matters on GPUs); only
+        # fp16 loss scaling acts on it, so other precisions skip the passes over the grads.
+        if self.scaler is not None:
+            nonfinite = torch.stack([~torch.isfinite(b).all() for b in buffers]).sum()
+        else:
+            nonfinite = torch.zeros((), device=counted.device)
         stats = torch.stack([counted, nonfinite.to(counted.dtype)])
         all_reduce_over(stats, self._norm_groups)
         norm, found_inf = float(stats[0].sqrt()), bool(stats[1] > 0)
