@@ -11,12 +11,10 @@ processes, never in this process.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from mt_pretrain.config import ConfigError
 from mt_pretrain.config_io import load_config
@@ -35,19 +33,6 @@ def _run(out: Path, cache: Path, **options: Any) -> Any:
     config = load_config(None, {**COMMON, **options, "out_dir": str(out),
                                 "cache_dir": str(cache)})
     return launch(config, environ={}, timeout=300)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("mt-cache")
 
 
 @pytest.fixture(scope="module")

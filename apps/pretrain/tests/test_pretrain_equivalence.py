@@ -9,12 +9,10 @@ cores here.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from mt_pretrain.config_io import load_config
 from mt_pretrain.launch import launch
@@ -33,21 +31,6 @@ def _run(tmp: Path, cache: Path, **layout: Any) -> tuple[Any, list[dict[str, Any
                                 "cache_dir": str(cache)})
     summary = launch(config, environ={}, timeout=300)
     return summary, read_metrics(tmp / "metrics.jsonl")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """In-process (--nproc 1) runs share this 2-core machine with the other ranks and
-    tests: one intra-op thread avoids spin-waiting threads fighting for cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("mt-cache")
 
 
 def test_pretrain_3d_matches_one_process(tmp_path: Path, cache: Path) -> None:

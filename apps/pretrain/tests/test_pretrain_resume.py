@@ -4,12 +4,10 @@ continues within fp32 round-off."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from mt_pretrain.checkpoint import consolidated_model
 from mt_pretrain.config_io import load_config
@@ -28,16 +26,6 @@ def _run(out: Path, cache: Path, **options: Any) -> Any:
     config = load_config(None, {**COMMON, **options, "out_dir": str(out),
                                 "cache_dir": str(cache)})
     return launch(config, environ={}, timeout=300)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """In-process (--nproc 1) runs share this 2-core machine with the other ranks and
-    tests: one intra-op thread avoids spin-waiting threads fighting for cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
