@@ -27,7 +27,6 @@ model config travels in the ``"mt"`` entry. Files are read only with
 from __future__ import annotations
 
 import os
-import pickle
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +36,7 @@ from mt_convert.errors import ConvertError
 from mt_convert.layout import CheckpointReader, CheckpointWriter, TensorRef, canonical_shapes
 from mt_convert.safetensors_io import TensorSpec, tensor_sha256
 from mt_convert.sharded import stage_layers, stages_of
+from mt_convert.torch_io import load_weights_only
 from mt_model import GPTConfig
 from mt_tensor_parallel import (
     DEFAULT_PAD_MULTIPLE,
@@ -251,16 +251,7 @@ class MegatronWriter(CheckpointWriter):
 
 def _load(path: Path) -> dict[str, Any]:
     """A weights-only ``torch.load`` (memory-mapped), errors naming the file."""
-    if not path.is_file():
-        raise ConvertError(f"{path}: file not found")
-    try:
-        data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except pickle.UnpicklingError as err:
-        raise ConvertError(f"{path}: holds objects other than tensors and plain containers; "
-                           f"refusing to unpickle it ({str(err).splitlines()[0]})") from None
-    except (RuntimeError, OSError, EOFError, ValueError) as err:
-        raise ConvertError(f"{path}: not a readable torch checkpoint (malformed or "
-                           f"truncated): {err}") from None
+    data = load_weights_only(path)
     if not isinstance(data, dict) or not isinstance(data.get("model"), dict):
         raise ConvertError(f"{path}: not a Megatron-LM checkpoint (no 'model' dict)")
     return data

@@ -12,7 +12,6 @@ order: rank = (pp * dp + dp_rank) * tp + tp_rank.
 from __future__ import annotations
 
 import json
-import pickle
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,7 @@ import torch
 from mt_convert.errors import ConvertError
 from mt_convert.layout import CheckpointReader, TensorRef, canonical_shapes
 from mt_convert.safetensors_io import TensorSpec
+from mt_convert.torch_io import load_weights_only
 from mt_model import GPTConfig
 from mt_tensor_parallel import GPT_PLAN, merge_shards, param_styles
 
@@ -61,16 +61,7 @@ def _meta(folder: Path) -> dict[str, Any]:
 
 
 def _weights(path: Path) -> dict[str, torch.Tensor]:
-    if not path.is_file():
-        raise ConvertError(f"{path}: file not found (incomplete checkpoint)")
-    try:
-        data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except pickle.UnpicklingError as err:
-        raise ConvertError(f"{path}: holds objects other than tensors and plain containers; "
-                           f"refusing to unpickle it ({str(err).splitlines()[0]})") from None
-    except (RuntimeError, OSError, EOFError, ValueError) as err:
-        raise ConvertError(f"{path}: not a readable torch checkpoint (malformed or "
-                           f"truncated): {err}") from None
+    data = load_weights_only(path, missing="file not found (incomplete checkpoint)")
     model = data.get("model") if isinstance(data, dict) else None
     if not isinstance(model, dict) or not model:
         raise ConvertError(f"{path}: no model weights (expected a non-empty 'model' dict on "
