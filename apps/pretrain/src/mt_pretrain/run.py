@@ -15,10 +15,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from mt_data import DataLoaderState
-from mt_dist import LaunchInfo, ParallelGroups, build_groups, init_distributed, local_device
+from mt_dist import (
+    LaunchInfo,
+    ParallelGroups,
+    build_groups,
+    finalize_distributed,
+    init_distributed,
+    local_device,
+)
 from mt_model import count_parameters
 from mt_pretrain.build import Built, build
 from mt_pretrain.checkpoint import Checkpointer, load
@@ -81,14 +87,17 @@ def run_rank(config: PretrainConfig, info: LaunchInfo, cache_dir: Path) -> RunSu
                           f"node has {torch.cuda.device_count()}; use --device cpu or fewer "
                           "processes per node")
     init_distributed(info, device, timeout=config.parallel.timeout)
+    completed = False
     try:
         plan = resolve(config, info.world_size)
         groups = build_groups(plan.topology, device)
         flag = StopFlag()
         with _stop_on_signals(flag):
-            return _train(config, plan, groups, device, cache_dir, flag)
+            summary = _train(config, plan, groups, device, cache_dir, flag)
+        completed = True
+        return summary
     finally:
-        dist.destroy_process_group()
+        finalize_distributed(completed=completed)
 
 
 def _train(config: PretrainConfig, plan: RunPlan, groups: ParallelGroups, device: torch.device,

@@ -17,7 +17,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import ProcessPoolExecutor, as_completed, wait
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from functools import lru_cache
@@ -114,6 +114,8 @@ def _run_tasks(fn: Callable[..., Any], tasks: list[tuple[Any, ...]], sizes: list
 
     ``on_result`` sees each result as soon as its task finishes (so finished work is recorded
     even if a later task fails or the run is interrupted); results are returned in task order.
+    When tasks fail, the error raised is that of the first failing task in input order, as in a
+    serial run, whatever order the workers finished in.
     """
     results: list[Any] = [None] * len(tasks)
     if pool is None or len(tasks) <= 1:
@@ -126,6 +128,8 @@ def _run_tasks(fn: Callable[..., Any], tasks: list[tuple[Any, ...]], sizes: list
     try:
         for future in as_completed(futures):
             i = futures[future]
+            if future.exception() is not None:
+                break
             results[i] = future.result()
             on_result(results[i])
             progress.advance(sizes[i])
@@ -133,6 +137,16 @@ def _run_tasks(fn: Callable[..., Any], tasks: list[tuple[Any, ...]], sizes: list
         for future in futures:  # interrupted: do not start queued tasks
             future.cancel()
         raise
+    failed = [i for future, i in futures.items() if future.done() and future.exception()]
+    if failed:
+        # Tasks start in submission order, so every task before a failed one has started and
+        # cannot be cancelled: wait for those, and report the earliest failure.
+        for future in futures:
+            future.cancel()
+        wait([f for f in futures if not f.cancelled()])
+        first = min(i for future, i in futures.items()
+                    if not future.cancelled() and future.exception() is not None)
+        raise next(f for f, i in futures.items() if i == first).exception()
     return results
 
 

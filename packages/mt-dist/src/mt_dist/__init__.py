@@ -1,7 +1,8 @@
 """mt_dist: 3D-parallel topology maths, process groups and launcher discovery for mt.
 
 Pure pieces (no processes): :class:`Topology`, the SLURM node-list parsers and
-:func:`discover`. Process-group pieces: :func:`init_distributed` and :func:`build_groups`.
+:func:`discover`. Process-group pieces: :func:`init_distributed`, :func:`build_groups` and
+:func:`finalize_distributed`.
 The multi-process test harness lives in :mod:`mt_dist.testing`.
 """
 
@@ -10,6 +11,7 @@ from mt_dist.launcher import (
     LaunchError,
     LaunchInfo,
     discover,
+    finalize_distributed,
     free_port,
     init_distributed,
     local_device,
@@ -32,6 +34,7 @@ __all__ = [
     "discover",
     "expand_nodelist",
     "expand_tasks_per_node",
+    "finalize_distributed",
     "first_host",
     "free_port",
     "init_distributed",

@@ -26,7 +26,8 @@ from mt_dist.groups import backend_for
 from mt_dist.nodelist import expand_tasks_per_node, first_host
 
 __all__ = [
-    "LaunchError", "LaunchInfo", "discover", "free_port", "init_distributed", "local_device",
+    "LaunchError", "LaunchInfo", "discover", "free_port", "finalize_distributed",
+    "init_distributed", "local_device",
 ]
 
 LAUNCHERS = ("torchrun", "mpi", "slurm", "single")
@@ -291,3 +292,19 @@ def init_distributed(
         timeout=timeout,
         device_id=device if device.type == "cuda" else None,
     )
+
+
+def finalize_distributed(*, completed: bool = True) -> None:
+    """Tear down the default process group; when ``completed``, first wait for every rank.
+
+    gloo finishes a group's connection handshake asynchronously: a rank that tears down right
+    after creating a group (the default one or a sub-group it never used) can make a slower
+    peer, still connecting, fail with "Connection closed by peer". Measured on a loaded 2-core
+    machine: 19 of 450 two-rank runs without the barrier, 0 of 450 with it. After a failure
+    (``completed=False``) peers may never arrive, so no barrier is attempted.
+    """
+    if not dist.is_initialized():
+        return
+    if completed:
+        dist.barrier()
+    dist.destroy_process_group()

@@ -41,6 +41,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mt_dist.launcher import finalize_distributed
+
 __all__ = [
     "DistributedTestError",
     "DistributedTimeoutError",
@@ -200,8 +202,8 @@ def _child_main(
         # Report before tearing down the group: peers notice the teardown and fail too,
         # and the root cause must reach the parent first.
         conn.send_bytes(pickle.dumps(report))
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        # Leave together (see finalize_distributed); after a failure the parent kills this rank.
+        finalize_distributed(completed=report[0] == "ok")
         conn.close()
         if hasattr(faulthandler, "unregister"):
             faulthandler.unregister(signal.SIGUSR1)  # before stack_out is closed
