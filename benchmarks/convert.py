@@ -8,11 +8,14 @@ timed, alternately and ``--repeats`` times each on the same disk:
 - reshape: ``convert_checkpoint(src, dst, to="tp", tp=2, pp=2)``: TP 1 -> TP 2 x PP 2
   (read, slice, pad the vocabulary, checksum, write and fsync 4 files + manifest);
 - merge: the TP 2 x PP 2 checkpoint back to consolidated;
-- sha256: one hashlib pass over the source file (a conversion verifies every byte it reads
-  and hashes every byte it writes, so two passes bound it from below on few cores).
+- crc32c: one ``crc32c.crc32c`` pass over the source file, the checksum conversions record
+  (a conversion verifies the checksum of every byte it reads and records one for every
+  byte it writes; for most tensors one pass serves both, see ``mt_convert.crc``).
 
 Speeds are source bytes / best time. Peak RSS is ``resource.getrusage`` of this process
-(it includes the page-cache pages of memory-mapped source files it touched). Example:
+(it includes the page-cache pages of memory-mapped source files it touched), once after the
+first reshape and once at the end (the merge maps and merges the shards). The load
+average is printed too: on a shared machine it explains most of the spread. Example:
 
     PYTHONPATH=$(ls -d packages/*/src apps/*/src | tr '\\n' ':') python3 benchmarks/convert.py
 """
@@ -20,7 +23,6 @@ Speeds are source bytes / best time. Peak RSS is ``resource.getrusage`` of this 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import multiprocessing
 import os
 import resource
@@ -29,6 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import crc32c
 import torch
 
 from mt_convert import TensorSpec, canonical_shapes, convert_checkpoint, make_writer
@@ -63,13 +66,12 @@ def _copy(source: Path, target: Path) -> float:
 
 
 def _hash(path: Path) -> float:
-    """Seconds to sha256 the file once (the converter hashes every byte on read to verify
-    and again on write to record digests): the CPU floor next to the copy."""
+    """Seconds to CRC-32C the file once: the converter's hashing, next to the copy."""
     start = time.perf_counter()
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(64 << 20):
-            digest.update(chunk)
+    crc, buffer = 0, memoryview(bytearray(8 << 20))  # reused, as the converter's
+    with open(path, "rb", buffering=0) as handle:
+        while size := handle.readinto(buffer):
+            crc = crc32c.crc32c(buffer[:size], crc)
     return time.perf_counter() - start
 
 
@@ -104,12 +106,15 @@ def main() -> None:
         print(f"checkpoint: {config.n_layers} layers, hidden {config.hidden}, vocab "
               f"{config.vocab_size}: {size / 1e9:.3f} GB fp32")
         copies, reshapes, merges, hashes = [], [], [], []
+        reshape_peak = 0
         for repeat in range(args.repeats):
             copies.append(_copy(source / "model.safetensors", scratch / f"copy{repeat}"))
             (scratch / f"copy{repeat}").unlink()
             hashes.append(_hash(source / "model.safetensors"))
             reshapes.append(_timed(convert_checkpoint, source, scratch / "tp2pp2", to="tp",
                                    tp=2, pp=2))
+            if repeat == 0:  # before any merge: the reshape's own peak
+                reshape_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
             merges.append(_timed(convert_checkpoint, scratch / "tp2pp2", scratch / "back"))
             shutil.rmtree(scratch / "tp2pp2")
             shutil.rmtree(scratch / "back")
@@ -121,12 +126,15 @@ def main() -> None:
             print(f"{label:32s} {min(times):6.2f} s  {speed:5.2f} GB/s  "
                   f"{speed / copy:4.2f}x copy")
         print(f"{'shutil.copyfile + fsync':32s} {min(copies):6.2f} s  {copy:5.2f} GB/s")
-        print(f"{'sha256 of the file (one pass)':32s} {min(hashes):6.2f} s  "
-              f"{size / min(hashes) / 1e9:5.2f} GB/s  (a conversion hashes every byte "
-              "twice)")
+        print(f"{'crc32c of the file (one pass)':32s} {min(hashes):6.2f} s  "
+              f"{size / min(hashes) / 1e9:5.2f} GB/s  (the reshape hashes every byte once, "
+              "row-parallel ones twice, that pass alongside the shard writes)")
+        print(f"peak RSS after the reshapes (copy, crc32c and reshape only): "
+              f"{reshape_peak / 1e9:.2f} GB")
         print(f"peak RSS of this process: {peak / 1e9:.2f} GB ({peak / size:.2f}x the "
               f"checkpoint; largest tensor "
               f"{config.vocab_size * config.hidden * 4 / 1e9:.2f} GB)")
+        print("load average (1, 5, 15 min): " + ", ".join(f"{x:.2f}" for x in os.getloadavg()))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 

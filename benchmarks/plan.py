@@ -1,58 +1,74 @@
 """`mt plan`'s estimator against real `mt pretrain` runs on this CPU.
 
 For the `tiny` preset and a GPT-2-small-shaped model (12 x 768, 12 heads, GPT-2 vocabulary,
-sequence 128 to stay short) at two layouts each (DP 2 and PP 2, 2 processes, 1 thread each),
-it runs `python3 -m mt_pretrain pretrain ... --metrics`, then prints:
+sequence 128 to stay short) at two layouts each (DP 2 with ZeRO-1 and PP 2, 2 processes,
+1 thread each, fp32), it runs `python3 -m mt_pretrain pretrain ... --metrics`, then prints:
 
 - peak memory per rank: measured (max RSS of the rank processes) vs predicted (the estimator's
-  weights + grads + optimizer + activations of the fullest rank, plus the runtime's own memory,
-  measured once per model by the same command with a model of hidden size 8); also the model
-  part alone (measured minus runtime vs the estimate);
-- tokens/s: measured (mean of the metrics' tokens_per_s after the first step) vs predicted by
-  `estimate()` on a "GPU" whose peak FLOP/s is the fp32 matmul speed at the model's MLP and
-  head shapes (FLOP-weighted), measured before and after the run in as many concurrent
-  1-thread processes as the run has ranks, memory bandwidth the measured copy speed, and
-  links the gloo bandwidth measured on this machine (0.7 GiB/s, /work/shared/notes), with
-  efficiency 1.
+  peak of the fullest rank, plus the runtime's own memory, measured once per model by the
+  same command with a model of hidden size 8); also the model part alone;
+- tokens/s: measured (median over the steps after the first) vs predicted by `estimate()`
+  with efficiency 1 on a `GPUSpec` of this CPU that the benchmark measures right before and
+  right after each run (the two averaged), in as many concurrent 1-thread gloo processes as
+  the run has ranks: GEMM FLOP/s at the model's MLP and head shapes (forward, data and
+  weight gradient, in F.linear's layouts), elementwise bandwidth, first touch of fresh
+  memory, the fixed cost of a transformer layer's and of the head's forward + backward
+  (slope and intercept of a 1- vs 5-layer model of hidden size 16), the Adam step's
+  parameters/s and per-tensor cost, gloo all-reduce bandwidth and latency, and the scratch
+  an all-gather allocates; and the training framework's own costs per step, per
+  micro-batch and per parameter tensor (hooks, data loading, small collectives): three
+  real `mt pretrain` runs of a micro model (hidden 16, sequence 8) at the same layout, 1 or
+  5 layers per stage, 1 or 4 micro-batches, their step time minus what the estimator
+  already models (once per layout). No number is fitted to a case.
 
-Wall-clock figures follow the machine's load: the load average is printed first, and with
-other jobs on the cores the tokens/s errors swing between runs. The estimator has no
-per-operator overhead term, so models as small as `tiny` run slower than it predicts when
-the cores are free. Run from the repo root (about 3 minutes on 2 cores):
+Other jobs share the two cores, so compute is timed in CPU seconds of the thread (medians:
+its cost when it has a core) and scaled by the share of a core the run's ranks got while
+runnable from step 2 on (their threads' /proc schedstat: on-CPU vs runqueue time); gloo is
+timed in wall seconds and averaged with the mean (a blocked rank also waits to be scheduled
+again, on every message). The load average is printed with every row.
+
+Run from the repo root (about 5 minutes on 2 cores):
 
     PYTHONPATH=$(ls -d packages/*/src apps/*/src | tr '\\n' ':') python3 benchmarks/plan.py
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
-import multiprocessing
 import os
+import resource
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from mt_dist.testing import run_distributed
+from mt_model import GPT, GPTConfig
 from mt_pretrain.config_io import load_config
 from mt_pretrain.estimate import estimate
 from mt_pretrain.gpus import GPUSpec
 from mt_pretrain.layout import Layout
+from mt_pretrain.plan import plan_layout, resolve
 
 # Runs a command and prints the largest RSS (KiB) of any of its descendants (the ranks).
 _WRAPPER = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]); "
             "print('MAXRSS', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); "
             "sys.exit(r.returncode)")
-GLOO_BYTES_PER_S = 0.7 * 2**30
 
 MODELS: dict[str, dict[str, Any]] = {
-    "tiny": {"model": "tiny", "global_batch_size": 16, "train_steps": 6},
+    "tiny": {"model": "tiny", "global_batch_size": 16, "train_steps": 30},
     "gpt2-small-s128": {"model": "gpt2-small", "seq_len": 128, "global_batch_size": 4,
-                        "train_steps": 3},
+                        "train_steps": 4},
 }
 LAYOUTS: dict[str, dict[str, Any]] = {
     "dp2": {"tp": 1, "pp": 1, "dp": 2},
@@ -64,110 +80,363 @@ def _flags(overrides: dict[str, Any]) -> list[str]:
     return [x for k, v in overrides.items() for x in ("--" + k.replace("_", "-"), str(v))]
 
 
-def _run(overrides: dict[str, Any], workdir: Path) -> tuple[float, float]:
-    """(peak RSS bytes of the fullest rank, mean tokens/s after step 1) of one run."""
+def _schedstat(pid: int | str = "self") -> tuple[int, int]:
+    """(ns on a CPU, ns runnable but waiting for one) summed over the threads of ``pid``."""
+    run = wait = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            fields = (task / "schedstat").read_text().split()
+        except OSError:  # the thread ended
+            continue
+        run, wait = run + int(fields[0]), wait + int(fields[1])
+    return run, wait
+
+
+def _share(run: int, wait: int) -> float:
+    """Fraction of a core a runnable thread got (1 on an idle machine)."""
+    return run / (run + wait) if run + wait else 1.0
+
+
+def _watch(proc: subprocess.Popen, metrics: Path, window: list[tuple[int, int]]) -> None:
+    """Poll the scheduler counters of ``proc``'s descendants (the ranks) until it ends;
+    ``window`` gets the counters when step 1 is done (the first metrics line: start-up
+    and the first step, left out of the tokens/s too, are left out) and at the last line."""
+    import psutil
+
+    lines = 0
+    while proc.poll() is None:
+        try:
+            now = metrics.read_text().count("\n") if metrics.exists() else 0
+            run = wait = 0
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                r, w = _schedstat(child.pid)
+                run, wait = run + r, wait + w
+        except (OSError, psutil.Error):  # a process ended while being read
+            continue
+        if now > lines:
+            window[min(len(window), 1):] = [(run, wait)]
+            lines = now
+        time.sleep(0.02)
+
+
+def _run(overrides: dict[str, Any], workdir: Path) -> tuple[float, float, float]:
+    """(peak RSS bytes of the fullest rank, median tokens/s after step 1, share of a core
+    the ranks got while runnable, from step 2 on) of one run."""
     metrics = workdir / "metrics.jsonl"
     metrics.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "mt_pretrain", "pretrain", *_flags(overrides),
            "--metrics", str(metrics), "--out-dir", str(workdir / "out"), "--no-progress",
            "--sample-tokens", "0", "--save", "none"]
-    out = subprocess.run([sys.executable, "-c", _WRAPPER, *cmd], capture_output=True,
-                         text=True)
-    if out.returncode:
-        raise SystemExit(f"run failed: {' '.join(cmd)}\n{out.stderr[-2000:]}")
-    rss = int(out.stdout.split("MAXRSS")[-1].split()[0]) * 1024.0
+    proc = subprocess.Popen([sys.executable, "-c", _WRAPPER, *cmd], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    window: list[tuple[int, int]] = []
+    watcher = threading.Thread(target=_watch, args=(proc, metrics, window), daemon=True)
+    watcher.start()
+    stdout, stderr = proc.communicate()
+    watcher.join()
+    if proc.returncode:
+        raise SystemExit(f"run failed: {' '.join(cmd)}\n{stderr[-2000:]}")
+    rss = int(stdout.split("MAXRSS")[-1].split()[0]) * 1024.0
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    return rss, statistics.mean(r["tokens_per_s"] for r in rows[1:])
+    if len(window) < 2:
+        raise SystemExit(f"too few steps seen to measure the core share: {' '.join(cmd)}")
+    share = _share(window[1][0] - window[0][0], window[1][1] - window[0][1])
+    return rss, statistics.median(r["tokens_per_s"] for r in rows[1:]), share
 
 
-def _matmul_rate(shape: tuple[int, int, int]) -> float:
-    """FLOP/s of one thread multiplying [rows, k] @ [k, n] for half a second."""
-    torch.set_num_threads(1)
-    rows, k, n = shape
-    a, w = torch.randn(rows, k), torch.randn(k, n)
-    a @ w
-    count, start = 0, time.perf_counter()
-    while time.perf_counter() - start < 0.5:
-        a @ w
-        count += 1
-    return 2.0 * rows * k * n * count / (time.perf_counter() - start)
+def _median_time(fn: Any, repeats: int, inner: int = 1, clock: Any = time.thread_time,
+                 average: Any = statistics.median) -> float:
+    """Median seconds of ``inner`` calls of ``fn`` over ``repeats`` tries (after a warm-up).
+
+    Compute is timed in CPU seconds of this thread (``time.thread_time``): what it costs
+    when it has a core, however many other jobs share the cores. Communication waits on
+    the peer and is timed in wall seconds (``clock=time.perf_counter``) and averaged with
+    the mean: when other jobs share the cores, a blocked rank also waits to be scheduled
+    again after the message arrives, and a run pays that on every message.
+    """
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = clock()
+        for _ in range(inner):
+            fn()
+        times.append((clock() - start) / inner)
+    return statistics.median(times) if average is statistics.median else average(times)
 
 
-def _matmul_speed(gpt: Any, rows: int, ranks: int) -> float:
-    """FLOP/s of the model's matmuls: the layer (MLP) and head shapes, weighted by their
-    FLOPs per token, each measured in ``ranks`` concurrent 1-thread processes (as the ranks
-    run, sharing the cores with whatever else runs)."""
+def _matmul_flops(gpt: GPTConfig, rows: int) -> float:
+    """FLOP/s of the model's GEMMs in the layouts F.linear uses (weight ``W`` stored
+    [out, in]): forward ``x @ W^T``, data gradient ``dy @ W``, weight gradient ``dy^T @ x``,
+    at the MLP and the head shapes, weighted by their FLOPs per token."""
     h = gpt.hidden
-    shapes = [(rows, h, gpt.ffn_hidden), (rows, h, gpt.vocab_size)]
-    work = [gpt.n_layers * (8.0 * h * h + 4.0 * h * gpt.ffn_hidden), 2.0 * h * gpt.vocab_size]
-    with multiprocessing.get_context("fork").Pool(ranks) as pool:
-        rates = [statistics.mean(pool.map(_matmul_rate, [shape] * ranks)) for shape in shapes]
+    work, rates = [], []
+    for n, flops in ((gpt.ffn_hidden, gpt.n_layers * (8.0 * h * h + 4.0 * h * gpt.ffn_hidden)),
+                     (gpt.vocab_size, 2.0 * h * gpt.vocab_size)):
+        x, w, dy = torch.randn(rows, h), torch.randn(n, h), torch.randn(rows, n)
+        inner = max(1, int(2e8 / (2.0 * rows * h * n)))  # ~0.2 GFLOP per try
+        for gemm in (lambda x=x, w=w: x @ w.t(), lambda w=w, dy=dy: dy @ w,
+                     lambda x=x, dy=dy: dy.t() @ x):
+            rates.append(2.0 * rows * h * n / _median_time(gemm, 5, inner))
+            work.append(flops)
     return sum(work) / sum(w / r for w, r in zip(work, rates))
 
 
-def _cpu_spec(flops: float) -> GPUSpec:
-    """This CPU as one rank sees it: matmul FLOP/s as measured, copy speed of one thread,
-    links at the gloo bandwidth."""
-    torch.set_num_threads(1)
-    x = torch.randn(8 * 2**20)
-    y = torch.empty_like(x)
-    copy = min(_timed(lambda: y.copy_(x)) for _ in range(5))
-    return GPUSpec("cpu-1-thread", flops, 24 * 2**30, GLOO_BYTES_PER_S, GLOO_BYTES_PER_S,
-                   2, 2 * x.numel() * 4 / copy)
+def _model_overheads() -> tuple[float, float]:
+    """(per layer, head) fixed seconds of forward + backward: a 1- and a 5-layer GPT of
+    hidden size 16 differ by four layers' fixed costs; the rest of the 1-layer time is the
+    embedding, head and loss (their FLOPs are negligible at this size)."""
+    def timed(layers: int) -> float:
+        gpt = GPTConfig(n_layers=layers, hidden=16, n_heads=2, vocab_size=16, seq_len=8)
+        model = GPT(gpt, seed=0)
+        idx = torch.randint(0, 16, (1, 8))
+
+        def fwd_bwd() -> None:
+            model(idx, idx).backward()
+        return _median_time(fwd_bwd, 15, 5)
+    one, five = timed(1), timed(5)
+    layer = max(0.0, (five - one) / 4)
+    return layer, max(0.0, one - layer)
 
 
-def _timed(fn: Any) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+def _adam_costs() -> tuple[float, float]:
+    """(parameters/s, fixed seconds per tensor) of AdamW as mt pretrain runs it, with the
+    gradient norm (one vector_norm per tensor) that precedes the step."""
+    def step_time(numel: int, count: int) -> float:
+        params = [torch.nn.Parameter(torch.randn(numel)) for _ in range(count)]
+        for p in params:
+            p.grad = torch.randn(numel)
+        opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1)
+
+        def step() -> None:
+            torch.stack([torch.linalg.vector_norm(p.grad) for p in params]).sum()
+            opt.step()
+        return _median_time(step, 7)
+    big = 2**21
+    per_param = step_time(big, 1) / big
+    small = step_time(16, 64) / 64
+    return 1.0 / per_param, max(0.0, small - 16 * per_param)
+
+
+def _comm_costs() -> tuple[float, float, float]:
+    """(all-reduce bus bandwidth bytes/s, latency s, all-gather scratch per output byte)."""
+    world = dist.get_world_size()
+    tiny = torch.zeros(1)
+    latency = _median_time(lambda: dist.all_reduce(tiny), 41, clock=time.perf_counter,
+                           average=statistics.mean)
+    big = torch.ones(2**22)
+    seconds = _median_time(lambda: dist.all_reduce(big), 5, clock=time.perf_counter,
+                           average=statistics.mean)
+    bandwidth = 2.0 * (world - 1) / world * big.numel() * 4 / max(seconds - latency, 1e-9)
+    out = torch.ones(2**23)  # 32 MiB, touched: only new memory raises the peak RSS
+    shard = torch.ones(out.numel() // world)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with warnings.catch_warnings():  # the deprecation of the name, not of what it does
+        warnings.simplefilter("ignore", FutureWarning)
+        dist.all_gather_into_tensor(out, shard)
+    grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024.0
+    return bandwidth, latency, min(2.0, max(0.0, grown / (out.numel() * 4)))
+
+
+def _measure(gpt: GPTConfig, rows: int) -> dict[str, float]:
+    """One rank's measurements of this machine (runs in every rank at the same time)."""
+    torch.manual_seed(dist.get_rank())
+    start = _schedstat()
+    # Elementwise bandwidth: x + y into a reused output (16 MiB operands, past the caches;
+    # activations of this size come back from the allocator's free lists).
+    x, y, z = torch.randn(2**22), torch.randn(2**22), torch.empty(2**22)
+    add = _median_time(lambda: torch.add(x, y, out=z), 9)
+    # First touch of a fresh large buffer (page faults), beyond writing a reused one.
+    big = torch.empty(2**23)
+    fresh = _median_time(lambda: torch.empty(2**23).fill_(1.0), 7)
+    reuse = _median_time(lambda: big.fill_(1.0), 7)
+    bandwidth, latency, scratch = _comm_costs()
+    layer, head = _model_overheads()
+    adam, tensor = _adam_costs()
+    flops = _matmul_flops(gpt, rows)
+    end = _schedstat()
+    return {"share": _share(end[0] - start[0], end[1] - start[1]), "peak_flops": flops,
+            "memory_bytes_per_s": 3 * x.numel() * 4 / add,
+            "alloc_bytes_per_s": big.numel() * 4 / max(fresh - reuse, 1e-6),
+            "nvlink_bytes_per_s": bandwidth, "link_latency_s": latency,
+            "gather_scratch": scratch, "layer_overhead_s": layer, "head_overhead_s": head,
+            "optimizer_params_per_s": adam, "tensor_overhead_s": tensor}
+
+
+def _cpu_spec(gpt: GPTConfig, rows: int, ranks: int) -> dict[str, float]:
+    """This CPU as one of ``ranks`` concurrent 1-thread ranks sees it (median over ranks)."""
+    results = run_distributed(_measure, max(ranks, 2), gpt, rows, timeout=600.0)
+    return {k: statistics.median(r[k] for r in results) for k in results[0]}
+
+
+# The training framework's own costs, per step, per micro-batch and per parameter tensor.
+_FRAMEWORK = ("step_overhead_s", "micro_batch_overhead_s", "param_overhead_s")
+
+# Compute figures (per CPU second) that the run's core share scales; the gloo figures are
+# wall-clock already, measured under the load of the moment.
+_RATES = ("peak_flops", "memory_bytes_per_s", "optimizer_params_per_s", "alloc_bytes_per_s")
+_TIMES = ("layer_overhead_s", "head_overhead_s", "tensor_overhead_s", *_FRAMEWORK)
+
+
+def _spec(parts: list[dict[str, float]], run_share: float,
+          framework: dict[str, float] | None = None) -> GPUSpec:
+    """The GPUSpec of the mean of calibrations (before and after a run) for ranks that get
+    ``run_share`` of a core while runnable: the compute figures are per CPU second, and
+    other jobs on the cores stretch every second of a rank's compute by ``1 / run_share``.
+    ``framework``: the framework costs (CPU seconds, :func:`_framework`), else 0."""
+    mean = {k: statistics.mean(p[k] for p in parts) for k in parts[0]}
+    mean.pop("share")
+    mean.update(framework or {})
+    bw = mean.pop("nvlink_bytes_per_s")
+    spec = GPUSpec("cpu-1-thread", memory_bytes=24 * 2**30, nvlink_bytes_per_s=bw,
+                   ib_bytes_per_s=bw, gpus_per_node=2, fused_attention=True, **mean)
+    scaled = {k: getattr(spec, k) * run_share for k in _RATES}
+    scaled.update({k: getattr(spec, k) / run_share for k in _TIMES})
+    return dataclasses.replace(spec, **scaled)
+
+
+_LAYOUT_KEYS = ("tp", "pp", "dp", "zero_stage", "schedule", "virtual_stages", "precision")
+
+
+def _micro(overrides: dict[str, Any], layers_per_stage: int, micro_batches: int
+           ) -> dict[str, Any]:
+    """A micro model (hidden 16, 2 heads, sequence 8, the tokenizer's 1000-word vocabulary)
+    at the run's layout (same TP / PP / DP / ZeRO), ``micro_batches`` of one sequence per
+    rank and step: its compute is negligible, its step time is mostly fixed costs."""
+    pp, dp = overrides.get("pp", 1), overrides.get("dp", 1)
+    return {"model": "tiny", "n_layers": layers_per_stage * pp, "hidden": 16, "n_heads": 2,
+            "seq_len": 8, "micro_batch_size": 1, "global_batch_size": dp * micro_batches,
+            "train_steps": 30, **{k: v for k, v in overrides.items() if k in _LAYOUT_KEYS}}
+
+
+def _nonnegative_solve(a: list[list[float]], b: list[float]) -> list[float]:
+    """Least-squares ``x >= 0`` of ``a x = b`` (every subset of free unknowns is tried:
+    there are three)."""
+    import itertools
+
+    n = len(a[0])
+    best: tuple[float, list[float]] = (float("inf"), [0.0] * n)
+    for k in range(n + 1):
+        for free in itertools.combinations(range(n), k):
+            x = [0.0] * n
+            if free:
+                sub = torch.tensor([[row[j] for j in free] for row in a], dtype=torch.float64)
+                sol = torch.linalg.lstsq(sub, torch.tensor(b, dtype=torch.float64)[:, None])
+                for j, v in zip(free, sol.solution[:, 0].tolist()):
+                    x[j] = v
+            if min(x) < 0:
+                continue
+            res = sum((sum(r[j] * x[j] for j in range(n)) - y) ** 2 for r, y in zip(a, b))
+            if res < best[0] - 1e-18:
+                best = (res, x)
+    return best[1]
+
+
+def _framework(overrides: dict[str, Any], parts: list[dict[str, float]], workdir: Path
+               ) -> dict[str, float]:
+    """CPU seconds of the framework per step, per micro-batch and per parameter tensor at
+    this layout: three real `mt pretrain` runs of the micro model (1 layer per stage, one
+    micro-batch; 5 layers per stage; 4 micro-batches), each one's measured step time minus
+    what the estimator already models (its compute, messages, Adam and per-layer costs on
+    this calibration); the three residuals give the three costs (non-negative least squares,
+    each run's sensitivity to a cost taken from the estimator itself, so the pipeline
+    schedule decides how a per-micro-batch cost adds up)."""
+    rows, rhs = [], []
+    for layers, micro in ((1, 1), (5, 1), (1, 4)):
+        over = _micro(overrides, layers, micro)
+        gpt, layout = _layout(over)
+        _, tps, share = _run(over, workdir)
+        step = layout.global_batch * gpt.seq_len / tps
+        spec = _spec(parts, share)
+        base = estimate(gpt, layout, spec, efficiency=1.0).iteration_time_s
+        # A cost of c CPU seconds takes c / share wall seconds at this run's core share.
+        rows.append([(estimate(gpt, layout, dataclasses.replace(spec, **{k: 1e-3 / share}),
+                               efficiency=1.0).iteration_time_s - base) / 1e-3
+                     for k in _FRAMEWORK])
+        rhs.append(step - base)
+        print(f"    framework run ({layers} layer(s) per stage, {micro} micro-batch(es)): step "
+              f"{step * 1e3:.1f} ms measured, {base * 1e3:.1f} ms modelled without framework "
+              f"costs (core share {share:.2f})", flush=True)
+    return dict(zip(_FRAMEWORK, _nonnegative_solve(rows, rhs)))
 
 
 def _layout(overrides: dict[str, Any]) -> tuple[Any, Layout]:
+    """The model and the estimator's layout of a run (as `mt pretrain --dry-run` builds it)."""
     config = load_config(None, overrides)
-    par, train = config.parallel, config.train
-    layout = Layout(par.tp, par.pp, par.dp, train.global_batch_size, train.micro_batch_size,
-                    par.zero_stage, par.schedule, par.virtual_stages, par.sequence_parallel,
-                    "full" if par.activation_checkpointing else "none", par.precision)
-    return config.model.gpt_config(), layout
+    par = config.parallel
+    plan = resolve(config, par.tp * par.pp * (par.dp or 1))
+    return plan.gpt, plan_layout(config, plan)
 
 
 def _pct(pred: float, meas: float) -> str:
     return f"{100 * (pred / meas - 1):+.0f}%"
 
 
+def _load() -> str:
+    return "load " + "/".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def _case(name: str, lname: str, overrides: dict[str, Any], runtime: float,
+          workdir: Path, framework: dict[str, dict[str, float]]) -> None:
+    """Calibrate, run, calibrate again (and the framework costs of this layout, once per
+    layout, kept in ``framework``); print one row and the calibration."""
+    gpt, layout = _layout(overrides)
+    rows = layout.micro_batch * gpt.seq_len
+    before = _cpu_spec(gpt, rows, layout.world_size)
+    rss, tps, share = _run(overrides, workdir)
+    # Load from other jobs drifts: calibrate on both sides of the run.
+    after = _cpu_spec(gpt, rows, layout.world_size)
+    if lname not in framework:
+        framework[lname] = _framework(overrides, [before, after], workdir)
+    spec = _spec([before, after], share, framework[lname])
+    est = estimate(gpt, layout, spec, efficiency=1.0)
+    pred_mem = est.memory_per_gpu_gb * 1e9 + runtime
+    part = rss - runtime
+    # A model part below 5% of the runtime's RSS is under the measurement noise.
+    part_err = _pct(est.memory_per_gpu_gb * 1e9, part) if part > 0.05 * runtime else "n/a"
+    print(f"{name + ' ' + lname:<22} {pred_mem / 2**20:>11.0f} {rss / 2**20:>8.0f} "
+          f"{_pct(pred_mem, rss):>5} | {est.memory_per_gpu_gb * 1e9 / 2**20:>10.0f} "
+          f"{part / 2**20:>6.0f} {part_err:>5} | {est.tokens_per_s:>10.1f} {tps:>8.1f} "
+          f"{_pct(est.tokens_per_s, tps):>5}  {_load()}", flush=True)
+    print(f"    calibration: matmul {spec.peak_flops / 1e9:.1f} GFLOP/s, elementwise "
+          f"{spec.memory_bytes_per_s / 1e9:.1f} GB/s, layer {spec.layer_overhead_s * 1e3:.2f} "
+          f"ms, head {spec.head_overhead_s * 1e3:.2f} ms, first touch "
+          f"{spec.alloc_bytes_per_s / 1e9:.1f} GB/s, Adam "
+          f"{spec.optimizer_params_per_s / 1e6:.0f} M params/s + "
+          f"{spec.tensor_overhead_s * 1e6:.0f} us/tensor, gloo "
+          f"{spec.nvlink_bytes_per_s / 1e9:.2f} GB/s + {spec.link_latency_s * 1e6:.0f} us, "
+          f"gather scratch {spec.gather_scratch:.2f}, framework "
+          f"{spec.step_overhead_s * 1e3:.2f} ms/step + "
+          f"{spec.micro_batch_overhead_s * 1e3:.2f} ms/micro-batch + "
+          f"{spec.param_overhead_s * 1e6:.0f} us/tensor ({est.framework_time_s * 1e3:.1f} ms per "
+          f"step beside the micro-batches) "
+          f"(at core share {share:.2f}, per CPU "
+          f"second: matmul {spec.peak_flops / share / 1e9:.1f} GFLOP/s, layer "
+          f"{spec.layer_overhead_s * share * 1e3:.2f} ms); predicted memory: activations "
+          f"{est.memory_activations_gb * 1e3:.0f} MB, temporaries "
+          f"{est.memory_temporaries_gb * 1e3:.0f} MB", flush=True)
+
+
 def main() -> None:
     """Run every model x layout and print predicted vs measured memory and tokens/s."""
-    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=list(MODELS))
+    parser.add_argument("--layouts", nargs="+", choices=sorted(LAYOUTS), default=list(LAYOUTS))
+    args = parser.parse_args()
+    print(f"{_load()} on {os.cpu_count()} cores (uptime load averages 1/5/15 min)")
     print(f"{'run':<22} {'mem pred MB':>11} {'meas MB':>8} {'err':>5} | {'model part':>10} "
           f"{'meas':>6} {'err':>5} | {'tok/s pred':>10} {'meas':>8} {'err':>5}")
+    framework: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, model in MODELS.items():
+        for name in args.models:
+            model = MODELS[name]
             micro = {"micro_batch_size": model["global_batch_size"] // 4}
             base = {**model, **LAYOUTS["dp2"], **micro, "hidden": 8, "n_heads": 1}
-            runtime, _ = _run(base, Path(tmp))
-            for lname, lay in LAYOUTS.items():
-                overrides = {**model, **lay, **micro}
-                gpt, layout = _layout(overrides)
-                rows = layout.micro_batch * gpt.seq_len
-                before = _matmul_speed(gpt, rows, layout.world_size)
-                rss, tps = _run(overrides, Path(tmp))
-                # Load from other jobs drifts: calibrate on both sides of the run.
-                spec = _cpu_spec((before + _matmul_speed(gpt, rows, layout.world_size)) / 2)
-                est = estimate(gpt, layout, spec, efficiency=1.0)
-                pred_mem = est.memory_per_gpu_gb * 1e9 + runtime
-                part = rss - runtime
-                # A model part below 5% of the runtime's RSS is under the measurement noise.
-                part_err = (_pct(est.memory_per_gpu_gb * 1e9, part)
-                            if part > 0.05 * runtime else "n/a")
-                print(f"{name + ' ' + lname:<22} {pred_mem / 2**20:>11.0f} "
-                      f"{rss / 2**20:>8.0f} {_pct(pred_mem, rss):>5} | "
-                      f"{est.memory_per_gpu_gb * 1e9 / 2**20:>10.0f} "
-                      f"{part / 2**20:>6.0f} {part_err:>5} | "
-                      f"{est.tokens_per_s:>10.0f} {tps:>8.0f} {_pct(est.tokens_per_s, tps):>5}",
-                      flush=True)
-            print(f"  ({name}: runtime RSS {runtime / 2**20:.0f} MB; matmul "
-                  f"{spec.peak_flops / 1e9:.1f} GFLOP/s, copy "
-                  f"{spec.memory_bytes_per_s / 1e9:.1f} GB/s per thread)", flush=True)
+            runtime, _, _ = _run(base, Path(tmp))
+            print(f"  ({name}: runtime RSS {runtime / 2**20:.0f} MB)", flush=True)
+            for lname in args.layouts:
+                _case(name, lname, {**model, **LAYOUTS[lname], **micro}, runtime, Path(tmp),
+                      framework)
+    print(f"end: {_load()}")
 
 
 if __name__ == "__main__":

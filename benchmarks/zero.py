@@ -12,7 +12,16 @@ Reported per rank (max over ranks):
   cost -- the fair comparison of the two engines;
 - ``state``: mt's own ``opt.memory()`` (parameter + gradient + optimizer bytes at rest);
 - ``tokens/s``: global tokens per second, from the median of the timed steps (each step
-  timed between barriers).
+  timed between barriers; both engines get the same warmup and timed steps);
+- ``load``: the machine's 1-minute load average when the run ended (timings are only
+  comparable between runs under similar load);
+- ``cpu s``: median CPU seconds per timed step of a rank (max over ranks; all threads,
+  communication included) -- the work done, less disturbed by other load than tokens/s.
+
+With ``--repeats R`` each stage runs R rounds, alternating which engine goes first
+(mt, ds / ds, mt / ...) so that a drift in machine load hits both alike; the summary line
+per stage holds the medians over the rounds and the mt/ds ratios of tokens/s, cpu s, peak and
+delta.
 
 Example (needs ``pip install deepspeed``; its shm op is JIT-built once, about 35 s, into
 ~/.cache/mt/torch_extensions)::
@@ -62,17 +71,25 @@ def _batches(args: argparse.Namespace, rank: int) -> list[tuple[torch.Tensor, to
     return out
 
 
-def _timed(step_fn: Any, batches: list[Any], warmup: int) -> tuple[list[float], float]:
-    """Run the steps; return the losses and the median timed step (between barriers)."""
-    losses, times = [], []
+def _cpu_s() -> float:
+    """CPU seconds this process used so far (all its threads, communication included)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _timed(step_fn: Any, batches: list[Any], warmup: int) -> tuple[list[float], float, float]:
+    """Run the steps; return the losses, the median timed step (between barriers) and the
+    median CPU seconds per timed step (less sensitive to other load on a shared machine)."""
+    losses, times, cpu = [], [], []
     for i, (idx, targets) in enumerate(batches):
         dist.barrier()
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), _cpu_s()
         losses.append(step_fn(idx, targets))
         dist.barrier()
         if i >= warmup:
             times.append(time.perf_counter() - start)
-    return losses, statistics.median(times)
+            cpu.append(_cpu_s() - cpu_start)
+    return losses, statistics.median(times), statistics.median(cpu)
 
 
 def _rank(engine: str, stage: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -112,21 +129,53 @@ def _rank(engine: str, stage: int, args: argparse.Namespace) -> dict[str, Any]:
             ds.step()
             return float(loss.detach())
 
-    losses, median = _timed(step, _batches(args, dist.get_rank()), args.warmup)
+    losses, median, cpu = _timed(step, _batches(args, dist.get_rank()), args.warmup)
     if engine == "mt":
         state = opt.memory().total / MIB
     peak = _peak_mib()
     return {"tokens_per_s": dist.get_world_size() * args.micro_batch * args.seq / median,
-            "step_s": median, "peak": peak, "delta": peak - base, "state": state,
+            "step_s": median, "cpu_s": cpu, "peak": peak, "delta": peak - base, "state": state,
             "first_loss": losses[0], "last_loss": losses[-1]}
+
+
+ENGINES = ("mt", "deepspeed")
+NUMBERS = ("tokens_per_s", "cpu_s", "peak", "delta", "state")
 
 
 def _measure(engine: str, stage: int, args: argparse.Namespace) -> dict[str, Any]:
     ranks = run_distributed(_rank, args.nproc, engine, stage, args, timeout=args.timeout)
     return {"tokens_per_s": ranks[0]["tokens_per_s"], "step_s": ranks[0]["step_s"],
+            "cpu_s": max(r["cpu_s"] for r in ranks),
             "peak": max(r["peak"] for r in ranks), "delta": max(r["delta"] for r in ranks),
             "state": max(r["state"] for r in ranks), "first_loss": ranks[0]["first_loss"],
-            "last_loss": ranks[0]["last_loss"]}
+            "last_loss": ranks[0]["last_loss"], "load": os.getloadavg()[0]}
+
+
+def _row(stage: int, engine: str, r: dict[str, Any]) -> str:
+    loss = f"{r['first_loss']:>7.4f}->{r['last_loss']:.4f}" if "first_loss" in r else ""
+    load = f"{r['load']:>5.1f}" if "load" in r else ""
+    return (f"{stage:>5} {engine:>9} {r['tokens_per_s']:>9.0f} {r['cpu_s']:>7.2f} "
+            f"{r['peak']:>9.0f} "
+            f"{r['delta']:>9.0f} {r['state']:>9.0f} {loss:>16} {load:>5}")
+
+
+def _compare(stage: int, args: argparse.Namespace) -> None:
+    """All rounds of one stage, then the medians and the mt/ds ratios."""
+    runs: dict[str, list[dict[str, Any]]] = {engine: [] for engine in ENGINES}
+    for round_ in range(args.repeats):
+        for engine in ENGINES if round_ % 2 == 0 else ENGINES[::-1]:
+            runs[engine].append(_measure(engine, stage, args))
+            print(_row(stage, engine, runs[engine][-1]), flush=True)
+    med = {engine: {k: statistics.median(r[k] for r in runs[engine]) for k in NUMBERS}
+           for engine in ENGINES}
+    if args.repeats > 1:
+        for engine in ENGINES:
+            print(_row(stage, ("ds" if engine == "deepspeed" else "mt") + " med", med[engine]),
+                  flush=True)
+    mt, ds = med["mt"], med["deepspeed"]
+    print(f"{stage:>5} {'mt/ds':>9} {mt['tokens_per_s'] / ds['tokens_per_s']:>8.2f}x "
+          f"{mt['cpu_s'] / ds['cpu_s']:>6.2f}x {mt['peak'] / ds['peak']:>8.2f}x "
+          f"{mt['delta'] / ds['delta']:>8.2f}x", flush=True)
 
 
 def main() -> None:
@@ -139,6 +188,8 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=2, help="sequences per rank")
     parser.add_argument("--steps", type=int, default=5, help="timed steps")
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="rounds per stage, alternating which engine runs first")
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3])
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
@@ -149,19 +200,14 @@ def main() -> None:
         seq_len=args.seq), seed=None).parameters())
     print(f"GPT {args.layers} layers, hidden {args.hidden}, seq {args.seq}, vocab {args.vocab}:"
           f" {params / 1e6:.1f}M parameters; {args.nproc} gloo processes x micro-batch "
-          f"{args.micro_batch}; {args.precision}; median of {args.steps} steps")
-    header = (f"{'stage':>5} {'engine':>9} {'tokens/s':>9} {'peak MiB':>9} {'delta MiB':>9} "
-              f"{'state MiB':>9} {'loss 1st->last':>16}")
-    print(header)
+          f"{args.micro_batch}; {args.precision}; median of {args.steps} steps after "
+          f"{args.warmup} warmup; {args.repeats} round(s); load average at start "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} CPUs")
+    print(f"{'stage':>5} {'engine':>9} {'tokens/s':>9} {'cpu s':>7} {'peak MiB':>9} "
+          f"{'delta MiB':>9} "
+          f"{'state MiB':>9} {'loss 1st->last':>16} {'load':>5}")
     for stage in args.stages:
-        results = {engine: _measure(engine, stage, args) for engine in ("mt", "deepspeed")}
-        for engine, r in results.items():
-            print(f"{stage:>5} {engine:>9} {r['tokens_per_s']:>9.0f} {r['peak']:>9.0f} "
-                  f"{r['delta']:>9.0f} {r['state']:>9.0f} "
-                  f"{r['first_loss']:>7.4f}->{r['last_loss']:.4f}", flush=True)
-        mt, ds = results["mt"], results["deepspeed"]
-        print(f"{stage:>5} {'mt/ds':>9} {mt['tokens_per_s'] / ds['tokens_per_s']:>8.2f}x "
-              f"{mt['peak'] / ds['peak']:>8.2f}x {mt['delta'] / ds['delta']:>8.2f}x", flush=True)
+        _compare(stage, args)
 
 
 if __name__ == "__main__":

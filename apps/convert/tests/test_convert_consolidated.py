@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import zlib
 from pathlib import Path
 
 import pytest
@@ -12,13 +13,15 @@ from safetensors.torch import load_file, save_file
 from mt_convert import (
     ConvertError,
     canonical_shapes,
+    convert_checkpoint,
     load_model,
     load_state_dict,
     open_checkpoint,
     save_model,
     save_state_dict,
 )
-from mt_convert.safetensors_io import tensor_sha256
+from mt_convert.safetensors_io import SafetensorsWriter
+from mt_convert.tensors import TensorSpec, tensor_checksum, tensor_sha256
 from mt_model import GPT, preset
 
 
@@ -48,14 +51,14 @@ def test_convert_consolidated_manifest(tmp_path: Path) -> None:
     model = _model()
     save_model(model, tmp_path / "ckpt")
     manifest = json.loads((tmp_path / "ckpt" / "config.json").read_text())
-    assert manifest["format"] == "mt-consolidated" and manifest["format_version"] == 1
+    assert manifest["format"] == "mt-consolidated" and manifest["format_version"] == 3
     assert manifest["model"] == model.config.to_dict()
     entries = manifest["files"]["model.safetensors"]
     state = model.state_dict()
     assert list(entries) == list(canonical_shapes(model.config)) == list(state)
     for name, tensor in state.items():
         assert entries[name] == {"dtype": "F32", "shape": list(tensor.shape),
-                                 "sha256": tensor_sha256(tensor)}
+                                 "checksum": tensor_checksum(tensor)}
     # the tied output embedding is stored once, under the mt name
     assert "embed.tokens.weight" in load_file(str(tmp_path / "ckpt" / "model.safetensors"))
 
@@ -167,3 +170,92 @@ def test_convert_existing_destination_is_kept_on_failure(tmp_path: Path) -> None
     save_model(new, tmp_path / "ckpt", overwrite=True)
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
     assert _same(load_state_dict(tmp_path / "ckpt")[1], new.state_dict())
+
+
+def test_convert_reads_format_version_1_checkpoints(tmp_path: Path) -> None:
+    """Checkpoints written before CRC checksums (sha256, format_version 1) still load and
+    are verified; an unknown version is refused with a clear message."""
+    model = _model()
+    save_model(model, tmp_path / "ckpt")
+    state = model.state_dict()
+    path = tmp_path / "ckpt" / "model.safetensors"
+    path.unlink()
+    with SafetensorsWriter(path, {k: TensorSpec.of(v) for k, v in state.items()},
+                           {"mt.format": "mt-consolidated"}, algorithm="sha256") as writer:
+        for name, tensor in state.items():
+            writer.write(name, tensor)
+    config_path = tmp_path / "ckpt" / "config.json"
+    manifest = json.loads(config_path.read_text())
+    manifest["format_version"] = 1
+    for name, entry in manifest["files"]["model.safetensors"].items():
+        del entry["checksum"]
+        entry["sha256"] = tensor_sha256(state[name])
+    config_path.write_text(json.dumps(manifest))
+    _, loaded = load_state_dict(tmp_path / "ckpt")
+    assert all(torch.equal(loaded[k], state[k]) for k in state)
+    manifest["files"]["model.safetensors"]["ln_f.bias"]["sha256"] = "0" * 64
+    config_path.write_text(json.dumps(manifest))
+    with pytest.raises(ConvertError, match=r"checksum mismatch for tensor 'ln_f\.bias' "
+                                           r"\(manifest says 0000"):
+        load_state_dict(tmp_path / "ckpt")
+    manifest["format_version"] = 4
+    config_path.write_text(json.dumps(manifest))
+    with pytest.raises(ConvertError, match=r"config\.json: format_version 4 is not supported "
+                                           r"\(this mt-convert reads versions \[1, 2, 3\]"):
+        load_state_dict(tmp_path / "ckpt")
+
+
+def _rewrite_checksums(tmp_path: Path, state: dict[str, torch.Tensor], algorithm: str,
+                       version: int) -> Path:
+    """Rewrite ``tmp_path/ckpt`` as an older format version writes it (its file metadata
+    and manifest entries in ``algorithm``); returns the manifest path."""
+    path = tmp_path / "ckpt" / "model.safetensors"
+    path.unlink()
+    with SafetensorsWriter(path, {k: TensorSpec.of(v) for k, v in state.items()},
+                           {"mt.format": "mt-consolidated"}, algorithm=algorithm) as writer:
+        for name, tensor in state.items():
+            writer.write(name, tensor)
+    config_path = tmp_path / "ckpt" / "config.json"
+    manifest = json.loads(config_path.read_text())
+    manifest["format_version"] = version
+    for name, entry in manifest["files"]["model.safetensors"].items():
+        entry["checksum"] = tensor_checksum(state[name], algorithm)
+    config_path.write_text(json.dumps(manifest))
+    return config_path
+
+
+def test_convert_reads_format_version_2_crc32_checkpoints(tmp_path: Path) -> None:
+    """Version 2 (zlib CRC-32) checkpoints load, verified; corruption is caught; a version
+    given a checksum kind it never recorded, or an unknown kind, is refused naming the file
+    and the supported kinds."""
+    model = _model()
+    save_model(model, tmp_path / "ckpt")
+    state = model.state_dict()
+    config_path = _rewrite_checksums(tmp_path, state, "crc32", 2)
+    manifest = json.loads(config_path.read_text())
+    entry = manifest["files"]["model.safetensors"]["ln_f.bias"]
+    assert entry["checksum"] == f"crc32:{zlib.crc32(state['ln_f.bias'].numpy()):08x}"
+    _, loaded = load_state_dict(tmp_path / "ckpt")
+    assert all(torch.equal(loaded[k], state[k]) for k in state)
+    converted = convert_checkpoint(tmp_path / "ckpt", tmp_path / "tp", to="tp", tp=2)
+    assert converted.tensors == len(state)  # a v2 source reshapes (verified with crc32)
+    assert json.loads((tmp_path / "tp" / "config.json").read_text())["format_version"] == 3
+    assert _same(load_state_dict(tmp_path / "tp")[1], state)
+    good = entry["checksum"]
+    entry["checksum"] = "crc32:" + f"{int(good[6:], 16) ^ 1:08x}"
+    config_path.write_text(json.dumps(manifest))
+    with pytest.raises(ConvertError, match=r"checksum mismatch for tensor 'ln_f\.bias' "
+                                           r"\(manifest says crc32:"):
+        load_state_dict(tmp_path / "ckpt")
+    entry["checksum"] = tensor_checksum(state["ln_f.bias"], "crc32c")
+    config_path.write_text(json.dumps(manifest))
+    with pytest.raises(ConvertError, match=r"config\.json: files\.model\.safetensors\.ln_f"
+                                           r"\.bias\.checksum is a crc32c checksum; "
+                                           r"format_version 2 records crc32 "):
+        load_state_dict(tmp_path / "ckpt")
+    entry["checksum"] = "md5:0123456789abcdef0123456789abcdef"
+    config_path.write_text(json.dumps(manifest))
+    with pytest.raises(ConvertError, match=r"config\.json: files\.model\.safetensors\.ln_f"
+                                           r"\.bias\.checksum: unrecognised checksum "
+                                           r"'md5:.*supported: 'crc32c:' or 'crc32:'"):
+        load_state_dict(tmp_path / "ckpt")

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from mt_convert import ConvertError, convert_checkpoint, load_model, open_checkpoint, save_model
-from mt_convert.safetensors_io import tensor_sha256
+from mt_convert.tensors import tensor_checksum
 from mt_dist.testing import run_distributed
 from mt_model import GPT, GPTConfig, preset
 from mt_pipeline import build_stage, uniform_partition
@@ -138,7 +138,7 @@ def test_convert_pipeline_errors(saved: tuple, tmp_path: Path) -> None:
     tensors = load_file(str(tmp_path / "bad" / file))
     tensors["embed.tokens.weight"][3, 3] += 1.0
     save_file(tensors, str(tmp_path / "bad" / file))
-    manifest["files"][file]["embed.tokens.weight"]["sha256"] = tensor_sha256(
+    manifest["files"][file]["embed.tokens.weight"]["checksum"] = tensor_checksum(
         tensors["embed.tokens.weight"])
     config_path.write_text(json.dumps(manifest))
     with pytest.raises(ConvertError, match=r"pp_rank_01_tp_rank_00/model\.safetensors: tied "

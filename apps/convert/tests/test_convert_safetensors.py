@@ -6,19 +6,15 @@ import json
 import struct
 from pathlib import Path
 
+import crc32c
 import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from mt_convert.errors import ConvertError
-from mt_convert.safetensors_io import (
-    CHECKSUM_KEY,
-    SafetensorsReader,
-    SafetensorsWriter,
-    TensorSpec,
-    tensor_sha256,
-)
+from mt_convert.safetensors_io import CHECKSUM_KEY, SafetensorsReader, SafetensorsWriter
+from mt_convert.tensors import TensorSpec, tensor_checksum, tensor_sha256
 
 
 def _tensors() -> dict[str, torch.Tensor]:
@@ -31,6 +27,10 @@ def _tensors() -> dict[str, torch.Tensor]:
         "flags": torch.tensor([True, False, True]),
         "empty": torch.zeros(0, 4),
     }
+
+
+def _bytes(tensor: torch.Tensor) -> bytes:
+    return tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 def _write(path: Path, tensors: dict[str, torch.Tensor], order: list[str]) -> dict[str, str]:
@@ -50,7 +50,8 @@ def test_convert_writer_output_is_read_by_the_safetensors_library(tmp_path: Path
     assert set(loaded) == set(tensors)
     for key, tensor in tensors.items():
         assert loaded[key].dtype == tensor.dtype and torch.equal(loaded[key], tensor), key
-        assert checksums[key] == tensor_sha256(tensor)
+        assert checksums[key] == tensor_checksum(tensor)
+        assert checksums[key] == f"crc32c:{crc32c.crc32c(_bytes(tensor)):08x}"
     with safe_open(str(tmp_path / "m.safetensors"), "pt") as handle:
         assert handle.metadata()["format"] == "pt" and handle.metadata()["note"] == "x"
     # the data section starts 8-byte aligned, as the reference writer does
@@ -117,3 +118,44 @@ def test_convert_writer_rejects_bad_use(tmp_path: Path) -> None:
         writer.close()
     with pytest.raises(ConvertError, match="missing.safetensors: file not found"):
         SafetensorsReader(tmp_path / "missing.safetensors")
+
+
+def test_convert_write_parts_joins_views_padding_and_strided_parts(tmp_path: Path) -> None:
+    full = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    parts = [full[:, 1:3], 8, full[1]]  # strided, 8 zero bytes (2 floats), contiguous row
+    want = torch.cat([full[:, 1:3].reshape(-1), torch.zeros(2), full[1]])
+    path = tmp_path / "p.safetensors"
+    with SafetensorsWriter(path, {"x": TensorSpec((16,), torch.float32)}) as writer:
+        checksum = writer.write_parts("x", parts)
+    assert checksum == tensor_checksum(want)
+    assert torch.equal(load_file(str(path))["x"], want)
+    writer = SafetensorsWriter(tmp_path / "q.safetensors", {"x": TensorSpec((16,),
+                                                                            torch.float32)})
+    with pytest.raises(ConvertError, match=r"q\.safetensors: tensor 'x' gets 60 bytes .* "
+                                           r"expects \[16\] F32 \(64 bytes\)"):
+        writer.write_parts("x", [full[:, 1:3], 4, full[1]])
+    writer.abort()
+
+
+def test_convert_sha256_files_of_format_version_1_are_still_verified(tmp_path: Path) -> None:
+    tensors = {"w": torch.randn(8, 3), "b": torch.ones(3)}
+    path = tmp_path / "old.safetensors"
+    with SafetensorsWriter(path, {k: TensorSpec.of(v) for k, v in tensors.items()},
+                           algorithm="sha256") as writer:
+        for key, tensor in tensors.items():
+            assert writer.write(key, tensor) == tensor_sha256(tensor)
+    with safe_open(str(path), "pt") as handle:  # version 1's metadata key and digests
+        assert json.loads(handle.metadata()["mt.sha256"])["w"] == tensor_sha256(tensors["w"])
+    reader = SafetensorsReader(path, {"w": tensor_sha256(tensors["w"])})
+    assert torch.equal(reader.get("w"), tensors["w"])
+    reader.close()
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF  # last byte: inside the last tensor of the layout
+    path.write_bytes(bytes(data))
+    reader = SafetensorsReader(path)
+    with pytest.raises(ConvertError, match=r"old\.safetensors: checksum mismatch for tensor"):
+        for key in reader.keys():
+            reader.get(key)
+    reader.close()
+    with pytest.raises(ConvertError, match=r"unrecognised checksum 'md5:00'"):
+        SafetensorsReader(path, {"w": "md5:00"}).get("w")

@@ -22,7 +22,8 @@ from mt_convert import (
     open_checkpoint,
     save_model,
 )
-from mt_convert.safetensors_io import SafetensorsReader, tensor_sha256
+from mt_convert.safetensors_io import SafetensorsReader
+from mt_convert.tensors import tensor_checksum
 from mt_dist.testing import run_distributed
 from mt_model import GPT, GPTConfig, preset
 from mt_tensor_parallel import GPT_PLAN, apply_tensor_parallel, shard_state_dict
@@ -56,7 +57,7 @@ def test_convert_tp_shards_are_mt_tensor_parallel_slices(tmp_path: Path) -> None
         assert got.keys() == want.keys()
         assert all(torch.equal(got[k], want[k]) for k in want)
         entries = manifest["files"][f"tp_rank_{rank:02d}/model.safetensors"]
-        assert all(entries[k]["sha256"] == tensor_sha256(want[k]) for k in want)
+        assert all(entries[k]["checksum"] == tensor_checksum(want[k]) for k in want)
     # vocabulary padded to 128 * tp = 256 rows: 1000 -> 1024, 512 per rank
     assert got["embed.tokens.weight"].shape == (512, 64)
     assert got["blocks.0.attn.qkv.weight"].shape == (96, 64)
@@ -124,11 +125,15 @@ def test_convert_tp_replicated_tensors_must_agree(tmp_path: Path) -> None:
     config_path = tmp_path / "tp" / "config.json"
     manifest = json.loads(config_path.read_text())
     entry = manifest["files"]["tp_rank_01/model.safetensors"]["ln_f.weight"]
-    entry["sha256"] = tensor_sha256(tensors["ln_f.weight"])  # checksums alone pass
+    entry["checksum"] = tensor_checksum(tensors["ln_f.weight"])  # checksums alone pass
     config_path.write_text(json.dumps(manifest))
     with pytest.raises(ConvertError, match=r"tp_rank_01/model\.safetensors: replicated tensor "
                                            r"'ln_f\.weight' differs from tp rank 0's copy"):
         load_state_dict(tmp_path / "tp")
+    with pytest.raises(ConvertError, match=r"tp_rank_01/model\.safetensors: replicated tensor "
+                                           r"'ln_f\.weight' differs from tp rank 0's copy"):
+        convert_checkpoint(tmp_path / "tp", tmp_path / "out")  # merged file to file
+    assert not (tmp_path / "out").exists()
 
 
 def test_convert_tp_plan_for_mt_nlg_530b_without_memory() -> None:

@@ -6,6 +6,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from mt_pretrain.cli import app
+from mt_pretrain.estimate import EFFICIENCY
 
 RUNNER = CliRunner()
 KEYS = {"iteration_time_s", "tflops_per_gpu", "memory_per_gpu_gb", "bubble_fraction", "fits",
@@ -29,7 +30,7 @@ def test_json_has_documented_keys() -> None:
     assert KEYS <= set(data)
     assert (data["tp"], data["pp"], data["dp"], data["num_micro_batches"]) == (2, 2, 2, 16)
     parts = sum(data[f"memory_{k}_gb"] for k in ("weights", "grads", "optimizer",
-                                                 "activations"))
+                                                 "activations", "temporaries"))
     assert abs(parts - data["memory_per_gpu_gb"]) < 1e-9 and data["fits"] is True
     assert 0 < data["bubble_fraction"] < 1 and data["iteration_time_s"] > 0
     help_text = RUNNER.invoke(app, ["plan", "--help"]).output
@@ -42,7 +43,7 @@ def test_report_states_the_constant_and_mtnlg_figures() -> None:
     result = _plan("--model", "mt-nlg-530b", "--gpus", "3360", "--tp", "8", "--pp", "35",
                    "--global-batch-size", "1920")
     assert result.exit_code == 0, result.output
-    assert "0.506 x peak" in result.output and "fits" in result.output
+    assert f"{EFFICIENCY} x peak" in result.output and "fits" in result.output
     assert "tp 8 x pp 35 x dp 12 = 3360" in result.output
 
 

@@ -1,5 +1,6 @@
 """mt plan's estimator against published numbers: MT-NLG 530B and the ZeRO paper."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -14,8 +15,8 @@ from mt_pretrain.estimate import (
     estimate,
     zero_bytes,
 )
-from mt_pretrain.estimate import _in_flight as in_flight_closed_form
-from mt_pretrain.gpus import GPUS, GPUSpecError, load_gpu
+from mt_pretrain.estimate import peak_in_flight as in_flight_closed_form
+from mt_pretrain.gpus import GPUS, GPUSpec, GPUSpecError, load_gpu
 from mt_pretrain.layout import Layout, LayoutError, enumerate_layouts
 from mt_zero import paper_bytes
 
@@ -122,3 +123,51 @@ def test_gpu_table_and_custom_yaml(tmp_path: Path) -> None:
         load_gpu(str(spec))
     with pytest.raises(GPUSpecError, match="unknown GPU type 'b200'"):
         load_gpu("b200")
+
+
+def test_calibrated_machine_costs_and_peak_phases() -> None:
+    """A measured machine (CPU-like GPUSpec): fixed costs slow the estimate down, and the
+    peak memory is the persistent states plus the largest short-lived phase."""
+    small = preset("gpt2-small").replace(seq_len=128)
+    lay = Layout(1, 1, 2, 4, 1, zero_stage=1, recompute="none", precision="fp32")
+    cpu = GPUSpec("cpu", 50e9, 24 * 2**30, 1e9, 1e9, 2, 10e9, fused_attention=True)
+    slow = dataclasses.replace(cpu, layer_overhead_s=1e-3, link_latency_s=1e-3,
+                               tensor_overhead_s=1e-4)
+    base, over = estimate(small, lay, cpu, 1.0), estimate(small, lay, slow, 1.0)
+    # Two micro-batches per rank through 12 layers, 1 ms of fixed cost each, at least.
+    assert over.iteration_time_s > base.iteration_time_s + 2 * 12 * 1e-3
+    psi = base.parameters_per_gpu
+    persistent = base.memory_weights_gb + base.memory_grads_gb + base.memory_optimizer_gb
+    assert persistent * 1e9 == pytest.approx((4 + 4 + 8 / 2) * psi)  # fp32, Adam over dp 2
+    # pp = 1 holds both uses of the tied embedding: two [V, h] gradients and their sum,
+    # plus three fp32 [s, V] loss buffers, beyond the stored activations.
+    v, h, s = small.vocab_size, small.hidden, small.seq_len
+    assert base.memory_temporaries_gb * 1e9 == pytest.approx(3 * v * h * 4 + 3 * 4 * s * v)
+    # No dropout, fused attention: 32 sbh 16-bit bytes per layer (no masks, no scores).
+    assert activation_bytes_per_layer(small, 1, 1, False, "none", "fp32",
+                                      fused_attention=True, dropout_masks=False) == (
+        2 * 32 * s * h)
+    with pytest.raises(GPUSpecError, match="layer_overhead_s -1"):
+        dataclasses.replace(cpu, layer_overhead_s=-1.0)
+
+
+def test_framework_costs_add_per_step_micro_batch_and_tensor() -> None:
+    """The calibrated framework costs: a fixed cost per step, one per micro-batch on each
+    stage (through the schedule), one per parameter tensor of the fullest stage."""
+    gpt = preset("tiny")
+    cpu = GPUSpec("cpu", 50e9, 24 * 2**30, 1e9, 1e9, 2, 10e9, fused_attention=True)
+    for lay in (Layout(1, 1, 2, 16, 4, recompute="none", precision="fp32"),
+                Layout(1, 2, 1, 16, 4, recompute="none", precision="fp32")):
+        base = estimate(gpt, lay, cpu, 1.0)
+        assert base.framework_time_s == 0.0
+        step = estimate(gpt, lay, dataclasses.replace(cpu, step_overhead_s=1e-3), 1.0)
+        assert step.iteration_time_s == pytest.approx(base.iteration_time_s + 1e-3)
+        tensors = 12 * gpt.n_layers // lay.pp + (5 if lay.pp == 1 else 3)  # embeddings, ln_f
+        per = estimate(gpt, lay, dataclasses.replace(cpu, param_overhead_s=1e-5), 1.0)
+        assert per.framework_time_s == pytest.approx(tensors * 1e-5)
+        micro = estimate(gpt, lay, dataclasses.replace(cpu, micro_batch_overhead_s=1e-3), 1.0)
+        # m micro-batches on one stage; through 2 stages the pipeline adds (p - 1) more.
+        extra = (lay.num_micro_batches + lay.pp - 1) * 1e-3
+        assert micro.iteration_time_s - base.iteration_time_s == pytest.approx(extra, rel=0.05)
+    # The data-sheet GPUs have none, so the MT-NLG fit above is unchanged.
+    assert estimate(MTNLG, _mtnlg(8), A100).framework_time_s == 0.0

@@ -150,3 +150,41 @@ def test_deepspeed_matches_mt_zero(curves: dict[int, Any], stage: int) -> None:
     for name, ref in mt_params.items():
         err = float((ds_params[name] - ref).norm() / ref.norm().clamp_min(1e-12))
         assert err < 1e-5, f"stage {stage} {name}: relative L2 {err:.2e}"
+
+
+# ------------------------------------------------- mt's groups as DeepSpeed's mpu / topology
+def _mpu_view(tp: int, pp: int) -> dict[str, Any]:
+    """Child process: GroupsMpu over mt's groups, and DeepSpeed's topology in mt's order."""
+    from mt_dist import Topology, build_groups
+    from mt_zero.deepspeed_mpu import GroupsMpu, pipe_topology
+
+    os.environ.update(deepspeed_environ(dist.get_rank(), dist.get_world_size(),
+                                        dist.get_rank()))
+    topo = Topology.from_world(dist.get_world_size(), tp=tp, pp=pp)
+    groups = build_groups(topo)
+    mpu = GroupsMpu(groups)
+    ds = pipe_topology(topo)
+    coord = ds.get_coord(dist.get_rank())
+    return {
+        "dp": (mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size(),
+               dist.get_process_group_ranks(mpu.get_data_parallel_group())),
+        "tp": (mpu.get_tensor_model_parallel_rank(), mpu.get_slice_parallel_world_size(),
+               dist.get_process_group_ranks(mpu.get_tensor_model_parallel_group())),
+        "mp": (mpu.get_model_parallel_rank(), mpu.get_model_parallel_world_size(),
+               dist.get_process_group_ranks(mpu.get_model_parallel_group())),
+        "pp": (mpu.get_pipe_parallel_rank(), mpu.get_pipe_parallel_world_size()),
+        "ds": (coord.pipe, coord.data, coord.model),
+    }
+
+
+def test_groups_mpu_and_pipe_topology_follow_mt_rank_order() -> None:
+    """rank = (pp * dp + dp_idx) * tp + tp_idx, on 4 ranks as TP 2 x PP 2 (DP 1)."""
+    pytest.importorskip("deepspeed")
+    views = run_distributed(_mpu_view, 4, 2, 2, timeout=120.0)
+    for rank, view in enumerate(views):
+        pp, tp = divmod(rank, 2)
+        assert view["tp"] == (tp, 2, [2 * pp, 2 * pp + 1])
+        assert view["dp"] == (0, 1, [rank])
+        assert view["mp"] == (rank, 4, [0, 1, 2, 3])
+        assert view["pp"] == (pp, 2)
+        assert view["ds"] == (pp, 0, tp)

@@ -69,6 +69,12 @@ def test_bucketize_reverse_order_and_limits() -> None:
     assert bucketize([4, 4, 4, 4], 8) == [[3, 2], [1, 0]]
     assert bucketize([100, 1, 1], 10) == [[2, 1, 0]]
     assert bucketize([1, 100, 1], 10) == [[2, 1], [0]]
+    # Large parameters alone: their bucket's gradient buffer can be autograd's own tensor.
+    assert bucketize([100, 1, 1], 10, own_bucket_from=10) == [[2, 1], [0]]
+    assert bucketize([1, 100, 1], 10, own_bucket_from=10) == [[2], [1], [0]]
+    assert bucketize([1, 100, 1], 10, own_bucket_from=200) == [[2, 1], [0]]
+    with pytest.raises(ValueError, match="own_bucket_from.*got 0"):
+        bucketize([1], 1, own_bucket_from=0)
     numels = [3, 9, 1, 27, 4]
     for limit in (1, 5, 10, 100):
         buckets = bucketize(numels, limit)

@@ -1,10 +1,11 @@
 """mt_convert: GPT checkpoints across formats and layouts (``mt convert``).
 
 Formats: ``"consolidated"`` (one full ``model.safetensors`` + ``config.json`` manifest with
-sha256 checksums), ``"tp"`` (``[pp_rank_XX_]tp_rank_YY/model.safetensors``, sliced exactly
+CRC-32 checksums), ``"tp"`` (``[pp_rank_XX_]tp_rank_YY/model.safetensors``, sliced exactly
 as mt_tensor_parallel and mt_pipeline slice the model), ``"hf"`` (Hugging Face
-``GPT2LMHeadModel``), ``"megatron"`` (Megatron-LM style ``mp_rank_XX[_YYY]`` files) and,
-read only, ``"pretrain"`` (``mt pretrain`` checkpoints, model weights).
+``GPT2LMHeadModel``), ``"megatron"`` (Megatron-LM style ``mp_rank_XX[_YYY]`` files) and
+``"pretrain"`` (``mt pretrain`` checkpoints; from another one at a new TP x PP x DP / ZeRO
+layout with the optimizer state, :mod:`mt_convert.pretrain_relayout`).
 Conversions stream one tensor at a time, verify checksums on read, write checksums, and
 write atomically; every expected failure is a :class:`ConvertError` naming file and tensor.
 """
@@ -25,7 +26,8 @@ from mt_convert.convert import (
 )
 from mt_convert.errors import ConvertError
 from mt_convert.layout import CheckpointReader, CheckpointWriter, TensorRef, canonical_shapes
-from mt_convert.safetensors_io import SafetensorsReader, SafetensorsWriter, TensorSpec
+from mt_convert.safetensors_io import SafetensorsReader, SafetensorsWriter
+from mt_convert.tensors import TensorSpec
 
 __version__ = "0.1.0"
 

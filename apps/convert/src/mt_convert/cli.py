@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -23,8 +23,15 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
-from mt_convert.convert import convert_checkpoint, make_writer, open_checkpoint, plan_conversion
+from mt_convert.convert import (
+    convert_checkpoint,
+    detect_format,
+    make_writer,
+    open_checkpoint,
+    plan_conversion,
+)
 from mt_convert.errors import ConvertError
+from mt_convert.pretrain_relayout import PretrainTarget, describe_pretrain
 
 __all__ = ["app", "main"]
 
@@ -37,6 +44,7 @@ class Format(StrEnum):
     tp = "tp"
     megatron = "megatron"
     pretrain = "pretrain"
+    deepspeed = "deepspeed"
 
 
 app = typer.Typer(
@@ -53,8 +61,8 @@ Layout = tuple[int | None, int | None, int | None]
 
 
 def _dry_run(src: Path, dst: Path, to: str, from_format: str | None, layout: Layout,
-             console: Console) -> None:
-    with open_checkpoint(src, from_format) as reader:
+             console: Console, model: str | None = None) -> None:
+    with open_checkpoint(src, from_format, model) as reader:
         specs = {name: reader.spec(name) for name in reader.names()}
         writer = make_writer(to, reader.config, specs, *layout)
         entries = plan_conversion(reader, writer)
@@ -70,7 +78,8 @@ def _dry_run(src: Path, dst: Path, to: str, from_format: str | None, layout: Lay
 
 
 def _convert(src: Path, dst: Path, to: str, from_format: str | None, layout: Layout,
-             force: bool, console: Console) -> None:
+             force: bool, console: Console, model: str | None = None,
+             optimizer: dict[str, Any] | None = None) -> None:
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn(), TextColumn("{task.fields[tensor]}"))
     with Progress(*columns, console=console, transient=True) as bar:
@@ -82,7 +91,7 @@ def _convert(src: Path, dst: Path, to: str, from_format: str | None, layout: Lay
         tp, pp, pad_multiple = layout
         result = convert_checkpoint(src, dst, to=to, from_format=from_format, tp=tp, pp=pp,
                                     pad_multiple=pad_multiple, overwrite=force,
-                                    progress=progress)
+                                    progress=progress, model=model, **(optimizer or {}))
     console.print(f"wrote {result.destination} ({result.target_format}): {result.tensors} "
                   f"tensors, {result.bytes / 2**20:.1f} MiB in {result.seconds:.1f} s",
                   markup=False, highlight=False, soft_wrap=True)
@@ -95,8 +104,9 @@ def convert(
     dst: Annotated[Path, typer.Argument(help="Destination directory (must not exist unless "
                                              "--force).")],
     to: Annotated[Format | None, typer.Option(
-        "--to", help="Target format (default: tp when --tp or --pp is given, else "
-        "consolidated); pretrain is read-only.")] = None,
+        "--to", help="Target format (default: pretrain for an mt pretrain source with "
+        "--tp/--pp/--dp/--zero-stage, tp when --tp or --pp is given, else consolidated); "
+        "deepspeed is read-only.")] = None,
     from_format: Annotated[Format | None, typer.Option(
         "--from", help="Source format (default: detected from config.json).")] = None,
     tp: Annotated[int | None, typer.Option(
@@ -113,20 +123,41 @@ def convert(
     force: Annotated[bool, typer.Option(
         "--force", help="Replace an existing destination (only once the new one is "
         "complete).")] = False,
+    model: Annotated[str | None, typer.Option(
+        "--model", help="deepspeed source: model preset or JSON file of GPTConfig fields "
+        "(sizes are read from the tensors).")] = None,
+    dp: Annotated[int | None, typer.Option(
+        "--dp", min=1, help="Data-parallel degree of the pretrain target (pretrain source; "
+        "default: the source's).")] = None,
+    zero_stage: Annotated[int | None, typer.Option(
+        "--zero-stage", min=0, max=3, help="ZeRO stage of the pretrain target (pretrain "
+        "source; default: the source's).")] = None,
+    drop_optimizer: Annotated[bool, typer.Option(
+        "--drop-optimizer", help="pretrain -> pretrain: write the weights with a fresh "
+        "optimizer (no Adam moments) instead of carrying the optimizer state.")] = False,
 ) -> None:
     """Convert a GPT checkpoint: mt consolidated, mt sharded (TP x PP), Hugging Face
-    GPT-2, Megatron-LM, or (read only) an mt pretrain checkpoint, tensor by tensor,
+    GPT-2, Megatron-LM, an mt pretrain checkpoint or (read only) a DeepSpeed universal
+    checkpoint, tensor by tensor,
     verified, written atomically."""
     sharded = tp is not None or pp is not None
     target = to.value if to is not None else ("tp" if sharded else "consolidated")
+    optimizer = {"dp": dp, "zero_stage": zero_stage, "drop_optimizer": drop_optimizer}
     layout = (tp, pp, pad_multiple)
     source = from_format.value if from_format is not None else None
     console = Console(stderr=True)
     try:
-        if dry_run:
-            _dry_run(src, dst, target, source, layout, Console())
+        if to is None and (sharded or dp is not None or zero_stage is not None) and (
+                source or detect_format(src)) == "pretrain":
+            target = "pretrain"  # between mt pretrain layouts: keep the optimizer state
+        if dry_run and target == "pretrain" and (source or detect_format(src)) == "pretrain":
+            lines = describe_pretrain(src, PretrainTarget(tp, pp, dp, zero_stage,
+                                                          drop_optimizer))
+            Console().print("\n".join(lines), markup=False, highlight=False, soft_wrap=True)
+        elif dry_run:
+            _dry_run(src, dst, target, source, layout, Console(), model)
         else:
-            _convert(src, dst, target, source, layout, force, console)
+            _convert(src, dst, target, source, layout, force, console, model, optimizer)
     except ConvertError as err:
         console.print(f"[bold red]error:[/] {escape(str(err))}", highlight=False,
                       soft_wrap=True)

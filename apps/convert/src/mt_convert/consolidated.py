@@ -1,5 +1,5 @@
 """The consolidated format: one ``model.safetensors`` with the full canonical tensors and a
-``config.json`` manifest (model config, format version, per-tensor sha256).
+``config.json`` manifest (model config, format version, per-tensor CRC-32 checksums).
 
 Tensor names are ``mt_model.GPT``'s state-dict names; the tied embedding is stored once as
 ``embed.tokens.weight``. This is the hub every other conversion can go through, and the
@@ -13,9 +13,17 @@ from pathlib import Path
 import torch
 
 from mt_convert.errors import ConvertError
-from mt_convert.layout import CheckpointReader, CheckpointWriter, TensorRef, canonical_shapes
+from mt_convert.layout import (
+    CheckpointReader,
+    CheckpointWriter,
+    Deferred,
+    Pieces,
+    TensorRef,
+    canonical_shapes,
+)
 from mt_convert.manifest import FileEntries, open_checked, read_manifest, write_manifest
-from mt_convert.safetensors_io import SafetensorsWriter, TensorSpec
+from mt_convert.safetensors_io import SafetensorsWriter
+from mt_convert.tensors import TensorSpec
 from mt_model import GPTConfig
 
 __all__ = ["CONSOLIDATED_FORMAT", "ConsolidatedReader", "ConsolidatedWriter", "MODEL_FILE"]
@@ -52,6 +60,11 @@ class ConsolidatedReader(CheckpointReader):
     def read(self, name: str) -> torch.Tensor:
         return self._file.get(name)
 
+    def read_deferred(self, name: str) -> tuple[torch.Tensor, Deferred | None]:
+        tensor = self._file.get(name, verify=False)
+        return tensor, Deferred(lambda checksum: self._file.verify(name, tensor, checksum),
+                                self._file.span(name))
+
     def close(self) -> None:
         self._file.close()
 
@@ -74,9 +87,17 @@ class ConsolidatedWriter(CheckpointWriter):
         self._writer = SafetensorsWriter(self._directory / MODEL_FILE, self.specs,
                                          {"mt.format": CONSOLIDATED_FORMAT})
 
-    def write(self, name: str, tensor: torch.Tensor) -> None:
+    def write(self, name: str, tensor: torch.Tensor) -> str:
         assert self._writer is not None, "open() first"
-        self._writer.write(name, tensor)
+        return self._writer.write(name, tensor)  # the checksum of exactly these bytes
+
+    accepts_pieces = True
+
+    def write_pieces(self, name: str, pieces: Pieces) -> list[int]:
+        assert self._writer is not None, "open() first"
+        crcs: list[int] = []  # copied in the kernel, hashed from a reused buffer
+        self._writer.write_parts(name, list(pieces.spans), None, crcs)
+        return crcs
 
     def finish(self) -> None:
         assert self._writer is not None and self._directory is not None, "open() first"

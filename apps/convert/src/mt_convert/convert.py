@@ -3,8 +3,10 @@
 Formats: ``"consolidated"`` (one full safetensors file, :mod:`mt_convert.consolidated`),
 ``"hf"`` (Hugging Face GPT-2, :mod:`mt_convert.hf`), ``"tp"`` (one file per pipeline stage
 x tensor-parallel rank, :mod:`mt_convert.sharded`), ``"megatron"`` (Megatron-LM style
-``iter_XXXXXXX/mp_rank_XX[_YYY]``, :mod:`mt_convert.megatron`) and, read only,
-``"pretrain"`` (``mt pretrain`` checkpoints, :mod:`mt_convert.pretrain`). Every conversion
+``iter_XXXXXXX/mp_rank_XX[_YYY]``, :mod:`mt_convert.megatron`), ``"pretrain"`` (``mt
+pretrain`` checkpoints, :mod:`mt_convert.pretrain`, written by
+:mod:`mt_convert.pretrain_from_weights`) and, read only, ``"deepspeed"`` (DeepSpeed universal
+checkpoints, :mod:`mt_convert.deepspeed_universal`). Every conversion
 streams canonical tensors one at a time from a reader to a writer inside an atomic staging
 directory."""
 
@@ -20,11 +22,14 @@ import torch
 
 from mt_convert.atomic import atomic_directory
 from mt_convert.consolidated import CONSOLIDATED_FORMAT, ConsolidatedReader, ConsolidatedWriter
+from mt_convert.deepspeed_universal import DeepSpeedUniversalReader, is_deepspeed_checkpoint
 from mt_convert.errors import ConvertError
 from mt_convert.hf import HFReader, HFWriter
 from mt_convert.layout import (
     CheckpointReader,
     CheckpointWriter,
+    Deferred,
+    Pieces,
     ProgressFn,
     TensorRef,
     canonical_shapes,
@@ -32,8 +37,10 @@ from mt_convert.layout import (
 from mt_convert.manifest import CONFIG_FILE, read_json
 from mt_convert.megatron import LATEST_FILE, MegatronReader, MegatronWriter
 from mt_convert.pretrain import PretrainReader, is_pretrain_checkpoint
-from mt_convert.safetensors_io import TensorSpec, check_names
+from mt_convert.pretrain_from_weights import PretrainWriter
+from mt_convert.pretrain_relayout import PretrainTarget, convert_pretrain
 from mt_convert.sharded import SHARDED_FORMAT, ShardedReader, ShardedWriter
+from mt_convert.tensors import TensorSpec, check_names
 from mt_model import GPT, GPTConfig
 from mt_tensor_parallel import DEFAULT_PAD_MULTIPLE
 
@@ -52,15 +59,16 @@ __all__ = [
     "save_state_dict",
 ]
 
-FORMATS: tuple[str, ...] = ("consolidated", "hf", "tp", "megatron", "pretrain")
+FORMATS: tuple[str, ...] = ("consolidated", "hf", "tp", "megatron", "pretrain", "deepspeed")
 _READERS: dict[str, Callable[[Path], CheckpointReader]] = {
     "consolidated": ConsolidatedReader,
     "hf": HFReader,
     "tp": ShardedReader,
     "megatron": MegatronReader,
     "pretrain": PretrainReader,
+    "deepspeed": DeepSpeedUniversalReader,
 }
-_WRITABLE = ("consolidated", "hf", "tp", "megatron")
+_WRITABLE = ("consolidated", "hf", "tp", "megatron", "pretrain")
 
 
 def detect_format(path: Path) -> str:
@@ -72,6 +80,8 @@ def detect_format(path: Path) -> str:
         raise ConvertError(f"{path}: checkpoint directory not found")
     if (path / LATEST_FILE).is_file():
         return "megatron"
+    if is_deepspeed_checkpoint(path):  # before pretrain: both may have `latest`
+        return "deepspeed"
     if is_pretrain_checkpoint(path):
         return "pretrain"
     data = read_json(path / CONFIG_FILE)
@@ -90,12 +100,17 @@ def _check_format(fmt: str) -> None:
         raise ConvertError(f"unknown checkpoint format {fmt!r}; known: {list(FORMATS)}")
 
 
-def open_checkpoint(path: Path, fmt: str | None = None) -> CheckpointReader:
+def open_checkpoint(path: Path, fmt: str | None = None,
+                    model: GPTConfig | str | None = None) -> CheckpointReader:
     """Open (and structurally validate) the checkpoint at ``path``; ``fmt`` None detects."""
     fmt = detect_format(path) if fmt is None else fmt
     _check_format(fmt)
     if not Path(path).is_dir():
         raise ConvertError(f"{path}: checkpoint directory not found")
+    if model is not None:  # only DeepSpeed checkpoints lack a model config
+        if fmt != "deepspeed":
+            raise ConvertError(f"--model only applies to deepspeed sources, not {fmt!r}")
+        return DeepSpeedUniversalReader(Path(path), model)
     return _READERS[fmt](Path(path))
 
 
@@ -121,6 +136,8 @@ def make_writer(fmt: str, config: GPTConfig, specs: Mapping[str, TensorSpec],
         if value is not None:
             raise ConvertError(f"{option} {value} only applies to the tp and megatron "
                                f"formats, not {fmt!r}")
+    if fmt == "pretrain":
+        return PretrainWriter(config, dict(specs))
     return (ConsolidatedWriter if fmt == "consolidated" else HFWriter)(config, dict(specs))
 
 
@@ -155,15 +172,14 @@ def plan_conversion(reader: CheckpointReader, writer: CheckpointWriter) -> list[
             for name in reader.names()]
 
 
-def _stream(names: list[str], get: Callable[[str], torch.Tensor]
-            ) -> Iterator[tuple[str, torch.Tensor]]:
+def _stream(names: list[str], get: Callable[[str], _Read]) -> Iterator[tuple[str, _Read]]:
     """``(name, get(name))`` in order, reading (and checksum-verifying) the next tensor in a
     background thread while the caller writes the current one: hashing and file I/O
     release the GIL, so reading and writing overlap. At most two tensors are alive."""
     if not names:
         return
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="mt-convert-read") as pool:
-        pending: Future[torch.Tensor] = pool.submit(get, names[0])
+        pending: Future[_Read] = pool.submit(get, names[0])
         try:
             for index, name in enumerate(names):
                 tensor = pending.result()
@@ -175,17 +191,36 @@ def _stream(names: list[str], get: Callable[[str], torch.Tensor]
             pending.cancel()
 
 
-def _write(writer: CheckpointWriter, names: list[str], get: Callable[[str], torch.Tensor],
+_Read = tuple[torch.Tensor, Deferred | None] | Pieces
+
+
+def _write(writer: CheckpointWriter, names: list[str], get: Callable[[str], _Read],
            destination: Path, overwrite: bool, progress: ProgressFn | None) -> int:
     """Stream every tensor through ``writer`` into an atomic ``destination``; bytes moved.
-    Operating-system failures (disk full, permissions) become a :class:`ConvertError`."""
+    ``get`` returns a tensor and, if it was read unverified, its verification: called
+    after the write with the checksum the writer computed, so verified bytes are hashed
+    once when the writer could. Operating-system failures (disk full, permissions) become
+    a :class:`ConvertError`."""
     total_bytes = 0
     try:
         with atomic_directory(destination, overwrite) as staging:
             writer.open(staging)
             try:
-                for done, (name, tensor) in enumerate(_stream(names, get), start=1):
-                    writer.write(name, tensor)
+                for done, (name, item) in enumerate(_stream(names, get), 1):
+                    if isinstance(item, Pieces):  # byte ranges of the source files
+                        item.verify(writer.write_pieces(name, item))
+                        total_bytes += item.spec.nbytes
+                        if progress is not None:
+                            progress(name, done, len(names))
+                        continue
+                    tensor, verify = item
+                    if verify is None:
+                        writer.write(name, tensor)
+                    else:  # a failure discards everything written
+                        spanned = verify.span is not None and verify.span.length == (
+                            tensor.numel() * tensor.element_size())
+                        verify.verify(writer.write_from(name, tensor, verify.span) if spanned
+                                      else writer.write(name, tensor))
                     total_bytes += tensor.numel() * tensor.element_size()
                     del tensor  # keep peak memory near two tensors (plus shards)
                     if progress is not None:
@@ -203,12 +238,18 @@ def _write(writer: CheckpointWriter, names: list[str], get: Callable[[str], torc
 def convert_checkpoint(source: Path, destination: Path, *, to: str = "consolidated",
                        from_format: str | None = None, tp: int | None = None,
                        pp: int | None = None, pad_multiple: int | None = None,
-                       overwrite: bool = False, progress: ProgressFn | None = None
+                       overwrite: bool = False, progress: ProgressFn | None = None,
+                       model: GPTConfig | str | None = None, dp: int | None = None,
+                       zero_stage: int | None = None, drop_optimizer: bool = False
                        ) -> ConversionResult:
     """Convert the checkpoint at ``source`` into format ``to`` at ``destination``.
 
     Streams tensor by tensor; ``destination`` appears only when everything succeeded (an
-    existing one is replaced only with ``overwrite``). Raises :class:`ConvertError`.
+    existing one is replaced only with ``overwrite``). ``to="pretrain"`` from an ``mt
+    pretrain`` checkpoint writes a step folder at layout ``tp`` x ``pp`` x ``dp`` with
+    ZeRO stage ``zero_stage`` (unset ones keep the source's), optimizer state included
+    unless ``drop_optimizer``; from other formats it writes weights only (a fresh
+    optimizer, see :mod:`mt_convert.pretrain_from_weights`). Raises :class:`ConvertError`.
     """
     source, destination = Path(source), Path(destination)
     if destination.resolve() == source.resolve():
@@ -216,14 +257,35 @@ def convert_checkpoint(source: Path, destination: Path, *, to: str = "consolidat
     if destination.exists() and not overwrite:  # fail before reading anything
         raise ConvertError(f"{destination}: destination already exists (use --force to "
                            "replace it)")
+    if to == "pretrain" and (from_format or detect_format(source)) == "pretrain":
+        return _to_pretrain(source, destination, pad_multiple, overwrite, progress,
+                            PretrainTarget(tp, pp, dp, zero_stage, drop_optimizer))
+    if dp is not None or zero_stage is not None:
+        raise ConvertError("--dp and --zero-stage only apply from an mt pretrain checkpoint "
+                           f"to the pretrain format, not to {to!r}")
     if to not in _WRITABLE:  # fail before reading anything
         raise ConvertError(f"cannot write the {to!r} format; writable: {list(_WRITABLE)}")
     start = time.perf_counter()
-    with open_checkpoint(source, from_format) as reader:
+    with open_checkpoint(source, from_format, model) as reader:
         writer = make_writer(to, reader.config, _specs(reader), tp, pp, pad_multiple)
-        moved = _write(writer, reader.names(), reader.read, destination, overwrite, progress)
+        get: Callable[[str], _Read] = reader.read_deferred
+        if writer.accepts_pieces:  # tensors stored as-is go file to file
+            get = lambda name: reader.read_pieces(name) or reader.read_deferred(name)  # noqa: E731
+        moved = _write(writer, reader.names(), get, destination, overwrite, progress)
         return ConversionResult(reader.format, writer.format, destination,
                                 len(reader.names()), moved, time.perf_counter() - start)
+
+
+def _to_pretrain(source: Path, destination: Path, pad_multiple: int | None, overwrite: bool,
+                 progress: ProgressFn | None, target: PretrainTarget) -> ConversionResult:
+    """pretrain -> pretrain at another layout, optimizer state carried (or dropped)."""
+    if pad_multiple is not None:
+        raise ConvertError("--pad-multiple does not apply to the pretrain format (mt "
+                           "pretrain pads the vocabulary itself)")
+    start = time.perf_counter()
+    fmt, count, moved = convert_pretrain(source, destination, target, overwrite, progress)
+    return ConversionResult(fmt, "pretrain", destination, count, moved,
+                            time.perf_counter() - start)
 
 
 def save_state_dict(state_dict: Mapping[str, torch.Tensor], config: GPTConfig,
@@ -239,7 +301,7 @@ def save_state_dict(state_dict: Mapping[str, torch.Tensor], config: GPTConfig,
                                f"the config needs {list(shape)}")
     specs = {name: TensorSpec.of(state_dict[name]) for name in shapes}
     writer = make_writer(to, config, specs, tp, pp, pad_multiple)
-    _write(writer, list(shapes), lambda n: state_dict[n].detach(), Path(destination),
+    _write(writer, list(shapes), lambda n: (state_dict[n].detach(), None), Path(destination),
            overwrite, progress)
     return Path(destination)
 

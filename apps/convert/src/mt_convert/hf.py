@@ -21,12 +21,8 @@ from mt_convert.errors import ConvertError
 from mt_convert.hf_config import HF_IGNORED, gpt_config_from_hf, hf_config_from_gpt, hf_name
 from mt_convert.layout import CheckpointReader, CheckpointWriter, TensorRef, canonical_shapes
 from mt_convert.manifest import read_json
-from mt_convert.safetensors_io import (
-    SafetensorsReader,
-    SafetensorsWriter,
-    TensorSpec,
-    check_names,
-)
+from mt_convert.safetensors_io import SafetensorsReader, SafetensorsWriter
+from mt_convert.tensors import TensorSpec, check_names
 from mt_model import GPTConfig
 
 __all__ = ["HFReader", "HFWriter", "is_hf_checkpoint"]

@@ -17,12 +17,15 @@ from pathlib import Path
 
 import torch
 
-from mt_convert.safetensors_io import TensorSpec
+from mt_convert.spans import FileSpan
+from mt_convert.tensors import TensorSpec
 from mt_model import GPT, GPTConfig
 
 __all__ = [
     "CheckpointReader",
     "CheckpointWriter",
+    "Deferred",
+    "Pieces",
     "ProgressFn",
     "TensorRef",
     "canonical_shapes",
@@ -30,6 +33,31 @@ __all__ = [
 
 ProgressFn = Callable[[str, int, int], None]
 """Called after each canonical tensor as ``(name, done, total)``."""
+VerifyFn = Callable[[str | None], None]
+"""Verifies a tensor read unverified, given its checksum if known (see read_deferred)."""
+
+
+@dataclass(frozen=True)
+class Deferred:
+    """A tensor read without verification (:meth:`CheckpointReader.read_deferred`):
+    ``verify`` checks it given its checksum (or None: it hashes), ``span`` is where its raw
+    bytes are stored, when they are stored as-is (writers may copy from there)."""
+
+    verify: VerifyFn
+    span: FileSpan | None = None
+
+
+@dataclass(frozen=True)
+class Pieces:
+    """A canonical tensor whose raw bytes are the concatenation of byte ranges of stored
+    files (:meth:`CheckpointReader.read_pieces`), read unverified: a writer that stores it
+    as-is copies the ranges in the kernel (:meth:`CheckpointWriter.write_pieces`) and
+    hands ``verify`` each range's CRC (of :data:`mt_convert.crc.CHECKSUM_ALGORITHM`), from
+    which it checks the source files' checksums (raises ConvertError)."""
+
+    spec: TensorSpec
+    spans: tuple[FileSpan, ...]
+    verify: Callable[[list[int]], None]
 
 
 def canonical_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
@@ -82,6 +110,17 @@ class CheckpointReader(ABC):
     def read(self, name: str) -> torch.Tensor:
         """The full canonical tensor ``name`` (checksums verified)."""
 
+    def read_deferred(self, name: str) -> tuple[torch.Tensor, Deferred | None]:
+        """Like :meth:`read`, but a reader may leave the checksum verification to the
+        caller (a :class:`Deferred`; None: already verified), who hashes the bytes anyway
+        while writing them."""
+        return self.read(name), None
+
+    def read_pieces(self, name: str) -> Pieces | None:
+        """``name`` as byte ranges of the stored files, unverified (see :class:`Pieces`),
+        or None where its bytes are not stored as-is (the caller then uses :meth:`read`)."""
+        return None
+
     def close(self) -> None:  # noqa: B027 - optional hook, no-op by default
         """Release open files."""
 
@@ -113,8 +152,22 @@ class CheckpointWriter(ABC):
         """Start writing into ``directory`` (normally an atomic staging directory)."""
 
     @abstractmethod
-    def write(self, name: str, tensor: torch.Tensor) -> None:
-        """Store the full canonical tensor ``name``."""
+    def write(self, name: str, tensor: torch.Tensor) -> str | None:
+        """Store the full canonical tensor ``name``; may return the checksum of its bytes
+        (``"crc32:..."``) when writing computed it along the way."""
+
+    def write_from(self, name: str, tensor: torch.Tensor, span: FileSpan) -> str | None:
+        """:meth:`write`, where ``tensor``'s raw bytes are also ``span`` of an open file
+        (writers may copy from there instead of from memory)."""
+        return self.write(name, tensor)
+
+    accepts_pieces: bool = False
+    """Whether :meth:`write_pieces` stores a tensor given as byte ranges of files."""
+
+    def write_pieces(self, name: str, pieces: Pieces) -> list[int]:
+        """Store ``name`` from ``pieces.spans`` as-is (only where :attr:`accepts_pieces`);
+        returns each span's CRC (:data:`mt_convert.crc.CHECKSUM_ALGORITHM`)."""
+        raise NotImplementedError(f"{type(self).__name__} does not write byte ranges")
 
     @abstractmethod
     def finish(self) -> None:

@@ -1,16 +1,21 @@
 """``config.json`` of mt's own checkpoint formats: model config + layout + checksums.
 
-Shape of the file (``format_version`` 1)::
+Shape of the file (``format_version`` 3)::
 
     {
       "format": "mt-consolidated" | "mt-sharded",
-      "format_version": 1,
+      "format_version": 3,
       "writer": "mt-convert 0.1.0",
       "model": {GPTConfig.to_dict()},
       "layout": {...format specific, e.g. {"tp": 2, "pp": 1, "pad_multiple": 128}},
       "files": {"model.safetensors": {"<tensor>": {"dtype": "F32", "shape": [..],
-                                                    "sha256": "<hex>"}}}
+                                                    "checksum": "crc32c:<8 hex>"}}}
     }
+
+Older versions are still read and verified: version 2 entries carry ``"checksum":
+"crc32:<8 hex>"`` (zlib's CRC-32), version 1 entries ``"sha256": "<64 hex>"``. Each version
+accepts only its own checksum kind (:data:`CHECKSUM_KINDS`); anything else is refused with
+a message naming the file, the entry and what that version supports.
 
 Each safetensors file also carries its own digests in its header metadata, so a file
 copied out of its directory can still be verified.
@@ -20,18 +25,15 @@ from __future__ import annotations
 
 import json
 import os
+import types
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from mt_convert.crc import algorithm_of
 from mt_convert.errors import ConvertError
-from mt_convert.safetensors_io import (
-    SafetensorsReader,
-    TensorSpec,
-    check_names,
-    dtype_from_name,
-    dtype_name,
-)
+from mt_convert.safetensors_io import SafetensorsReader
+from mt_convert.tensors import TensorSpec, check_names, dtype_from_name, dtype_name
 from mt_model import GPTConfig
 
 __all__ = [
@@ -45,11 +47,15 @@ __all__ = [
 ]
 
 CONFIG_FILE = "config.json"
-FORMAT_VERSION = 1
-WRITER = "mt-convert 0.1.0"
+FORMAT_VERSION = 3
+CHECKSUM_KINDS: Mapping[int, tuple[str, ...]] = types.MappingProxyType(
+    {1: ("sha256",), 2: ("crc32",), 3: ("crc32c",)})
+"""Checksum kinds (:func:`mt_convert.crc.algorithm_of`) each format version records."""
+READABLE_VERSIONS = tuple(CHECKSUM_KINDS)
+WRITER = "mt-convert 0.3.0"
 
 FileEntries = dict[str, tuple[TensorSpec, str]]
-"""Tensor name -> (spec, sha256) for one file."""
+"""Tensor name -> (spec, checksum string of :func:`mt_convert.crc.digest`)."""
 
 
 class Manifest:
@@ -64,13 +70,21 @@ class Manifest:
         self.files = files
 
     def checksums(self, file: str) -> dict[str, str]:
-        """Tensor name -> expected sha256 for ``file``."""
+        """Tensor name -> expected checksum string for ``file``."""
         return {name: sha for name, (_, sha) in self.files[file].items()}
 
 
 def write_manifest(directory: Path, format: str, config: GPTConfig, layout: Mapping[str, Any],
                    files: Mapping[str, FileEntries]) -> Path:
-    """Write ``directory/config.json`` (fsynced) and return its path."""
+    """Write ``directory/config.json`` (fsynced) and return its path. Every checksum must
+    be of the kind this version records (``crc32c``): a manifest never mixes kinds."""
+    for file, entries in files.items():
+        for name, (_, checksum) in entries.items():
+            if algorithm_of(checksum) not in CHECKSUM_KINDS[FORMAT_VERSION]:
+                raise ConvertError(f"{Path(directory) / CONFIG_FILE}: files.{file}.{name}: "
+                                   f"cannot record {checksum!r} in format_version "
+                                   f"{FORMAT_VERSION} (it records "
+                                   f"{'/'.join(CHECKSUM_KINDS[FORMAT_VERSION])})")
     body = {
         "format": format,
         "format_version": FORMAT_VERSION,
@@ -79,7 +93,7 @@ def write_manifest(directory: Path, format: str, config: GPTConfig, layout: Mapp
         "layout": dict(layout),
         "files": {
             file: {name: {"dtype": dtype_name(spec.dtype), "shape": list(spec.shape),
-                          "sha256": sha} for name, (spec, sha) in entries.items()}
+                          "checksum": sha} for name, (spec, sha) in entries.items()}
             for file, entries in files.items()
         },
     }
@@ -116,18 +130,28 @@ def read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def _entry(path: Path, file: str, name: str, raw: Any) -> tuple[TensorSpec, str]:
+def _entry(path: Path, file: str, name: str, raw: Any, version: int
+           ) -> tuple[TensorSpec, str]:
+    key = "sha256" if version == 1 else "checksum"
     try:
         shape = tuple(int(size) for size in raw["shape"])
         spec = TensorSpec(shape, dtype_from_name(str(raw["dtype"])))
-        sha = str(raw["sha256"])
+        sha = str(raw[key])
     except ConvertError as err:
         raise ConvertError(f"{path}: files.{file}.{name}: {err}") from None
     except (KeyError, TypeError, ValueError) as err:
-        raise ConvertError(f"{path}: files.{file}.{name} is malformed (needs dtype, shape, "
-                           f"sha256): {err!r}") from None
-    if len(sha) != 64:
-        raise ConvertError(f"{path}: files.{file}.{name}.sha256 is not a sha256 hex digest")
+        raise ConvertError(f"{path}: files.{file}.{name} is malformed (format_version "
+                           f"{version} needs dtype, shape, {key}): {err!r}") from None
+    try:
+        algorithm = algorithm_of(sha)
+    except ConvertError as err:
+        raise ConvertError(f"{path}: files.{file}.{name}.{key}: {err}") from None
+    if algorithm not in CHECKSUM_KINDS[version]:
+        raise ConvertError(f"{path}: files.{file}.{name}.{key} is a {algorithm} checksum; "
+                           f"format_version {version} records "
+                           f"{' / '.join(CHECKSUM_KINDS[version])} (this mt-convert reads "
+                           + ", ".join(f"{v}: {'/'.join(k)}" for v, k in CHECKSUM_KINDS.items())
+                           + ")")
     return spec, sha
 
 
@@ -138,9 +162,11 @@ def read_manifest(directory: Path, expected_format: str) -> Manifest:
     if data.get("format") != expected_format:
         raise ConvertError(f"{path}: format is {data.get('format')!r}, expected "
                            f"{expected_format!r}")
-    if data.get("format_version") != FORMAT_VERSION:
-        raise ConvertError(f"{path}: format_version {data.get('format_version')!r} is not "
-                           f"supported (this mt-convert reads version {FORMAT_VERSION})")
+    version = data.get("format_version")
+    if version not in READABLE_VERSIONS or isinstance(version, bool):
+        raise ConvertError(f"{path}: format_version {version!r} is not supported (this "
+                           f"mt-convert reads versions {list(READABLE_VERSIONS)}; a newer "
+                           "mt-convert wrote it?)")
     try:
         config = GPTConfig.from_dict(data["model"])
     except KeyError:
@@ -154,7 +180,8 @@ def read_manifest(directory: Path, expected_format: str) -> Manifest:
     for file, entries in files.items():
         if not isinstance(entries, dict):
             raise ConvertError(f"{path}: files.{file} must be a JSON object")
-        parsed[file] = {name: _entry(path, file, name, raw) for name, raw in entries.items()}
+        parsed[file] = {name: _entry(path, file, name, raw, version)
+                        for name, raw in entries.items()}
     return Manifest(path, expected_format, config, layout, parsed)
 
 

@@ -34,8 +34,8 @@ import torch
 
 from mt_convert.errors import ConvertError
 from mt_convert.layout import CheckpointReader, CheckpointWriter, TensorRef, canonical_shapes
-from mt_convert.safetensors_io import TensorSpec, tensor_sha256
 from mt_convert.sharded import stage_layers, stages_of
+from mt_convert.tensors import TensorSpec, tensor_sha256
 from mt_convert.torch_io import load_weights_only
 from mt_model import GPTConfig
 from mt_tensor_parallel import (

@@ -19,12 +19,13 @@ import torch
 
 from mt_convert.errors import ConvertError
 from mt_convert.layout import CheckpointReader, TensorRef, canonical_shapes
-from mt_convert.safetensors_io import TensorSpec
+from mt_convert.tensors import TensorSpec
 from mt_convert.torch_io import load_weights_only
 from mt_model import GPTConfig
 from mt_tensor_parallel import GPT_PLAN, merge_shards, param_styles
 
-__all__ = ["PRETRAIN_FORMAT", "PretrainReader", "is_pretrain_checkpoint", "step_folder"]
+__all__ = ["PRETRAIN_FORMAT", "PretrainReader", "is_pretrain_checkpoint", "meta_of",
+           "step_folder"]
 
 PRETRAIN_FORMAT = "mt-pretrain/1"
 META, LATEST = "meta.json", "latest"
@@ -48,7 +49,8 @@ def step_folder(path: Path) -> Path:
     raise ConvertError(f"{path}: not an mt pretrain checkpoint (neither {META} nor {LATEST})")
 
 
-def _meta(folder: Path) -> dict[str, Any]:
+def meta_of(folder: Path) -> dict[str, Any]:
+    """The validated ``meta.json`` of a step folder."""
     path = folder / META
     try:
         meta = json.loads(path.read_text(encoding="utf-8"))
@@ -76,7 +78,7 @@ class PretrainReader(CheckpointReader):
 
     def __init__(self, root: Path) -> None:
         self.root = step_folder(Path(root))
-        meta = _meta(self.root)
+        meta = meta_of(self.root)
         try:
             self.config = GPTConfig.from_dict(meta["model"])
             layout = meta["layout"]
@@ -85,6 +87,8 @@ class PretrainReader(CheckpointReader):
             raise ConvertError(f"{self.root / META}: bad model or layout: {err!r}") from None
         self._shapes = canonical_shapes(self.config)
         self._styles = {**param_styles(self._shapes, GPT_PLAN), **meta.get("styles", {})}
+        self.styles = dict(self._styles)
+        """TP slicing style of every tensor."""
         self._files = {(s, t): f"rank-{(s * dp) * self.tp + t:05d}.pt"
                        for s in range(self.pp) for t in range(self.tp)}
         self._parts = {key: _weights(self.root / file) for key, file in self._files.items()}

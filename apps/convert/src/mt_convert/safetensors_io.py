@@ -1,12 +1,18 @@
-"""Streaming safetensors files with per-tensor SHA-256 checksums.
+"""Streaming safetensors files with per-tensor checksums.
 
 The writer is our own (the format is an 8-byte little-endian header length, a JSON header,
 then the raw tensor bytes) because ``safetensors.torch.save_file`` needs every tensor in
 memory at once. Here the header is computed from the shapes up front and each tensor is
 written at its offset as soon as it is produced, so peak memory is one tensor. The
-checksums go into the header's ``__metadata__`` under ``mt.sha256``: the header is first
+checksums go into the header's ``__metadata__`` under ``mt.checksums``: the header is first
 written with placeholder digests of the same length and rewritten when the file is
 complete, so the header size never changes.
+
+Checksums are :mod:`mt_convert.crc` strings: ``"crc32c:1a2b3c4d"`` (CRC-32C of the raw
+bytes, what this version writes; a conversion hashes every byte it reads and every byte it
+writes, and the CPU's CRC instructions make that cheap), ``"crc32:..."`` (zlib's CRC-32,
+format version 2) or a bare 64-digit SHA-256 hex digest (format version 1, under the
+metadata key ``mt.sha256``). All are still read and verified.
 
 Reading uses ``safetensors.safe_open`` (memory-mapped, nothing unpickled); every failure is
 turned into a :class:`~mt_convert.errors.ConvertError` naming the file and the tensor.
@@ -14,12 +20,10 @@ turned into a :class:`~mt_convert.errors.ConvertError` naming the file and the t
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import struct
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -27,88 +31,44 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from mt_convert.crc import CHECKSUM_ALGORITHM, _Hasher, algorithm_of, crc_combine, crc_kind, digest
 from mt_convert.errors import ConvertError
+from mt_convert.spans import FileSpan, copy_span
+from mt_convert.tensors import TensorSpec, dtype_from_name, dtype_name, raw_bytes
 
 __all__ = [
     "CHECKSUM_KEY",
+    "LEGACY_CHECKSUM_KEY",
+    "Part",
     "SafetensorsReader",
     "SafetensorsWriter",
-    "TensorSpec",
-    "check_names",
-    "dtype_from_name",
-    "dtype_name",
-    "tensor_sha256",
 ]
 
-CHECKSUM_KEY = "mt.sha256"
-"""``__metadata__`` key holding a JSON object ``{tensor name: sha256 hex of its bytes}``."""
+CHECKSUM_KEY = "mt.checksums"
+"""``__metadata__`` key holding a JSON object ``{tensor name: checksum of its bytes}``."""
+LEGACY_CHECKSUM_KEY = "mt.sha256"
+"""Format version 1's key (``{tensor name: sha256 hex}``); still read."""
 
-_DTYPES: dict[torch.dtype, str] = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-}
-_NAMES: dict[str, torch.dtype] = {name: dtype for dtype, name in _DTYPES.items()}
-_PLACEHOLDER = "0" * 64
+_ZEROS = bytes(1 << 20)  # immutable source of padding bytes
+_WRITEBACK_MIN = 1 << 20  # bytes of one tensor worth starting its writeback early
+
+Part = torch.Tensor | int | FileSpan
+"""A piece of a stored tensor: a tensor (any strides), a count of zero bytes, or a byte
+range of another file (copied in the kernel)."""
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    """safetensors name of a torch dtype (``torch.float32`` -> ``"F32"``)."""
-    if dtype not in _DTYPES:
-        raise ConvertError(f"dtype {dtype} cannot be stored in a safetensors file")
-    return _DTYPES[dtype]
+def _placeholder(algorithm: str) -> str:
+    # Same length as a real digest, so the header never changes size.
+    return "".join(c if c == ":" or c.isalpha() and i < 5 else "0"
+                   for i, c in enumerate(digest(b"", algorithm)))
 
 
-def dtype_from_name(name: str) -> torch.dtype:
-    """torch dtype of a safetensors dtype name (``"BF16"`` -> ``torch.bfloat16``)."""
-    if name not in _NAMES:
-        raise ConvertError(f"unsupported safetensors dtype {name!r}; known: {sorted(_NAMES)}")
-    return _NAMES[name]
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """Shape and dtype of one tensor (without its values)."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    @property
-    def nbytes(self) -> int:
-        """Size of the tensor's data in bytes."""
-        count = 1
-        for size in self.shape:
-            count *= size
-        return count * self.dtype.itemsize
-
-    @staticmethod
-    def of(tensor: torch.Tensor) -> TensorSpec:
-        """The spec of an existing tensor."""
-        return TensorSpec(tuple(tensor.shape), tensor.dtype)
-
-    def describe(self) -> str:
-        """``"[768, 2304] F32"``, for messages and dry runs."""
-        return f"[{', '.join(map(str, self.shape))}] {dtype_name(self.dtype)}"
-
-
-def _raw_bytes(tensor: torch.Tensor) -> Any:
-    """The tensor's bytes as a contiguous buffer (numpy uint8 view, no copy if possible)."""
-    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
-    return flat.view(torch.uint8).numpy()
-
-
-def tensor_sha256(tensor: torch.Tensor) -> str:
-    """SHA-256 hex digest of the tensor's raw (little-endian, row-major) bytes."""
-    return hashlib.sha256(_raw_bytes(tensor)).hexdigest()
+def _nbytes(part: Part) -> int:
+    if isinstance(part, int):
+        return part
+    if isinstance(part, FileSpan):
+        return part.length
+    return part.numel() * part.element_size()
 
 
 def _layout(entries: Mapping[str, TensorSpec]) -> list[str]:
@@ -128,9 +88,13 @@ class SafetensorsWriter:
     """
 
     def __init__(self, path: Path, entries: Mapping[str, TensorSpec],
-                 metadata: Mapping[str, str] | None = None) -> None:
+                 metadata: Mapping[str, str] | None = None,
+                 algorithm: str = CHECKSUM_ALGORITHM) -> None:
         self.path = Path(path)
         self.entries = dict(entries)
+        self.algorithm = algorithm
+        self._crc = crc_kind(algorithm)  # None for sha256
+        self._key = CHECKSUM_KEY if algorithm != "sha256" else LEGACY_CHECKSUM_KEY
         self._metadata = {"format": "pt", **(metadata or {})}
         self._offsets: dict[str, tuple[int, int]] = {}
         position = 0
@@ -138,7 +102,11 @@ class SafetensorsWriter:
             self._offsets[key] = (position, position + self.entries[key].nbytes)
             position += self.entries[key].nbytes
         self._checksums: dict[str, str] = {}
-        header = self._header({key: _PLACEHOLDER for key in self.entries})
+        # Reused for parts that are not contiguous (e.g. row-parallel slices): after the
+        # first such tensor no new pages are touched, which matters on a busy machine.
+        self._scratch = torch.empty(0, dtype=torch.uint8)
+        self._read_buffer: memoryview | None = None  # for FileSpan parts
+        header = self._header({key: _placeholder(algorithm) for key in self.entries})
         self._data_start = 8 + len(header)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "wb")  # noqa: SIM115 - closed in close()/__exit__
@@ -146,7 +114,7 @@ class SafetensorsWriter:
         self._file.truncate(self._data_start + position)
 
     def _header(self, checksums: Mapping[str, str]) -> bytes:
-        metadata = {**self._metadata, CHECKSUM_KEY: json.dumps(dict(sorted(checksums.items())))}
+        metadata = {**self._metadata, self._key: json.dumps(dict(sorted(checksums.items())))}
         header: dict[str, Any] = {"__metadata__": metadata}
         for key, (begin, end) in self._offsets.items():
             spec = self.entries[key]
@@ -156,20 +124,126 @@ class SafetensorsWriter:
         return raw + b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned
 
     def write(self, key: str, tensor: torch.Tensor) -> str:
-        """Store ``tensor`` as ``key``; returns its SHA-256."""
-        if key not in self.entries:
-            raise ConvertError(f"{self.path}: tensor {key!r} is not in the planned layout")
-        if key in self._checksums:
-            raise ConvertError(f"{self.path}: tensor {key!r} written twice")
+        """Store ``tensor`` as ``key``; returns its checksum (:func:`digest`)."""
+        self._planned(key)
         expected, actual = self.entries[key], TensorSpec.of(tensor)
         if expected != actual:
             raise ConvertError(f"{self.path}: tensor {key!r} is {actual.describe()}, "
                                f"the layout expects {expected.describe()}")
-        data = _raw_bytes(tensor)
+        return self.write_parts(key, [tensor.detach().to("cpu")])
+
+    def write_parts(self, key: str, parts: Sequence[Part], checksum: str | None = None,
+                    part_crcs: list[int] | None = None) -> str:
+        """Store ``key`` as the concatenation of the raw bytes of ``parts`` (tensors of the
+        entry's dtype, any strides, ints: that many zero bytes, or byte ranges of other
+        files, copied in the kernel) without joining them in memory; hashes as it writes.
+        ``checksum``, when the caller knows it already (the same bytes went to another
+        file), skips hashing. With a CRC algorithm and no ``checksum``, ``part_crcs`` (if
+        given) receives each part's own CRC, from which the caller can assemble the
+        checksum of the tensor the parts came from. Returns the checksum."""
+        expected = self._planned(key)
+        size = sum(_nbytes(p) for p in parts)
+        dtypes = {p.dtype for p in parts if isinstance(p, torch.Tensor)}
+        if size != expected.nbytes or dtypes - {expected.dtype}:
+            raise ConvertError(f"{self.path}: tensor {key!r} gets {size} bytes of "
+                               f"{sorted(map(str, dtypes))}, the layout expects "
+                               f"{expected.describe()} ({expected.nbytes} bytes)")
         self._file.seek(self._data_start + self._offsets[key][0])
-        self._file.write(data)
-        self._checksums[key] = hashlib.sha256(data).hexdigest()
-        return self._checksums[key]
+        if checksum is None and self._crc is not None:
+            checksum = self._write_crc(parts, part_crcs)
+        else:
+            hasher = None if checksum is not None else _Hasher(self.algorithm)
+            for part in parts:
+                if isinstance(part, FileSpan) and hasher is None:
+                    self._copy(part, None)
+                    continue
+                for chunk in self._chunks(part):
+                    self._file.write(chunk)
+                    if hasher is not None:
+                        hasher.update(chunk)
+            checksum = checksum if hasher is None else hasher.hexdigest()
+        self._checksums[key] = checksum
+        self._start_writeback(*self._offsets[key])
+        return checksum
+
+    def _start_writeback(self, begin: int, end: int) -> None:
+        """Have the kernel start writing ``[begin, end)`` of the data to disk now, without
+        waiting: the final fsync then finds most of the file on disk already, instead of
+        flushing it all at the end while the CPU idles. (Linux's POSIX_FADV_DONTNEED
+        starts asynchronous writeback of the dirty range, and drops the pages once clean:
+        nothing reads them back.) Small tensors are left to the fsync."""
+        if end - begin < _WRITEBACK_MIN:
+            return
+        self._file.flush()
+        try:
+            os.posix_fadvise(self._file.fileno(), self._data_start + begin, end - begin,
+                             os.POSIX_FADV_DONTNEED)
+        except (AttributeError, OSError):  # not on this platform: fsync does it all
+            pass
+
+    def _copy(self, part: FileSpan, update: Callable[[Any, int], int] | None) -> int:
+        """Copy a byte range of another file to the current position; its CRC (0 when
+        ``update`` is None: nothing hashed)."""
+        self._file.flush()  # the copy writes at an explicit offset
+        position = self._file.tell()
+        crc = copy_span(part, self._file.fileno(), position, self._buffer(), update)
+        self._file.seek(position + part.length)
+        return crc
+
+    def _write_crc(self, parts: Sequence[Part], part_crcs: list[int] | None) -> str:
+        assert self._crc is not None
+        update, total = self._crc.update, 0
+        for part in parts:
+            crc = size = 0
+            if isinstance(part, FileSpan):
+                crc, size = self._copy(part, update), part.length
+            else:
+                for chunk in self._chunks(part):
+                    self._file.write(chunk)
+                    crc, size = update(chunk, crc), size + len(chunk)
+            # combine(0, crc, size) == crc: skip the arithmetic for the first part
+            total = crc_combine(total, crc, size, self.algorithm) if total else crc
+            if part_crcs is not None:
+                part_crcs.append(crc)
+        return self._crc.format(total)
+
+    def _planned(self, key: str) -> TensorSpec:
+        if key not in self.entries:
+            raise ConvertError(f"{self.path}: tensor {key!r} is not in the planned layout")
+        if key in self._checksums:
+            raise ConvertError(f"{self.path}: tensor {key!r} written twice")
+        return self.entries[key]
+
+    def _chunks(self, part: Part) -> Iterator[Any]:
+        """Byte buffers of one part: views when possible, else one copy into scratch."""
+        if isinstance(part, int):
+            for start in range(0, part, len(_ZEROS)):
+                yield memoryview(_ZEROS)[: min(len(_ZEROS), part - start)]
+            return
+        if isinstance(part, FileSpan):
+            buffer = self._buffer()
+            for start in range(0, part.length, len(buffer)):
+                size = os.preadv(part.fd, [buffer[: min(len(buffer), part.length - start)]],
+                                 part.offset + start)
+                yield buffer[:size]
+            return
+        part = part.detach()
+        if part.numel() == 0:
+            return
+        if part.is_contiguous():
+            yield part.reshape(-1).view(torch.uint8).numpy()
+            return
+        size = part.numel() * part.element_size()
+        if self._scratch.numel() < size:
+            self._scratch = torch.empty(size, dtype=torch.uint8)
+        flat = self._scratch[:size]
+        flat.view(part.dtype).view(part.shape).copy_(part)
+        yield flat.numpy()
+
+    def _buffer(self) -> memoryview:
+        if self._read_buffer is None:
+            self._read_buffer = memoryview(bytearray(8 << 20))
+        return self._read_buffer
 
     def close(self) -> dict[str, str]:
         """Finish the file (checksums into the header, fsync); returns the checksums."""
@@ -205,12 +279,15 @@ class SafetensorsWriter:
 class SafetensorsReader:
     """Read tensors from one safetensors file, verifying checksums.
 
-    Expected digests come from ``expected_sha256`` (e.g. a manifest) and from the file's
-    own ``mt.sha256`` metadata when present; every available digest is checked.
+    Expected checksums (:func:`digest` strings, any algorithm) come from
+    ``expected_sha256`` (e.g. a manifest; the name is historical) and from the file's own
+    ``mt.checksums`` / ``mt.sha256`` metadata when present; every available one is checked.
     """
 
     def __init__(self, path: Path, expected_sha256: Mapping[str, str] | None = None) -> None:
         self.path = Path(path)
+        self._spans: dict[str, tuple[int, int]] | None = None
+        self._fd: int | None = None
         if not self.path.is_file():
             raise ConvertError(f"{self.path}: file not found")
         try:
@@ -231,16 +308,20 @@ class SafetensorsReader:
         self._expected = dict(expected_sha256 or {})
 
     def _embedded_checksums(self) -> dict[str, str]:
-        raw = self.metadata.get(CHECKSUM_KEY)
-        if raw is None:
-            return {}
-        try:
-            value = json.loads(raw)
-        except json.JSONDecodeError as err:
-            raise ConvertError(f"{self.path}: malformed {CHECKSUM_KEY} metadata: {err}") from None
-        if not isinstance(value, dict):
-            raise ConvertError(f"{self.path}: {CHECKSUM_KEY} metadata is not an object")
-        return {str(k): str(v) for k, v in value.items()}
+        out: dict[str, str] = {}
+        for meta_key in (LEGACY_CHECKSUM_KEY, CHECKSUM_KEY):  # the newer one wins
+            raw = self.metadata.get(meta_key)
+            if raw is None:
+                continue
+            try:
+                value = json.loads(raw)
+            except json.JSONDecodeError as err:
+                raise ConvertError(f"{self.path}: malformed {meta_key} metadata: "
+                                   f"{err}") from None
+            if not isinstance(value, dict):
+                raise ConvertError(f"{self.path}: {meta_key} metadata is not an object")
+            out.update({str(k): str(v) for k, v in value.items()})
+        return out
 
     def keys(self) -> list[str]:
         """Tensor names in the file."""
@@ -256,40 +337,66 @@ class SafetensorsReader:
         """Whether a digest is known for ``key``."""
         return key in self._embedded or key in self._expected
 
-    def get(self, key: str) -> torch.Tensor:
-        """Load ``key`` (a fresh CPU tensor) and verify its checksums."""
+    def get(self, key: str, verify: bool = True) -> torch.Tensor:
+        """Load ``key`` (a CPU tensor) and verify its checksums (unless ``verify`` is
+        false: then the caller must call :meth:`verify`)."""
         self._check_key(key)
         try:
             tensor = self._file.get_tensor(key)
         except Exception as err:
             raise ConvertError(f"{self.path}: cannot read tensor {key!r}: {err}") from None
-        digest = tensor_sha256(tensor)
+        if verify:
+            self.verify(key, tensor)
+        return tensor
+
+    def verify(self, key: str, tensor: torch.Tensor | None, known: str | None = None
+               ) -> None:
+        """Check ``tensor``'s bytes against every known checksum of ``key``; each
+        algorithm involved hashes the bytes once. ``known``: a checksum of ``tensor``
+        computed already (e.g. while writing it), used instead of hashing again; with
+        ``tensor`` None, ``known`` is the checksum of the stored bytes, which are read
+        only if a checksum of another kind must be checked too."""
+        computed = {} if known is None else {algorithm_of(known): known}
         for source, table in (("file metadata", self._embedded), ("manifest", self._expected)):
-            if key in table and table[key] != digest:
+            if key not in table:
+                continue
+            try:
+                algorithm = algorithm_of(table[key])
+            except ConvertError as err:
+                raise ConvertError(f"{self.path}: tensor {key!r}: {source}: {err}") from None
+            if algorithm not in computed:
+                if tensor is None:  # only ``known`` was given: read the bytes after all
+                    tensor = self.get(key, verify=False)
+                computed[algorithm] = digest(raw_bytes(tensor), algorithm)
+            if table[key] != computed[algorithm]:
                 raise ConvertError(
                     f"{self.path}: checksum mismatch for tensor {key!r} ({source} says "
-                    f"{table[key][:16]}..., data hashes to {digest[:16]}...): the file is "
-                    "corrupted")
-        return tensor
+                    f"{table[key][:16]}..., data hashes to {computed[algorithm][:16]}...): "
+                    "the file is corrupted")
 
     def _check_key(self, key: str) -> None:
         if key not in self._keys:
             raise ConvertError(f"{self.path}: tensor {key!r} is missing")
 
+    def span(self, key: str) -> FileSpan:
+        """Where ``key``'s bytes are stored in the file (for in-kernel copies)."""
+        self._check_key(key)
+        if self._spans is None:
+            with open(self.path, "rb") as handle:  # safe_open validated the header already
+                size = struct.unpack("<Q", handle.read(8))[0]
+                header = json.loads(handle.read(size))
+            self._fd = os.open(self.path, os.O_RDONLY)
+            self._spans = {k: (8 + size + v["data_offsets"][0],
+                               v["data_offsets"][1] - v["data_offsets"][0])
+                           for k, v in header.items() if k != "__metadata__"}
+        assert self._fd is not None
+        return FileSpan(self._fd, *self._spans[key])
+
     def close(self) -> None:
         """Release the memory map."""
         self._handle.__exit__(None, None, None)
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
-def check_names(path: Path, found: Sequence[str], expected: Sequence[str]) -> None:
-    """Raise a ConvertError listing missing and unexpected tensor names of ``path``."""
-    present = set(found)
-    missing = [name for name in expected if name not in present]
-    unexpected = sorted(set(found) - set(expected))
-    problems = []
-    if missing:
-        problems.append(f"missing tensors {missing}")
-    if unexpected:
-        problems.append(f"unexpected tensors {unexpected}")
-    if problems:
-        raise ConvertError(f"{path}: " + "; ".join(problems))

@@ -27,10 +27,28 @@ from typing import Any
 
 import torch
 
+from mt_convert.crc import CHECKSUM_ALGORITHM, crc_kind, digest
 from mt_convert.errors import ConvertError
-from mt_convert.layout import CheckpointReader, CheckpointWriter, TensorRef, canonical_shapes
+from mt_convert.layout import (
+    CheckpointReader,
+    CheckpointWriter,
+    Pieces,
+    TensorRef,
+    canonical_shapes,
+)
 from mt_convert.manifest import FileEntries, open_checked, read_manifest, write_manifest
-from mt_convert.safetensors_io import SafetensorsReader, SafetensorsWriter, TensorSpec
+from mt_convert.safetensors_io import SafetensorsReader, SafetensorsWriter
+from mt_convert.shard_pieces import (
+    Piece,
+    in_file,
+    merge_pieces,
+    shard_crcs,
+    shard_parts,
+    source_crc,
+    tiles,
+)
+from mt_convert.spans import FileSpan, crc_span
+from mt_convert.tensors import TensorSpec, raw_bytes
 from mt_model import GPTConfig
 from mt_pipeline import PartitionError, uniform_partition
 from mt_tensor_parallel import (
@@ -188,23 +206,44 @@ class ShardedWriter(CheckpointWriter):
                 self._directory / file, self._layout.file_specs(stage, rank),
                 {**meta, "mt.tp_rank": str(rank), "mt.pp_rank": str(stage)})
 
-    def write(self, name: str, tensor: torch.Tensor) -> None:
-        style, stages = self._layout.styles[name], self._layout.stages[name]
-        jobs = []
-        for rank in range(self.tp):
-            shard = shard_tensor(style, tensor, rank, self.tp, pad_multiple=self.pad_multiple)
-            for stage in stages:  # the tied embedding goes to two stages: slice it once
-                jobs.append(self._pool.submit(self._writers[(stage, rank)].write, name, shard))
-        # Each file is written (and hashed) by one job at a time; waiting for all before
-        # the next tensor keeps memory at one tensor's shards.
+    def write(self, name: str, tensor: torch.Tensor) -> str | None:
+        return self.write_from(name, tensor, None)
+
+    def write_from(self, name: str, tensor: torch.Tensor, span: FileSpan | None
+                   ) -> str | None:
+        style, (first, *others) = self._layout.styles[name], self._layout.stages[name]
+        tensor = tensor.detach().to("cpu")
+        parts = [shard_parts(style, tensor, rank, self.tp, self.pad_multiple)
+                 for rank in range(self.tp)]
+        # Shards are written as views of the tensor (no copies), or copied in the kernel
+        # from the source file where they are byte ranges of it, and hashed as they are
+        # written, each file by one job at a time; waiting for all before the next tensor
+        # keeps memory at one tensor.
+        sources = parts if span is None else [[in_file(p, tensor, span) for p in rank_parts]
+                                              for rank_parts in parts]
+        crcs: list[list[int]] = [[] for _ in range(self.tp)]
+        jobs = [self._pool.submit(self._writers[(first, rank)].write_parts, name,
+                                  sources[rank], None, crcs[rank]) for rank in range(self.tp)]
+        # Shards that do not tile the source (row slices): hash the source at the same
+        # time as the shards are written rather than in a pass after them.
+        whole = None if tiles(tensor, parts) else self._pool.submit(
+            digest, raw_bytes(tensor), CHECKSUM_ALGORITHM)
+        checksums = [job.result() for job in jobs]
+        # The tied embedding's copy on the last stage: same bytes, so the same checksum.
+        jobs = [self._pool.submit(self._writers[(stage, rank)].write_parts, name,
+                                  sources[rank], checksums[rank])
+                for stage in others for rank in range(self.tp)]
         for job in jobs:
             job.result()
+        return source_crc(tensor, parts, crcs) if whole is None else whole.result()
 
     def finish(self) -> None:
         assert self._directory is not None, "open() first"
         files: dict[str, FileEntries] = {}
+        # fsync the files in parallel: the disk flushes them concurrently.
+        closing = {key: self._pool.submit(writer.close) for key, writer in self._writers.items()}
         for stage, rank, file in self._layout.files():
-            checksums = self._writers[(stage, rank)].close()
+            checksums = closing[(stage, rank)].result()
             files[file] = {name: (spec, checksums[name]) for name, spec
                            in self._layout.file_specs(stage, rank).items()}
         write_manifest(self._directory, SHARDED_FORMAT, self.config,
@@ -269,6 +308,7 @@ class ShardedReader(CheckpointReader):
             raise ConvertError(f"{path}: files {sorted(manifest.files)} do not match tp={tp} "
                                f"pp={pp} (expected {sorted(wanted)})")
         self._files: dict[tuple[int, int], SafetensorsReader] = {}
+        self._buffer: memoryview | None = None  # for hashing byte ranges (main thread)
         try:
             for stage, rank, file in self._layout.files():
                 shapes = {name: spec.shape
@@ -315,6 +355,49 @@ class ShardedReader(CheckpointReader):
         style = self._layout.styles[name]
         vocab = self.config.vocab_size if style == "vocab" else None
         return merge_shards(style, shards, vocab_size=vocab)
+
+    def read_pieces(self, name: str) -> Pieces | None:
+        first, *others = self._layout.stages[name]
+        files = [self._files[(first, rank)] for rank in range(self.tp)]
+        specs = [file.spec(name) for file in files]
+        if len({spec.dtype for spec in specs}) > 1:
+            return None  # read() explains
+        spans = [file.span(name) for file in files]
+        pieces = merge_pieces(self._layout.styles[name], spans, specs, self.config.vocab_size)
+        if pieces is None:
+            return None
+        return Pieces(TensorSpec(self._shapes[name], specs[0].dtype),
+                      tuple(p.span for p in pieces),
+                      lambda crcs: self._verify_pieces(name, pieces, crcs, spans, others))
+
+    def _verify_pieces(self, name: str, pieces: list[Piece], crcs: list[int],
+                       spans: list[FileSpan], others: list[int]) -> None:
+        """Check every file holding ``name`` (see :mod:`mt_convert.shard_pieces`)."""
+        kind = crc_kind(CHECKSUM_ALGORITHM)
+        assert kind is not None
+        if self._buffer is None:
+            self._buffer = memoryview(bytearray(8 << 20))
+        buffer = self._buffer
+
+        def hash_span(span: FileSpan) -> int:
+            return crc_span(span, buffer, kind.update)
+
+        first = self._layout.stages[name][0]
+        ranks = shard_crcs(pieces, crcs, spans, hash_span)
+        for rank, crc in enumerate(ranks):
+            self._files[(first, rank)].verify(name, None, kind.format(crc))
+            if self._layout.styles[name] == "replicate" and crc != ranks[0]:
+                raise ConvertError(f"{self.root / self._layout.file(first, rank)}: replicated "
+                                   f"tensor {name!r} differs from tp rank 0's copy")
+        for stage in others:  # the tied embedding's copy on the last stage
+            for rank in range(self.tp):
+                file = self._files[(stage, rank)]
+                crc = hash_span(file.span(name))
+                file.verify(name, None, kind.format(crc))
+                if crc != ranks[rank]:
+                    raise ConvertError(f"{self.root / self._layout.file(stage, rank)}: tied "
+                                       f"tensor {name!r} differs from pipeline stage "
+                                       f"{first}'s copy")
 
     def close(self) -> None:
         for file in getattr(self, "_files", {}).values():

@@ -124,8 +124,9 @@ class ParallelArgs:
     activation_checkpointing: bool = False
     """Recompute each layer's activations in backward instead of storing them."""
     engine: str = "mt"
-    """Training engine: mt (this toolkit) or deepspeed (DeepSpeed ZeRO 0-3 for pure data
-    parallelism: --tp 1 --pp 1, fp32 or bf16; needs `pip install deepspeed`)."""
+    """Training engine: mt (this toolkit) or deepspeed (DeepSpeed's engine around mt's model
+    and TP layers: ZeRO 0-3 with --pp 1, ZeRO 0/1 with pipelines through DeepSpeed's
+    PipelineModule and its 1F1B schedule; fp32 or bf16; needs `pip install deepspeed`)."""
     precision: str = "fp32"
     """Parameter and compute precision: fp32, bf16 or fp16 (fp32 master weights and
     optimizer state; fp16 uses dynamic loss scaling)."""
@@ -333,7 +334,7 @@ class CheckpointArgs:
     """Keep this many most recent checkpoints."""
     load: str | None = None
     """Resume from this checkpoint folder (its `latest`) or one step folder; the layout may
-    differ from the saved one."""
+    differ from the saved one (with --engine deepspeed it must be the same)."""
     metrics: str | None = None
     """Metrics JSONL, one object per step (default: OUT_DIR/metrics.jsonl; 'none'
     disables)."""
@@ -344,6 +345,10 @@ class CheckpointArgs:
     """Print a log line every this many steps (when no progress bar is shown)."""
     progress: bool = True
     """Show a progress bar on rank 0 when the output is a terminal."""
+    peak_tflops: float | None = None
+    """Peak TFLOP/s of one rank's device, the denominator of the MFU (model FLOPs
+    utilization) shown next to tokens/s and written as `mfu` in the metrics; default:
+    measured once at start by a short matmul probe in the compute precision on rank 0."""
     dry_run: bool = False
     """Validate the config and layout and print the plan (ranks, groups, stages, memory
     estimate) without training."""
@@ -353,6 +358,8 @@ class CheckpointArgs:
         _positive(problems, self, "keep_last", "log_interval")
         if self.save_interval < 0:
             problems.append(f"--save-interval must be >= 0, got {self.save_interval}")
+        if self.peak_tflops is not None and not self.peak_tflops > 0:
+            problems.append(f"--peak-tflops must be > 0, got {self.peak_tflops}")
         _raise(problems, "checkpoint arguments")
 
     @property
@@ -373,10 +380,9 @@ class CheckpointArgs:
 def _deepspeed_problems(config: PretrainConfig) -> list[str]:
     """What --engine deepspeed does not support (mt's own engine does)."""
     par, problems = config.parallel, []
-    if par.tp != 1 or par.pp != 1:
-        problems.append(f"--engine deepspeed supports pure data parallelism only (--tp 1 "
-                        f"--pp 1), got --tp {par.tp} --pp {par.pp}; use --engine mt for "
-                        "tensor / pipeline parallelism")
+    if par.pp > 1 and par.schedule == "interleaved":
+        problems.append(f"--engine deepspeed with --pp {par.pp} runs DeepSpeed's own 1F1B "
+                        "schedule; --schedule interleaved needs --engine mt")
     if par.precision == "fp16":
         problems.append("--engine deepspeed supports --precision fp32 or bf16, got fp16; "
                         "use --engine mt for fp16 with loss scaling")
@@ -387,9 +393,6 @@ def _deepspeed_problems(config: PretrainConfig) -> list[str]:
         problems.append(f"--rampup-start {config.train.rampup_start}: batch-size ramp-up is "
                         "not supported with --engine deepspeed (its gradient accumulation "
                         "steps are fixed)")
-    if config.checkpoint.load:
-        problems.append(f"--load {config.checkpoint.load!r}: resuming is not supported with "
-                        "--engine deepspeed yet (it saves DeepSpeed-format checkpoints)")
     return problems
 
 

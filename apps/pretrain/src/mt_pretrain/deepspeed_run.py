@@ -1,14 +1,22 @@
-"""`mt pretrain --engine deepspeed`: the same model, data and LR schedule, with DeepSpeed's
-engine (ZeRO 0-3) doing data parallelism, clipping and the optimizer step.
+"""`mt pretrain --engine deepspeed`: the same model, weights, data and LR schedule, with
+DeepSpeed's engine doing data parallelism (ZeRO 0-3), clipping and the optimizer step.
 
-Only pure data parallelism (tp = pp = 1) is supported: the DP group is the whole world,
-which is DeepSpeed's default group. :class:`DeepSpeedOptimizer` gives the engine the small
-interface the training loop uses from mt's ZeroOptimizer (``no_sync``, ``backward``,
-``step``, ``optimizer``, ``gathered``, ``full_parameters``), so the loop is unchanged.
-DeepSpeed does its own gradient accumulation: ``engine.backward`` + ``engine.step`` per
-micro-batch, the optimizer stepping on the last of ``gradient_accumulation_steps`` (fixed,
-hence no batch-size ramp-up with this engine). The loop calls the engine (not the stage)
-for forward: ZeRO-3 under DeepSpeed gives wrong gradients with accumulation otherwise.
+Layouts:
+
+- pp == 1 (any tp): ``deepspeed.initialize`` on mt's (tensor-parallel) model with an ``mpu``
+  built from mt's groups (:class:`mt_zero.deepspeed_mpu.GroupsMpu`). :class:`DeepSpeedOptimizer`
+  gives the engine the small interface the training loop uses from mt's ZeroOptimizer
+  (``no_sync``, ``backward``, ``step``, ``optimizer``, ``gathered``, ``full_parameters``):
+  ``engine.backward`` + ``engine.step`` per micro-batch, the optimizer stepping on the last of
+  ``gradient_accumulation_steps`` (fixed: no batch-size ramp-up with this engine).
+- pp > 1: mt's stage inside DeepSpeed's ``PipelineModule`` (:mod:`mt_pretrain.deepspeed_pipe`)
+  and ``PipelineEngine.train_batch`` per global batch (DeepSpeed's own 1F1B schedule, ZeRO 0/1);
+  :class:`DeepSpeedPipeOptimizer` adds ``train_batch`` for the loop.
+
+Checkpoints: DeepSpeed's ``save_checkpoint`` / ``load_checkpoint`` (model, ZeRO optimizer
+shards, its ``latest`` file) plus, per rank, mt's data-loader position and RNG states in
+``mt-rank-NNNNN.pt`` (tensors and numbers only, read with ``weights_only=True``). Resuming
+needs the same (tp, pp, dp) layout.
 """
 
 from __future__ import annotations
@@ -25,11 +33,13 @@ from mt_data import DataLoaderState
 from mt_dist import ParallelGroups
 from mt_pretrain.config import PretrainConfig
 from mt_pretrain.launch import default_cache_dir
-from mt_pretrain.plan import RunPlan
+from mt_pretrain.plan import RunPlan, sharding_styles
 from mt_zero import StepResult, ZeroConfig, decay_param_groups
 from mt_zero.deepspeed_engine import deepspeed_config, deepspeed_environ, initialize_deepspeed
+from mt_zero.deepspeed_mpu import GroupsMpu
 
-__all__ = ["DeepSpeedCheckpointer", "DeepSpeedOptimizer", "make_deepspeed_optimizer"]
+__all__ = ["DeepSpeedCheckpointer", "DeepSpeedOptimizer", "DeepSpeedPipeOptimizer",
+           "load_deepspeed_checkpoint", "make_deepspeed_optimizer"]
 
 
 class DeepSpeedOptimizer:
@@ -81,6 +91,35 @@ class DeepSpeedOptimizer:
             return {n: p.detach().float().clone() for n, p in module.named_parameters()}
 
 
+class DeepSpeedPipeOptimizer(DeepSpeedOptimizer):
+    """A ``PipelineEngine``: the loop hands it whole global batches (``train_batch``)."""
+
+    def __init__(self, engine: Any, client: torch.optim.Optimizer, stage: nn.Module,
+                 device: torch.device) -> None:
+        super().__init__(engine, client, 1)
+        self.mt_stage, self.device = stage, device
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Not used: the pipeline engine runs forward and backward in ``train_batch``."""
+        raise RuntimeError("DeepSpeed's pipeline engine trains through train_batch()")
+
+    def train_batch(self, micro: list[Any]) -> float:
+        """Forward, backward and optimizer step over this DP rank's micro-batches; returns
+        the loss averaged over micro-batches and data-parallel ranks (on every rank)."""
+        from mt_pretrain.deepspeed_pipe import micro_batches
+
+        pairs = micro_batches(micro, self.device)
+        expected = self.engine.gradient_accumulation_steps()
+        if len(pairs) != expected:
+            raise RuntimeError(f"{len(pairs)} micro-batches but DeepSpeed's "
+                               f"gradient_accumulation_steps is {expected}")
+        return float(self.engine.train_batch(iter(pairs)))
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """This stage's weights under mt's names (ZeRO 0/1 keep them whole on every rank)."""
+        return {n: p.detach().float().clone() for n, p in self.mt_stage.named_parameters()}
+
+
 def _set_environment(groups: ParallelGroups) -> None:
     """What DeepSpeed reads from the environment; launchers (torchrun, deepspeed) may have
     set it already, `--nproc` children have not."""
@@ -95,7 +134,9 @@ def _set_environment(groups: ParallelGroups) -> None:
 
 def make_deepspeed_optimizer(config: PretrainConfig, plan: RunPlan, stage: nn.Module,
                              groups: ParallelGroups) -> DeepSpeedOptimizer:
-    """``deepspeed.initialize`` on this rank's model with mt's AdamW and decay groups."""
+    """``deepspeed.initialize`` on this rank's model with mt's AdamW and decay groups:
+    a ``PipelineModule`` around the stage when pp > 1, else the stage with mt's groups as
+    DeepSpeed's ``mpu``."""
     _set_environment(groups)
     train, par = config.train, config.parallel
     client = torch.optim.AdamW(decay_param_groups(stage.named_parameters(), train.weight_decay),
@@ -106,7 +147,26 @@ def make_deepspeed_optimizer(config: PretrainConfig, plan: RunPlan, stage: nn.Mo
     accumulation = max(1, train.global_batch_size // (train.micro_batch_size * dp))
     ds_config = deepspeed_config(zero, train.micro_batch_size, accumulation, dp)
     backend = "nccl" if groups.device.type == "cuda" else "gloo"
-    engine = initialize_deepspeed(stage, client, ds_config, dist_backend=backend)
+    styles = sharding_styles(plan.gpt)
+    if plan.topology.pp > 1:
+        import deepspeed  # pants: no-infer-dep (optional engine)
+
+        from mt_pretrain.deepspeed_pipe import build_pipeline_module
+
+        deepspeed.init_distributed(dist_backend=backend)
+        # DeepSpeed sends 1/tp of each activation and all-gathers it over TP after the
+        # hop, assuming activations are replicated over TP; with sequence parallelism each
+        # TP rank holds its own sequence slice, so send them whole.
+        whole = not par.sequence_parallel
+        ds_config["pipeline"] = {"pipe_partitioned": whole, "grad_partitioned": whole}
+        module = build_pipeline_module(stage, plan, groups, styles)  # type: ignore
+        engine = initialize_deepspeed(module, client, ds_config, dist_backend=backend)
+        return DeepSpeedPipeOptimizer(engine, client, stage, groups.device)
+    for name, param in stage.named_parameters():
+        # DeepSpeed's norm counts sliced parameters on every TP rank, the rest on TP rank 0.
+        param.model_parallel = styles.get(name, "replicate") != "replicate"  # type: ignore
+    engine = initialize_deepspeed(stage, client, ds_config, dist_backend=backend,
+                                  mpu=GroupsMpu(groups))
     layout = getattr(stage, "layout", None)
     if par.zero_stage == 3 and layout is not None and layout.head and layout.tied_weight:
         # The head uses the embedding's weight outside the embedding module: ZeRO-3 must
@@ -118,20 +178,77 @@ def make_deepspeed_optimizer(config: PretrainConfig, plan: RunPlan, stage: nn.Mo
     return DeepSpeedOptimizer(engine, client, par.zero_stage)
 
 
+def _rank_file(folder: Path, rank: int) -> Path:
+    return folder / f"mt-rank-{rank:05d}.pt"
+
+
+def _find_checkpoint(path: str | Path) -> Path:
+    """The step folder ``path`` designates: itself, or the one DeepSpeed's ``latest`` names."""
+    path = Path(path)
+    if _rank_file(path, 0).is_file():
+        return path
+    latest = path / "latest"
+    if latest.is_file():
+        return path / latest.read_text(encoding="utf-8").strip()
+    raise FileNotFoundError(f"no DeepSpeed-engine checkpoint at {path} (neither "
+                            f"{_rank_file(path, 0).name} nor latest found)")
+
+
 class DeepSpeedCheckpointer:
     """Checkpoints in DeepSpeed's own format (``engine.save_checkpoint``: model, ZeRO
-    optimizer shards, its ``latest`` tag file) plus the data-loader position as client
-    state. Resuming them with ``mt pretrain --load`` is not supported yet."""
+    optimizer shards, its ``latest`` tag file) plus mt's per-rank file: layout, data-loader
+    position and RNG states (default generator, TP streams)."""
 
-    def __init__(self, root: Path, optimizer: DeepSpeedOptimizer) -> None:
-        self.root, self.optimizer = root, optimizer
+    def __init__(self, root: Path, optimizer: DeepSpeedOptimizer, groups: ParallelGroups,
+                 tracker: Any = None) -> None:
+        self.root, self.optimizer, self.groups, self.tracker = root, optimizer, groups, tracker
         self.last_saved: Path | None = None
         self.last_step: int | None = None
 
     def save(self, step: int, data_state: DataLoaderState) -> Path:
         """Write the checkpoint of ``step`` (collective); returns its folder."""
         tag = f"step-{step:08d}"
+        folder = self.root / tag
+        topo = self.groups.topology
+        mine = {"step": step, "data": data_state.to_dict(),
+                "layout": {"tp": topo.tp, "pp": topo.pp, "dp": topo.dp},
+                "rng": {"torch": torch.get_rng_state(),
+                        "tracker": self.tracker.state_dict() if self.tracker else {}}}
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f".mt-rank-{self.groups.rank:05d}.tmp"
+        torch.save(mine, tmp)
+        tmp.replace(_rank_file(folder, self.groups.rank))
+        # DeepSpeed writes `latest` (rank 0) after its shards: our files come first.
         self.optimizer.engine.save_checkpoint(str(self.root), tag=tag,
                                               client_state={"data": data_state.to_dict()})
-        self.last_saved, self.last_step = self.root / tag, step
-        return self.last_saved
+        self.last_saved, self.last_step = folder, step
+        return folder
+
+
+def load_deepspeed_checkpoint(path: str | Path, optimizer: DeepSpeedOptimizer,
+                              groups: ParallelGroups, tracker: Any = None
+                              ) -> tuple[int, DataLoaderState]:
+    """Resume a DeepSpeed-engine checkpoint (a ``step-*`` folder, or the folder holding
+    ``latest``) at the same layout; returns (step, data-loader state)."""
+    folder = _find_checkpoint(path)
+    mine_path = _rank_file(folder, groups.rank)
+    if not mine_path.is_file():
+        raise FileNotFoundError(f"{folder} has no {mine_path.name}: not a checkpoint of "
+                                "`mt pretrain --engine deepspeed` at this world size")
+    mine = torch.load(mine_path, map_location="cpu", weights_only=True)
+    topo = groups.topology
+    saved = mine["layout"]
+    if (saved["tp"], saved["pp"], saved["dp"]) != (topo.tp, topo.pp, topo.dp):
+        raise ValueError(f"{folder} was written at tp {saved['tp']} pp {saved['pp']} dp "
+                         f"{saved['dp']}; --engine deepspeed resumes only at the same layout, "
+                         f"not tp {topo.tp} pp {topo.pp} dp {topo.dp} (use --engine mt "
+                         "checkpoints to change layouts)")
+    load_path, _client = optimizer.engine.load_checkpoint(
+        str(folder.parent), tag=folder.name, load_optimizer_states=True,
+        load_lr_scheduler_states=False)
+    if load_path is None:
+        raise FileNotFoundError(f"DeepSpeed found no checkpoint in {folder}")
+    torch.set_rng_state(mine["rng"]["torch"])
+    if tracker is not None and mine["rng"]["tracker"]:
+        tracker.load_state_dict(mine["rng"]["tracker"])
+    return int(mine["step"]), DataLoaderState.from_dict(mine["data"])

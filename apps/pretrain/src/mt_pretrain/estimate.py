@@ -9,7 +9,12 @@ to mt-pipeline's simulator (the code that checks the schedules mt-pipeline runs)
 time; then the data-parallel gradient reduction and the
 memory-bound optimizer step; communication is not overlapped with compute. One calibrated
 constant, :data:`EFFICIENCY` (fraction of peak reached by the matmuls), is fitted to MT-NLG's
-published iteration times by :func:`calibrate_efficiency`.
+published iteration times by :func:`calibrate_efficiency`. Fixed costs (per layer, per
+message, per optimizer tensor, and the training framework's own per-step, per-micro-batch and
+per-parameter-tensor work) come from the :class:`~mt_pretrain.gpus.GPUSpec`: zero for
+the data-sheet GPUs, measured for a calibrated machine such as a CPU (``benchmarks/plan.py``).
+The peak memory adds to the persistent states the largest short-lived phase (backward
+buffers, optimizer-step temporaries, the shard all-gather), see :func:`_memory`.
 """
 
 from __future__ import annotations
@@ -23,17 +28,22 @@ from mt_pretrain.gpus import GPUSpec
 from mt_pretrain.layout import RECOMPUTE, Layout, LayoutError, stage_layers
 
 __all__ = ["EFFICIENCY", "MTNLG_PUBLISHED", "Estimate", "Layout", "LayoutError",
-           "activation_bytes_per_layer", "calibrate_efficiency", "estimate", "zero_bytes"]
+           "activation_bytes_per_layer", "calibrate_efficiency", "estimate", "peak_in_flight",
+           "stage_memory", "zero_bytes"]
 
 #: Fraction of peak bf16 FLOP/s the GEMMs reach; fitted by :func:`calibrate_efficiency` to
 #: MT-NLG 530B on A100-80GB (TP 8, PP 35, DP 8/10/12); the only tuned number of the model.
-EFFICIENCY = 0.506
+EFFICIENCY = 0.505
 
 #: MT-NLG 530B (Smith et al. 2022, table 1): (dp, iteration seconds, TFLOP/s per GPU).
 MTNLG_PUBLISHED: tuple[tuple[int, float, float], ...] = (
     (8, 60.1, 126.0), (10, 50.2, 121.0), (12, 44.4, 113.0))
 
 _WIDTH = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+#: Elements per gradient-reduction bucket of mt-zero (``ZeroConfig.bucket_numel``); a tensor
+#: larger than that is a bucket of its own.
+BUCKET_NUMEL = 2**22
 
 
 def zero_bytes(psi: float, dp: int, stage: int, precision: str = "bf16") -> dict[str, float]:
@@ -57,25 +67,41 @@ def zero_bytes(psi: float, dp: int, stage: int, precision: str = "bf16") -> dict
 
 def activation_bytes_per_layer(gpt: GPTConfig, micro_batch: int, tp: int,
                                sequence_parallel: bool, recompute: str,
-                               precision: str = "bf16") -> float:
+                               precision: str = "bf16", *, fused_attention: bool = False,
+                               dropout_masks: bool = True) -> float:
     """Activation bytes one transformer layer keeps per micro-batch (Korthikanti et al.).
 
     16-bit: ``sbh(10 + 24/t + 5as/(ht))`` with TP, ``sbh/t (34 + 5as/h)`` with TP + SP;
     selective recomputation drops the ``5as/h`` attention term; full recomputation keeps only
     the layer input ``2sbh`` (``/t`` with SP). fp32 doubles everything.
+
+    ``dropout_masks=False`` (no dropout: torch keeps no mask at p = 0) drops the two 1-byte
+    hidden dropout masks (``2sbh`` of the replicated ``10sbh``) and the attention-dropout mask
+    and output (``3as/h`` of the ``5as/h``); ``fused_attention`` (a kernel that recomputes
+    the scores in backward) drops the attention term as selective recomputation does.
     """
     if recompute not in RECOMPUTE:
         raise LayoutError(f"recompute {recompute!r} is not one of {RECOMPUTE}")
     s, b, h, a = gpt.seq_len, micro_batch, gpt.hidden, gpt.n_heads
     sbh = float(s * b * h)
-    attention = 0.0 if recompute == "selective" else 5.0 * a * s / h
+    scores = 5.0 if dropout_masks else 2.0
+    attention = 0.0 if recompute == "selective" or fused_attention else scores * a * s / h
+    replicated = 10.0 if dropout_masks else 8.0
     if recompute == "full":
         per_layer = 2.0 * sbh / (tp if sequence_parallel else 1)
     elif sequence_parallel:
-        per_layer = sbh / tp * (34.0 + attention)
+        per_layer = sbh / tp * (replicated + 24.0 + attention)
     else:
-        per_layer = sbh * (10.0 + 24.0 / tp + attention / tp)
+        per_layer = sbh * (replicated + 24.0 / tp + attention / tp)
     return per_layer * _WIDTH[precision] / 2
+
+
+def _layer_activations(gpt: GPTConfig, layout: Layout, gpu: GPUSpec, recompute: str) -> float:
+    """:func:`activation_bytes_per_layer` for this layout, model dropout and attention kernel."""
+    return activation_bytes_per_layer(
+        gpt, layout.micro_batch, layout.tp, layout.sequence_parallel, recompute,
+        layout.precision, fused_attention=gpu.fused_attention,
+        dropout_masks=gpt.dropout > 0 or gpt.attention_dropout > 0)
 
 
 @dataclass(frozen=True)
@@ -92,6 +118,7 @@ class Estimate:
     memory_grads_gb: float
     memory_optimizer_gb: float
     memory_activations_gb: float
+    memory_temporaries_gb: float
     gpu_memory_gb: float
     fits: bool
     model_flops_per_iteration: float
@@ -101,6 +128,7 @@ class Estimate:
     p2p_time_s: float
     dp_comm_time_s: float
     optimizer_time_s: float
+    framework_time_s: float
     iteration_time_s: float
     tflops_per_gpu: float
     tokens_per_s: float
@@ -115,27 +143,32 @@ class Estimate:
         return out
 
 
-def _stage_params(gpt: GPTConfig, layout: Layout) -> list[int]:
-    """Parameters one TP rank of each pipeline stage holds (padded, tied copy on the last)."""
+def _params_of(gpt: GPTConfig, layout: Layout, stage: int, layers: int) -> int:
+    """Parameters one TP rank of ``stage`` holds with ``layers`` transformer layers
+    (padded vocabulary, the tied copy on the last stage)."""
     h, f, t = gpt.hidden, gpt.ffn_hidden, layout.tp
     sharded = 3 * h * h + 3 * h + h * h + h * f + f + f * h  # column/row weights + col biases
     block = 4 * h + 2 * h + sharded // t  # LayerNorms and row biases are replicated
     unit = 128 * t
     vocab = -(-gpt.vocab_size // unit) * unit if t > 1 else gpt.vocab_size
-    counts = []
-    for i, layers in enumerate(stage_layers(gpt.n_layers, layout)):
-        n = layers * block
-        if i == 0 or i == layout.pp - 1:
-            n += vocab // t * h
-        if i == 0:
-            n += gpt.seq_len * h
-        if i == layout.pp - 1:
-            n += 2 * h
-        counts.append(n)
-    return counts
+    first, last = stage == 0, stage == layout.pp - 1
+    n = layers * block
+    if first or last:
+        n += vocab // t * h
+    if first:
+        n += gpt.seq_len * h
+    if last:
+        n += 2 * h
+    return n
 
 
-def _in_flight(layout: Layout) -> list[int]:
+def _stage_params(gpt: GPTConfig, layout: Layout) -> list[int]:
+    """Parameters one TP rank of each pipeline stage holds (uniform split)."""
+    return [_params_of(gpt, layout, i, n)
+            for i, n in enumerate(stage_layers(gpt.n_layers, layout))]
+
+
+def peak_in_flight(layout: Layout) -> list[int]:
     """Closed-form peak of chunk forwards alive per stage (no simulation)."""
     p, m, v = layout.pp, layout.num_micro_batches, layout.virtual_stages
     if layout.schedule == "gpipe":
@@ -145,71 +178,166 @@ def _in_flight(layout: Layout) -> list[int]:
     return [min(m * v, 2 * (p - i - 1) + (v - 1) * p + 1) for i in range(p)]
 
 
-def _memory(gpt: GPTConfig, layout: Layout, in_flight: list[int]) -> dict[str, float]:
-    """Bytes on the fullest stage, by part."""
-    t, b, prec = layout.tp, layout.micro_batch, layout.precision
-    per_layer = activation_bytes_per_layer(gpt, b, t, layout.sequence_parallel,
-                                           layout.recompute, prec)
+def _largest_param(gpt: GPTConfig, layout: Layout, stage: int) -> float:
+    """Elements of the largest parameter tensor one TP rank of ``stage`` holds."""
+    t = layout.tp
+    big = gpt.hidden * max(gpt.ffn_hidden, 3 * gpt.hidden) / t
+    if stage in (0, layout.pp - 1):
+        big = max(big, gpt.hidden * gpt.vocab_size / t)
+    return big
+
+
+def _temporaries(gpt: GPTConfig, layout: Layout, gpu: GPUSpec, stage: int,
+                 params: float) -> dict[str, float]:
+    """Short-lived bytes of the three phases that can set a stage's peak (beyond the stored
+    activations, which only the backward phase adds to)."""
+    b, t, d, width = layout.micro_batch, layout.tp, layout.dp, _WIDTH[layout.precision]
+    last, first = stage == layout.pp - 1, stage == 0
+    # Backward: the loss keeps fp32 logits / log-softmax, their gradient and the gradient of
+    # the logits (three [b, s, V/t] fp32 buffers at the start of backward); autograd creates
+    # a full gradient of the tied embedding for each use (lookup, head) before adding it
+    # into .grad: on a stage holding both ends the two and their sum (three tables) are
+    # alive together, on a stage holding either end one.
+    vocab = float(gpt.seq_len * b * gpt.vocab_size / t)
+    backward = 3.0 * 4.0 * vocab if last else 0.0
+    tables = 3 if first and last else int(first) + int(last)
+    backward += tables * gpt.hidden * gpt.vocab_size / t * width
+    # Optimizer step: a per-tensor Adam loop makes two temporaries of the piece it updates
+    # (sqrt of the second moment, then its scaled copy), fp32 like the master weights.
+    piece = _largest_param(gpt, layout, stage) / (d if layout.zero_stage >= 1 else 1)
+    step = 2.0 * 4.0 * piece
+    # Publishing the updated shards (ZeRO 1-2, dp > 1): a send copy of every shard in the
+    # compute dtype, launched together, plus the all-gather's own staging of the largest
+    # bucket's output (gloo on CPU).
+    publish = 0.0
+    if d > 1 and layout.zero_stage in (1, 2):
+        bucket = max(_largest_param(gpt, layout, stage), float(BUCKET_NUMEL))
+        publish = params / d * width + gpu.gather_scratch * bucket * width
+    return {"backward": backward, "step": step, "publish": publish}
+
+
+def stage_memory(gpt: GPTConfig, layout: Layout, gpu: GPUSpec, stage: int, layers: int,
+                 in_flight: int) -> dict[str, float]:
+    """Bytes on one rank of pipeline ``stage`` (``layers`` transformer layers, ``in_flight``
+    chunk forwards alive at its peak), by part: ``weights``, ``grads``, ``optimizer``,
+    ``activations``, ``temporaries`` (what the peak phase adds), ``total``; and ``params``.
+
+    The peak is the persistent states (:func:`zero_bytes`) plus the largest of three
+    phases: backward (stored activations of the in-flight micro-batches plus the loss and
+    tied-gradient buffers), the optimizer step's temporaries, and publishing the shards.
+    ``mt plan`` and ``mt pretrain --dry-run`` both use it.
+    """
+    per_layer = _layer_activations(gpt, layout, gpu, layout.recompute)
     # While recomputing, one layer's full activations exist again (the working set).
-    working = (activation_bytes_per_layer(gpt, b, t, layout.sequence_parallel, "none", prec)
+    working = (_layer_activations(gpt, layout, gpu, "none")
                if layout.recompute == "full" else 0.0)
-    best: dict[str, float] = {}
-    params = _stage_params(gpt, layout)
+    params = _params_of(gpt, layout, stage, layers)
+    parts = zero_bytes(params, layout.dp, layout.zero_stage, layout.precision)
+    acts = per_layer * layers / layout.virtual_stages * in_flight + working
+    temps = _temporaries(gpt, layout, gpu, stage, float(params))
+    peak = max(acts + temps["backward"], temps["step"], temps["publish"])
+    parts["activations"] = acts
+    parts["temporaries"] = peak - acts if peak > acts else 0.0
+    parts["total"] += acts + parts["temporaries"]
+    parts["params"] = float(params)
+    return parts
+
+
+def _memory(gpt: GPTConfig, layout: Layout, gpu: GPUSpec,
+            in_flight: list[int]) -> dict[str, float]:
+    """:func:`stage_memory` of the fullest stage."""
+    stages = [stage_memory(gpt, layout, gpu, i, n, in_flight[i])
+              for i, n in enumerate(stage_layers(gpt.n_layers, layout))]
+    return max(stages, key=lambda parts: parts["total"])
+
+
+def _stage_tensors(gpt: GPTConfig, layout: Layout) -> list[int]:
+    """Parameter tensors of each stage (12 per layer, 2 embeddings, final LayerNorm 2)."""
+    out = []
     for i, layers in enumerate(stage_layers(gpt.n_layers, layout)):
-        parts = zero_bytes(params[i], layout.dp, layout.zero_stage, prec)
-        chunk_layers = layers / layout.virtual_stages
-        acts = per_layer * chunk_layers * in_flight[i] + working
-        if i == layout.pp - 1:  # fp32 logits for the loss, one micro-batch
-            acts += 4.0 * gpt.seq_len * b * gpt.vocab_size / t
-        parts["activations"] = acts
-        parts["total"] += acts
-        parts["params"] = float(params[i])
-        if not best or parts["total"] > best["total"]:
-            best = parts
-    return best
+        out.append(12 * layers + (2 if i == 0 else 0) + (3 if i == layout.pp - 1 else 0))
+    return out
 
 
 def _times(gpt: GPTConfig, layout: Layout, gpu: GPUSpec, efficiency: float) -> dict:
     """Per-stage chunk forward / backward seconds, P2P, TP and DP communication."""
     s, b, h, f, t = gpt.seq_len, layout.micro_batch, gpt.hidden, gpt.ffn_hidden, layout.tp
     width = _WIDTH[layout.precision]
+    lat = gpu.link_latency_s
     layer_fwd = b * s * (8.0 * h * h + 4.0 * h * f) + 4.0 * b * s * s * h
     recompute = {"full": layer_fwd, "selective": 4.0 * b * s * s * h, "none": 0.0}
     speed = t * gpu.peak_flops * efficiency
     message = float(b * s * h * width)
     intra = t <= gpu.gpus_per_node
     tp_bw = gpu.nvlink_bytes_per_s if intra else gpu.ib_bytes_per_s
-    allreduce = 2.0 * (t - 1) / t * message / tp_bw
+    allreduce = 2.0 * (t - 1) / t * message / tp_bw + lat if t > 1 else 0.0
     n_recomp = 2 if layout.recompute == "full" else 0
     # Elementwise ops (LayerNorm, GeLU, softmax, dropout, residuals) are memory bound: the
     # forward writes about the bytes Korthikanti counts as stored, backward reads and writes
     # them again (twice the traffic), a full recompute writes them once more.
-    traffic = activation_bytes_per_layer(gpt, b, t, layout.sequence_parallel, "none",
-                                         layout.precision) / gpu.memory_bytes_per_s
+    traffic = _layer_activations(gpt, layout, gpu, "none") / gpu.memory_bytes_per_s
     ew_bwd = 2.0 + (1.0 if layout.recompute == "full" else 0.0)
+    # Fixed costs (operator dispatch): a third in forward, the rest in backward; a full
+    # recompute runs the layer's forward once more.
+    over_f = gpu.layer_overhead_s / 3.0
+    over_b = 2.0 * over_f + (over_f if layout.recompute == "full" else 0.0)
+    # The loss reads the fp32 logits and writes the log-softmax (about 3 passes over
+    # [b, s, V/t] in forward, 4 in backward).
+    logits = 4.0 * b * s * gpt.vocab_size / t / gpu.memory_bytes_per_s
+    # Every backward builds a dense gradient of the tied embedding for each use (the lookup:
+    # zero-fill; the head: a GEMM output) and adds it into .grad (read, read, write); with
+    # both uses on one stage autograd first sums the two (3 more passes).
+    # Each of those dense gradients is a fresh buffer of the table's size (first touch).
+    table_bytes = gpt.vocab_size / t * h * width
+    table = table_bytes / gpu.memory_bytes_per_s
+    fresh = gpu.first_touch_s(table_bytes)
     fwd, bwd = [], []
     for i, layers in enumerate(stage_layers(gpt.n_layers, layout)):
         n = layers / layout.virtual_stages
-        head = 2.0 * b * s * h * gpt.vocab_size if i == layout.pp - 1 else 0.0
-        fwd.append((n * layer_fwd + head) / speed + n * (2 * allreduce + traffic))
+        first, last = i == 0, i == layout.pp - 1
+        head = 2.0 * b * s * h * gpt.vocab_size if last else 0.0
+        head_over = gpu.head_overhead_s if last else 0.0
+        tied = (table * (4.0 * first + 3.0 * last + 3.0 * (first and last))
+                + fresh * (first + last + (first and last)))
+        # Framework work per micro-batch (loading, executor): a third in forward.
+        micro = gpu.micro_batch_overhead_s
+        fwd.append((n * layer_fwd + head) / speed + n * (2 * allreduce + traffic + over_f)
+                   + (head_over + micro) / 3.0 + 3.0 * logits * last)
         bwd.append((n * (2 * layer_fwd + recompute[layout.recompute]) + 2 * head) / speed
-                   + n * ((2 + n_recomp) * allreduce + ew_bwd * traffic))
+                   + n * ((2 + n_recomp) * allreduce + ew_bwd * traffic + over_b)
+                   + (head_over + micro) * 2.0 / 3.0 + 4.0 * logits * last + tied)
     one_node = layout.world_size <= gpu.gpus_per_node
     p2p_bw = gpu.nvlink_bytes_per_s if one_node else gpu.ib_bytes_per_s
-    p2p = message / t / p2p_bw if layout.pp > 1 else 0.0  # scatter-gather: 1/t per TP rank
+    # scatter-gather: 1/t per TP rank
+    p2p = message / t / p2p_bw + lat if layout.pp > 1 else 0.0
+    # Tied embedding: its gradient is summed over the first and last stage every step.
+    tied = (gpt.vocab_size / t * h * width / p2p_bw + lat) if layout.pp > 1 else 0.0
     d = layout.dp
     dp_bw = gpu.nvlink_bytes_per_s if t * d <= gpu.gpus_per_node else gpu.ib_bytes_per_s
     grads = max(_stage_params(gpt, layout)) * width
-    volume = 3.0 if layout.zero_stage == 3 else 2.0  # ZeRO-3 gathers weights twice more
-    dp_time = volume * (d - 1) / d * grads / dp_bw if d > 1 else 0.0
+    # Stage 0 all-reduces (2 (d-1)/d of the gradients); stage 1 all-reduces and all-gathers
+    # the updated weights (3); stage 2 reduce-scatters and all-gathers (2); stage 3 also
+    # gathers the weights for forward and backward (3).
+    volume = {0: 2.0, 1: 3.0, 2: 2.0, 3: 3.0}[layout.zero_stage]
+    buckets = max(1.0, grads / width / BUCKET_NUMEL)
+    messages = volume * buckets  # about one message per bucket and pass
+    dp_time = volume * (d - 1) / d * grads / dp_bw + messages * lat if d > 1 else 0.0
+    # Small collectives every step: the loss mean, the gradient norm, the loss broadcast.
+    dp_time += 3.0 * lat if layout.world_size > 1 else 0.0
     m = layout.num_micro_batches
     tp_total = m * sum(stage_layers(gpt.n_layers, layout)) / layout.pp * (4 + n_recomp) * (
         allreduce)
-    # Adam step, memory bound: ~32 bytes read + written per parameter of the rank's shard.
-    shard = max(_stage_params(gpt, layout)) / (d if layout.zero_stage >= 1 else 1)
-    optimizer = 32.0 * shard / gpu.memory_bytes_per_s
+    # Adam step: throughput per parameter of the rank's shard, plus a fixed cost per tensor.
+    shard_div = d if layout.zero_stage >= 1 else 1
+    shard = max(_stage_params(gpt, layout)) / shard_div
+    # Sharding splits the tensors over the ranks; a tensor cut by a shard edge counts twice.
+    tensors = max(_stage_tensors(gpt, layout)) / shard_div + (shard_div > 1) * buckets
+    optimizer = shard / gpu.adam_params_per_s + tensors * gpu.tensor_overhead_s
+    # Framework work per step and per parameter tensor (hooks, bucket bookkeeping).
+    framework = (gpu.step_overhead_s
+                 + max(_stage_tensors(gpt, layout)) * gpu.param_overhead_s)
     return {"fwd": fwd, "bwd": bwd, "p2p": p2p, "dp": dp_time, "tp": tp_total,
-            "optimizer": optimizer}
+            "optimizer": optimizer, "tied": tied, "framework": framework}
 
 
 def estimate(gpt: GPTConfig, layout: Layout, gpu: GPUSpec, efficiency: float = EFFICIENCY,
@@ -227,16 +355,17 @@ def estimate(gpt: GPTConfig, layout: Layout, gpu: GPUSpec, efficiency: float = E
     if simulate_pipeline:
         schedule = get_schedule(layout.schedule, p, m, v)
         sim = simulate(schedule, forward_time=times["fwd"], backward_time=times["bwd"],
-                       p2p_time=times["p2p"])
+                       p2p_time=times["p2p"], reduce_time=times["tied"])
         pipeline_time, in_flight = sim.pipeline_time, list(sim.peak_in_flight)
         bubble = max(sim.bubble_fraction)
     else:
         step = max(times["fwd"]) + max(times["bwd"])
         bubble = (p - 1) / (v * m)
-        pipeline_time = m * v * step * (1 + bubble) + 2 * (p - 1) * times["p2p"] * v
-        in_flight = _in_flight(layout)
-    mem = _memory(gpt, layout, in_flight)
-    iteration = pipeline_time + times["dp"] + times["optimizer"]
+        pipeline_time = (m * v * step * (1 + bubble) + 2 * (p - 1) * times["p2p"] * v
+                         + times["tied"])
+        in_flight = peak_in_flight(layout)
+    mem = _memory(gpt, layout, gpu, in_flight)
+    iteration = pipeline_time + times["dp"] + times["optimizer"] + times["framework"]
     flops = model_flops_per_iteration(gpt, layout.global_batch)
     gb = 1e9
     return Estimate(
@@ -244,11 +373,13 @@ def estimate(gpt: GPTConfig, layout: Layout, gpu: GPUSpec, efficiency: float = E
         parameters=count_parameters(gpt), parameters_per_gpu=int(mem["params"]),
         memory_per_gpu_gb=mem["total"] / gb, memory_weights_gb=mem["weights"] / gb,
         memory_grads_gb=mem["grads"] / gb, memory_optimizer_gb=mem["optimizer"] / gb,
-        memory_activations_gb=mem["activations"] / gb, gpu_memory_gb=gpu.memory_bytes / gb,
+        memory_activations_gb=mem["activations"] / gb,
+        memory_temporaries_gb=mem["temporaries"] / gb, gpu_memory_gb=gpu.memory_bytes / gb,
         fits=mem["total"] <= gpu.memory_bytes, model_flops_per_iteration=flops,
         bubble_fraction=bubble, pipeline_time_s=pipeline_time, tp_comm_time_s=times["tp"],
         p2p_time_s=times["p2p"] * 2 * (m * v + p - 1) if p > 1 else 0.0,
         dp_comm_time_s=times["dp"], optimizer_time_s=times["optimizer"],
+        framework_time_s=times["framework"],
         iteration_time_s=iteration,
         tflops_per_gpu=flops / (iteration * layout.world_size) / 1e12,
         tokens_per_s=layout.global_batch * gpt.seq_len / iteration,

@@ -30,6 +30,36 @@ class GPUSpec:
         ib_bytes_per_s: inter-node bandwidth per GPU and direction, bytes/s.
         gpus_per_node: GPUs sharing one NVLink domain.
         memory_bytes_per_s: device memory bandwidth (elementwise ops, optimizer step).
+
+    The remaining fields describe fixed costs that data sheets do not give; they default to
+    0 (negligible at the scale of the built-in GPUs, and MT-NLG's calibration assumes so) and
+    are measured on a machine by a calibration, e.g. ``benchmarks/plan.py`` on a CPU:
+
+        layer_overhead_s: fixed seconds of one transformer layer's forward + backward per
+            micro-batch beyond its FLOPs and bytes (operator dispatch, kernel launches);
+            the forward takes a third of it.
+        head_overhead_s: the same for the embedding, final LayerNorm, output head and loss.
+        link_latency_s: fixed seconds of one collective or point-to-point message.
+        tensor_overhead_s: fixed seconds per parameter tensor of the optimizer step (a
+            per-tensor Adam loop and gradient norm).
+        optimizer_params_per_s: Adam step throughput in parameters per second; 0 means
+            memory bound at ``memory_bytes_per_s`` (32 bytes per parameter).
+        alloc_bytes_per_s: rate at which a freshly allocated large buffer is first touched
+            (page faults on a CPU, where such buffers come straight from the kernel); 0
+            means free, as with a GPU's caching allocator.
+        step_overhead_s: fixed seconds of the training framework per optimizer step beyond
+            the modelled compute and messages (loss bookkeeping, metrics, the ZeRO
+            wrapper's per-step work).
+        micro_batch_overhead_s: the same per micro-batch on each stage (data loading,
+            batch assembly, the pipeline executor's per-micro-batch work); a third in
+            forward.
+        param_overhead_s: the same per parameter tensor of a stage per step (gradient
+            hooks and bucket bookkeeping of the data-parallel wrapper).
+        gather_scratch: scratch bytes an all-gather allocates per byte of its output (gloo
+            on CPU stages the output in a buffer of its own: 1; NCCL: 0).
+        fused_attention: the attention kernel never stores the s x s scores (flash /
+            memory-efficient scaled-dot-product attention, as torch picks on CPU): the
+            ``5as/h`` activation term is dropped as with selective recomputation.
     """
 
     name: str
@@ -39,12 +69,35 @@ class GPUSpec:
     ib_bytes_per_s: float
     gpus_per_node: int = 8
     memory_bytes_per_s: float = 2.0e12
+    layer_overhead_s: float = 0.0
+    head_overhead_s: float = 0.0
+    link_latency_s: float = 0.0
+    tensor_overhead_s: float = 0.0
+    optimizer_params_per_s: float = 0.0
+    alloc_bytes_per_s: float = 0.0
+    step_overhead_s: float = 0.0
+    micro_batch_overhead_s: float = 0.0
+    param_overhead_s: float = 0.0
+    gather_scratch: float = 0.0
+    fused_attention: bool = False
 
     def __post_init__(self) -> None:
-        bad = [f"{f.name} {getattr(self, f.name)!r}" for f in fields(self)
-               if f.name != "name" and not getattr(self, f.name) > 0]
+        names = [f.name for f in fields(self)]
+        positive = names[1:names.index("layer_overhead_s")]
+        costs = names[names.index("layer_overhead_s"):names.index("fused_attention")]
+        bad = [f"{n} {getattr(self, n)!r}" for n in positive if not getattr(self, n) > 0]
+        bad += [f"{n} {getattr(self, n)!r} (>= 0)" for n in costs if not getattr(self, n) >= 0]
         if bad:
             raise GPUSpecError(f"GPU {self.name!r}: these must be positive: {', '.join(bad)}")
+
+    @property
+    def adam_params_per_s(self) -> float:
+        """Parameters per second of the Adam step (measured, or memory bound)."""
+        return self.optimizer_params_per_s or self.memory_bytes_per_s / 32.0
+
+    def first_touch_s(self, nbytes: float) -> float:
+        """Seconds to fault in ``nbytes`` of freshly allocated memory (0 if free)."""
+        return nbytes / self.alloc_bytes_per_s if self.alloc_bytes_per_s else 0.0
 
 
 _GiB = 2.0**30

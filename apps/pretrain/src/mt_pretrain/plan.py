@@ -14,10 +14,13 @@ from mt_dist import Topology, TopologyError
 from mt_model import GPTConfig, count_parameters, model_flops_per_token_training
 from mt_pipeline import PartitionError, PipelineConfig, PipelinePlan, ScheduleError, plan_pipeline
 from mt_pretrain.config import DEFAULT_TRAIN_STEPS, ConfigError, PretrainConfig
-from mt_pretrain.estimate import activation_bytes_per_layer, zero_bytes
-from mt_tensor_parallel import check_divisibility, padded_vocab_size, param_styles
+from mt_pretrain.estimate import peak_in_flight, stage_memory
+from mt_pretrain.gpus import GPUSpec
+from mt_pretrain.layout import Layout
+from mt_tensor_parallel import check_divisibility, param_styles
 
-__all__ = ["RunPlan", "describe", "memory_estimate", "resolve"]
+__all__ = ["RunPlan", "describe", "memory_estimate", "plan_layout", "resolve", "runtime_spec"]
+
 
 @dataclass(frozen=True)
 class RunPlan:
@@ -130,50 +133,44 @@ def resolve(config: PretrainConfig, world_size: int) -> RunPlan:
     return RunPlan(topology, gpt, pipeline, stages, rampup, steps, samples)
 
 
-def stage_parameter_count(plan: RunPlan, stage: int) -> int:
-    """Parameters one TP rank of pipeline ``stage`` holds (with vocabulary padding)."""
-    gpt, tp = plan.gpt, plan.topology.tp
-    h, f = gpt.hidden, gpt.ffn_hidden
-    block = 4 * h + 3 * h * h + 3 * h + h * h + h + h * f + f + f * h + h
-    per_block_local = (4 * h + 2 * h  # LayerNorms and row-parallel biases: replicated
-                       + (block - 4 * h - 2 * h) // tp)
-    sp = plan.stages.stages[stage]
-    count = sp.num_layers * per_block_local
-    vocab = padded_vocab_size(gpt.vocab_size, tp) if tp > 1 else gpt.vocab_size
-    if sp.has_embedding or sp.has_head:
-        count += vocab // tp * h  # the tied embedding (a copy on the last stage)
-    if sp.has_embedding:
-        count += gpt.seq_len * h
-    if sp.has_head:
-        count += 2 * h  # final LayerNorm
-    return count
+def plan_layout(config: PretrainConfig, plan: RunPlan) -> Layout:
+    """The :class:`~mt_pretrain.layout.Layout` (``mt plan``'s description) of this run."""
+    par, topo, pipe = config.parallel, plan.topology, plan.pipeline
+    return Layout(topo.tp, topo.pp, topo.dp, config.train.global_batch_size,
+                  config.train.micro_batch_size, par.zero_stage, pipe.schedule,
+                  pipe.virtual_stages, par.sequence_parallel,
+                  "full" if par.activation_checkpointing else "none", par.precision)
 
 
-def memory_estimate(config: PretrainConfig, plan: RunPlan, stage: int) -> dict[str, float]:
-    """Bytes per rank of pipeline ``stage``: weights, gradients, optimizer, activations.
+def runtime_spec(device: str) -> GPUSpec:
+    """What the memory estimate needs to know of the device ``mt pretrain`` runs on.
 
-    Weights / gradients in the compute dtype; fp32 master copy (unless fp32) plus Adam's two
-    moments sharded by ZeRO stage over dp (:func:`mt_pretrain.estimate.zero_bytes`).
-    Activations: Korthikanti et al. 2022 per layer
-    (:func:`mt_pretrain.estimate.activation_bytes_per_layer`, with or without sequence
-    parallelism, full recomputation when activation checkpointing), times the micro-batches a
-    stage holds at once (all of them for GPipe, up to pp for 1F1B).
+    Only the memory-relevant traits matter here (the speeds are placeholders): torch's
+    scaled-dot-product attention never stores the scores on CPU or CUDA (fused), and gloo
+    (CPU) stages an all-gather's output in a buffer of its own, NCCL does not.
     """
-    # The same formulas as `mt plan`, applied to this run's stages.
-    par, topo = config.parallel, plan.topology
-    psi = stage_parameter_count(plan, stage)
-    parts = zero_bytes(psi, topo.dp, par.zero_stage, par.precision)
-    weights, grads, optimizer = parts["weights"], parts["grads"], parts["optimizer"]
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return GPUSpec(device, 1.0, float("inf"), 1.0, 1.0, 1, 1.0,
+                   gather_scratch=1.0 if device == "cpu" else 0.0, fused_attention=True)
+
+
+def memory_estimate(config: PretrainConfig, plan: RunPlan, stage: int,
+                    gpu: GPUSpec | None = None) -> dict[str, float]:
+    """Bytes per rank of pipeline ``stage``: ``weights``, ``grads``, ``optimizer``,
+    ``activations``, ``temporaries``, ``total`` (and ``params``).
+
+    The very estimator ``mt plan`` uses (:func:`mt_pretrain.estimate.stage_memory`: ZeRO
+    sharding, Korthikanti activations times the chunk forwards the schedule keeps alive, the
+    largest short-lived phase), applied to this run's stages on ``gpu`` (default: the
+    run's own device, :func:`runtime_spec`).
+    """
+    layout = plan_layout(config, plan)
+    gpu = gpu if gpu is not None else runtime_spec(config.parallel.device)
     layers = plan.stages.stages[stage].num_layers
-    per_layer = activation_bytes_per_layer(
-        plan.gpt, config.train.micro_batch_size, topo.tp, par.sequence_parallel,
-        "full" if par.activation_checkpointing else "none", par.precision)
-    m = plan.pipeline.num_micro_batches
-    in_flight = m if plan.pipeline.schedule == "gpipe" else min(m, topo.pp - stage)
-    activations = per_layer * layers * in_flight
-    total = weights + grads + optimizer + activations
-    return {"weights": weights, "grads": grads, "optimizer": optimizer,
-            "activations": activations, "total": total, "params": float(psi)}
+    return stage_memory(plan.gpt, layout, gpu, stage, layers, peak_in_flight(layout)[stage])
 
 
 def _gib(n: float) -> str:
@@ -215,7 +212,8 @@ def describe(config: PretrainConfig, plan: RunPlan, max_ranks: int = 32) -> str:
             f"  stage {sp.stage}: layers {chunks} {ends.strip()}; {int(mem['params']):,} "
             f"parameters per rank; memory per rank ~{_gib(mem['total'])} (weights "
             f"{_gib(mem['weights'])}, grads {_gib(mem['grads'])}, optimizer "
-            f"{_gib(mem['optimizer'])}, activations {_gib(mem['activations'])})")
+            f"{_gib(mem['optimizer'])}, activations {_gib(mem['activations'])}, temporaries "
+            f"{_gib(mem['temporaries'])})")
     lines.append("groups")
     for kind in ("tp", "dp", "pp", "embedding"):
         groups = getattr(topo, f"{kind}_groups")()

@@ -25,13 +25,17 @@ JSON_KEYS: dict[str, str] = {
     "gpu, gpu_memory_gb": "GPU type and its memory (GB = 1e9 bytes)",
     "efficiency": "calibrated fraction of peak FLOP/s reached by the matmuls",
     "parameters, parameters_per_gpu": "model parameters; on the fullest GPU",
-    "memory_per_gpu_gb": "total on the fullest GPU, = memory_weights_gb + memory_grads_gb + "
-                         "memory_optimizer_gb + memory_activations_gb",
+    "memory_per_gpu_gb": "peak on the fullest GPU, = memory_weights_gb + memory_grads_gb + "
+                         "memory_optimizer_gb + memory_activations_gb + memory_temporaries_gb "
+                         "(what the peak phase adds: loss and tied-gradient buffers, optimizer "
+                         "step temporaries or the shard all-gather)",
     "fits": "memory_per_gpu_gb <= gpu_memory_gb",
     "model_flops_per_iteration": "96 B s l h^2 (1 + s/6h + V/16lh)",
     "bubble_fraction": "pipeline bubble / ideal compute, worst stage (simulated)",
-    "pipeline_time_s, tp_comm_time_s, p2p_time_s, dp_comm_time_s, optimizer_time_s":
-        "time components (TP and P2P happen inside the pipeline time)",
+    "pipeline_time_s, tp_comm_time_s, p2p_time_s, dp_comm_time_s, optimizer_time_s, "
+    "framework_time_s": "time components (TP and P2P happen inside the pipeline time; "
+        "framework: the calibrated per-step and per-tensor cost of the training code, 0 "
+        "for the built-in GPUs)",
     "iteration_time_s, tflops_per_gpu, tokens_per_s": "the estimated speed; TFLOP/s by the "
         "formula above (it counts a full recompute, as MT-NLG reported)",
     "simulated": "true when the schedule ran through mt-pipeline's simulator",
@@ -89,13 +93,15 @@ def _report(est: Estimate) -> str:
         f"parameters  {est.parameters:,} total, {est.parameters_per_gpu:,} on the fullest GPU",
         f"memory      {est.memory_per_gpu_gb:.2f} GB per GPU (weights "
         f"{est.memory_weights_gb:.2f}, grads {est.memory_grads_gb:.2f}, optimizer "
-        f"{est.memory_optimizer_gb:.2f}, activations {est.memory_activations_gb:.2f}) of "
+        f"{est.memory_optimizer_gb:.2f}, activations {est.memory_activations_gb:.2f}, "
+        f"temporaries {est.memory_temporaries_gb:.2f}) of "
         f"{est.gpu_memory_gb:.1f} GB: " + ("fits" if est.fits else "DOES NOT FIT"),
         f"flops       {est.model_flops_per_iteration:.4g} model FLOPs per iteration",
         f"pipeline    bubble fraction {est.bubble_fraction:.3f}; pipeline "
         f"{est.pipeline_time_s:.3f} s (TP comm {est.tp_comm_time_s:.3f} s, P2P "
         f"{est.p2p_time_s:.3f} s inside), DP comm {est.dp_comm_time_s:.3f} s, optimizer "
-        f"{est.optimizer_time_s:.3f} s",
+        f"{est.optimizer_time_s:.3f} s" + (f", framework {est.framework_time_s:.3f} s"
+                                           if est.framework_time_s else ""),
         f"speed       {est.iteration_time_s:.3f} s per iteration, {est.tflops_per_gpu:.1f} "
         f"TFLOP/s per GPU, {est.tokens_per_s:,.0f} tokens/s",
         f"assumes     matmuls at {est.efficiency} x peak bf16 FLOP/s (one constant, "

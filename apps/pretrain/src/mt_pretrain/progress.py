@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -16,6 +17,12 @@ from rich.progress import (
 )
 
 __all__ = ["Reporter"]
+
+
+def _mfu(stats: Any) -> str:
+    """``MFU 12.3%`` (model FLOPs utilization of this step; ``MFU n/a`` without a peak)."""
+    mfu = getattr(stats, "mfu", float("nan"))
+    return "MFU n/a" if math.isnan(mfu) else f"MFU {100 * mfu:.1f}%"
 
 
 class Reporter:
@@ -60,7 +67,7 @@ class Reporter:
         self._tokens_per_s = rate if self._tokens_per_s is None else (
             0.8 * self._tokens_per_s + 0.2 * rate)
         info = (f"loss {stats.loss:.4f} lr {stats.lr:.1e} {self._tokens_per_s:,.0f} tok/s "
-                f"{stats.tflops_per_rank * 1e3:.2f} GFLOP/s/rank")
+                f"{_mfu(stats)} {stats.tflops_per_rank * 1e3:.2f} GFLOP/s/rank")
         if self._progress is not None:
             self._progress.update(self._task, completed=stats.step, info=info)
         elif stats.step % self.log_interval == 0 or stats.step == self.total:

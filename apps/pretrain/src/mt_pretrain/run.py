@@ -108,7 +108,12 @@ def _train(config: PretrainConfig, plan: RunPlan, groups: ParallelGroups, device
     built = build(config, plan, groups, device)
     paths = ensure_data(config, cache_dir)
     start_step, state = 0, DataLoaderState()
-    if ckpt.load:
+    if ckpt.load and config.parallel.engine == "deepspeed":
+        from mt_pretrain.deepspeed_run import load_deepspeed_checkpoint
+
+        start_step, state = load_deepspeed_checkpoint(ckpt.load, built.optimizer, groups,
+                                                      built.tracker)
+    elif ckpt.load:
         start_step, state = load(ckpt.load, config, plan, groups, built)
     loader, valid = make_loaders(config, plan, paths, groups.dp_rank, state)
     reporter = Reporter(plan.train_steps, start_step, rank0, ckpt.progress, ckpt.log_interval)
@@ -121,7 +126,7 @@ def _train(config: PretrainConfig, plan: RunPlan, groups: ParallelGroups, device
     if ckpt.save_dir is not None and config.parallel.engine == "deepspeed":
         from mt_pretrain.deepspeed_run import DeepSpeedCheckpointer
 
-        saver = DeepSpeedCheckpointer(ckpt.save_dir, built.optimizer)
+        saver = DeepSpeedCheckpointer(ckpt.save_dir, built.optimizer, groups, built.tracker)
     elif ckpt.save_dir is not None:
         saver = Checkpointer(ckpt.save_dir, ckpt.keep_last, config, plan, groups, built)
 

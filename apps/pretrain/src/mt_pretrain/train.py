@@ -28,6 +28,7 @@ from mt_pretrain.build import Built
 from mt_pretrain.config import PretrainConfig
 from mt_pretrain.data import to_batch
 from mt_pretrain.evaluate import evaluate
+from mt_pretrain.mfu import measure_peak_flops, model_flops_utilization
 from mt_pretrain.plan import RunPlan
 from mt_pretrain.schedule import LRSchedule
 from mt_zero.precision import compute_dtype
@@ -52,6 +53,7 @@ class StepStats:
     grad_norm: float
     step_time: float
     tflops_per_rank: float
+    mfu: float
     skipped: bool
     loss_scale: float
     val_loss: float | None = None
@@ -102,6 +104,10 @@ class Trainer:
         self.activation_shape = (train.micro_batch_size, seq, gpt.hidden)
         self._executors: dict[int, PipelineExecutor] = {}
         self._flops_per_token = model_flops_per_token_training(gpt)
+        # MFU denominator: given, or probed once on rank 0 (the rank that reports it).
+        peak = config.checkpoint.peak_tflops
+        self._peak_flops = peak * 1e12 if peak is not None else (
+            measure_peak_flops(self.dtype, self.device) if groups.rank == 0 else float("nan"))
         # fp16 through the pipeline executor: the loss module itself applies the loss scale
         # (on the last stage); the loss every stage receives is then scaled too.
         self._scale_in_loss = config.parallel.precision == "fp16" and plan.topology.pp > 1
@@ -162,8 +168,12 @@ class Trainer:
         for group in opt.optimizer.param_groups:
             group["lr"] = lr
         micro = self.loader.next()
-        local = self._pipeline_loss(micro) if self.plan.topology.pp > 1 else \
-            self._accumulate_loss(micro)
+        if hasattr(opt, "train_batch"):  # DeepSpeed's pipeline engine runs the schedule
+            local = opt.train_batch(micro)
+        elif self.plan.topology.pp > 1:
+            local = self._pipeline_loss(micro)
+        else:
+            local = self._accumulate_loss(micro)
         loss = self._mean_over_dp(local)
         if not math.isfinite(loss) and opt.scaler is None:
             raise NonFiniteLossError(
@@ -174,11 +184,13 @@ class Trainer:
         elapsed = time.perf_counter() - start
         tokens_per_s = global_batch * seq / elapsed
         world = self.plan.topology.world_size
+        flops_per_rank = self._flops_per_token * tokens_per_s / world
         return StepStats(
             step=self.loader.state.step, loss=loss, lr=lr, global_batch_size=global_batch,
             tokens=tokens, tokens_per_s=tokens_per_s, grad_norm=result.grad_norm,
             step_time=elapsed,
-            tflops_per_rank=self._flops_per_token * tokens_per_s / world / 1e12,
+            tflops_per_rank=flops_per_rank / 1e12,
+            mfu=model_flops_utilization(flops_per_rank, self._peak_flops),
             skipped=result.skipped, loss_scale=result.loss_scale)
 
     def _accumulate_loss(self, micro: list[Any]) -> float:

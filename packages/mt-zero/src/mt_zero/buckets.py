@@ -6,7 +6,7 @@ depends on the ZeRO stage (N = data-parallel size, "shard" = this rank's 1/N of 
 as laid out by :func:`mt_zero.partition.partition`):
 
 =====  ====================  ==========================  ===================================
-stage  compute parameters    gradients at rest           fp32 master weights
+stage  compute parameters    gradients during a step     fp32 master weights
 =====  ====================  ==========================  ===================================
 0      full                  full flat (``p.grad`` views)  full (not sharded)
 1      full                  full flat (``p.grad`` views)  shard
@@ -17,6 +17,13 @@ stage  compute parameters    gradients at rest           fp32 master weights
 
 In fp32 the master shard aliases the compute parameters (no second copy).
 Gradient reduction averages over the group: gradients are divided by N, then summed.
+
+Gradient storage exists only from the first gradient of a backward until the optimizer step
+(:meth:`FlatBucket.zero_grad` releases it), so the forward pass -- where activations peak --
+runs without it. Stages 0-1 allocate the flat buffer when the bucket's first gradient
+arrives and copy each gradient autograd produced into its slot (:meth:`FlatBucket.absorb`),
+which frees autograd's tensor at once (a bucket of one parameter keeps autograd's tensor as
+its buffer: no copy at all); later accumulation is in place into the view.
 """
 
 from __future__ import annotations
@@ -100,13 +107,10 @@ class FlatBucket:
         else:
             self.master = flat32[self.start : self.end].clone()
         del flat32
+        # Both are allocated lazily and released by zero_grad (see the module docstring):
+        # stages 0-1 the full flat gradient, stages 2-3 the reduced shard.
         self.flat_grad: torch.Tensor | None = None
         self.shard_grad: torch.Tensor | None = None
-        if stage < 2:
-            self.flat_grad = torch.zeros_like(self.flat_param)
-            self._attach_grad_views()
-        else:
-            self.shard_grad = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
 
     # ---------------------------------------------------------------- parameters (stage 3)
     @property
@@ -165,10 +169,48 @@ class FlatBucket:
         return all_gather_flat(self.flat_param, send, self.group)
 
     # --------------------------------------------------------------------------- gradients
+    def _grad_buffer(self) -> torch.Tensor:
+        """Stages 0-1: the flat gradient, allocated now if it was released.
+
+        Left uninitialized: a parameter's slot is valid only while ``p.grad`` is its view
+        (:meth:`_attach_grad_views` fills the others), so no pass zeroes memory that
+        gradients are about to overwrite. The padding is zeroed: it is reduced too.
+        """
+        if self.flat_grad is None:
+            self.flat_grad = torch.empty(
+                self.layout.padded_numel, dtype=self.dtype, device=self.device)
+            self.flat_grad[self.layout.numel :].zero_()
+        return self.flat_grad
+
+    def absorb(self, position: int) -> None:
+        """Autograd just accumulated ``params[position].grad``: move it into the flat buffer.
+
+        Stages 0-1 only (stages 2-3 copy at reduction time). The first gradient of a step is
+        a tensor autograd allocated; copying it into its slot and pointing ``.grad`` at the
+        slot frees that tensor right away, and later accumulation happens in place.
+        """
+        p = self.params[position]
+        if self.stage >= 2 or p.grad is None:
+            return
+        if self.flat_grad is None and self._whole(p.grad):
+            # A bucket of one parameter without padding: autograd's tensor is the buffer.
+            self.flat_grad = p.grad.detach().view(-1)
+            return
+        start, numel = self.layout.param_starts[position], self.layout.numels[position]
+        view = self._grad_buffer()[start : start + numel].view(p.shape)
+        if p.grad.data_ptr() != view.data_ptr():
+            view.copy_(p.grad)
+            p.grad = view
+
+    def _whole(self, grad: torch.Tensor) -> bool:
+        """Can ``grad`` serve as this bucket's whole flat buffer (no copy)?"""
+        return (len(self.params) == 1 and self.layout.padded_numel == grad.numel()
+                and grad.is_contiguous() and grad.dtype == self.dtype)
+
     def _attach_grad_views(self) -> None:
-        assert self.flat_grad is not None
+        flat = self._grad_buffer()
         for p, s, n in zip(self.params, self.layout.param_starts, self.layout.numels):
-            view = self.flat_grad[s : s + n].view(p.shape)
+            view = flat[s : s + n].view(p.shape)
             if p.grad is None:
                 view.zero_()
             elif p.grad.data_ptr() != view.data_ptr():
@@ -191,15 +233,29 @@ class FlatBucket:
                 self.flat_grad.div_(world)
             self._reduce = all_reduce_sum(self.flat_grad, self.group)
             return
-        send = torch.zeros(self.layout.padded_numel, dtype=self.dtype, device=self.device)
-        for p, s, n in zip(self.params, self.layout.param_starts, self.layout.numels):
-            if p.grad is not None:
-                send[s : s + n].copy_(p.grad.reshape(-1))
-                p.grad = None
+        grad = self.params[0].grad
+        if grad is not None and self._whole(grad):
+            send = grad.detach().view(-1)  # the gradient is dropped below: reduce it in place
+            self.params[0].grad = None
+        else:
+            send = self._gather_grads()
         if world > 1:
             send.div_(world)
         self._recv = torch.empty(self.layout.shard_numel, dtype=self.dtype, device=self.device)
         self._reduce = reduce_scatter_flat(self._recv, send, self.group)
+
+    def _gather_grads(self) -> torch.Tensor:
+        """Stages 2-3: the gradients in one new flat tensor; every ``p.grad`` is dropped."""
+        # Every element is written below (gradient, zero for none, zero padding): no memset.
+        send = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=self.device)
+        send[self.layout.numel :].zero_()
+        for p, s, n in zip(self.params, self.layout.param_starts, self.layout.numels):
+            if p.grad is None:
+                send[s : s + n].zero_()
+            else:
+                send[s : s + n].copy_(p.grad.reshape(-1))
+                p.grad = None
+        return send
 
     def finish_reduce(self) -> None:
         """Wait for the reduction; stages 2-3 add the result to the gradient shard."""
@@ -208,27 +264,36 @@ class FlatBucket:
         self._reduce.wait()
         self._reduce = None
         if self._recv is not None:
-            assert self.shard_grad is not None
-            self.shard_grad.add_(self._recv)
+            if self.shard_grad is None:  # first reduction of the step: the result is the shard
+                self.shard_grad = self._recv
+            else:
+                self.shard_grad.add_(self._recv)
             self._recv = None
 
     def owned_grad(self) -> torch.Tensor:
-        """The reduced gradient of this rank's shard (compute dtype, ``shard_numel``)."""
-        if self.flat_grad is not None:
+        """The reduced gradient of this rank's shard (compute dtype, ``shard_numel``).
+
+        Zeros where no gradient exists (a step without backward, parameters without grad).
+        """
+        if self.stage < 2:
+            self._attach_grad_views()
+            assert self.flat_grad is not None
             return self.flat_grad[self.start : self.end]
-        assert self.shard_grad is not None
+        if self.shard_grad is None:
+            self.shard_grad = torch.zeros(
+                self.layout.shard_numel, dtype=self.dtype, device=self.device)
         return self.shard_grad
 
     def zero_grad(self) -> None:
-        """Zero the gradient storage (stages 0-1 keep ``p.grad`` as views)."""
-        if self.flat_grad is not None:
-            self.flat_grad.zero_()
-            self._attach_grad_views()
-        else:
-            assert self.shard_grad is not None
-            self.shard_grad.zero_()
-            for p in self.params:
-                p.grad = None
+        """Release the gradient storage and set every ``p.grad`` to None.
+
+        Releasing (rather than zeroing) keeps gradient memory out of the next forward pass;
+        the next backward allocates it again as gradients arrive.
+        """
+        self.flat_grad = None
+        self.shard_grad = None
+        for p in self.params:
+            p.grad = None
 
     # ------------------------------------------------------------------------------ memory
     def param_bytes(self) -> int:
@@ -239,12 +304,17 @@ class FlatBucket:
         return total
 
     def grad_bytes(self) -> int:
-        """Bytes of gradient storage held at rest."""
-        held = self.flat_grad if self.flat_grad is not None else self.shard_grad
-        assert held is not None
-        extra = 0 if self.flat_grad is not None else sum(
-            p.grad.untyped_storage().nbytes() for p in self.params if p.grad is not None)
-        return held.untyped_storage().nbytes() + extra
+        """Bytes of gradient storage a training step holds (released after each step).
+
+        Stages 0-1: the flat buffer; stages 2-3: the reduced shard plus any ``p.grad`` not
+        yet reduced.
+        """
+        item = self.flat_param.element_size()
+        if self.stage < 2:
+            return self.layout.padded_numel * item
+        pending = sum(p.grad.untyped_storage().nbytes() for p in self.params
+                      if p.grad is not None)
+        return self.layout.shard_numel * item + pending
 
     def master_bytes(self) -> int:
         """Bytes of fp32 master weights that are not also the compute parameters."""

@@ -11,7 +11,8 @@ be JIT-compiled.
 works without it. DeepSpeed reads its accelerator and ranks from the environment, so the
 caller (an app, or a test's child process) sets the variables of :func:`deepspeed_environ`
 before the first ``import deepspeed``; this library never touches ``os.environ``.
-DeepSpeed's data-parallel group is the whole world here (mt uses it with tp = pp = 1).
+Its groups come from mt's: an ``mpu`` (:mod:`mt_zero.deepspeed_mpu`) or, for pipelines, a
+topology with mt's rank order.
 """
 
 from __future__ import annotations
@@ -119,6 +120,7 @@ def initialize_deepspeed(
     optimizer: torch.optim.Optimizer,
     config: dict[str, Any],
     dist_backend: str = "gloo",
+    mpu: Any = None,
 ) -> Any:
     """``deepspeed.initialize`` with a client optimizer; returns the DeepSpeed engine.
 
@@ -127,6 +129,9 @@ def initialize_deepspeed(
     ``engine.step()`` once per micro-batch: DeepSpeed accumulates
     ``gradient_accumulation_steps`` micro-batches and steps the optimizer on the last.
     Set the learning rate on ``optimizer.param_groups`` (they are shared with the engine).
+    ``mpu`` (e.g. :class:`mt_zero.deepspeed_mpu.GroupsMpu`) gives DeepSpeed its data- and
+    model-parallel groups; it must be None for a ``PipelineModule``, whose own grid (built
+    from its topology) serves instead, and a ``PipelineEngine`` is returned then.
     """
     try:
         import deepspeed  # pants: no-infer-dep (lazy: optional, mt-zero[deepspeed])
@@ -136,5 +141,5 @@ def initialize_deepspeed(
 
     deepspeed.init_distributed(dist_backend=dist_backend)
     engine, _opt, _loader, _sched = deepspeed.initialize(
-        model=model, optimizer=optimizer, config=config)
+        model=model, optimizer=optimizer, config=config, mpu=mpu)
     return engine

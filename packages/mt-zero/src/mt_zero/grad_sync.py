@@ -52,9 +52,9 @@ class GradSync:
         self._unreduced = False  # local gradients exist that no reduction has seen
         self._hooks = []
         for bucket in self.buckets:
-            for p in bucket.params:
+            for position, p in enumerate(bucket.params):
                 self._hooks.append(p.register_post_accumulate_grad_hook(
-                    self._make_hook(bucket.index, id(p))))
+                    self._make_hook(bucket.index, position)))
 
     @property
     def launched(self) -> int:
@@ -81,9 +81,11 @@ class GradSync:
             handle.remove()
         self._hooks.clear()
 
-    def _make_hook(self, index: int, key: int) -> Callable[[torch.Tensor], None]:
+    def _make_hook(self, index: int, position: int) -> Callable[[torch.Tensor], None]:
         def hook(_param: torch.Tensor) -> None:
-            self._on_grad(index, key)
+            # Also under no_sync: the bucket takes the gradient into its flat storage.
+            self.buckets[index].absorb(position)
+            self._on_grad(index, position)
 
         return hook
 

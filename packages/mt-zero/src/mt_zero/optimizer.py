@@ -104,7 +104,10 @@ class MasterPiece:
 
 @dataclass(frozen=True)
 class MemoryReport:
-    """Bytes this rank holds at rest, in the categories of the ZeRO paper."""
+    """Bytes this rank holds during a step, in the categories of the ZeRO paper.
+
+    Gradients count their full storage although it is released between steps.
+    """
 
     params: int
     grads: int
@@ -188,7 +191,8 @@ class ZeroOptimizer:
             groups = sorted((m for m in members if m), key=lambda m: -m[0])
         else:
             unit_list, members = [], []
-            groups = bucketize([p.numel() for p in params], self.config.bucket_numel)
+            limit = self.config.bucket_numel
+            groups = bucketize([p.numel() for p in params], limit, own_bucket_from=limit)
         world, rank = (self.dp_size, self.dp_rank) if stage >= 1 else (1, 0)
         buckets = []
         for index, idx in enumerate(groups):
@@ -252,7 +256,8 @@ class ZeroOptimizer:
     def step(self) -> StepResult:
         """Reduce what is pending, unscale, clip, step the shards, re-publish parameters.
 
-        Collective over the data-parallel group (and ``norm_groups``). Zeroes the gradients.
+        Collective over the data-parallel group (and ``norm_groups``). Releases the
+        gradients (every ``p.grad`` becomes None).
         """
         self.grad_sync.finish()
         if self.gatherer is not None:
@@ -298,7 +303,7 @@ class ZeroOptimizer:
         return buffers
 
     def zero_grad(self) -> None:
-        """Zero all gradients (model and master)."""
+        """Release all gradients (model ``p.grad`` and master pieces become None)."""
         for bucket in self.buckets:
             bucket.zero_grad()
         for mp in self.pieces:

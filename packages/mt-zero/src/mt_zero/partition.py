@@ -116,20 +116,29 @@ def partition(numels: Sequence[int], world_size: int) -> ShardLayout:
     return ShardLayout(tuple(int(n) for n in numels), int(world_size))
 
 
-def bucketize(numels: Sequence[int], bucket_numel: int) -> list[list[int]]:
+def bucketize(
+    numels: Sequence[int], bucket_numel: int, own_bucket_from: int | None = None
+) -> list[list[int]]:
     """Group parameter indices into communication buckets of about ``bucket_numel`` elements.
 
     Parameters are taken in *reverse* order, because backward produces gradients roughly in
     reverse registration order: bucket 0 is ready first. A bucket closes once it holds at
-    least ``bucket_numel`` elements, so a parameter larger than the limit gets a bucket of
-    its own and no bucket is empty. Returns the parameter indices of each bucket.
+    least ``bucket_numel`` elements, so no bucket is empty. A parameter with at least
+    ``own_bucket_from`` elements (if given) gets a bucket of its own: the bucket's flat
+    gradient can then be the tensor autograd produced, instead of a copy of it.
+    Returns the parameter indices of each bucket.
     """
     if bucket_numel < 1:
         raise ValueError(f"bucket_numel must be >= 1, got {bucket_numel}")
+    if own_bucket_from is not None and own_bucket_from < 1:
+        raise ValueError(f"own_bucket_from must be >= 1 (or None), got {own_bucket_from}")
     buckets: list[list[int]] = []
     current: list[int] = []
     size = 0
     for i in reversed(range(len(numels))):
+        if current and own_bucket_from is not None and numels[i] >= own_bucket_from:
+            buckets.append(current)
+            current, size = [], 0
         current.append(i)
         size += int(numels[i])
         if size >= bucket_numel:

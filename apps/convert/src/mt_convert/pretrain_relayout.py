@@ -1,0 +1,302 @@
+"""``mt pretrain`` checkpoint -> ``mt pretrain`` checkpoint at another (TP, PP, DP, ZeRO)
+layout, optimizer state included.
+
+The source's AdamW state is rebuilt per parameter: each pipeline stage's ZeRO shards (one
+per DP rank, each piece with its parameter name, offset and length, see
+``mt_zero.shard_state_dict``) are consolidated with ``mt_zero.consolidate``, the TP slices
+merged with ``mt_tensor_parallel.merge_shards`` (padding rows dropped). The canonical fp32
+master weights, ``exp_avg`` / ``exp_avg_sq`` and the replicated ``step`` are then cut again
+with ``shard_tensor`` for every target TP rank and split over the target DP ranks exactly
+as ``mt_zero.partition`` splits a flat buffer (ZeRO stage >= 1; stage 0 keeps everything
+on every DP rank). Each target rank file is ``mt pretrain``'s: ``format``, ``rank``,
+``coord``, ``model`` (DP rank 0 only: the weights, in the source's dtype), ``optimizer``
+(``mt-zero-shard/1``) and ``rng``. ``meta.json`` is the source's with the new layout and
+``stage_params`` of a uniform partition (as ``mt pretrain`` makes).
+
+``drop_optimizer`` writes the master weights with empty optimizer state: the run resumes
+with fresh Adam moments and step counts. RNG: an unchanged layout copies every rank's
+states; any other layout gets freshly seeded default generators (``mt pretrain``'s rule,
+seed + 100 pp + 10007 dp) and no tensor-parallel tracker state, so dropout streams
+restart, as when ``mt pretrain`` itself resumes at another layout.
+
+Memory: a rank file is one ``torch.save`` (it needs its whole content), so this path holds
+one source stage's consolidated optimizer state plus one target rank's payload, not one
+layer. Files are read with ``torch.load(weights_only=True, mmap=True)``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mt_convert.atomic import atomic_directory
+from mt_convert.errors import ConvertError
+from mt_convert.layout import ProgressFn, canonical_shapes
+from mt_convert.pretrain import META, PretrainReader, meta_of
+from mt_convert.sharded import _check_tp, stage_layers, stages_of
+from mt_convert.torch_io import load_weights_only
+from mt_tensor_parallel import merge_shards, shard_tensor
+from mt_zero import consolidate, partition
+
+__all__ = ["PretrainTarget", "convert_pretrain", "describe_pretrain"]
+
+RANK_FORMAT = "mt-pretrain-rank/1"
+SHARD_FORMAT = "mt-zero-shard/1"
+
+
+@dataclass(frozen=True)
+class PretrainTarget:
+    """Target layout of a pretrain -> pretrain conversion (None: keep the source's)."""
+
+    tp: int | None = None
+    pp: int | None = None
+    dp: int | None = None
+    zero_stage: int | None = None
+    drop_optimizer: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "dp"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConvertError(f"--{name} must be >= 1, got {value}")
+        if self.zero_stage is not None and self.zero_stage not in (0, 1, 2, 3):
+            raise ConvertError(f"--zero-stage must be 0, 1, 2 or 3, got {self.zero_stage}")
+
+
+class _Source:
+    """The source checkpoint's optimizer state, consolidated one pipeline stage at a time
+    (the last stage is cached: target stages walk the layers in order)."""
+
+    def __init__(self, reader: PretrainReader, meta: dict[str, Any]) -> None:
+        self.reader, self.root = reader, reader.root
+        layout = meta["layout"]
+        self.tp, self.pp, self.dp = int(layout["tp"]), int(layout["pp"]), int(layout["dp"])
+        self.styles: dict[str, str] = dict(reader.styles)
+        self.vocab = reader.config.vocab_size
+        self.stage_names = {int(k): list(v) for k, v in meta["stage_params"].items()}
+        self._cached: tuple[int, dict[str, Any]] | None = None
+
+    def _shards(self, stage: int, tp_rank: int) -> list[dict[str, Any]]:
+        shards = []
+        for dp_rank in range(self.dp):
+            path = self.root / f"rank-{(stage * self.dp + dp_rank) * self.tp + tp_rank:05d}.pt"
+            data = load_weights_only(path, missing="file not found (incomplete checkpoint)")
+            state = data.get("optimizer") if isinstance(data, dict) else None
+            if not isinstance(state, dict) or state.get("format") != SHARD_FORMAT:
+                raise ConvertError(f"{path}: no {SHARD_FORMAT!r} optimizer shard")
+            shards.append(state)
+        return shards
+
+    def stage(self, stage: int) -> dict[str, Any]:
+        """Canonical (unsharded) optimizer state of every parameter of source ``stage``."""
+        if self._cached is not None and self._cached[0] == stage:
+            return self._cached[1]
+        self._cached = None  # free the previous stage first
+        try:
+            fulls = [consolidate(self._shards(stage, t)) for t in range(self.tp)]
+        except ValueError as err:
+            raise ConvertError(f"{self.root}: optimizer shards of pipeline stage {stage}: "
+                               f"{err}") from None
+        out: dict[str, Any] = {"param_groups": fulls[0]["param_groups"],
+                               "scaler": fulls[0]["scaler"], "group_of": {}, "master": {},
+                               "sharded": {}, "replicated": {}}
+        for name in fulls[0]["master"]:
+            out["group_of"][name] = fulls[0]["group_of"][name]
+            out["master"][name] = self._merge(name, [f["master"][name] for f in fulls])
+            keys = fulls[0]["state"][name]["sharded"]
+            out["sharded"][name] = {k: self._merge(name, [f["state"][name]["sharded"][k]
+                                                          for f in fulls]) for k in keys}
+            out["replicated"][name] = dict(fulls[0]["state"][name]["replicated"])
+        self._cached = (stage, out)
+        return out
+
+    def _merge(self, name: str, parts: Sequence[torch.Tensor]) -> torch.Tensor:
+        # tp == 1 stores the real vocabulary (no padding): nothing to merge.
+        if len(parts) == 1:
+            return parts[0]
+        style = self.styles[name]
+        return merge_shards(style, list(parts), vocab_size=self.vocab
+                            if style == "vocab" else None)
+
+    def state_of(self, name: str) -> tuple[dict[str, Any], int]:
+        """(canonical state of the stage holding ``name``, that stage)."""
+        for stage, names in sorted(self.stage_names.items()):
+            if name in names:
+                return self.stage(stage), stage
+        raise ConvertError(f"{self.root / META}: no pipeline stage lists parameter {name!r}")
+
+
+def _cut(style: str, tensor: torch.Tensor, tp_rank: int, tp: int) -> torch.Tensor:
+    # As mt pretrain slices: tp == 1 keeps the real vocabulary, tp > 1 pads it.
+    return tensor.clone() if tp == 1 else shard_tensor(style, tensor, tp_rank, tp)
+
+
+def _zero_shards(local: Mapping[str, Mapping[str, Any]], names: Sequence[str],
+                 common: Mapping[str, Any], dp: int, zero_stage: int) -> list[dict[str, Any]]:
+    """``mt-zero-shard/1`` dicts of every DP rank of one (stage, TP rank)."""
+    shapes = {n: tuple(local[n]["master"].shape) for n in names}
+    layout = partition([local[n]["master"].numel() for n in names], dp if zero_stage else 1)
+    out = []
+    for dp_rank in range(dp):
+        pieces, master, state = [], [], []
+        for piece in layout.pieces(dp_rank if zero_stage else 0):
+            name = names[piece.param_index]
+            lo, hi = piece.param_offset, piece.param_offset + piece.length
+            pieces.append({"name": name, "offset": lo, "length": piece.length,
+                           "group": local[name]["group"]})
+            master.append(local[name]["master"].reshape(-1)[lo:hi].clone())
+            part = {k: t.reshape(-1)[lo:hi].clone() for k, t in local[name]["sharded"].items()}
+            part.update({k: v.clone() if isinstance(v, torch.Tensor) else v
+                         for k, v in local[name]["replicated"].items()})
+            state.append(part)
+        out.append({"format": SHARD_FORMAT, "stage": zero_stage, "dp_size": dp,
+                    "dp_rank": dp_rank, "shapes": shapes, "param_groups": common["param_groups"],
+                    "pieces": pieces, "master": master, "state": state,
+                    "scaler": common["scaler"]})
+    return out
+
+
+def _rng(source: _Source, meta: dict[str, Any], same: bool, rank: int, pp: int,
+         dp: int) -> dict[str, Any]:
+    if same:
+        data = load_weights_only(source.root / f"rank-{rank:05d}.pt")
+        return data["rng"]
+    seed = int((meta.get("config") or {}).get("train", {}).get("seed", 0) or 0)
+    state = torch.Generator().manual_seed(seed + 100 * pp + 10007 * dp).get_state()
+    return {"torch": state, "cuda": None, "tracker": {}}
+
+
+def _new_meta(meta: dict[str, Any], tp: int, pp: int, dp: int, zero_stage: int,
+              stage_names: Mapping[int, list[str]]) -> dict[str, Any]:
+    out = copy.deepcopy(meta)
+    out["layout"].update({"tp": tp, "pp": pp, "dp": dp, "world_size": tp * pp * dp,
+                          "virtual_stages": 1, "zero_stage": zero_stage})
+    out["stage_params"] = {str(s): names for s, names in stage_names.items()}
+    parallel = (out.get("config") or {}).get("parallel")
+    if isinstance(parallel, dict):  # the run config travels along: keep it consistent
+        parallel.update({"tp": tp, "pp": pp, "dp": dp, "zero_stage": zero_stage,
+                         "virtual_stages": 1})
+        if parallel.get("nproc") is not None:
+            parallel["nproc"] = tp * pp * dp
+    return out
+
+
+def _stage_state(source: _Source, names: Sequence[str], drop: bool
+                 ) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """(canonical master / moments / group of each parameter of one target stage,
+    its parameter-group hyperparameters and loss scaler)."""
+    out: dict[str, dict[str, Any]] = {}
+    common: dict[str, Any] = {}
+    for name in names:
+        state, _ = source.state_of(name)
+        common = common or {"param_groups": state["param_groups"], "scaler": state["scaler"]}
+        if name not in state["master"]:
+            raise ConvertError(f"{source.root}: the optimizer shards lack parameter {name!r}")
+        out[name] = {"master": state["master"][name], "group": state["group_of"][name],
+                     "sharded": {} if drop else state["sharded"][name],
+                     "replicated": {} if drop else state["replicated"][name]}
+    return out, common
+
+
+def _write_stage(source: _Source, meta: dict[str, Any], staging: Path, stage: int,
+                 names: list[str], target: tuple[int, int, int, int], drop: bool,
+                 same: bool) -> int:
+    """Write every rank file of target pipeline ``stage``; returns the bytes written."""
+    tp, pp, dp, zero_stage = target
+    canonical, common = _stage_state(source, names, drop)
+    fulls = {n: source.reader.read(n) for n in names}  # model weights, the source's dtype
+    written = 0
+    for tp_rank in range(tp):
+        local = {n: {"master": _cut(source.styles[n], s["master"], tp_rank, tp),
+                     "group": s["group"], "replicated": s["replicated"],
+                     "sharded": {k: _cut(source.styles[n], t, tp_rank, tp)
+                                 for k, t in s["sharded"].items()}}
+                 for n, s in canonical.items()}
+        weights = {n: _cut(source.styles[n], fulls[n], tp_rank, tp) for n in names}
+        for dp_rank, shard in enumerate(_zero_shards(local, names, common, dp, zero_stage)):
+            rank = (stage * dp + dp_rank) * tp + tp_rank
+            payload = {"format": RANK_FORMAT, "rank": rank, "coord": [stage, dp_rank, tp_rank],
+                       "model": weights if dp_rank == 0 else {}, "optimizer": shard,
+                       "rng": _rng(source, meta, same, rank, stage, dp_rank)}
+            path = staging / f"rank-{rank:05d}.pt"
+            with open(path, "wb") as handle:
+                torch.save(payload, handle)
+                handle.flush()
+                os.fsync(handle.fileno())
+            written += path.stat().st_size
+    return written
+
+
+def convert_pretrain(source: Path, destination: Path, target: PretrainTarget,
+                     overwrite: bool = False, progress: ProgressFn | None = None
+                     ) -> tuple[str, int, int]:
+    """Write the ``mt pretrain`` checkpoint ``source`` (a step folder or a folder with
+    ``latest``) as a step folder ``destination`` at the ``target`` layout, atomically.
+    Returns (source format, parameters, bytes written)."""
+    with PretrainReader(Path(source)) as reader:
+        meta = meta_of(reader.root)
+        src = _Source(reader, meta)
+        tp, pp = target.tp or src.tp, target.pp or src.pp
+        dp = target.dp or src.dp
+        zero_stage = (int(meta["layout"].get("zero_stage", 0)) if target.zero_stage is None
+                      else target.zero_stage)
+        ranges = stage_layers(reader.config.n_layers, pp)
+        shapes = canonical_shapes(reader.config)
+        names = [n for n in shapes if n in src.styles]
+        stage_names = {s: [n for n in names if s in stages_of(n, ranges)] for s in range(pp)}
+        _check_tp(reader.config, tp)
+        same = (tp, pp, dp) == (src.tp, src.pp, src.dp)
+        written = 0
+        try:
+            with atomic_directory(Path(destination), overwrite) as staging:
+                for stage, stage_list in stage_names.items():
+                    written += _write_stage(src, meta, staging, stage, stage_list,
+                                            (tp, pp, dp, zero_stage), target.drop_optimizer,
+                                            same)
+                    if progress is not None:
+                        progress(f"pipeline stage {stage}", stage + 1, pp)
+                new_meta = _new_meta(meta, tp, pp, dp, zero_stage, stage_names)
+                with open(staging / META, "w", encoding="utf-8") as handle:
+                    handle.write(json.dumps(new_meta, indent=1))
+                    handle.flush()
+                    os.fsync(handle.fileno())
+        except OSError as err:
+            raise ConvertError(f"{destination}: writing failed, nothing was written: "
+                               f"{err}") from err
+        return reader.format, len(names), written
+
+
+
+def describe_pretrain(source: Path, target: PretrainTarget) -> list[str]:
+    """What :func:`convert_pretrain` would write (for ``--dry-run``): one line per target
+    rank file with the source rank files its pipeline stage reads."""
+    with PretrainReader(Path(source)) as reader:
+        meta = meta_of(reader.root)
+        src = _Source(reader, meta)
+        tp, pp, dp = target.tp or src.tp, target.pp or src.pp, target.dp or src.dp
+        zero = (int(meta["layout"].get("zero_stage", 0)) if target.zero_stage is None
+                else target.zero_stage)
+        ranges = stage_layers(reader.config.n_layers, pp)
+        names = list(canonical_shapes(reader.config))
+        state = "dropped (fresh AdamW)" if target.drop_optimizer else "carried"
+        lines = [f"{reader.root} (pretrain {src.tp}x{src.pp}x{src.dp}, ZeRO "
+                 f"{meta['layout'].get('zero_stage', 0)}) -> pretrain {tp}x{pp}x{dp}, ZeRO "
+                 f"{zero}, optimizer state {state} (dry run: nothing written)"]
+        for stage in range(pp):
+            mine = {n for n in names if stage in stages_of(n, ranges)}
+            old = sorted(s for s, ns in src.stage_names.items() if mine & set(ns))
+            files = [f"rank-{(s * src.dp + d) * src.tp + t:05d}.pt" for s in old
+                     for d in range(src.dp) for t in range(src.tp)]
+            for d in range(dp):
+                for t in range(tp):
+                    lines.append(f"rank-{(stage * dp + d) * tp + t:05d}.pt (pp {stage}, dp "
+                                 f"{d}, tp {t}): layers {ranges[stage][0]}-"
+                                 f"{ranges[stage][1] - 1} <- {', '.join(files)}")
+        return lines

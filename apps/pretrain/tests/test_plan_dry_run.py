@@ -1,0 +1,41 @@
+"""``mt pretrain --dry-run``'s memory line is ``mt plan``'s estimator, never a second model."""
+
+import dataclasses
+
+import pytest
+
+from mt_pretrain.config_io import load_config
+from mt_pretrain.estimate import estimate
+from mt_pretrain.plan import memory_estimate, plan_layout, resolve, runtime_spec
+
+CASES = [
+    {"tp": 2, "pp": 2, "dp": 2},  # the default 3D demo
+    {"tp": 1, "pp": 1, "dp": 2, "zero_stage": 1, "micro_batch_size": 4,
+     "global_batch_size": 16},
+    {"tp": 1, "pp": 2, "dp": 1, "schedule": "gpipe", "activation_checkpointing": True},
+    {"model": "gpt2-small", "seq_len": 128, "tp": 2, "pp": 1, "dp": 2, "zero_stage": 2,
+     "precision": "bf16", "global_batch_size": 8},
+]
+
+
+@pytest.mark.parametrize("overrides", CASES)
+def test_dry_run_memory_equals_plan_estimate(overrides: dict) -> None:
+    config = load_config(None, {**overrides, "device": "cpu"})
+    plan = resolve(config, _world(overrides))
+    layout, gpu = plan_layout(config, plan), runtime_spec("cpu")
+    stages = [memory_estimate(config, plan, s) for s in range(plan.topology.pp)]
+    fullest = max(stages, key=lambda parts: parts["total"])
+    est = estimate(plan.gpt, layout, dataclasses.replace(gpu, memory_bytes=1e12), 0.5)
+    assert fullest["total"] == pytest.approx(est.memory_per_gpu_gb * 1e9, rel=1e-12)
+    assert fullest["temporaries"] == pytest.approx(est.memory_temporaries_gb * 1e9,
+                                                   rel=1e-12, abs=1e-3)
+    assert fullest["params"] == est.parameters_per_gpu
+    # gloo (CPU) stages an all-gather's output; NCCL does not: never more memory on CUDA.
+    cuda = max(memory_estimate(config, plan, s, runtime_spec("cuda"))["total"]
+               for s in range(plan.topology.pp))
+    assert cuda <= fullest["total"]
+
+
+def _world(overrides: dict) -> int:
+    """World size of a case (tp x pp x dp)."""
+    return overrides["tp"] * overrides["pp"] * overrides["dp"]
