@@ -90,9 +90,12 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--dir", type=Path, default=None,
-                        help="scratch directory (default: a temporary one; removed after)")
+                        help="parent of the scratch directory, created if missing (default: the "
+                             "system temporary directory); the scratch directory is removed after")
     args = parser.parse_args()
     config = _config(args)
+    if args.dir is not None:
+        args.dir.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="mt-convert-bench-", dir=args.dir))
     try:
         source = scratch / "full"
