@@ -11,7 +11,7 @@ faults every page in, and on a busy machine those faults cost more than the hash
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,30 +36,33 @@ def copy_span(span: FileSpan, out_fd: int, out_offset: int, buffer: memoryview,
         done = _kernel_copy(span.fd, out_fd, span.offset, out_offset, span.length)
         span = FileSpan(span.fd, span.offset + done, span.length - done)
         out_offset += done
-    crc, done = 0, 0
-    while done < span.length:
-        size = os.preadv(span.fd, [buffer[: min(len(buffer), span.length - done)]],
-                         span.offset + done)
-        if size <= 0:
-            raise OSError(f"unexpected end of file at byte {span.offset + done}")
-        chunk = buffer[:size]
+    crc = 0
+    for done, chunk in _chunks(span, buffer):
         if update is not None:
             crc = update(chunk, crc)
         _copy(span.fd, out_fd, span.offset + done, out_offset + done, chunk)
-        done += size
     return crc
 
 
 def crc_span(span: FileSpan, buffer: memoryview, update: Callable[[Any, int], int]) -> int:
     """The CRC of ``span``'s bytes, read with ``pread`` into ``buffer``."""
-    crc, done = 0, 0
+    crc = 0
+    for _, chunk in _chunks(span, buffer):
+        crc = update(chunk, crc)
+    return crc
+
+
+def _chunks(span: FileSpan, buffer: memoryview) -> Iterator[tuple[int, memoryview]]:
+    """``(offset within span, bytes)`` pieces of ``span``, each read with ``pread`` into
+    ``buffer`` (valid until the next piece)."""
+    done = 0
     while done < span.length:
         size = os.preadv(span.fd, [buffer[: min(len(buffer), span.length - done)]],
                          span.offset + done)
         if size <= 0:
             raise OSError(f"unexpected end of file at byte {span.offset + done}")
-        crc, done = update(buffer[:size], crc), done + size
-    return crc
+        yield done, buffer[:size]
+        done += size
 
 
 def _kernel_copy(src: int, dst: int, src_offset: int, dst_offset: int, length: int) -> int:
