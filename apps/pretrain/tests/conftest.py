@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+
+from mt_pretrain.config_io import load_config
+from mt_pretrain.launch import launch
+
+
+def run_pretrain(common: Mapping[str, Any], out: Path, cache: Path, **options: Any) -> Any:
+    """One ``mt pretrain`` run (``launch`` as the CLI does) from a test module's ``common``
+    options with ``options`` on top, writing to ``out`` and sharing the data ``cache``."""
+    config = load_config(None, {**common, **options, "out_dir": str(out),
+                                "cache_dir": str(cache)})
+    return launch(config, environ={}, timeout=300)
 
 
 @pytest.fixture(scope="module", autouse=True)

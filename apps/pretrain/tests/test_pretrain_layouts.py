@@ -5,13 +5,13 @@ layout either). 6 steps each, 1-4 processes."""
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import run_pretrain
 
-from mt_pretrain.config_io import load_config
-from mt_pretrain.launch import launch
 from mt_pretrain.train import NonFiniteLossError
 
 COMMON: dict[str, Any] = {
@@ -22,10 +22,7 @@ COMMON: dict[str, Any] = {
 }
 
 
-def _run(out: Path, cache: Path, **options: Any) -> Any:
-    config = load_config(None, {**COMMON, **options, "out_dir": str(out),
-                                "cache_dir": str(cache)})
-    return launch(config, environ={}, timeout=300)
+_run = partial(run_pretrain, COMMON)
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from mt_convert.errors import ConvertError
-from mt_convert.layout import CheckpointReader, TensorRef, canonical_shapes
+from mt_convert.layout import CheckpointReader, TensorRef, canonical_shapes, follow_pointer
 from mt_convert.tensors import TensorSpec
 from mt_convert.torch_io import load_weights_only
 from mt_model import GPTConfig, preset
@@ -78,14 +78,9 @@ def is_deepspeed_checkpoint(path: Path) -> bool:
 def universal_folder(path: Path) -> Path:
     """The universal checkpoint folder ``path`` designates (itself or ``latest_universal``'s
     target); a native DeepSpeed checkpoint is an error saying how to convert it."""
-    if (path / ZERO_DIR).is_dir():
-        return path
-    if (path / LATEST_UNIVERSAL).is_file():
-        target = path / (path / LATEST_UNIVERSAL).read_text(encoding="utf-8").strip()
-        if (target / ZERO_DIR).is_dir():
-            return target
-        raise ConvertError(f"{path / LATEST_UNIVERSAL}: names {target.name}, which has no "
-                           f"{ZERO_DIR}/ folder (incomplete universal checkpoint)")
+    folder = follow_pointer(path, ZERO_DIR, LATEST_UNIVERSAL, "universal checkpoint")
+    if folder is not None:
+        return folder
     native = _native_step(path)
     if native is not None:
         raise ConvertError(f"{native}: a DeepSpeed checkpoint in its native (per-rank) "

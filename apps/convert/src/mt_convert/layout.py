@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from mt_convert.errors import ConvertError
 from mt_convert.spans import FileSpan
 from mt_convert.tensors import TensorSpec
 from mt_model import GPT, GPTConfig
@@ -175,3 +176,18 @@ class CheckpointWriter(ABC):
 
     def abort(self) -> None:  # noqa: B027 - optional hook, no-op by default
         """Close open files after a failure (the staging directory is discarded)."""
+
+
+def follow_pointer(path: Path, marker: str, pointer: str, kind: str) -> Path | None:
+    """The checkpoint folder ``path`` designates: itself when it holds ``marker``, else the
+    folder its ``pointer`` file (e.g. ``latest``) names, which must hold ``marker``; None when
+    ``path`` has neither. ``kind`` names the format in the error for a dangling pointer."""
+    if (path / marker).exists():
+        return path
+    if not (path / pointer).is_file():
+        return None
+    target = path / (path / pointer).read_text(encoding="utf-8").strip()
+    if not (target / marker).exists():
+        raise ConvertError(f"{path / pointer}: names {target.name}, which has no {marker} "
+                           f"(incomplete {kind})")
+    return target

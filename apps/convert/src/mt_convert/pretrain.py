@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from mt_convert.errors import ConvertError
-from mt_convert.layout import CheckpointReader, TensorRef, canonical_shapes
+from mt_convert.layout import CheckpointReader, TensorRef, canonical_shapes, follow_pointer
 from mt_convert.tensors import TensorSpec
 from mt_convert.torch_io import load_weights_only
 from mt_model import GPTConfig
@@ -38,14 +38,9 @@ def is_pretrain_checkpoint(path: Path) -> bool:
 
 def step_folder(path: Path) -> Path:
     """The step folder ``path`` designates: itself, or the one its ``latest`` names."""
-    if (path / META).is_file():
-        return path
-    if (path / LATEST).is_file():
-        target = path / (path / LATEST).read_text(encoding="utf-8").strip()
-        if (target / META).is_file():
-            return target
-        raise ConvertError(f"{path / LATEST}: names {target.name}, which has no {META} "
-                           "(incomplete checkpoint)")
+    folder = follow_pointer(path, META, LATEST, "checkpoint")
+    if folder is not None:
+        return folder
     raise ConvertError(f"{path}: not an mt pretrain checkpoint (neither {META} nor {LATEST})")
 
 
