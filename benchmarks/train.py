@@ -3,24 +3,27 @@
 For each shape (``tiny`` and a reduced GPT-2-small) and each precision (fp32, bf16) this
 times one full optimizer step (forward, backward, clipping, AdamW) of
 
-- **mt**: ``mt_model.GPT`` inside ``mt_zero.ZeroOptimizer`` (ZeRO stage 1 on one process,
-  the wrapper ``mt pretrain`` uses), with the optimizer settings of ``mt pretrain``'s
-  defaults (AdamW lr 3e-3, betas 0.9/0.95, weight decay 0.1 on matrices, clip 1.0).
-  bf16 means bf16 parameters and compute with fp32 master weights and optimizer state;
+- **mt**: ``mt_model.GPT`` as one pipeline stage (``PipelineStage.forward_loss``, the
+  function ``mt pretrain`` runs) inside ``mt_zero.ZeroOptimizer`` (ZeRO stage 1 on one
+  process), with the optimizer of ``mt pretrain``: fused AdamW, lr 3e-3, betas 0.9/0.95,
+  weight decay 0.1 on matrices, clip 1.0. bf16 means bf16 parameters and compute with fp32
+  master weights and optimizer state;
+- **mt+compile**: the same with ``mt pretrain --compile`` (``torch.compile`` of
+  ``forward_loss``; compilation happens in the warm-up step and is not timed);
 - **hf**: ``transformers.GPT2LMHeadModel`` (sdpa attention) with the same config, the
   same initial weights (copied from mt by the ``mt convert`` name mapping), the same
-  batches, loss, AdamW parameter groups and clipping. bf16 means the usual HF recipe:
-  fp32 weights under ``torch.autocast("cpu", torch.bfloat16)``.
+  batches, loss, AdamW parameter groups and clipping, and fused AdamW (the HF Trainer's
+  default optimizer, ``adamw_torch_fused``, on torch >= 2.8). bf16 means the usual HF
+  recipe: fp32 weights under ``torch.autocast("cpu", torch.bfloat16)``.
 
-Steps of the two frameworks are interleaved (mt, hf, mt, hf, ...) after warmup so that
-background load hits both alike; best and median step time are reported. MFU is model
+Steps of the frameworks are interleaved (mt, hf, ... in rotating order) after warmup so
+that background load hits all alike; best and median step time are reported. MFU is model
 FLOP/s (``mt_model.model_flops_per_token_training``: 6N + 12 l h s per token) over this
-machine's matmul peak in that dtype, measured at the start (best of square matmuls).
-Example (2 cores, a few minutes)::
+machine's matmul peak in that dtype, measured at the start and at the end (the better kept).
+Example (2 cores, about 5 minutes)::
 
-    PYTHONPATH=packages/mt-dist/src:packages/mt-model/src:packages/mt-zero/src:\\
-packages/mt-pipeline/src:packages/mt-tensor-parallel/src:apps/convert/src \\
-        python3 benchmarks/train.py --json /tmp/train_bench.json
+    PYTHONPATH=$(ls -d packages/*/src apps/*/src | tr '\\n' ':') \\
+        python3 benchmarks/train.py --steps 8 --json /tmp/train_bench.json
 
 Targets (issue 9): fp32 mt/hf >= 1.0; bf16 mt(bf16) / hf(autocast) >= 2.0.
 """
@@ -42,6 +45,7 @@ from torch import nn
 
 from mt_convert.hf_config import hf_config_from_gpt, hf_name
 from mt_model import GPT, GPTConfig, model_flops_per_token_training, preset
+from mt_pipeline import PipelineConfig, build_stage, plan_pipeline
 from mt_zero import ZeroConfig, ZeroOptimizer, decay_param_groups
 
 LR, BETAS, EPS, WEIGHT_DECAY, CLIP = 3e-3, (0.9, 0.95), 1e-8, 0.1, 1.0
@@ -96,28 +100,32 @@ class Runner:
             self.times.append(elapsed)
 
 
-def mt_runner(config: GPTConfig, precision: str, seed: int) -> tuple[Runner, GPT]:
-    """mt's step: GPT in the ZeRO wrapper (stage 1, one process), as ``mt pretrain``."""
+def mt_runner(config: GPTConfig, precision: str, seed: int, compiled: bool
+              ) -> tuple[Runner, GPT]:
+    """mt's step: the model as one pipeline stage in the ZeRO wrapper (stage 1, one
+    process) with fused AdamW, as ``mt pretrain`` (``--compile`` when ``compiled``)."""
     model = GPT(config, seed=seed)
-    model.train()
     reference = GPT(config, seed=None)
     reference.load_state_dict(model.state_dict())  # fp32 init, before ZeRO casts to bf16
+    stage = build_stage(model, plan_pipeline(PipelineConfig(), config.n_layers, 1).stages[0])
+    stage.train()
 
     def factory(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS)
+        return torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS, fused=True)
 
-    opt = ZeroOptimizer(model, factory, None,
+    opt = ZeroOptimizer(stage, factory, None,
                         ZeroConfig(stage=1, precision=precision, clip_grad=CLIP),
-                        param_groups=decay_param_groups(model.named_parameters(),
+                        param_groups=decay_param_groups(stage.named_parameters(),
                                                         WEIGHT_DECAY))
+    forward_loss = torch.compile(stage.forward_loss) if compiled else stage.forward_loss
 
     def step(batch: Batch) -> float:
-        loss = model(batch[0], batch[1])
+        loss = forward_loss(0, batch[0], batch[1])
         opt.backward(loss)
         opt.step()
         return float(loss.detach())
 
-    return Runner("mt", step), reference
+    return Runner("mt+compile" if compiled else "mt", step), reference
 
 
 def hf_model(config: GPTConfig, source: GPT) -> nn.Module:
@@ -142,12 +150,13 @@ def hf_model(config: GPTConfig, source: GPT) -> nn.Module:
 
 
 def hf_runner(config: GPTConfig, precision: str, source: GPT) -> Runner:
-    """HF's step: fp32 weights; bf16 through autocast (the standard HF CPU recipe)."""
+    """HF's step: fp32 weights; bf16 through autocast (the standard HF CPU recipe); fused
+    AdamW as the HF Trainer's default."""
     model = hf_model(config, source)
     model.train()
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     opt = torch.optim.AdamW(decay_param_groups(params, WEIGHT_DECAY), lr=LR, betas=BETAS,
-                            eps=EPS)
+                            eps=EPS, fused=True)
     autocast = precision == "bf16"
 
     def step(batch: Batch) -> float:
@@ -176,21 +185,24 @@ def make_batches(config: GPTConfig, batch: int, count: int, seed: int) -> list[B
 
 
 def bench_case(config: GPTConfig, precision: str, args: argparse.Namespace) -> dict[str, Any]:
-    """Warm up, then interleave timed steps of mt and hf on identical batches."""
-    mt, reference = mt_runner(config, precision, args.seed)
+    """Warm up, then interleave timed steps of mt, mt+compile and hf on identical batches."""
+    mt, reference = mt_runner(config, precision, args.seed, compiled=False)
     hf = hf_runner(config, precision, reference)
     del reference
+    runners = [mt, hf]
+    if not args.no_compile:
+        runners.insert(1, mt_runner(config, precision, args.seed, compiled=True)[0])
     batches = make_batches(config, args.batch, args.warmup + args.steps, args.seed)
     for i, batch in enumerate(batches):
         timed = i >= args.warmup
-        order = (mt, hf) if i % 2 == 0 else (hf, mt)  # neither always runs first
-        for runner in order:
+        shift = i % len(runners)  # none always runs first
+        for runner in runners[shift:] + runners[:shift]:
             runner.run(batch, timed)
     tokens = args.batch * config.seq_len
     flops_per_token = model_flops_per_token_training(config)
     result: dict[str, Any] = {"precision": precision, "tokens_per_step": tokens,
                               "flops_per_token": flops_per_token}
-    for runner in (mt, hf):
+    for runner in runners:
         best, median = min(runner.times), statistics.median(runner.times)
         result[runner.name] = {
             "best_tokens_per_s": tokens / best, "median_tokens_per_s": tokens / median,
@@ -206,23 +218,30 @@ def shapes(args: argparse.Namespace) -> dict[str, GPTConfig]:
 
 
 def print_table(results: list[dict[str, Any]], peaks: dict[str, float]) -> None:
-    header = (f"{'shape':<22}{'prec':<6}{'mt tok/s':>11}{'hf tok/s':>11}{'ratio':>7}"
-              f"{'(med)':>7}{'target':>7}{'mt MFU':>8}{'hf MFU':>8}{'loss0 mt/hf':>18}")
+    """One row per (shape, precision, mt variant): tokens/s and MFU against hf's."""
+    header = (f"{'shape':<22}{'prec':<6}{'mt variant':<12}{'mt tok/s':>10}{'hf tok/s':>10}"
+              f"{'ratio':>7}{'(med)':>7}{'target':>9}{'mt MFU':>8}{'hf MFU':>8}"
+              f"{'loss0 mt/hf':>18}")
     print(header)
     print("-" * len(header))
     for r in results:
-        peak = peaks[r["precision"]]
-        mt, hf = r["mt"], r["hf"]
-        ratio = mt["best_tokens_per_s"] / hf["best_tokens_per_s"]
-        ratio_med = mt["median_tokens_per_s"] / hf["median_tokens_per_s"]
-        mfu = [x["best_tokens_per_s"] * r["flops_per_token"] / peak for x in (mt, hf)]
+        peak, hf = peaks[r["precision"]], r["hf"]
         target = TARGETS[r["precision"]]
-        mark = "ok" if ratio >= target else "MISS"
-        print(f"{r['shape']:<22}{r['precision']:<6}{mt['best_tokens_per_s']:>11.0f}"
-              f"{hf['best_tokens_per_s']:>11.0f}{ratio:>7.2f}{ratio_med:>7.2f}"
-              f"{target:>5.1f}{mark:>3}{mfu[0]:>8.1%}{mfu[1]:>8.1%}"
-              f"{mt['first_loss']:>9.4f}/{hf['first_loss']:.4f}")
-        r.update(ratio_best=ratio, ratio_median=ratio_med, mfu_mt=mfu[0], mfu_hf=mfu[1])
+        hf_mfu = hf["best_tokens_per_s"] * r["flops_per_token"] / peak
+        for variant in ("mt", "mt+compile"):
+            if variant not in r:
+                continue
+            mt = r[variant]
+            ratio = mt["best_tokens_per_s"] / hf["best_tokens_per_s"]
+            ratio_med = mt["median_tokens_per_s"] / hf["median_tokens_per_s"]
+            mfu = mt["best_tokens_per_s"] * r["flops_per_token"] / peak
+            mark = "ok" if ratio >= target else "MISS"
+            print(f"{r['shape']:<22}{r['precision']:<6}{variant:<12}"
+                  f"{mt['best_tokens_per_s']:>10.0f}{hf['best_tokens_per_s']:>10.0f}"
+                  f"{ratio:>7.2f}{ratio_med:>7.2f}{target:>5.1f}{mark:>4}{mfu:>8.1%}"
+                  f"{hf_mfu:>8.1%}{mt['first_loss']:>9.4f}/{hf['first_loss']:.4f}")
+            mt.update(ratio_best=ratio, ratio_median=ratio_med, mfu=mfu)
+        hf["mfu"] = hf_mfu
 
 
 def parse_args() -> argparse.Namespace:
@@ -235,6 +254,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--small-seq", type=int, default=256)
     p.add_argument("--shapes", default="", help="comma-separated subset (default: all)")
     p.add_argument("--precisions", default="fp32,bf16")
+    p.add_argument("--no-compile", action="store_true", help="leave out mt+compile")
     p.add_argument("--peak-sizes", default="512,1024,2048")
     p.add_argument("--peak-repeats", type=int, default=5)
     p.add_argument("--seed", type=int, default=1234)

@@ -58,6 +58,9 @@ def test_yaml_sections_flat_keys_and_cli_overrides(tmp_path: Path) -> None:
     ({"nproc": 4, "tp": 1, "pp": 2, "schedule": "interleaved", "virtual_stages": 2,
       "global_batch_size": 24, "micro_batch_size": 4},
      r"num_micro_batches \(3\).*num_stages \(2\)"),
+    ({"zero_stage": 3, "compile": True}, r"--zero-stage 3 with --compile is not supported"),
+    ({"engine": "deepspeed", "compile": True},
+     r"--compile is not supported with --engine deepspeed"),
 ])
 def test_bad_configs_name_the_numbers(overrides: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
@@ -71,7 +74,7 @@ def test_every_field_has_help_text_and_a_flag() -> None:
     assert result.exit_code == 0, result.output
     for flag in ("--tp", "--pp", "--dp", "--nproc", "--zero-stage", "--schedule",
                  "--virtual-stages", "--sequence-parallel", "--activation-checkpointing",
-                 "--micro-batch-size", "--global-batch-size", "--train-tokens", "--precision",
+                 "--compile", "--micro-batch-size", "--global-batch-size", "--train-tokens", "--precision",
                  "--save-interval", "--load", "--metrics", "--dry-run", "--config"):
         assert flag in result.output
     assert "Pipeline schedule: gpipe, 1f1b or interleaved" in result.output

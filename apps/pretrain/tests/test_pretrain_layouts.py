@@ -1,5 +1,6 @@
 """More layouts of `mt pretrain` against the one-process run: pipeline schedules (GPipe,
-interleaved), sequence parallelism with activation checkpointing, ZeRO 2 and 3, fp16
+interleaved), sequence parallelism with activation checkpointing, ZeRO 2 and 3, compiled
+forward + loss (torch.compile, through TP collectives and the pipeline executor), fp16
 through the pipeline; per-step losses and the validation loss (which must not depend on the
 layout either). 6 steps each, 1-4 processes."""
 
@@ -36,7 +37,10 @@ def reference(tmp_path_factory: pytest.TempPathFactory, cache: Path) -> Any:
     {"nproc": 4, "tp": 2, "pp": 2, "sequence_parallel": True, "activation_checkpointing": True},
     {"nproc": 2, "tp": 1, "pp": 1, "zero_stage": 2},
     {"nproc": 2, "tp": 2, "pp": 1, "zero_stage": 3},
-], ids=["gpipe-pp4", "interleaved-pp2", "tp2-sp-ac-pp2", "zero2-dp2", "zero3-tp2"])
+    {"nproc": 2, "tp": 1, "pp": 1, "zero_stage": 1, "compile": True},
+    {"nproc": 4, "tp": 2, "pp": 2, "compile": True},
+], ids=["gpipe-pp4", "interleaved-pp2", "tp2-sp-ac-pp2", "zero2-dp2", "zero3-tp2",
+        "compile-dp2", "compile-tp2-pp2"])
 def test_pretrain_layout_matches_one_process(layout: dict[str, Any], reference: Any,
                                              cache: Path, tmp_path: Path) -> None:
     summary = _run(tmp_path, cache, **layout)

@@ -53,7 +53,8 @@ class RunPlan:
         """The pipeline config for a (ramped-up) global batch size."""
         m = global_batch // (micro_batch * self.topology.dp)
         p = self.pipeline
-        return PipelineConfig(p.schedule, m, p.virtual_stages, p.activation_checkpointing)
+        return PipelineConfig(p.schedule, m, p.virtual_stages, p.activation_checkpointing,
+                              p.compile)
 
 
 def _batch_schedule(config: PretrainConfig, rampup: tuple[int, int, int] | None) -> Any:
@@ -118,7 +119,7 @@ def resolve(config: PretrainConfig, world_size: int) -> RunPlan:
     v = par.virtual_stages if par.pp > 1 else 1
     schedule = par.schedule if par.pp > 1 else "1f1b"
     try:
-        pipeline = PipelineConfig(schedule, m, v, par.activation_checkpointing)
+        pipeline = PipelineConfig(schedule, m, v, par.activation_checkpointing, par.compile)
         stages = plan_pipeline(pipeline, gpt.n_layers, par.pp)
         if rampup is not None and schedule == "interleaved":
             # gpipe / 1f1b take any micro-batch count; interleaving needs multiples of pp.
@@ -189,7 +190,8 @@ def describe(config: PretrainConfig, plan: RunPlan, max_ranks: int = 32) -> str:
         f"layout     tp {topo.tp} x pp {topo.pp} x dp {topo.dp} = {topo.world_size} ranks; "
         f"ZeRO stage {par.zero_stage}, {par.precision}, engine {par.engine}"
         + (", sequence parallel" if par.sequence_parallel else "")
-        + (", activation checkpointing" if par.activation_checkpointing else ""),
+        + (", activation checkpointing" if par.activation_checkpointing else "")
+        + (", compiled" if par.compile else ""),
         f"batch      global {train.global_batch_size} = micro {train.micro_batch_size} x "
         f"dp {topo.dp} x {pipe.num_micro_batches} micro-batches"
         + (f"; ramp-up {plan.rampup[0]} +{plan.rampup[1]} over {plan.rampup[2]:,} samples"

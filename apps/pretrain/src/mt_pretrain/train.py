@@ -120,6 +120,9 @@ class Trainer:
         # DeepSpeed's engine must see every forward (it wraps the stage).
         self._module: nn.Module = getattr(built.optimizer, "engine", stage)
         self._call_module = config.parallel.zero_stage == 3 or self._module is not stage
+        # pp == 1 path: the same (optionally compiled) forward + loss the executor runs.
+        self._forward_loss = (torch.compile(stage.forward_loss) if config.parallel.compile
+                              else stage.forward_loss)
 
     # ------------------------------------------------------------------------- the loop
     def run(self) -> tuple[list[StepStats], bool]:
@@ -202,18 +205,17 @@ class Trainer:
             batch = to_batch([array]).to(self.device)
             quiet = opt.no_sync() if i < m - 1 else contextlib.nullcontext()
             with quiet:
-                logits = self._module(batch[:, :-1]) if self._call_module else stage.forward_chunk(
-                    0, batch[:, :-1], checkpoint)
-                loss = stage.loss(logits, batch[:, 1:])
+                if self._call_module:
+                    loss = stage.loss(self._module(batch[:, :-1]), batch[:, 1:])
+                else:
+                    loss = self._forward_loss(0, batch[:, :-1], batch[:, 1:], checkpoint)
                 opt.backward(loss / m)
             total += float(loss.detach())
         return total / m
 
     def _executor(self, m: int) -> PipelineExecutor:
         if m not in self._executors:
-            pipe = self.plan.pipeline
-            config = type(pipe)(pipe.schedule, m, pipe.virtual_stages,
-                                pipe.activation_checkpointing)
+            config = replace(self.plan.pipeline, num_micro_batches=m)
             self._executors[m] = PipelineExecutor(
                 self.built.stage, config, StageComm.from_groups(self.groups),
                 self.activation_shape, dtype=self.dtype)

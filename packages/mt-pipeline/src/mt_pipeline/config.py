@@ -20,12 +20,16 @@ class PipelineConfig:
         num_micro_batches: micro-batches per step (gradients accumulate over them).
         virtual_stages: model chunks per stage; >= 2 for "interleaved", 1 otherwise.
         activation_checkpointing: recompute every layer's activations in backward.
+        compile: run each chunk's forward (with the loss on the last chunk) through
+            ``torch.compile``: elementwise work, LayerNorms and the loss fuse into fewer
+            kernels. The first step of each chunk pays the compilation.
     """
 
     schedule: str = "1f1b"
     num_micro_batches: int = 1
     virtual_stages: int = 1
     activation_checkpointing: bool = False
+    compile: bool = False
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:

@@ -139,6 +139,12 @@ class PipelineExecutor:
             first = next(iter(stage.parameters()), None)
             device = first.device if first is not None else torch.device("cpu")
         self.device = torch.device(device)
+        self._run_chunk, self._run_loss = stage.forward_chunk, stage.forward_loss
+        if config.compile:
+            # Compiled once per function (dynamo caches by code object and guards), so
+            # executors built later for other micro-batch counts reuse the compiled code.
+            self._run_chunk = torch.compile(stage.forward_chunk)
+            self._run_loss = torch.compile(stage.forward_loss)
 
     def run(
         self,
@@ -216,14 +222,15 @@ class PipelineExecutor:
             x = state.loaded.pop(mb)
         else:
             x = state.received_act.pop((mb, chunk)).requires_grad_()
-        out = stage.forward_chunk(chunk, x, self.config.activation_checkpointing)
+        checkpoint = self.config.activation_checkpointing
         if stage.is_last_chunk(chunk):
-            loss = stage.loss(out, state.loaded.pop(-1 - mb))
+            loss = self._run_loss(chunk, x, state.loaded.pop(-1 - mb), checkpoint)
             state.losses.append(loss.detach())
             # Scale so that accumulated gradients are those of the mean over micro-batches.
             state.saved[(mb, chunk)] = (x, loss / self.config.num_micro_batches)
             state.peak_in_flight = max(state.peak_in_flight, len(state.saved))
             return
+        out = self._run_chunk(chunk, x, checkpoint)
         if out.shape != self.activation_shape or out.dtype != self.dtype:
             raise ValueError(
                 f"stage {self.comm.stage} chunk {chunk} produced {tuple(out.shape)} "

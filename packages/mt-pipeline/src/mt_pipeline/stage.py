@@ -179,6 +179,12 @@ class PipelineStage(nn.Module):
             raise RuntimeError(f"stage {self.plan.stage} has no head, hence no loss")
         return self.get_submodule(self.layout.loss)(logits, targets)
 
+    def forward_loss(self, chunk: int, x: torch.Tensor, targets: torch.Tensor,
+                     checkpoint: bool = False) -> torch.Tensor:
+        """The loss of the last virtual stage's ``chunk`` on ``x``: one function, so that a
+        compiler sees the head and the loss together (the logits need not be kept)."""
+        return self.loss(self.forward_chunk(chunk, x, checkpoint), targets)
+
     def tied_parameters(self) -> list[nn.Parameter]:
         """Parameters whose gradients are summed over the embedding group: the tied weight
         on the first and on the last stage when they are different stages, else none."""
