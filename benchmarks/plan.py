@@ -12,20 +12,26 @@ sequence 128 to stay short) at two layouts each (DP 2 with ZeRO-1 and PP 2, 2 pr
   right after each run (the two averaged), in as many concurrent 1-thread gloo processes as
   the run has ranks: GEMM FLOP/s at the model's MLP and head shapes (forward, data and
   weight gradient, in F.linear's layouts), elementwise bandwidth, first touch of fresh
-  memory, the fixed cost of a transformer layer's and of the head's forward + backward
-  (slope and intercept of a 1- vs 5-layer model of hidden size 16), the Adam step's
-  parameters/s and per-tensor cost, gloo all-reduce bandwidth and latency, and the scratch
-  an all-gather allocates; and the training framework's own costs per step, per
-  micro-batch and per parameter tensor (hooks, data loading, small collectives): three
-  real `mt pretrain` runs of a micro model (hidden 16, sequence 8) at the same layout, 1 or
-  5 layers per stage, 1 or 4 micro-batches, their step time minus what the estimator
-  already models (once per layout). No number is fitted to a case.
+  memory, what a transformer layer's and the head's forward + backward cost beyond those
+  GEMM and elementwise terms (1- and 3-layer models of the run's width, vocabulary,
+  sequence and micro-batch, timed, minus the estimator's own figure for them), the
+  optimizer step as mt pretrain runs it (`ZeroOptimizer.step` around fused AdamW:
+  parameters/s and cost per tensor), gloo all-reduce: bandwidth and fixed cost of a
+  bucket-sized message (the line through the model's bucket size and one 4x apart) and the
+  latency of a one-element one, and the scratch an all-gather allocates; and the training
+  framework's own costs per step, per micro-batch and per parameter tensor (hooks, data
+  loading, small collectives): three real `mt pretrain` runs of a micro model (hidden 16,
+  sequence 8) at the same layout, 1 or 5 layers per stage, 1 or 4 micro-batches, their
+  step time minus what the estimator already models (once per layout). No number is
+  fitted to a benchmarked run; every figure is a measured component.
 
 Other jobs share the two cores, so compute is timed in CPU seconds of the thread (medians:
 its cost when it has a core) and scaled by the share of a core the run's ranks got while
-runnable from step 2 on (their threads' /proc schedstat: on-CPU vs runqueue time); gloo is
-timed in wall seconds and averaged with the mean (a blocked rank also waits to be scheduled
-again, on every message). The load average is printed with every row.
+runnable from step 2 on (their threads' /proc schedstat: on-CPU vs runqueue time, read every
+0.25 s: reading it every step took ~15% of a tiny run's speed); gloo is timed in wall
+seconds and averaged with the mean (a blocked rank also waits to be scheduled again, on
+every message). The load average is printed with every row, and each case's predicted
+step time by part next to the measured one.
 
 Run from the repo root (about 5 minutes on 2 cores):
 
@@ -53,12 +59,13 @@ import torch
 import torch.distributed as dist
 
 from mt_dist.testing import run_distributed
-from mt_model import GPT, GPTConfig
+from mt_model import GPT, GPTConfig, count_parameters
 from mt_pretrain.config_io import load_config
-from mt_pretrain.estimate import estimate
+from mt_pretrain.estimate import BUCKET_NUMEL, estimate
 from mt_pretrain.gpus import GPUSpec
 from mt_pretrain.layout import Layout
 from mt_pretrain.plan import plan_layout, resolve
+from mt_zero import ZeroConfig, ZeroOptimizer
 
 # Runs a command and prints the largest RSS (KiB) of any of its descendants (the ranks).
 _WRAPPER = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]); "
@@ -66,7 +73,7 @@ _WRAPPER = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]);
             "sys.exit(r.returncode)")
 
 MODELS: dict[str, dict[str, Any]] = {
-    "tiny": {"model": "tiny", "global_batch_size": 16, "train_steps": 30},
+    "tiny": {"model": "tiny", "global_batch_size": 16, "train_steps": 150},
     "gpt2-small-s128": {"model": "gpt2-small", "seq_len": 128, "global_batch_size": 4,
                         "train_steps": 4},
 }
@@ -80,43 +87,65 @@ def _flags(overrides: dict[str, Any]) -> list[str]:
     return [x for k, v in overrides.items() for x in ("--" + k.replace("_", "-"), str(v))]
 
 
-def _schedstat(pid: int | str = "self") -> tuple[int, int]:
-    """(ns on a CPU, ns runnable but waiting for one) summed over the threads of ``pid``."""
-    run = wait = 0
+_WATCH_INTERVAL = 0.25  # seconds between two reads of the ranks' scheduler counters
+
+
+def _threads(pid: int | str = "self") -> dict[str, tuple[int, int]]:
+    """(ns on a CPU, ns runnable but waiting for one) of each thread of ``pid``."""
+    out = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
             fields = (task / "schedstat").read_text().split()
         except OSError:  # the thread ended
             continue
-        run, wait = run + int(fields[0]), wait + int(fields[1])
-    return run, wait
+        out[f"{pid}/{task.name}"] = (int(fields[0]), int(fields[1]))
+    return out
 
 
-def _share(run: int, wait: int) -> float:
-    """Fraction of a core a runnable thread got (1 on an idle machine)."""
+def _share(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]]) -> float:
+    """Fraction of a core the threads runnable between two readings got (1 on an idle
+    machine); only threads seen in both readings count."""
+    run = sum(after[k][0] - before[k][0] for k in after.keys() & before.keys())
+    wait = sum(after[k][1] - before[k][1] for k in after.keys() & before.keys())
     return run / (run + wait) if run + wait else 1.0
 
 
-def _watch(proc: subprocess.Popen, metrics: Path, window: list[tuple[int, int]]) -> None:
-    """Poll the scheduler counters of ``proc``'s descendants (the ranks) until it ends;
-    ``window`` gets the counters when step 1 is done (the first metrics line: start-up
-    and the first step, left out of the tokens/s too, are left out) and at the last line."""
+def _counters(pids: list[int]) -> dict[str, tuple[int, int]]:
+    """Per-thread scheduler counters of ``pids`` (processes that ended count nothing)."""
+    out: dict[str, tuple[int, int]] = {}
+    for pid in pids:
+        try:
+            out.update(_threads(pid))
+        except OSError:
+            continue
+    return out
+
+
+def _watch(proc: subprocess.Popen, metrics: Path,
+           window: list[dict[str, tuple[int, int]]]) -> None:
+    """Scheduler counters of ``proc``'s descendants (the ranks): ``window`` gets them when
+    step 1 is done (the first metrics line: start-up and the first step, left out of the
+    tokens/s too, are left out) and, every ``_WATCH_INTERVAL`` seconds, the latest. Light on
+    purpose: a /proc walk per step took ~15% of a tiny run's speed from the ranks."""
     import psutil
 
-    lines = 0
+    pids: list[int] | None = None
+    last = 0.0
     while proc.poll() is None:
+        time.sleep(0.01)
         try:
-            now = metrics.read_text().count("\n") if metrics.exists() else 0
-            run = wait = 0
-            for child in psutil.Process(proc.pid).children(recursive=True):
-                r, w = _schedstat(child.pid)
-                run, wait = run + r, wait + w
-        except (OSError, psutil.Error):  # a process ended while being read
+            started = metrics.stat().st_size > 0
+        except OSError:
             continue
-        if now > lines:
-            window[min(len(window), 1):] = [(run, wait)]
-            lines = now
-        time.sleep(0.02)
+        if not started:
+            continue
+        if pids is None:
+            pids = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+            window.append(_counters(pids))
+            last = time.monotonic()
+        elif time.monotonic() - last >= _WATCH_INTERVAL:
+            window[1:] = [_counters(pids)]
+            last = time.monotonic()
 
 
 def _run(overrides: dict[str, Any], workdir: Path) -> tuple[float, float, float]:
@@ -129,7 +158,7 @@ def _run(overrides: dict[str, Any], workdir: Path) -> tuple[float, float, float]
            "--sample-tokens", "0", "--save", "none"]
     proc = subprocess.Popen([sys.executable, "-c", _WRAPPER, *cmd], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-    window: list[tuple[int, int]] = []
+    window: list[dict[str, tuple[int, int]]] = []
     watcher = threading.Thread(target=_watch, args=(proc, metrics, window), daemon=True)
     watcher.start()
     stdout, stderr = proc.communicate()
@@ -140,7 +169,7 @@ def _run(overrides: dict[str, Any], workdir: Path) -> tuple[float, float, float]
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     if len(window) < 2:
         raise SystemExit(f"too few steps seen to measure the core share: {' '.join(cmd)}")
-    share = _share(window[1][0] - window[0][0], window[1][1] - window[0][1])
+    share = _share(window[0], window[1])
     return rss, statistics.median(r["tokens_per_s"] for r in rows[1:]), share
 
 
@@ -181,52 +210,80 @@ def _matmul_flops(gpt: GPTConfig, rows: int) -> float:
     return sum(work) / sum(w / r for w, r in zip(work, rates))
 
 
-def _model_overheads() -> tuple[float, float]:
-    """(per layer, head) fixed seconds of forward + backward: a 1- and a 5-layer GPT of
-    hidden size 16 differ by four layers' fixed costs; the rest of the 1-layer time is the
-    embedding, head and loss (their FLOPs are negligible at this size)."""
-    def timed(layers: int) -> float:
-        gpt = GPTConfig(n_layers=layers, hidden=16, n_heads=2, vocab_size=16, seq_len=8)
-        model = GPT(gpt, seed=0)
-        idx = torch.randint(0, 16, (1, 8))
+def _model_overheads(gpt: GPTConfig, micro_batch: int, rates: dict[str, float]
+                     ) -> tuple[float, float]:
+    """(per layer, head) seconds of forward + backward that the estimator's GEMM and
+    elementwise terms (at the measured ``rates``) leave out: operator dispatch, attention
+    and softmax kernels slower than their FLOPs. A 1- and a 3-layer model of ``gpt``'s
+    width, vocabulary and sequence are timed at ``micro_batch``; each one's modelled time
+    (the estimator, those fixed costs 0) is subtracted; the 2 extra layers give the
+    per-layer rest, the 1-layer model's rest minus one layer is the head's."""
+    zero = _spec_of({**rates, "layer_overhead_s": 0.0, "head_overhead_s": 0.0})
+    layout = Layout(tp=1, pp=1, dp=1, global_batch=micro_batch, micro_batch=micro_batch,
+                    zero_stage=0, recompute="none", precision="fp32")
+
+    def rest(layers: int) -> float:
+        config = gpt.replace(n_layers=layers)
+        model = GPT(config, seed=0)
+        idx = torch.randint(0, config.vocab_size, (micro_batch, config.seq_len))
 
         def fwd_bwd() -> None:
             model(idx, idx).backward()
-        return _median_time(fwd_bwd, 15, 5)
-    one, five = timed(1), timed(5)
-    layer = max(0.0, (five - one) / 4)
+        # Large models: few timings of one call; micro ones: more, 5 calls per timing.
+        small = config.hidden * config.vocab_size < 2**22
+        measured = _median_time(fwd_bwd, 9 if small else 3, 5 if small else 1)
+        modelled = estimate(config, layout, zero, efficiency=1.0).pipeline_time_s
+        return measured - modelled
+    one, three = rest(1), rest(3)
+    layer = max(0.0, (three - one) / 2)
     return layer, max(0.0, one - layer)
 
 
 def _adam_costs() -> tuple[float, float]:
-    """(parameters/s, fixed seconds per tensor) of AdamW as mt pretrain runs it, with the
-    gradient norm (one vector_norm per tensor) that precedes the step."""
+    """(parameters/s, fixed seconds per tensor) of the optimizer step as mt pretrain runs
+    it: ``ZeroOptimizer.step`` (one process: gradient norm, clipping, fused AdamW on the
+    fp32 pieces, releasing the gradients) around fused AdamW, timed without the backward
+    that produces the gradients."""
     def step_time(numel: int, count: int) -> float:
-        params = [torch.nn.Parameter(torch.randn(numel)) for _ in range(count)]
-        for p in params:
-            p.grad = torch.randn(numel)
-        opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1)
-
-        def step() -> None:
-            torch.stack([torch.linalg.vector_norm(p.grad) for p in params]).sum()
+        model = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(numel))
+                                       for _ in range(count))
+        opt = ZeroOptimizer(model, lambda groups: torch.optim.AdamW(
+            groups, lr=1e-4, weight_decay=0.1, fused=True), None,
+            ZeroConfig(stage=1, clip_grad=1.0))
+        times = []
+        for _ in range(8):
+            opt.backward(sum(p.sum() for p in model))
+            start = time.thread_time()
             opt.step()
-        return _median_time(step, 7)
+            times.append(time.thread_time() - start)
+        return statistics.median(times[1:])
     big = 2**21
     per_param = step_time(big, 1) / big
     small = step_time(16, 64) / 64
     return 1.0 / per_param, max(0.0, small - 16 * per_param)
 
 
-def _comm_costs() -> tuple[float, float, float]:
-    """(all-reduce bus bandwidth bytes/s, latency s, all-gather scratch per output byte)."""
+def _comm_costs(bucket: int) -> tuple[float, float, float, float]:
+    """(all-reduce bus bandwidth bytes/s, latency of a one-element message s, fixed cost of
+    a bucket-sized one s, all-gather scratch per output byte). Bandwidth and the bucket
+    cost are the line through two all-reduces of ``bucket`` elements (the model's DP bucket)
+    and of a size 4x apart: gloo costs more than its bytes and a tiny message's latency
+    there."""
     world = dist.get_world_size()
     tiny = torch.zeros(1)
     latency = _median_time(lambda: dist.all_reduce(tiny), 41, clock=time.perf_counter,
                            average=statistics.mean)
-    big = torch.ones(2**22)
-    seconds = _median_time(lambda: dist.all_reduce(big), 5, clock=time.perf_counter,
-                           average=statistics.mean)
-    bandwidth = 2.0 * (world - 1) / world * big.numel() * 4 / max(seconds - latency, 1e-9)
+    sizes = (bucket, bucket * 4 if bucket <= 2**22 else bucket // 4)
+    seconds = []
+    for n in sizes:
+        data = torch.ones(n)
+        seconds.append(_median_time(lambda d=data: dist.all_reduce(d), 15 if n <= 2**20 else 5,
+                                    clock=time.perf_counter, average=statistics.mean))
+    bus = [2.0 * (world - 1) / world * n * 4 for n in sizes]
+    bandwidth = (bus[1] - bus[0]) / max(seconds[1] - seconds[0], 1e-9)
+    if bandwidth <= 0:  # noise: fall back to the larger message alone
+        bandwidth = max(bus) / max(max(seconds) - latency, 1e-9)
+    bulk = max(latency, seconds[0] - bus[0] / bandwidth)
     out = torch.ones(2**23)  # 32 MiB, touched: only new memory raises the peak RSS
     shard = torch.ones(out.numel() // world)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -234,13 +291,13 @@ def _comm_costs() -> tuple[float, float, float]:
         warnings.simplefilter("ignore", FutureWarning)
         dist.all_gather_into_tensor(out, shard)
     grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024.0
-    return bandwidth, latency, min(2.0, max(0.0, grown / (out.numel() * 4)))
+    return bandwidth, latency, bulk, min(2.0, max(0.0, grown / (out.numel() * 4)))
 
 
 def _measure(gpt: GPTConfig, rows: int) -> dict[str, float]:
     """One rank's measurements of this machine (runs in every rank at the same time)."""
     torch.manual_seed(dist.get_rank())
-    start = _schedstat()
+    start = _threads()
     # Elementwise bandwidth: x + y into a reused output (16 MiB operands, past the caches;
     # activations of this size come back from the allocator's free lists).
     x, y, z = torch.randn(2**22), torch.randn(2**22), torch.empty(2**22)
@@ -249,17 +306,19 @@ def _measure(gpt: GPTConfig, rows: int) -> dict[str, float]:
     big = torch.empty(2**23)
     fresh = _median_time(lambda: torch.empty(2**23).fill_(1.0), 7)
     reuse = _median_time(lambda: big.fill_(1.0), 7)
-    bandwidth, latency, scratch = _comm_costs()
-    layer, head = _model_overheads()
+    bucket = min(count_parameters(gpt), BUCKET_NUMEL)  # tiny: the whole model is one
+    bandwidth, latency, bulk, scratch = _comm_costs(bucket)
     adam, tensor = _adam_costs()
     flops = _matmul_flops(gpt, rows)
-    end = _schedstat()
-    return {"share": _share(end[0] - start[0], end[1] - start[1]), "peak_flops": flops,
-            "memory_bytes_per_s": 3 * x.numel() * 4 / add,
-            "alloc_bytes_per_s": big.numel() * 4 / max(fresh - reuse, 1e-6),
-            "nvlink_bytes_per_s": bandwidth, "link_latency_s": latency,
-            "gather_scratch": scratch, "layer_overhead_s": layer, "head_overhead_s": head,
-            "optimizer_params_per_s": adam, "tensor_overhead_s": tensor}
+    rates = {"peak_flops": flops, "memory_bytes_per_s": 3 * x.numel() * 4 / add,
+             "alloc_bytes_per_s": big.numel() * 4 / max(fresh - reuse, 1e-6),
+             "nvlink_bytes_per_s": bandwidth, "link_latency_s": latency,
+             "bulk_latency_s": bulk, "gather_scratch": scratch, "optimizer_params_per_s": adam,
+             "tensor_overhead_s": tensor}
+    layer, head = _model_overheads(gpt, rows // gpt.seq_len, rates)
+    end = _threads()
+    return {"share": _share(start, end), **rates, "layer_overhead_s": layer,
+            "head_overhead_s": head}
 
 
 def _cpu_spec(gpt: GPTConfig, rows: int, ranks: int) -> dict[str, float]:
@@ -277,6 +336,16 @@ _RATES = ("peak_flops", "memory_bytes_per_s", "optimizer_params_per_s", "alloc_b
 _TIMES = ("layer_overhead_s", "head_overhead_s", "tensor_overhead_s", *_FRAMEWORK)
 
 
+def _spec_of(figures: dict[str, float]) -> GPUSpec:
+    """A GPUSpec of this CPU (one thread) from measured figures (GPUSpec field names;
+    ``nvlink_bytes_per_s`` is gloo's bandwidth, used for every link)."""
+    figures = dict(figures)
+    bw = figures.pop("nvlink_bytes_per_s")
+    return GPUSpec("cpu-1-thread", memory_bytes=24 * 2**30, nvlink_bytes_per_s=bw,
+                   ib_bytes_per_s=bw, gpus_per_node=2, fused_attention=True,
+                   gather_via_all_reduce=True, **figures)
+
+
 def _spec(parts: list[dict[str, float]], run_share: float,
           framework: dict[str, float] | None = None) -> GPUSpec:
     """The GPUSpec of the mean of calibrations (before and after a run) for ranks that get
@@ -286,9 +355,7 @@ def _spec(parts: list[dict[str, float]], run_share: float,
     mean = {k: statistics.mean(p[k] for p in parts) for k in parts[0]}
     mean.pop("share")
     mean.update(framework or {})
-    bw = mean.pop("nvlink_bytes_per_s")
-    spec = GPUSpec("cpu-1-thread", memory_bytes=24 * 2**30, nvlink_bytes_per_s=bw,
-                   ib_bytes_per_s=bw, gpus_per_node=2, fused_attention=True, **mean)
+    spec = _spec_of(mean)
     scaled = {k: getattr(spec, k) * run_share for k in _RATES}
     scaled.update({k: getattr(spec, k) / run_share for k in _TIMES})
     return dataclasses.replace(spec, **scaled)
@@ -305,7 +372,7 @@ def _micro(overrides: dict[str, Any], layers_per_stage: int, micro_batches: int
     pp, dp = overrides.get("pp", 1), overrides.get("dp", 1)
     return {"model": "tiny", "n_layers": layers_per_stage * pp, "hidden": 16, "n_heads": 2,
             "seq_len": 8, "micro_batch_size": 1, "global_batch_size": dp * micro_batches,
-            "train_steps": 30, **{k: v for k, v in overrides.items() if k in _LAYOUT_KEYS}}
+            "train_steps": 60, **{k: v for k, v in overrides.items() if k in _LAYOUT_KEYS}}
 
 
 def _nonnegative_solve(a: list[list[float]], b: list[float]) -> list[float]:
@@ -403,7 +470,8 @@ def _case(name: str, lname: str, overrides: dict[str, Any], runtime: float,
           f"{spec.alloc_bytes_per_s / 1e9:.1f} GB/s, Adam "
           f"{spec.optimizer_params_per_s / 1e6:.0f} M params/s + "
           f"{spec.tensor_overhead_s * 1e6:.0f} us/tensor, gloo "
-          f"{spec.nvlink_bytes_per_s / 1e9:.2f} GB/s + {spec.link_latency_s * 1e6:.0f} us, "
+          f"{spec.nvlink_bytes_per_s / 1e9:.2f} GB/s + {spec.link_latency_s * 1e6:.0f} us "
+          f"(bucket {spec.bulk_latency_s * 1e6:.0f} us), "
           f"gather scratch {spec.gather_scratch:.2f}, framework "
           f"{spec.step_overhead_s * 1e3:.2f} ms/step + "
           f"{spec.micro_batch_overhead_s * 1e3:.2f} ms/micro-batch + "
@@ -413,7 +481,12 @@ def _case(name: str, lname: str, overrides: dict[str, Any], runtime: float,
           f"second: matmul {spec.peak_flops / share / 1e9:.1f} GFLOP/s, layer "
           f"{spec.layer_overhead_s * share * 1e3:.2f} ms); predicted memory: activations "
           f"{est.memory_activations_gb * 1e3:.0f} MB, temporaries "
-          f"{est.memory_temporaries_gb * 1e3:.0f} MB", flush=True)
+          f"{est.memory_temporaries_gb * 1e3:.0f} MB; predicted step "
+          f"{est.iteration_time_s * 1e3:.1f} ms = pipeline {est.pipeline_time_s * 1e3:.1f} "
+          f"(bubble {est.bubble_fraction:.2f}, P2P {est.p2p_time_s * 1e3:.1f}) + DP "
+          f"{est.dp_comm_time_s * 1e3:.1f} + optimizer {est.optimizer_time_s * 1e3:.1f} + "
+          f"framework {est.framework_time_s * 1e3:.1f}; measured "
+          f"{1e3 * layout.global_batch * gpt.seq_len / tps:.1f} ms", flush=True)
 
 
 def main() -> None:

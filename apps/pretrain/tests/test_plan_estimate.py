@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from mt_model import preset, tflops_per_gpu
+from mt_model import count_parameters, preset, tflops_per_gpu
 from mt_pipeline import get_schedule, simulate
 from mt_pretrain.estimate import (
     EFFICIENCY,
@@ -171,3 +171,20 @@ def test_framework_costs_add_per_step_micro_batch_and_tensor() -> None:
         assert micro.iteration_time_s - base.iteration_time_s == pytest.approx(extra, rel=0.05)
     # The data-sheet GPUs have none, so the MT-NLG fit above is unchanged.
     assert estimate(MTNLG, _mtnlg(8), A100).framework_time_s == 0.0
+
+
+def test_gloo_collectives_as_all_reduces_and_bucket_latency() -> None:
+    """On gloo mt-zero runs ZeRO's reduce-scatter and all-gather as all-reduces (twice the
+    bytes each), and a bucket-sized collective has a fixed cost of its own."""
+    gpt = preset("tiny")
+    lay = Layout(1, 1, 2, 16, 4, zero_stage=1, recompute="none", precision="fp32")
+    cpu = GPUSpec("cpu", 50e9, 24 * 2**30, 1e9, 1e9, 2, 10e9, link_latency_s=1e-4,
+                  fused_attention=True)
+    grads = count_parameters(gpt) * 4.0  # one bucket: tiny is below 2**22 parameters
+    small = 3 * 1e-4  # loss mean, gradient norm, loss broadcast
+    ideal = estimate(gpt, lay, cpu, 1.0)
+    # NCCL-like: all-reduce (2 (d-1)/d) + all-gather ((d-1)/d) = 1.5 x the bytes at d = 2.
+    assert ideal.dp_comm_time_s == pytest.approx(1.5 * grads / 1e9 + 2 * 1e-4 + small)
+    gloo = estimate(gpt, lay, dataclasses.replace(cpu, gather_via_all_reduce=True,
+                                                  bulk_latency_s=2e-3), 1.0)
+    assert gloo.dp_comm_time_s == pytest.approx(2.0 * grads / 1e9 + 2 * 2e-3 + small)

@@ -14,7 +14,7 @@ message, per optimizer tensor, and the training framework's own per-step, per-mi
 per-parameter-tensor work) come from the :class:`~mt_pretrain.gpus.GPUSpec`: zero for
 the data-sheet GPUs, measured for a calibrated machine such as a CPU (``benchmarks/plan.py``).
 The peak memory adds to the persistent states the largest short-lived phase (backward
-buffers, optimizer-step temporaries, the shard all-gather), see :func:`_memory`.
+buffers, the shard all-gather), see :func:`_memory`.
 """
 
 from __future__ import annotations
@@ -189,7 +189,7 @@ def _largest_param(gpt: GPTConfig, layout: Layout, stage: int) -> float:
 
 def _temporaries(gpt: GPTConfig, layout: Layout, gpu: GPUSpec, stage: int,
                  params: float) -> dict[str, float]:
-    """Short-lived bytes of the three phases that can set a stage's peak (beyond the stored
+    """Short-lived bytes of the two phases that can set a stage's peak (beyond the stored
     activations, which only the backward phase adds to)."""
     b, t, d, width = layout.micro_batch, layout.tp, layout.dp, _WIDTH[layout.precision]
     last, first = stage == layout.pp - 1, stage == 0
@@ -202,10 +202,7 @@ def _temporaries(gpt: GPTConfig, layout: Layout, gpu: GPUSpec, stage: int,
     backward = 3.0 * 4.0 * vocab if last else 0.0
     tables = 3 if first and last else int(first) + int(last)
     backward += tables * gpt.hidden * gpt.vocab_size / t * width
-    # Optimizer step: a per-tensor Adam loop makes two temporaries of the piece it updates
-    # (sqrt of the second moment, then its scaled copy), fp32 like the master weights.
-    piece = _largest_param(gpt, layout, stage) / (d if layout.zero_stage >= 1 else 1)
-    step = 2.0 * 4.0 * piece
+    # The optimizer step adds nothing: fused AdamW (mt pretrain's) updates in place.
     # Publishing the updated shards (ZeRO 1-2, dp > 1): a send copy of every shard in the
     # compute dtype, launched together, plus the all-gather's own staging of the largest
     # bucket's output (gloo on CPU).
@@ -213,7 +210,7 @@ def _temporaries(gpt: GPTConfig, layout: Layout, gpu: GPUSpec, stage: int,
     if d > 1 and layout.zero_stage in (1, 2):
         bucket = max(_largest_param(gpt, layout, stage), float(BUCKET_NUMEL))
         publish = params / d * width + gpu.gather_scratch * bucket * width
-    return {"backward": backward, "step": step, "publish": publish}
+    return {"backward": backward, "publish": publish}
 
 
 def stage_memory(gpt: GPTConfig, layout: Layout, gpu: GPUSpec, stage: int, layers: int,
@@ -222,9 +219,9 @@ def stage_memory(gpt: GPTConfig, layout: Layout, gpu: GPUSpec, stage: int, layer
     chunk forwards alive at its peak), by part: ``weights``, ``grads``, ``optimizer``,
     ``activations``, ``temporaries`` (what the peak phase adds), ``total``; and ``params``.
 
-    The peak is the persistent states (:func:`zero_bytes`) plus the largest of three
-    phases: backward (stored activations of the in-flight micro-batches plus the loss and
-    tied-gradient buffers), the optimizer step's temporaries, and publishing the shards.
+    The peak is the persistent states (:func:`zero_bytes`) plus the larger of two phases:
+    backward (stored activations of the in-flight micro-batches plus the loss and
+    tied-gradient buffers) and publishing the shards (the fused AdamW step adds nothing).
     ``mt plan`` and ``mt pretrain --dry-run`` both use it.
     """
     per_layer = _layer_activations(gpt, layout, gpu, layout.recompute)
@@ -235,7 +232,7 @@ def stage_memory(gpt: GPTConfig, layout: Layout, gpu: GPUSpec, stage: int, layer
     parts = zero_bytes(params, layout.dp, layout.zero_stage, layout.precision)
     acts = per_layer * layers / layout.virtual_stages * in_flight + working
     temps = _temporaries(gpt, layout, gpu, stage, float(params))
-    peak = max(acts + temps["backward"], temps["step"], temps["publish"])
+    peak = max(acts + temps["backward"], temps["publish"])
     parts["activations"] = acts
     parts["temporaries"] = peak - acts if peak > acts else 0.0
     parts["total"] += acts + parts["temporaries"]
@@ -310,18 +307,25 @@ def _times(gpt: GPTConfig, layout: Layout, gpu: GPUSpec, efficiency: float) -> d
     p2p_bw = gpu.nvlink_bytes_per_s if one_node else gpu.ib_bytes_per_s
     # scatter-gather: 1/t per TP rank
     p2p = message / t / p2p_bw + lat if layout.pp > 1 else 0.0
+    # Bucket-sized collectives (DP gradients and shards, the tied gradient) may have a fixed
+    # cost of their own (gloo: more rounds than a tiny message).
+    bulk = gpu.bulk_latency_s or lat
     # Tied embedding: its gradient is summed over the first and last stage every step.
-    tied = (gpt.vocab_size / t * h * width / p2p_bw + lat) if layout.pp > 1 else 0.0
+    tied = (gpt.vocab_size / t * h * width / p2p_bw + bulk) if layout.pp > 1 else 0.0
     d = layout.dp
     dp_bw = gpu.nvlink_bytes_per_s if t * d <= gpu.gpus_per_node else gpu.ib_bytes_per_s
     grads = max(_stage_params(gpt, layout)) * width
-    # Stage 0 all-reduces (2 (d-1)/d of the gradients); stage 1 all-reduces and all-gathers
-    # the updated weights (3); stage 2 reduce-scatters and all-gathers (2); stage 3 also
-    # gathers the weights for forward and backward (3).
+    # Passes over the gradients or weights per step: stage 0 all-reduces; stage 1
+    # reduce-scatters (or all-reduces) and all-gathers the updated weights; stage 2
+    # reduce-scatters and all-gathers; stage 3 also gathers the weights for forward and
+    # backward. An all-reduce moves 2 (d-1)/d of the data, the others (d-1)/d, unless they
+    # are themselves run as all-reduces.
+    passes = {0: 1, 1: 2, 2: 2, 3: 3}[layout.zero_stage]
     volume = {0: 2.0, 1: 3.0, 2: 2.0, 3: 3.0}[layout.zero_stage]
+    if gpu.gather_via_all_reduce:
+        volume = 2.0 * passes
     buckets = max(1.0, grads / width / BUCKET_NUMEL)
-    messages = volume * buckets  # about one message per bucket and pass
-    dp_time = volume * (d - 1) / d * grads / dp_bw + messages * lat if d > 1 else 0.0
+    dp_time = (volume * (d - 1) / d * grads / dp_bw + passes * buckets * bulk) if d > 1 else 0.0
     # Small collectives every step: the loss mean, the gradient norm, the loss broadcast.
     dp_time += 3.0 * lat if layout.world_size > 1 else 0.0
     m = layout.num_micro_batches

@@ -40,6 +40,10 @@ class GPUSpec:
             the forward takes a third of it.
         head_overhead_s: the same for the embedding, final LayerNorm, output head and loss.
         link_latency_s: fixed seconds of one collective or point-to-point message.
+        bulk_latency_s: fixed seconds of a collective carrying a gradient bucket, a
+            parameter shard or the tied embedding's gradient, where it differs from a small
+            message's (gloo on CPU: an all-reduce of 1 MB costs ~2 ms beyond its bytes, one
+            of 4 bytes 0.2-0.6 ms); 0 means ``link_latency_s``.
         tensor_overhead_s: fixed seconds per parameter tensor of the optimizer step (a
             per-tensor Adam loop and gradient norm).
         optimizer_params_per_s: Adam step throughput in parameters per second; 0 means
@@ -60,6 +64,9 @@ class GPUSpec:
         fused_attention: the attention kernel never stores the s x s scores (flash /
             memory-efficient scaled-dot-product attention, as torch picks on CPU): the
             ``5as/h`` activation term is dropped as with selective recomputation.
+        gather_via_all_reduce: ZeRO's all-gather and reduce-scatter run as all-reduces
+            (mt-zero on gloo, where those are slower), moving 2 (d-1)/d of the data each
+            instead of (d-1)/d.
     """
 
     name: str
@@ -72,6 +79,7 @@ class GPUSpec:
     layer_overhead_s: float = 0.0
     head_overhead_s: float = 0.0
     link_latency_s: float = 0.0
+    bulk_latency_s: float = 0.0
     tensor_overhead_s: float = 0.0
     optimizer_params_per_s: float = 0.0
     alloc_bytes_per_s: float = 0.0
@@ -80,6 +88,7 @@ class GPUSpec:
     param_overhead_s: float = 0.0
     gather_scratch: float = 0.0
     fused_attention: bool = False
+    gather_via_all_reduce: bool = False
 
     def __post_init__(self) -> None:
         names = [f.name for f in fields(self)]
