@@ -408,6 +408,17 @@ def _framework(overrides: dict[str, Any], parts: list[dict[str, float]], workdir
     each run's sensitivity to a cost taken from the estimator itself, so the pipeline
     schedule decides how a per-micro-batch cost adds up)."""
     rows, rhs = [], []
+    # The micro model's own layer and head costs (those in ``parts`` are the benchmarked
+    # model's), measured here in one thread like a rank.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    micro_gpt, micro_layout = _layout(_micro(overrides, 1, 1))
+    rates = {k: statistics.mean(p[k] for p in parts) for k in parts[0]}
+    rates = {k: v for k, v in rates.items()
+             if k not in ("share", "layer_overhead_s", "head_overhead_s")}
+    layer, head = _model_overheads(micro_gpt, micro_layout.micro_batch, rates)
+    torch.set_num_threads(threads)
+    parts = [{**p, "layer_overhead_s": layer, "head_overhead_s": head} for p in parts]
     for layers, micro in ((1, 1), (5, 1), (1, 4)):
         over = _micro(overrides, layers, micro)
         gpt, layout = _layout(over)
@@ -422,7 +433,8 @@ def _framework(overrides: dict[str, Any], parts: list[dict[str, float]], workdir
         rhs.append(step - base)
         print(f"    framework run ({layers} layer(s) per stage, {micro} micro-batch(es)): step "
               f"{step * 1e3:.1f} ms measured, {base * 1e3:.1f} ms modelled without framework "
-              f"costs (core share {share:.2f})", flush=True)
+              f"costs (core share {share:.2f}; micro layer {layer * 1e3:.2f} ms, head "
+              f"{head * 1e3:.2f} ms)", flush=True)
     return dict(zip(_FRAMEWORK, _nonnegative_solve(rows, rhs)))
 
 
