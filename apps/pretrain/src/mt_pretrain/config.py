@@ -125,8 +125,8 @@ class ParallelArgs:
     """Recompute each layer's activations in backward instead of storing them."""
     compile: bool = False
     """Compile each stage's forward and loss with torch.compile (inductor): fuses the
-    elementwise work, LayerNorms and the loss (about 10-30% faster on CPU; the first step
-    pays the compilation, seconds to a minute)."""
+    elementwise work, LayerNorms and the loss (6-18% more tokens/s on a 2-core CPU in
+    benchmarks/train.py); the first step pays the compilation, seconds to a minute."""
     engine: str = "mt"
     """Training engine: mt (this toolkit) or deepspeed (DeepSpeed's engine around mt's model
     and TP layers: ZeRO 0-3 with --pp 1, ZeRO 0/1 with pipelines through DeepSpeed's

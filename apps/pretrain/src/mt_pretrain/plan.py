@@ -148,17 +148,14 @@ def runtime_spec(device: str) -> GPUSpec:
 
     Only the memory-relevant traits matter here (the speeds are placeholders): torch's
     scaled-dot-product attention never stores the scores on CPU or CUDA (fused), and gloo
-    (CPU) stages an all-gather's output in a buffer of its own (mt-zero runs it as an
-    all-reduce there), NCCL does not.
+    (CPU) stages an all-gather's output in a buffer of its own, NCCL does not.
     """
     if device == "auto":
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    cpu = device == "cpu"
     return GPUSpec(device, 1.0, float("inf"), 1.0, 1.0, 1, 1.0,
-                   gather_scratch=1.0 if cpu else 0.0, fused_attention=True,
-                   gather_via_all_reduce=cpu)
+                   gather_scratch=1.0 if device == "cpu" else 0.0, fused_attention=True)
 
 
 def memory_estimate(config: PretrainConfig, plan: RunPlan, stage: int,
