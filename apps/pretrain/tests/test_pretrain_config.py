@@ -74,8 +74,8 @@ def test_every_field_has_help_text_and_a_flag() -> None:
     assert result.exit_code == 0, result.output
     for flag in ("--tp", "--pp", "--dp", "--nproc", "--zero-stage", "--schedule",
                  "--virtual-stages", "--sequence-parallel", "--activation-checkpointing",
-                 "--compile", "--micro-batch-size", "--global-batch-size", "--train-tokens", "--precision",
-                 "--save-interval", "--load", "--metrics", "--dry-run", "--config"):
+                 "--compile", "--micro-batch-size", "--global-batch-size", "--train-tokens",
+                 "--precision", "--save-interval", "--load", "--metrics", "--dry-run", "--config"):
         assert flag in result.output
     assert "Pipeline schedule: gpipe, 1f1b or interleaved" in result.output
 
