@@ -33,7 +33,7 @@ seconds and averaged with the mean (a blocked rank also waits to be scheduled ag
 every message). The load average is printed with every row, and each case's predicted
 step time by part next to the measured one.
 
-Run from the repo root (about 5 minutes on 2 cores):
+Run from the repo root (about 3 minutes on 2 cores):
 
     PYTHONPATH=$(ls -d packages/*/src apps/*/src | tr '\\n' ':') python3 benchmarks/plan.py
 """
