@@ -93,7 +93,7 @@ def run_rank(config: PretrainConfig, info: LaunchInfo, cache_dir: Path) -> RunSu
         groups = build_groups(plan.topology, device)
         flag = StopFlag()
         with _stop_on_signals(flag):
-            summary = _train(config, plan, groups, device, cache_dir, flag)
+            summary = _train(config, plan, groups, device, cache_dir, flag, info.launcher)
         completed = True
         return summary
     finally:
@@ -101,7 +101,7 @@ def run_rank(config: PretrainConfig, info: LaunchInfo, cache_dir: Path) -> RunSu
 
 
 def _train(config: PretrainConfig, plan: RunPlan, groups: ParallelGroups, device: torch.device,
-           cache_dir: Path, flag: StopFlag) -> RunSummary | None:
+           cache_dir: Path, flag: StopFlag, launcher: str) -> RunSummary | None:
     started = time.perf_counter()
     rank0 = groups.rank == 0
     ckpt = config.checkpoint
@@ -117,6 +117,11 @@ def _train(config: PretrainConfig, plan: RunPlan, groups: ParallelGroups, device
         start_step, state = load(ckpt.load, config, plan, groups, built)
     loader, valid = make_loaders(config, plan, paths, groups.dp_rank, state)
     reporter = Reporter(plan.train_steps, start_step, rank0, ckpt.progress, ckpt.log_interval)
+    topo = plan.topology
+    if rank0:  # which launcher placed the ranks ("single": this command's --nproc)
+        source = "--nproc" if launcher == "single" else launcher
+        reporter.print(f"{topo.world_size} ranks from {source}: tp {topo.tp} x pp {topo.pp} "
+                       f"x dp {topo.dp} on {device.type}")
     if rank0 and start_step:
         reporter.print(f"resumed from {ckpt.load} at step {start_step}")
     tb_dir = Path(ckpt.out_dir) / "tensorboard" if ckpt.tensorboard else None

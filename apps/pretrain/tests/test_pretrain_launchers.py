@@ -1,0 +1,77 @@
+"""`mt pretrain` under real launchers: torchrun (torch.distributed.run) and mpiexec (mpi4py
+discovery) start two ranks that find their places from the launcher's environment and train
+exactly as the same layout started by `mt pretrain --nproc 2` (bit-identical losses)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import run_pretrain
+
+OPTIONS: dict[str, Any] = {
+    "model": "tiny", "seq_len": 32, "global_batch_size": 8, "micro_batch_size": 2, "tp": 1,
+    "pp": 2, "train_steps": 3, "eval_interval": 3, "eval_iters": 1, "sample_tokens": 0,
+    "save": "none", "progress": False, "timeout": 120.0,
+}
+
+
+def _flags(cache: Path, out: Path) -> list[str]:
+    flags = []
+    for key, value in OPTIONS.items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(flag if value else "--no-" + flag[2:])
+        else:
+            flags += [flag, str(value)]
+    return ["pretrain", *flags, "--cache-dir", str(cache), "--out-dir", str(out),
+            "--metrics", str(out / "metrics.jsonl")]
+
+
+def _environment() -> dict[str, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                 "SLURM_PROCID", "PMI_RANK", "OMPI_COMM_WORLD_RANK"):
+        env.pop(name, None)  # only the launcher under test may place the ranks
+    return env
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory, cache: Path) -> list[float]:
+    return run_pretrain(OPTIONS, tmp_path_factory.mktemp("ref"), cache, nproc=2).losses
+
+
+def _launch(prefix: list[str], out: Path, cache: Path) -> tuple[str, list[float]]:
+    """Run ``prefix -m mt_pretrain pretrain ...``; its stdout and the per-step losses."""
+    command = [*prefix, "-m", "mt_pretrain", *_flags(cache, out)]
+    proc = subprocess.run(command, env=_environment(), capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    return proc.stdout, [json.loads(line)["loss"] for line in lines]
+
+
+def test_torchrun(reference: list[float], cache: Path, tmp_path: Path) -> None:
+    text, losses = _launch([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                            "--nproc-per-node", "2"], tmp_path, cache)
+    assert "2 ranks from torchrun: tp 1 x pp 2 x dp 1 on cpu" in text
+    assert losses == reference
+
+
+def test_mpiexec(reference: list[float], cache: Path, tmp_path: Path) -> None:
+    mpiexec = shutil.which("mpiexec")
+    if mpiexec is None or importlib.util.find_spec("mpi4py") is None:
+        pytest.skip("mpiexec / mpi4py not installed (pip install mpi4py mpich)")
+    version = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=30)
+    extra = (["--allow-run-as-root", "--oversubscribe"]
+             if "Open MPI" in version.stdout + version.stderr else [])
+    text, losses = _launch([mpiexec, *extra, "-n", "2", sys.executable], tmp_path, cache)
+    assert "2 ranks from mpi: tp 1 x pp 2 x dp 1 on cpu" in text
+    assert losses == reference
