@@ -1,6 +1,7 @@
-"""`mt pretrain` under real launchers: torchrun (torch.distributed.run) and mpiexec (mpi4py
-discovery) start two ranks that find their places from the launcher's environment and train
-exactly as the same layout started by `mt pretrain --nproc 2` (bit-identical losses)."""
+"""`mt pretrain` under real launchers: torchrun (torch.distributed.run), mpiexec (mpi4py
+discovery) and DeepSpeed's launcher start two ranks that find their places from the
+launcher's environment and train exactly as the same layout started by `mt pretrain --nproc 2`
+(bit-identical losses)."""
 
 from __future__ import annotations
 
@@ -49,8 +50,9 @@ def reference(tmp_path_factory: pytest.TempPathFactory, cache: Path) -> list[flo
 
 
 def _launch(prefix: list[str], out: Path, cache: Path) -> tuple[str, list[float]]:
-    """Run ``prefix -m mt_pretrain pretrain ...``; its stdout and the per-step losses."""
-    command = [*prefix, "-m", "mt_pretrain", *_flags(cache, out)]
+    """Run ``prefix pretrain ...`` (``prefix`` ends by naming the mt_pretrain module); its
+    stdout and the per-step losses."""
+    command = [*prefix, *_flags(cache, out)]
     proc = subprocess.run(command, env=_environment(), capture_output=True, text=True,
                           timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -60,7 +62,7 @@ def _launch(prefix: list[str], out: Path, cache: Path) -> tuple[str, list[float]
 
 def test_torchrun(reference: list[float], cache: Path, tmp_path: Path) -> None:
     text, losses = _launch([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                            "--nproc-per-node", "2"], tmp_path, cache)
+                            "--nproc-per-node", "2", "-m", "mt_pretrain"], tmp_path, cache)
     assert "2 ranks from torchrun: tp 1 x pp 2 x dp 1 on cpu" in text
     assert losses == reference
 
@@ -72,6 +74,18 @@ def test_mpiexec(reference: list[float], cache: Path, tmp_path: Path) -> None:
     version = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=30)
     extra = (["--allow-run-as-root", "--oversubscribe"]
              if "Open MPI" in version.stdout + version.stderr else [])
-    text, losses = _launch([mpiexec, *extra, "-n", "2", sys.executable], tmp_path, cache)
+    text, losses = _launch([mpiexec, *extra, "-n", "2", sys.executable, "-m", "mt_pretrain"],
+                           tmp_path, cache)
     assert "2 ranks from mpi: tp 1 x pp 2 x dp 1 on cpu" in text
+    assert losses == reference
+
+
+def test_deepspeed_launcher(reference: list[float], cache: Path, tmp_path: Path) -> None:
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed not installed (pip install deepspeed)")
+    # The `deepspeed` command is this module; it sets LOCAL_SIZE instead of LOCAL_WORLD_SIZE.
+    text, losses = _launch([sys.executable, "-m", "deepspeed.launcher.runner",
+                            "--num_accelerators", "2", "--no_local_rank", "--module",
+                            "mt_pretrain"], tmp_path, cache)
+    assert "2 ranks from deepspeed: tp 1 x pp 2 x dp 1 on cpu" in text
     assert losses == reference

@@ -33,8 +33,15 @@ def test_torchrun() -> None:
 def test_torchrun_defaults_and_missing_local_world_size() -> None:
     info = discover({"RANK": "0", "WORLD_SIZE": "2"})
     assert info == LaunchInfo(0, 2, 0, 1, "127.0.0.1", 29500, "torchrun")
-    with pytest.raises(LaunchError, match="LOCAL_RANK=1 is set but LOCAL_WORLD_SIZE is not"):
+    with pytest.raises(LaunchError, match="LOCAL_RANK=1 is set but neither LOCAL_WORLD_SIZE"):
         discover({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"})
+
+
+def test_deepspeed_launcher() -> None:
+    # deepspeed's launcher (deepspeed/launcher/launch.py) names the local size LOCAL_SIZE.
+    env = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_SIZE": "2",
+           "MASTER_ADDR": "10.0.0.2", "MASTER_PORT": "29501"}
+    assert discover(env) == LaunchInfo(3, 4, 1, 2, "10.0.0.2", 29501, "deepspeed")
 
 
 def test_bad_integer_names_the_variable() -> None:

@@ -35,6 +35,8 @@ def pretrain_main(config_path: Path | None, overrides: dict[str, Any],
     """Run the `mt pretrain` command; 0 on success, 1 on a failed run, 2 on a bad config."""
     environ = os.environ if environ is None else environ
     console = Console(stderr=True)
+    from mt_dist import LaunchError  # a launcher environment that does not add up
+
     try:
         config = load_config(config_path, overrides)
         if config.checkpoint.dry_run:
@@ -43,12 +45,12 @@ def pretrain_main(config_path: Path | None, overrides: dict[str, Any],
         from mt_pretrain.checkpoint import CheckpointError
         from mt_pretrain.launch import LaunchFailed, launch
         from mt_pretrain.train import NonFiniteLossError
-    except ConfigError as err:
+    except (ConfigError, LaunchError) as err:
         _error(console, str(err))
         return 2
     try:
         summary = launch(config, environ)
-    except ConfigError as err:
+    except (ConfigError, LaunchError) as err:
         _error(console, str(err))
         return 2
     except (LaunchFailed, NonFiniteLossError, CheckpointError) as err:

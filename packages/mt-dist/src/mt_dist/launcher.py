@@ -30,7 +30,7 @@ __all__ = [
     "init_distributed", "local_device",
 ]
 
-LAUNCHERS = ("torchrun", "mpi", "slurm", "single")
+LAUNCHERS = ("torchrun", "deepspeed", "mpi", "slurm", "single")
 DEFAULT_MASTER_ADDR = "127.0.0.1"
 DEFAULT_MASTER_PORT = 29500
 _MPI_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
@@ -129,16 +129,21 @@ def discover(environ: Mapping[str, str], *, use_mpi4py: bool = True) -> LaunchIn
 
 
 def _from_torchrun(environ: Mapping[str, str]) -> LaunchInfo:
-    if "LOCAL_RANK" in environ and "LOCAL_WORLD_SIZE" not in environ:
-        raise LaunchError(f"LOCAL_RANK={environ['LOCAL_RANK']} is set but LOCAL_WORLD_SIZE is not")
+    """torchrun's variables, or the DeepSpeed launcher's (the same, with ``LOCAL_SIZE``
+    for ``LOCAL_WORLD_SIZE``)."""
+    deepspeed = "LOCAL_SIZE" in environ and "LOCAL_WORLD_SIZE" not in environ
+    local_size = "LOCAL_SIZE" if deepspeed else "LOCAL_WORLD_SIZE"
+    if "LOCAL_RANK" in environ and local_size not in environ:
+        raise LaunchError(f"LOCAL_RANK={environ['LOCAL_RANK']} is set but neither "
+                          "LOCAL_WORLD_SIZE (torchrun) nor LOCAL_SIZE (deepspeed) is")
     return LaunchInfo(
         rank=_int(environ, "RANK"),
         world_size=_int(environ, "WORLD_SIZE"),
         local_rank=_int(environ, "LOCAL_RANK", default=0),
-        local_world_size=_int(environ, "LOCAL_WORLD_SIZE", default=1),
+        local_world_size=_int(environ, local_size, default=1),
         master_addr=environ.get("MASTER_ADDR", DEFAULT_MASTER_ADDR),
         master_port=_int(environ, "MASTER_PORT", default=DEFAULT_MASTER_PORT),
-        launcher="torchrun",
+        launcher="deepspeed" if deepspeed else "torchrun",
     )
 
 
