@@ -37,8 +37,9 @@ def reference(tmp_path_factory: pytest.TempPathFactory, cache: Path) -> Any:
     {"nproc": 4, "tp": 2, "pp": 2, "sequence_parallel": True, "activation_checkpointing": True},
     {"nproc": 2, "tp": 1, "pp": 1, "zero_stage": 2},
     {"nproc": 2, "tp": 2, "pp": 1, "zero_stage": 3},
-    {"nproc": 2, "tp": 1, "pp": 1, "zero_stage": 1, "compile": True},
-    {"nproc": 4, "tp": 2, "pp": 2, "compile": True},
+    # A cold compilation takes ~50 s per rank on 2 loaded cores while peers wait.
+    {"nproc": 2, "tp": 1, "pp": 1, "zero_stage": 1, "compile": True, "timeout": 300.0},
+    {"nproc": 4, "tp": 2, "pp": 2, "compile": True, "timeout": 300.0},
 ], ids=["gpipe-pp4", "interleaved-pp2", "tp2-sp-ac-pp2", "zero2-dp2", "zero3-tp2",
         "compile-dp2", "compile-tp2-pp2"])
 def test_pretrain_layout_matches_one_process(layout: dict[str, Any], reference: Any,
