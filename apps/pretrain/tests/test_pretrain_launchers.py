@@ -17,6 +17,8 @@ from typing import Any
 import pytest
 from conftest import run_pretrain
 
+from mt_dist import free_port
+
 OPTIONS: dict[str, Any] = {
     "model": "tiny", "seq_len": 32, "global_batch_size": 8, "micro_batch_size": 2, "tp": 1,
     "pp": 2, "train_steps": 3, "eval_interval": 3, "eval_iters": 1, "sample_tokens": 0,
@@ -84,8 +86,10 @@ def test_deepspeed_launcher(reference: list[float], cache: Path, tmp_path: Path)
     if importlib.util.find_spec("deepspeed") is None:
         pytest.skip("deepspeed not installed (pip install deepspeed)")
     # The `deepspeed` command is this module; it sets LOCAL_SIZE instead of LOCAL_WORLD_SIZE.
+    # Its default port (29500) is fixed: take a free one so parallel tests cannot collide.
     text, losses = _launch([sys.executable, "-m", "deepspeed.launcher.runner",
-                            "--num_accelerators", "2", "--no_local_rank", "--module",
+                            "--num_accelerators", "2", "--master_port",
+                            str(free_port("127.0.0.1")), "--no_local_rank", "--module",
                             "mt_pretrain"], tmp_path, cache)
     assert "2 ranks from deepspeed: tp 1 x pp 2 x dp 1 on cpu" in text
     assert losses == reference
