@@ -46,6 +46,7 @@ from torch import nn
 from mt_convert.hf_config import hf_config_from_gpt, hf_name
 from mt_model import GPT, GPTConfig, model_flops_per_token_training, preset
 from mt_pipeline import PipelineConfig, build_stage, plan_pipeline
+from mt_pretrain.mfu import measure_peak_flops
 from mt_zero import ZeroConfig, ZeroOptimizer, decay_param_groups
 
 LR, BETAS, EPS, WEIGHT_DECAY, CLIP = 3e-3, (0.9, 0.95), 1e-8, 0.1, 1.0
@@ -57,22 +58,9 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 
 # ----------------------------------------------------------------------------- machine
 def matmul_peak(dtype: torch.dtype, sizes: tuple[int, ...], repeats: int) -> float:
-    """Best FLOP/s of ``n x n @ n x n`` matmuls in ``dtype`` over ``sizes`` (best of
-    ``repeats`` timings each, every timing long enough to be measured reliably)."""
-    best = 0.0
-    for n in sizes:
-        a = torch.randn(n, n).to(dtype)
-        b = torch.randn(n, n).to(dtype)
-        out = torch.empty(n, n, dtype=dtype)
-        torch.mm(a, b, out=out)  # warm up (oneDNN kernel selection / packing)
-        inner = max(1, int(2e9 // (2 * n**3)))  # ~2 GFLOP per timing
-        for _ in range(repeats):
-            start = time.perf_counter()
-            for _ in range(inner):
-                torch.mm(a, b, out=out)
-            elapsed = time.perf_counter() - start
-            best = max(best, 2.0 * n**3 * inner / elapsed)
-    return best
+    """Best FLOP/s of square matmuls in ``dtype`` over ``sizes``: ``mt pretrain``'s own MFU
+    probe (best of ``repeats`` each), at several sizes."""
+    return max(measure_peak_flops(dtype, torch.device("cpu"), n, repeats) for n in sizes)
 
 
 def load_average() -> str:
