@@ -36,7 +36,8 @@ def _stream(data: TokenDataset, doc_idx: np.ndarray) -> np.ndarray:
 def test_samples_are_the_packed_document_stream(data: TokenDataset, tmp_path: Path) -> None:
     ds = GPTDataset(data, SEQ, seed=3, split="train", cache=tmp_path)
     stream = _stream(data, ds.index.doc_idx)
-    assert len(ds) == (int(data.doc_lengths[ds.docs].sum()) - 1) // SEQ  # one epoch
+    tokens = int(data.doc_lengths[ds.docs].sum())
+    assert len(ds) == -(-tokens // SEQ)  # one epoch: every sample starting inside it
     for i in range(len(ds)):
         k = int(ds.index.shuffle[i])
         sample = ds[i]
@@ -46,6 +47,25 @@ def test_samples_are_the_packed_document_stream(data: TokenDataset, tmp_path: Pa
     eod = data.tokenizer["eod_id"]
     assert int((stream == eod).sum()) == len(ds.index.doc_idx)
     assert sorted(ds.index.shuffle.tolist()) == list(range(len(ds)))  # a permutation
+
+
+def test_order_does_not_depend_on_the_run_length(data: TokenDataset) -> None:
+    """The first k samples are the same whatever num_samples says (5 steps then 10 steps
+    equals one 10-step run), within an epoch and across epochs."""
+    one = len(GPTDataset(data, SEQ, cache=False))
+    sizes = [7, one - 3, one, one + 5, int(one * 2.5)]
+    runs = [GPTDataset(data, SEQ, num_samples=n, seed=11, cache=False) for n in sizes]
+    longest = runs[-1]
+    for ds in runs[:-1]:
+        for i in range(len(ds)):
+            np.testing.assert_array_equal(ds[i], longest[i], err_msg=f"sample {i} of {len(ds)}")
+    # Whole epochs are shuffled: each epoch of the long run is a permutation of its samples.
+    shuffle, epochs = longest.index.shuffle, np.array([longest.epoch(i) for i in range(len(
+        longest))])
+    for e in range(longest.epochs):
+        served = shuffle[: len(epochs)][epochs == e]
+        if e < longest.epochs - 1:  # the last epoch is only partly served
+            assert sorted(served.tolist()) == list(range(served.min(), served.max() + 1))
 
 
 def test_splits_by_document(data: TokenDataset) -> None:
@@ -103,7 +123,7 @@ def test_million_documents_index_under_5s() -> None:
     index = build_sample_index(lengths, np.arange(1_000_000), 2048, 1_000_000, seed=1)
     elapsed = time.perf_counter() - start
     assert elapsed < 5.0, elapsed
-    assert index.epochs == 2 and len(index.shuffle) == 1_000_000
+    assert index.epochs == 2 and len(index.shuffle) >= 1_000_000  # two whole epochs
 
 
 def test_errors(data: TokenDataset) -> None:

@@ -3,9 +3,12 @@
 Documents already end with EOD (appended at tokenization), so concatenating them puts EOD
 between documents. Index construction follows Megatron's GPTDataset but is vectorised numpy
 (no C++ helper): per epoch a seeded permutation of the split's documents (``doc_idx``), sample
-boundaries found with ``searchsorted`` on cumulative lengths, and samples shuffled within their
-epoch, so the epoch of the i-th sample never decreases: an epoch ends when the split is
-exhausted. The index arrays are cached in ``<data>/cache/`` keyed by everything they depend on.
+boundaries found with ``searchsorted`` on cumulative lengths, and the samples of each whole
+epoch shuffled among themselves, so the epoch of the i-th sample never decreases and the
+sample sequence is a function of (data, seq_len, seed, split) alone: a run of 5 steps sees the
+first samples of a run of 10. (Megatron shuffles only as many samples as the run consumes, so
+its order changes with the run's length.) The index arrays are cached in ``<data>/cache/``
+keyed by everything they depend on.
 """
 
 from __future__ import annotations
@@ -63,41 +66,71 @@ def split_documents(num_docs: int, spec: SplitSpec) -> dict[str, np.ndarray]:
 
 @dataclass(frozen=True)
 class SampleIndex:
-    """The three Megatron index arrays plus the epoch of each shuffled sample."""
+    """The three Megatron index arrays plus the sample order, over whole epochs."""
 
     doc_idx: np.ndarray
     """Document order over all epochs (dataset-wide document numbers)."""
     sample_doc: np.ndarray
-    """For boundary k (k = 0..num_samples): position in ``doc_idx`` where sample k starts."""
+    """For boundary k (k = 0..samples of the indexed epochs): position in ``doc_idx`` where
+    sample k starts."""
     sample_offset: np.ndarray
     """Token offset inside that document."""
     shuffle: np.ndarray
-    """Sample order: the i-th sample served is sample ``shuffle[i]``."""
+    """Sample order: the i-th sample served is sample ``shuffle[i]`` (whole epochs)."""
     epochs: int
+    """Epochs whose samples are indexed (and shuffled)."""
+
+
+def epoch_starts(tokens_per_epoch: int, seq_len: int, epochs: int) -> np.ndarray:
+    """First sample of each epoch 0..epochs: sample k belongs to the epoch that holds its
+    first token, so epoch e starts at sample ceil(e * T / seq_len)."""
+    e = np.arange(epochs + 1, dtype=np.int64)
+    return -(-(e * tokens_per_epoch) // seq_len)
+
+
+def epochs_for(tokens_per_epoch: int, seq_len: int, num_samples: int) -> int:
+    """Whole epochs needed to serve ``num_samples`` samples (at least one)."""
+    epochs = 1
+    while epoch_starts(tokens_per_epoch, seq_len, epochs)[-1] < num_samples:
+        epochs = max(epochs + 1, num_samples * seq_len // tokens_per_epoch)
+    return epochs
 
 
 def build_sample_index(
     doc_lengths: np.ndarray, docs: np.ndarray, seq_len: int, num_samples: int, seed: int
 ) -> SampleIndex:
-    """Vectorised sample index over ``docs`` (indices into ``doc_lengths``)."""
+    """Vectorised sample index over ``docs`` (indices into ``doc_lengths``).
+
+    The packed stream is epoch after epoch of documents, each epoch in its own seeded
+    order; sample k is tokens ``[k * seq_len, (k + 1) * seq_len + 1)`` of that stream. The
+    samples of each epoch are shuffled among themselves with a seed of their own, and whole
+    epochs are indexed, so the order depends only on (data, seq_len, seed, split):
+    ``num_samples`` only decides how many epochs exist, and any run sees the same first k
+    samples whatever its length.
+    """
     tokens_per_epoch = int(doc_lengths[docs].sum())
     if tokens_per_epoch <= seq_len:
         raise ValueError(
             f"split has {tokens_per_epoch} tokens in {len(docs)} documents: fewer than one "
             f"sample of seq_len + 1 = {seq_len + 1}"
         )
-    epochs = max(1, -(-(num_samples * seq_len + 1) // tokens_per_epoch))
+    epochs = epochs_for(tokens_per_epoch, seq_len, num_samples)
+    starts = epoch_starts(tokens_per_epoch, seq_len, epochs)
+    total = int(starts[-1])
     dtype = np.int32 if len(doc_lengths) < 2**31 else np.int64
+    # One more epoch of documents: the last sample of the last epoch reads past its end.
     doc_idx = np.concatenate(
-        [np.random.default_rng([seed, e]).permutation(docs).astype(dtype) for e in range(epochs)]
+        [np.random.default_rng([seed, e]).permutation(docs).astype(dtype)
+         for e in range(epochs + 1)]
     )
     ends = np.cumsum(doc_lengths[doc_idx], dtype=np.int64)
-    bounds = np.arange(num_samples + 1, dtype=np.int64) * seq_len
+    bounds = np.arange(total + 1, dtype=np.int64) * seq_len
     sample_doc = np.searchsorted(ends, bounds, side="right")
     sample_offset = bounds - (ends[sample_doc] - doc_lengths[doc_idx[sample_doc]])
-    epoch_of = sample_doc[:-1] // len(docs)
-    keys = np.random.default_rng([seed, 0xC0FFEE]).random(num_samples)
-    shuffle = np.lexsort((keys, epoch_of))
+    shuffle = np.concatenate(
+        [starts[e] + np.random.default_rng([seed, 0xC0FFEE, e]).permutation(
+            int(starts[e + 1] - starts[e])) for e in range(epochs)]
+    )
     return SampleIndex(doc_idx, sample_doc.astype(np.int64), sample_offset.astype(np.int64),
                        shuffle.astype(np.int64), epochs)
 
@@ -108,7 +141,8 @@ class GPTDataset:
     Args:
         data: a :class:`TokenDataset` or the path of a prepared folder.
         seq_len: model sequence length (a sample has ``seq_len + 1`` tokens: inputs + shift).
-        num_samples: samples to index (more than one epoch is fine); None = one epoch.
+        num_samples: samples served (more than one epoch is fine); None = one epoch. The
+            order does not depend on it: whole epochs are indexed and shuffled.
         seed: shuffle seed.
         split: ``train``, ``valid`` or ``test``.
         split_spec: split weights and seed.
@@ -128,18 +162,19 @@ class GPTDataset:
         self.split = split
         self.docs = split_documents(len(self.data), split_spec)[split]
         tokens = int(self.data.doc_lengths[self.docs].sum())
-        if num_samples is None:
-            num_samples = max(tokens - 1, 0) // seq_len
-        if num_samples < 1:
+        if num_samples is None and tokens > seq_len:
+            num_samples = int(epoch_starts(tokens, seq_len, 1)[-1])
+        if num_samples is None or num_samples < 1 or tokens <= seq_len:
             raise ValueError(
                 f"{split} split of {self.data.path} has {len(self.docs)} documents and {tokens} "
                 f"tokens: no sample of {seq_len + 1} tokens (num_samples={num_samples})"
             )
         self.num_samples = num_samples
+        # Keyed by the epochs indexed, not the run's length: runs of any length share it.
         key = {"shards": [s["sha256"] for s in self.data.index["shards"]], "seq_len": seq_len,
-               "num_samples": num_samples, "seed": seed, "split": split,
-               "split_spec": [split_spec.train, split_spec.valid, split_spec.test,
-                              split_spec.seed], "version": 1}
+               "epochs": epochs_for(tokens, seq_len, num_samples), "seed": seed,
+               "split": split, "split_spec": [split_spec.train, split_spec.valid,
+                                              split_spec.test, split_spec.seed], "version": 2}
         digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
         folder = None
         if cache is not False:
@@ -171,7 +206,7 @@ class GPTDataset:
 
     @property
     def epochs(self) -> int:
-        """Passes over the split needed for ``num_samples`` samples."""
+        """Epochs indexed: the passes over the split that ``num_samples`` samples reach."""
         return self.index.epochs
 
     def epoch(self, i: int) -> int:
