@@ -18,7 +18,13 @@ from mt_model import GPT, init_parameter
 from mt_pipeline import PipelineStage, build_stage
 from mt_pretrain.config import PretrainConfig
 from mt_pretrain.plan import RunPlan, sharding_styles
-from mt_tensor_parallel import GPT_PLAN, RNGTracker, apply_tensor_parallel, shard_tensor
+from mt_tensor_parallel import (
+    GPT_PLAN,
+    KeyedRNG,
+    RNGTracker,
+    apply_tensor_parallel,
+    shard_tensor,
+)
 from mt_zero import ZeroConfig, ZeroOptimizer, counts_once, decay_param_groups
 
 __all__ = ["Built", "build", "make_optimizer", "seed_everything"]
@@ -54,10 +60,14 @@ def seed_everything(seed: int, groups: ParallelGroups) -> None:
 
 
 def build_model_stage(plan: RunPlan, groups: ParallelGroups, seed: int,
-                      sequence_parallel: bool, device: torch.device
+                      sequence_parallel: bool, device: torch.device, keyed_dropout: bool = False
                       ) -> tuple[PipelineStage, RNGTracker | None, dict[str, tuple[int, ...]],
                                  dict[str, str]]:
-    """Meta GPT -> TP -> stage -> materialize -> the unsharded init's values, sliced."""
+    """Meta GPT -> TP -> stage -> materialize -> the unsharded init's values, sliced.
+
+    ``keyed_dropout`` gives the stage a :class:`~mt_tensor_parallel.KeyedRNG`: dropout masks
+    drawn per (micro-batch, layer), the same on every layout (see :func:`uses_keyed_dropout`).
+    """
     gpt = plan.gpt
     with torch.device("meta"):
         model = GPT(gpt, seed=None)
@@ -69,7 +79,8 @@ def build_model_stage(plan: RunPlan, groups: ParallelGroups, seed: int,
         tracker = RNGTracker(seed, groups.tp_rank)
         apply_tensor_parallel(model, groups.tp, GPT_PLAN, sequence_parallel=sequence_parallel,
                               rng_tracker=tracker)
-    stage = build_stage(model, plan.stages.stages[groups.pp_rank])
+    rng = KeyedRNG(seed, tracker, use_cuda=device.type == "cuda") if keyed_dropout else None
+    stage = build_stage(model, plan.stages.stages[groups.pp_rank], rng=rng)
     del model  # modules of other stages stay on the meta device and are dropped here
     stage.to_empty(device=device)
     with torch.no_grad():
@@ -84,6 +95,14 @@ def build_model_stage(plan: RunPlan, groups: ParallelGroups, seed: int,
         raise RuntimeError("the model has buffers, which meta materialization leaves "
                            "uninitialized; mt pretrain does not support that")
     return stage, tracker, full_shapes, styles
+
+
+def uses_keyed_dropout(config: PretrainConfig, plan: RunPlan) -> bool:
+    """Whether dropout masks are keyed by (micro-batch, layer): with dropout on and mt's eager
+    engine. (DeepSpeed's pipeline engine calls the layers itself; a compiled forward draws
+    from inductor's own random numbers.)"""
+    dropout = plan.gpt.dropout > 0 or plan.gpt.attention_dropout > 0
+    return dropout and config.parallel.engine == "mt" and not config.parallel.compile
 
 
 def make_optimizer(config: PretrainConfig, stage: PipelineStage, groups: ParallelGroups,
@@ -124,7 +143,8 @@ def build(config: PretrainConfig, plan: RunPlan, groups: ParallelGroups,
     seed = config.train.seed
     seed_everything(seed, groups)
     stage, tracker, full_shapes, styles = build_model_stage(
-        plan, groups, seed, config.parallel.sequence_parallel, device)
+        plan, groups, seed, config.parallel.sequence_parallel, device,
+        uses_keyed_dropout(config, plan))
     stage.train()
     if config.parallel.engine == "deepspeed":
         # Lazy: deepspeed is optional, and its environment must be set before its import.

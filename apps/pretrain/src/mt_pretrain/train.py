@@ -170,13 +170,14 @@ class Trainer:
         lr = self.lr(tokens)
         for group in opt.optimizer.param_groups:
             group["lr"] = lr
+        keys = self._micro_batch_keys(consumed, global_batch)
         micro = self.loader.next()
         if hasattr(opt, "train_batch"):  # DeepSpeed's pipeline engine runs the schedule
             local = opt.train_batch(micro)
         elif self.plan.topology.pp > 1:
-            local = self._pipeline_loss(micro)
+            local = self._pipeline_loss(micro, keys)
         else:
-            local = self._accumulate_loss(micro)
+            local = self._accumulate_loss(micro, keys)
         loss = self._mean_over_dp(local)
         if not math.isfinite(loss) and opt.scaler is None:
             raise NonFiniteLossError(
@@ -196,19 +197,27 @@ class Trainer:
             mfu=model_flops_utilization(flops_per_rank, self._peak_flops),
             skipped=result.skipped, loss_scale=result.loss_scale)
 
-    def _accumulate_loss(self, micro: list[Any]) -> float:
+    def _micro_batch_keys(self, consumed: int, global_batch: int) -> list[int] | None:
+        """The dropout key of each of this rank's micro-batches: the run-wide index of its
+        first sample, which no layout changes (None without keyed dropout)."""
+        if self.built.stage.rng is None:
+            return None
+        return [int(k) for k in self.loader.rank_indices(consumed, global_batch)[:, 0]]
+
+    def _accumulate_loss(self, micro: list[Any], keys: list[int] | None) -> float:
         """pp == 1: plain gradient accumulation; DP reduction overlaps the last backward."""
         opt, stage = self.built.optimizer, self.built.stage
         checkpoint = self.config.parallel.activation_checkpointing
         m, total = len(micro), 0.0
         for i, array in enumerate(micro):
             batch = to_batch([array]).to(self.device)
+            key = None if keys is None else keys[i]
             quiet = opt.no_sync() if i < m - 1 else contextlib.nullcontext()
             with quiet:
                 if self._call_module:
-                    loss = stage.loss(self._module(batch[:, :-1]), batch[:, 1:])
+                    loss = stage.loss(self._module(batch[:, :-1], key=key), batch[:, 1:])
                 else:
-                    loss = self._forward_loss(0, batch[:, :-1], batch[:, 1:], checkpoint)
+                    loss = self._forward_loss(0, batch[:, :-1], batch[:, 1:], checkpoint, key)
                 opt.backward(loss / m)
             total += float(loss.detach())
         return total / m
@@ -221,7 +230,7 @@ class Trainer:
                 self.activation_shape, dtype=self.dtype)
         return self._executors[m]
 
-    def _pipeline_loss(self, micro: list[Any]) -> float:
+    def _pipeline_loss(self, micro: list[Any], keys: list[int] | None) -> float:
         """pp > 1: the schedule runs all micro-batches; gradients are reduced at step()."""
         opt, groups = self.built.optimizer, self.groups
         batch = to_batch(micro)
@@ -231,7 +240,7 @@ class Trainer:
         with opt.no_sync():
             result = self._executor(len(micro)).run(
                 batch[:, :-1] if groups.is_first_stage else None,
-                batch[:, 1:] if groups.is_last_stage else None)
+                batch[:, 1:] if groups.is_last_stage else None, keys=keys)
         return result.loss / scale if self._scale_in_loss else result.loss
 
     def _mean_over_dp(self, local: float) -> float:

@@ -67,6 +67,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "ModelLayout": "mt_pipeline.stage",
     "PipelineStage": "mt_pipeline.stage",
+    "RegionRNG": "mt_pipeline.stage",
     "build_stage": "mt_pipeline.stage",
     "run_layers": "mt_pipeline.checkpointing",
     "StageComm": "mt_pipeline.p2p",
@@ -99,6 +100,7 @@ __all__ = [
     "PipelineExecutor",
     "PipelinePlan",
     "PipelineStage",
+    "RegionRNG",
     "RecvActivation",
     "RecvGrad",
     "ReduceTiedGrads",

@@ -67,6 +67,7 @@ class _StepState:
 
     inputs: list[torch.Tensor] | None
     targets: list[torch.Tensor] | None
+    keys: Sequence[int] | None = None
     loaded: dict[int, torch.Tensor] = field(default_factory=dict)
     received_act: dict[_Key, torch.Tensor] = field(default_factory=dict)
     received_grad: dict[_Key, torch.Tensor] = field(default_factory=dict)
@@ -153,6 +154,7 @@ class PipelineExecutor:
         *,
         optimizer_step: Callable[[], Any] | None = None,
         record: bool = False,
+        keys: Sequence[int] | None = None,
     ) -> StepResult:
         """Run one step (all micro-batches): forward, backward, tied-gradient sum, optimizer.
 
@@ -161,9 +163,12 @@ class PipelineExecutor:
         *added* to ``.grad``: zero them before the step. ``optimizer_step`` (e.g.
         ``optimizer.step``) runs at the schedule's OptimizerStep; leave it None to step
         yourself (e.g. after a data-parallel gradient reduction). ``record`` keeps a
-        timestamped event per instruction.
+        timestamped event per instruction. ``keys`` name the micro-batches for the stage's
+        RNG (one per micro-batch, the same on every stage; see :class:`RegionRNG`).
         """
         m, comm = self.config.num_micro_batches, self.comm
+        if keys is not None and len(keys) != m:
+            raise ValueError(f"{len(keys)} micro-batch keys for {m} micro-batches")
         if comm.is_first and inputs is None:
             raise ValueError("the first pipeline stage needs inputs")
         if comm.is_last and targets is None:
@@ -172,6 +177,7 @@ class PipelineExecutor:
             inputs=_split(inputs, m, "inputs", comm.stage) if comm.is_first else None,
             targets=_split(targets, m, "targets", comm.stage) if comm.is_last else None,
             optimizer_step=optimizer_step,
+            keys=keys,
         )
         events: list[Event] = []
         for instruction in self.instructions:
@@ -223,14 +229,15 @@ class PipelineExecutor:
         else:
             x = state.received_act.pop((mb, chunk)).requires_grad_()
         checkpoint = self.config.activation_checkpointing
+        key = None if state.keys is None else state.keys[mb]
         if stage.is_last_chunk(chunk):
-            loss = self._run_loss(chunk, x, state.loaded.pop(-1 - mb), checkpoint)
+            loss = self._run_loss(chunk, x, state.loaded.pop(-1 - mb), checkpoint, key)
             state.losses.append(loss.detach())
             # Scale so that accumulated gradients are those of the mean over micro-batches.
             state.saved[(mb, chunk)] = (x, loss / self.config.num_micro_batches)
             state.peak_in_flight = max(state.peak_in_flight, len(state.saved))
             return
-        out = self._run_chunk(chunk, x, checkpoint)
+        out = self._run_chunk(chunk, x, checkpoint, key)
         if out.shape != self.activation_shape or out.dtype != self.dtype:
             raise ValueError(
                 f"stage {self.comm.stage} chunk {chunk} produced {tuple(out.shape)} "

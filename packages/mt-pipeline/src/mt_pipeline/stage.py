@@ -12,11 +12,19 @@ checkpoints and gradient checks address parameters exactly as in the unsplit mod
 Tied embeddings: the first stage owns the input embedding, the last stage holds its own
 copy of the module that owns the tied weight (same name, same initial values) for the head;
 :meth:`PipelineStage.tied_parameters` lists the copy to sum over the embedding group.
+
+Randomness: with a :class:`RegionRNG` (``build_stage(..., rng=...)``) and a micro-batch
+``key`` passed to :meth:`PipelineStage.forward_chunk`, the stage calls ``rng.enter(key,
+region)`` before the embedding (region 0) and before layer ``i`` (region ``i + 1``, ``i``
+the layer's index in the whole model), also inside activation-checkpoint recomputation. An
+rng that re-seeds its generators there makes dropout masks a function of (micro-batch,
+layer): the same on any number of stages and replayed exactly by recomputation.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -24,7 +32,14 @@ from torch import nn
 from mt_pipeline.checkpointing import run_layers
 from mt_pipeline.partition import PartitionError, StagePlan
 
-__all__ = ["ModelLayout", "PipelineStage", "build_stage"]
+__all__ = ["ModelLayout", "PipelineStage", "RegionRNG", "build_stage"]
+
+
+class RegionRNG(Protocol):
+    """Seeds the random generators for one region of one micro-batch."""
+
+    def enter(self, key: int, region: int) -> None:
+        """Called before ``region`` (0: embedding, i + 1: layer i) of micro-batch ``key``."""
 
 
 def _check_name(field: str, name: str) -> None:
@@ -99,9 +114,12 @@ class PipelineStage(nn.Module):
     and the head and also owns the loss. Parameter names are those of the full model.
     """
 
-    def __init__(self, model: nn.Module, plan: StagePlan, layout: ModelLayout) -> None:
+    def __init__(self, model: nn.Module, plan: StagePlan, layout: ModelLayout,
+                 rng: RegionRNG | None = None) -> None:
         super().__init__()
         self.plan, self.layout = plan, layout
+        # Not a submodule: it holds generator states, not parameters.
+        object.__setattr__(self, "rng", rng)
         layers = model.get_submodule(layout.layers)
         for start, stop in plan.chunks:
             if stop > len(layers):
@@ -149,17 +167,28 @@ class PipelineStage(nn.Module):
         layers = self.get_submodule(self.layout.layers)
         return [layers[str(i)] for i in range(start, stop)]
 
-    def forward_chunk(self, chunk: int, x: torch.Tensor, checkpoint: bool = False) -> torch.Tensor:
+    def forward_chunk(self, chunk: int, x: torch.Tensor, checkpoint: bool = False,
+                      key: int | None = None) -> torch.Tensor:
         """Run local ``chunk`` on ``x`` (token ids for the first virtual stage, else hidden).
 
         Returns hidden states, or logits on the last virtual stage. ``checkpoint`` recomputes
-        each layer in backward instead of keeping its inner activations.
+        each layer in backward instead of keeping its inner activations. ``key`` names the
+        micro-batch for the stage's :class:`RegionRNG` (ignored without one).
         """
         if not 0 <= chunk < self.num_chunks:
             raise IndexError(f"chunk {chunk} outside 0..{self.num_chunks - 1}")
+        rng = self.rng if key is not None else None
         if self.is_first_chunk(chunk):
+            if rng is not None:
+                rng.enter(key, 0)  # type: ignore[arg-type]
             x = self.get_submodule(self.layout.embed)(x)
-        x = run_layers(self.chunk_layers(chunk), x, checkpoint)
+        enter = None
+        if rng is not None:
+            first = self.plan.chunks[chunk][0]
+
+            def enter(i: int) -> None:
+                rng.enter(key, first + i + 1)  # type: ignore[arg-type, union-attr]
+        x = run_layers(self.chunk_layers(chunk), x, checkpoint, enter)
         if self.is_last_chunk(chunk):
             for name in self.layout.final:
                 x = self.get_submodule(name)(x)
@@ -169,9 +198,9 @@ class PipelineStage(nn.Module):
                 x = head(x, self.get_parameter(tied)) if tied is not None else head(x)
         return x
 
-    def forward(self, x: torch.Tensor, chunk: int = 0) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, chunk: int = 0, key: int | None = None) -> torch.Tensor:
         """Same as :meth:`forward_chunk` without checkpointing."""
-        return self.forward_chunk(chunk, x)
+        return self.forward_chunk(chunk, x, key=key)
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The model's loss on the last stage."""
@@ -180,10 +209,10 @@ class PipelineStage(nn.Module):
         return self.get_submodule(self.layout.loss)(logits, targets)
 
     def forward_loss(self, chunk: int, x: torch.Tensor, targets: torch.Tensor,
-                     checkpoint: bool = False) -> torch.Tensor:
+                     checkpoint: bool = False, key: int | None = None) -> torch.Tensor:
         """The loss of the last virtual stage's ``chunk`` on ``x``: one function, so that a
         compiler sees the head and the loss together (the logits need not be kept)."""
-        return self.loss(self.forward_chunk(chunk, x, checkpoint), targets)
+        return self.loss(self.forward_chunk(chunk, x, checkpoint, key), targets)
 
     def tied_parameters(self) -> list[nn.Parameter]:
         """Parameters whose gradients are summed over the embedding group: the tied weight
@@ -195,13 +224,15 @@ class PipelineStage(nn.Module):
 
 
 def build_stage(
-    model: nn.Module, plan: StagePlan, layout: ModelLayout | None = None
+    model: nn.Module, plan: StagePlan, layout: ModelLayout | None = None,
+    rng: RegionRNG | None = None,
 ) -> PipelineStage:
     """The :class:`PipelineStage` of ``plan`` made of ``model``'s modules (by reference).
 
     ``model`` may be a real model, a meta one (materialise the stage afterwards with
     ``to_empty`` and initialise each parameter by its full-model name) or one already made
     tensor-parallel. Modules of other stages stay in ``model``; drop it after building.
+    ``rng`` seeds dropout per (micro-batch, region) when forward is given a ``key``.
     """
-    return PipelineStage(model, plan, layout or ModelLayout())
+    return PipelineStage(model, plan, layout or ModelLayout(), rng)
 

@@ -10,7 +10,8 @@ Public API:
   :class:`VocabParallelEmbedding`, :class:`VocabParallelHead`,
   :func:`vocab_parallel_cross_entropy` / :class:`VocabParallelCrossEntropy`,
   :class:`SequenceParallelLayerNorm`, :class:`ParallelTokenPositionEmbedding`;
-- randomness: :class:`RNGTracker`, :class:`RNGRegion`;
+- randomness: :class:`RNGTracker`, :class:`RNGRegion`, :class:`KeyedRNG` (masks as a function
+  of (seed, micro-batch, layer): layout-independent and replayed by recomputation);
 - plans: :data:`GPT_PLAN`, :func:`apply_tensor_parallel`, :func:`param_styles`,
   :func:`shard_state_dict`, :func:`merge_state_dicts`;
 - pure slicing maths: :func:`check_divisibility`, :func:`padded_vocab_size`,
@@ -38,7 +39,7 @@ from mt_tensor_parallel.plan import (
     param_styles,
     shard_state_dict,
 )
-from mt_tensor_parallel.rng import TP_RNG, RNGTracker
+from mt_tensor_parallel.rng import TP_RNG, KeyedRNG, RNGTracker, mix_seed
 from mt_tensor_parallel.sequence import RNGRegion, SequenceParallelLayerNorm
 from mt_tensor_parallel.sharding import (
     DEFAULT_PAD_MULTIPLE,
@@ -63,6 +64,7 @@ __all__ = [
     "PARAM_STYLES",
     "TP_RNG",
     "ColumnParallelLinear",
+    "KeyedRNG",
     "ParallelTokenPositionEmbedding",
     "RNGRegion",
     "RNGTracker",
@@ -80,6 +82,7 @@ __all__ = [
     "match_plan",
     "merge_shards",
     "merge_state_dicts",
+    "mix_seed",
     "padded_vocab_size",
     "param_styles",
     "reduce_from_tp",

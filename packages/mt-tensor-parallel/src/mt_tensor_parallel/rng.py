@@ -16,11 +16,25 @@ from contextlib import contextmanager
 
 import torch
 
-__all__ = ["RNGTracker", "TP_RNG", "DEFAULT_TP_SEED_OFFSET"]
+__all__ = ["DEFAULT_TP_SEED_OFFSET", "KeyedRNG", "RNGTracker", "TP_RNG", "mix_seed"]
 
 TP_RNG = "tensor-parallel"
 # Any constant works; it keeps the TP stream away from the default stream of the same seed.
 DEFAULT_TP_SEED_OFFSET = 2718
+_MASK64 = (1 << 64) - 1
+
+
+def mix_seed(*values: int) -> int:
+    """A 63-bit seed from integers (splitmix64 over them): nearby inputs give unrelated
+    seeds, so streams keyed by (seed, micro-batch, layer) do not overlap."""
+    state = 0x9E3779B97F4A7C15
+    for value in values:
+        state = (state + (int(value) & _MASK64) + 0x9E3779B97F4A7C15) & _MASK64
+        z = state
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+        state = z ^ (z >> 31)
+    return state >> 1
 
 
 class RNGTracker:
@@ -72,6 +86,18 @@ class RNGTracker:
                 self._cuda[name] = torch.cuda.get_rng_state()
                 torch.cuda.set_rng_state(saved_cuda)
 
+    def reseed(self, seed: int) -> None:
+        """Restart every stream from ``seed`` (each still apart from the others and from
+        the other TP ranks' streams: its own creation seed is mixed in)."""
+        for name, base in self.seeds.items():
+            stream = mix_seed(seed, base)
+            self._cpu[name] = torch.Generator().manual_seed(stream).get_state()
+            if self.use_cuda:
+                saved = torch.cuda.get_rng_state()
+                torch.cuda.manual_seed(stream)
+                self._cuda[name] = torch.cuda.get_rng_state()
+                torch.cuda.set_rng_state(saved)
+
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
         """Copies of every stream (for checkpoints)."""
         return {
@@ -84,3 +110,36 @@ class RNGTracker:
         self._cpu = {k: v.clone() for k, v in state["cpu"].items()}
         if self.use_cuda:
             self._cuda = {k: v.clone() for k, v in state.get("cuda", {}).items()}
+
+
+class KeyedRNG:
+    """Random numbers as a function of (seed, key, region), not of what ran before.
+
+    :meth:`enter` re-seeds every generator that dropout draws from: torch's default CPU
+    generator, the current CUDA device's (when ``use_cuda``) and the streams of an optional
+    :class:`RNGTracker`. Call it at the start of each region (the embedding, each layer) of
+    each micro-batch, with ``key`` naming the micro-batch by its data (e.g. its first
+    sample's index in the run) and ``region`` naming the layer. Then
+
+    - the masks do not depend on the layout: data parallelism, pipeline stages, schedules and
+      ZeRO do not change which micro-batch or layer a mask belongs to (tensor-parallel
+      regions still draw per-rank streams, by design: their activations are shards);
+    - recomputation (activation checkpointing) replays the same masks when the region is
+      entered again inside the recomputed function;
+    - a resumed run needs no saved generator state.
+    """
+
+    def __init__(self, seed: int, tracker: RNGTracker | None = None,
+                 use_cuda: bool | None = None) -> None:
+        self.seed = seed
+        self.tracker = tracker
+        self.use_cuda = torch.cuda.is_available() if use_cuda is None else use_cuda
+
+    def enter(self, key: int, region: int) -> None:
+        """Seed every generator for ``region`` of micro-batch ``key``."""
+        seed = mix_seed(self.seed, key, region)
+        torch.default_generator.manual_seed(seed)
+        if self.use_cuda:
+            torch.cuda.manual_seed(seed)
+        if self.tracker is not None:
+            self.tracker.reseed(seed)
