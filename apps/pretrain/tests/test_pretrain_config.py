@@ -122,3 +122,21 @@ def test_lr_schedule_warmup_cosine_floor() -> None:
     assert lr(0) == 0.0 and lr(50) == pytest.approx(0.5) and lr(100) == pytest.approx(1.0)
     assert lr(600) == pytest.approx(0.55)  # half way: floor + (peak - floor) / 2
     assert lr(1100) == pytest.approx(0.1) and lr(4000) == pytest.approx(0.1)
+
+
+def test_load_takes_the_model_from_the_checkpoint() -> None:
+    """A standard GPT-2 small as transformers saves it (tanh GeLU, init 0.02, 1024
+    positions) continues with --model gpt2-small at --seq-len 128: only shape flags count."""
+    from mt_model import preset
+
+    saved = preset("gpt2-small").replace(gelu_approximate="tanh", init_std=0.02)
+    args = load_config(None, {"model": "gpt2-small", "seq_len": 128, "dropout": 0.1}).model
+    model, seq_len = args.on_checkpoint(saved, "ck")
+    assert seq_len == 128 and model.seq_len == 1024 and model.init_std == 0.02
+    assert model.gelu_approximate == "tanh" and model.dropout == 0.1
+    # No flags at all: the checkpoint's model and its full length.
+    model, seq_len = load_config(None, {}).model.on_checkpoint(saved, "ck")
+    assert model == saved and seq_len == 1024
+    with pytest.raises(ConfigError, match=r"--load ck: .*--model gpt2-medium has n_layers 24, "
+                       r"the checkpoint 12; .*hidden 1024, the checkpoint 768"):
+        load_config(None, {"model": "gpt2-medium"}).model.on_checkpoint(saved, "ck")

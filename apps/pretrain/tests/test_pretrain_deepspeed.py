@@ -169,6 +169,10 @@ def test_pretrain_deepspeed_refuses_another_layout(cache: Path, tmp_path: Path) 
 
 @pytest.mark.parametrize("options, words", [
     ({"tp": 1, "pp": 2, "schedule": "interleaved", "virtual_stages": 2}, ["1F1B"]),
+    ({"tp": 1, "pp": 2, "schedule": "gpipe"}, ["1F1B", "--schedule gpipe needs --engine mt"]),
+    ({"zero_stage": 0, "precision": "bf16"}, ["--zero-stage 0 --precision bf16", "use "
+                                              "--zero-stage 1"]),
+    ({"tp": 1, "pp": 2, "zero_stage": 0}, ["does not clip", "--clip-grad 0"]),
     ({"tp": 1, "pp": 2, "zero_stage": 2}, ["--zero-stage 2 with --pp 2"]),
     ({"precision": "fp16"}, ["fp16"]),
     ({"activation_checkpointing": True}, ["--activation-checkpointing"]),

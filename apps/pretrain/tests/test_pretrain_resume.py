@@ -78,3 +78,56 @@ def test_pretrain_exact_resume_with_dropout(tmp_path: Path, full_run: tuple[Path
     resumed = _run(tmp_path / "resumed", cache, save="none",
                    load=str(tmp_path / "full" / "checkpoints" / "step-00000003"), **layout)
     assert resumed.losses == full.losses[3:]
+
+
+# Extending and chaining runs: dropout on, 2 ranks, an LR schedule that does not depend on the
+# run's length (explicit warmup and decay), so one 10-step run is the reference.
+CHAIN: dict[str, Any] = {"nproc": 2, "tp": 1, "pp": 1, "dp": 2, "zero_stage": 1,
+                         "dropout": 0.1, "warmup_tokens": 2 * 8 * 32,
+                         "decay_tokens": 10 * 8 * 32}
+
+
+@pytest.fixture(scope="module")
+def ten_steps(tmp_path_factory: pytest.TempPathFactory, full_run: tuple[Path, Path, Any]
+              ) -> Any:
+    _, cache, _ = full_run
+    return _run(tmp_path_factory.mktemp("ten"), cache, train_steps=10, save="none", **CHAIN)
+
+
+def test_extending_a_finished_run_is_exact(ten_steps: Any, full_run: tuple[Path, Path, Any],
+                                           tmp_path: Path) -> None:
+    """5 steps, then --load with --train-steps 10: bit for bit the 10-step run (the sample
+    order does not depend on the run's length, dropout masks on the layout or the past)."""
+    _, cache, _ = full_run
+    five = _run(tmp_path / "five", cache, train_steps=5, **CHAIN)
+    assert five.losses == ten_steps.losses[:5]
+    more = _run(tmp_path / "more", cache, train_steps=10, save="none",
+                load=str(tmp_path / "five" / "checkpoints"), **CHAIN)
+    assert more.start_step == 5 and more.losses == ten_steps.losses[5:]
+
+
+def test_exit_interval_chains_jobs_exactly(ten_steps: Any, full_run: tuple[Path, Path, Any],
+                                           tmp_path: Path) -> None:
+    """The same command three times, --exit-interval 4, --load after the first: steps 1-4,
+    5-8, 9-10 with a checkpoint at each exit; together bit for bit the 10-step run."""
+    _, cache, _ = full_run
+    job = {"train_steps": 10, "exit_interval": 4, **CHAIN}
+    first = _run(tmp_path, cache, **job)
+    assert (first.stopped, first.final_step) == ("exit-interval", 4)
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step-00000004"
+    second = _run(tmp_path, cache, load=str(tmp_path / "checkpoints"), **job)
+    assert (second.start_step, second.stopped, second.final_step) == (4, "exit-interval", 8)
+    third = _run(tmp_path, cache, load=str(tmp_path / "checkpoints"), **job)
+    assert (third.start_step, third.stopped, third.final_step) == (8, None, 10)
+    assert first.losses + second.losses + third.losses == ten_steps.losses
+    steps = [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")]
+    assert steps == list(range(1, 11))  # one metrics line per step across the jobs
+
+
+def test_exit_duration_saves_before_the_time_is_up(full_run: tuple[Path, Path, Any],
+                                                   tmp_path: Path) -> None:
+    """With less time than one more step needs, the run saves and exits after step 1."""
+    _, cache, _ = full_run
+    run = _run(tmp_path, cache, train_steps=10, exit_duration=1e-4, **CHAIN)
+    assert (run.stopped, run.final_step) == ("exit-duration", 1)
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step-00000001"

@@ -68,7 +68,7 @@ def build_model_stage(plan: RunPlan, groups: ParallelGroups, seed: int,
     ``keyed_dropout`` gives the stage a :class:`~mt_tensor_parallel.KeyedRNG`: dropout masks
     drawn per (micro-batch, layer), the same on every layout (see :func:`uses_keyed_dropout`).
     """
-    gpt = plan.gpt
+    gpt = plan.model  # all position rows, even when training uses fewer
     with torch.device("meta"):
         model = GPT(gpt, seed=None)
     full_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}

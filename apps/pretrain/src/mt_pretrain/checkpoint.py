@@ -1,17 +1,9 @@
 """Sharded training checkpoints: one file per rank, written atomically, resumable at any layout.
 
-Layout of a checkpoint folder (``--save DIR``)::
-
-    DIR/latest                 name of the newest complete step folder (written last)
-    DIR/step-00000020/
-        meta.json              step, data position, layout, model + run config, the
-                               parameter names of every pipeline stage
-        rank-00000.pt ...      per rank: model weights (DP rank 0 only), ZeRO optimizer
-                               shard (fp32 master + Adam moments), RNG states
-
-Ranks write into ``.step-XXXXXXXX.tmp`` which rank 0 renames once every rank has finished;
-``latest`` is replaced after the rename, so a crash never leaves a half-written checkpoint
-behind ``latest``. Only the ``keep_last`` newest step folders are kept. Files are read with
+The folder layout and ``meta.json`` are :mod:`mt_pretrain.checkpoint_format`'s. Ranks write
+into ``.step-XXXXXXXX.tmp`` which rank 0 renames once every rank has finished; ``latest`` is
+replaced after the rename, so a crash never leaves a half-written checkpoint behind
+``latest``. Only the ``keep_last`` newest step folders are kept. Files are read with
 ``torch.load(weights_only=True)``: tensors and plain containers only, never arbitrary
 pickled objects.
 """
@@ -31,6 +23,18 @@ import torch.distributed as dist
 from mt_data import DataLoaderState
 from mt_dist import ParallelGroups
 from mt_pretrain.build import Built
+from mt_pretrain.checkpoint_format import (
+    DATA_ORDER,
+    FORMAT,
+    LATEST,
+    META,
+    RANK_FORMAT,
+    CheckpointError,
+    find_checkpoint,
+    rank_file,
+    read_meta,
+    step_dir,
+)
 from mt_pretrain.config import ConfigError, PretrainConfig
 from mt_pretrain.plan import RunPlan
 from mt_pretrain.reshard import (
@@ -43,26 +47,8 @@ from mt_zero import consolidate, load_consolidated, shard_state_dict
 
 __all__ = ["CheckpointError", "Checkpointer", "consolidated_model", "find_checkpoint", "load"]
 
-FORMAT = "mt-pretrain/1"
-RANK_FORMAT = "mt-pretrain-rank/1"
-LATEST = "latest"
-META = "meta.json"
 # Fields that may differ between the saved and the resuming model (regularisation only).
 _MAY_DIFFER = {"dropout", "attention_dropout"}
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete or does not fit the model."""
-
-
-def rank_file(rank: int) -> str:
-    """File name of ``rank``'s shard."""
-    return f"rank-{rank:05d}.pt"
-
-
-def step_dir(step: int) -> str:
-    """Folder name of the checkpoint of ``step``."""
-    return f"step-{step:08d}"
 
 
 def _barrier(groups: ParallelGroups) -> None:
@@ -132,13 +118,14 @@ class Checkpointer:
             "format": FORMAT,
             "step": step,
             "data": data_state.to_dict(),
+            "data_order": DATA_ORDER,
             "tokens": data_state.consumed_samples * self.plan.gpt.seq_len,
             "layout": {"tp": topo.tp, "pp": topo.pp, "dp": topo.dp,
                        "world_size": topo.world_size,
                        "virtual_stages": self.plan.pipeline.virtual_stages,
                        "zero_stage": self.config.parallel.zero_stage,
                        "precision": self.config.parallel.precision},
-            "model": self.plan.gpt.to_dict(),
+            "model": self.plan.model.to_dict(),
             "styles": self.built.styles,
             "stage_params": all_stage_names(self.plan, list(self.built.full_shapes)),
             "config": self.config.to_dict(),
@@ -172,28 +159,6 @@ def _to_cpu(value: Any) -> Any:
     return value
 
 
-def find_checkpoint(path: str | Path) -> Path:
-    """The step folder ``path`` designates: itself, or the one its ``latest`` names."""
-    path = Path(path)
-    if (path / META).is_file():
-        return path
-    if (path / LATEST).is_file():
-        target = path / (path / LATEST).read_text(encoding="utf-8").strip()
-        if (target / META).is_file():
-            return target
-        raise CheckpointError(f"{path / LATEST} names {target.name}, which is incomplete")
-    raise CheckpointError(f"no checkpoint at {path} (neither {META} nor {LATEST} found)")
-
-
-def read_meta(folder: Path) -> dict[str, Any]:
-    """The parsed ``meta.json`` of a step folder."""
-    meta = json.loads((folder / META).read_text(encoding="utf-8"))
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{folder / META}: format {meta.get('format')!r}, expected "
-                              f"{FORMAT!r}")
-    return meta
-
-
 def _load_rank(folder: Path, rank: int) -> dict[str, Any]:
     path = folder / rank_file(rank)
     if not path.is_file():
@@ -205,7 +170,7 @@ def _load_rank(folder: Path, rank: int) -> dict[str, Any]:
 
 
 def _check_model(meta: dict[str, Any], plan: RunPlan) -> None:
-    saved, mine = meta["model"], plan.gpt.to_dict()
+    saved, mine = meta["model"], plan.model.to_dict()
     diff = {k: (saved.get(k), mine.get(k)) for k in set(saved) | set(mine)
             if k not in _MAY_DIFFER and saved.get(k) != mine.get(k)}
     if diff:
@@ -271,8 +236,17 @@ def load(path: str | Path, config: PretrainConfig, plan: RunPlan, groups: Parall
             torch.cuda.set_rng_state(rng["cuda"])
         if built.tracker is not None and rng["tracker"]:
             built.tracker.load_state_dict(rng["tracker"])
-    elif groups.rank == 0 and (config.model.dropout or 0) > 0:
-        warnings.warn("resuming at another layout: dropout RNG streams restart", stacklevel=2)
+    elif groups.rank == 0 and built.stage.rng is None and plan.gpt.dropout > 0:
+        # Keyed dropout (mt_tensor_parallel.KeyedRNG) needs no saved streams; a compiled
+        # forward draws from generators a new layout cannot take over.
+        warnings.warn("resuming a compiled run at another layout: dropout RNG streams "
+                      "restart", stacklevel=2)
+    consumed = int(meta["data"]["consumed_samples"])
+    if groups.rank == 0 and consumed and meta.get("data_order") != DATA_ORDER:
+        warnings.warn(f"{folder} was written before mt's sample order stopped depending on "
+                      f"the run's length: training continues after sample "
+                      f"{consumed:,} of the new order, so the samples "
+                      "it sees next are not those the old run would have seen", stacklevel=2)
     return int(meta["step"]), DataLoaderState.from_dict(meta["data"])
 
 

@@ -16,6 +16,8 @@ from typing import Annotated, Any
 import typer
 
 from mt_data.cli import app as data_app
+from mt_pretrain.matrix_cmd import _HELP as _MATRIX_HELP
+from mt_pretrain.matrix_cmd import matrix
 from mt_pretrain.options import with_config_options
 from mt_pretrain.plan_cmd import _HELP as _PLAN_HELP
 from mt_pretrain.plan_cmd import plan
@@ -124,6 +126,7 @@ def plot(
 
 
 app.command("plan", help=_PLAN_HELP, context_settings={"max_content_width": 110})(plan)
+app.command("matrix", help=_MATRIX_HELP, context_settings={"max_content_width": 110})(matrix)
 app.add_typer(data_app, name="data")
 
 

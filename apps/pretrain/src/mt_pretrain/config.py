@@ -31,6 +31,9 @@ __all__ = [
 
 
 DEFAULT_TRAIN_STEPS = 300
+DEFAULT_MODEL = "tiny"
+#: The model fields that make its shape (what a checkpoint and a preset must agree on).
+ARCHITECTURE = ("n_layers", "hidden", "n_heads", "vocab_size", "ffn_hidden")
 ENGINES = ("mt", "deepspeed")
 PRECISIONS = ("fp32", "bf16", "fp16")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -58,9 +61,10 @@ def _raise(problems: list[str], what: str) -> None:
 class ModelArgs:
     """The GPT to train: a preset, optionally reshaped."""
 
-    model: str = "tiny"
-    """Model preset: tiny, gpt2-small, gpt2-medium, gpt2-large, gpt2-xl, 1.3b, 8.3b,
-    mt-nlg-530b."""
+    model: str | None = None
+    """Model preset: tiny (the default), gpt2-small, gpt2-medium, gpt2-large, gpt2-xl, 1.3b,
+    8.3b, mt-nlg-530b. With --load the checkpoint's model is used, and a preset given here
+    must have its shape."""
     n_layers: int | None = None
     """Override the preset's number of transformer layers."""
     hidden: int | None = None
@@ -70,10 +74,11 @@ class ModelArgs:
     vocab_size: int | None = None
     """Override the preset's vocabulary size (must hold every id of the tokenizer)."""
     seq_len: int | None = None
-    """Sequence length (default: the preset's)."""
+    """Training sequence length (default: the preset's, or with --load the checkpoint's
+    position count; with --load it may be shorter than that)."""
     dropout: float | None = None
     """Dropout on embeddings, residual branches and attention probabilities (default: the
-    preset's, 0 for tiny). Use 0 to compare layouts exactly."""
+    preset's, 0 for tiny, or the checkpoint's)."""
 
     def __post_init__(self) -> None:
         problems: list[str] = []
@@ -88,7 +93,7 @@ class ModelArgs:
         from mt_model import GPTConfigError, preset
 
         try:
-            base = preset(self.model)
+            base = preset(self.model or DEFAULT_MODEL)
             overrides: dict[str, Any] = {
                 k: getattr(self, k) for k in ("n_layers", "hidden", "n_heads", "vocab_size",
                                               "seq_len") if getattr(self, k) is not None}
@@ -97,6 +102,40 @@ class ModelArgs:
             return base.replace(**overrides)
         except GPTConfigError as err:
             raise ConfigError(str(err)) from None
+
+    def on_checkpoint(self, saved: Any, where: str) -> tuple[Any, int]:
+        """(model, training sequence length) when resuming from a checkpoint whose model is
+        ``saved`` (a GPTConfig; ``where`` names it in errors).
+
+        The architecture is the checkpoint's. Flags may not change it: --model must name a
+        preset of the same shape, --n-layers / --hidden / --n-heads / --vocab-size must
+        match; initialisation-only fields (init_std, scaled_output_init) never matter.
+        --seq-len may be up to the checkpoint's positions; --dropout applies as given.
+        """
+        from mt_model import preset
+
+        problems = []
+        if self.model is not None:
+            shape = preset(self.model)
+            problems += [f"--model {self.model} has {k} {getattr(shape, k)}, the checkpoint "
+                         f"{getattr(saved, k)}" for k in ARCHITECTURE
+                         if getattr(shape, k) != getattr(saved, k)]
+        for k in ("n_layers", "hidden", "n_heads", "vocab_size"):
+            given = getattr(self, k)
+            if given is not None and given != getattr(saved, k):
+                problems.append(f"--{k.replace('_', '-')} {given} but the checkpoint has "
+                                f"{getattr(saved, k)}")
+        if self.seq_len is not None and self.seq_len > saved.seq_len:
+            problems.append(f"--seq-len {self.seq_len} exceeds the checkpoint's "
+                            f"{saved.seq_len} positions")
+        if problems:
+            raise ConfigError(f"--load {where}: flags change the checkpoint's model: "
+                              + "; ".join(problems) + " (leave them out to use the "
+                              "checkpoint's model)")
+        model = saved
+        if self.dropout is not None:
+            model = saved.replace(dropout=self.dropout, attention_dropout=self.dropout)
+        return model, self.seq_len or saved.seq_len
 
 
 @dataclass(frozen=True)
@@ -215,6 +254,13 @@ class TrainArgs:
     rampup_tokens: int | None = None
     """Batch-size ramp-up: tokens over which the batch grows to --global-batch-size
     (MT-NLG: 12e9)."""
+    exit_interval: int | None = None
+    """Save a checkpoint and exit after every step divisible by this (Megatron's
+    --exit-interval): split a long run into jobs of N steps, each the same command with
+    --load; the schedule stays the whole run's."""
+    exit_duration: float | None = None
+    """Save a checkpoint and exit before this many minutes of wall time are used up (counted
+    from the start; the next step and a save must fit): give a job's time limit."""
     seed: int = 1234
     """Seed of the initialization, the data shuffle and dropout."""
     eval_interval: int = 100
@@ -231,7 +277,10 @@ class TrainArgs:
         problems: list[str] = []
         _positive(problems, self, "micro_batch_size", "global_batch_size")
         _positive(problems, self, "train_steps", "train_tokens", "decay_tokens",
-                  "rampup_start", "rampup_increment", "rampup_tokens", allow_none=True)
+                  "rampup_start", "rampup_increment", "rampup_tokens", "exit_interval",
+                  allow_none=True)
+        if self.exit_duration is not None and not self.exit_duration > 0:
+            problems.append(f"--exit-duration must be > 0 minutes, got {self.exit_duration}")
         if self.warmup_tokens is not None and self.warmup_tokens < 0:
             problems.append(f"--warmup-tokens must be >= 0, got {self.warmup_tokens}")
         if self.train_steps is not None and self.train_tokens is not None:
@@ -387,9 +436,17 @@ class CheckpointArgs:
 def _deepspeed_problems(config: PretrainConfig) -> list[str]:
     """What --engine deepspeed does not support (mt's own engine does)."""
     par, problems = config.parallel, []
-    if par.pp > 1 and par.schedule == "interleaved":
+    if par.pp > 1 and par.schedule != "1f1b":
         problems.append(f"--engine deepspeed with --pp {par.pp} runs DeepSpeed's own 1F1B "
-                        "schedule; --schedule interleaved needs --engine mt")
+                        f"schedule; --schedule {par.schedule} needs --engine mt")
+    if par.zero_stage == 0 and par.precision == "bf16":
+        problems.append("--engine deepspeed --zero-stage 0 --precision bf16 does not train "
+                        "like one process (DeepSpeed's bf16 path without ZeRO: the loss is "
+                        "0.3% off at step 2 on 2 ranks); use --zero-stage 1")
+    if par.zero_stage == 0 and par.pp > 1 and config.train.clip_grad > 0:
+        problems.append(f"--engine deepspeed --zero-stage 0 with --pp {par.pp} does not clip "
+                        "the global gradient norm like one process (and reports none); use "
+                        "--zero-stage 1, or --clip-grad 0")
     if par.precision == "fp16":
         problems.append("--engine deepspeed supports --precision fp32 or bf16, got fp16; "
                         "use --engine mt for fp16 with loss scaling")
@@ -426,15 +483,12 @@ class PretrainConfig:
     checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
 
     def __post_init__(self) -> None:
-        gpt = self.model.gpt_config()  # raises ConfigError for a bad shape
+        self.model.gpt_config()  # raises ConfigError for a bad shape
         problems: list[str] = []
         if self.train.eval_interval and self.train.eval_iters == 0:
             problems.append("--eval-interval needs --eval-iters >= 1")
         if self.parallel.engine == "deepspeed":
             problems.extend(_deepspeed_problems(self))
-        if self.parallel.sequence_parallel and gpt.seq_len % self.parallel.tp:
-            problems.append(f"--sequence-parallel needs seq_len {gpt.seq_len} divisible by "
-                            f"tp {self.parallel.tp}")
         missing = [p for p in self.data.paths() if not Path(p).is_dir()]
         if missing:
             problems.append(f"data path(s) not found: {missing} (prepare them with "

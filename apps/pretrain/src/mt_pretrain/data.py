@@ -23,47 +23,35 @@ from mt_data import (
 from mt_pretrain.config import ConfigError, PretrainConfig
 from mt_pretrain.plan import RunPlan
 
-__all__ = ["dataset_paths", "default_tokenizer", "ensure_data", "make_loaders", "tokenizer_for"]
+__all__ = ["default_tokenizer", "ensure_data", "make_loaders", "tokenizer_for"]
 
 GPT2_VOCAB = 50257
 
 
-def default_tokenizer(config: PretrainConfig) -> str:
-    """Tokenizer of the embedded corpus for this model's vocabulary."""
+def default_tokenizer(config: PretrainConfig, vocab_size: int) -> str:
+    """Tokenizer of the embedded corpus for a model of ``vocab_size`` ids."""
     if config.data.tokenizer:
         return config.data.tokenizer
-    return "tokenizer-1k" if config.model.gpt_config().vocab_size < GPT2_VOCAB else "gpt2"
+    return "tokenizer-1k" if vocab_size < GPT2_VOCAB else "gpt2"
 
 
-def embedded_dir(config: PretrainConfig, cache_dir: Path) -> Path:
-    """Folder of the tokenized embedded corpus for this config's tokenizer."""
-    name = Path(default_tokenizer(config)).name.replace(".json", "")
-    return cache_dir / "data" / f"embedded-{name}"
-
-
-def ensure_data(config: PretrainConfig, cache_dir: Path) -> list[Path]:
+def ensure_data(config: PretrainConfig, plan: RunPlan, cache_dir: Path) -> list[Path]:
     """The dataset folders of the run, tokenizing the embedded corpus once if needed.
 
     Safe to call from every rank at once: a file lock serializes the preparation.
     """
     if config.data.data is not None:
         return [Path(p) for p in config.data.paths()]
-    folder = embedded_dir(config, cache_dir)
+    tokenizer = default_tokenizer(config, plan.gpt.vocab_size)
+    folder = cache_dir / "data" / f"embedded-{Path(tokenizer).name.replace('.json', '')}"
     folder.parent.mkdir(parents=True, exist_ok=True)
     with open(folder.parent / f".{folder.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
-            prepare_demo(folder, tokenizer=default_tokenizer(config))
+            prepare_demo(folder, tokenizer=tokenizer)
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
     return [folder]
-
-
-def dataset_paths(config: PretrainConfig, cache_dir: Path) -> list[Path]:
-    """Dataset folders without preparing anything."""
-    if config.data.data is not None:
-        return [Path(p) for p in config.data.paths()]
-    return [embedded_dir(config, cache_dir)]
 
 
 def tokenizer_for(paths: list[Path]) -> Any:
@@ -85,9 +73,9 @@ def _dataset(config: PretrainConfig, paths: list[Path], seq_len: int, samples: i
     return build_blended(config.data.blend(), seq_len, samples, config.train.seed, split, spec)
 
 
-def check_vocab(config: PretrainConfig, paths: list[Path]) -> None:
+def check_vocab(plan: RunPlan, paths: list[Path]) -> None:
     """Every token id of the data must fit the model's vocabulary."""
-    vocab = config.model.gpt_config().vocab_size
+    vocab = plan.gpt.vocab_size
     for path in paths:
         info = TokenDataset(path).index.get("tokenizer", {})
         size = info.get("vocab_size") if isinstance(info, dict) else None
@@ -99,7 +87,7 @@ def check_vocab(config: PretrainConfig, paths: list[Path]) -> None:
 def make_loaders(config: PretrainConfig, plan: RunPlan, paths: list[Path], dp_rank: int,
                  state: DataLoaderState) -> tuple[DPDataLoader, DPDataLoader | None]:
     """Train loader (resumed at ``state``) and validation loader of this DP rank."""
-    check_vocab(config, paths)
+    check_vocab(plan, paths)
     train = config.train
     seq_len, dp = plan.gpt.seq_len, plan.topology.dp
     schedule = BatchSchedule(train.global_batch_size, plan.rampup)

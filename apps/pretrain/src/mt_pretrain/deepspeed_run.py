@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -81,14 +82,8 @@ class DeepSpeedOptimizer:
         return contextlib.nullcontext()
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        """Full weights by name, as fp32, on every rank (collective under ZeRO-3); with
-        bf16 these are the bf16 model weights upcast (DeepSpeed keeps the fp32 masters)."""
-        import deepspeed  # pants: no-infer-dep (optional engine)
-
-        module = self.engine.module
-        params = list(module.parameters())
-        with deepspeed.zero.GatheredParameters(params, enabled=self.stage == 3):
-            return {n: p.detach().float().clone() for n, p in module.named_parameters()}
+        """Full fp32 master weights by name, on every rank (collective)."""
+        return _fp32_weights(self.engine.module.named_parameters(), self.stage == 3)
 
 
 class DeepSpeedPipeOptimizer(DeepSpeedOptimizer):
@@ -116,8 +111,26 @@ class DeepSpeedPipeOptimizer(DeepSpeedOptimizer):
         return float(self.engine.train_batch(iter(pairs)))
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        """This stage's weights under mt's names (ZeRO 0/1 keep them whole on every rank)."""
-        return {n: p.detach().float().clone() for n, p in self.mt_stage.named_parameters()}
+        """This stage's fp32 master weights under mt's names (collective over DP)."""
+        return _fp32_weights(self.mt_stage.named_parameters(), stage3=False)
+
+
+def _fp32_weights(named: Iterator[tuple[str, nn.Parameter]],
+                  stage3: bool) -> dict[str, torch.Tensor]:
+    """DeepSpeed's fp32 master copy of each parameter (``safe_get_full_fp32_param``: ZeRO
+    1-3 and bf16 keep one; collective over DP), else the parameter itself (fp32 ZeRO-0)."""
+    import deepspeed  # pants: no-infer-dep (optional engine)
+    from deepspeed.utils import safe_get_full_fp32_param  # pants: no-infer-dep
+
+    named = list(named)
+    out = {}
+    with deepspeed.zero.GatheredParameters([p for _, p in named], enabled=stage3):
+        for name, param in named:
+            master = safe_get_full_fp32_param(param)
+            full = param if master is None else master
+            out[name] = full.detach().float().reshape(param.ds_shape if stage3 else
+                                                      param.shape).clone()
+    return out
 
 
 def _set_environment(groups: ParallelGroups) -> None:

@@ -59,34 +59,39 @@ def world_size_for(config: PretrainConfig) -> int:
 
 
 def launch(config: PretrainConfig, environ: Mapping[str, str] | None = None,
-           timeout: float | None = None) -> RunSummary | None:
+           timeout: float | None = None, keep_weights: bool = False) -> RunSummary | None:
     """Run ``config``: as one rank under a launcher, else on ``--nproc`` local processes.
 
-    Returns rank 0's summary (None on other ranks under a launcher).
+    Returns rank 0's summary (None on other ranks under a launcher); ``keep_weights`` puts
+    the final full fp32 weights into it (for comparisons such as ``mt matrix``).
     """
     environ = os.environ if environ is None else environ
     cache = Path(config.data.cache_dir) if config.data.cache_dir else default_cache_dir(environ)
     info = discover(environ)
     if info.launcher != "single":
-        return run_rank(config, info, cache)
+        return run_rank(config, info, cache, keep_weights)
     nproc = world_size_for(config)
-    resolve(config, nproc)  # fail before starting anything
-    ensure_data(config, cache)  # once, here, instead of racing in every rank
+    plan = resolve(config, nproc)  # fail before starting anything
+    ensure_data(config, plan, cache)  # once, here, instead of racing in every rank
     # Building a meta GPT imports torch's Python reference ops (seconds); do it once before
     # forking so that every rank inherits them.
-    sharding_styles(config.model.gpt_config())
+    sharding_styles(plan.model)
     if nproc == 1:
         single = LaunchInfo(0, 1, 0, 1, "127.0.0.1", free_port("127.0.0.1"), "single")
-        return run_rank(config, single, cache)
-    return spawn(config, nproc, cache, timeout)
+        return run_rank(config, single, cache, keep_weights)
+    return spawn(config, nproc, cache, timeout, keep_weights)
 
 
 def _child(config: PretrainConfig, info: LaunchInfo, cache: Path, conn: Connection,
-           threads: int, parent: int) -> None:
+           threads: int, parent: int, keep_weights: bool) -> None:
     _die_with_parent(parent)
     torch.set_num_threads(threads)
     try:
-        result = run_rank(config, info, cache)
+        result = run_rank(config, info, cache, keep_weights)
+        if result is not None and result.weights is not None:
+            # As numpy arrays: torch would share the tensors' memory by file descriptors,
+            # which die with this process before the parent reads them.
+            result.weights = {k: v.cpu().numpy() for k, v in result.weights.items()}
         conn.send(("ok", result))
     except (ConfigError, CheckpointError, NonFiniteLossError) as err:
         # Expected failures (every rank sees the same one): a message, no traceback.
@@ -118,8 +123,8 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
-def spawn(config: PretrainConfig, nproc: int, cache: Path,
-          timeout: float | None = None) -> RunSummary | None:
+def spawn(config: PretrainConfig, nproc: int, cache: Path, timeout: float | None = None,
+          keep_weights: bool = False) -> RunSummary | None:
     """Run ``nproc`` local ranks (forked when possible: no second torch import)."""
     method = "fork" if "fork" in mp.get_all_start_methods() and not \
         torch.cuda.is_initialized() else "spawn"
@@ -131,7 +136,8 @@ def spawn(config: PretrainConfig, nproc: int, cache: Path,
         info = LaunchInfo(rank, nproc, rank, nproc, "127.0.0.1", port, "single")
         recv, send = ctx.Pipe(duplex=False)
         proc = ctx.Process(target=_child, name=f"mt-rank{rank}",
-                           args=(config, info, cache, send, threads, os.getpid()))
+                           args=(config, info, cache, send, threads, os.getpid(),
+                                 keep_weights))
         proc.start()
         send.close()
         procs.append(proc)
@@ -190,4 +196,7 @@ def _collect(procs: list[Any], conns: list[Connection],
         detail = reports.get(first, ("error", "no report"))[1]
         raise LaunchFailed(f"rank {first} of {len(procs)} failed first (failed ranks: "
                            f"{sorted(failures)}):\n{detail}")
-    return reports[0][1]
+    summary = reports[0][1]
+    if summary is not None and summary.weights is not None:
+        summary.weights = {k: torch.from_numpy(v) for k, v in summary.weights.items()}
+    return summary

@@ -13,13 +13,15 @@ from typing import Any
 from mt_dist import Topology, TopologyError
 from mt_model import GPTConfig, count_parameters, model_flops_per_token_training
 from mt_pipeline import PartitionError, PipelineConfig, PipelinePlan, ScheduleError, plan_pipeline
-from mt_pretrain.config import DEFAULT_TRAIN_STEPS, ConfigError, PretrainConfig
+from mt_pretrain.checkpoint_format import find_checkpoint, read_meta
+from mt_pretrain.config import DEFAULT_MODEL, DEFAULT_TRAIN_STEPS, ConfigError, PretrainConfig
 from mt_pretrain.estimate import peak_in_flight, stage_memory
 from mt_pretrain.gpus import GPUSpec
 from mt_pretrain.layout import Layout
 from mt_tensor_parallel import check_divisibility, param_styles
 
-__all__ = ["RunPlan", "describe", "memory_estimate", "plan_layout", "resolve", "runtime_spec"]
+__all__ = ["RunPlan", "describe", "memory_estimate", "model_of", "plan_layout", "resolve",
+           "runtime_spec"]
 
 
 @dataclass(frozen=True)
@@ -28,12 +30,15 @@ class RunPlan:
 
     Attributes:
         topology: the (tp, pp, dp) grid.
-        gpt: the model config.
+        gpt: the model as trained: its ``seq_len`` is the training sequence length.
         pipeline: schedule config at the full global batch (micro-batches per pipeline).
         stages: layers of every pipeline stage.
         rampup: (start, increment, samples) for mt_data.BatchSchedule, or None.
         train_steps: optimizer steps of the whole run.
         train_samples: samples consumed by the whole run.
+        model: the model as built and saved: the same as ``gpt`` but for ``seq_len``, the
+            rows of its position table, which a run resumed from a checkpoint may use only
+            in part.
     """
 
     topology: Topology
@@ -43,6 +48,7 @@ class RunPlan:
     rampup: tuple[int, int, int] | None
     train_steps: int
     train_samples: int
+    model: GPTConfig
 
     @property
     def tokens_per_sample(self) -> int:
@@ -82,10 +88,23 @@ def _steps_and_samples(config: PretrainConfig, rampup: tuple[int, int, int] | No
     return steps, consumed
 
 
+def model_of(config: PretrainConfig) -> tuple[GPTConfig, int]:
+    """(the model to build, the training sequence length): from the flags, or with --load
+    from the checkpoint (see :meth:`~mt_pretrain.config.ModelArgs.on_checkpoint`)."""
+    load = config.checkpoint.load
+    if load and config.parallel.engine == "mt":
+        folder = find_checkpoint(load)
+        saved = GPTConfig.from_dict(read_meta(folder)["model"])
+        return config.model.on_checkpoint(saved, str(folder))
+    gpt = config.model.gpt_config()
+    return gpt, gpt.seq_len
+
+
 def resolve(config: PretrainConfig, world_size: int) -> RunPlan:
     """Check the config against ``world_size`` and derive the run plan."""
     par, train = config.parallel, config.train
-    gpt = config.model.gpt_config()
+    model, seq_len = model_of(config)
+    gpt = model.replace(seq_len=seq_len)
     problems: list[str] = []
     try:
         if par.dp is not None and par.tp * par.pp * par.dp != world_size:
@@ -131,7 +150,7 @@ def resolve(config: PretrainConfig, world_size: int) -> RunPlan:
     except (PartitionError, ScheduleError) as err:
         raise ConfigError(f"invalid pipeline: {err}") from None
     steps, samples = _steps_and_samples(config, rampup, gpt.seq_len)
-    return RunPlan(topology, gpt, pipeline, stages, rampup, steps, samples)
+    return RunPlan(topology, gpt, pipeline, stages, rampup, steps, samples, model)
 
 
 def plan_layout(config: PretrainConfig, plan: RunPlan) -> Layout:
@@ -178,15 +197,21 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.3f} GiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
 
 
+def _model_name(config: PretrainConfig) -> str:
+    if config.model.model:
+        return config.model.model
+    return f"from {config.checkpoint.load}" if config.checkpoint.load else DEFAULT_MODEL
+
+
 def describe(config: PretrainConfig, plan: RunPlan, max_ranks: int = 32) -> str:
     """The dry-run report: layout, ranks, groups, stages, parameters, memory, schedule."""
     topo, gpt, pipe = plan.topology, plan.gpt, plan.pipeline
     par, train = config.parallel, config.train
-    total = count_parameters(gpt)
     lines = [
-        f"model      {config.model.model}: {gpt.n_layers} layers, hidden {gpt.hidden}, "
-        f"{gpt.n_heads} heads, vocab {gpt.vocab_size}, seq {gpt.seq_len}: "
-        f"{total:,} parameters",
+        f"model      {_model_name(config)}: {gpt.n_layers} layers, hidden {gpt.hidden}, "
+        f"{gpt.n_heads} heads, vocab {gpt.vocab_size}, seq {gpt.seq_len}"
+        + (f" (of {plan.model.seq_len} positions)" if plan.model.seq_len != gpt.seq_len
+           else "") + f": {count_parameters(plan.model):,} parameters",
         f"layout     tp {topo.tp} x pp {topo.pp} x dp {topo.dp} = {topo.world_size} ranks; "
         f"ZeRO stage {par.zero_stage}, {par.precision}, engine {par.engine}"
         + (", sequence parallel" if par.sequence_parallel else "")

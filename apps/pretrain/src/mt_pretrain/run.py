@@ -33,7 +33,7 @@ from mt_pretrain.data import ensure_data, make_loaders, tokenizer_for
 from mt_pretrain.metrics import MetricsWriter
 from mt_pretrain.plan import RunPlan, resolve
 from mt_pretrain.progress import Reporter
-from mt_pretrain.sample import MAX_SAMPLE_PARAMETERS, gather_model, greedy_generate
+from mt_pretrain.sample import MAX_SAMPLE_PARAMETERS, gather_model, gather_weights, greedy_generate
 from mt_pretrain.train import StepStats, Trainer, stats_dict
 
 __all__ = ["RunSummary", "run_rank"]
@@ -41,9 +41,15 @@ __all__ = ["RunSummary", "run_rank"]
 
 @dataclass
 class RunSummary:
-    """What rank 0 reports at the end of a run."""
+    """What rank 0 reports at the end of a run.
+
+    ``records`` holds every step's metrics line (loss, grad_norm, lr, ...); ``weights``, when
+    the launch asked for them, every fp32 master weight at full shape after the last step.
+    """
 
     losses: list[float] = field(default_factory=list)
+    records: list[dict[str, Any]] = field(default_factory=list)
+    weights: dict[str, torch.Tensor] | None = None
     start_step: int = 0
     final_step: int = 0
     tokens: int = 0
@@ -52,7 +58,8 @@ class RunSummary:
     val_loss: float | None = None
     checkpoint: str | None = None
     sample: str | None = None
-    stopped: bool = False
+    stopped: str | None = None
+    """Why the run stopped before its last step: "signal", "exit-interval", "exit-duration"."""
 
 
 class StopFlag:
@@ -78,8 +85,10 @@ def _stop_on_signals(flag: StopFlag) -> Iterator[None]:
             signal.signal(sig, old)
 
 
-def run_rank(config: PretrainConfig, info: LaunchInfo, cache_dir: Path) -> RunSummary | None:
-    """Train as rank ``info.rank``; returns the summary on rank 0, None elsewhere."""
+def run_rank(config: PretrainConfig, info: LaunchInfo, cache_dir: Path,
+             keep_weights: bool = False) -> RunSummary | None:
+    """Train as rank ``info.rank``; returns the summary on rank 0, None elsewhere (with the
+    final full weights in it when ``keep_weights``)."""
     use_cuda = {"auto": None, "cpu": False, "cuda": True}[config.parallel.device]
     device = local_device(info, use_cuda=use_cuda)
     if device.type == "cuda" and info.local_rank >= torch.cuda.device_count():
@@ -93,7 +102,8 @@ def run_rank(config: PretrainConfig, info: LaunchInfo, cache_dir: Path) -> RunSu
         groups = build_groups(plan.topology, device)
         flag = StopFlag()
         with _stop_on_signals(flag):
-            summary = _train(config, plan, groups, device, cache_dir, flag, info.launcher)
+            summary = _train(config, plan, groups, device, cache_dir, flag, info.launcher,
+                             keep_weights)
         completed = True
         return summary
     finally:
@@ -101,12 +111,13 @@ def run_rank(config: PretrainConfig, info: LaunchInfo, cache_dir: Path) -> RunSu
 
 
 def _train(config: PretrainConfig, plan: RunPlan, groups: ParallelGroups, device: torch.device,
-           cache_dir: Path, flag: StopFlag, launcher: str) -> RunSummary | None:
+           cache_dir: Path, flag: StopFlag, launcher: str,
+           keep_weights: bool) -> RunSummary | None:
     started = time.perf_counter()
     rank0 = groups.rank == 0
     ckpt = config.checkpoint
     built = build(config, plan, groups, device)
-    paths = ensure_data(config, cache_dir)
+    paths = ensure_data(config, plan, cache_dir)
     start_step, state = 0, DataLoaderState()
     if ckpt.load and config.parallel.engine == "deepspeed":
         from mt_pretrain.deepspeed_run import load_deepspeed_checkpoint
@@ -137,8 +148,9 @@ def _train(config: PretrainConfig, plan: RunPlan, groups: ParallelGroups, device
 
     def on_step(stats: StepStats) -> None:
         summary.losses.append(stats.loss)
+        summary.records.append(stats_dict(stats))
         if metrics is not None:
-            metrics.write(stats_dict(stats))
+            metrics.write(summary.records[-1])
         reporter.step(stats)
         if stats.val_loss is not None:
             summary.val_loss = stats.val_loss
@@ -150,7 +162,7 @@ def _train(config: PretrainConfig, plan: RunPlan, groups: ParallelGroups, device
             saver.save(step, loader.state)
             reporter.print(f"saved checkpoint {saver.last_saved}")
 
-    trainer = Trainer(config, plan, groups, built, loader, valid, on_step, flag, save)
+    trainer = Trainer(config, plan, groups, built, loader, valid, on_step, flag, save, started)
     try:
         stats, stopped = trainer.run()
     finally:
@@ -160,9 +172,15 @@ def _train(config: PretrainConfig, plan: RunPlan, groups: ParallelGroups, device
     summary.final_step, summary.stopped = loader.state.step, stopped
     if saver is not None and stats and not stopped and saver.last_step != loader.state.step:
         save(loader.state.step)
-    if stopped:
+    if keep_weights:
+        summary.weights = gather_weights(built, groups, plan.model)
+    if stopped == "signal":
         reporter.print(f"stopped by signal after step {loader.state.step}")
-    elif config.train.sample_tokens and count_parameters(plan.gpt) <= MAX_SAMPLE_PARAMETERS:
+    elif stopped:
+        reporter.print(f"exiting after step {loader.state.step} (--{stopped}); continue with "
+                       f"--load {ckpt.save_dir}" if saver is not None else
+                       f"exiting after step {loader.state.step} (--{stopped})")
+    elif config.train.sample_tokens and count_parameters(plan.model) <= MAX_SAMPLE_PARAMETERS:
         summary.sample = _sample(config, built, groups, plan, paths)
     if not rank0:
         return None
@@ -179,7 +197,7 @@ def _train(config: PretrainConfig, plan: RunPlan, groups: ParallelGroups, device
 def _sample(config: PretrainConfig, built: Built, groups: ParallelGroups, plan: RunPlan,
             paths: list[Path]) -> str | None:
     """Greedy continuation of the prompt on rank 0 (collective gather first)."""
-    model = gather_model(built, groups, plan.gpt)
+    model = gather_model(built, groups, plan.model)
     if model is None:
         return None
     tokenizer = tokenizer_for(paths)

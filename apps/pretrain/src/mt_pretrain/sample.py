@@ -17,14 +17,16 @@ from mt_model import GPT, GPTConfig
 from mt_pretrain.build import Built
 from mt_pretrain.reshard import merge_model
 
-__all__ = ["MAX_SAMPLE_PARAMETERS", "gather_model", "greedy_generate"]
+__all__ = ["MAX_SAMPLE_PARAMETERS", "gather_model", "gather_weights", "greedy_generate"]
 
 #: Gathering a model bigger than this onto one process for a sample is not worth it.
 MAX_SAMPLE_PARAMETERS = 2_000_000_000
 
 
-def gather_model(built: Built, groups: ParallelGroups, gpt: GPTConfig) -> GPT | None:
-    """The whole model as a single-device fp32 GPT on rank 0 (None elsewhere). Collective."""
+def gather_weights(built: Built, groups: ParallelGroups,
+                   gpt: GPTConfig) -> dict[str, torch.Tensor] | None:
+    """Every fp32 master weight at its full (unsharded) shape, on rank 0 (None elsewhere).
+    Collective."""
     weights = built.optimizer.full_parameters()  # collective over DP
     mine = ((groups.pp_rank, groups.tp_rank), weights) if groups.dp_rank == 0 else None
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -36,7 +38,14 @@ def gather_model(built: Built, groups: ParallelGroups, gpt: GPTConfig) -> GPT | 
     if groups.rank != 0:
         return None
     parts = dict(item for item in gathered if item is not None)
-    full = merge_model(parts, built.styles, gpt.vocab_size)
+    return merge_model(parts, built.styles, gpt.vocab_size)
+
+
+def gather_model(built: Built, groups: ParallelGroups, gpt: GPTConfig) -> GPT | None:
+    """The whole model as a single-device fp32 GPT on rank 0 (None elsewhere). Collective."""
+    full = gather_weights(built, groups, gpt)
+    if full is None:
+        return None
     model = GPT(gpt, seed=None)
     model.load_state_dict(full, strict=True)
     return model.eval()

@@ -62,7 +62,8 @@ class StepStats:
 
 class _ScaledLoss(nn.Module):
     """Multiplies the loss by the fp16 loss scale inside the pipeline executor, which calls
-    ``backward`` itself (the ZeRO optimizer's ``backward`` is not used on that path)."""
+    ``backward`` itself (the ZeRO optimizer's ``backward`` is not used on that path); in
+    evaluation (``eval()``) the loss stays unscaled."""
 
     def __init__(self, inner: nn.Module) -> None:
         super().__init__()
@@ -70,7 +71,8 @@ class _ScaledLoss(nn.Module):
         self.scale = 1.0
 
     def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return self.inner(logits, targets) * self.scale
+        loss = self.inner(logits, targets)
+        return loss * self.scale if self.training else loss
 
 
 class Trainer:
@@ -85,15 +87,21 @@ class Trainer:
             validation steps they carry the validation loss and perplexity.
         should_stop: local stop request (e.g. a signal arrived); agreed on by all ranks.
         save: called with the step number to write a checkpoint.
+        started: ``time.perf_counter()`` at the run's start (``--exit-duration`` counts from
+            it; default: now).
     """
 
     def __init__(self, config: PretrainConfig, plan: RunPlan, groups: ParallelGroups,
                  built: Built, loader: DPDataLoader, valid: DPDataLoader | None,
                  on_step: Callable[[StepStats], None], should_stop: Callable[[], bool],
-                 save: Callable[[int], None]) -> None:
+                 save: Callable[[int], None], started: float | None = None) -> None:
         self.config, self.plan, self.groups, self.built = config, plan, groups, built
         self.loader, self.valid = loader, valid
         self.on_step, self.should_stop, self.save = on_step, should_stop, save
+        minutes = config.train.exit_duration
+        started = time.perf_counter() if started is None else started
+        self._deadline = None if minutes is None else started + 60.0 * minutes
+        self._longest_step = self._longest_save = 0.0
         train, gpt = config.train, plan.gpt
         self.lr = LRSchedule.create(train.lr, train.min_lr, train.warmup_tokens,
                                     train.decay_tokens, plan.train_samples * gpt.seq_len)
@@ -125,25 +133,50 @@ class Trainer:
                               else stage.forward_loss)
 
     # ------------------------------------------------------------------------- the loop
-    def run(self) -> tuple[list[StepStats], bool]:
-        """Train until ``plan.train_steps``; returns (stats, stopped early)."""
+    def run(self) -> tuple[list[StepStats], str | None]:
+        """Train until ``plan.train_steps`` or an early exit, which saves a checkpoint first.
+
+        Returns (stats, why the run stopped early: ``"signal"``, ``"exit-interval"``,
+        ``"exit-duration"``, or None when it reached its last step).
+        """
         stats: list[StepStats] = []
         interval = self.config.checkpoint.save_interval
         eval_interval = self.config.train.eval_interval
         while self.loader.state.step < self.plan.train_steps:
             record = self.step()
             step = record.step
+            self._longest_step = max(self._longest_step, record.step_time)
             if self.valid is not None and eval_interval and step % eval_interval == 0:
                 val_loss, val_ppl = self.evaluate()
                 record = replace(record, val_loss=val_loss, val_ppl=val_ppl)
             stats.append(record)
             self.on_step(record)
-            if self._agree(self.should_stop()):
-                self.save(step)
-                return stats, True
+            reason = self._early_exit(step)
+            if reason is not None:
+                self._save(step)
+                return stats, reason
             if interval and step % interval == 0 and step < self.plan.train_steps:
-                self.save(step)
-        return stats, False
+                self._save(step)
+        return stats, None
+
+    def _early_exit(self, step: int) -> str | None:
+        """Why to stop after ``step`` (the same answer on every rank), or None."""
+        late = self._deadline is not None and time.perf_counter() + self._longest_step + max(
+            self._longest_save, self._longest_step) > self._deadline
+        signal, late = self._agree(self.should_stop(), late)
+        exit_interval = self.config.train.exit_interval
+        if signal:
+            return "signal"
+        if late and step < self.plan.train_steps:
+            return "exit-duration"
+        if exit_interval and step % exit_interval == 0 and step < self.plan.train_steps:
+            return "exit-interval"
+        return None
+
+    def _save(self, step: int) -> None:
+        start = time.perf_counter()
+        self.save(step)
+        self._longest_save = max(self._longest_save, time.perf_counter() - start)
 
     def evaluate(self) -> tuple[float, float]:
         """Validation loss and perplexity (every rank gets the same numbers)."""
@@ -152,12 +185,12 @@ class Trainer:
             return evaluate(self.built.stage, self.groups, self.valid, self.activation_shape,
                             self.dtype, self.device)
 
-    def _agree(self, flag: bool) -> bool:
-        """True on every rank if it is true on any rank."""
-        value = torch.tensor([1.0 if flag else 0.0], device=self.device)
+    def _agree(self, *flags: bool) -> tuple[bool, ...]:
+        """Each flag true on every rank if it is true on any rank (one all-reduce)."""
+        value = torch.tensor([1.0 if f else 0.0 for f in flags], device=self.device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(value, op=dist.ReduceOp.MAX)
-        return bool(value.item() > 0)
+        return tuple(bool(v > 0) for v in value.tolist())
 
     # ------------------------------------------------------------------------ one step
     def step(self) -> StepStats:

@@ -12,6 +12,7 @@ from mt_model.init import init_gpt_, init_parameter, init_std_for, parameter_see
 from mt_model.params import (
     count_block_parameters,
     count_parameters,
+    gradient_free_slices,
     model_flops_per_iteration,
     model_flops_per_token_training,
     tflops_per_gpu,
@@ -34,6 +35,7 @@ __all__ = [
     "__version__",
     "count_block_parameters",
     "count_parameters",
+    "gradient_free_slices",
     "init_gpt_",
     "init_parameter",
     "init_std_for",

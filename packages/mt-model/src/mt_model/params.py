@@ -11,6 +11,7 @@ from mt_model.config import GPTConfig
 __all__ = [
     "count_parameters",
     "count_block_parameters",
+    "gradient_free_slices",
     "model_flops_per_iteration",
     "model_flops_per_token_training",
     "tflops_per_gpu",
@@ -84,3 +85,16 @@ def tflops_per_gpu(
         )
     flops = model_flops_per_iteration(config, global_batch, seq_len)
     return flops / (iteration_seconds * n_gpus) / 1e12
+
+
+def gradient_free_slices(config: GPTConfig) -> dict[str, slice]:
+    """Parameter elements whose gradient is exactly zero in exact arithmetic, by name.
+
+    The key bias of each attention: it adds ``q . b_k`` to every score of a query alike, and
+    softmax ignores a constant per row. In floating point its gradient is round-off noise
+    (about 1e-10 here), which Adam's normalisation turns into updates of up to ``lr`` per
+    step; so these elements drift by noise in any run, and comparisons of two runs (layouts,
+    engines) must leave them out. They sit in the middle third of ``attn.qkv.bias`` ([q; k; v]).
+    """
+    h = config.hidden
+    return {f"blocks.{i}.attn.qkv.bias": slice(h, 2 * h) for i in range(config.n_layers)}

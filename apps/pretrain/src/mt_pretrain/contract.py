@@ -1,0 +1,247 @@
+"""The correctness contract, checked: train a matrix case and its reference, compare them.
+
+For each case of :mod:`mt_pretrain.matrix` the runner trains the case and (once per distinct
+reference) the run it must equal, both through :func:`mt_pretrain.launch.launch` exactly as
+the CLI does, and compares per step the loss, the gradient norm before clipping and the
+learning rate, the validation loss at the end, and every parameter gathered to full shape.
+
+Differences are relative: ``|a - b| / |b|`` per step for the scalars; for parameters the
+largest ``||a - b|| / ||b||`` over tensors, leaving out the elements whose gradient is zero in
+exact arithmetic (:func:`mt_model.gradient_free_slices`: Adam turns their round-off gradients
+into drift of up to the learning rate per step in every run, one process included).
+:func:`tolerance_for` gives the limits: fp32 round-off for fp32; for bf16 and fp16 a
+multiple of the noise floor :func:`noise_floor` measures (one-process runs that differ only in
+how the global batch is grouped into micro-batches: the same sums in another order, which is
+all a correct layout changes). As such limits may exceed the distance between a 16-bit run
+and an fp32 one, a 16-bit case must also differ from the fp32 run of its reference by more
+than fp32 round-off: proof that it really computed in 16 bits.
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mt_model import gradient_free_slices
+from mt_pretrain.matrix import COMMON, Case
+
+__all__ = ["FLOORS", "FP32", "Diff", "Outcome", "Tolerance", "Trace", "compare", "noise_floor",
+           "run_case", "run_matrix", "tolerance_for"]
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """Largest relative differences a case may show against its reference."""
+
+    loss: float
+    grad_norm: float
+    params: float
+
+    def scaled(self, factor: float) -> Tolerance:
+        """Every limit times ``factor``."""
+        return Tolerance(self.loss * factor, self.grad_norm * factor, self.params * factor)
+
+
+#: fp32: round-off (the limits the contract states).
+FP32 = Tolerance(loss=1e-5, grad_norm=1e-5, params=1e-5)
+#: The noise floors of bf16 and fp16 as ``mt matrix --noise-floor`` measured them (10 steps,
+#: worst over micro-batches of 2, 4 and 8 against micro-batches of 1; see the README).
+FLOORS: dict[str, Tolerance] = {
+    "bf16": Tolerance(loss=7.2e-5, grad_norm=7.4e-4, params=3.4e-2),
+    "fp16": Tolerance(loss=9.4e-6, grad_norm=8.2e-5, params=2.5e-3),
+}
+#: Reduced precision allows this multiple of the floor: twice without tensor parallelism;
+#: with it, each row-parallel all-reduce rounds partial sums to 16 bits once more per layer
+#: (measured up to 4.2x the floor), so five times.
+FLOOR_FACTOR, FLOOR_FACTOR_TP = 2.0, 5.0
+
+
+def tolerance_for(case: Case) -> Tolerance:
+    """The limits ``case`` must keep against its reference."""
+    precision = case.layout.precision
+    if precision == "fp32":
+        return FP32
+    return FLOORS[precision].scaled(FLOOR_FACTOR_TP if case.layout.tp > 1 else FLOOR_FACTOR)
+
+
+@dataclass
+class Trace:
+    """What one run produced: per-step records, final validation loss, final weights."""
+
+    records: list[dict[str, Any]]
+    val_loss: float | None
+    weights: dict[str, torch.Tensor]
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Diff:
+    """Worst relative differences of a run against its reference."""
+
+    loss: float
+    grad_norm: float
+    lr: float
+    params: float
+    steps: int
+
+    def within(self, tol: Tolerance) -> bool:
+        """All differences within ``tol`` (the learning rate must be exact to 1e-12)."""
+        return (self.loss <= tol.loss and self.grad_norm <= tol.grad_norm
+                and self.params <= tol.params and self.lr <= 1e-12)
+
+
+@dataclass
+class Outcome:
+    """One case's result. ``fp32_gap``: for a 16-bit case, the grad-norm difference from the
+    fp32 run of its reference, which must exceed fp32 round-off."""
+
+    case: Case
+    diff: Diff | None
+    tolerance: Tolerance
+    seconds: float
+    error: str | None = None
+    fp32_gap: float | None = None
+    passed: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        real_precision = self.fp32_gap is None or self.fp32_gap > FP32.grad_norm
+        self.passed = (self.error is None and self.diff is not None and real_precision
+                       and self.diff.within(self.tolerance))
+
+
+def _config_options(case: Case, steps: int, out: Path, cache: Path,
+                    micro_batch_size: int | None = None) -> dict[str, Any]:
+    options = {**COMMON, **case.options(), "train_steps": steps, "eval_interval": steps,
+               "out_dir": str(out), "cache_dir": str(cache), "metrics": "none"}
+    if micro_batch_size is not None:
+        options["micro_batch_size"] = micro_batch_size
+    return options
+
+
+def run_case(case: Case, steps: int, out: Path, cache: Path,
+             micro_batch_size: int | None = None) -> Trace:
+    """Train ``case`` for ``steps`` steps (as `mt pretrain` would) and keep its trace."""
+    from mt_pretrain.config_io import load_config
+    from mt_pretrain.launch import launch
+
+    config = load_config(None, _config_options(case, steps, out, cache, micro_batch_size))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # an in-process rank shares the cores like a spawned one
+    start = time.perf_counter()
+    try:
+        summary = launch(config, environ={}, timeout=600, keep_weights=True)
+    finally:
+        torch.set_num_threads(threads)
+    assert summary is not None and summary.weights is not None
+    return Trace(summary.records, summary.val_loss, summary.weights,
+                 time.perf_counter() - start)
+
+
+def _rel(a: float, b: float) -> float:
+    if a == b:
+        return 0.0
+    if not (math.isfinite(a) and math.isfinite(b)):
+        return math.inf
+    return abs(a - b) / max(abs(b), 1e-30)
+
+
+def compare(run: Trace, ref: Trace, skip: dict[str, slice] | None = None) -> Diff:
+    """Worst relative differences of ``run`` against ``ref`` (same number of steps);
+    ``skip`` names parameter slices (along dim 0) to leave out."""
+    if len(run.records) != len(ref.records):
+        raise ValueError(f"{len(run.records)} steps against the reference's "
+                         f"{len(ref.records)}")
+    losses = [_rel(a["loss"], b["loss"]) for a, b in zip(run.records, ref.records)]
+    if ref.val_loss is not None:
+        losses.append(_rel(run.val_loss if run.val_loss is not None else math.nan,
+                           ref.val_loss))
+    norms = [_rel(a["grad_norm"], b["grad_norm"]) for a, b in zip(run.records, ref.records)]
+    lrs = [_rel(a["lr"], b["lr"]) for a, b in zip(run.records, ref.records)]
+    if run.weights.keys() != ref.weights.keys():
+        raise ValueError(f"parameters differ: {sorted(run.weights.keys() ^ ref.weights.keys())}")
+    params = 0.0
+    for name, want in ref.weights.items():
+        got, want = run.weights[name].float().clone(), want.float().clone()
+        if skip and name in skip:
+            got[skip[name]] = 0.0
+            want[skip[name]] = 0.0
+        scale = float(want.norm())
+        error = float((got - want).norm())
+        params = max(params, error / scale if scale > 0 else error)
+    return Diff(max(losses), max(norms), max(lrs), params, len(run.records))
+
+
+def _skip() -> dict[str, slice]:
+    from mt_pretrain.config_io import load_config
+
+    return gradient_free_slices(load_config(None, COMMON).model.gpt_config())
+
+
+def run_matrix(cases: Sequence[Case], steps: int, work: Path | None = None,
+               on_result: Callable[[Outcome], None] | None = None) -> list[Outcome]:
+    """Run ``cases`` and their references; ``on_result`` sees each outcome as it comes."""
+    skip = _skip()
+    with tempfile.TemporaryDirectory(prefix="mt-matrix-") as tmp:
+        root = Path(work) if work is not None else Path(tmp)
+        cache = root / "cache"
+        references: dict[Case, Trace | str] = {}
+
+        def reference(case: Case) -> Trace:
+            if case not in references:
+                folder = root / f"ref-{len(references)}"
+                try:
+                    references[case] = run_case(case, steps, folder, cache)
+                except Exception as err:  # noqa: BLE001 - reported in the table
+                    references[case] = f"reference {case.name} failed: {err}"
+            ref = references[case]
+            if isinstance(ref, str):
+                raise RuntimeError(ref)
+            return ref
+
+        outcomes = []
+        for index, case in enumerate(cases):
+            tol, gap = tolerance_for(case), None
+            start = time.perf_counter()
+            try:
+                ref = reference(case.reference())
+                trace = run_case(case, steps, root / f"case-{index}", cache)
+                if case.layout.precision != "fp32":
+                    fp32 = reference(replace(case.reference(), layout=replace(
+                        case.reference().layout, precision="fp32")))
+                    gap = compare(trace, fp32, skip).grad_norm
+                outcome = Outcome(case, compare(trace, ref, skip), tol, trace.seconds,
+                                  fp32_gap=gap)
+            except Exception as err:  # noqa: BLE001 - one failing case must not stop the rest
+                outcome = Outcome(case, None, tol, time.perf_counter() - start,
+                                  error=f"{type(err).__name__}: {err}".splitlines()[0])
+            outcomes.append(outcome)
+            if on_result is not None:
+                on_result(outcome)
+        return outcomes
+
+
+def noise_floor(precision: str, steps: int, micro_batch_sizes: Iterable[int] = (2, 4, 8),
+                work: Path | None = None) -> dict[str, Diff]:
+    """One process in ``precision`` with micro-batches of 1 against the same run with the
+    global batch grouped into larger micro-batches: mathematically the same step, summed in
+    another order. Returns the differences per grouping (``"mb2"``...) and, under
+    ``"fp32-gap"``, the distance to the fp32 run (what the tolerance must stay below)."""
+    from mt_pretrain.matrix import matrix_layout
+
+    with tempfile.TemporaryDirectory(prefix="mt-floor-") as tmp:
+        root = Path(work) if work is not None else Path(tmp)
+        cache = root / "cache"
+        case = Case(matrix_layout(precision=precision))
+        ref = run_case(case, steps, root / "ref", cache)
+        out = {f"mb{mb}": compare(run_case(case, steps, root / f"mb{mb}", cache, mb), ref,
+                                  _skip()) for mb in micro_batch_sizes}
+        fp32 = run_case(Case(matrix_layout()), steps, root / "fp32", cache)
+        out["fp32-gap"] = compare(fp32, ref, _skip())
+        return out

@@ -1,0 +1,232 @@
+"""The layout matrix (pure): every way `mt pretrain` can split a run over at most 8 processes,
+what each must equal, and a small subset that still holds every pair of features.
+
+A :class:`Case` is a parallel :class:`~mt_pretrain.layout.Layout` (TP x PP x DP, ZeRO stage,
+schedule, sequence parallelism, activation checkpointing, precision) plus dropout and the
+engine. Its :meth:`Case.reference` is the run it must train exactly like:
+
+- dropout 0: one process in the same precision (same seed, same global batches);
+- dropout > 0: the masks are keyed by (micro-batch, layer), so data parallelism, pipeline
+  stages, schedules, ZeRO and checkpointing do not change them, but tensor-parallel regions
+  draw per-rank masks by design (their activations are shards): the reference is the run at
+  the same TP degree and sequence-parallel setting on one pipeline stage and one replica,
+  which is one process when tp = 1.
+
+:func:`candidates` enumerates the whole space (every valid combination, a few thousand);
+:func:`full_matrix` is what ``mt matrix --set full`` runs: every parallel layout, every
+feature on every grid it applies to, and :func:`pairwise_cover`, the CI subset: a greedy
+choice of cases in which every pair of feature values that can occur together occurs at
+least once (TP x ZeRO stage, schedule x DP, SP x ZeRO, checkpointing x dropout, bf16 x
+pipelines...).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, replace
+from functools import cache
+from typing import Any
+
+from mt_pretrain.layout import Layout
+
+__all__ = ["COMMON", "Case", "candidates", "full_matrix", "matrix_layout", "pairwise_cover",
+           "valid"]
+
+#: The run every case trains: the tiny GPT on the embedded corpus, global batch 8 of
+#: micro-batches of 1 (so every DP degree up to 8 divides it), validation at the end.
+GLOBAL_BATCH, MICRO_BATCH, MAX_PROCS = 8, 1, 8
+COMMON: dict[str, Any] = {
+    "model": "tiny", "seq_len": 32, "micro_batch_size": MICRO_BATCH,
+    "global_batch_size": GLOBAL_BATCH, "eval_iters": 1, "sample_tokens": 0, "progress": False,
+    "log_interval": 1000, "save": "none", "timeout": 120.0,
+}
+DROPOUT = 0.1
+
+
+@dataclass(frozen=True)
+class Case:
+    """One row of the matrix: a layout, the dropout rate and the engine."""
+
+    layout: Layout
+    dropout: float = 0.0
+    engine: str = "mt"
+
+    @property
+    def nproc(self) -> int:
+        """Processes the case runs on."""
+        return self.layout.world_size
+
+    @property
+    def checkpointing(self) -> bool:
+        """Activation checkpointing (full recomputation of each layer)."""
+        return self.layout.recompute == "full"
+
+    @property
+    def name(self) -> str:
+        """Short, unique label: ``tp2.pp2.dp2 z1 1f1b sp ac bf16 drop ds``."""
+        lay = self.layout
+        parts = [f"tp{lay.tp}.pp{lay.pp}.dp{lay.dp}", f"z{lay.zero_stage}"]
+        if lay.pp > 1:
+            parts.append(lay.schedule if lay.virtual_stages == 1 else
+                         f"{lay.schedule}{lay.virtual_stages}")
+        parts += [flag for flag, on in (("sp", lay.sequence_parallel),
+                                        ("ac", self.checkpointing)) if on]
+        if lay.precision != "fp32":
+            parts.append(lay.precision)
+        if self.dropout:
+            parts.append("drop")
+        if self.engine != "mt":
+            parts.append("ds")
+        return " ".join(parts)
+
+    def options(self) -> dict[str, Any]:
+        """The `mt pretrain` flags of this case (on top of :data:`COMMON`)."""
+        lay = self.layout
+        return {
+            "nproc": self.nproc, "tp": lay.tp, "pp": lay.pp, "dp": lay.dp,
+            "zero_stage": lay.zero_stage, "schedule": lay.schedule,
+            "virtual_stages": lay.virtual_stages, "sequence_parallel": lay.sequence_parallel,
+            "activation_checkpointing": self.checkpointing, "precision": lay.precision,
+            "dropout": self.dropout, "engine": self.engine,
+        }
+
+    def reference(self) -> Case:
+        """The run this case must equal (see the module docstring)."""
+        lay = self.layout
+        keep_tp = self.dropout > 0
+        return Case(matrix_layout(tp=lay.tp if keep_tp else 1, precision=lay.precision,
+                            sequence_parallel=lay.sequence_parallel and keep_tp),
+                    self.dropout)
+
+    def factors(self) -> dict[str, object]:
+        """The feature values pairwise coverage counts; a factor that means nothing here
+        (the schedule with one stage, SP with tp 1) is left out."""
+        lay = self.layout
+        out: dict[str, object] = {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp,
+                                  "zero": lay.zero_stage, "ac": self.checkpointing,
+                                  "precision": lay.precision, "dropout": self.dropout > 0,
+                                  "engine": self.engine}
+        if lay.pp > 1:
+            out["schedule"] = lay.schedule
+        if lay.tp > 1:
+            out["sp"] = lay.sequence_parallel
+        return out
+
+    def pairs(self) -> frozenset[tuple[tuple[str, object], tuple[str, object]]]:
+        """Every pair of (factor, value) of this case."""
+        items = sorted(self.factors().items(), key=lambda kv: kv[0])
+        return frozenset(itertools.combinations(items, 2))
+
+
+def matrix_layout(tp: int = 1, pp: int = 1, dp: int = 1, zero_stage: int = 0,
+                  schedule: str = "1f1b", sequence_parallel: bool = False,
+                  checkpointing: bool = False, precision: str = "fp32") -> Layout:
+    """A layout at the matrix's batch sizes (interleaving with 2 chunks per stage)."""
+    return Layout(tp, pp, dp, GLOBAL_BATCH, MICRO_BATCH, zero_stage, schedule,
+                  2 if schedule == "interleaved" else 1, sequence_parallel,
+                  "full" if checkpointing else "none", precision)
+
+
+def _grids() -> Iterator[tuple[int, int, int]]:
+    for tp, pp, dp in itertools.product((1, 2, 4), (1, 2, 4), (1, 2, 4, 8)):
+        if tp * pp * dp <= MAX_PROCS:
+            yield tp, pp, dp
+
+
+@cache
+def valid(case: Case) -> bool:
+    """Whether `mt pretrain` accepts the case (its own config checks decide) and the case
+    differs from its reference."""
+    from mt_pretrain.config import ConfigError
+    from mt_pretrain.config_io import load_config
+
+    if case == case.reference():
+        return False
+    try:
+        load_config(None, {**COMMON, **case.options(), "train_steps": 1})
+    except ConfigError:
+        return False
+    return True
+
+
+def candidates() -> list[Case]:
+    """Every valid case: grids x ZeRO stages x schedules x SP x checkpointing x precision x
+    dropout x engine. ZeRO > 0 only with data parallelism, SP only with TP, and DeepSpeed
+    only with dropout 0 (its pipeline engine draws masks its own way)."""
+    out = []
+    for tp, pp, dp in _grids():
+        for zero, schedule, sp, ac, precision, dropout, engine in itertools.product(
+                (0, 1, 2, 3) if dp > 1 else (0,),
+                ("gpipe", "1f1b", "interleaved") if pp > 1 else ("1f1b",),
+                (False, True) if tp > 1 else (False,), (False, True),
+                ("fp32", "bf16", "fp16"), (0.0, DROPOUT), ("mt", "deepspeed")):
+            if engine == "deepspeed" and dropout:
+                continue
+            layout = matrix_layout(tp, pp, dp, zero, schedule, sp, ac, precision)
+            case = Case(layout, dropout, engine)
+            if valid(case):
+                out.append(case)
+    return out
+
+
+def _cost(case: Case) -> float:
+    """Seconds a case takes on a 2-core CPU, roughly (measured: tensor parallelism pays gloo
+    collectives in every layer, fp16 matmuls have no fast CPU kernel, DeepSpeed starts slowly)."""
+    lay = case.layout
+    return (0.3 * case.nproc + 1.5 * (lay.tp - 1) + 8.0 * (lay.precision == "fp16")
+            + 4.0 * (case.engine == "deepspeed") + 0.2 * case.checkpointing)
+
+
+def pairwise_cover(cases: Iterable[Case] | None = None) -> list[Case]:
+    """A small subset of ``cases`` (default: every candidate) holding every pair of feature
+    values that occurs in ``cases``: greedy, the case with the most uncovered pairs per
+    unit of cost first (ties: the earlier case), so the result is deterministic."""
+    pool = list(cases if cases is not None else candidates())
+    pairs = [c.pairs() for c in pool]
+    uncovered = set().union(*pairs)
+    chosen: list[Case] = []
+    while uncovered:
+        best = max(range(len(pool)),
+                   key=lambda i: (len(pairs[i] & uncovered) / _cost(pool[i]), -i))
+        chosen.append(pool[best])
+        uncovered -= pairs[best]
+    return chosen
+
+
+def full_matrix() -> list[Case]:
+    """What ``mt matrix --set full`` runs: every parallel layout (grid x ZeRO stage x
+    schedule, fp32, dropout 0), every feature (SP, checkpointing, bf16, fp16, dropout,
+    dropout with checkpointing, DeepSpeed) on every grid it applies to, and the pairwise
+    cover; in that order, without repeats."""
+    pool = candidates()
+    plain = [c for c in pool if c.dropout == 0 and c.engine == "mt" and
+             c.layout.precision == "fp32" and not c.checkpointing and
+             not c.layout.sequence_parallel]
+    base = {}
+    for c in plain:  # one base layout per grid: ZeRO-1 with DP, the 1F1B schedule
+        lay = c.layout
+        key = (lay.tp, lay.pp, lay.dp)
+        if lay.zero_stage == (1 if lay.dp > 1 else 0) and lay.schedule == "1f1b":
+            base[key] = c
+    features: list[dict[str, Any]] = [
+        {"sequence_parallel": True}, {"checkpointing": True}, {"precision": "bf16"},
+        {"precision": "fp16"}, {"dropout": DROPOUT},
+        {"dropout": DROPOUT, "checkpointing": True}, {"engine": "deepspeed"}]
+    variants = []
+    for case in base.values():
+        for feature in features:
+            variant = _with(case, **feature)
+            if variant in pool:
+                variants.append(variant)
+    return list(dict.fromkeys(plain + variants + pairwise_cover(pool)))
+
+
+def _with(case: Case, **changes: Any) -> Case:
+    layout_changes = {k: v for k, v in changes.items()
+                      if k in ("sequence_parallel", "precision")}
+    if changes.get("checkpointing"):
+        layout_changes["recompute"] = "full"
+    return replace(case, layout=replace(case.layout, **layout_changes),
+                   dropout=changes.get("dropout", case.dropout),
+                   engine=changes.get("engine", case.engine))

@@ -1,0 +1,115 @@
+"""`mt matrix`: train parallel layouts against one process and print how close they came."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+__all__ = ["matrix", "markdown_table"]
+
+_HELP = (
+    "Check the correctness contract on this machine: train parallel layouts of the tiny GPT "
+    "(up to 8 local processes, gloo) and the run each must equal (one process in the same "
+    "precision; with dropout, the same TP degree), then compare every step's loss, gradient "
+    "norm and learning rate, the validation loss and every final parameter.\n\n"
+    "--set ci is the pairwise cover CI runs (every pair of feature values at least once); "
+    "--set full adds every (TP, PP, DP, ZeRO, schedule) layout and every feature on every "
+    "grid; --set all is every valid combination. Exit status 1 if any case fails."
+)
+
+
+def _cases(which: str, only: list[str]) -> list:
+    from mt_pretrain.matrix import candidates, full_matrix, pairwise_cover
+
+    sets = {"ci": pairwise_cover, "full": full_matrix, "all": candidates}
+    if which not in sets:
+        raise typer.BadParameter(f"--set must be one of {sorted(sets)}, got {which!r}")
+    cases = sets[which]()
+    return [c for c in cases if all(word in c.name for word in only)]
+
+
+def _row(outcome) -> list[str]:  # noqa: ANN001 - an Outcome
+    d, tol = outcome.diff, outcome.tolerance
+    if d is None:
+        return [outcome.case.name, str(outcome.case.nproc), "-", "-", "-", "-",
+                f"{outcome.seconds:.1f}", f"FAIL: {outcome.error}"]
+    verdict = "pass" if outcome.passed else "FAIL"
+    if outcome.fp32_gap is not None and outcome.fp32_gap <= 1e-5:
+        verdict += " (equals fp32)"
+    return [outcome.case.name, str(outcome.case.nproc), str(d.steps),
+            f"{d.loss:.1e} / {tol.loss:.0e}", f"{d.grad_norm:.1e} / {tol.grad_norm:.0e}",
+            f"{d.params:.1e} / {tol.params:.0e}", f"{outcome.seconds:.1f}", verdict]
+
+
+_COLUMNS = ["layout", "procs", "steps", "loss", "grad norm", "params", "s", "result"]
+
+
+def markdown_table(outcomes: list) -> str:
+    """The outcomes as a Markdown table (worst difference / tolerance per column)."""
+    lines = ["| " + " | ".join(_COLUMNS) + " |", "|" + "---|" * len(_COLUMNS)]
+    lines += ["| " + " | ".join(_row(o)) + " |" for o in outcomes]
+    return "\n".join(lines) + "\n"
+
+
+def _floor(steps: int, console: Console) -> None:
+    from mt_pretrain.contract import noise_floor
+
+    for precision in ("bf16", "fp16"):
+        for name, d in noise_floor(precision, steps).items():
+            console.print(f"{precision} {name:>8}: loss {d.loss:.2e}  grad norm "
+                          f"{d.grad_norm:.2e}  params {d.params:.2e}", highlight=False)
+
+
+def matrix(
+    which: Annotated[str, typer.Option("--set", help="ci, full or all.")] = "ci",
+    only: Annotated[list[str], typer.Option(
+        "--only", help="Keep cases whose name holds this text (repeatable: all must match), "
+        "e.g. --only tp2 --only bf16.")] = [],  # noqa: B006 - Typer reads the default
+    steps: Annotated[int, typer.Option(help="Optimizer steps per run.")] = 10,
+    list_only: Annotated[bool, typer.Option("--list", help="Print the cases and exit.")] = False,
+    markdown: Annotated[Path | None, typer.Option(
+        help="Also write the table as Markdown to this file.")] = None,
+    floor: Annotated[bool, typer.Option(
+        "--noise-floor", help="Measure the bf16 and fp16 noise floors the tolerances are "
+        "derived from, and exit.")] = False,
+    work_dir: Annotated[Path | None, typer.Option(
+        help="Keep the runs' folders here (default: a temporary folder).")] = None,
+) -> None:
+    """Train layouts against the run they must equal; print the differences."""
+    from mt_pretrain.contract import run_matrix
+
+    console = Console(soft_wrap=True)
+    if floor:
+        _floor(steps, console)
+        return
+    cases = _cases(which, only)
+    if list_only:
+        for case in cases:
+            console.print(f"{case.name:<44} {case.nproc} procs, reference: "
+                          f"{case.reference().name}", highlight=False)
+        console.print(f"{len(cases)} cases", highlight=False)
+        return
+    console.print(f"{len(cases)} cases, {steps} steps each", highlight=False)
+    outcomes = run_matrix(cases, steps, work_dir,
+                          lambda o: console.print("  ".join(_row(o)), highlight=False))
+    table = Table(*_COLUMNS, title=f"mt matrix --set {which}: worst difference / tolerance")
+    for outcome in outcomes:
+        table.add_row(*_row(outcome))
+    console.print(table)
+    failed = [o for o in outcomes if not o.passed]
+    console.print(f"{len(outcomes) - len(failed)} of {len(outcomes)} cases pass; "
+                  f"{sum(o.seconds for o in outcomes):.0f} s of runs", highlight=False)
+    if markdown is not None:
+        tmp = markdown.with_name(f".{markdown.name}.tmp")
+        tmp.write_text(markdown_table(outcomes), encoding="utf-8")
+        os.replace(tmp, markdown)
+    if failed:
+        raise typer.Exit(1)
+
+
+
