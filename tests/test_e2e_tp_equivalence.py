@@ -9,7 +9,8 @@ numbers; the parent computes the single-process reference once per shape and com
   (gathered over the vocabulary): rtol 1e-5 / atol 1e-6 x max|logit|, and no further from
   the reference than 2x the reference's own distance to a float64 run;
 - 20 AdamW steps: the same loss curve (relative 1e-5);
-- bf16 (model cast to bf16): loss and gradients within the documented bf16 tolerance;
+- bf16 (model cast to bf16): every gradient within 2.5x the bf16 noise floor of the single-
+  process bf16 gradient, and away from the fp32 gradients (the run is bf16);
 - a GPT built on the meta device, sliced, materialised and loaded from the pure per-rank
   slice of ``init_parameter`` equals the slice of the real model.
 """
@@ -49,11 +50,16 @@ FP32_TOL = {"rtol": 1e-5, "atol": 1e-6}
 # away from the float64 model's, and the sliced ones must stay within 2x that distance.
 LOGITS_FP64_FACTOR = 2.0
 # bf16 (8-bit mantissa): the sliced model rounds partial matmul sums to bf16 before the
-# cross-rank reduction, so it agrees with the single-process bf16 model to bf16 noise. On
-# these shapes bf16 itself is 1.5-1.8% (relative gradient norm) and 1e-4 (loss) away from
-# fp32; sliced vs single-process bf16 measured <= 2.1% and <= 1.1e-4.
-BF16_LOSS_RTOL = 1e-3
-BF16_GRAD_REL_NORM = 0.05  # ||g_tp - g_ref|| / ||g_ref|| per parameter, in float32
+# cross-rank reduction, so it agrees with the single-process bf16 model to bf16 noise. The
+# noise floor is measured per shape: the single-process bf16 gradient against the same
+# gradient accumulated from two half batches (the same sums in another order): 1.2% (tiny)
+# and 1.0% (odd-vocab) in relative norm. Sliced vs single-process bf16 measured up to 1.74x
+# that (one more rounding of partial sums per layer); asserted 2.5x. One step of bf16 is
+# 1.5-1.8% (gradients) and 1e-4 (loss) from fp32, about as far as the TP noise, so neither
+# limit could tell bf16 from fp32: the test also checks that the sliced bf16 run is not fp32
+# (its gradients differ from the sliced fp32 run's by more than fp32 round-off). The bf16
+# loss alone is not compared: one bf16 forward moves it as far as fp32 does.
+BF16_FLOOR_FACTOR = 2.5
 
 
 def _model(config: GPTConfig, dtype: torch.dtype = torch.float32) -> GPT:
@@ -91,12 +97,19 @@ def _train(model: nn.Module, config: GPTConfig, record: bool) -> dict[str, Any]:
     return out
 
 
-def _bf16_step(model: nn.Module, config: GPTConfig) -> dict[str, Any]:
+def _bf16_step(model: nn.Module, config: GPTConfig, parts: int = 1) -> dict[str, Any]:
+    """Loss and gradients of the first batch, accumulated over ``parts`` equal parts."""
     idx, targets = _batch(config, 0)
-    loss = model(idx, targets)
-    loss.backward()
-    return {"loss": loss.item(),
-            "grads": {n: p.grad.float() for n, p in model.named_parameters()}}
+    total = 0.0
+    for x, y in zip(idx.chunk(parts), targets.chunk(parts)):
+        loss = model(x, y) / parts
+        loss.backward()
+        total += loss.item()
+    return {"loss": total, "grads": {n: p.grad.float() for n, p in model.named_parameters()}}
+
+
+def _rel_norm(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).norm() / want.norm().clamp_min(1e-12))
 
 
 def _sliced(config: GPTConfig, group: dist.ProcessGroup, sp: bool,
@@ -147,6 +160,8 @@ def _reference_1thread(name: str) -> dict[str, Any]:
     config = SHAPES[name]
     ref = _train(_model(config), config, record=True)
     ref["bf16"] = _bf16_step(_model(config, torch.bfloat16), config)
+    halves = _bf16_step(_model(config, torch.bfloat16), config, parts=2)["grads"]
+    ref["bf16_floor"] = max(_rel_norm(halves[n], g) for n, g in ref["bf16"]["grads"].items())
     with torch.no_grad():
         ref["logits64"] = _model(config).double()(_batch(config, 0)[0])
     ref["styles"] = param_styles(ref["grads"], GPT_PLAN)
@@ -155,18 +170,18 @@ def _reference_1thread(name: str) -> dict[str, Any]:
 
 def _compare_grads(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
                    styles: dict[str, str], rank: int, tp: int, where: str,
-                   bf16: bool = False) -> None:
+                   bf16_limit: float | None = None) -> None:
     assert set(got) == set(want), where
     for name, grad in got.items():
         expected = shard_tensor(styles[name], want[name], rank, tp)
         label = f"{where} grad {name} (rank {rank})"
         assert grad.shape == expected.shape, label
-        if not bf16:
+        if bf16_limit is None:
             torch.testing.assert_close(grad, expected, **FP32_TOL,
                                        msg=lambda m, lb=label: f"{lb}: {m}")
             continue
-        rel = (grad - expected).norm() / expected.norm().clamp_min(1e-12)
-        assert rel < BF16_GRAD_REL_NORM, f"{label}: relative norm error {rel:.3g}"
+        rel = _rel_norm(grad, expected)
+        assert rel < bf16_limit, f"{label}: relative norm error {rel:.3g} > {bf16_limit:.3g}"
 
 
 def _compare_logits(logits: torch.Tensor, ref: dict[str, Any], vocab: int, where: str) -> None:
@@ -197,9 +212,11 @@ def test_e2e_tp_matches_single_process(name: str, tp: int) -> None:
             _compare_grads(run["grads"], ref["grads"], ref["styles"], rank, tp, where)
             assert run["curve"] == pytest.approx(ref["curve"], rel=1e-5), where
             bf16 = run["bf16"]
-            assert bf16["loss"] == pytest.approx(ref["bf16"]["loss"], rel=BF16_LOSS_RTOL), where
             _compare_grads(bf16["grads"], ref["bf16"]["grads"], ref["styles"], rank, tp,
-                           f"{where} bf16", bf16=True)
+                           f"{where} bf16", BF16_FLOOR_FACTOR * ref["bf16_floor"])
+            # It is a bf16 run: its gradients are away from the sliced fp32 run's by more than
+            # fp32 round-off (the loss may land close by chance: measured 2.2e-6 once).
+            assert max(_rel_norm(bf16["grads"][n], g) for n, g in run["grads"].items()) > 1e-3
 
 
 def _dropout_streams(sp: bool) -> dict[str, Any]:

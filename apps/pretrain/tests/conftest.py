@@ -13,12 +13,14 @@ from mt_pretrain.config_io import load_config
 from mt_pretrain.launch import launch
 
 
-def run_pretrain(common: Mapping[str, Any], out: Path, cache: Path, **options: Any) -> Any:
+def run_pretrain(common: Mapping[str, Any], out: Path, cache: Path, keep_weights: bool = False,
+                 **options: Any) -> Any:
     """One ``mt pretrain`` run (``launch`` as the CLI does) from a test module's ``common``
-    options with ``options`` on top, writing to ``out`` and sharing the data ``cache``."""
+    options with ``options`` on top, writing to ``out`` and sharing the data ``cache``
+    (``keep_weights``: the final full weights in the summary)."""
     config = load_config(None, {**common, **options, "out_dir": str(out),
                                 "cache_dir": str(cache)})
-    return launch(config, environ={}, timeout=300)
+    return launch(config, environ={}, timeout=300, keep_weights=keep_weights)
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -35,13 +35,17 @@ def test_flops_formula_gives_published_tflops() -> None:
 
 
 def test_one_calibrated_constant_predicts_published_iteration_times() -> None:
+    """Leave one out: the constant fitted to two of MT-NLG's published configurations
+    predicts the third within 15% (the stored constant is the fit of all three)."""
     cases = [(_mtnlg(dp), seconds) for dp, seconds, _ in MTNLG_PUBLISHED]
-    fitted = calibrate_efficiency(MTNLG, cases, A100)
-    assert fitted == pytest.approx(EFFICIENCY, rel=0.01)  # the stored constant is the fit
-    for layout, seconds in cases:
+    assert calibrate_efficiency(MTNLG, cases, A100) == pytest.approx(EFFICIENCY, rel=0.01)
+    for held_out, (layout, seconds) in enumerate(cases):
+        others = [case for i, case in enumerate(cases) if i != held_out]
+        fitted = calibrate_efficiency(MTNLG, others, A100)
+        est = estimate(MTNLG, layout, A100, fitted)
+        assert est.iteration_time_s == pytest.approx(seconds, rel=0.15), (layout.dp, fitted)
+    for layout, _ in cases:
         est = estimate(MTNLG, layout, A100)
-        assert est.iteration_time_s == pytest.approx(seconds, rel=0.15)
-        assert est.iteration_time_s == pytest.approx(seconds, rel=0.03)  # what it achieves
         assert est.fits and 10 < est.memory_per_gpu_gb < 40
         assert est.efficiency == EFFICIENCY
     # More replicas: shorter iterations, larger bubble (fewer micro-batches per pipeline).

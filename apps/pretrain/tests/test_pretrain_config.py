@@ -61,6 +61,12 @@ def test_yaml_sections_flat_keys_and_cli_overrides(tmp_path: Path) -> None:
     ({"zero_stage": 3, "compile": True}, r"--zero-stage 3 with --compile is not supported"),
     ({"engine": "deepspeed", "compile": True},
      r"--compile is not supported with --engine deepspeed"),
+    ({"zero_stage": 3, "activation_checkpointing": True},
+     r"--zero-stage 3 with --activation-checkpointing is not supported yet; use ZeRO stage "
+     r"0-2 with checkpointing"),
+    ({"nproc": 8, "compile": True, "activation_checkpointing": True, "dropout": 0.1},
+     r"--compile with --activation-checkpointing and dropout 0.1 is not supported.*leave out "
+     r"--compile"),
 ])
 def test_bad_configs_name_the_numbers(overrides: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):

@@ -4,13 +4,14 @@ fp32, dropout 0).
 
 - tp = pp = 1, DP 2 (2 ranks x 2 micro-batches x 2), DeepSpeed ZeRO 1-3, 10 steps,
   validation at step 5. Measured: every step's loss within 4e-8 relative of mt's (ZeRO 1, 2
-  and 3), validation loss equal; asserted 1e-5. bf16 (ZeRO 1): within 1.6e-4 relative,
-  asserted 1e-3.
+  and 3), validation loss equal; asserted 1e-5. bf16 and more layouts: the matrix
+  (test_contract_matrix.py) compares DeepSpeed rows with one process, grad norms and
+  parameters included, with tolerances derived from the bf16 noise floor.
 - TP 2 x PP 2 x DP 2, ZeRO-1, 8 processes through DeepSpeed's PipelineModule and
   PipelineEngine (mt's TP layers inside) against mt on one process. Measured: within
   9.7e-8 relative over 20 steps; asserted 1e-5, the documented tolerance.
 - TP 2 x DP 2 ZeRO-3 + sequence parallel (DeepSpeedEngine with mt's groups as mpu) vs one
-  process; TP 2 x PP 2 bf16 + sequence parallel vs mt at the same layout.
+  process.
 - Exact resume from DeepSpeed checkpoints (DP 2 with ZeRO 1 and 3; the 3D layout).
 
 DeepSpeed's environment (DS_ACCELERATOR=cpu, LOCAL_RANK...) is set by the app inside the
@@ -57,25 +58,15 @@ def test_pretrain_deepspeed_matches_mt_engine(stage: int, reference: Any, cache:
         assert b == pytest.approx(a, rel=1e-5), f"ZeRO-{stage} step {step}: {a} vs {b}"
     assert ds.val_loss == pytest.approx(reference.val_loss, rel=1e-5)
     assert ds.losses[-1] < ds.losses[0] - 0.5  # it learns
-    assert ds.sample is not None and ds.sample.startswith(reference.sample[:4])
+    # The greedy continuation of the same weights: the same text (the prompt is only its
+    # beginning, so compare all of it).
+    assert ds.sample is not None and ds.sample == reference.sample
+    assert len(ds.sample) > len("The whale")
     # DeepSpeed-format checkpoint of the last step, its `latest` tag written last.
     root = tmp_path / "checkpoints"
     assert (root / "latest").read_text().strip() == f"step-{STEPS:08d}"
     assert ds.checkpoint == str(root / f"step-{STEPS:08d}")
     assert len(list((root / f"step-{STEPS:08d}").glob("*optim_states.pt"))) == 2
-
-
-def test_pretrain_deepspeed_bf16_close_to_mt_bf16(cache: Path, tmp_path: Path) -> None:
-    """bf16 weights and compute, fp32 masters in both engines; rounding differs (DeepSpeed
-    reduces bf16 gradients in its own order). Measured: within 1.6e-4 relative over 10 steps
-    at ZeRO 1 and 3; asserted 1e-3."""
-    pytest.importorskip("deepspeed")
-    fast = {"precision": "bf16", "zero_stage": 1, "eval_interval": 0, "sample_tokens": 0,
-            "save": "none"}
-    mt = _run(tmp_path / "mt", cache, engine="mt", **fast)
-    ds = _run(tmp_path / "ds", cache, engine="deepspeed", **fast)
-    assert ds.losses == pytest.approx(mt.losses, rel=1e-3)
-    assert ds.losses[-1] < ds.losses[0] - 0.5
 
 
 FAST: dict[str, Any] = {"train_steps": 6, "eval_interval": 3, "eval_iters": 1,
@@ -86,7 +77,7 @@ FAST: dict[str, Any] = {"train_steps": 6, "eval_interval": 3, "eval_iters": 1,
 def one_process(tmp_path_factory: pytest.TempPathFactory, cache: Path) -> Any:
     """mt on one process, 6 steps (validation at steps 3 and 6): the reference."""
     return _run(tmp_path_factory.mktemp("one"), cache, engine="mt", nproc=1, save="none",
-                **FAST)
+                **{**FAST, "sample_tokens": 4})
 
 
 def _assert_close(reference: list[float], losses: list[float], rel: float) -> None:
@@ -110,7 +101,7 @@ def test_pretrain_deepspeed_3d_matches_one_process_and_resumes(one_process: Any,
                    **{**FAST, "sample_tokens": 4})
     _assert_close(one_process.losses, three_d.losses, 1e-5)
     assert three_d.val_loss == pytest.approx(one_process.val_loss, rel=1e-5)
-    assert three_d.sample is not None and three_d.sample.startswith("The ")
+    assert three_d.sample is not None and three_d.sample == one_process.sample
     folder = tmp_path / "3d" / "checkpoints" / "step-00000003"
     assert sorted(p.name for p in folder.glob("mt-rank-*.pt")) == [
         f"mt-rank-{r:05d}.pt" for r in range(8)]
@@ -129,19 +120,6 @@ def test_pretrain_deepspeed_tp_zero3_sequence_parallel(one_process: Any, cache: 
               sequence_parallel=True, save="none", **FAST)
     _assert_close(one_process.losses, ds.losses, 1e-5)
     assert ds.val_loss == pytest.approx(one_process.val_loss, rel=1e-5)
-
-
-def test_pretrain_deepspeed_pipeline_bf16_sequence_parallel(cache: Path,
-                                                            tmp_path: Path) -> None:
-    """TP 2 x PP 2 (DP 1), bf16, sequence parallel (activations cross stages whole, not
-    DeepSpeed-partitioned over TP): DeepSpeed vs mt at the same layout. Measured: within
-    about 1e-4 relative (bf16 rounding in different orders); asserted 1e-3."""
-    pytest.importorskip("deepspeed")
-    layout = {"nproc": 4, "tp": 2, "pp": 2, "dp": 1, "zero_stage": 1, "precision": "bf16",
-              "sequence_parallel": True, "save": "none", **FAST, "eval_interval": 0}
-    mt = _run(tmp_path / "mt", cache, engine="mt", **layout)
-    ds = _run(tmp_path / "ds", cache, engine="deepspeed", **layout)
-    _assert_close(mt.losses, ds.losses, 1e-3)
 
 
 @pytest.mark.parametrize("stage", [1, 3])
@@ -170,9 +148,8 @@ def test_pretrain_deepspeed_refuses_another_layout(cache: Path, tmp_path: Path) 
 @pytest.mark.parametrize("options, words", [
     ({"tp": 1, "pp": 2, "schedule": "interleaved", "virtual_stages": 2}, ["1F1B"]),
     ({"tp": 1, "pp": 2, "schedule": "gpipe"}, ["1F1B", "--schedule gpipe needs --engine mt"]),
-    ({"zero_stage": 0, "precision": "bf16"}, ["--zero-stage 0 --precision bf16", "use "
-                                              "--zero-stage 1"]),
-    ({"tp": 1, "pp": 2, "zero_stage": 0}, ["does not clip", "--clip-grad 0"]),
+    ({"zero_stage": 0}, ["--zero-stage 0 does not train like one process", "no gradient norm",
+                         "use --zero-stage 1"]),
     ({"tp": 1, "pp": 2, "zero_stage": 2}, ["--zero-stage 2 with --pp 2"]),
     ({"precision": "fp16"}, ["fp16"]),
     ({"activation_checkpointing": True}, ["--activation-checkpointing"]),

@@ -20,9 +20,12 @@ than fp32 round-off: proof that it really computed in 16 bits.
 from __future__ import annotations
 
 import math
+import os
+import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -32,8 +35,8 @@ import torch
 from mt_model import gradient_free_slices
 from mt_pretrain.matrix import COMMON, Case
 
-__all__ = ["FLOORS", "FP32", "Diff", "Outcome", "Tolerance", "Trace", "compare", "noise_floor",
-           "run_case", "run_matrix", "tolerance_for"]
+__all__ = ["FLOORS", "FP32", "Diff", "MatrixRunner", "Outcome", "Tolerance", "Trace", "compare",
+           "noise_floor", "run_case", "run_matrix", "tolerance_for"]
 
 
 @dataclass(frozen=True)
@@ -136,12 +139,28 @@ def run_case(case: Case, steps: int, out: Path, cache: Path,
     torch.set_num_threads(1)  # an in-process rank shares the cores like a spawned one
     start = time.perf_counter()
     try:
-        summary = launch(config, environ={}, timeout=600, keep_weights=True)
+        with _quiet_stdout():  # the runs' own lines; errors still reach stderr
+            summary = launch(config, environ={}, timeout=600, keep_weights=True)
     finally:
         torch.set_num_threads(threads)
     assert summary is not None and summary.weights is not None
     return Trace(summary.records, summary.val_loss, summary.weights,
                  time.perf_counter() - start)
+
+
+@contextmanager
+def _quiet_stdout() -> Iterator[None]:
+    """File descriptor 1 to /dev/null (forked ranks inherit it), then back."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def _rel(a: float, b: float) -> float:
@@ -184,42 +203,53 @@ def _skip() -> dict[str, slice]:
     return gradient_free_slices(load_config(None, COMMON).model.gpt_config())
 
 
+class MatrixRunner:
+    """Checks cases one by one, training each distinct reference once (kept in memory).
+
+    Args:
+        steps: optimizer steps of every run.
+        root: folder for the runs' outputs and the shared data cache.
+    """
+
+    def __init__(self, steps: int, root: Path) -> None:
+        self.steps, self.root, self.cache = steps, Path(root), Path(root) / "cache"
+        self.skip = _skip()
+        self._refs: dict[Case, Trace] = {}
+
+    def reference(self, case: Case) -> Trace:
+        """The trace of ``case`` run as a reference (trained on first use)."""
+        if case not in self._refs:
+            folder = self.root / f"ref-{len(self._refs)}"
+            self._refs[case] = run_case(case, self.steps, folder, self.cache)
+        return self._refs[case]
+
+    def check(self, case: Case, folder: Path) -> Outcome:
+        """Train ``case`` in ``folder`` and compare it with its reference; for a 16-bit case
+        also measure its distance to the fp32 run of the reference."""
+        ref = self.reference(case.reference())
+        trace = run_case(case, self.steps, folder, self.cache)
+        gap = None
+        if case.layout.precision != "fp32":
+            fp32_ref = replace(case.reference(), layout=replace(case.reference().layout,
+                                                                precision="fp32"))
+            gap = compare(trace, self.reference(fp32_ref), self.skip).grad_norm
+        return Outcome(case, compare(trace, ref, self.skip), tolerance_for(case),
+                       trace.seconds, fp32_gap=gap)
+
+
 def run_matrix(cases: Sequence[Case], steps: int, work: Path | None = None,
                on_result: Callable[[Outcome], None] | None = None) -> list[Outcome]:
-    """Run ``cases`` and their references; ``on_result`` sees each outcome as it comes."""
-    skip = _skip()
+    """Run ``cases`` and their references; ``on_result`` sees each outcome as it comes. A
+    case that fails to run is reported (``Outcome.error``), and the others still run."""
     with tempfile.TemporaryDirectory(prefix="mt-matrix-") as tmp:
-        root = Path(work) if work is not None else Path(tmp)
-        cache = root / "cache"
-        references: dict[Case, Trace | str] = {}
-
-        def reference(case: Case) -> Trace:
-            if case not in references:
-                folder = root / f"ref-{len(references)}"
-                try:
-                    references[case] = run_case(case, steps, folder, cache)
-                except Exception as err:  # noqa: BLE001 - reported in the table
-                    references[case] = f"reference {case.name} failed: {err}"
-            ref = references[case]
-            if isinstance(ref, str):
-                raise RuntimeError(ref)
-            return ref
-
+        runner = MatrixRunner(steps, Path(work) if work is not None else Path(tmp))
         outcomes = []
         for index, case in enumerate(cases):
-            tol, gap = tolerance_for(case), None
             start = time.perf_counter()
             try:
-                ref = reference(case.reference())
-                trace = run_case(case, steps, root / f"case-{index}", cache)
-                if case.layout.precision != "fp32":
-                    fp32 = reference(replace(case.reference(), layout=replace(
-                        case.reference().layout, precision="fp32")))
-                    gap = compare(trace, fp32, skip).grad_norm
-                outcome = Outcome(case, compare(trace, ref, skip), tol, trace.seconds,
-                                  fp32_gap=gap)
+                outcome = runner.check(case, runner.root / f"case-{index}")
             except Exception as err:  # noqa: BLE001 - one failing case must not stop the rest
-                outcome = Outcome(case, None, tol, time.perf_counter() - start,
+                outcome = Outcome(case, None, tolerance_for(case), time.perf_counter() - start,
                                   error=f"{type(err).__name__}: {err}".splitlines()[0])
             outcomes.append(outcome)
             if on_result is not None:

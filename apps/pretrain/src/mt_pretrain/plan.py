@@ -120,6 +120,12 @@ def resolve(config: PretrainConfig, world_size: int) -> RunPlan:
                            sequence_parallel=par.sequence_parallel)
     except ValueError as err:
         problems.append(str(err))
+    if par.compile and par.activation_checkpointing and (gpt.dropout or gpt.attention_dropout):
+        problems.append(f"--compile with --activation-checkpointing and dropout {gpt.dropout} "
+                        "is not supported: compiled code draws its own dropout masks, which "
+                        "recomputation is not shown to replay; leave out --compile (eager "
+                        "runs key the masks by micro-batch and layer, so recomputation "
+                        "replays them exactly) or use --dropout 0")
     dp, micro = topology.dp, train.micro_batch_size
     per_step = micro * dp
     sizes = {"global batch size": train.global_batch_size}

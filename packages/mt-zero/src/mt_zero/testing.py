@@ -74,17 +74,21 @@ def reference_train(
     lr: float = 1e-2,
     weight_decay: float = 0.1,
     clip_grad: float = 0.0,
+    micro_batches: int = 1,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Single-process AdamW training; returns losses and final fp32 (master) parameters.
 
     ``bf16`` keeps fp32 master copies and runs forward/backward with bf16 parameters, the
-    textbook mixed-precision recipe, written independently of the ZeRO code.
+    textbook mixed-precision recipe, written independently of the ZeRO code. With
+    ``micro_batches`` > 1 each batch is split into that many equal parts whose gradients
+    accumulate (in the compute dtype): the same step summed in another order, which gives the
+    noise floor of a precision.
     """
     threads = torch.get_num_threads()
     # Tiny tensors: extra threads only add overhead (10x here on 2 busy cores).
     torch.set_num_threads(1)
     try:
-        return _train(model, batches, precision, lr, weight_decay, clip_grad)
+        return _train(model, batches, precision, lr, weight_decay, clip_grad, micro_batches)
     finally:
         torch.set_num_threads(threads)
 
@@ -96,6 +100,7 @@ def _train(
     lr: float,
     weight_decay: float,
     clip_grad: float,
+    micro_batches: int,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     master = copy.deepcopy(model).float()
     compute = copy.deepcopy(model).to(torch.bfloat16 if precision == "bf16" else torch.float32)
@@ -103,8 +108,11 @@ def _train(
     pairs = list(zip(master.parameters(), compute.parameters()))
     losses = []
     for idx, targets in batches:
-        loss = compute(idx, targets)
-        loss.backward()
+        loss = torch.zeros(())
+        for x, y in zip(idx.chunk(micro_batches), targets.chunk(micro_batches)):
+            part = compute(x, y) / micro_batches
+            part.backward()
+            loss += part.detach()
         for m, c in pairs:
             m.grad = c.grad.float()
             c.grad = None
