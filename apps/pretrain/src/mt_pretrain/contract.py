@@ -60,10 +60,13 @@ FLOORS: dict[str, Tolerance] = {
     "bf16": Tolerance(loss=7.2e-5, grad_norm=7.4e-4, params=3.4e-2),
     "fp16": Tolerance(loss=9.4e-6, grad_norm=8.2e-5, params=2.5e-3),
 }
-#: Reduced precision allows this multiple of the floor: twice without tensor parallelism;
-#: with it, each row-parallel all-reduce rounds partial sums to 16 bits once more per layer
-#: (measured up to 4.2x the floor), so five times.
-FLOOR_FACTOR, FLOOR_FACTOR_TP = 2.0, 5.0
+#: The multiple of the floor a 16-bit case may reach, by what it adds to the floor's
+#: reordering (the worst ratio the full matrix measured in brackets; README):
+#: - nothing (data/pipeline parallel, ZeRO, checkpointing, dropout): 2 (1.4);
+#: - DeepSpeed's engine: it reduces 16-bit gradients its own way: 6 (4.7);
+#: - tensor parallelism: each row-parallel all-reduce rounds partial sums to 16 bits once
+#:   more per layer, t partial sums at TP t: 8 (6.3, fp16 grad norm at TP 4).
+FLOOR_FACTORS = {"plain": 2.0, "deepspeed": 6.0, "tp": 8.0}
 
 
 def tolerance_for(case: Case) -> Tolerance:
@@ -71,7 +74,8 @@ def tolerance_for(case: Case) -> Tolerance:
     precision = case.layout.precision
     if precision == "fp32":
         return FP32
-    return FLOORS[precision].scaled(FLOOR_FACTOR_TP if case.layout.tp > 1 else FLOOR_FACTOR)
+    kind = "tp" if case.layout.tp > 1 else "deepspeed" if case.engine != "mt" else "plain"
+    return FLOORS[precision].scaled(FLOOR_FACTORS[kind])
 
 
 @dataclass

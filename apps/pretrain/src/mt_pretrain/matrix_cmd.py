@@ -84,6 +84,8 @@ def matrix(
     from mt_pretrain.contract import run_matrix
 
     console = Console(soft_wrap=True)
+    if not console.is_terminal:
+        console.width = max(console.width, 150)  # the table's columns, whole, in a log
     if floor:
         _floor(steps, console)
         return
