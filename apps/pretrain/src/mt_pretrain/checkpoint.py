@@ -31,11 +31,14 @@ from mt_pretrain.checkpoint_format import (
     RANK_FORMAT,
     CheckpointError,
     find_checkpoint,
+    fsync_dir,
     rank_file,
     read_meta,
     step_dir,
+    write_synced,
 )
 from mt_pretrain.config import ConfigError, PretrainConfig
+from mt_pretrain.failpoints import failpoint
 from mt_pretrain.plan import RunPlan
 from mt_pretrain.reshard import (
     canonical_optimizer,
@@ -54,14 +57,6 @@ _MAY_DIFFER = {"dropout", "attention_dropout"}
 def _barrier(groups: ParallelGroups) -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def all_stage_names(plan: RunPlan, full_names: list[str]) -> dict[str, list[str]]:
@@ -86,6 +81,9 @@ class Checkpointer:
         tmp, final = self.root / f".{step_dir(step)}.tmp", self.root / step_dir(step)
         if groups.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
+            if self.last_step is None:  # what a killed save left behind (never loaded)
+                for stale in [*self.root.glob(".step-*.tmp"), *self.root.glob(".step-*.replaced")]:
+                    shutil.rmtree(stale, ignore_errors=True)
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
         _barrier(groups)
@@ -105,6 +103,7 @@ class Checkpointer:
             torch.save(payload, f)
             f.flush()
             os.fsync(f.fileno())
+        failpoint("checkpoint.write", groups.rank)
         _barrier(groups)
         if groups.rank == 0:
             self._publish(step, data_state, tmp, final)
@@ -130,16 +129,27 @@ class Checkpointer:
             "stage_params": all_stage_names(self.plan, list(self.built.full_shapes)),
             "config": self.config.to_dict(),
         }
-        (tmp / META).write_text(json.dumps(meta, indent=1), encoding="utf-8")
-        _fsync_dir(tmp)
+        write_synced(tmp / META, json.dumps(meta, indent=1))
+        fsync_dir(tmp)
+        failpoint("checkpoint.meta", 0)
+        # The new step is complete beside the old ones. A step of the same number (a run
+        # resumed from an earlier step saves it again) is moved aside, not deleted, until
+        # `latest` names the new folder; a crash in between leaves `latest` naming a step
+        # folder that exists complete, or naming nothing, and loading then falls back to
+        # the newest complete step.
+        replaced = self.root / f".{final.name}.replaced"
         if final.exists():
-            shutil.rmtree(final)
+            shutil.rmtree(replaced, ignore_errors=True)
+            os.rename(final, replaced)
+            failpoint("checkpoint.replace", 0)
         os.rename(tmp, final)
-        pointer = self.root / f".{LATEST}.tmp"
-        pointer.write_text(final.name + "\n", encoding="utf-8")
-        os.replace(pointer, self.root / LATEST)
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
+        failpoint("checkpoint.rename", 0)
+        write_synced(self.root / LATEST, final.name + "\n")
+        failpoint("checkpoint.pointer", 0)
+        shutil.rmtree(replaced, ignore_errors=True)
         self._prune(final)
+        failpoint("checkpoint.prune", 0)
 
     def _prune(self, newest: Path) -> None:
         steps = sorted(p for p in self.root.glob("step-*") if p.is_dir())
@@ -163,9 +173,17 @@ def _load_rank(folder: Path, rank: int) -> dict[str, Any]:
     path = folder / rank_file(rank)
     if not path.is_file():
         raise CheckpointError(f"checkpoint {folder} lacks {path.name}: incomplete checkpoint")
-    data = torch.load(path, map_location="cpu", weights_only=True)
-    if data.get("format") != RANK_FORMAT:
-        raise CheckpointError(f"{path}: format {data.get('format')!r}, expected {RANK_FORMAT}")
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - torch raises many kinds for a damaged file
+        size = path.stat().st_size
+        reason = "empty" if size == 0 else f"damaged or truncated ({size:,} bytes: " + \
+            f"{str(err).splitlines()[0] if str(err) else type(err).__name__})"
+        raise CheckpointError(f"{path}: {reason}; load an earlier step folder of "
+                              f"{folder.parent} instead") from None
+    if not isinstance(data, dict) or data.get("format") != RANK_FORMAT:
+        found = data.get("format") if isinstance(data, dict) else type(data).__name__
+        raise CheckpointError(f"{path}: format {found!r}, expected {RANK_FORMAT}")
     return data
 
 

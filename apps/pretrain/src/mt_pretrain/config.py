@@ -390,7 +390,12 @@ class CheckpointArgs:
     """Keep this many most recent checkpoints."""
     load: str | None = None
     """Resume from this checkpoint folder (its `latest`) or one step folder; the layout may
-    differ from the saved one (with --engine deepspeed it must be the same)."""
+    differ from the saved one (with --engine deepspeed it must be the same). The run's own
+    checkpoint folder may be given before it holds any: the run then starts from step 0, so
+    the jobs of a chain can all run the same command."""
+    overwrite: bool = False
+    """Start a new run in a run folder that holds a previous one (checkpoints or metrics):
+    delete them first. Without it such a run is refused, offering --load."""
     metrics: str | None = None
     """Metrics JSONL, one object per step (default: OUT_DIR/metrics.jsonl; 'none'
     disables)."""

@@ -44,50 +44,72 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
+_TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
+
+
 def _coerce(name: str, value: Any, f: dataclasses.Field) -> Any:
-    """YAML gives '1e9' as a string and 5 for a float: convert to the field's type."""
-    kind = str(f.type)
+    """``value`` as the field's type (YAML gives '1e9' as a string, 5 for a float); a value
+    of the wrong kind is a ConfigError naming the field, the value and what is allowed."""
+    kind = str(f.type).split(" ")[0].rstrip("|")
     if value is None:
         return None
-    if kind.startswith("int") and isinstance(value, (str, float)) and not isinstance(
-            value, bool):
-        number = float(value)
+    if kind == "bool":
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in _TRUE + _FALSE:
+            return value.lower() in _TRUE
+        raise ConfigError(f"{name} must be true or false, got {value!r}")
+    if kind == "int":
+        try:
+            number = float(value) if isinstance(value, (str, float, int)) and not isinstance(
+                value, bool) else math.nan
+        except ValueError:
+            number = math.nan
         if not math.isfinite(number) or number != int(number):
             raise ConfigError(f"{name} must be an integer, got {value!r}")
         return int(number)
-    if kind.startswith("float") and isinstance(value, (int, str)) and not isinstance(
-            value, bool):
+    if kind == "float":
         try:
-            return float(value)
+            if isinstance(value, (int, float, str)) and not isinstance(value, bool):
+                return float(value)
         except ValueError:
-            raise ConfigError(f"{name} must be a number, got {value!r}") from None
+            pass
+        raise ConfigError(f"{name} must be a number, got {value!r}")
+    if kind == "str" and not isinstance(value, str):
+        raise ConfigError(f"{name} must be a string, got {value!r}")
     return value
 
 
-def build_config(nested: Mapping[str, Any], flat: Mapping[str, Any]) -> PretrainConfig:
-    """Config from a YAML-like mapping (sections or flat keys) and flat overrides."""
+def build_config(nested: Mapping[str, Any], flat: Mapping[str, Any],
+                 source: str | None = None) -> PretrainConfig:
+    """Config from a YAML-like mapping (sections or flat keys) and flat overrides; errors
+    about ``nested`` values name ``source`` (the YAML file)."""
     known = flat_fields()
     values: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
     unknown: list[str] = []
 
-    def put(key: str, value: Any) -> None:
-        name = key.replace("-", "_")
+    def put(key: Any, value: Any, where: str | None) -> None:
+        name = str(key).replace("-", "_")
         if name not in known:
-            unknown.append(key)
+            unknown.append(str(key))
             return
         section, f = known[name]
-        values[section][name] = _coerce(name, value, f)
+        try:
+            values[section][name] = _coerce(name, value, f)
+        except ConfigError as err:
+            raise ConfigError(f"{where}: {err}" if where else str(err)) from None
 
     for key, value in nested.items():
         if key in SECTIONS and isinstance(value, Mapping):
             for sub, v in value.items():
-                put(sub, v)
+                put(sub, v, source)
         else:
-            put(key, value)
+            put(key, value, source)
     for key, value in flat.items():
-        put(key, value)
+        put(key, value, None)
     if unknown:
-        raise ConfigError(f"unknown config keys {sorted(unknown)}; valid keys: "
+        where = f"{source}: " if source else ""
+        raise ConfigError(f"{where}unknown config keys {sorted(unknown)}; valid keys: "
                           f"{sorted(known)} (optionally under sections {sorted(SECTIONS)})")
     try:
         sections = {s: SECTIONS[s](**values[s]) for s in SECTIONS}
@@ -106,11 +128,20 @@ def load_config(path: str | Path | None = None,
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file {path} not found")
-        loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+        try:
+            loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as err:
+            raise ConfigError(f"{path} is not UTF-8 text (byte {err.object[err.start]:#04x} "
+                              f"at offset {err.start})") from None
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+            raise ConfigError(f"{path}{where}: YAML syntax error: {problem}") from None
         if loaded is None:
             loaded = {}
         if not isinstance(loaded, Mapping):
             raise ConfigError(f"{path}: expected a mapping at the top level, got "
                               f"{type(loaded).__name__}")
         nested = loaded
-    return build_config(nested, dict(overrides or {}))
+    return build_config(nested, dict(overrides or {}), str(path) if path else None)

@@ -30,10 +30,15 @@ from mt_pretrain.config import ConfigError, PretrainConfig
 from mt_pretrain.data import ensure_data
 from mt_pretrain.plan import resolve, sharding_styles
 from mt_pretrain.run import RunSummary, run_rank
+from mt_pretrain.run_folder import claim_run_folder
 from mt_pretrain.train import NonFiniteLossError
 
-__all__ = ["LaunchFailed", "default_cache_dir", "launch", "spawn"]
+__all__ = ["Interrupted", "LaunchFailed", "default_cache_dir", "launch", "spawn"]
 
+# Failures every rank meets alike (bad config, damaged checkpoint, diverged loss): the parent
+# re-raises them as they are, one line, no traceback.
+_EXPECTED = (ConfigError, CheckpointError, NonFiniteLossError)
+_EXPECTED_BY_NAME = {kind.__name__: kind for kind in _EXPECTED}
 # After the first rank fails, give the others this long to report (their errors are usually
 # consequences) before killing them.
 _GRACE_S = 5.0
@@ -42,6 +47,10 @@ _PR_SET_PDEATHSIG = 1
 
 class LaunchFailed(RuntimeError):
     """A rank of a local multi-process run failed; the message holds its traceback."""
+
+
+class Interrupted(RuntimeError):
+    """A second SIGINT / SIGTERM stopped the run at once."""
 
 
 def default_cache_dir(environ: Mapping[str, str]) -> Path:
@@ -72,6 +81,7 @@ def launch(config: PretrainConfig, environ: Mapping[str, str] | None = None,
         return run_rank(config, info, cache, keep_weights)
     nproc = world_size_for(config)
     plan = resolve(config, nproc)  # fail before starting anything
+    claim_run_folder(config)
     ensure_data(config, plan, cache)  # once, here, instead of racing in every rank
     # Building a meta GPT imports torch's Python reference ops (seconds); do it once before
     # forking so that every rank inherits them.
@@ -93,10 +103,11 @@ def _child(config: PretrainConfig, info: LaunchInfo, cache: Path, conn: Connecti
             # which die with this process before the parent reads them.
             result.weights = {k: v.cpu().numpy() for k, v in result.weights.items()}
         conn.send(("ok", result))
-    except (ConfigError, CheckpointError, NonFiniteLossError) as err:
-        # Expected failures (every rank sees the same one): a message, no traceback.
+    except _EXPECTED as err:
+        # Expected failures (every rank sees the same one): a message, no traceback; the
+        # parent raises the same kind of error.
         try:
-            conn.send(("error", str(err)))
+            conn.send((type(err).__name__, str(err)))
         finally:
             os._exit(1)
     except BaseException as err:  # noqa: BLE001 - report everything to the parent
@@ -143,14 +154,25 @@ def spawn(config: PretrainConfig, nproc: int, cache: Path, timeout: float | None
         procs.append(proc)
         conns.append(recv)
 
+    interrupts = []
+
     def forward(signum: int, _frame: Any) -> None:
+        # The first interrupt asks the ranks to save and stop after their step; a second
+        # one stops them at once.
+        interrupts.append(signum)
         for proc in procs:
             if proc.is_alive():
-                os.kill(proc.pid, signal.SIGTERM)
+                os.kill(proc.pid, signal.SIGTERM if len(interrupts) == 1 else signal.SIGKILL)
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        return _collect(procs, conns, timeout)
+        try:
+            return _collect(procs, conns, timeout)
+        except LaunchFailed:
+            if len(interrupts) > 1:
+                raise Interrupted("interrupted twice: the ranks were stopped at once, "
+                                  "without a checkpoint of the current step") from None
+            raise
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
@@ -191,8 +213,19 @@ def _collect(procs: list[Any], conns: list[Connection],
                 failures.append(r)
                 if grace_end is None:
                     grace_end = time.monotonic() + _GRACE_S
-    if failures or len(reports) < len(procs):
-        first = failures[0] if failures else min(set(range(len(procs))) - set(reports))
+    silent = [r for r in range(len(procs)) if r not in reports]
+    if silent and failures:
+        # Peers failed (typically: a collective timed out) while these ranks said nothing:
+        # they are stuck (stopped, deadlocked, in an endless loop); they are killed next.
+        detail = reports[failures[0]][1]
+        raise LaunchFailed(f"rank {silent[0]} of {len(procs)} hung: it gave no report while "
+                           f"ranks {sorted(failures)} failed waiting for it (stuck ranks "
+                           f"{silent} killed); rank {failures[0]} reported:\n{detail}")
+    if failures and reports[failures[0]][0] in _EXPECTED_BY_NAME:
+        kind, message = reports[failures[0]]
+        raise _EXPECTED_BY_NAME[kind](message)
+    if failures or silent:
+        first = failures[0] if failures else silent[0]
         detail = reports.get(first, ("error", "no report"))[1]
         raise LaunchFailed(f"rank {first} of {len(procs)} failed first (failed ranks: "
                            f"{sorted(failures)}):\n{detail}")

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 
 from mt_pretrain.config import ConfigError, PretrainConfig
 from mt_pretrain.config_io import load_config
@@ -17,7 +18,8 @@ __all__ = ["dry_run", "pretrain_main"]
 
 
 def _error(console: Console, text: str) -> None:
-    console.print(f"[bold red]error:[/] {text}", highlight=False)
+    # escape: messages quote paths and library text with brackets, e.g. gloo's "[/...]".
+    console.print(f"[bold red]error:[/] {escape(text)}", highlight=False)
 
 
 def dry_run(config: PretrainConfig, environ: Mapping[str, str]) -> str:
@@ -32,30 +34,34 @@ def dry_run(config: PretrainConfig, environ: Mapping[str, str]) -> str:
 
 def pretrain_main(config_path: Path | None, overrides: dict[str, Any],
                   environ: Mapping[str, str] | None = None) -> int:
-    """Run the `mt pretrain` command; 0 on success, 1 on a failed run, 2 on a bad config."""
+    """Run the `mt pretrain` command; 0 on success, 1 on a failed run, 2 on bad input (config,
+    checkpoint), 130 when interrupted twice."""
     environ = os.environ if environ is None else environ
     console = Console(stderr=True)
     from mt_dist import LaunchError  # a launcher environment that does not add up
+    from mt_pretrain.checkpoint_format import CheckpointError
 
     try:
         config = load_config(config_path, overrides)
         if config.checkpoint.dry_run:
             Console(soft_wrap=True).print(dry_run(config, environ), highlight=False)
             return 0
-        from mt_pretrain.checkpoint import CheckpointError
-        from mt_pretrain.launch import LaunchFailed, launch
+        from mt_pretrain.launch import Interrupted, LaunchFailed, launch
         from mt_pretrain.train import NonFiniteLossError
-    except (ConfigError, LaunchError) as err:
+    except (ConfigError, LaunchError, CheckpointError) as err:
         _error(console, str(err))
         return 2
     try:
         summary = launch(config, environ)
-    except (ConfigError, LaunchError) as err:
+    except (ConfigError, LaunchError, CheckpointError) as err:  # bad input: fix and rerun
         _error(console, str(err))
         return 2
-    except (LaunchFailed, NonFiniteLossError, CheckpointError) as err:
+    except (LaunchFailed, NonFiniteLossError) as err:
         _error(console, str(err))
         return 1
+    except (Interrupted, KeyboardInterrupt) as err:
+        _error(console, str(err) or "interrupted")
+        return 130
     if summary is not None:
         _print_summary(Console(soft_wrap=True), summary)
     return 0
@@ -71,7 +77,7 @@ def _print_summary(console: Console, summary: Any) -> None:
     if summary.val_loss is not None:
         console.print(f"validation loss {summary.val_loss:.4f}", highlight=False)
     if summary.checkpoint:
-        console.print(f"checkpoint {summary.checkpoint}", highlight=False)
+        console.print(f"checkpoint {summary.checkpoint}", highlight=False, markup=False)
     if summary.sample:
-        console.print(f"sample: {summary.sample}", highlight=False)
+        console.print(f"sample: {summary.sample}", highlight=False, markup=False)
     sys.stdout.flush()

@@ -7,13 +7,14 @@ the layout cannot work. Every rank calls it; ``--dry-run`` prints :func:`describ
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 from mt_dist import Topology, TopologyError
 from mt_model import GPTConfig, count_parameters, model_flops_per_token_training
 from mt_pipeline import PartitionError, PipelineConfig, PipelinePlan, ScheduleError, plan_pipeline
-from mt_pretrain.checkpoint_format import find_checkpoint, read_meta
+from mt_pretrain.checkpoint_format import find_checkpoint, fresh_start, read_meta
 from mt_pretrain.config import DEFAULT_MODEL, DEFAULT_TRAIN_STEPS, ConfigError, PretrainConfig
 from mt_pretrain.estimate import peak_in_flight, stage_memory
 from mt_pretrain.gpus import GPUSpec
@@ -92,7 +93,8 @@ def model_of(config: PretrainConfig) -> tuple[GPTConfig, int]:
     """(the model to build, the training sequence length): from the flags, or with --load
     from the checkpoint (see :meth:`~mt_pretrain.config.ModelArgs.on_checkpoint`)."""
     load = config.checkpoint.load
-    if load and config.parallel.engine == "mt":
+    if load and config.parallel.engine == "mt" and not fresh_start(
+            load, config.checkpoint.save_dir):
         folder = find_checkpoint(load)
         saved = GPTConfig.from_dict(read_meta(folder)["model"])
         return config.model.on_checkpoint(saved, str(folder))
@@ -113,7 +115,13 @@ def resolve(config: PretrainConfig, world_size: int) -> RunPlan:
                 f"processes, but the world size is {world_size}")
         topology = Topology.from_world(world_size, tp=par.tp, pp=par.pp)
     except TopologyError as err:
-        raise ConfigError(f"invalid layout: {err}") from None
+        hint = ""
+        if world_size % (par.tp * par.pp):
+            tp = math.gcd(par.tp, world_size)
+            pp = math.gcd(par.pp, world_size // tp)
+            hint = (f"; with {world_size} process{'es' if world_size > 1 else ''} pass --tp "
+                    f"and --pp whose product divides {world_size}, e.g. --tp {tp} --pp {pp}")
+        raise ConfigError(f"invalid layout: {err}{hint}") from None
     try:
         check_divisibility(tp=par.tp, n_heads=gpt.n_heads, hidden=gpt.hidden,
                            ffn_hidden=gpt.ffn_hidden, seq_len=gpt.seq_len,

@@ -56,7 +56,7 @@ class Reporter:
     def print(self, text: str) -> None:
         """A line of text above the bar (rank 0 only)."""
         if self.enabled:
-            self.console.print(text, highlight=False)
+            self.console.print(text, highlight=False, markup=False)
 
     def step(self, stats: Any) -> None:
         """Show one step's numbers."""

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from mt_data import DataLoaderState
 from mt_dist import (
@@ -28,11 +29,13 @@ from mt_dist import (
 from mt_model import count_parameters
 from mt_pretrain.build import Built, build
 from mt_pretrain.checkpoint import Checkpointer, load
+from mt_pretrain.checkpoint_format import fresh_start
 from mt_pretrain.config import ConfigError, PretrainConfig
 from mt_pretrain.data import ensure_data, make_loaders, tokenizer_for
 from mt_pretrain.metrics import MetricsWriter
 from mt_pretrain.plan import RunPlan, resolve
 from mt_pretrain.progress import Reporter
+from mt_pretrain.run_folder import claim_run_folder
 from mt_pretrain.sample import MAX_SAMPLE_PARAMETERS, gather_model, gather_weights, greedy_generate
 from mt_pretrain.train import StepStats, Trainer, stats_dict
 
@@ -75,6 +78,8 @@ class StopFlag:
 @contextmanager
 def _stop_on_signals(flag: StopFlag) -> Iterator[None]:
     def handler(signum: int, _frame: Any) -> None:
+        if flag.requested:  # the second interrupt: stop now, without the checkpoint
+            raise KeyboardInterrupt(f"signal {signum} received twice")
         flag.requested = True
 
     previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
@@ -99,7 +104,8 @@ def run_rank(config: PretrainConfig, info: LaunchInfo, cache_dir: Path,
     completed = False
     try:
         plan = resolve(config, info.world_size)
-        groups = build_groups(plan.topology, device)
+        groups = build_groups(plan.topology, device, timeout=config.parallel.timeout)
+        _claim_run_folder(config, groups)
         flag = StopFlag()
         with _stop_on_signals(flag):
             summary = _train(config, plan, groups, device, cache_dir, flag, info.launcher,
@@ -108,6 +114,21 @@ def run_rank(config: PretrainConfig, info: LaunchInfo, cache_dir: Path,
         return summary
     finally:
         finalize_distributed(completed=completed)
+
+
+def _claim_run_folder(config: PretrainConfig, groups: ParallelGroups) -> None:
+    """Rank 0 checks (and with --overwrite clears) the run folder; every rank gets its
+    verdict, so all fail alike."""
+    verdict: list[str | None] = [None]
+    if groups.rank == 0:
+        try:
+            claim_run_folder(config)
+        except ConfigError as err:
+            verdict[0] = str(err)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(verdict, src=0)
+    if verdict[0] is not None:
+        raise ConfigError(verdict[0])
 
 
 def _train(config: PretrainConfig, plan: RunPlan, groups: ParallelGroups, device: torch.device,
@@ -119,12 +140,13 @@ def _train(config: PretrainConfig, plan: RunPlan, groups: ParallelGroups, device
     built = build(config, plan, groups, device)
     paths = ensure_data(config, plan, cache_dir)
     start_step, state = 0, DataLoaderState()
-    if ckpt.load and config.parallel.engine == "deepspeed":
+    resuming = ckpt.load is not None and not fresh_start(ckpt.load, ckpt.save_dir)
+    if resuming and config.parallel.engine == "deepspeed":
         from mt_pretrain.deepspeed_run import load_deepspeed_checkpoint
 
         start_step, state = load_deepspeed_checkpoint(ckpt.load, built.optimizer, groups,
                                                       built.tracker)
-    elif ckpt.load:
+    elif resuming:
         start_step, state = load(ckpt.load, config, plan, groups, built)
     loader, valid = make_loaders(config, plan, paths, groups.dp_rank, state)
     reporter = Reporter(plan.train_steps, start_step, rank0, ckpt.progress, ckpt.log_interval)
@@ -135,6 +157,8 @@ def _train(config: PretrainConfig, plan: RunPlan, groups: ParallelGroups, device
                        f"x dp {topo.dp} on {device.type}")
     if rank0 and start_step:
         reporter.print(f"resumed from {ckpt.load} at step {start_step}")
+    elif rank0 and ckpt.load and not resuming:
+        reporter.print(f"no checkpoint in {ckpt.load} yet: starting at step 0")
     tb_dir = Path(ckpt.out_dir) / "tensorboard" if ckpt.tensorboard else None
     metrics = MetricsWriter(ckpt.metrics_path, tb_dir, start_step) if rank0 else None
     summary = RunSummary(start_step=start_step, final_step=start_step)

@@ -8,6 +8,7 @@ default group's store) and keeps only the groups it belongs to. The result is a 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -136,13 +137,19 @@ class ParallelGroups:
 
 
 def build_groups(
-    topology: Topology, device: torch.device | str = "cpu"
+    topology: Topology, device: torch.device | str = "cpu",
+    timeout: timedelta | float | None = None,
 ) -> ParallelGroups:
     """Create all tp / dp / pp / embedding / model-parallel groups; return this rank's.
 
     Collective: every rank of the default process group must call it with the same
     ``topology``. Requires an initialized default group of ``topology.world_size`` ranks.
+    ``timeout`` (a timedelta or seconds) bounds every collective of these groups: a peer that
+    hangs makes the others fail after it instead of waiting forever (None: torch's default,
+    30 minutes on gloo).
     """
+    if timeout is not None and not isinstance(timeout, timedelta):
+        timeout = timedelta(seconds=float(timeout))
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("build_groups needs an initialized default process group")
     world = dist.get_world_size()
@@ -160,7 +167,7 @@ def build_groups(
         # even by ranks outside the group; they get a non-member placeholder we drop.
         own: ProcessGroup | None = None
         for ranks in all_groups:
-            group = dist.new_group(list(ranks), backend=backend)
+            group = dist.new_group(list(ranks), backend=backend, timeout=timeout)
             if rank in ranks:
                 own = group
         return own

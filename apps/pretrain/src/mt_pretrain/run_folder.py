@@ -1,0 +1,62 @@
+"""A run folder is never silently overwritten.
+
+A new run (no ``--load`` of its own checkpoints) whose checkpoint folder already holds
+checkpoints, or whose metrics file already holds lines, is refused with a message offering
+``--load`` (continue that run) or ``--overwrite`` (delete them and start over), as the HF
+Trainer refuses a non-empty output folder without ``--overwrite_output_dir``. Resuming
+(``--load`` of a checkpoint inside the run's own checkpoint folder) keeps everything: the
+metrics file keeps its lines up to the resume step.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from mt_pretrain.checkpoint_format import LATEST, has_checkpoints
+from mt_pretrain.config import ConfigError, PretrainConfig
+
+__all__ = ["claim_run_folder"]
+
+
+def _resumes_own(config: PretrainConfig) -> bool:
+    """``--load`` names the run's own checkpoint folder or a step folder inside it."""
+    ckpt = config.checkpoint
+    if ckpt.load is None or ckpt.save_dir is None:
+        return False
+    load, save = Path(ckpt.load).resolve(), ckpt.save_dir.resolve()
+    return load == save or save in load.parents
+
+
+def _previous(config: PretrainConfig) -> list[str]:
+    ckpt = config.checkpoint
+    found = []
+    if ckpt.save_dir is not None and has_checkpoints(ckpt.save_dir):
+        found.append(f"checkpoints in {ckpt.save_dir}")
+    metrics = ckpt.metrics_path
+    if metrics is not None and metrics.is_file() and metrics.stat().st_size > 0:
+        found.append(f"metrics in {metrics}")
+    return found
+
+
+def claim_run_folder(config: PretrainConfig) -> None:
+    """Refuse to write over a previous run's outputs, or with ``--overwrite`` delete them."""
+    ckpt = config.checkpoint
+    if _resumes_own(config):
+        return
+    found = _previous(config)
+    if not found:
+        return
+    if not ckpt.overwrite:
+        resume = f"--load {ckpt.save_dir}" if ckpt.save_dir is not None and \
+            has_checkpoints(ckpt.save_dir) else "--load CHECKPOINT"
+        raise ConfigError(f"{ckpt.out_dir} holds a previous run ({'; '.join(found)}): "
+                          f"continue it with {resume}, start over with --overwrite (deletes "
+                          "them), or choose another --out-dir")
+    if ckpt.save_dir is not None and ckpt.save_dir.is_dir():
+        for entry in [*ckpt.save_dir.glob("step-*"), *ckpt.save_dir.glob(".step-*")]:
+            shutil.rmtree(entry, ignore_errors=True)
+        (ckpt.save_dir / LATEST).unlink(missing_ok=True)
+    if ckpt.metrics_path is not None:
+        ckpt.metrics_path.unlink(missing_ok=True)
+    shutil.rmtree(Path(ckpt.out_dir) / "tensorboard", ignore_errors=True)

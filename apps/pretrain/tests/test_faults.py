@@ -1,0 +1,212 @@
+"""Fault injection: kills at every phase of a checkpoint save (the rollback case included), a
+hung peer, damaged checkpoint files, a run folder that holds a previous run, two interrupts.
+Each test asserts the exact outcome: resumable from the last complete step (and then the
+same losses as a run that was never interrupted), or one clear error line and its exit
+status, with nothing left half-written where a later run would read it.
+
+Kills use the failpoints of mt_pretrain.failpoints (MT_FAILPOINT=<point>@<rank>): the rank
+SIGKILLs itself there, exactly like a crash; the --nproc parent reports it and stops.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import run_pretrain
+
+from mt_pretrain.checkpoint_format import CheckpointError
+from mt_pretrain.config import ConfigError
+from mt_pretrain.failpoints import POINTS
+from mt_pretrain.launch import LaunchFailed
+from mt_pretrain.metrics import read_metrics
+
+COMMON: dict[str, Any] = {
+    "model": "tiny", "seq_len": 32, "dropout": 0.1, "micro_batch_size": 2,
+    "global_batch_size": 8, "eval_interval": 0, "sample_tokens": 0, "progress": False,
+    "log_interval": 100, "timeout": 60.0, "nproc": 2, "tp": 1, "pp": 2, "zero_stage": 1,
+    "warmup_tokens": 2 * 8 * 32, "decay_tokens": 6 * 8 * 32, "save_interval": 2,
+}
+_run = partial(run_pretrain, COMMON)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory, cache: Path) -> Any:
+    """Six steps in one go: what every interrupted-and-resumed run must reproduce."""
+    return _run(tmp_path_factory.mktemp("whole"), cache, train_steps=6)
+
+
+def _resume_to_six(out: Path, cache: Path) -> Any:
+    return _run(out, cache, train_steps=6, load=str(out / "checkpoints"))
+
+
+@pytest.mark.parametrize("point", [p for p in POINTS if p != "checkpoint.replace"])
+def test_kill_during_a_save_leaves_a_resumable_run(point: str, uninterrupted: Any, cache: Path,
+                                                   tmp_path: Path, monkeypatch: Any) -> None:
+    """Steps 1-2 saved; the save of step 4 is killed at ``point`` (``checkpoint.replace`` is
+    only passed when a step is saved again: next test); the same command with --load then
+    resumes from the step `latest` names and ends exactly like a whole run."""
+    _run(tmp_path, cache, train_steps=2)
+    monkeypatch.setenv("MT_FAILPOINT", f"{point}@0")
+    with pytest.raises(LaunchFailed, match="died with exit code -9"):
+        _run(tmp_path, cache, train_steps=4, load=str(tmp_path / "checkpoints"))
+    monkeypatch.delenv("MT_FAILPOINT")
+    # Until `latest` names step 4 (pointer), it names step 2, which is complete.
+    expected = 4 if point in ("checkpoint.pointer", "checkpoint.prune") else 2
+    resumed = _resume_to_six(tmp_path, cache)
+    assert resumed.start_step == expected
+    assert resumed.losses == uninterrupted.losses[expected:]
+    root = tmp_path / "checkpoints"
+    assert not list(root.glob(".step-*"))  # the killed save's leftovers are gone
+    assert (root / "latest").read_text().strip() == "step-00000006"
+
+
+@pytest.mark.parametrize("point, expected", [
+    ("checkpoint.meta", 4),      # the old step 4 is untouched, `latest` names it
+    ("checkpoint.replace", 2),   # old step 4 moved aside, new one not in place: fall back
+    ("checkpoint.rename", 4),    # the new step 4 is in place under the name `latest` holds
+])
+def test_kill_while_saving_a_step_again_after_a_rollback(point: str, expected: int,
+                                                         uninterrupted: Any, cache: Path,
+                                                         tmp_path: Path,
+                                                         monkeypatch: Any) -> None:
+    """Steps 1-4 saved (2 and 4); --load step 2 and train to 4 again, killed while saving
+    step 4 over the old one: nothing that `latest` names is ever deleted first."""
+    _run(tmp_path, cache, train_steps=4)
+    monkeypatch.setenv("MT_FAILPOINT", f"{point}@0")
+    with pytest.raises(LaunchFailed, match="died with exit code -9"):
+        _run(tmp_path, cache, train_steps=4,
+             load=str(tmp_path / "checkpoints" / "step-00000002"))
+    monkeypatch.delenv("MT_FAILPOINT")
+    if point == "checkpoint.replace":
+        with pytest.warns(UserWarning, match="names step-00000004, which is missing: loading "
+                          "step-00000002, the newest complete checkpoint"):
+            resumed = _resume_to_six(tmp_path, cache)
+    else:
+        resumed = _resume_to_six(tmp_path, cache)
+    assert resumed.start_step == expected
+    assert resumed.losses == uninterrupted.losses[expected:]
+
+
+@pytest.mark.parametrize("damage, words", [
+    (lambda f: f.write_bytes(b""), "rank-00001.pt: empty; load an earlier step folder"),
+    (lambda f: f.write_bytes(f.read_bytes()[:1000]), "rank-00001.pt: damaged or truncated"),
+])
+def test_a_damaged_rank_file_is_one_clear_error(damage: Any, words: str, cache: Path,
+                                                tmp_path: Path) -> None:
+    _run(tmp_path, cache, train_steps=2)
+    damage(tmp_path / "checkpoints" / "step-00000002" / "rank-00001.pt")
+    with pytest.raises(CheckpointError) as err:
+        _run(tmp_path / "again", cache, train_steps=4, save="none",
+             load=str(tmp_path / "checkpoints" / "step-00000002"))
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_damaged_meta_falls_back_or_is_one_clear_error(cache: Path, tmp_path: Path) -> None:
+    _run(tmp_path, cache, train_steps=4)
+    root = tmp_path / "checkpoints"
+    (root / "step-00000004" / "meta.json").write_text('{"format": "mt-pretrain/1", "st')
+    with pytest.raises(CheckpointError, match=r"step-00000004/meta.json: damaged \("):
+        _run(tmp_path / "a", cache, train_steps=6, save="none",
+             load=str(root / "step-00000004"))
+    with pytest.warns(UserWarning, match="loading step-00000002"):  # `latest` is broken
+        resumed = _run(tmp_path / "b", cache, train_steps=6, save="none", load=str(root))
+    assert resumed.start_step == 2
+
+
+def test_a_run_folder_is_never_overwritten_silently(cache: Path, tmp_path: Path) -> None:
+    first = _run(tmp_path, cache, train_steps=2)
+    with pytest.raises(ConfigError, match=r"holds a previous run \(checkpoints in .*; metrics "
+                       r"in .*\): continue it with --load .*checkpoints, start over with "
+                       r"--overwrite"):
+        _run(tmp_path, cache, train_steps=2)
+    assert (tmp_path / "checkpoints" / "step-00000002").is_dir()  # nothing was touched
+    again = _run(tmp_path, cache, train_steps=2, overwrite=True)
+    assert again.losses == first.losses and again.start_step == 0
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2]
+
+
+def test_load_of_the_runs_own_empty_folder_starts_fresh(uninterrupted: Any, cache: Path,
+                                                        tmp_path: Path) -> None:
+    """The first job of a chain may already pass --load: its own folder has nothing yet."""
+    run = _resume_to_six(tmp_path, cache)
+    assert run.start_step == 0 and run.losses == uninterrupted.losses
+    with pytest.raises(CheckpointError, match="no checkpoint at .*elsewhere: no such folder"):
+        _run(tmp_path / "other", cache, train_steps=2, load=str(tmp_path / "elsewhere"))
+
+
+# ------------------------------------------------------------------ the command, as a user
+
+
+def _mt(*args: str) -> list[str]:
+    return [sys.executable, "-m", "mt_pretrain", "pretrain", "--seq-len", "32",
+            "--global-batch-size", "8", "--micro-batch-size", "2", "--no-progress",
+            "--nproc", "2", "--tp", "1", "--pp", "2", "--eval-interval", "0", *args]
+
+
+def _children(pid: int) -> list[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(p) for p in path.read_text().split()] if path.is_file() else []
+
+
+def _start(args: list[str], out: Path) -> subprocess.Popen:
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics, deadline = out / "metrics.jsonl", time.monotonic() + 180
+    while not (metrics.is_file() and len(read_metrics(metrics)) >= 2):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "training did not start"
+        time.sleep(0.1)
+    return proc
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc")
+def test_a_hung_peer_ends_the_run_within_the_timeout(cache: Path, tmp_path: Path) -> None:
+    """SIGSTOP of rank 1: rank 0's collective times out after --timeout 10 s, the parent names
+    rank 1 as hung and kills it; no process is left behind."""
+    out = tmp_path / "run"
+    proc = _start(_mt("--train-steps", "100000", "--timeout", "10", "--save", "none",
+                      "--out-dir", str(out), "--cache-dir", str(cache)), out)
+    try:
+        ranks = _children(proc.pid)
+        assert len(ranks) == 2, ranks
+        stopped_at = time.monotonic()
+        os.kill(ranks[1], signal.SIGSTOP)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    elapsed = time.monotonic() - stopped_at
+    assert proc.returncode == 1, stdout + stderr
+    assert 10 <= elapsed < 10 + 20, elapsed
+    assert "rank 1 of 2 hung: it gave no report while ranks [0] failed waiting for it" in stderr
+    time.sleep(0.5)
+    assert not any(Path(f"/proc/{pid}").exists() for pid in ranks), "a rank was left behind"
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc")
+def test_a_second_interrupt_stops_at_once(cache: Path, tmp_path: Path) -> None:
+    """Steps of about a second (hidden 512, 1024 tokens): the first Ctrl-C asks for a save
+    after the step, the second, 0.2 s later, stops the ranks at once."""
+    out = tmp_path / "run"
+    proc = _start(_mt("--train-steps", "100000", "--hidden", "512", "--global-batch-size",
+                      "32", "--out-dir", str(out), "--cache-dir", str(cache)), out)
+    try:
+        ranks = _children(proc.pid)
+        os.kill(proc.pid, signal.SIGINT)
+        time.sleep(0.2)  # two pending signals of one kind would be delivered as one
+        os.kill(proc.pid, signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, stdout + stderr
+    assert "interrupted twice: the ranks were stopped at once" in stderr
+    time.sleep(0.5)
+    assert not any(Path(f"/proc/{pid}").exists() for pid in ranks)
