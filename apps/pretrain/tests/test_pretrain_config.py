@@ -146,3 +146,30 @@ def test_load_takes_the_model_from_the_checkpoint() -> None:
     with pytest.raises(ConfigError, match=r"--load ck: .*--model gpt2-medium has n_layers 24, "
                        r"the checkpoint 12; .*hidden 1024, the checkpoint 768"):
         load_config(None, {"model": "gpt2-medium"}).model.on_checkpoint(saved, "ck")
+
+
+@pytest.mark.parametrize("text, message", [
+    (b"train_steps: abc\n", r"run.yaml: train_steps must be an integer, got 'abc'"),
+    (b"tp: 1.5\n", r"run.yaml: tp must be an integer, got 1.5"),
+    (b"lr: fast\n", r"run.yaml: lr must be a number, got 'fast'"),
+    (b"sequence_parallel: maybe\n", r"run.yaml: sequence_parallel must be true or false, "
+                                    r"got 'maybe'"),
+    (b"model:\n  - tiny\n", r"run.yaml: model must be a string, got \['tiny'\]"),
+    (b"tp: [1\npp: 2\n", r"run.yaml line 2, column 3: YAML syntax error: expected ',' or ']'"),
+    (b"lr: \xff\xfe\n", r"run.yaml is not UTF-8 text \(byte 0xff at offset 4\)"),
+    (b"- 1\n- 2\n", r"run.yaml: expected a mapping at the top level, got list"),
+])
+def test_bad_yaml_is_one_line_naming_file_field_and_line(tmp_path: Path, text: bytes,
+                                                          message: str) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_bytes(text)
+    with pytest.raises(ConfigError, match=message) as err:
+        load_config(path)
+    assert "\n" not in str(err.value)
+
+
+def test_one_process_with_the_default_layout_says_what_to_pass() -> None:
+    with pytest.raises(ConfigError, match=r"world size 1 is not divisible by tp 2 x pp 2 = 4; "
+                       r"with 1 process pass --tp and --pp whose product divides 1, e.g. "
+                       r"--tp 1 --pp 1"):
+        load_config(None, {"nproc": 1})
