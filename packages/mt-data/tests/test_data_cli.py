@@ -71,12 +71,12 @@ def test_train_tokenizer(tmp_path: Path) -> None:
 
 def test_errors_exit_nonzero(tmp_path: Path) -> None:
     result = runner.invoke(app, ["inspect", str(tmp_path)])
-    assert result.exit_code == 1 and "not a prepared dataset" in result.output
+    assert result.exit_code == 2 and "not a prepared dataset" in result.output
     result = runner.invoke(app, ["prepare", str(tmp_path / "missing.jsonl"), "-o",
                                  str(tmp_path / "o")])
-    assert result.exit_code == 1 and "does not exist" in result.output
+    assert result.exit_code == 2 and "does not exist" in result.output
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "ok"}\n{oops\n')
     result = runner.invoke(app, ["prepare", str(bad), "-o", str(tmp_path / "o2"),
                                  "--on-error", "stop"])
-    assert result.exit_code == 1 and "bad.jsonl:2: json" in result.output
+    assert result.exit_code == 2 and "bad.jsonl:2: json" in result.output

@@ -66,7 +66,7 @@ def test_parquet_and_text_folder(docs: list[dict[str, str]], tmp_path: Path) -> 
                                   log))
     assert _texts(batches) == [d["text"] for d in docs[:10]]
     assert [str(e) for e in log.errors] == [f"{tmp_path / 'part.parquet'}:11: missing_key: "
-                                            "no 'content' field"]
+                                            "'content' is null"]
     log = ErrorLog()
     batches = list(iter_documents([folder], IngestConfig(), log))
     assert _texts(batches) == [d["text"] for d in docs[10:21]]

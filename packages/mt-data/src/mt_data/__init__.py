@@ -9,22 +9,31 @@ from mt_data.blend import BlendedDataset, blend_schedule, build_blended, parse_b
 from mt_data.corpus import corpus_path, corpus_texts, iter_corpus
 from mt_data.decontam import DecontamConfig, NgramIndex, decontaminate_batch
 from mt_data.dedup import DedupConfig, MinHasher, UnionFind, content_hashes, fuzzy_dedup
+from mt_data.errors import DataError, DataNotFoundError, DatasetError, StreamError
 from mt_data.filters import FilterConfig, filter_batch
 from mt_data.gpt_dataset import GPTDataset, SplitSpec, build_sample_index, split_documents
-from mt_data.ingest import BadInputError, ErrorLog, IngestConfig, InputError, iter_documents
+from mt_data.ingest import (
+    BadInputError,
+    ErrorLog,
+    IngestConfig,
+    InputError,
+    TextKeyError,
+    iter_documents,
+)
 from mt_data.loader import BatchSchedule, DataLoaderState, DPDataLoader
 from mt_data.megatron import MegatronReader, export_megatron, import_megatron, read_index
-from mt_data.pipeline import PrepareConfig, PrepareError, prepare, prepare_demo
+from mt_data.pipeline import NoDocumentsError, PrepareConfig, PrepareError, prepare, prepare_demo
 from mt_data.shards import ShardSetWriter, TokenDataset
 from mt_data.stages import CleanConfig
 from mt_data.tokenizer import EOD_TOKEN, Tokenizer, gpt2, load_tokenizer, train_tokenizer
 
 __all__ = [
     "EOD_TOKEN", "BadInputError", "BatchSchedule", "BlendedDataset", "CleanConfig",
-    "DPDataLoader", "DataLoaderState", "DecontamConfig", "DedupConfig", "ErrorLog",
-    "FilterConfig", "GPTDataset", "IngestConfig", "InputError", "MegatronReader", "MinHasher",
-    "NgramIndex", "PrepareConfig", "PrepareError", "ShardSetWriter", "SplitSpec",
-    "TokenDataset", "Tokenizer", "UnionFind", "blend_schedule", "build_blended",
+    "DPDataLoader", "DataError", "DataLoaderState", "DataNotFoundError", "DatasetError",
+    "DecontamConfig", "DedupConfig", "ErrorLog", "FilterConfig", "GPTDataset", "IngestConfig",
+    "InputError", "MegatronReader", "MinHasher", "NgramIndex", "NoDocumentsError",
+    "PrepareConfig", "PrepareError", "ShardSetWriter", "SplitSpec", "StreamError",
+    "TextKeyError", "TokenDataset", "Tokenizer", "UnionFind", "blend_schedule", "build_blended",
     "build_sample_index", "content_hashes", "corpus_path", "corpus_texts",
     "decontaminate_batch", "export_megatron", "filter_batch", "fuzzy_dedup", "gpt2",
     "import_megatron", "iter_corpus", "iter_documents", "load_tokenizer", "parse_blend",

@@ -88,6 +88,11 @@ class BlendedDataset:
         """Index of the dataset sample i comes from."""
         return int(self.dataset_index[i])
 
+    @property
+    def max_token_id(self) -> int:
+        """Largest token id over the blended datasets (a model needs a larger vocab_size)."""
+        return max(ds.max_token_id for ds in self.datasets)
+
 
 def build_blended(blend: str | Sequence[object], seq_len: int, num_samples: int,
                   seed: int = 1234, split: str = "train",

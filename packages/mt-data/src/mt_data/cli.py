@@ -1,11 +1,15 @@
 """``mt data``: prepare, train-tokenizer, export-megatron, import-megatron, inspect.
 
-Every command shows a rich progress bar while it works and ends with a summary table.
+Every command shows a rich progress bar while it works and ends with a summary table. Every
+failure (an mt-data error, a bad value, an OS error) is one ``error: ...`` line on stderr and
+exit status 2, never a traceback.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
@@ -26,10 +30,11 @@ from rich.text import Text
 
 from mt_data.decontam import DecontamConfig
 from mt_data.dedup import DedupConfig
+from mt_data.errors import DataError
 from mt_data.filters import FilterConfig
-from mt_data.ingest import BadInputError, ErrorLog, IngestConfig, iter_documents
+from mt_data.ingest import ErrorLog, IngestConfig, iter_documents
 from mt_data.megatron import export_megatron, import_megatron
-from mt_data.pipeline import PrepareConfig, PrepareError, prepare, summary_rows
+from mt_data.pipeline import PrepareConfig, prepare, summary_rows
 from mt_data.shards import TokenDataset
 from mt_data.stages import CleanConfig
 from mt_data.tokenizer import TokenizerError, load_tokenizer, train_tokenizer
@@ -88,9 +93,31 @@ def _table(title: str, rows: list[tuple[str, str]]) -> None:
     Console().print(table)
 
 
+EXIT_ERROR = 2
+
+
 def _fail(message: str) -> None:
-    console.print(f"[red]error:[/red] {message}", soft_wrap=True, highlight=False)
-    raise typer.Exit(code=1)
+    """Print ``error: MESSAGE`` (one line, no markup) and exit with status 2."""
+    console.print(Text.assemble(("error:", "red"), " ", " ".join(message.split())),
+                  soft_wrap=True)
+    raise typer.Exit(code=EXIT_ERROR)
+
+
+@contextmanager
+def _errors() -> Iterator[None]:
+    """Turn a failure into one ``error: ...`` line and exit status 2."""
+    try:
+        yield
+    except (DataError, ValueError, OSError) as exc:
+        _fail(str(exc))
+
+
+def _bad_inputs(samples: list[str], total: int) -> None:
+    for sample in samples[:10]:
+        console.print(Text.assemble(("bad input", "yellow"), " ", sample), soft_wrap=True)
+    if total > 10:
+        console.print(f"... {total - 10:,} more bad inputs (counted in the summary)",
+                      highlight=False)
 
 
 @app.command("prepare")
@@ -135,7 +162,7 @@ def prepare_cmd(
 
     Rerunning the same command after an interruption resumes at the chunk/shard level.
     """
-    try:
+    with _errors():
         if quality_filters:
             filters = FilterConfig("NFC" if normalize else None, min_chars, max_chars, min_words,
                                    max_symbol_ratio, min_alpha_words, max_html_ratio,
@@ -158,11 +185,7 @@ def prepare_cmd(
         load_tokenizer(tokenizer)  # fail before the long stages
         with _progress() as progress:
             summary = prepare(inputs, output, config, RichProgress(progress))
-    except (PrepareError, BadInputError, TokenizerError, ValueError, FileNotFoundError) as exc:
-        _fail(str(exc))
-        return
-    for sample in summary["bad_input_samples"][:10]:
-        console.print(f"[yellow]bad input[/yellow] {sample}", soft_wrap=True, highlight=False)
+    _bad_inputs(summary["bad_input_samples"], sum(summary["bad_inputs"].values()))
     _table(f"prepared {output}", summary_rows(summary))
 
 
@@ -188,16 +211,17 @@ def train_tokenizer_cmd(
                 nbytes += len(text)
                 yield text
 
-    with _progress() as progress:
+    with _errors(), _progress() as progress:
         task = progress.add_task("train BPE", total=None, unit="")
-        try:
-            tok = train_tokenizer(texts(), vocab_size, min_frequency, name=str(output))
-        except (TokenizerError, FileNotFoundError) as exc:
-            _fail(str(exc))
-            return
+        tok = train_tokenizer(texts(), vocab_size, min_frequency, name=str(output))
         progress.update(task, total=1, completed=1)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tok.save(output)
+    _bad_inputs([str(e) for e in log.errors], log.total)
+    if docs == 0:
+        _fail(f"no documents in {', '.join(map(str, inputs))}: nothing to train on "
+              f"({log.total:,} bad inputs)")
+    with _errors():
+        output.parent.mkdir(parents=True, exist_ok=True)
+        tok.save(output)
     _table(f"tokenizer {output}", [
         ("documents", f"{docs:,}"), ("MB", f"{nbytes / 1e6:,.2f}"),
         ("bad inputs", f"{log.total:,}"), ("vocab size", f"{tok.vocab_size:,}"),
@@ -212,13 +236,9 @@ def export_megatron_cmd(
 ) -> None:
     """Write Megatron-LM MMIDIDX PREFIX.bin / PREFIX.idx (one sequence per document, EOD in)."""
     start = time.perf_counter()
-    with _progress() as progress:
+    with _errors(), _progress() as progress:
         task = progress.add_task("export .bin/.idx", total=None, unit="")
-        try:
-            info = export_megatron(data, prefix)
-        except (FileNotFoundError, ValueError) as exc:
-            _fail(str(exc))
-            return
+        info = export_megatron(data, prefix)
         progress.update(task, total=1, completed=1)
     seconds = time.perf_counter() - start
     _table(f"exported {prefix}", [
@@ -237,17 +257,14 @@ def import_megatron_cmd(
 ) -> None:
     """Read Megatron-LM .bin/.idx into token shards (each document = its sequences joined)."""
     start = time.perf_counter()
-    with _progress() as progress:
+    with _errors(), _progress() as progress:
         task = progress.add_task("import .bin/.idx", total=None, unit="")
-        try:
-            index = import_megatron(prefix, output, load_tokenizer(tokenizer).describe())
-        except (FileNotFoundError, ValueError) as exc:
-            _fail(str(exc))
-            return
+        index = import_megatron(prefix, output, load_tokenizer(tokenizer).describe())
         progress.update(task, total=1, completed=1)
     _table(f"imported {output}", [
         ("documents", f"{index['documents']:,}"), ("tokens", f"{index['tokens']:,}"),
         ("shards", str(len(index["shards"]))), ("dtype", index["dtype"]),
+        ("max token id", f"{index['max_token_id']:,}"),
         ("seconds", f"{time.perf_counter() - start:.2f}"),
     ])
 
@@ -257,28 +274,33 @@ def inspect_cmd(
     data: Annotated[Path, typer.Argument(help="Prepared dataset folder.")],
     document: Annotated[int, typer.Option(help="Document to decode as a sample.")] = 0,
     chars: Annotated[int, typer.Option(help="Characters of the sample to print.")] = 500,
-    verify: Annotated[bool, typer.Option(help="Check shard SHA-256 checksums.")] = False,
+    verify: Annotated[bool, typer.Option(help="Check shard SHA-256 checksums and the largest "
+                                          "token id against the shards.")] = False,
 ) -> None:
     """Print documents, tokens, sources and a decoded sample of a prepared dataset."""
-    try:
+    with _errors():
         ds = TokenDataset(data)
-    except (FileNotFoundError, ValueError) as exc:
-        _fail(str(exc))
-        return
+        max_id = ds.max_token_id
     rows = [("documents", f"{len(ds):,}"), ("tokens", f"{ds.num_tokens:,}"),
             ("shards", str(len(ds.index["shards"]))), ("dtype", ds.index["dtype"]),
+            ("max token id", f"{max_id:,}"),
             ("tokenizer", f"{ds.tokenizer['name']} (vocab {ds.tokenizer['vocab_size']:,}, "
                           f"EOD {ds.tokenizer['eod_id']})")]
     for name, counts in sorted(ds.index["sources"].items()):
         rows.append((f"source {name}", f"{counts['documents']:,} docs, "
                                        f"{counts['tokens']:,} tokens"))
+    bad: list[str] = []
     if verify:
-        with _progress() as progress:
+        with _errors(), _progress() as progress:
             task = progress.add_task("verify checksums", total=None, unit="")
             bad = ds.verify()
+            if not bad:
+                ds.verify_max_token_id()
             progress.update(task, total=1, completed=1)
         rows.append(("checksums", "ok" if not bad else f"MISMATCH: {', '.join(bad)}"))
     _table(f"dataset {data}", rows)
+    if bad:
+        _fail(f"{data}: checksum mismatch in {', '.join(bad)}")
     if len(ds) and 0 <= document < len(ds):
         doc_id, source = ds.metadata(document)
         try:

@@ -16,12 +16,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from mt_data.shards import TokenDataset
+from mt_data.shards import TokenDataset, atomic_replace
 
 SPLITS = ("train", "valid", "test")
 
@@ -183,9 +184,12 @@ class GPTDataset:
 
     def _load_or_build(self, folder: Path | None, name: str) -> SampleIndex:
         if folder is not None and (folder / name).exists():
-            with np.load(folder / name) as z:
-                return SampleIndex(z["doc_idx"], z["sample_doc"], z["sample_offset"],
-                                   z["shuffle"], int(z["epochs"]))
+            try:
+                with np.load(folder / name) as z:
+                    return SampleIndex(z["doc_idx"], z["sample_doc"], z["sample_offset"],
+                                       z["shuffle"], int(z["epochs"]))
+            except (OSError, ValueError, KeyError, zipfile.BadZipFile):
+                pass  # an unreadable cache file (e.g. cut by a crash) is rebuilt below
         index = build_sample_index(self.data.doc_lengths, self.docs, self.seq_len,
                                    self.num_samples, self.seed)
         if folder is not None:
@@ -196,13 +200,19 @@ class GPTDataset:
                 np.savez(tmp, doc_idx=index.doc_idx, sample_doc=index.sample_doc,
                          sample_offset=index.sample_offset, shuffle=index.shuffle,
                          epochs=np.int64(index.epochs))
-                os.replace(tmp, folder / name)
+                atomic_replace(tmp, folder / name)
             except OSError:
                 pass  # read-only data: the index is rebuilt next time, which is only slower
         return index
 
     def __len__(self) -> int:
         return self.num_samples
+
+    @property
+    def max_token_id(self) -> int:
+        """Largest token id of the underlying dataset (all splits; see
+        :attr:`TokenDataset.max_token_id`)."""
+        return self.data.max_token_id
 
     @property
     def epochs(self) -> int:

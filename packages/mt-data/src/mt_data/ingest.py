@@ -2,85 +2,51 @@
 
 Files are streamed: at most one batch of documents (``batch_docs`` / ``batch_bytes``) is held at
 a time. Every bad input (malformed JSON line, invalid UTF-8, missing or non-string text field,
-empty file, unsupported file) is recorded with its file and line in an :class:`ErrorLog`, which
-either counts it and goes on (``on_error="skip"``) or raises :class:`BadInputError` (``"stop"``).
+empty file, truncated or corrupt compressed file, unsupported file) is recorded with its file
+and line in an :class:`ErrorLog`, which either counts it and goes on (``on_error="skip"``) or
+raises :class:`BadInputError` (``"stop"``). A compressed JSONL file is decoded to its end before
+any of its documents is read, so a truncated one contributes no documents at all. A text field
+missing from every line of a file (or a missing Parquet column) is a wrong ``text_key``, not a
+bad line: it raises :class:`TextKeyError` whatever ``on_error`` says.
 """
 
 from __future__ import annotations
 
-import gzip
-import io
 import json
 import os
-from collections import Counter
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from mt_data.badinput import (
+    ON_ERROR,
+    BadInputError,
+    ErrorLog,
+    InputError,
+    KeyTally,
+    TextKeyError,
+    check_tally,
+    check_text_key,
+    field_list,
+    keyless_message,
+)
+from mt_data.compressed import COMPRESSED, check_stream, is_compressed, open_binary
+from mt_data.errors import DataNotFoundError, StreamError
+
+__all__ = [  # the report types are defined in mt_data.badinput; importable from here as before
+    "DOC_SCHEMA", "ON_ERROR", "BadInputError", "ErrorLog", "IngestConfig", "InputError",
+    "TextKeyError", "WorkItem", "check_text_key", "expand_inputs", "file_kind",
+    "iter_documents", "keyless_message", "open_binary", "plan_work", "read_jsonl",
+    "read_parquet", "read_text_files", "read_work_item", "source_name", "split_jsonl",
+]
 
 DOC_SCHEMA = pa.schema([("id", pa.string()), ("source", pa.string()), ("text", pa.string())])
 JSON_EXTS = (".jsonl", ".json", ".ndjson")
 TEXT_EXTS = (".txt", ".text", ".md", ".rst")
 PARQUET_EXTS = (".parquet",)
-COMPRESSED = (".gz", ".zst", ".zstd")
-ON_ERROR = ("skip", "stop")
-
-
-@dataclass(frozen=True)
-class InputError:
-    """One bad input: ``line`` is 1-based (a row number for Parquet), 0 for the whole file."""
-
-    file: str
-    line: int
-    kind: str
-    message: str
-
-    def __str__(self) -> str:
-        return f"{self.file}:{self.line}: {self.kind}: {self.message}"
-
-
-class BadInputError(ValueError):
-    """Raised on the first bad input when ``on_error="stop"``."""
-
-    def __init__(self, error: InputError) -> None:
-        super().__init__(str(error))
-        self.error = error
-
-
-@dataclass
-class ErrorLog:
-    """Counts bad inputs by kind and keeps the first ``keep`` of them (all are counted)."""
-
-    on_error: str = "skip"
-    keep: int = 1000
-    counts: Counter[str] = field(default_factory=Counter)
-    errors: list[InputError] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        if self.on_error not in ON_ERROR:
-            raise ValueError(f"on_error must be one of {ON_ERROR}, got {self.on_error!r}")
-
-    def report(self, file: str | Path, line: int, kind: str, message: str) -> None:
-        """Record one bad input; raises BadInputError when stopping on errors."""
-        error = InputError(str(file), line, kind, message)
-        self.counts[kind] += 1
-        if len(self.errors) < self.keep:
-            self.errors.append(error)
-        if self.on_error == "stop":
-            raise BadInputError(error)
-
-    def merge(self, other: ErrorLog) -> None:
-        """Add another log's counts and kept errors."""
-        self.counts.update(other.counts)
-        self.errors.extend(other.errors[: max(0, self.keep - len(self.errors))])
-
-    @property
-    def total(self) -> int:
-        """Number of bad inputs seen."""
-        return sum(self.counts.values())
 
 
 @dataclass(frozen=True)
@@ -136,24 +102,8 @@ def expand_inputs(paths: Iterable[str | Path]) -> list[Path]:
         elif path.exists():
             files.append(path)
         else:
-            raise FileNotFoundError(f"input {path} does not exist")
+            raise DataNotFoundError(f"input {path} does not exist")
     return files
-
-
-def open_binary(path: Path) -> IO[bytes]:
-    """Open a possibly compressed file for binary reading (gzip built in, zstd via zstandard)."""
-    name = path.name.lower()
-    if name.endswith(".gz"):
-        return gzip.open(path, "rb")
-    if name.endswith((".zst", ".zstd")):
-        try:
-            import zstandard
-        except ImportError as exc:  # optional dependency
-            raise RuntimeError(f"{path}: reading .zst files needs the 'zstandard' package") from exc
-        raw = open(path, "rb")  # noqa: SIM115 - closed with the returned stream
-        reader = zstandard.ZstdDecompressor().stream_reader(raw, closefd=True)
-        return io.BufferedReader(reader)
-    return open(path, "rb")
 
 
 class _Batcher:
@@ -198,8 +148,12 @@ def _json_fields(
         log.report(path, line_no, "json", f"expected a JSON object, got {type(record).__name__}")
         return None
     text = record.get(config.text_key)
+    if config.text_key not in record:
+        log.report(path, line_no, "missing_key",
+                   f"no {config.text_key!r} field (the line has {field_list(record)})")
+        return None
     if text is None:
-        log.report(path, line_no, "missing_key", f"no {config.text_key!r} field")
+        log.report(path, line_no, "missing_key", f"{config.text_key!r} is null")
         return None
     if not isinstance(text, str):
         log.report(path, line_no, "not_text", f"{config.text_key!r} is {type(text).__name__}")
@@ -213,40 +167,69 @@ def _json_fields(
     )
 
 
+def _parse_line(raw: bytes, config: IngestConfig, path: Path, line_no: int, log: ErrorLog,
+                tally: KeyTally) -> tuple[str, str, str] | None:
+    """(id, source, text) of one non-blank JSONL line, or None after reporting it."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        log.report(path, line_no, "utf8", f"invalid UTF-8 at byte {exc.start} of the line")
+        return None
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        log.report(path, line_no, "json", f"malformed JSON: {exc.msg} (column {exc.colno})")
+        return None
+    if isinstance(record, dict):
+        tally.count(record, config.text_key)
+    return _json_fields(record, config, path, line_no, log)
+
+
 def read_jsonl(path: Path, config: IngestConfig, log: ErrorLog, start: int = 0,
                end: int | None = None, first_line: int = 1) -> Iterator[pa.RecordBatch]:
     """Stream a JSON-lines file (or its byte range ``[start, end)`` beginning at line
-    ``first_line``); blank lines are ignored, bad lines reported with their number."""
+    ``first_line``); blank lines are ignored, bad lines reported with their number.
+
+    A compressed file is first decoded to its end: a truncated or corrupt one is reported
+    (kind ``truncated`` / ``corrupt``, line 0) and yields no documents.
+    """
+    whole = start == 0 and end is None
+    if whole and is_compressed(path):
+        try:
+            check_stream(path)
+        except StreamError as exc:
+            log.report(path, 0, exc.kind, exc.message)
+            return
     batcher = _Batcher(config)
-    seen = 0
-    with open_binary(path) as f:
-        if start:
-            f.seek(start)
-        pos = start
-        for line_no, raw in enumerate(f, start=first_line):
-            if end is not None and pos >= end:
-                break
-            pos += len(raw)
-            if not raw.strip():
-                continue
-            seen += 1
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                log.report(path, line_no, "utf8", f"invalid UTF-8 at byte {exc.start} of the line")
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                log.report(path, line_no, "json", f"malformed JSON: {exc.msg} (column {exc.colno})")
-                continue
-            fields = _json_fields(record, config, path, line_no, log)
-            if fields is not None and (batch := batcher.add(*fields)) is not None:
-                yield batch
-    if seen == 0 and start == 0 and end is None:
+    tally = KeyTally()
+    seen, line_no = 0, first_line - 1
+    try:
+        with open_binary(path) as f:
+            if start:
+                f.seek(start)
+            pos = start
+            for line_no, raw in enumerate(f, start=first_line):
+                if end is not None and pos >= end:
+                    break
+                pos += len(raw)
+                if not raw.strip():
+                    continue
+                seen += 1
+                fields = _parse_line(raw, config, path, line_no, log, tally)
+                if fields is not None and (batch := batcher.add(*fields)) is not None:
+                    yield batch
+    except StreamError as exc:  # the file changed after it was checked: stop reading it
+        log.report(path, line_no + 1, exc.kind, exc.message)
+        return
+    if seen == 0 and whole:
         log.report(path, 0, "empty_file", "no documents in file")
+    check_tally(path, config.text_key, tally, whole, log)
     if (batch := batcher.flush()) is not None:
         yield batch
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
 
 
 def read_parquet(path: Path, config: IngestConfig, log: ErrorLog) -> Iterator[pa.RecordBatch]:
@@ -254,26 +237,30 @@ def read_parquet(path: Path, config: IngestConfig, log: ErrorLog) -> Iterator[pa
     try:
         pf = pq.ParquetFile(path)
     except (pa.ArrowInvalid, OSError) as exc:
-        log.report(path, 0, "parquet", f"unreadable Parquet file: {exc}")
+        log.report(path, 0, "parquet", f"unreadable Parquet file: {_one_line(exc)}")
         return
     names = set(pf.schema_arrow.names)
     if config.text_key not in names:
-        log.report(path, 0, "missing_key", f"no {config.text_key!r} column (has {sorted(names)})")
-        return
+        log.wrong_text_key(path, f"no {config.text_key!r} column (check --text-key); the "
+                                 f"file has {field_list(names)}")
     if pf.metadata.num_rows == 0:
         log.report(path, 0, "empty_file", "no rows in file")
         return
     columns = [c for c in (config.text_key, config.id_key, config.source_key) if c in names]
     batcher = _Batcher(config)
     row = 0
-    for rb in pf.iter_batches(batch_size=config.batch_docs, columns=columns):
-        data = {name: rb.column(name).to_pylist() for name in columns}
-        for i in range(rb.num_rows):
-            row += 1
-            record = {name: data[name][i] for name in columns}
-            fields = _json_fields(record, config, path, row, log)
-            if fields is not None and (batch := batcher.add(*fields)) is not None:
-                yield batch
+    try:
+        for rb in pf.iter_batches(batch_size=config.batch_docs, columns=columns):
+            data = {name: rb.column(name).to_pylist() for name in columns}
+            for i in range(rb.num_rows):
+                row += 1
+                record = {name: data[name][i] for name in columns}
+                fields = _json_fields(record, config, path, row, log)
+                if fields is not None and (batch := batcher.add(*fields)) is not None:
+                    yield batch
+    except (pa.ArrowInvalid, OSError) as exc:
+        log.report(path, row + 1, "parquet", f"unreadable Parquet data: {_one_line(exc)}")
+        return
     if (batch := batcher.flush()) is not None:
         yield batch
 
@@ -284,8 +271,12 @@ def read_text_files(
     """One document per plain-text file; the source is the parent folder's name by default."""
     batcher = _Batcher(config)
     for path in paths:
-        with open_binary(path) as f:
-            data = f.read()
+        try:
+            with open_binary(path) as f:
+                data = f.read()
+        except StreamError as exc:
+            log.report(path, 0, exc.kind, exc.message)
+            continue
         try:
             text = data.decode("utf-8")
         except UnicodeDecodeError as exc:
@@ -401,3 +392,4 @@ def iter_documents(
         log.report(path, 0, "unsupported", "unknown file type (expected jsonl/parquet/txt)")
     for item in items:
         yield from read_work_item(item, config, log)
+    check_text_key(log.keyless, log.keyed, config.text_key)  # files read in byte ranges

@@ -5,7 +5,9 @@ magic ``b"MMIDIDX\\x00\\x00"``, version u64 = 1, dtype code u8, sequence count u
 count u64 (sequences + 1), sequence lengths int32[n], sequence byte offsets int64[n], document
 boundaries int64[docs] (sequence indices, starting with 0). We write one sequence per document
 (EOD included), which is what Megatron's ``preprocess_data.py`` produces without sentence
-splitting.
+splitting. Import checks every id against the tokenizer's vocabulary before writing anything
+(ids are never wrapped into a smaller dtype), and a ``.bin`` shorter than its ``.idx`` says is
+refused.
 """
 
 from __future__ import annotations
@@ -18,7 +20,14 @@ from typing import Any
 
 import numpy as np
 
-from mt_data.shards import ShardSetWriter, TokenDataset
+from mt_data.errors import DataNotFoundError, DatasetError
+from mt_data.shards import (
+    ShardSetWriter,
+    TokenDataset,
+    atomic_replace,
+    atomic_write_bytes,
+    temp_path,
+)
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -29,6 +38,7 @@ DTYPE_CODES: dict[int, np.dtype] = {
 }
 CODE_OF = {dtype: code for code, dtype in DTYPE_CODES.items()}
 _HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequences, documents
+_SCAN = 1 << 26  # token ids checked per step on import
 
 
 def megatron_dtype(dtype: np.dtype) -> np.dtype:
@@ -61,20 +71,23 @@ class MegatronIndex:
 
 def read_index(path: str | Path) -> MegatronIndex:
     """Parse and validate an ``.idx`` file (memory-mapped arrays)."""
+    if not os.path.isfile(path):
+        raise DataNotFoundError(f"{path} does not exist")
+    if os.path.getsize(path) < _HEADER.size:
+        raise DatasetError(f"{path}: {os.path.getsize(path)} bytes is too short for an MMIDIDX "
+                           f"header")
     buffer = np.memmap(path, dtype=np.uint8, mode="r")
-    if len(buffer) < _HEADER.size:
-        raise ValueError(f"{path}: {len(buffer)} bytes is too short for an MMIDIDX header")
     magic, version, code, n_seq, n_doc = _HEADER.unpack(bytes(buffer[: _HEADER.size]))
     if magic != MAGIC:
-        raise ValueError(f"{path}: bad magic {magic!r}, expected {MAGIC!r}")
+        raise DatasetError(f"{path}: bad magic {magic!r}, expected {MAGIC!r}")
     if version != VERSION:
-        raise ValueError(f"{path}: index version {version}, expected {VERSION}")
+        raise DatasetError(f"{path}: index version {version}, expected {VERSION}")
     if code not in DTYPE_CODES:
-        raise ValueError(f"{path}: unknown dtype code {code}")
+        raise DatasetError(f"{path}: unknown dtype code {code}")
     off = _HEADER.size
     need = off + n_seq * 4 + n_seq * 8 + n_doc * 8
     if len(buffer) < need:
-        raise ValueError(f"{path}: {len(buffer)} bytes but the header announces {need}")
+        raise DatasetError(f"{path}: {len(buffer)} bytes but the header announces {need}")
     sizes = np.frombuffer(buffer, dtype="<i4", count=n_seq, offset=off)
     pointers = np.frombuffer(buffer, dtype="<i8", count=n_seq, offset=off + 4 * n_seq)
     doc_idx = np.frombuffer(buffer, dtype="<i8", count=n_doc, offset=off + 12 * n_seq)
@@ -86,7 +99,16 @@ class MegatronReader:
 
     def __init__(self, prefix: str | Path) -> None:
         self.index = read_index(f"{prefix}.idx")
-        self.bin = np.memmap(f"{prefix}.bin", dtype=np.uint8, mode="r")
+        path = f"{prefix}.bin"
+        if not os.path.isfile(path):
+            raise DataNotFoundError(f"{path} does not exist")
+        size = os.path.getsize(path)
+        self.bin = np.memmap(path, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
+        ends = self.index.pointers + self.index.sizes.astype(np.int64) * self.index.dtype.itemsize
+        need = int(ends.max()) if len(ends) else 0
+        if size < need:
+            raise DatasetError(f"{path}: {size} bytes but {prefix}.idx describes {need} (a "
+                               f"truncated .bin, or one of another .idx)")
 
     def __len__(self) -> int:
         return len(self.index.sizes)
@@ -106,7 +128,7 @@ def export_megatron(data: TokenDataset | str | Path, prefix: str | Path) -> dict
     prefix = Path(prefix)
     prefix.parent.mkdir(parents=True, exist_ok=True)
     bin_path, idx_path = Path(f"{prefix}.bin"), Path(f"{prefix}.idx")
-    tmp_bin = bin_path.with_name(f".{bin_path.name}.tmp")
+    tmp_bin = temp_path(bin_path)
     with open(tmp_bin, "wb") as f:
         for k in range(len(ds.index["shards"])):
             docs = np.flatnonzero(ds.doc_shards == k)
@@ -115,29 +137,56 @@ def export_megatron(data: TokenDataset | str | Path, prefix: str | Path) -> dict
             start = int(ds.doc_starts[docs[0]])
             stop = int(ds.doc_starts[docs[-1]] + ds.doc_lengths[docs[-1]])
             f.write(ds.tokens(int(docs[0]), 0, stop - start).astype(dtype, copy=False).tobytes())
-        f.flush()
-        os.fsync(f.fileno())
-    tmp_idx = idx_path.with_name(f".{idx_path.name}.tmp")
-    tmp_idx.write_bytes(encode_index(dtype, ds.doc_lengths, np.arange(len(ds) + 1)))
-    os.replace(tmp_bin, bin_path)
-    os.replace(tmp_idx, idx_path)
+    atomic_replace(tmp_bin, bin_path)  # .bin first: readers check it holds what .idx says
+    atomic_write_bytes(idx_path, encode_index(dtype, ds.doc_lengths, np.arange(len(ds) + 1)))
     return {"documents": len(ds), "tokens": ds.num_tokens, "dtype": dtype.name,
             "bin": str(bin_path), "idx": str(idx_path), "bytes": bin_path.stat().st_size}
+
+
+def _check_ids(reader: MegatronReader, prefix: str | Path, tokenizer: dict[str, Any]) -> int:
+    """Largest token id of the ``.bin``; raises :class:`DatasetError` naming the file, the
+    document, the id and the dtype when an id is negative or outside the vocabulary."""
+    dtype, vocab = reader.index.dtype, int(tokenizer["vocab_size"])
+    if dtype.kind not in "iu":
+        raise DatasetError(f"{prefix}.idx: dtype {dtype} does not hold token ids")
+    sizes = np.asarray(reader.index.sizes, dtype=np.int64)
+    total = int(sizes.sum())
+    start = int(reader.index.pointers[0]) if len(sizes) else 0
+    ids = np.frombuffer(reader.bin, dtype=dtype, count=total, offset=start)
+    largest = -1
+    for lo in range(0, total, _SCAN):
+        block = ids[lo : lo + _SCAN]
+        low, high = int(block.min()), int(block.max())
+        largest = max(largest, high)
+        if low >= 0 and high < vocab:
+            continue
+        pos = lo + int(np.argmax((block < 0) | (block >= vocab)))
+        seq = int(np.searchsorted(np.cumsum(sizes), pos, side="right"))
+        doc = int(np.searchsorted(reader.index.doc_idx, seq, side="right")) - 1
+        raise DatasetError(
+            f"{prefix}.bin: token id {int(ids[pos])} ({dtype}) in document {doc} is outside the "
+            f"vocabulary of tokenizer {tokenizer.get('name')!r} ({vocab} ids): import with the "
+            f"--tokenizer the ids come from")
+    return largest
 
 
 def import_megatron(prefix: str | Path, out_dir: str | Path, tokenizer: dict[str, Any],
                     shard_tokens: int = 64 << 20) -> dict[str, Any]:
     """Read ``PREFIX.bin/.idx`` into a token-shard folder; a document = its sequences joined.
 
-    ``tokenizer`` is the metadata to record (see ``Tokenizer.describe``); ids are stored in the
-    smallest unsigned dtype that holds the vocabulary.
+    ``tokenizer`` is the metadata to record (see ``Tokenizer.describe``). Every id is checked
+    first (``0 <= id < vocab_size``, else :class:`DatasetError` and nothing is written); ids are
+    stored in the smallest unsigned dtype holding the largest id and the vocabulary.
     """
     reader = MegatronReader(prefix)
     doc_idx = np.asarray(reader.index.doc_idx, dtype=np.int64)
     if len(doc_idx) == 0 or doc_idx[0] != 0 or doc_idx[-1] != len(reader):
-        raise ValueError(f"{prefix}.idx: document boundaries must run from 0 to {len(reader)}")
+        raise DatasetError(f"{prefix}.idx: document boundaries must run from 0 to {len(reader)}")
+    if len(doc_idx) == 1:
+        raise DatasetError(f"{prefix}.idx: holds no documents")
+    largest = _check_ids(reader, prefix, tokenizer)
     vocab = int(tokenizer["vocab_size"])
-    dtype = np.dtype(np.uint16 if vocab <= 65536 else np.uint32)
+    dtype = np.dtype(np.uint16 if max(largest, vocab - 1) <= 0xFFFF else np.uint32)
     writer = ShardSetWriter(out_dir, tokenizer, dtype.name, resume=False)
     seq_sizes = np.asarray(reader.index.sizes, dtype=np.int64)
     doc_sizes = np.add.reduceat(seq_sizes, doc_idx[:-1]) if len(seq_sizes) else seq_sizes

@@ -18,7 +18,8 @@ import shutil
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed, wait
-from contextlib import ExitStack
+from concurrent.futures.process import BrokenProcessPool
+from contextlib import ExitStack, suppress
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from multiprocessing import get_context
@@ -28,14 +29,26 @@ from typing import Any, Protocol
 import numpy as np
 import pyarrow as pa
 
-from mt_data.ingest import WorkItem, expand_inputs, plan_work
-from mt_data.shards import INDEX_FILE, ShardInfo, ShardSetWriter, atomic_write_json, write_shard
+from mt_data.errors import DataError
+from mt_data.ingest import TextKeyError, WorkItem, check_text_key, expand_inputs, plan_work
+from mt_data.shards import (
+    INDEX_FILE,
+    ShardInfo,
+    ShardSetWriter,
+    atomic_replace,
+    atomic_write_json,
+    write_shard,
+)
 from mt_data.stages import ChunkStats, CleanConfig, clean_item, global_dedup, load_eval_index
 from mt_data.tokenizer import Tokenizer, load_tokenizer
 
 
-class PrepareError(RuntimeError):
+class PrepareError(DataError, RuntimeError):
     """The output folder holds a different run, or the inputs cannot be prepared."""
+
+
+class NoDocumentsError(PrepareError):
+    """Every input was empty or unreadable, or every document was filtered out."""
 
 
 class ProgressHook(Protocol):
@@ -170,9 +183,9 @@ def _run_dedup(chunks: list[Path], config: PrepareConfig, work: Path,
             return np.load(keep_path), recorded["stats"]
     progress.stage("dedup (exact + MinHash/LSH)", None, "")
     keep, stats = global_dedup(chunks, config.clean.dedup)
-    tmp = work / ".keep.tmp.npy"
+    tmp = work / f".keep.{os.getpid()}.tmp.npy"
     np.save(tmp, keep)
-    os.replace(tmp, keep_path)
+    atomic_replace(tmp, keep_path)
     atomic_write_json(stats_path, {"chunks": names, "stats": stats})
     progress.end()
     return keep, stats
@@ -233,25 +246,71 @@ def prepare(inputs: Sequence[str | Path], output: str | Path,
         raise PrepareError(f"no readable input files among {len(files)} found in {list(inputs)}")
     load_eval_index(config.clean, work)  # once, before the workers need it
     workers = config.workers or (os.cpu_count() or 1)
-    with ExitStack() as stack:
-        # One pool for both parallel stages (spawn, not fork: the parent may hold tokenizer
-        # thread pools or torch state); worker start-up is paid once.
-        pool = (stack.enter_context(ProcessPoolExecutor(workers, mp_context=get_context("spawn")))
-                if workers > 1 else None)
-        summary = _stages(items, unknown, files, fingerprint, output, config, pool, progress)
+    try:
+        with ExitStack() as stack:
+            # One pool for both parallel stages (spawn, not fork: the parent may hold tokenizer
+            # thread pools or torch state); worker start-up is paid once.
+            pool = (stack.enter_context(ProcessPoolExecutor(workers,
+                                                            mp_context=get_context("spawn")))
+                    if workers > 1 else None)
+            summary = _stages(items, unknown, files, fingerprint, output, config, pool, progress,
+                              _label(inputs))
+    except BrokenProcessPool as exc:
+        raise PrepareError(f"{output}: a worker process died ({exc}; killed, or out of "
+                           f"memory?); rerun the same command to resume") from None
+    except (NoDocumentsError, TextKeyError):
+        if not config.keep_work:  # nothing to resume: other settings need no --overwrite
+            shutil.rmtree(work)
+            with suppress(OSError):
+                output.rmdir()  # only when the run created it and left nothing else
+        raise
     if not config.keep_work:
         shutil.rmtree(work)
     return summary
 
 
+def _label(inputs: Sequence[str | Path]) -> str:
+    names = [str(p) for p in inputs]
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def _counts(counts: dict[str, int]) -> str:
+    return ", ".join(f"{kind} {n:,}" for kind, n in sorted(counts.items()) if n)
+
+
+def _check_keys(results: list[dict[str, Any]], key: str) -> None:
+    """A file read in byte ranges none of which had the text field: a wrong text key."""
+    keyless: dict[str, set[str]] = {}
+    for result in results:
+        for name, fields in result.get("keyless", {}).items():
+            keyless.setdefault(name, set()).update(fields)
+    check_text_key({k: sorted(v) for k, v in keyless.items()},
+                   {name for result in results for name in result.get("keyed", [])}, key)
+
+
+def check_documents(totals: ChunkStats, label: str) -> None:
+    """Raise :class:`NoDocumentsError` (naming the inputs and why) when no document is left
+    after cleaning: a 0-document dataset is never written."""
+    if totals.documents_out:
+        return
+    if totals.documents_in == 0:
+        first = f"; first: {totals.error_samples[0]}" if totals.error_samples else ""
+        raise NoDocumentsError(f"no documents in {label}: no input line or file holds one "
+                               f"(bad inputs: {_counts(totals.errors) or 'none'}{first})")
+    raise NoDocumentsError(f"no documents left from {label}: all {totals.documents_in:,} "
+                           f"documents read were dropped ({_counts(totals.dropped)})")
+
+
 def _stages(items: list[WorkItem], unknown: list[Path], files: list[Path],
             fingerprint: dict[str, Any], output: Path, config: PrepareConfig,
-            pool: ProcessPoolExecutor | None, progress: ProgressHook) -> dict[str, Any]:
+            pool: ProcessPoolExecutor | None, progress: ProgressHook,
+            label: str) -> dict[str, Any]:
     work = output / "work"
     times: dict[str, float] = {}
     t0 = time.perf_counter()
     results = _run_clean(items, config, work, pool, progress)
     times["clean"] = time.perf_counter() - t0
+    _check_keys(results, config.clean.ingest.text_key)
     totals = ChunkStats()
     chunks: list[Path] = []
     for result in results:
@@ -263,6 +322,7 @@ def _stages(items: list[WorkItem], unknown: list[Path], files: list[Path],
     for path in unknown:
         totals.errors["unsupported"] += 1
         totals.error_samples.append(f"{path}:0: unsupported: unknown file type")
+    check_documents(totals, label)
     t1 = time.perf_counter()
     keep, dedup_stats = _run_dedup(chunks, config, work, progress)
     times["dedup"] = time.perf_counter() - t1

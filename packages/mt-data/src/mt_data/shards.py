@@ -5,9 +5,10 @@ A shard is one uncompressed Arrow IPC file holding one record batch with columns
 lists store their values contiguously with an offsets array, so a memory-mapped shard gives a
 flat numpy token array and document offsets with zero copies: reading any token span is a slice.
 
-``index.json`` records documents, tokens, sources, the tokenizer, dtype and each shard's size
-and SHA-256. Every file is written to a temporary name and renamed (atomic on POSIX); finished
-shards are also logged in ``progress.jsonl`` so an interrupted run resumes at the shard level.
+``index.json`` records documents, tokens, sources, the tokenizer, dtype, the largest token id
+(``max_token_id``; -1 without tokens) and each shard's size, SHA-256 and largest id. Every file
+is written to a temporary name, synced and renamed (atomic on POSIX); finished shards are also
+logged in ``progress.jsonl`` so an interrupted run resumes at the shard level.
 """
 
 from __future__ import annotations
@@ -17,12 +18,15 @@ import json
 import os
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from contextlib import suppress
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
+
+from mt_data.errors import DataNotFoundError, DatasetError
 
 INDEX_FILE = "index.json"
 PROGRESS_FILE = "progress.jsonl"
@@ -30,14 +34,34 @@ FORMAT = "mt-data-token-shards"
 VERSION = 1
 
 
+def temp_path(path: Path) -> Path:
+    """A hidden temporary name next to ``path``, unique per process."""
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_replace(tmp: Path, path: Path) -> None:
+    """Publish a fully written temporary file: sync it, rename it to ``path``, sync the folder
+    (so neither a crash nor a power cut leaves a partial file under the final name)."""
+    _fsync(tmp)
+    os.replace(tmp, path)
+    with suppress(OSError):  # some filesystems cannot sync a folder; the rename still holds
+        _fsync(path.parent)
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` via a temporary file and a rename."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = temp_path(path)
     with open(tmp, "wb") as f:
         f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_replace(tmp, path)
 
 
 def atomic_write_json(path: Path, obj: Any) -> None:
@@ -65,6 +89,8 @@ class ShardInfo:
     sha256: str
     sources: dict[str, list[int]] = field(default_factory=dict)
     """source -> [documents, tokens] in this shard."""
+    max_token_id: int | None = None
+    """Largest token id in the shard (-1 without tokens; None when logged by an older run)."""
 
 
 def tokens_array(tokens: np.ndarray, lengths: np.ndarray) -> pa.Array:
@@ -91,10 +117,10 @@ def write_shard(
          else ids, src],
         names=["tokens", "id", "source"],
     )
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = temp_path(path)
     with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, batch.schema) as writer:
         writer.write_batch(batch)
-    os.replace(tmp, path)
+    atomic_replace(tmp, path)
     per_source: dict[str, list[int]] = {}
     names = src.to_pylist()
     for name, length in zip(names, lengths.tolist(), strict=True):
@@ -102,7 +128,25 @@ def write_shard(
         entry[0] += 1
         entry[1] += length
     return ShardInfo(path.name, len(lengths), int(lengths.sum()), path.stat().st_size,
-                     file_sha256(path), per_source)
+                     file_sha256(path), per_source, int(tokens.max()) if tokens.size else -1)
+
+
+def shard_max_token_id(path: Path) -> int:
+    """Largest token id stored in a shard file (-1 without tokens), read from the file."""
+    values = pa.ipc.open_file(pa.memory_map(str(path), "r")).get_batch(0).column("tokens")
+    values = values.flatten().to_numpy(zero_copy_only=False)
+    return int(values.max()) if values.size else -1
+
+
+def check_token_range(max_token_id: int, tokenizer: Any, dtype: str, where: str) -> None:
+    """Raise :class:`DatasetError` unless every id up to ``max_token_id`` fits the dtype and
+    the tokenizer's vocabulary (``where`` names the file at fault)."""
+    vocab = tokenizer.get("vocab_size") if isinstance(tokenizer, dict) else None
+    if isinstance(vocab, int) and max_token_id >= vocab:
+        raise DatasetError(f"{where}: token id {max_token_id} is outside the vocabulary of "
+                           f"tokenizer {tokenizer.get('name')!r} ({vocab} ids)")
+    if max_token_id > np.iinfo(np.dtype(dtype)).max:
+        raise DatasetError(f"{where}: token id {max_token_id} does not fit dtype {dtype}")
 
 
 class ShardSetWriter:
@@ -153,8 +197,18 @@ class ShardSetWriter:
         self.shards[info.file] = info
 
     def finish(self, stats: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Write ``index.json`` (shards in name order) and return it."""
-        shards = [self.shards[name] for name in sorted(self.shards)]
+        """Write ``index.json`` (shards in name order) and return it.
+
+        Raises :class:`DatasetError` when a token id is outside the tokenizer's vocabulary.
+        """
+        shards = []
+        for name in sorted(self.shards):
+            info = self.shards[name]
+            if info.max_token_id is None:  # logged by an older run: read it from the shard
+                info = replace(info, max_token_id=shard_max_token_id(self.out_dir / name))
+            check_token_range(info.max_token_id, self.tokenizer, self.dtype,
+                              str(self.out_dir / name))
+            shards.append(info)
         sources: dict[str, dict[str, int]] = {}
         for info in shards:
             for name, (docs, toks) in info.sources.items():
@@ -167,6 +221,7 @@ class ShardSetWriter:
             "documents": sum(s.documents for s in shards),
             "tokens": sum(s.tokens for s in shards),
             "dtype": self.dtype,
+            "max_token_id": max((s.max_token_id for s in shards), default=-1),
             "tokenizer": self.tokenizer,
             "sources": sources,
             "shards": [asdict(s) for s in shards],
@@ -178,16 +233,24 @@ class ShardSetWriter:
 
 
 class TokenDataset:
-    """Read-only, memory-mapped view of a prepared dataset folder (``index.json`` + shards)."""
+    """Read-only, memory-mapped view of a prepared dataset folder (``index.json`` + shards).
+
+    Opening checks that the recorded ``max_token_id`` fits the tokenizer's vocabulary and the
+    dtype and agrees with the per-shard values; ``verify=True`` also checks every shard's
+    SHA-256 and its real largest id.
+    """
 
     def __init__(self, path: str | Path, verify: bool = False) -> None:
         self.path = Path(path)
         index_path = self.path / INDEX_FILE
         if not index_path.exists():
-            raise FileNotFoundError(f"{self.path} has no {INDEX_FILE}: not a prepared dataset")
-        self.index: dict[str, Any] = json.loads(index_path.read_text())
-        if self.index.get("format") != FORMAT:
-            raise ValueError(f"{index_path} is not an {FORMAT} index")
+            raise DataNotFoundError(f"{self.path} has no {INDEX_FILE}: not a prepared dataset")
+        try:
+            self.index: dict[str, Any] = json.loads(index_path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise DatasetError(f"{index_path}: not valid JSON ({exc})") from None
+        if not isinstance(self.index, dict) or self.index.get("format") != FORMAT:
+            raise DatasetError(f"{index_path} is not an {FORMAT} index")
         self.dtype = np.dtype(self.index["dtype"])
         self._values: list[np.ndarray] = []
         self._batches: list[pa.RecordBatch] = []
@@ -195,8 +258,12 @@ class TokenDataset:
         for k, shard in enumerate(self.index["shards"]):
             file = self.path / shard["file"]
             if verify and file_sha256(file) != shard["sha256"]:
-                raise ValueError(f"checksum mismatch for {file}")
-            batch = pa.ipc.open_file(pa.memory_map(str(file), "r")).get_batch(0)
+                raise DatasetError(f"checksum mismatch for {file}")
+            try:
+                batch = pa.ipc.open_file(pa.memory_map(str(file), "r")).get_batch(0)
+            except (OSError, pa.ArrowInvalid) as exc:
+                raise DatasetError(f"{file}: unreadable shard ({' '.join(str(exc).split())})"
+                                   ) from None
             column = batch.column("tokens")
             offsets = column.offsets.to_numpy()
             base = int(offsets[0])
@@ -209,6 +276,64 @@ class TokenDataset:
         self.doc_lengths = cat(lengths).astype(np.int64) if lengths else np.zeros(0, np.int64)
         self.doc_starts = cat(starts).astype(np.int64) if starts else np.zeros(0, np.int64)
         self.doc_shards = cat(shard_of) if shard_of else np.zeros(0, np.int32)
+        self._max_token_id = self._recorded_max_token_id()
+        if verify:
+            self.verify_max_token_id()
+
+    def _recorded_max_token_id(self) -> int | None:
+        """``index.json``'s max_token_id, checked against the shards' entries, the vocabulary
+        and the dtype (None for datasets written before the key existed)."""
+        recorded = self.index.get("max_token_id")
+        if recorded is None:
+            return None
+        where = str(self.path / INDEX_FILE)
+        if not isinstance(recorded, int) or recorded < -1:
+            raise DatasetError(f"{where}: max_token_id must be an integer >= -1, got "
+                               f"{recorded!r}")
+        per_shard = [s.get("max_token_id") for s in self.index["shards"]]
+        if None not in per_shard and max(per_shard, default=-1) != recorded:
+            raise DatasetError(f"{where}: max_token_id {recorded} disagrees with its shards' "
+                               f"largest id {max(per_shard, default=-1)}")
+        check_token_range(recorded, self.index.get("tokenizer"), self.dtype.name, where)
+        return recorded
+
+    def verify_max_token_id(self) -> None:
+        """Raise :class:`DatasetError` when a recorded largest id differs from the shards'
+        real one (reads every token)."""
+        overall = -1
+        for k, shard in enumerate(self.index["shards"]):
+            actual = int(self._values[k].max()) if self._values[k].size else -1
+            overall = max(overall, actual)
+            recorded = shard.get("max_token_id")
+            if recorded is not None and actual != recorded:
+                raise DatasetError(f"{self.path / shard['file']}: largest token id is {actual} "
+                                   f"but {INDEX_FILE} records {recorded}")
+        if self._max_token_id is not None and overall != self._max_token_id:
+            raise DatasetError(f"{self.path / INDEX_FILE}: max_token_id {self._max_token_id} but "
+                               f"the shards' largest token id is {overall}")
+
+    @property
+    def max_token_id(self) -> int:
+        """Largest token id of the dataset (-1 when it has no tokens): a model needs
+        ``vocab_size > max_token_id``. Read from ``index.json``; for datasets written before
+        the key existed it is computed from the shards once and cached in ``cache/``."""
+        if self._max_token_id is None:
+            self._max_token_id = self._scan_max_token_id()
+        return self._max_token_id
+
+    def _scan_max_token_id(self) -> int:
+        key = [s["sha256"] for s in self.index["shards"]]
+        cached = self.path / "cache" / "max-token-id.json"
+        with suppress(OSError, ValueError, KeyError, TypeError):
+            data = json.loads(cached.read_text())
+            if data["shards"] == key and isinstance(data["max_token_id"], int):
+                return data["max_token_id"]
+        value = max((int(v.max()) for v in self._values if v.size), default=-1)
+        check_token_range(value, self.index.get("tokenizer"), self.dtype.name, str(self.path))
+        with suppress(OSError):  # read-only data: computed again next time, only slower
+            cached.parent.mkdir(exist_ok=True)
+            atomic_write_json(cached, {"shards": key, "max_token_id": value})
+        return value
 
     def __len__(self) -> int:
         return len(self.doc_lengths)

@@ -22,7 +22,7 @@ from mt_data.decontam import DecontamConfig, NgramIndex, decontaminate_batch
 from mt_data.dedup import DedupConfig, MinHasher, content_hashes, first_occurrences, fuzzy_dedup
 from mt_data.filters import FilterConfig, filter_batch
 from mt_data.ingest import ErrorLog, IngestConfig, WorkItem, iter_documents, read_work_item
-from mt_data.shards import atomic_write_bytes, atomic_write_json
+from mt_data.shards import atomic_replace, atomic_write_bytes, atomic_write_json
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,10 @@ class CleanConfig:
     on_error: str = "skip"
 
 
+MAX_SAMPLES = 100
+"""Bad-input examples kept per chunk and per run (every bad input is still counted)."""
+
+
 @dataclass
 class ChunkStats:
     """Counts of one chunk (also summed over a whole run)."""
@@ -49,13 +53,14 @@ class ChunkStats:
     error_samples: list[str] = field(default_factory=list)
 
     def add(self, other: ChunkStats) -> None:
-        """Accumulate another chunk's counts (keeps at most 100 error samples)."""
+        """Accumulate another chunk's counts (keeps at most ``MAX_SAMPLES`` error samples)."""
         self.documents_in += other.documents_in
         self.bytes_in += other.bytes_in
         self.documents_out += other.documents_out
         self.dropped.update(other.dropped)
         self.errors.update(other.errors)
-        self.error_samples.extend(other.error_samples[: max(0, 100 - len(self.error_samples))])
+        room = max(0, MAX_SAMPLES - len(self.error_samples))
+        self.error_samples.extend(other.error_samples[:room])
 
     def to_json(self) -> dict[str, Any]:
         """Plain dict (for sidecars and the index)."""
@@ -76,20 +81,24 @@ EVAL_NGRAMS = "eval-ngrams.npy"
 
 def load_eval_index(config: CleanConfig, work_dir: Path | None = None) -> NgramIndex | None:
     """N-gram index of the evaluation files (None when decontamination is off); read from
-    ``work_dir/eval-ngrams.npy`` when present, so workers do not re-read the evaluation set."""
+    ``work_dir/eval-ngrams.npy`` when present, so workers do not re-read the evaluation set.
+
+    Evaluation files are read whole or not at all: any bad input in them (a truncated file, a
+    malformed line) raises :class:`BadInputError`, since a partly read evaluation set would let
+    its text through decontamination unnoticed."""
     if config.decontam is None or not config.eval_paths:
         return None
     cached = work_dir / EVAL_NGRAMS if work_dir is not None else None
     if cached is not None and cached.exists():
         return NgramIndex(np.load(cached), config.decontam.ngram)
     texts: list[str] = []
-    for batch in iter_documents(config.eval_paths, config.ingest, ErrorLog("skip")):
+    for batch in iter_documents(config.eval_paths, config.ingest, ErrorLog("stop")):
         texts.extend(batch.column("text").to_pylist())
     index = NgramIndex.from_texts(texts, config.decontam.ngram)
     if cached is not None:
-        tmp = cached.with_name(f".{cached.name}.tmp.npy")
+        tmp = cached.with_name(f".{cached.name}.{os.getpid()}.tmp.npy")
         np.save(tmp, index.hashes)
-        os.replace(tmp, cached)
+        atomic_replace(tmp, cached)
     return index
 
 
@@ -133,7 +142,11 @@ def _write_chunk(path: Path, batch: pa.RecordBatch, stats: ChunkStats) -> None:
 
 
 def clean_item(index: int, item: WorkItem, config: CleanConfig, work: str) -> dict[str, Any]:
-    """Stage 1 for one work item; chunks finished by an earlier run are skipped."""
+    """Stage 1 for one work item; chunks finished by an earlier run are skipped.
+
+    Bad inputs are counted exactly per chunk (the log keeps only examples); the result also
+    carries the item's text-key tallies (``keyless`` / ``keyed``, see ``check_text_key``).
+    """
     work_dir = Path(work)
     done_mark = work_dir / f"item-{index:05d}.json"
     if done_mark.exists():
@@ -142,27 +155,29 @@ def clean_item(index: int, item: WorkItem, config: CleanConfig, work: str) -> di
     eval_index = load_eval_index(config, work_dir)
     log = ErrorLog(config.on_error)
     chunks: list[str] = []
-    seen = 0
+    seen, counted = 0, Counter[str]()
 
-    def new_errors(stats: ChunkStats) -> None:
-        nonlocal seen
+    def new_errors(stats: ChunkStats | None) -> None:
+        nonlocal seen, counted
         fresh = log.errors[seen:]
-        seen = len(log.errors)
-        stats.error_samples = [str(e) for e in fresh[:100]]
-        stats.errors = Counter(e.kind for e in fresh)
+        if stats is not None:
+            stats.error_samples = [str(e) for e in fresh[:MAX_SAMPLES]]
+            stats.errors = log.counts - counted
+        seen, counted = len(log.errors), log.counts.copy()
 
     for c, batch in enumerate(read_work_item(item, config.ingest, log)):
         path = work_dir / f"clean-{index:05d}-{c:05d}.arrow"
         chunks.append(path.name)
         if path.with_suffix(".json").exists() and path.exists():
-            seen = len(log.errors)
+            new_errors(None)  # counted by the run that wrote the chunk
             continue
         out, stats = clean_chunk(batch, config, hasher, eval_index)
         new_errors(stats)
         _write_chunk(path, out, stats)
     tail = ChunkStats()
     new_errors(tail)
-    result = {"item": index, "files": list(item.files), "chunks": chunks, "tail": tail.to_json()}
+    result = {"item": index, "files": list(item.files), "chunks": chunks, "tail": tail.to_json(),
+              "keyless": log.keyless, "keyed": sorted(log.keyed)}
     atomic_write_json(done_mark, result)
     return result
 

@@ -19,13 +19,15 @@ import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
+from mt_data.errors import DataError
 from mt_data.fastbpe import FastByteLevelBPE, is_gpt2_style
+from mt_data.shards import atomic_write_bytes
 
 EOD_TOKEN = "<|endoftext|>"
 BUILTIN = ("gpt2", "tokenizer-1k")
 
 
-class TokenizerError(ValueError):
+class TokenizerError(DataError, ValueError):
     """A tokenizer could not be loaded or trained."""
 
 
@@ -109,8 +111,8 @@ class Tokenizer:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
     def save(self, path: str | Path) -> None:
-        """Write the tokenizer as a HF ``tokenizer.json``."""
-        self.backend.save(str(path))
+        """Write the tokenizer as a HF ``tokenizer.json`` (atomically)."""
+        atomic_write_bytes(Path(path), self.backend.to_str(pretty=True).encode("utf-8"))
 
     def describe(self) -> dict[str, object]:
         """Metadata recorded in a shard index."""
@@ -190,7 +192,11 @@ def load_tokenizer(spec: str | Path = "gpt2") -> Tokenizer:
         raise TokenizerError(
             f"no tokenizer at {text!r}: expected one of {BUILTIN}, a tokenizer.json or a folder"
         )
-    return Tokenizer(HFTokenizer.from_file(str(path)), str(path))
+    try:
+        backend = HFTokenizer.from_file(str(path))
+    except Exception as exc:  # the tokenizers library raises a bare Exception
+        raise TokenizerError(f"{path}: not a readable tokenizer.json ({exc})") from None
+    return Tokenizer(backend, str(path))
 
 
 def train_tokenizer(

@@ -1,0 +1,297 @@
+"""Faults in the input, on real files: truncated / corrupt .gz and .zst, a wrong text key, empty
+inputs and fully filtered runs, exact bad-line counts; each one clear line, CLI exit status 2."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from typer.testing import CliRunner
+
+from mt_data.cli import app
+from mt_data.compressed import check_stream, open_binary
+from mt_data.corpus import iter_corpus
+from mt_data.decontam import DecontamConfig
+from mt_data.errors import StreamError
+from mt_data.ingest import (
+    BadInputError,
+    ErrorLog,
+    IngestConfig,
+    InputError,
+    TextKeyError,
+    iter_documents,
+)
+from mt_data.pipeline import NoDocumentsError, PrepareConfig, prepare
+from mt_data.shards import TokenDataset
+from mt_data.stages import CleanConfig
+
+zstandard = pytest.importorskip("zstandard")  # optional dependency, for .zst input
+runner = CliRunner()
+GZ_CUT = "truncated: the gzip stream ends before its end-of-stream marker (the file is incomplete)"
+FAST = ["--tokenizer", "tokenizer-1k", "--workers", "1", "--no-fuzzy-dedup"]
+
+
+@pytest.fixture(scope="module")
+def docs() -> list[dict[str, str]]:
+    return list(iter_corpus())
+
+
+def _lines(docs: list[dict[str, str]], n: int = 1200, key: str = "text") -> bytes:
+    """``n`` JSONL documents: 400-character pieces of the real corpus."""
+    out = []
+    for i in range(n):
+        text = docs[i % len(docs)]["text"]
+        start = (i // len(docs)) * 400 % max(1, len(text) - 400)
+        out.append(json.dumps({"id": f"d{i}", key: text[start : start + 400]}))
+    return ("\n".join(out) + "\n").encode()
+
+
+def _zst(data: bytes) -> bytes:
+    """A streamed zstd frame: 128 KiB blocks, so a cut one leaves whole blocks before it."""
+    compressor = zstandard.ZstdCompressor().compressobj()
+    return compressor.compress(data) + compressor.flush()
+
+
+def _compress(kind: str, data: bytes) -> bytes:
+    return _zst(data) if kind == "zst" else gzip.compress(data)
+
+
+def _texts(batches: list[pa.RecordBatch]) -> list[str]:
+    return [t for b in batches for t in b.column("text").to_pylist()]
+
+
+@pytest.mark.parametrize("kind", ["zst", "gz"])
+def test_truncated_stream_is_reported_and_yields_nothing(docs, tmp_path: Path, kind: str) -> None:
+    raw = _lines(docs)
+    full, cut = tmp_path / f"full.jsonl.{kind}", tmp_path / f"cut.jsonl.{kind}"
+    data = _compress(kind, raw)
+    full.write_bytes(data)
+    cut.write_bytes(data[: len(data) // 2])
+    log = ErrorLog("skip")
+    assert len(_texts(list(iter_documents([full], IngestConfig(), log)))) == 1200
+    assert log.total == 0
+    # skip: the truncated file gives no document at all (not the ~600 before the cut), and is
+    # reported and counted; the other input is read whole.
+    good = tmp_path / "good.jsonl"
+    good.write_bytes(raw[: raw.index(b"\n") + 1])
+    log = ErrorLog("skip")
+    texts = _texts(list(iter_documents([cut, good], IngestConfig(), log)))
+    assert texts == [json.loads(raw.splitlines()[0])["text"]]
+    assert len(log.errors) == 1 and log.errors[0].file == str(cut)
+    assert (log.errors[0].line, log.errors[0].kind) == (0, "truncated")
+    assert dict(log.counts) == {"truncated": 1}
+    expected = (f"{cut}:0: {GZ_CUT}" if kind == "gz" else
+                f"{cut}:0: truncated: the zstd stream ends inside a frame after "
+                f"{len(data) // 2:,} bytes (the file is incomplete)")
+    assert str(log.errors[0]) == expected
+    # stop: the run stops at that file.
+    with pytest.raises(BadInputError) as info:
+        list(iter_documents([cut], IngestConfig(), ErrorLog("stop")))
+    assert str(info.value) == expected
+
+
+@pytest.mark.parametrize("kind", ["zst", "gz"])
+def test_streaming_reader_raises_at_the_cut(docs, tmp_path: Path, kind: str) -> None:
+    data = _compress(kind, _lines(docs))
+    path = tmp_path / f"cut.jsonl.{kind}"
+    path.write_bytes(data[: len(data) // 2])
+    lines = 0
+    with pytest.raises(StreamError) as info, open_binary(path) as f:
+        for _ in f:
+            lines += 1
+    assert 0 < lines < 1200  # whole lines decode before the cut: the stream is not "complete"
+    assert (info.value.path, info.value.kind) == (str(path), "truncated")
+    with pytest.raises(StreamError, match="truncated"):
+        check_stream(path)
+
+
+def test_concatenated_frames_and_members_are_read_whole(docs, tmp_path: Path) -> None:
+    raw = _lines(docs, 300)
+    parts = [raw[:10_000], raw[10_000:50_000], raw[50_000:]]
+    (tmp_path / "multi.jsonl.zst").write_bytes(b"".join(_zst(p) for p in parts))
+    (tmp_path / "multi.jsonl.gz").write_bytes(b"".join(gzip.compress(p) for p in parts))
+    for name in ("multi.jsonl.zst", "multi.jsonl.gz"):
+        assert check_stream(tmp_path / name) == len(raw)
+        with open_binary(tmp_path / name) as f:
+            assert f.read() == raw
+
+
+def test_corrupt_and_truncated_files_of_every_reader(docs, tmp_path: Path) -> None:
+    (tmp_path / "junk.jsonl.zst").write_bytes(b"this is not zstd data at all")
+    (tmp_path / "junk.jsonl.gz").write_bytes(b"this is not gzip data at all")
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    (folder / "a.txt").write_text(docs[0]["text"])
+    body = gzip.compress(docs[1]["text"].encode())
+    (folder / "b.txt.gz").write_bytes(body[: len(body) // 2])
+    log = ErrorLog("skip")
+    batches = list(iter_documents([tmp_path / "junk.jsonl.zst", tmp_path / "junk.jsonl.gz",
+                                   folder], IngestConfig(), log))
+    assert _texts(batches) == [docs[0]["text"]]
+    assert [(Path(e.file).name, e.line, e.kind) for e in log.errors] == [
+        ("junk.jsonl.zst", 0, "corrupt"), ("junk.jsonl.gz", 0, "corrupt"),
+        ("b.txt.gz", 0, "truncated")]
+    assert log.errors[0].message.startswith("invalid zstd data (")
+    assert log.errors[1].message.startswith("invalid gzip data (")
+    assert str(log.errors[2]) == f"{folder / 'b.txt.gz'}:0: {GZ_CUT}"
+
+
+def test_cli_truncated_input_stop_and_skip(docs, tmp_path: Path) -> None:
+    raw = "".join(json.dumps({"id": d["id"], "text": d["text"]}) + "\n" for d in docs[:40])
+    data = gzip.compress(raw.encode())
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(data[: len(data) // 2])
+    good = tmp_path / "good.jsonl"
+    good.write_text("".join(json.dumps({"id": d["id"], "text": d["text"]}) + "\n"
+                            for d in docs[140:150]))
+    result = runner.invoke(app, ["prepare", str(cut), "-o", str(tmp_path / "stop"),
+                                 "--on-error", "stop", *FAST], env={"COLUMNS": "300"})
+    assert result.exit_code == 2
+    assert f"error: {cut}:0: {GZ_CUT}\n" in result.output
+    assert "Aborted" not in result.output and "Traceback" not in result.output
+    zst = tmp_path / "cut.jsonl.zst"
+    zdata = _zst(_lines(docs))
+    zst.write_bytes(zdata[: len(zdata) // 2])
+    result = runner.invoke(app, ["prepare", str(zst), "-o", str(tmp_path / "zstop"),
+                                 "--on-error", "stop", *FAST], env={"COLUMNS": "300"})
+    assert result.exit_code == 2 and f"error: {zst}:0: truncated: " in result.output
+    out = tmp_path / "skip"
+    result = runner.invoke(app, ["prepare", str(cut), str(good), "-o", str(out), *FAST],
+                           env={"COLUMNS": "300"})
+    assert result.exit_code == 0, result.output
+    assert f"bad input {cut}:0: {GZ_CUT}" in result.output
+    stats = json.loads((out / "index.json").read_text())["stats"]
+    assert stats["bad_inputs"] == {"truncated": 1} and stats["documents_in"] == 10
+    ds = TokenDataset(out)
+    assert [ds.metadata(i)[0] for i in range(len(ds))] == [d["id"] for d in docs[140:150]]
+
+
+def test_truncated_evaluation_file_stops_the_run(docs, tmp_path: Path) -> None:
+    """A partly read evaluation set would let its text through decontamination: never skipped."""
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps({"text": d["text"]}) + "\n" for d in docs[:5]))
+    data = gzip.compress("".join(json.dumps({"text": d["text"]}) + "\n"
+                                 for d in docs[140:150]).encode())
+    evals = tmp_path / "eval.jsonl.gz"
+    evals.write_bytes(data[: len(data) // 2])
+    config = PrepareConfig(CleanConfig(decontam=DecontamConfig(), eval_paths=(str(evals),)),
+                           "tokenizer-1k", workers=1)
+    with pytest.raises(BadInputError) as info:  # although on_error is "skip"
+        prepare([train], tmp_path / "out", config)
+    assert str(info.value) == f"{evals}:0: {GZ_CUT}"
+
+
+def test_text_key_missing_from_every_line(docs, tmp_path: Path) -> None:
+    path = tmp_path / "body.jsonl"
+    path.write_bytes(_lines(docs, 50, key="body"))
+    expected = (f"{path}:0: missing_key: no line has the 'text' field (check --text-key); the "
+                f"lines have 'body', 'id'")
+    with pytest.raises(TextKeyError) as info:  # even when skipping bad lines
+        list(iter_documents([path], IngestConfig(), ErrorLog("skip")))
+    assert str(info.value) == expected
+    with pytest.raises(BadInputError) as info:  # stop: the first line already stops the run
+        list(iter_documents([path], IngestConfig(), ErrorLog("stop")))
+    assert str(info.value) == f"{path}:1: missing_key: no 'text' field (the line has 'body', 'id')"
+    # Read in byte ranges (a large uncompressed file): the verdict covers the whole file.
+    split = IngestConfig(split_bytes=4000)
+    with pytest.raises(TextKeyError) as info:
+        list(iter_documents([path], split, ErrorLog("skip")))
+    assert str(info.value) == expected
+    for workers in (1, 2):
+        out = tmp_path / f"out{workers}"
+        with pytest.raises(TextKeyError) as info:
+            prepare([path], out, PrepareConfig(CleanConfig(ingest=split), "tokenizer-1k",
+                                               workers=workers))
+        assert str(info.value) == expected and info.value.error == InputError(
+            str(path), 0, "missing_key", expected.split("missing_key: ")[1])
+        assert not out.exists()  # nothing to resume: rerunning with --text-key needs no flag
+    # Some lines with the field: the others are bad lines, counted, not a wrong key.
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_bytes(_lines(docs, 3) + _lines(docs, 2, key="body"))
+    log = ErrorLog("skip")
+    assert len(_texts(list(iter_documents([mixed], IngestConfig(), log)))) == 3
+    assert dict(log.counts) == {"missing_key": 2}
+    table = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"body": ["x"], "id": ["1"]}), table)
+    with pytest.raises(TextKeyError) as info:
+        list(iter_documents([table], IngestConfig(), ErrorLog("skip")))
+    assert str(info.value) == (f"{table}:0: missing_key: no 'text' column (check --text-key); "
+                               f"the file has 'body', 'id'")
+
+
+def test_cli_wrong_text_key(docs, tmp_path: Path) -> None:
+    path = tmp_path / "body.jsonl"
+    path.write_bytes(_lines(docs, 20, key="body"))
+    result = runner.invoke(app, ["prepare", str(path), "-o", str(tmp_path / "o"), *FAST],
+                           env={"COLUMNS": "300"})
+    assert result.exit_code == 2
+    assert (f"error: {path}:0: missing_key: no line has the 'text' field (check --text-key); "
+            f"the lines have 'body', 'id'\n") in result.output
+    result = runner.invoke(app, ["prepare", str(path), "-o", str(tmp_path / "o"),
+                                 "--text-key", "body", "--min-chars", "10", *FAST])
+    assert result.exit_code == 0, result.output  # no leftover run to --overwrite
+
+
+def test_no_documents_is_an_error(tmp_path: Path) -> None:
+    empty = tmp_path / "empty.jsonl"
+    empty.write_bytes(b"")
+    config = PrepareConfig(tokenizer="tokenizer-1k", workers=1)
+    with pytest.raises(NoDocumentsError) as info:
+        prepare([empty], tmp_path / "o1", config)
+    assert str(info.value) == (
+        f"no documents in {empty}: no input line or file holds one (bad inputs: empty_file 1; "
+        f"first: {empty}:0: empty_file: no documents in file)")
+    assert not (tmp_path / "o1").exists()  # no 0-document dataset, no half run left
+    short = tmp_path / "short.jsonl"
+    short.write_text("".join(json.dumps({"text": f"only {i} words"}) + "\n" for i in range(5)))
+    with pytest.raises(NoDocumentsError) as info:
+        prepare([short], tmp_path / "o2", config)
+    assert str(info.value) == (f"no documents left from {short}: all 5 documents read were "
+                               f"dropped (too_short 5)")
+    assert not (tmp_path / "o2").exists()
+    result = runner.invoke(app, ["prepare", str(short), "-o", str(tmp_path / "o3"), *FAST])
+    assert result.exit_code == 2
+    assert f"error: no documents left from {short}: all 5" in result.output
+    result = runner.invoke(app, ["train-tokenizer", str(empty), "--vocab-size", "300", "-o",
+                                 str(tmp_path / "tok.json")])
+    assert result.exit_code == 2 and f"error: no documents in {empty}" in result.output
+    assert not (tmp_path / "tok.json").exists()
+
+
+def test_cli_names_an_empty_input_file(docs, tmp_path: Path) -> None:
+    good, empty = tmp_path / "good.jsonl", tmp_path / "empty.jsonl.gz"
+    good.write_text("".join(json.dumps({"text": d["text"]}) + "\n" for d in docs[:5]))
+    empty.write_bytes(gzip.compress(b"\n\n"))
+    result = runner.invoke(app, ["prepare", str(good), str(empty), "-o", str(tmp_path / "o"),
+                                 *FAST], env={"COLUMNS": "300"})
+    assert result.exit_code == 0, result.output
+    assert f"bad input {empty}:0: empty_file: no documents in file" in result.output
+
+
+def test_bad_line_counts_are_exact(docs, tmp_path: Path) -> None:
+    """More bad lines than the log keeps as examples (1,000): every one is still counted."""
+    good = [json.dumps({"text": d["text"]}) for d in docs[:30]]
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl.gz"
+    a.write_text("\n".join(good[:15] + ["{broken"] * 1500) + "\n")
+    b.write_bytes(gzip.compress(("\n".join(["[1, 2]"] * 845 + good[15:] + ["{"] * 1000)
+                                 + "\n").encode()))
+    log = ErrorLog("skip")
+    assert len(_texts(list(iter_documents([a, b], IngestConfig(), log)))) == 30
+    assert dict(log.counts) == {"json": 3345} and log.total == 3345
+    assert len(log.errors) == 1000  # examples kept
+    summary = prepare([a, b], tmp_path / "out", PrepareConfig(
+        CleanConfig(ingest=IngestConfig(batch_docs=4)), "tokenizer-1k", workers=1))
+    assert summary["bad_inputs"] == {"json": 3345}
+    assert len(summary["bad_input_samples"]) == 100
+    assert summary["bad_input_samples"][0] == (f"{a}:16: json: malformed JSON: Expecting "
+                                               f"property name enclosed in double quotes "
+                                               f"(column 2)")
+    assert summary["documents_in"] == 30
+    result = runner.invoke(app, ["prepare", str(a), str(b), "-o", str(tmp_path / "cli"), *FAST],
+                           env={"COLUMNS": "300"})
+    assert result.exit_code == 0 and "3,345" in result.output
+    assert "3,335 more bad inputs" in result.output
