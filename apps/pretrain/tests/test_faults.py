@@ -210,3 +210,25 @@ def test_a_second_interrupt_stops_at_once(cache: Path, tmp_path: Path) -> None:
     assert "interrupted twice: the ranks were stopped at once" in stderr
     time.sleep(0.5)
     assert not any(Path(f"/proc/{pid}").exists() for pid in ranks)
+
+
+def test_token_ids_outside_the_model_vocabulary_are_refused(cache: Path, tmp_path: Path) -> None:
+    """A dataset whose ids reach past the model's vocabulary (here: imported without the
+    tokenizer's size, so only the recorded largest id can tell) is refused before training,
+    instead of training on zeroed rows (TP) or failing with an IndexError."""
+    import json
+    import shutil
+
+    _run(tmp_path / "first", cache, train_steps=1, save="none")  # prepares the corpus
+    data = tmp_path / "data"
+    shutil.copytree(next((cache / "data").glob("embedded-*")), data,
+                    ignore=shutil.ignore_patterns("cache"))
+    index = json.loads((data / "index.json").read_text())
+    index["tokenizer"].pop("vocab_size")
+    (data / "index.json").write_text(json.dumps(index))
+    largest = index["max_token_id"]
+    with pytest.raises(ConfigError, match=rf"dataset {data} holds token id {largest} "
+                       rf"\(max_token_id in its index.json\) but the model vocabulary has "
+                       rf"900 ids: use --vocab-size >= {largest + 1}"):
+        _run(tmp_path / "run", cache, train_steps=1, save="none", data=str(data),
+             vocab_size=900)

@@ -62,11 +62,12 @@ FLOORS: dict[str, Tolerance] = {
 }
 #: The multiple of the floor a 16-bit case may reach, by what it adds to the floor's
 #: reordering (the worst ratio the full matrix measured in brackets; README):
-#: - nothing (data/pipeline parallel, ZeRO, checkpointing, dropout): 2 (1.4);
+#: - nothing beyond summing in another order (data/pipeline parallel, ZeRO, checkpointing,
+#:   dropout): 3 (1.95, the fp16 grad norm at DP 8: eight partial sums);
 #: - DeepSpeed's engine: it reduces 16-bit gradients its own way: 6 (4.7);
 #: - tensor parallelism: each row-parallel all-reduce rounds partial sums to 16 bits once
 #:   more per layer, t partial sums at TP t: 8 (6.3, fp16 grad norm at TP 4).
-FLOOR_FACTORS = {"plain": 2.0, "deepspeed": 6.0, "tp": 8.0}
+FLOOR_FACTORS = {"plain": 3.0, "deepspeed": 6.0, "tp": 8.0}
 
 
 def tolerance_for(case: Case) -> Tolerance:

@@ -11,6 +11,7 @@ import numpy as np
 
 from mt_data import (
     BatchSchedule,
+    DataError,
     DataLoaderState,
     DPDataLoader,
     GPTDataset,
@@ -74,14 +75,25 @@ def _dataset(config: PretrainConfig, paths: list[Path], seq_len: int, samples: i
 
 
 def check_vocab(plan: RunPlan, paths: list[Path]) -> None:
-    """Every token id of the data must fit the model's vocabulary."""
+    """Every token id of the data must fit the model's vocabulary: the dataset's real largest
+    id (``max_token_id``, recorded in index.json and checked by mt-data on open) and its
+    tokenizer's size. A dataset mt-data refuses to open is a ConfigError too."""
     vocab = plan.gpt.vocab_size
     for path in paths:
-        info = TokenDataset(path).index.get("tokenizer", {})
+        try:
+            data = TokenDataset(path)
+            largest = data.max_token_id
+        except DataError as err:
+            raise ConfigError(str(err)) from None
+        info = data.index.get("tokenizer", {})
         size = info.get("vocab_size") if isinstance(info, dict) else None
         if size is not None and size > vocab:
             raise ConfigError(f"dataset {path} uses a tokenizer of {size} ids but the model "
                               f"vocabulary has {vocab}: use --vocab-size >= {size}")
+        if largest >= vocab:
+            raise ConfigError(f"dataset {path} holds token id {largest} (max_token_id in its "
+                              f"index.json) but the model vocabulary has {vocab} ids: use "
+                              f"--vocab-size >= {largest + 1}")
 
 
 def make_loaders(config: PretrainConfig, plan: RunPlan, paths: list[Path], dp_rank: int,

@@ -27,7 +27,7 @@ import torch
 from mt_dist import LaunchInfo, discover, free_port
 from mt_pretrain.checkpoint import CheckpointError
 from mt_pretrain.config import ConfigError, PretrainConfig
-from mt_pretrain.data import ensure_data
+from mt_pretrain.data import check_vocab, ensure_data
 from mt_pretrain.plan import resolve, sharding_styles
 from mt_pretrain.run import RunSummary, run_rank
 from mt_pretrain.run_folder import claim_run_folder
@@ -82,7 +82,7 @@ def launch(config: PretrainConfig, environ: Mapping[str, str] | None = None,
     nproc = world_size_for(config)
     plan = resolve(config, nproc)  # fail before starting anything
     claim_run_folder(config)
-    ensure_data(config, plan, cache)  # once, here, instead of racing in every rank
+    check_vocab(plan, ensure_data(config, plan, cache))  # once, here, not racing per rank
     # Building a meta GPT imports torch's Python reference ops (seconds); do it once before
     # forking so that every rank inherits them.
     sharding_styles(plan.model)
