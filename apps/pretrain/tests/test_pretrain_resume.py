@@ -131,3 +131,25 @@ def test_exit_duration_saves_before_the_time_is_up(full_run: tuple[Path, Path, A
     run = _run(tmp_path, cache, train_steps=10, exit_duration=1e-4, **CHAIN)
     assert (run.stopped, run.final_step) == ("exit-duration", 1)
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step-00000001"
+
+
+def test_a_checkpoint_of_the_old_sample_order_resumes_with_a_warning(
+        full_run: tuple[Path, Path, Any], tmp_path: Path) -> None:
+    """Written before the sample order stopped depending on the run's length (no
+    "data_order" in meta.json): it resumes at the same consumed-sample count, and says that
+    the samples it sees next differ from the old run's."""
+    import json
+    import shutil
+
+    out, cache, _ = full_run
+    folder = tmp_path / "old" / "step-00000006"
+    shutil.copytree(out / "checkpoints" / "step-00000006", folder)
+    meta = json.loads((folder / "meta.json").read_text())
+    assert meta.pop("data_order") == 2
+    (folder / "meta.json").write_text(json.dumps(meta))
+    with pytest.warns(UserWarning, match="written before mt's sample order stopped depending "
+                      "on the run's length: training continues after sample 48 of the new "
+                      "order"):
+        resumed = _run(tmp_path / "run", cache, nproc=1, tp=1, pp=1, zero_stage=0,
+                       save="none", load=str(folder))
+    assert resumed.start_step == HALF
