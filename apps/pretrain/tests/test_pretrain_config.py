@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from mt_pretrain.cli import app
 from mt_pretrain.config import SECTIONS, ConfigError, PretrainConfig
-from mt_pretrain.config_io import field_docs, flat_fields, load_config
+from mt_pretrain.config_io import field_docs, flat_fields, load_config, replace_config
 from mt_pretrain.main import dry_run
 from mt_pretrain.plan import memory_estimate, resolve
 from mt_pretrain.schedule import LRSchedule
@@ -35,7 +35,7 @@ def test_yaml_sections_flat_keys_and_cli_overrides(tmp_path: Path) -> None:
     plan = resolve(config, 4)
     # 12000 tokens / 32 per sample = 375 samples -> 12 steps of 32 samples.
     assert plan.train_steps == 12 and plan.train_samples == 384
-    again = config.replace(tp=2)
+    again = replace_config(config, tp=2)
     assert again.parallel.tp == 2 and again.train.train_tokens == 12000
 
 

@@ -5,8 +5,10 @@ text is that docstring (see :func:`field_docs`). Field names are unique across s
 YAML file may use sections (``parallel: {tp: 2}``) or flat keys (``tp: 2``).
 
 Checks that need only the config run in ``__post_init__``; checks that need the world size
-(data-parallel degree, batch divisibility, pipeline split) run in :func:`resolve`, which the
-dry run and every rank call. Every error names the numbers involved.
+(data-parallel degree, batch divisibility, pipeline split) run in
+:func:`mt_pretrain.plan.resolve`, an explicit step (``load_config`` takes it when the flags
+fix the world size; the dry run and every rank take it). The config is pure data: nothing
+here reads a file or imports the resolver. Every error names the numbers involved.
 """
 
 from __future__ import annotations
@@ -496,10 +498,6 @@ class PretrainConfig:
             problems.append(f"data path(s) not found: {missing} (prepare them with "
                             "`mt data prepare`, or omit --data for the embedded corpus)")
         _raise(problems, "configuration")
-        if self.parallel.nproc is not None or self.parallel.dp is not None:
-            from mt_pretrain.plan import resolve
-
-            resolve(self, self.world_size_hint())
 
     def world_size_hint(self) -> int:
         """World size implied by the config alone (a launcher may say otherwise)."""
@@ -513,9 +511,3 @@ class PretrainConfig:
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """Plain nested dict (YAML / JSON)."""
         return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
-
-    def replace(self, **flat: Any) -> PretrainConfig:
-        """A copy with flat field overrides (``tp=1``, ``train_steps=10``...)."""
-        from mt_pretrain.config_io import build_config
-
-        return build_config(self.to_dict(), flat)

@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from mt_pretrain.config import SECTIONS, ConfigError, PretrainConfig
+from mt_pretrain.plan import resolve
 
-__all__ = ["build_config", "field_docs", "flat_fields", "load_config"]
+__all__ = ["build_config", "field_docs", "flat_fields", "load_config", "replace_config"]
 
 
 @cache
@@ -115,7 +116,15 @@ def build_config(nested: Mapping[str, Any], flat: Mapping[str, Any],
         sections = {s: SECTIONS[s](**values[s]) for s in SECTIONS}
     except TypeError as err:
         raise ConfigError(str(err)) from None
-    return PretrainConfig(**sections)
+    config = PretrainConfig(**sections)
+    if config.parallel.nproc is not None or config.parallel.dp is not None:
+        resolve(config, config.world_size_hint())  # the flags fix the world size: check now
+    return config
+
+
+def replace_config(config: PretrainConfig, **flat: Any) -> PretrainConfig:
+    """A copy of ``config`` with flat field overrides (``tp=1``, ``train_steps=10``...)."""
+    return build_config(config.to_dict(), flat)
 
 
 def load_config(path: str | Path | None = None,

@@ -4,6 +4,7 @@ a cache folder), packed GPT samples and this data-parallel rank's loader."""
 from __future__ import annotations
 
 import fcntl
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +25,19 @@ from mt_data import (
 from mt_pretrain.config import ConfigError, PretrainConfig
 from mt_pretrain.plan import RunPlan
 
-__all__ = ["default_tokenizer", "ensure_data", "make_loaders", "tokenizer_for"]
+__all__ = ["check_vocab", "default_cache_dir", "default_tokenizer", "ensure_data", "make_loaders",
+           "tokenizer_for"]
 
 GPT2_VOCAB = 50257
+
+
+def default_cache_dir(environ: Mapping[str, str]) -> Path:
+    """$MT_CACHE_DIR, else $XDG_CACHE_HOME/mt, else ~/.cache/mt."""
+    if environ.get("MT_CACHE_DIR"):
+        return Path(environ["MT_CACHE_DIR"])
+    if environ.get("XDG_CACHE_HOME"):
+        return Path(environ["XDG_CACHE_HOME"]) / "mt"
+    return Path.home() / ".cache" / "mt"
 
 
 def default_tokenizer(config: PretrainConfig, vocab_size: int) -> str:

@@ -33,7 +33,7 @@ from torch import nn
 from mt_data import DataLoaderState
 from mt_dist import ParallelGroups
 from mt_pretrain.config import PretrainConfig
-from mt_pretrain.launch import default_cache_dir
+from mt_pretrain.data import default_cache_dir
 from mt_pretrain.plan import RunPlan, sharding_styles
 from mt_zero import StepResult, ZeroConfig, decay_param_groups
 from mt_zero.deepspeed_engine import deepspeed_config, deepspeed_environ, initialize_deepspeed

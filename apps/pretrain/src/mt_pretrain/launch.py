@@ -27,13 +27,13 @@ import torch
 from mt_dist import LaunchInfo, discover, free_port
 from mt_pretrain.checkpoint import CheckpointError
 from mt_pretrain.config import ConfigError, PretrainConfig
-from mt_pretrain.data import check_vocab, ensure_data
+from mt_pretrain.data import check_vocab, default_cache_dir, ensure_data
 from mt_pretrain.plan import resolve, sharding_styles
 from mt_pretrain.run import RunSummary, run_rank
 from mt_pretrain.run_folder import claim_run_folder
 from mt_pretrain.train import NonFiniteLossError
 
-__all__ = ["Interrupted", "LaunchFailed", "default_cache_dir", "launch", "spawn"]
+__all__ = ["Interrupted", "LaunchFailed", "launch", "spawn"]
 
 # Failures every rank meets alike (bad config, damaged checkpoint, diverged loss): the parent
 # re-raises them as they are, one line, no traceback.
@@ -51,15 +51,6 @@ class LaunchFailed(RuntimeError):
 
 class Interrupted(RuntimeError):
     """A second SIGINT / SIGTERM stopped the run at once."""
-
-
-def default_cache_dir(environ: Mapping[str, str]) -> Path:
-    """$MT_CACHE_DIR, else $XDG_CACHE_HOME/mt, else ~/.cache/mt."""
-    if environ.get("MT_CACHE_DIR"):
-        return Path(environ["MT_CACHE_DIR"])
-    if environ.get("XDG_CACHE_HOME"):
-        return Path(environ["XDG_CACHE_HOME"]) / "mt"
-    return Path.home() / ".cache" / "mt"
 
 
 def world_size_for(config: PretrainConfig) -> int:
