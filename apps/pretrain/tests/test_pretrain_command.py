@@ -1,6 +1,6 @@
-"""The `mt` command as a user runs it, in a subprocess: a short 3D run on the default layout
-(8 local processes) with validation, checkpoint and a generated sample; `mt plot` of its
-metrics; SIGTERM saving a checkpoint and exiting cleanly."""
+"""The `mt` command as a user runs it, in a subprocess: a short run of the shipped 3D demo
+config (8 local processes) with validation, checkpoint and a generated sample; `mt plot` of
+its metrics; SIGTERM saving a checkpoint and exiting cleanly; a dead rank."""
 
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_mt_pretrain_default_layout_then_plot(tmp_path: Path, cache: Path) -> None:
     out = tmp_path / "run"
     result = subprocess.run(
-        _mt("pretrain", *SMALL, "--train-steps", "16", "--eval-interval", "8",
+        _mt("pretrain", "--config", "demo-3d", *SMALL, "--train-steps", "16", "--eval-interval",
+            "8",
             "--sample-tokens", "12", "--out-dir", str(out), "--cache-dir", str(cache)),
         capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stdout + result.stderr

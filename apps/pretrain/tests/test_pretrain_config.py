@@ -16,12 +16,22 @@ from mt_pretrain.plan import memory_estimate, resolve
 from mt_pretrain.schedule import LRSchedule
 
 
-def test_defaults_are_the_3d_demo() -> None:
+def test_defaults_are_one_process_and_the_demo_is_3d() -> None:
     config = PretrainConfig()
     plan = resolve(config, config.world_size_hint())
+    assert (plan.topology.tp, plan.topology.pp, plan.topology.dp) == (1, 1, 1)
+    # Every degree defaults to 1; data parallelism takes the processes left.
+    two = load_config(None, {"nproc": 2})
+    assert (two.parallel.tp, two.parallel.pp) == (1, 1)
+    assert resolve(two, 2).topology.dp == 2
+    demo = load_config("demo-3d")  # the shipped config `mt pretrain` runs with no arguments
+    plan = resolve(demo, demo.world_size_hint())
     assert (plan.topology.tp, plan.topology.pp, plan.topology.dp) == (2, 2, 2)
     assert plan.gpt.vocab_size == 1000 and plan.pipeline.num_micro_batches == 4
-    assert plan.train_samples == plan.train_steps * 32
+    assert plan.train_steps == 300 and plan.train_samples == 300 * 32
+    with pytest.raises(ConfigError, match=r"config file nope not found \(shipped configs: "
+                       r"\['demo-3d'\]\)"):
+        load_config("nope")
 
 
 def test_yaml_sections_flat_keys_and_cli_overrides(tmp_path: Path) -> None:
@@ -40,10 +50,11 @@ def test_yaml_sections_flat_keys_and_cli_overrides(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ({"nproc": 8, "global_batch_size": 36},
+    ({"nproc": 8, "tp": 2, "pp": 2, "global_batch_size": 36},
      r"global batch size 36 is not divisible by micro-batch size 4 x dp 2 = 8"),
-    ({"nproc": 6}, r"world size 6 is not divisible by tp 2 x pp 2 = 4"),
-    ({"nproc": 8, "dp": 4}, r"tp 2 x pp 2 x dp 4 = 16 processes, but the world size is 8"),
+    ({"nproc": 6, "tp": 2, "pp": 2}, r"world size 6 is not divisible by tp 2 x pp 2 = 4"),
+    ({"nproc": 8, "tp": 2, "pp": 2, "dp": 4},
+     r"tp 2 x pp 2 x dp 4 = 16 processes, but the world size is 8"),
     ({"nproc": 3, "tp": 1, "pp": 3, "global_batch_size": 12},
      r"num_layers \(4\) divisible by num_stages \(3\)"),
     ({"nproc": 8, "tp": 8, "pp": 1}, r"n_heads.*4.*tp.*8|tp.*8.*n_heads.*4"),
@@ -52,7 +63,7 @@ def test_yaml_sections_flat_keys_and_cli_overrides(tmp_path: Path) -> None:
     ({"rampup_start": 8, "rampup_increment": 5, "rampup_tokens": 10},
      r"ramp-up from 8 by 5 does not reach global batch size 32"),
     ({"zero_stage": 5}, r"--zero-stage must be 0, 1, 2 or 3, got 5"),
-    ({"schedule": "interleaved", "virtual_stages": 1},
+    ({"pp": 2, "schedule": "interleaved", "virtual_stages": 1},
      r"interleaved needs --virtual-stages >= 2, got 1"),
     ({"unknown_flag": 1}, r"unknown config keys \['unknown_flag'\]"),
     ({"nproc": 4, "tp": 1, "pp": 2, "schedule": "interleaved", "virtual_stages": 2,
@@ -87,15 +98,17 @@ def test_every_field_has_help_text_and_a_flag() -> None:
 
 
 def test_cli_rejects_bad_layout_with_exit_code_2() -> None:
-    result = CliRunner().invoke(app, ["pretrain", "--nproc", "8", "--global-batch-size", "36",
-                                      "--dry-run"], env={"COLUMNS": "200"})
+    result = CliRunner().invoke(app, ["pretrain", "--nproc", "8", "--tp", "2", "--pp", "2",
+                                      "--global-batch-size", "36", "--dry-run"],
+                                env={"COLUMNS": "200"})
     assert result.exit_code == 2
     assert "global batch size 36 is not divisible by micro-batch size 4 x dp 2 = 8" in (
         result.output)
 
 
 def test_dry_run_prints_ranks_groups_stages_memory() -> None:
-    result = CliRunner().invoke(app, ["pretrain", "--dry-run"], env={"COLUMNS": "200"})
+    result = CliRunner().invoke(app, ["pretrain", "--config", "demo-3d", "--dry-run"],
+                                env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
     text = result.output
     assert "tp 2 x pp 2 x dp 2 = 8 ranks" in text
@@ -168,8 +181,8 @@ def test_bad_yaml_is_one_line_naming_file_field_and_line(tmp_path: Path, text: b
     assert "\n" not in str(err.value)
 
 
-def test_one_process_with_the_default_layout_says_what_to_pass() -> None:
+def test_too_few_processes_for_the_layout_says_what_to_pass() -> None:
     with pytest.raises(ConfigError, match=r"world size 1 is not divisible by tp 2 x pp 2 = 4; "
                        r"with 1 process pass --tp and --pp whose product divides 1, e.g. "
                        r"--tp 1 --pp 1"):
-        load_config(None, {"nproc": 1})
+        load_config("demo-3d", {"nproc": 1})

@@ -146,13 +146,13 @@ class ParallelArgs:
 
     nproc: int | None = None
     """Local processes to spawn when not under a launcher (torchrun, mpirun, srun). Default:
-    tp x pp x dp when --dp is given, else 8. Ignored under a launcher."""
-    tp: int = 2
+    tp x pp x dp (dp 1 unless given). Ignored under a launcher."""
+    tp: int = 1
     """Tensor-parallel degree (slices every layer; keep it inside a node)."""
-    pp: int = 2
+    pp: int = 1
     """Pipeline-parallel degree (stages of consecutive layers)."""
     dp: int | None = None
-    """Data-parallel degree (default: world size / (tp x pp))."""
+    """Data-parallel degree (default: world size / (tp x pp): the processes TP and PP leave)."""
     zero_stage: int = 1
     """ZeRO stage: 0 plain data parallel, 1 shard optimizer state, 2 + gradients,
     3 + parameters."""
@@ -504,9 +504,7 @@ class PretrainConfig:
         p = self.parallel
         if p.nproc is not None:
             return p.nproc
-        if p.dp is not None:
-            return p.tp * p.pp * p.dp
-        return 8
+        return p.tp * p.pp * (p.dp or 1)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """Plain nested dict (YAML / JSON)."""

@@ -17,7 +17,11 @@ from typing import Any
 from mt_pretrain.config import SECTIONS, ConfigError, PretrainConfig
 from mt_pretrain.plan import resolve
 
-__all__ = ["build_config", "field_docs", "flat_fields", "load_config", "replace_config"]
+__all__ = ["SHIPPED", "build_config", "field_docs", "flat_fields", "load_config",
+           "replace_config"]
+
+#: Configs shipped with mt pretrain, usable by name: ``--config demo-3d``.
+SHIPPED = Path(__file__).parent / "configs"
 
 
 @cache
@@ -129,14 +133,18 @@ def replace_config(config: PretrainConfig, **flat: Any) -> PretrainConfig:
 
 def load_config(path: str | Path | None = None,
                 overrides: Mapping[str, Any] | None = None) -> PretrainConfig:
-    """Defaults <- YAML file ``path`` <- ``overrides`` (flat field names)."""
+    """Defaults <- YAML file ``path`` (or a shipped config's name) <- ``overrides`` (flat
+    field names)."""
     nested: Mapping[str, Any] = {}
     if path is not None:
         import yaml
 
         path = Path(path)
+        if not path.is_file() and (SHIPPED / f"{path.name.removesuffix('.yaml')}.yaml").is_file():
+            path = SHIPPED / f"{path.name.removesuffix('.yaml')}.yaml"
         if not path.is_file():
-            raise ConfigError(f"config file {path} not found")
+            names = sorted(p.stem for p in SHIPPED.glob("*.yaml"))
+            raise ConfigError(f"config file {path} not found (shipped configs: {names})")
         try:
             loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
         except UnicodeDecodeError as err:

@@ -53,11 +53,6 @@ class Interrupted(RuntimeError):
     """A second SIGINT / SIGTERM stopped the run at once."""
 
 
-def world_size_for(config: PretrainConfig) -> int:
-    """Processes to start locally: --nproc, else tp x pp x dp, else 8."""
-    return config.world_size_hint()
-
-
 def launch(config: PretrainConfig, environ: Mapping[str, str] | None = None,
            timeout: float | None = None, keep_weights: bool = False) -> RunSummary | None:
     """Run ``config``: as one rank under a launcher, else on ``--nproc`` local processes.
@@ -70,7 +65,7 @@ def launch(config: PretrainConfig, environ: Mapping[str, str] | None = None,
     info = discover(environ)
     if info.launcher != "single":
         return run_rank(config, info, cache, keep_weights)
-    nproc = world_size_for(config)
+    nproc = config.world_size_hint()
     plan = resolve(config, nproc)  # fail before starting anything
     claim_run_folder(config)
     check_vocab(plan, ensure_data(config, plan, cache))  # once, here, not racing per rank

@@ -12,9 +12,12 @@ from rich.console import Console
 from rich.markup import escape
 
 from mt_pretrain.config import ConfigError, PretrainConfig
-from mt_pretrain.config_io import load_config
+from mt_pretrain.config_io import SHIPPED, load_config
 
-__all__ = ["dry_run", "pretrain_main"]
+__all__ = ["DEMO_CONFIG", "dry_run", "pretrain_main"]
+
+#: What `mt pretrain` runs when given no arguments (also `--config demo-3d`).
+DEMO_CONFIG = SHIPPED / "demo-3d.yaml"
 
 
 def _error(console: Console, text: str) -> None:
@@ -38,6 +41,11 @@ def pretrain_main(config_path: Path | None, overrides: dict[str, Any],
     checkpoint), 130 when interrupted twice."""
     environ = os.environ if environ is None else environ
     console = Console(stderr=True)
+    if config_path is None and not overrides:
+        config_path = DEMO_CONFIG
+        Console().print(f"no arguments: the 3D demo, {DEMO_CONFIG} (tiny GPT, TP 2 x PP 2 x "
+                        "DP 2 on 8 processes); `mt pretrain --help` for the flags",
+                        highlight=False, markup=False)
     from mt_dist import LaunchError  # a launcher environment that does not add up
     from mt_pretrain.checkpoint_format import CheckpointError
 
