@@ -107,10 +107,11 @@ def test_cli_rejects_bad_layout_with_exit_code_2() -> None:
 
 
 def test_dry_run_prints_ranks_groups_stages_memory() -> None:
-    result = CliRunner().invoke(app, ["pretrain", "--config", "demo-3d", "--dry-run"],
-                                env={"COLUMNS": "200"})
+    # No run flag: the shipped 3D demo, said first; output flags (--dry-run) apply to it.
+    result = CliRunner().invoke(app, ["pretrain", "--dry-run"], env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
     text = result.output
+    assert text.startswith("no run given: the 3D demo, ") and "demo-3d.yaml" in text
     assert "tp 2 x pp 2 x dp 2 = 8 ranks" in text
     assert "268,160 parameters" in text
     assert "stage 0: layers [0, 2) embedding" in text and "stage 1: layers [2, 4) head+loss" in text

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from collections.abc import Mapping
@@ -11,13 +12,16 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
-from mt_pretrain.config import ConfigError, PretrainConfig
+from mt_pretrain.config import SECTIONS, ConfigError, PretrainConfig
 from mt_pretrain.config_io import SHIPPED, load_config
 
 __all__ = ["DEMO_CONFIG", "dry_run", "pretrain_main"]
 
-#: What `mt pretrain` runs when given no arguments (also `--config demo-3d`).
+#: What `mt pretrain` runs when given no model, layout, training or data flag (also
+#: `--config demo-3d`).
 DEMO_CONFIG = SHIPPED / "demo-3d.yaml"
+_RUN_FIELDS = {f.name for section in ("model", "parallel", "train", "data")
+               for f in dataclasses.fields(SECTIONS[section])}
 
 
 def _error(console: Console, text: str) -> None:
@@ -41,9 +45,11 @@ def pretrain_main(config_path: Path | None, overrides: dict[str, Any],
     checkpoint), 130 when interrupted twice."""
     environ = os.environ if environ is None else environ
     console = Console(stderr=True)
-    if config_path is None and not overrides:
+    if config_path is None and not set(overrides) & _RUN_FIELDS:
+        # No model, layout, training or data given: the demo (output flags such as --dry-run,
+        # --overwrite, --out-dir still apply to it).
         config_path = DEMO_CONFIG
-        Console().print(f"no arguments: the 3D demo, {DEMO_CONFIG} (tiny GPT, TP 2 x PP 2 x "
+        Console().print(f"no run given: the 3D demo, {DEMO_CONFIG} (tiny GPT, TP 2 x PP 2 x "
                         "DP 2 on 8 processes); `mt pretrain --help` for the flags",
                         highlight=False, markup=False)
     from mt_dist import LaunchError  # a launcher environment that does not add up
