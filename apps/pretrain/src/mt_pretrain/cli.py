@@ -95,8 +95,8 @@ _PRETRAIN_HELP = (
     "demo-3d.yaml: the tiny preset on the embedded corpus, TP 2 x PP 2 x DP 2 on 8 local "
     "processes, a few minutes on a laptop CPU; output flags such as --dry-run or --overwrite "
     "apply to it). Otherwise every degree defaults to 1 and data parallelism takes the "
-    "processes left: `mt pretrain --nproc 2` trains DP 2. Under torchrun, mpirun or srun each process "
-    "is one rank. Flags override the YAML file given with --config."
+    "processes left: `mt pretrain --nproc 2` trains DP 2. Under torchrun, mpirun or srun "
+    "each process is one rank. Flags override the YAML file given with --config."
 )
 
 app.command(
