@@ -1,8 +1,8 @@
-"""Build this rank's model shard and optimizer: the middle of "the path of one training run".
+"""Build this rank's model shard and mt's optimizer: the middle of "the path of one run".
 
 GPT on the meta device -> tensor parallel by plan -> this rank's pipeline stage ->
-materialized and initialized with exactly the values of the unsharded init -> ZeRO / DP
-optimizer wrapper. Each arrow is one call into a package.
+materialized and initialized with exactly the values of the unsharded init (-> mt-zero's
+ZeRO / DP optimizer wrapper, for mt's engine). Each arrow is one call into a package.
 """
 
 from __future__ import annotations
@@ -27,27 +27,24 @@ from mt_tensor_parallel import (
 )
 from mt_zero import ZeroConfig, ZeroOptimizer, counts_once, decay_param_groups
 
-__all__ = ["Built", "build", "make_optimizer", "seed_everything"]
+__all__ = ["Built", "build_model_stage", "make_optimizer", "seed_everything"]
 
 TIED = "embed.tokens.weight"
 
 
 @dataclass
 class Built:
-    """This rank's part of the model and its optimizer.
+    """This rank's part of the model (the engine adds the optimizer).
 
     Attributes:
         stage: the pipeline stage module (the whole model when pp == 1); parameter names are
             those of the unsharded GPT.
-        optimizer: the ZeRO / data-parallel optimizer wrapping ``stage`` (with --engine
-            deepspeed a ``DeepSpeedOptimizer`` offering the same training-loop interface).
         tracker: the tensor-parallel RNG streams (None when tp == 1).
         full_shapes: unsharded shape of every parameter of the whole model.
         styles: tensor-parallel shard style of every parameter name.
     """
 
     stage: PipelineStage
-    optimizer: ZeroOptimizer
     tracker: RNGTracker | None
     full_shapes: dict[str, tuple[int, ...]]
     styles: dict[str, str]
@@ -60,13 +57,12 @@ def seed_everything(seed: int, groups: ParallelGroups) -> None:
 
 
 def build_model_stage(plan: RunPlan, groups: ParallelGroups, seed: int,
-                      sequence_parallel: bool, device: torch.device, keyed_dropout: bool = False
-                      ) -> tuple[PipelineStage, RNGTracker | None, dict[str, tuple[int, ...]],
-                                 dict[str, str]]:
+                      sequence_parallel: bool, device: torch.device,
+                      keyed_dropout: bool = False) -> Built:
     """Meta GPT -> TP -> stage -> materialize -> the unsharded init's values, sliced.
 
     ``keyed_dropout`` gives the stage a :class:`~mt_tensor_parallel.KeyedRNG`: dropout masks
-    drawn per (micro-batch, layer), the same on every layout (see :func:`uses_keyed_dropout`).
+    drawn per (micro-batch, layer), the same on every layout.
     """
     gpt = plan.model  # all position rows, even when training uses fewer
     with torch.device("meta"):
@@ -94,15 +90,7 @@ def build_model_stage(plan: RunPlan, groups: ParallelGroups, seed: int,
     if any(True for _ in stage.buffers()):
         raise RuntimeError("the model has buffers, which meta materialization leaves "
                            "uninitialized; mt pretrain does not support that")
-    return stage, tracker, full_shapes, styles
-
-
-def uses_keyed_dropout(config: PretrainConfig, plan: RunPlan) -> bool:
-    """Whether dropout masks are keyed by (micro-batch, layer): with dropout on and mt's eager
-    engine. (DeepSpeed's pipeline engine calls the layers itself; a compiled forward draws
-    from inductor's own random numbers.)"""
-    dropout = plan.gpt.dropout > 0 or plan.gpt.attention_dropout > 0
-    return dropout and config.parallel.engine == "mt" and not config.parallel.compile
+    return Built(stage, tracker, full_shapes, styles)
 
 
 def make_optimizer(config: PretrainConfig, stage: PipelineStage, groups: ParallelGroups,
@@ -135,22 +123,3 @@ def make_optimizer(config: PretrainConfig, stage: PipelineStage, groups: Paralle
         norm_groups=[groups.tp, groups.pp],
         count_in_norm=counted,
     )
-
-
-def build(config: PretrainConfig, plan: RunPlan, groups: ParallelGroups,
-          device: torch.device) -> Built:
-    """This rank's stage and optimizer, initialized exactly like the unsharded model."""
-    seed = config.train.seed
-    seed_everything(seed, groups)
-    stage, tracker, full_shapes, styles = build_model_stage(
-        plan, groups, seed, config.parallel.sequence_parallel, device,
-        uses_keyed_dropout(config, plan))
-    stage.train()
-    if config.parallel.engine == "deepspeed":
-        # Lazy: deepspeed is optional, and its environment must be set before its import.
-        from mt_pretrain.deepspeed_run import make_deepspeed_optimizer
-
-        optimizer: Any = make_deepspeed_optimizer(config, plan, stage, groups)
-    else:
-        optimizer = make_optimizer(config, stage, groups, styles)
-    return Built(stage, optimizer, tracker, full_shapes, styles)

@@ -46,7 +46,7 @@ from mt_pretrain.reshard import (
     merge_model,
     stage_param_names,
 )
-from mt_zero import consolidate, load_consolidated, shard_state_dict
+from mt_zero import ZeroOptimizer, consolidate, load_consolidated, shard_state_dict
 
 __all__ = ["CheckpointError", "Checkpointer", "consolidated_model", "find_checkpoint", "load"]
 
@@ -69,15 +69,16 @@ class Checkpointer:
     """Writes the checkpoints of one run (every rank calls :meth:`save` together)."""
 
     def __init__(self, root: Path, keep_last: int, config: PretrainConfig, plan: RunPlan,
-                 groups: ParallelGroups, built: Built) -> None:
+                 groups: ParallelGroups, built: Built, optimizer: ZeroOptimizer) -> None:
         self.root, self.keep_last = root, keep_last
         self.config, self.plan, self.groups, self.built = config, plan, groups, built
+        self.optimizer = optimizer
         self.last_saved: Path | None = None
         self.last_step: int | None = None
 
     def save(self, step: int, data_state: DataLoaderState) -> Path:
         """Write the checkpoint of ``step`` (collective); returns its folder."""
-        groups, opt = self.groups, self.built.optimizer
+        groups, opt = self.groups, self.optimizer
         tmp, final = self.root / f".{step_dir(step)}.tmp", self.root / step_dir(step)
         if groups.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -228,7 +229,7 @@ def _optimizer_state(folder: Path, meta: dict[str, Any], plan: RunPlan, groups: 
 
 
 def load(path: str | Path, config: PretrainConfig, plan: RunPlan, groups: ParallelGroups,
-         built: Built) -> tuple[int, DataLoaderState]:
+         built: Built, optimizer: ZeroOptimizer) -> tuple[int, DataLoaderState]:
     """Resume from a checkpoint (any layout): optimizer + weights, RNG, data position.
 
     Returns (step, data-loader state). The run's hyperparameters (weight decay, betas, eps)
@@ -239,9 +240,9 @@ def load(path: str | Path, config: PretrainConfig, plan: RunPlan, groups: Parall
     _check_model(meta, plan)
     names = [n for n, p in built.stage.named_parameters() if p.requires_grad]
     state = _optimizer_state(folder, meta, plan, groups, names, built.styles)
-    load_consolidated(built.optimizer, state)
+    load_consolidated(optimizer, state)
     train = config.train
-    for index, group in enumerate(built.optimizer.optimizer.param_groups):
+    for index, group in enumerate(optimizer.optimizer.param_groups):
         group["weight_decay"] = train.weight_decay if index == 0 else 0.0
         group["betas"] = (train.adam_beta1, train.adam_beta2)
         group["eps"] = train.adam_eps

@@ -440,33 +440,6 @@ class CheckpointArgs:
         return Path(self.metrics) if self.metrics else Path(self.out_dir) / "metrics.jsonl"
 
 
-def _deepspeed_problems(config: PretrainConfig) -> list[str]:
-    """What --engine deepspeed does not support (mt's own engine does)."""
-    par, problems = config.parallel, []
-    if par.pp > 1 and par.schedule != "1f1b":
-        problems.append(f"--engine deepspeed with --pp {par.pp} runs DeepSpeed's own 1F1B "
-                        f"schedule; --schedule {par.schedule} needs --engine mt")
-    if par.zero_stage == 0:
-        problems.append("--engine deepspeed --zero-stage 0 does not train like one process: "
-                        "DeepSpeed reports no gradient norm there, clips per pipeline stage, "
-                        "and its bf16 path is 0.3% off at step 2 on 2 ranks; use "
-                        "--zero-stage 1 (the same memory with one data-parallel rank)")
-    if par.precision == "fp16":
-        problems.append("--engine deepspeed supports --precision fp32 or bf16, got fp16; "
-                        "use --engine mt for fp16 with loss scaling")
-    if par.activation_checkpointing:
-        problems.append("--activation-checkpointing is not supported with --engine deepspeed "
-                        "(the engine runs the plain forward); use --engine mt")
-    if par.compile:
-        problems.append("--compile is not supported with --engine deepspeed (DeepSpeed "
-                        "runs the model); use --engine mt")
-    if config.train.rampup_start is not None:
-        problems.append(f"--rampup-start {config.train.rampup_start}: batch-size ramp-up is "
-                        "not supported with --engine deepspeed (its gradient accumulation "
-                        "steps are fixed)")
-    return problems
-
-
 SECTIONS: dict[str, type] = {
     "model": ModelArgs,
     "parallel": ParallelArgs,
@@ -491,8 +464,6 @@ class PretrainConfig:
         problems: list[str] = []
         if self.train.eval_interval and self.train.eval_iters == 0:
             problems.append("--eval-interval needs --eval-iters >= 1")
-        if self.parallel.engine == "deepspeed":
-            problems.extend(_deepspeed_problems(self))
         missing = [p for p in self.data.paths() if not Path(p).is_dir()]
         if missing:
             problems.append(f"data path(s) not found: {missing} (prepare them with "

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from mt_pretrain.config import SECTIONS, ConfigError, PretrainConfig
+from mt_pretrain.engine_support import unsupported
 from mt_pretrain.plan import resolve
 
 __all__ = ["SHIPPED", "build_config", "field_docs", "flat_fields", "load_config",
@@ -123,6 +124,8 @@ def build_config(nested: Mapping[str, Any], flat: Mapping[str, Any],
     config = PretrainConfig(**sections)
     if config.parallel.nproc is not None or config.parallel.dp is not None:
         resolve(config, config.world_size_hint())  # the flags fix the world size: check now
+    elif unsupported(config):  # resolve checks this too; without a world size, here
+        raise ConfigError("invalid configuration: " + "; ".join(unsupported(config)))
     return config
 
 

@@ -4,14 +4,13 @@ DeepSpeed's engine doing data parallelism (ZeRO 0-3), clipping and the optimizer
 Layouts:
 
 - pp == 1 (any tp): ``deepspeed.initialize`` on mt's (tensor-parallel) model with an ``mpu``
-  built from mt's groups (:class:`mt_zero.deepspeed_mpu.GroupsMpu`). :class:`DeepSpeedOptimizer`
-  gives the engine the small interface the training loop uses from mt's ZeroOptimizer
-  (``no_sync``, ``backward``, ``step``, ``optimizer``, ``gathered``, ``full_parameters``):
-  ``engine.backward`` + ``engine.step`` per micro-batch, the optimizer stepping on the last of
+  built from mt's groups (:class:`mt_zero.deepspeed_mpu.GroupsMpu`); per micro-batch
+  ``engine.backward`` + ``engine.step``, the optimizer stepping on the last of
   ``gradient_accumulation_steps`` (fixed: no batch-size ramp-up with this engine).
 - pp > 1: mt's stage inside DeepSpeed's ``PipelineModule`` (:mod:`mt_pretrain.deepspeed_pipe`)
-  and ``PipelineEngine.train_batch`` per global batch (DeepSpeed's own 1F1B schedule, ZeRO 0/1);
-  :class:`DeepSpeedPipeOptimizer` adds ``train_batch`` for the loop.
+  and ``PipelineEngine.train_batch`` per global batch (DeepSpeed's own 1F1B schedule, ZeRO 1).
+
+:class:`DeepSpeedEngine` is the :class:`~mt_pretrain.engine.Engine` of both.
 
 Checkpoints: DeepSpeed's ``save_checkpoint`` / ``load_checkpoint`` (model, ZeRO optimizer
 shards, its ``latest`` file) plus, per rank, mt's data-loader position and RNG states in
@@ -23,57 +22,85 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
 from mt_data import DataLoaderState
 from mt_dist import ParallelGroups
+from mt_pretrain.build import Built, build_model_stage, seed_everything
 from mt_pretrain.config import PretrainConfig
-from mt_pretrain.data import default_cache_dir
+from mt_pretrain.data import default_cache_dir, to_batch
+from mt_pretrain.deepspeed_pipe import build_pipeline_module, micro_batches
+from mt_pretrain.engine import Engine, Saver
 from mt_pretrain.plan import RunPlan, sharding_styles
 from mt_zero import StepResult, ZeroConfig, decay_param_groups
 from mt_zero.deepspeed_engine import deepspeed_config, deepspeed_environ, initialize_deepspeed
 from mt_zero.deepspeed_mpu import GroupsMpu
 
-__all__ = ["DeepSpeedCheckpointer", "DeepSpeedOptimizer", "DeepSpeedPipeOptimizer",
-           "load_deepspeed_checkpoint", "make_deepspeed_optimizer"]
+__all__ = ["DeepSpeedCheckpointer", "DeepSpeedEngine", "load_deepspeed_checkpoint"]
 
 
-class DeepSpeedOptimizer:
-    """The DeepSpeed engine behind the optimizer interface of the training loop."""
+class DeepSpeedEngine(Engine):
+    """mt's stage trained by DeepSpeed: ``DeepSpeedEngine`` (pp == 1) or ``PipelineEngine``
+    (pp > 1). ``ds`` is DeepSpeed's engine, ``client`` mt's AdamW inside it (its param
+    groups are shared with DeepSpeed: the learning rate is set there)."""
 
-    scaler = None  # fp16 is not offered with this engine (config validation)
-    loss_scale = 1.0
+    def __init__(self, built: Built, ds: Any, client: torch.optim.Optimizer,
+                 config: PretrainConfig, plan: RunPlan, groups: ParallelGroups) -> None:
+        super().__init__(built)
+        self.ds, self.client, self.config, self.plan, self.groups = (
+            ds, client, config, plan, groups)
+        self.pipelined = plan.topology.pp > 1
 
-    def __init__(self, engine: Any, client: torch.optim.Optimizer, stage: int) -> None:
-        self.engine = engine
-        self.optimizer = client  # param_groups shared with the engine: the loop sets lr here
-        self.stage = stage
+    @classmethod
+    def create(cls, config: PretrainConfig, plan: RunPlan, groups: ParallelGroups,
+               device: torch.device) -> DeepSpeedEngine:
+        """mt's stage (mt's init, mt's TP layers; dropout not keyed: DeepSpeed's pipeline
+        engine calls the layers itself) inside DeepSpeed."""
+        seed_everything(config.train.seed, groups)
+        built = build_model_stage(plan, groups, config.train.seed,
+                                  config.parallel.sequence_parallel, device)
+        built.stage.train()
+        ds, client = _initialize(config, plan, built.stage, groups)
+        return cls(built, ds, client, config, plan, groups)
 
-    def no_sync(self) -> contextlib.AbstractContextManager[None]:
-        """Nothing to do: DeepSpeed counts micro-batches and only reduces on the last one
-        of its ``gradient_accumulation_steps``."""
-        return contextlib.nullcontext()
+    def set_lr(self, lr: float) -> None:
+        for group in self.client.param_groups:
+            group["lr"] = lr
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """``engine.backward`` (without DeepSpeed's own 1/accumulation scaling: the loop
-        divides by the number of micro-batches already), then ``engine.step``, which steps
-        the optimizer only at DeepSpeed's accumulation boundary."""
-        self.engine.backward(loss, scale_wrt_gas=False)
-        self.engine.step()
+    def forward_backward(self, micro: Sequence[np.ndarray], keys: list[int] | None) -> float:
+        device = self.groups.device
+        if self.pipelined:  # forward, backward and the optimizer step of the whole batch
+            pairs = micro_batches(list(micro), device)
+            expected = self.ds.gradient_accumulation_steps()
+            if len(pairs) != expected:
+                raise RuntimeError(f"{len(pairs)} micro-batches but DeepSpeed's "
+                                   f"gradient_accumulation_steps is {expected}")
+            return float(self.ds.train_batch(iter(pairs)))
+        stage, m, total = self.built.stage, len(micro), 0.0
+        for array in micro:
+            batch = to_batch([array]).to(device)
+            loss = stage.loss(self.ds(batch[:, :-1]), batch[:, 1:])
+            # Without DeepSpeed's own 1/accumulation scaling (divided by m here); its step
+            # applies the optimizer only at the accumulation boundary.
+            self.ds.backward(loss / m, scale_wrt_gas=False)
+            self.ds.step()
+            total += float(loss.detach())
+        return total / m
 
     def step(self) -> StepResult:
-        """The engine stepped in the last :meth:`backward`; report its gradient norm."""
-        if not self.engine.was_step_applied():
+        """DeepSpeed stepped at the end of the batch; report its gradient norm."""
+        if not self.ds.was_step_applied():
             raise RuntimeError(
                 "DeepSpeed did not step at the end of the global batch: its "
-                f"gradient_accumulation_steps {self.engine.gradient_accumulation_steps()} "
+                f"gradient_accumulation_steps {self.ds.gradient_accumulation_steps()} "
                 "differs from the number of micro-batches")
-        norm = self.engine.get_global_grad_norm()
+        norm = self.ds.get_global_grad_norm()
         return StepResult(grad_norm=float(norm) if norm is not None else float("nan"),
                           skipped=False, loss_scale=1.0)
 
@@ -82,37 +109,16 @@ class DeepSpeedOptimizer:
         return contextlib.nullcontext()
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        """Full fp32 master weights by name, on every rank (collective)."""
-        return _fp32_weights(self.engine.module.named_parameters(), self.stage == 3)
+        if self.pipelined:  # this stage's, under mt's names
+            return _fp32_weights(self.built.stage.named_parameters(), stage3=False)
+        return _fp32_weights(self.ds.module.named_parameters(),
+                             self.config.parallel.zero_stage == 3)
 
+    def saver(self, root: Path, keep_last: int) -> Saver:
+        return DeepSpeedCheckpointer(root, self.ds, self.groups, self.built.tracker)
 
-class DeepSpeedPipeOptimizer(DeepSpeedOptimizer):
-    """A ``PipelineEngine``: the loop hands it whole global batches (``train_batch``)."""
-
-    def __init__(self, engine: Any, client: torch.optim.Optimizer, stage: nn.Module,
-                 device: torch.device) -> None:
-        super().__init__(engine, client, 1)
-        self.mt_stage, self.device = stage, device
-
-    def backward(self, loss: torch.Tensor) -> None:
-        """Not used: the pipeline engine runs forward and backward in ``train_batch``."""
-        raise RuntimeError("DeepSpeed's pipeline engine trains through train_batch()")
-
-    def train_batch(self, micro: list[Any]) -> float:
-        """Forward, backward and optimizer step over this DP rank's micro-batches; returns
-        the loss averaged over micro-batches and data-parallel ranks (on every rank)."""
-        from mt_pretrain.deepspeed_pipe import micro_batches
-
-        pairs = micro_batches(micro, self.device)
-        expected = self.engine.gradient_accumulation_steps()
-        if len(pairs) != expected:
-            raise RuntimeError(f"{len(pairs)} micro-batches but DeepSpeed's "
-                               f"gradient_accumulation_steps is {expected}")
-        return float(self.engine.train_batch(iter(pairs)))
-
-    def full_parameters(self) -> dict[str, torch.Tensor]:
-        """This stage's fp32 master weights under mt's names (collective over DP)."""
-        return _fp32_weights(self.mt_stage.named_parameters(), stage3=False)
+    def load(self, path: str | Path) -> tuple[int, DataLoaderState]:
+        return load_deepspeed_checkpoint(path, self.ds, self.groups, self.built.tracker)
 
 
 def _fp32_weights(named: Iterator[tuple[str, nn.Parameter]],
@@ -145,8 +151,8 @@ def _set_environment(groups: ParallelGroups) -> None:
                           str(default_cache_dir(os.environ) / "torch_extensions"))
 
 
-def make_deepspeed_optimizer(config: PretrainConfig, plan: RunPlan, stage: nn.Module,
-                             groups: ParallelGroups) -> DeepSpeedOptimizer:
+def _initialize(config: PretrainConfig, plan: RunPlan, stage: nn.Module,
+                groups: ParallelGroups) -> tuple[Any, torch.optim.Optimizer]:
     """``deepspeed.initialize`` on this rank's model with mt's AdamW and decay groups:
     a ``PipelineModule`` around the stage when pp > 1, else the stage with mt's groups as
     DeepSpeed's ``mpu``."""
@@ -164,8 +170,6 @@ def make_deepspeed_optimizer(config: PretrainConfig, plan: RunPlan, stage: nn.Mo
     if plan.topology.pp > 1:
         import deepspeed  # pants: no-infer-dep (optional engine)
 
-        from mt_pretrain.deepspeed_pipe import build_pipeline_module
-
         deepspeed.init_distributed(dist_backend=backend)
         # DeepSpeed sends 1/tp of each activation and all-gathers it over TP after the
         # hop, assuming activations are replicated over TP; with sequence parallelism each
@@ -173,8 +177,7 @@ def make_deepspeed_optimizer(config: PretrainConfig, plan: RunPlan, stage: nn.Mo
         whole = not par.sequence_parallel
         ds_config["pipeline"] = {"pipe_partitioned": whole, "grad_partitioned": whole}
         module = build_pipeline_module(stage, plan, groups, styles)  # type: ignore
-        engine = initialize_deepspeed(module, client, ds_config, dist_backend=backend)
-        return DeepSpeedPipeOptimizer(engine, client, stage, groups.device)
+        return initialize_deepspeed(module, client, ds_config, dist_backend=backend), client
     for name, param in stage.named_parameters():
         # DeepSpeed's norm counts sliced parameters on every TP rank, the rest on TP rank 0.
         param.model_parallel = styles.get(name, "replicate") != "replicate"  # type: ignore
@@ -188,7 +191,7 @@ def make_deepspeed_optimizer(config: PretrainConfig, plan: RunPlan, stage: nn.Mo
 
         deepspeed.zero.register_external_parameter(stage.get_submodule(layout.head),
                                                    stage.get_parameter(layout.tied_weight))
-    return DeepSpeedOptimizer(engine, client, par.zero_stage)
+    return engine, client
 
 
 def _rank_file(folder: Path, rank: int) -> Path:
@@ -212,9 +215,9 @@ class DeepSpeedCheckpointer:
     optimizer shards, its ``latest`` tag file) plus mt's per-rank file: layout, data-loader
     position and RNG states (default generator, TP streams)."""
 
-    def __init__(self, root: Path, optimizer: DeepSpeedOptimizer, groups: ParallelGroups,
+    def __init__(self, root: Path, ds: Any, groups: ParallelGroups,
                  tracker: Any = None) -> None:
-        self.root, self.optimizer, self.groups, self.tracker = root, optimizer, groups, tracker
+        self.root, self.ds, self.groups, self.tracker = root, ds, groups, tracker
         self.last_saved: Path | None = None
         self.last_step: int | None = None
 
@@ -232,13 +235,13 @@ class DeepSpeedCheckpointer:
         torch.save(mine, tmp)
         tmp.replace(_rank_file(folder, self.groups.rank))
         # DeepSpeed writes `latest` (rank 0) after its shards: our files come first.
-        self.optimizer.engine.save_checkpoint(str(self.root), tag=tag,
-                                              client_state={"data": data_state.to_dict()})
+        self.ds.save_checkpoint(str(self.root), tag=tag,
+                                client_state={"data": data_state.to_dict()})
         self.last_saved, self.last_step = folder, step
         return folder
 
 
-def load_deepspeed_checkpoint(path: str | Path, optimizer: DeepSpeedOptimizer,
+def load_deepspeed_checkpoint(path: str | Path, ds: Any,
                               groups: ParallelGroups, tracker: Any = None
                               ) -> tuple[int, DataLoaderState]:
     """Resume a DeepSpeed-engine checkpoint (a ``step-*`` folder, or the folder holding
@@ -256,7 +259,7 @@ def load_deepspeed_checkpoint(path: str | Path, optimizer: DeepSpeedOptimizer,
                          f"{saved['dp']}; --engine deepspeed resumes only at the same layout, "
                          f"not tp {topo.tp} pp {topo.pp} dp {topo.dp} (use --engine mt "
                          "checkpoints to change layouts)")
-    load_path, _client = optimizer.engine.load_checkpoint(
+    load_path, _client = ds.load_checkpoint(
         str(folder.parent), tag=folder.name, load_optimizer_states=True,
         load_lr_scheduler_states=False)
     if load_path is None:

@@ -16,13 +16,14 @@ from mt_model import GPTConfig, count_parameters, model_flops_per_token_training
 from mt_pipeline import PartitionError, PipelineConfig, PipelinePlan, ScheduleError, plan_pipeline
 from mt_pretrain.checkpoint_format import find_checkpoint, fresh_start, read_meta
 from mt_pretrain.config import DEFAULT_MODEL, DEFAULT_TRAIN_STEPS, ConfigError, PretrainConfig
+from mt_pretrain.engine_support import CHECKPOINT_HAS_MODEL, unsupported
 from mt_pretrain.estimate import peak_in_flight, stage_memory
 from mt_pretrain.gpus import GPUSpec
 from mt_pretrain.layout import Layout
 from mt_tensor_parallel import check_divisibility, param_styles
 
-__all__ = ["RunPlan", "describe", "memory_estimate", "model_of", "plan_layout", "resolve",
-           "runtime_spec"]
+__all__ = ["RunPlan", "activation_shape", "describe", "memory_estimate", "model_of",
+           "plan_layout", "resolve", "runtime_spec"]
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,7 @@ def model_of(config: PretrainConfig) -> tuple[GPTConfig, int]:
     """(the model to build, the training sequence length): from the flags, or with --load
     from the checkpoint (see :meth:`~mt_pretrain.config.ModelArgs.on_checkpoint`)."""
     load = config.checkpoint.load
-    if load and config.parallel.engine == "mt" and not fresh_start(
+    if load and CHECKPOINT_HAS_MODEL[config.parallel.engine] and not fresh_start(
             load, config.checkpoint.save_dir):
         folder = find_checkpoint(load)
         saved = GPTConfig.from_dict(read_meta(folder)["model"])
@@ -105,6 +106,9 @@ def model_of(config: PretrainConfig) -> tuple[GPTConfig, int]:
 def resolve(config: PretrainConfig, world_size: int) -> RunPlan:
     """Check the config against ``world_size`` and derive the run plan."""
     par, train = config.parallel, config.train
+    refused = unsupported(config)
+    if refused:
+        raise ConfigError("invalid configuration: " + "; ".join(refused))
     model, seq_len = model_of(config)
     gpt = model.replace(seq_len=seq_len)
     problems: list[str] = []
@@ -165,6 +169,14 @@ def resolve(config: PretrainConfig, world_size: int) -> RunPlan:
         raise ConfigError(f"invalid pipeline: {err}") from None
     steps, samples = _steps_and_samples(config, rampup, gpt.seq_len)
     return RunPlan(topology, gpt, pipeline, stages, rampup, steps, samples, model)
+
+
+def activation_shape(config: PretrainConfig, plan: RunPlan) -> tuple[int, int, int]:
+    """Shape of one micro-batch's activation between stages: [micro, seq (/tp with SP), h]."""
+    seq = plan.gpt.seq_len
+    if config.parallel.sequence_parallel:
+        seq //= plan.topology.tp
+    return (config.train.micro_batch_size, seq, plan.gpt.hidden)
 
 
 def plan_layout(config: PretrainConfig, plan: RunPlan) -> Layout:

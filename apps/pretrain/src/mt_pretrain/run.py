@@ -27,19 +27,19 @@ from mt_dist import (
     local_device,
 )
 from mt_model import count_parameters
-from mt_pretrain.build import Built, build
-from mt_pretrain.checkpoint import Checkpointer, load
 from mt_pretrain.checkpoint_format import fresh_start
 from mt_pretrain.config import ConfigError, PretrainConfig
 from mt_pretrain.data import ensure_data, make_loaders, tokenizer_for
+from mt_pretrain.engine import Engine
 from mt_pretrain.metrics import MetricsWriter
+from mt_pretrain.mt_engine import MTEngine
 from mt_pretrain.plan import RunPlan, resolve
 from mt_pretrain.progress import Reporter
 from mt_pretrain.run_folder import claim_run_folder
 from mt_pretrain.sample import MAX_SAMPLE_PARAMETERS, gather_model, gather_weights, greedy_generate
 from mt_pretrain.train import StepStats, Trainer, stats_dict
 
-__all__ = ["RunSummary", "run_rank"]
+__all__ = ["RunSummary", "make_engine", "run_rank"]
 
 
 @dataclass
@@ -137,17 +137,12 @@ def _train(config: PretrainConfig, plan: RunPlan, groups: ParallelGroups, device
     started = time.perf_counter()
     rank0 = groups.rank == 0
     ckpt = config.checkpoint
-    built = build(config, plan, groups, device)
+    engine = make_engine(config, plan, groups, device)
     paths = ensure_data(config, plan, cache_dir)
     start_step, state = 0, DataLoaderState()
     resuming = ckpt.load is not None and not fresh_start(ckpt.load, ckpt.save_dir)
-    if resuming and config.parallel.engine == "deepspeed":
-        from mt_pretrain.deepspeed_run import load_deepspeed_checkpoint
-
-        start_step, state = load_deepspeed_checkpoint(ckpt.load, built.optimizer, groups,
-                                                      built.tracker)
-    elif resuming:
-        start_step, state = load(ckpt.load, config, plan, groups, built)
+    if resuming:
+        start_step, state = engine.load(ckpt.load)
     loader, valid = make_loaders(config, plan, paths, groups.dp_rank, state)
     reporter = Reporter(plan.train_steps, start_step, rank0, ckpt.progress, ckpt.log_interval)
     topo = plan.topology
@@ -162,13 +157,7 @@ def _train(config: PretrainConfig, plan: RunPlan, groups: ParallelGroups, device
     tb_dir = Path(ckpt.out_dir) / "tensorboard" if ckpt.tensorboard else None
     metrics = MetricsWriter(ckpt.metrics_path, tb_dir, start_step) if rank0 else None
     summary = RunSummary(start_step=start_step, final_step=start_step)
-    saver: Any = None
-    if ckpt.save_dir is not None and config.parallel.engine == "deepspeed":
-        from mt_pretrain.deepspeed_run import DeepSpeedCheckpointer
-
-        saver = DeepSpeedCheckpointer(ckpt.save_dir, built.optimizer, groups, built.tracker)
-    elif ckpt.save_dir is not None:
-        saver = Checkpointer(ckpt.save_dir, ckpt.keep_last, config, plan, groups, built)
+    saver = engine.saver(ckpt.save_dir, ckpt.keep_last) if ckpt.save_dir is not None else None
 
     def on_step(stats: StepStats) -> None:
         summary.losses.append(stats.loss)
@@ -186,7 +175,7 @@ def _train(config: PretrainConfig, plan: RunPlan, groups: ParallelGroups, device
             saver.save(step, loader.state)
             reporter.print(f"saved checkpoint {saver.last_saved}")
 
-    trainer = Trainer(config, plan, groups, built, loader, valid, on_step, flag, save, started)
+    trainer = Trainer(config, plan, groups, engine, loader, valid, on_step, flag, save, started)
     try:
         stats, stopped = trainer.run()
     finally:
@@ -197,7 +186,8 @@ def _train(config: PretrainConfig, plan: RunPlan, groups: ParallelGroups, device
     if saver is not None and stats and not stopped and saver.last_step != loader.state.step:
         save(loader.state.step)
     if keep_weights:
-        summary.weights = gather_weights(built, groups, plan.model)
+        summary.weights = gather_weights(engine.full_parameters(), engine.built.styles, groups,
+                                         plan.model)
     if stopped == "signal":
         reporter.print(f"stopped by signal after step {loader.state.step}")
     elif stopped:
@@ -205,7 +195,7 @@ def _train(config: PretrainConfig, plan: RunPlan, groups: ParallelGroups, device
                        f"--load {ckpt.save_dir}" if saver is not None else
                        f"exiting after step {loader.state.step} (--{stopped})")
     elif config.train.sample_tokens and count_parameters(plan.model) <= MAX_SAMPLE_PARAMETERS:
-        summary.sample = _sample(config, built, groups, plan, paths)
+        summary.sample = _sample(config, engine, groups, plan, paths)
     if not rank0:
         return None
     summary.checkpoint = str(saver.last_saved) if saver and saver.last_saved else None
@@ -218,10 +208,21 @@ def _train(config: PretrainConfig, plan: RunPlan, groups: ParallelGroups, device
     return summary
 
 
-def _sample(config: PretrainConfig, built: Built, groups: ParallelGroups, plan: RunPlan,
+def make_engine(config: PretrainConfig, plan: RunPlan, groups: ParallelGroups,
+                device: torch.device) -> Engine:
+    """The engine ``--engine`` names, built for this rank: the one place that chooses."""
+    if config.parallel.engine == "deepspeed":
+        # Optional dependency; DeepSpeed reads its environment at import (set inside).
+        from mt_pretrain.deepspeed_run import DeepSpeedEngine
+
+        return DeepSpeedEngine.create(config, plan, groups, device)
+    return MTEngine.create(config, plan, groups, device)
+
+
+def _sample(config: PretrainConfig, engine: Engine, groups: ParallelGroups, plan: RunPlan,
             paths: list[Path]) -> str | None:
     """Greedy continuation of the prompt on rank 0 (collective gather first)."""
-    model = gather_model(built, groups, plan.model)
+    model = gather_model(engine.full_parameters(), engine.built.styles, groups, plan.model)
     if model is None:
         return None
     tokenizer = tokenizer_for(paths)

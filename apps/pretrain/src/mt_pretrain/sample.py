@@ -14,7 +14,6 @@ import torch.distributed as dist
 
 from mt_dist import ParallelGroups
 from mt_model import GPT, GPTConfig
-from mt_pretrain.build import Built
 from mt_pretrain.reshard import merge_model
 
 __all__ = ["MAX_SAMPLE_PARAMETERS", "gather_model", "gather_weights", "greedy_generate"]
@@ -23,11 +22,10 @@ __all__ = ["MAX_SAMPLE_PARAMETERS", "gather_model", "gather_weights", "greedy_ge
 MAX_SAMPLE_PARAMETERS = 2_000_000_000
 
 
-def gather_weights(built: Built, groups: ParallelGroups,
-                   gpt: GPTConfig) -> dict[str, torch.Tensor] | None:
-    """Every fp32 master weight at its full (unsharded) shape, on rank 0 (None elsewhere).
-    Collective."""
-    weights = built.optimizer.full_parameters()  # collective over DP
+def gather_weights(weights: dict[str, torch.Tensor], styles: dict[str, str],
+                   groups: ParallelGroups, gpt: GPTConfig) -> dict[str, torch.Tensor] | None:
+    """Every fp32 master weight at its full (unsharded) shape, on rank 0 (None elsewhere), from
+    each rank's ``weights`` (an engine's ``full_parameters()``). Collective."""
     mine = ((groups.pp_rank, groups.tp_rank), weights) if groups.dp_rank == 0 else None
     world = dist.get_world_size() if dist.is_initialized() else 1
     gathered: list[Any] = [None] * world
@@ -38,12 +36,13 @@ def gather_weights(built: Built, groups: ParallelGroups,
     if groups.rank != 0:
         return None
     parts = dict(item for item in gathered if item is not None)
-    return merge_model(parts, built.styles, gpt.vocab_size)
+    return merge_model(parts, styles, gpt.vocab_size)
 
 
-def gather_model(built: Built, groups: ParallelGroups, gpt: GPTConfig) -> GPT | None:
+def gather_model(weights: dict[str, torch.Tensor], styles: dict[str, str],
+                 groups: ParallelGroups, gpt: GPTConfig) -> GPT | None:
     """The whole model as a single-device fp32 GPT on rank 0 (None elsewhere). Collective."""
-    full = gather_weights(built, groups, gpt)
+    full = gather_weights(weights, styles, groups, gpt)
     if full is None:
         return None
     model = GPT(gpt, seed=None)

@@ -1,6 +1,6 @@
-"""The training loop: micro-batches through the pipeline (or plain gradient accumulation when
-pp == 1), LR warmup + cosine, batch-size ramp-up, clipping, NaN detection, metrics, eval,
-checkpoints and a clean stop on SIGTERM / SIGINT.
+"""The training loop: LR warmup + cosine, batch-size ramp-up, the engine's forward, backward
+and step (:mod:`mt_pretrain.engine`), NaN detection, metrics, eval, checkpoints, early exits
+and a clean stop on SIGTERM / SIGINT. It knows no engine by name.
 
 Every rank runs the same loop; all decisions that change control flow (non-finite loss,
 stop request) are taken from values that are identical on every rank (all-reduced), so no
@@ -9,7 +9,6 @@ rank leaves a collective behind.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from collections.abc import Callable
@@ -18,18 +17,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from mt_data import DPDataLoader
 from mt_dist import ParallelGroups
 from mt_model import model_flops_per_token_training
-from mt_pipeline import PipelineExecutor, StageComm
-from mt_pretrain.build import Built
 from mt_pretrain.config import PretrainConfig
-from mt_pretrain.data import to_batch
+from mt_pretrain.engine import Engine
 from mt_pretrain.evaluate import evaluate
 from mt_pretrain.mfu import measure_peak_flops, model_flops_utilization
-from mt_pretrain.plan import RunPlan
+from mt_pretrain.plan import RunPlan, activation_shape
 from mt_pretrain.schedule import LRSchedule
 from mt_zero.precision import compute_dtype
 
@@ -60,27 +56,12 @@ class StepStats:
     val_ppl: float | None = None
 
 
-class _ScaledLoss(nn.Module):
-    """Multiplies the loss by the fp16 loss scale inside the pipeline executor, which calls
-    ``backward`` itself (the ZeRO optimizer's ``backward`` is not used on that path); in
-    evaluation (``eval()``) the loss stays unscaled."""
-
-    def __init__(self, inner: nn.Module) -> None:
-        super().__init__()
-        self.inner = inner
-        self.scale = 1.0
-
-    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        loss = self.inner(logits, targets)
-        return loss * self.scale if self.training else loss
-
-
 class Trainer:
     """Runs the optimizer steps of one rank.
 
     Args:
-        config, plan, groups, built: the run's config, resolved plan, process groups, and
-            this rank's model stage and optimizer.
+        config, plan, groups, engine: the run's config, resolved plan, process groups, and
+            the engine running this rank's model stage and optimizer.
         loader: this DP rank's training loader (already at the resume position).
         valid: validation loader or None.
         on_step: called with every :class:`StepStats` (rank 0 writes metrics there); on
@@ -92,10 +73,10 @@ class Trainer:
     """
 
     def __init__(self, config: PretrainConfig, plan: RunPlan, groups: ParallelGroups,
-                 built: Built, loader: DPDataLoader, valid: DPDataLoader | None,
+                 engine: Engine, loader: DPDataLoader, valid: DPDataLoader | None,
                  on_step: Callable[[StepStats], None], should_stop: Callable[[], bool],
                  save: Callable[[int], None], started: float | None = None) -> None:
-        self.config, self.plan, self.groups, self.built = config, plan, groups, built
+        self.config, self.plan, self.groups, self.engine = config, plan, groups, engine
         self.loader, self.valid = loader, valid
         self.on_step, self.should_stop, self.save = on_step, should_stop, save
         minutes = config.train.exit_duration
@@ -107,30 +88,12 @@ class Trainer:
                                     train.decay_tokens, plan.train_samples * gpt.seq_len)
         self.dtype = compute_dtype(config.parallel.precision)
         self.device = groups.device
-        seq = gpt.seq_len // plan.topology.tp if config.parallel.sequence_parallel else \
-            gpt.seq_len
-        self.activation_shape = (train.micro_batch_size, seq, gpt.hidden)
-        self._executors: dict[int, PipelineExecutor] = {}
+        self.activation_shape = activation_shape(config, plan)
         self._flops_per_token = model_flops_per_token_training(gpt)
         # MFU denominator: given, or probed once on rank 0 (the rank that reports it).
         peak = config.checkpoint.peak_tflops
         self._peak_flops = peak * 1e12 if peak is not None else (
             measure_peak_flops(self.dtype, self.device) if groups.rank == 0 else float("nan"))
-        # fp16 through the pipeline executor: the loss module itself applies the loss scale
-        # (on the last stage); the loss every stage receives is then scaled too.
-        self._scale_in_loss = config.parallel.precision == "fp16" and plan.topology.pp > 1
-        self._scaled: _ScaledLoss | None = None
-        stage = built.stage
-        if self._scale_in_loss and stage.plan.has_head:
-            self._scaled = _ScaledLoss(stage.get_submodule(stage.layout.loss))
-            stage.set_submodule(stage.layout.loss, self._scaled)
-        # ZeRO-3 gathers parameters in module hooks, so the stage must be called as a module;
-        # DeepSpeed's engine must see every forward (it wraps the stage).
-        self._module: nn.Module = getattr(built.optimizer, "engine", stage)
-        self._call_module = config.parallel.zero_stage == 3 or self._module is not stage
-        # pp == 1 path: the same (optionally compiled) forward + loss the executor runs.
-        self._forward_loss = (torch.compile(stage.forward_loss) if config.parallel.compile
-                              else stage.forward_loss)
 
     # ------------------------------------------------------------------------- the loop
     def run(self) -> tuple[list[StepStats], str | None]:
@@ -181,8 +144,8 @@ class Trainer:
     def evaluate(self) -> tuple[float, float]:
         """Validation loss and perplexity (every rank gets the same numbers)."""
         assert self.valid is not None
-        with self.built.optimizer.gathered():
-            return evaluate(self.built.stage, self.groups, self.valid, self.activation_shape,
+        with self.engine.gathered():
+            return evaluate(self.engine.stage, self.groups, self.valid, self.activation_shape,
                             self.dtype, self.device)
 
     def _agree(self, *flags: bool) -> tuple[bool, ...]:
@@ -196,28 +159,20 @@ class Trainer:
     def step(self) -> StepStats:
         """One optimizer step over one global batch."""
         start = time.perf_counter()
-        opt, seq = self.built.optimizer, self.plan.gpt.seq_len
+        engine, seq = self.engine, self.plan.gpt.seq_len
         consumed = self.loader.state.consumed_samples
         global_batch = self.loader.schedule.batch_size(consumed)
         tokens = (consumed + global_batch) * seq
         lr = self.lr(tokens)
-        for group in opt.optimizer.param_groups:
-            group["lr"] = lr
+        engine.set_lr(lr)
         keys = self._micro_batch_keys(consumed, global_batch)
-        micro = self.loader.next()
-        if hasattr(opt, "train_batch"):  # DeepSpeed's pipeline engine runs the schedule
-            local = opt.train_batch(micro)
-        elif self.plan.topology.pp > 1:
-            local = self._pipeline_loss(micro, keys)
-        else:
-            local = self._accumulate_loss(micro, keys)
-        loss = self._mean_over_dp(local)
-        if not math.isfinite(loss) and opt.scaler is None:
+        loss = self._mean_over_dp(engine.forward_backward(self.loader.next(), keys))
+        if not math.isfinite(loss) and not engine.skips_nonfinite:
             raise NonFiniteLossError(
                 f"loss is {loss} at step {self.loader.state.step} (lr {lr:.3g}, tokens "
                 f"{tokens:,}); stopping (only fp16 loss scaling skips such steps). Lower "
                 "--lr or set --clip-grad, then resume from the last checkpoint")
-        result = opt.step()
+        result = engine.step()
         elapsed = time.perf_counter() - start
         tokens_per_s = global_batch * seq / elapsed
         world = self.plan.topology.world_size
@@ -233,48 +188,9 @@ class Trainer:
     def _micro_batch_keys(self, consumed: int, global_batch: int) -> list[int] | None:
         """The dropout key of each of this rank's micro-batches: the run-wide index of its
         first sample, which no layout changes (None without keyed dropout)."""
-        if self.built.stage.rng is None:
+        if not self.engine.keyed_dropout:
             return None
         return [int(k) for k in self.loader.rank_indices(consumed, global_batch)[:, 0]]
-
-    def _accumulate_loss(self, micro: list[Any], keys: list[int] | None) -> float:
-        """pp == 1: plain gradient accumulation; DP reduction overlaps the last backward."""
-        opt, stage = self.built.optimizer, self.built.stage
-        checkpoint = self.config.parallel.activation_checkpointing
-        m, total = len(micro), 0.0
-        for i, array in enumerate(micro):
-            batch = to_batch([array]).to(self.device)
-            key = None if keys is None else keys[i]
-            quiet = opt.no_sync() if i < m - 1 else contextlib.nullcontext()
-            with quiet:
-                if self._call_module:
-                    loss = stage.loss(self._module(batch[:, :-1], key=key), batch[:, 1:])
-                else:
-                    loss = self._forward_loss(0, batch[:, :-1], batch[:, 1:], checkpoint, key)
-                opt.backward(loss / m)
-            total += float(loss.detach())
-        return total / m
-
-    def _executor(self, m: int) -> PipelineExecutor:
-        if m not in self._executors:
-            config = replace(self.plan.pipeline, num_micro_batches=m)
-            self._executors[m] = PipelineExecutor(
-                self.built.stage, config, StageComm.from_groups(self.groups),
-                self.activation_shape, dtype=self.dtype)
-        return self._executors[m]
-
-    def _pipeline_loss(self, micro: list[Any], keys: list[int] | None) -> float:
-        """pp > 1: the schedule runs all micro-batches; gradients are reduced at step()."""
-        opt, groups = self.built.optimizer, self.groups
-        batch = to_batch(micro)
-        scale = opt.loss_scale
-        if self._scaled is not None:
-            self._scaled.scale = scale
-        with opt.no_sync():
-            result = self._executor(len(micro)).run(
-                batch[:, :-1] if groups.is_first_stage else None,
-                batch[:, 1:] if groups.is_last_stage else None, keys=keys)
-        return result.loss / scale if self._scale_in_loss else result.loss
 
     def _mean_over_dp(self, local: float) -> float:
         value = torch.tensor([local], dtype=torch.float64, device=self.device)
