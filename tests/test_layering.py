@@ -71,3 +71,27 @@ def test_layering(module: str) -> None:
 def test_rules_forbid_importing_apps() -> None:
     for module, allowed in ALLOWED.items():
         assert not (allowed & APPS), f"{module} is allowed to import an app"
+
+
+def _exported(init: Path) -> list[str]:
+    """The names in a package's ``__all__`` (a literal list in its __init__.py)."""
+    for node in ast.parse(init.read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+            return [ast.literal_eval(e) for e in node.value.elts]  # type: ignore[attr-defined]
+    return []
+
+
+def test_no_two_packages_export_one_name() -> None:
+    """A name means one thing across mt: `from mt_x import name` never needs the package to
+    tell which (e.g. the pipeline's step result is PipelineStepResult, the optimizer's
+    StepResult)."""
+    owners: dict[str, list[str]] = {}
+    for module, tree in source_trees().items():
+        if module in APPS:
+            continue
+        for name in _exported(tree / "__init__.py"):
+            owners.setdefault(name, []).append(module)
+    shared = {name: mods for name, mods in owners.items()
+              if len(mods) > 1 and name != "__version__"}
+    assert len(owners) > 100 and not shared, shared

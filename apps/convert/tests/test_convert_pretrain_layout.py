@@ -23,8 +23,8 @@ from mt_zero import (
     ZeroOptimizer,
     consolidate,
     decay_param_groups,
+    optimizer_shard_state,
     partition,
-    shard_state_dict,
 )
 
 
@@ -48,7 +48,7 @@ def _save(model: GPT, opt: ZeroOptimizer, folder: Path) -> None:
     names = [n for n, _ in model.named_parameters()]
     torch.save({"format": "mt-pretrain-rank/1", "rank": 0, "coord": [0, 0, 0],
                 "model": {n: p.detach().clone() for n, p in model.named_parameters()},
-                "optimizer": shard_state_dict(opt),
+                "optimizer": optimizer_shard_state(opt),
                 "rng": {"torch": torch.get_rng_state(), "cuda": None, "tracker": {}}},
                folder / "rank-00000.pt")
     meta = {"format": "mt-pretrain/1", "step": 2, "data": {"consumed_samples": 4, "step": 2},
@@ -70,7 +70,7 @@ def source(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, GPT, dict[st
     model, opt = _trained()
     folder = tmp_path_factory.mktemp("src") / "step-00000002"
     _save(model, opt, folder)
-    return folder, model, consolidate([shard_state_dict(opt)])
+    return folder, model, consolidate([optimizer_shard_state(opt)])
 
 
 def test_convert_pretrain_optimizer_round_trip_is_bit_identical(

@@ -10,7 +10,7 @@ from mt_pipeline import (
     StagePlan,
     balanced_partition,
     explicit_partition,
-    partition,
+    partition_layers,
     uniform_partition,
 )
 
@@ -98,15 +98,15 @@ def test_explicit() -> None:
 
 
 def test_partition_dispatcher() -> None:
-    assert partition(8, 2) == uniform_partition(8, 2)
-    assert partition(4, 2, "balanced", layer_weights=[3, 1, 1, 1]).layer_counts == (1, 3)
-    assert partition(5, 2, "explicit", layer_counts=[2, 3]).layer_counts == (2, 3)
+    assert partition_layers(8, 2) == uniform_partition(8, 2)
+    assert partition_layers(4, 2, "balanced", layer_weights=[3, 1, 1, 1]).layer_counts == (1, 3)
+    assert partition_layers(5, 2, "explicit", layer_counts=[2, 3]).layer_counts == (2, 3)
     with pytest.raises(PartitionError, match="sum to 5, model has 6"):
-        partition(6, 2, "explicit", layer_counts=[2, 3])
+        partition_layers(6, 2, "explicit", layer_counts=[2, 3])
     with pytest.raises(PartitionError, match="needs 4 layer weights, got 3"):
-        partition(4, 2, "balanced", layer_weights=[1, 1, 1])
+        partition_layers(4, 2, "balanced", layer_weights=[1, 1, 1])
     with pytest.raises(PartitionError, match="unknown partition method"):
-        partition(4, 2, "random")
+        partition_layers(4, 2, "random")
 
 
 def test_plan_validation() -> None:

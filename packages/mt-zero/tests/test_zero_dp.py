@@ -32,8 +32,8 @@ from mt_zero import (
     counts_once,
     decay_param_groups,
     load_consolidated,
+    optimizer_shard_state,
     paper_bytes,
-    shard_state_dict,
 )
 from mt_zero.testing import TinyLM, make_batches, reference_train
 
@@ -180,7 +180,7 @@ def _checkpoint_rank(phase: str, full: dict | None) -> Any:
     if phase == "save":
         model, opt = _make(1, "fp32", dp)
         losses = _train(model, opt, BATCHES[:5])
-        return losses, shard_state_dict(opt)
+        return losses, optimizer_shard_state(opt)
     model, opt = _make(2, "fp32", dp)
     load_consolidated(opt, full)  # type: ignore[arg-type]
     return _train(model, opt, BATCHES[5:]), opt.full_parameters()

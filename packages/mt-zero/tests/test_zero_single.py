@@ -14,7 +14,7 @@ from mt_zero import (
     decay_param_groups,
     default_units,
     load_consolidated,
-    shard_state_dict,
+    optimizer_shard_state,
 )
 from mt_zero.testing import TinyLM, make_batches, reference_train
 
@@ -127,7 +127,7 @@ def test_checkpoint_round_trip_across_stages() -> None:
     ref_losses, ref_params = reference_train(TinyLM(), BATCHES, "bf16", 1e-2, 0.1)
     model, opt = _make(3, "bf16")
     first = _train(model, opt, BATCHES[:2])
-    full = consolidate([shard_state_dict(opt)])
+    full = consolidate([optimizer_shard_state(opt)])
     model2, opt2 = _make(0, "bf16")
     load_consolidated(opt2, full)
     assert first + _train(model2, opt2, BATCHES[2:]) == ref_losses
@@ -137,7 +137,7 @@ def test_checkpoint_round_trip_across_stages() -> None:
     with pytest.raises(ValueError, match="embed.weight"):
         load_consolidated(opt2, full)
     with pytest.raises(ValueError, match="incomplete"):
-        shard = shard_state_dict(opt2)
+        shard = optimizer_shard_state(opt2)
         shard["pieces"], shard["master"], shard["state"] = (
             shard["pieces"][1:], shard["master"][1:], shard["state"][1:])
         consolidate([shard])

@@ -3,7 +3,7 @@ layout, optimizer state included.
 
 The source's AdamW state is rebuilt per parameter: each pipeline stage's ZeRO shards (one
 per DP rank, each piece with its parameter name, offset and length, see
-``mt_zero.shard_state_dict``) are consolidated with ``mt_zero.consolidate``, the TP slices
+``mt_zero.optimizer_shard_state``) are consolidated with ``mt_zero.consolidate``, the TP slices
 merged with ``mt_tensor_parallel.merge_shards`` (padding rows dropped). The canonical fp32
 master weights, ``exp_avg`` / ``exp_avg_sq`` and the replicated ``step`` are then cut again
 with ``shard_tensor`` for every target TP rank and split over the target DP ranks exactly

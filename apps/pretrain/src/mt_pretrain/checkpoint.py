@@ -46,7 +46,7 @@ from mt_pretrain.reshard import (
     merge_model,
     stage_param_names,
 )
-from mt_zero import ZeroOptimizer, consolidate, load_consolidated, shard_state_dict
+from mt_zero import ZeroOptimizer, consolidate, load_consolidated, optimizer_shard_state
 
 __all__ = ["CheckpointError", "Checkpointer", "consolidated_model", "find_checkpoint", "load"]
 
@@ -94,7 +94,7 @@ class Checkpointer:
             "rank": groups.rank,
             "coord": list(groups.coord),
             "model": weights if groups.dp_rank == 0 else {},
-            "optimizer": shard_state_dict(opt),
+            "optimizer": optimizer_shard_state(opt),
             "rng": {"torch": torch.get_rng_state(),
                     "cuda": torch.cuda.get_rng_state() if groups.device.type == "cuda" else None,
                     "tracker": self.built.tracker.state_dict() if self.built.tracker else {}},

@@ -51,7 +51,7 @@ def canonical_optimizer(shards_by_tp: Sequence[Sequence[dict[str, Any]]], names:
                         styles: Mapping[str, str], vocab_size: int) -> dict[str, Any]:
     """Unsharded optimizer state of ``names`` from one pipeline stage's shards.
 
-    ``shards_by_tp[t]`` are the ``mt_zero.shard_state_dict`` shards of every DP rank of TP
+    ``shards_by_tp[t]`` are the ``mt_zero.optimizer_shard_state`` shards of every DP rank of TP
     rank ``t``. Returns ``{"master": {name: t}, "sharded": {name: {key: t}},
     "replicated": {name: {key: v}}, "param_groups", "group_of", "scaler"}``.
     """

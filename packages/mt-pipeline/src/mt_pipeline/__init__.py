@@ -24,7 +24,7 @@ from mt_pipeline.partition import (
     StagePlan,
     balanced_partition,
     explicit_partition,
-    partition,
+    partition_layers,
     uniform_partition,
 )
 from mt_pipeline.schedules import (
@@ -72,7 +72,7 @@ _LAZY = {
     "run_layers": "mt_pipeline.checkpointing",
     "StageComm": "mt_pipeline.p2p",
     "PipelineExecutor": "mt_pipeline.executor",
-    "StepResult": "mt_pipeline.executor",
+    "PipelineStepResult": "mt_pipeline.executor",
 }
 
 
@@ -111,7 +111,7 @@ __all__ = [
     "SimulationResult",
     "StageComm",
     "StagePlan",
-    "StepResult",
+    "PipelineStepResult",
     "__version__",
     "balanced_partition",
     "build_stage",
@@ -124,7 +124,7 @@ __all__ = [
     "interleaved_1f1b",
     "measured_timeline",
     "one_f_one_b",
-    "partition",
+    "partition_layers",
     "peak_in_flight",
     "plan_pipeline",
     "run_layers",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from mt_pipeline.partition import PartitionError, PipelinePlan, partition
+from mt_pipeline.partition import PartitionError, PipelinePlan, partition_layers
 from mt_pipeline.schedules import SCHEDULES, Schedule, ScheduleError, get_schedule
 
 __all__ = ["PipelineConfig", "plan_pipeline"]
@@ -76,7 +76,7 @@ def plan_pipeline(
     multiple of the stage count) fails at once with every number named.
     """
     config.schedule_for(num_stages)  # raises ScheduleError for a bad (p, m, v)
-    plan = partition(
+    plan = partition_layers(
         num_layers,
         num_stages,
         method,

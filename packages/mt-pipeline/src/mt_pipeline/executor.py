@@ -36,13 +36,13 @@ from mt_pipeline.schedules import (
 from mt_pipeline.simulator import Event
 from mt_pipeline.stage import PipelineStage
 
-__all__ = ["PipelineExecutor", "StepResult"]
+__all__ = ["PipelineExecutor", "PipelineStepResult"]
 
 _Key = tuple[int, int]  # (micro-batch, local chunk)
 
 
 @dataclass(frozen=True)
-class StepResult:
+class PipelineStepResult:
     """Outcome of one pipeline step on one rank.
 
     Attributes:
@@ -155,7 +155,7 @@ class PipelineExecutor:
         optimizer_step: Callable[[], Any] | None = None,
         record: bool = False,
         keys: Sequence[int] | None = None,
-    ) -> StepResult:
+    ) -> PipelineStepResult:
         """Run one step (all micro-batches): forward, backward, tied-gradient sum, optimizer.
 
         ``inputs`` (token ids, first stage) and ``targets`` (last stage) hold this pipeline's
@@ -187,7 +187,7 @@ class PipelineExecutor:
                 events.append(Event(comm.stage, start, time.perf_counter(), instruction))
         return self._result(state, events)
 
-    def _result(self, state: _StepState, events: list[Event]) -> StepResult:
+    def _result(self, state: _StepState, events: list[Event]) -> PipelineStepResult:
         if state.saved or state.received_act or state.received_grad:
             raise RuntimeError("pipeline step ended with unconsumed activations or gradients")
         per_micro = tuple(float(loss) for loss in state.losses)
@@ -196,7 +196,8 @@ class PipelineExecutor:
             loss.fill_(sum(per_micro) / len(per_micro))
         if self.broadcast_loss:
             self.comm.broadcast_from_last(loss)
-        return StepResult(float(loss.item()), per_micro, tuple(events), state.peak_in_flight)
+        return PipelineStepResult(float(loss.item()), per_micro, tuple(events),
+                                  state.peak_in_flight)
 
     def _execute(self, instruction: Instruction, state: _StepState) -> None:
         if isinstance(instruction, Forward):
@@ -295,7 +296,7 @@ class PipelineExecutor:
         targets: torch.Tensor | None = None,
         *,
         record: bool = False,
-    ) -> StepResult:
+    ) -> PipelineStepResult:
         """Zero the gradients, run one step and apply ``optimizer`` at OptimizerStep."""
         optimizer.zero_grad(set_to_none=True)
         return self.run(inputs, targets, optimizer_step=optimizer.step, record=record)

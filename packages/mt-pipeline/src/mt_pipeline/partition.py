@@ -18,7 +18,7 @@ __all__ = [
     "StagePlan",
     "balanced_partition",
     "explicit_partition",
-    "partition",
+    "partition_layers",
     "uniform_partition",
 ]
 
@@ -221,7 +221,7 @@ def balanced_partition(
     return _plan_from_counts(_balanced_counts(weights, parts, extra), num_stages, virtual_stages)
 
 
-def partition(
+def partition_layers(
     num_layers: int,
     num_stages: int,
     method: str = "uniform",

@@ -1,6 +1,6 @@
 """Optimizer checkpoints that move between data-parallel sizes and ZeRO stages.
 
-Each rank saves its own shard (:func:`shard_state_dict`): for every master piece, the
+Each rank saves its own shard (:func:`optimizer_shard_state`): for every master piece, the
 parameter name, the piece's offset and length inside the flattened parameter, its fp32
 master values and its optimizer state, plus every parameter's full shape. That is enough to
 rebuild full per-parameter tensors offline (:func:`consolidate`, a pure function over the
@@ -21,7 +21,7 @@ import torch
 
 from mt_zero.optimizer import ZeroOptimizer
 
-__all__ = ["consolidate", "load_consolidated", "shard_state_dict"]
+__all__ = ["consolidate", "load_consolidated", "optimizer_shard_state"]
 
 SHARD_FORMAT = "mt-zero-shard/1"
 FULL_FORMAT = "mt-zero-full/1"
@@ -33,7 +33,7 @@ def _optimizer_index(opt: ZeroOptimizer) -> dict[int, int]:
     return {id(p): i for i, p in enumerate(flat)}
 
 
-def shard_state_dict(opt: ZeroOptimizer) -> dict[str, Any]:
+def optimizer_shard_state(opt: ZeroOptimizer) -> dict[str, Any]:
     """This rank's shard of the optimizer: master weights, optimizer state, loss scale.
 
     Local (no communication); tensors are copies.
