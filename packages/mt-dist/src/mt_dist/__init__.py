@@ -2,8 +2,9 @@
 
 Pure pieces (no processes): :class:`Topology`, the SLURM node-list parsers and
 :func:`discover`. Process-group pieces: :func:`init_distributed`, :func:`build_groups` and
-:func:`finalize_distributed`.
-The multi-process test harness lives in :mod:`mt_dist.testing`.
+:func:`finalize_distributed`. The collectives every package uses (along a tensor dimension,
+on flat buffers, gloo-aware) live in :mod:`mt_dist.collectives`; the multi-process test
+harness in :mod:`mt_dist.testing`.
 """
 
 from mt_dist.groups import ParallelGroups, backend_for, build_groups

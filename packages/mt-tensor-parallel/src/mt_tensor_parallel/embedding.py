@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from mt_tensor_parallel._comm import group_rank, group_size
+from mt_dist.collectives import group_rank, group_size
 from mt_tensor_parallel.mappings import copy_to_tp
 from mt_tensor_parallel.rng import RNGTracker
 from mt_tensor_parallel.sharding import DEFAULT_PAD_MULTIPLE

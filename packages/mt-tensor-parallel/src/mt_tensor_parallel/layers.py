@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from mt_tensor_parallel._comm import group_rank, group_size
+from mt_dist.collectives import group_rank, group_size
 from mt_tensor_parallel.mappings import (
     copy_to_tp,
     gather_from_sequence,

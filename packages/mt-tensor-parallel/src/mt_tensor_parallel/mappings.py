@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch.distributed import ProcessGroup
 
-from mt_tensor_parallel._comm import (
+from mt_dist.collectives import (
     all_gather_along,
     all_reduce,
     reduce_scatter_along,

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from mt_tensor_parallel._comm import group_rank, group_size
+from mt_dist.collectives import group_rank, group_size
 from mt_tensor_parallel.embedding import ParallelTokenPositionEmbedding
 from mt_tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from mt_tensor_parallel.rng import RNGTracker

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from mt_zero._comm import (
+from mt_dist.collectives import (
     Handle,
     all_gather_flat,
     all_reduce_sum,

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from mt_zero._comm import all_reduce_over
+from mt_dist.collectives import all_reduce_over
 
 __all__ = [
     "clip_coefficient",

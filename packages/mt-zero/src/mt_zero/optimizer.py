@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from mt_zero._comm import all_gather_flat, all_reduce_over, group_rank, group_size
+from mt_dist.collectives import all_gather_flat, all_reduce_over, group_rank, group_size
 from mt_zero.buckets import FlatBucket
 from mt_zero.clip import clip_coefficient, sum_of_squares
 from mt_zero.grad_sync import GradSync
