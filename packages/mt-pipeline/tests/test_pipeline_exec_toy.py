@@ -294,3 +294,32 @@ def test_exec_checkpointing_keeps_only_layer_inputs() -> None:
     # Without checkpointing every layer saves several tensors (LayerNorm stats, Linear
     # input, tanh output, ...); with it each layer keeps only its input for recomputation.
     assert 3 * checkpointed < plain  # measured here: 16 vs 72
+
+
+def _forward_only(v: int) -> list[float]:
+    """Every micro-batch's loss from forward_losses at 4 stages x v chunks (last stage)."""
+    from mt_pipeline import forward_losses
+
+    groups = build_groups(Topology(pp=4))
+    comm = StageComm.from_groups(groups)
+    plan = plan_pipeline(PipelineConfig("interleaved" if v > 1 else "1f1b", 4, v), LAYERS, 4)
+    stage = build_stage(ToyLM(), plan.stages[comm.stage])
+    idx, targets = toy_batch()
+    losses = forward_losses(stage, comm, 4, list(idx.chunk(4)) if comm.is_first else None,
+                            list(targets.chunk(4)) if comm.is_last else None,
+                            (BATCH // 4, SEQ, HIDDEN), torch.float32, "cpu")
+    return [float(x) for x in losses]
+
+
+def test_forward_only_pass_matches_one_process() -> None:
+    """Validation's forward-only pass: 4 stages, with 1 and 2 chunks per stage; the last
+    stage gets each micro-batch's loss, the others none."""
+    idx, targets = toy_batch()
+    model = ToyLM()
+    with torch.no_grad():
+        want = [float(model(x, y)) for x, y in zip(idx.chunk(4), targets.chunk(4))]
+    for v in (1, 2):
+        results = run_distributed(_forward_only, 4, v, timeout=TIMEOUT)
+        assert results[:3] == [[], [], []]
+        assert torch.allclose(torch.tensor(results[3]), torch.tensor(want), rtol=1e-5,
+                              atol=1e-6), (v, results[3], want)

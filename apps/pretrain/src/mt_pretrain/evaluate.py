@@ -1,11 +1,5 @@
-"""Validation loss: forward only, through every pipeline stage, averaged over data parallel.
-
-The pipeline executor runs training steps (forward and backward); evaluation needs only
-forward passes, so it walks the virtual stages in order with plain point-to-point messages:
-each rank handles (micro-batch, chunk) pairs in the same global order, receives its input
-from the previous virtual stage and sends its output to the next. That order is a
-topological order of the data flow, so asynchronous sends cannot deadlock.
-"""
+"""Validation loss: forward only (mt-pipeline's :func:`~mt_pipeline.forward_losses` through
+every stage), averaged over micro-batches and data parallelism, known on every rank."""
 
 from __future__ import annotations
 
@@ -16,51 +10,24 @@ import torch.distributed as dist
 
 from mt_data import DPDataLoader
 from mt_dist import ParallelGroups
-from mt_pipeline import PipelineStage
+from mt_pipeline import PipelineStage, StageComm, forward_losses
 from mt_pretrain.data import to_batch
 
 __all__ = ["evaluate", "forward_loss"]
 
 
-def _forward_micro(stage: PipelineStage, groups: ParallelGroups, idx: torch.Tensor | None,
-                   targets: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype,
-                   device: torch.device) -> torch.Tensor | None:
-    """One micro-batch through every virtual stage; the loss on the last one, else None."""
-    p, s = groups.pp_size, groups.pp_rank
-    ranks = groups.pp_group_ranks
-    pending = []
-    loss = None
-    for chunk in range(stage.num_chunks):
-        virtual = chunk * p + s
-        if stage.is_first_chunk(chunk):
-            x = idx
-        else:
-            x = torch.empty(shape, dtype=dtype, device=device)
-            dist.recv(x, src=ranks[(virtual - 1) % p], group=groups.pp)
-        out = stage.forward_chunk(chunk, x)
-        if stage.is_last_chunk(chunk):
-            loss = stage.loss(out, targets)
-        else:
-            pending.append(dist.isend(out.contiguous(), dst=ranks[(virtual + 1) % p],
-                                      group=groups.pp))
-    for work in pending:
-        work.wait()
-    return loss
-
-
-@torch.no_grad()
 def forward_loss(stage: PipelineStage, groups: ParallelGroups, micro_batches: list[torch.Tensor],
                  shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> float:
     """Mean loss of this DP rank's ``micro_batches`` ([micro, seq + 1] token tensors),
     known on every rank of the pipeline."""
+    batches = [b.to(device) for b in micro_batches]
+    losses = forward_losses(
+        stage, StageComm.from_groups(groups), len(batches),
+        [b[:, :-1] for b in batches] if groups.is_first_stage else None,
+        [b[:, 1:] for b in batches] if groups.is_last_stage else None, shape, dtype, device)
     total = torch.zeros(1, dtype=torch.float32, device=device)
-    for batch in micro_batches:
-        batch = batch.to(device)
-        idx, targets = batch[:, :-1], batch[:, 1:]
-        loss = _forward_micro(stage, groups, idx if groups.is_first_stage else None,
-                              targets if groups.is_last_stage else None, shape, dtype, device)
-        if loss is not None:
-            total += loss.float()
+    for loss in losses:
+        total += loss.float()
     if groups.pp_size > 1:
         dist.broadcast(total, src=groups.pp_group_ranks[-1], group=groups.pp)
     return float(total) / max(len(micro_batches), 1)

@@ -9,7 +9,8 @@ pipeline config (:mod:`mt_pipeline.config`). None of these import torch.
 Executor (needs torch and mt_dist, imported on first use): stages built from a GPT-like
 model (:mod:`mt_pipeline.stage`), per-layer activation checkpointing
 (:mod:`mt_pipeline.checkpointing`), P2P / collectives (:mod:`mt_pipeline.p2p`) and the
-instruction executor (:mod:`mt_pipeline.executor`).
+instruction executor (:mod:`mt_pipeline.executor`), forward-only passes for evaluation
+(:mod:`mt_pipeline.forward`).
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ _LAZY = {
     "run_layers": "mt_pipeline.checkpointing",
     "StageComm": "mt_pipeline.p2p",
     "PipelineExecutor": "mt_pipeline.executor",
+    "forward_losses": "mt_pipeline.forward",
     "PipelineStepResult": "mt_pipeline.executor",
 }
 
@@ -119,6 +121,7 @@ __all__ = [
     "check_matching",
     "event_name",
     "explicit_partition",
+    "forward_losses",
     "get_schedule",
     "gpipe",
     "interleaved_1f1b",
