@@ -82,3 +82,22 @@ def test_per_token_flops_is_close_to_the_recompute_free_formula() -> None:
     per_token = model_flops_per_token_training(cfg)
     assert per_token == pytest.approx(6 * count_parameters(cfg) + 12 * 105 * 20480 * 2048)
     assert per_token * tokens == pytest.approx(no_recompute, rel=0.03)
+
+
+def test_parameter_stages_of_every_gpt_parameter() -> None:
+    """Where each parameter of a 4-layer GPT lives on 2 stages, and on 2 interleaved stages
+    holding blocks {0, 2} and {1, 3}: blocks with their block, the embedding first, the
+    final norm last, the tied token embedding on both ends."""
+    from mt_model import GPT, TIED_WEIGHT, parameter_stages, preset
+
+    names = [n for n, _ in GPT(preset("tiny")).named_parameters()]
+    assert TIED_WEIGHT in names
+    for layers in ([range(0, 2), range(2, 4)], [{0, 2}, {1, 3}]):
+        where = {n: parameter_stages(n, layers) for n in names}
+        assert where[TIED_WEIGHT] == [0, 1] and where["embed.positions.weight"] == [0]
+        assert where["ln_f.weight"] == [1]
+        for n, stages in where.items():
+            if n.startswith("blocks."):
+                block = int(n.split(".")[1])
+                assert stages == [s for s, held in enumerate(layers) if block in held], n
+    assert parameter_stages(TIED_WEIGHT, [range(0, 4)]) == [0]  # one stage holds it once

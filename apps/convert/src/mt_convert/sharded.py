@@ -49,7 +49,7 @@ from mt_convert.shard_pieces import (
 )
 from mt_convert.spans import FileSpan, crc_span
 from mt_convert.tensors import TensorSpec, raw_bytes
-from mt_model import GPTConfig
+from mt_model import GPTConfig, parameter_stages
 from mt_pipeline import PartitionError, uniform_partition
 from mt_tensor_parallel import (
     DEFAULT_PAD_MULTIPLE,
@@ -71,7 +71,6 @@ __all__ = [
 ]
 
 SHARDED_FORMAT = "mt-sharded"
-TIED = "embed.tokens.weight"
 
 
 def shard_file(tp_rank: int, pp_rank: int = 0, pp: int = 1) -> str:
@@ -99,17 +98,10 @@ def stage_layers(n_layers: int, pp: int) -> list[tuple[int, int]]:
 
 
 def stages_of(name: str, ranges: list[tuple[int, int]]) -> list[int]:
-    """The pipeline stages holding canonical tensor ``name`` (the tied embedding is on the
-    first and the last stage)."""
-    last = len(ranges) - 1
-    if name.startswith("blocks."):
-        layer = int(name.split(".")[1])
-        return [s for s, (start, stop) in enumerate(ranges) if start <= layer < stop]
-    if name == TIED:
-        return sorted({0, last})
-    if name.startswith("embed."):
-        return [0]
-    return [last]  # ln_f and anything after the blocks
+    """The pipeline stages holding canonical tensor ``name``, stage ``s`` holding the blocks
+    ``ranges[s]`` (``mt_model.parameter_stages``: the tied embedding is on the first and the
+    last stage)."""
+    return parameter_stages(name, [range(start, stop) for start, stop in ranges])
 
 
 def shard_specs(specs: dict[str, TensorSpec], tp: int, pad_multiple: int

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from mt_dist import ParallelGroups
-from mt_model import GPT, init_parameter
+from mt_model import GPT, TIED_WEIGHT, init_parameter
 from mt_pipeline import PipelineStage, build_stage
 from mt_pretrain.config import PretrainConfig
 from mt_pretrain.plan import RunPlan, sharding_styles
@@ -29,7 +29,6 @@ from mt_zero import ZeroConfig, ZeroOptimizer, counts_once, decay_param_groups
 
 __all__ = ["Built", "build_model_stage", "make_optimizer", "seed_everything"]
 
-TIED = "embed.tokens.weight"
 
 
 @dataclass
@@ -107,7 +106,7 @@ def make_optimizer(config: PretrainConfig, stage: PipelineStage, groups: Paralle
     is_first, is_last = groups.is_first_stage, groups.is_last_stage
     # The last stage's copy of the tied embedding duplicates the first stage's.
     def pp_duplicate(name: str, _param: nn.Parameter) -> bool:
-        return name == TIED and is_last and not is_first
+        return name == TIED_WEIGHT and is_last and not is_first
 
     counted = counts_once(groups.tp_rank,
                           tp_replicated=lambda name, _p: styles.get(name) == "replicate",

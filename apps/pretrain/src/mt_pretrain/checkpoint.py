@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from mt_data import DataLoaderState
 from mt_dist import ParallelGroups
+from mt_model import parameter_stages
 from mt_pretrain.build import Built
 from mt_pretrain.checkpoint_format import (
     DATA_ORDER,
@@ -44,7 +45,6 @@ from mt_pretrain.reshard import (
     canonical_optimizer,
     local_optimizer,
     merge_model,
-    stage_param_names,
 )
 from mt_zero import ZeroOptimizer, consolidate, load_consolidated, optimizer_shard_state
 
@@ -61,8 +61,9 @@ def _barrier(groups: ParallelGroups) -> None:
 
 def all_stage_names(plan: RunPlan, full_names: list[str]) -> dict[str, list[str]]:
     """Parameter names of every pipeline stage of ``plan`` (JSON keys are strings)."""
-    return {str(sp.stage): stage_param_names(full_names, sp.layers, sp.has_embedding,
-                                             sp.has_head) for sp in plan.stages.stages}
+    layers = [sp.layers for sp in plan.stages.stages]
+    return {str(s): [n for n in full_names if s in parameter_stages(n, layers)]
+            for s in range(len(layers))}
 
 
 class Checkpointer:

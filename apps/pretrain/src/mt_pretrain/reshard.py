@@ -17,22 +17,9 @@ import torch
 from mt_tensor_parallel import merge_shards, shard_tensor
 from mt_zero import consolidate
 
-__all__ = ["canonical_optimizer", "local_optimizer", "merge_model", "stage_param_names"]
+__all__ = ["canonical_optimizer", "local_optimizer", "merge_model"]
 
 FULL_FORMAT = "mt-zero-full/1"
-TIED = "embed.tokens.weight"
-
-
-def stage_param_names(all_names: Iterable[str], layers: Sequence[int], has_embedding: bool,
-                      has_head: bool) -> list[str]:
-    """Parameter names (unsharded model naming) held by a pipeline stage."""
-    prefixes = tuple(f"blocks.{i}." for i in layers)
-    names = []
-    for name in all_names:
-        if (name.startswith(prefixes) or (has_embedding and name.startswith("embed."))
-                or (has_head and (name.startswith("ln_f.") or name == TIED))):
-            names.append(name)
-    return names
 
 
 def _merge(style: str, parts: Sequence[torch.Tensor], vocab_size: int) -> torch.Tensor:

@@ -10,11 +10,13 @@ from mt_model.config import PRESETS, GPTConfig, GPTConfigError, preset
 from mt_model.gpt import GPT, MLP, Attention, Block, CoreAttention, Embedding, LMHead, LMLoss
 from mt_model.init import init_gpt_, init_parameter, init_std_for, parameter_seed
 from mt_model.params import (
+    TIED_WEIGHT,
     count_block_parameters,
     count_parameters,
     gradient_free_slices,
     model_flops_per_iteration,
     model_flops_per_token_training,
+    parameter_stages,
     tflops_per_gpu,
 )
 
@@ -24,6 +26,7 @@ __all__ = [
     "GPT",
     "MLP",
     "PRESETS",
+    "TIED_WEIGHT",
     "Attention",
     "Block",
     "CoreAttention",
@@ -42,6 +45,7 @@ __all__ = [
     "model_flops_per_iteration",
     "model_flops_per_token_training",
     "parameter_seed",
+    "parameter_stages",
     "preset",
     "tflops_per_gpu",
 ]

@@ -6,12 +6,20 @@ so it works for 530B-parameter configs on a laptop.
 
 from __future__ import annotations
 
+from collections.abc import Collection, Sequence
+
 from mt_model.config import GPTConfig
 
+#: The token embedding, also the output projection (tied): the first and the last pipeline
+#: stage each hold it.
+TIED_WEIGHT = "embed.tokens.weight"
+
 __all__ = [
+    "TIED_WEIGHT",
     "count_parameters",
     "count_block_parameters",
     "gradient_free_slices",
+    "parameter_stages",
     "model_flops_per_iteration",
     "model_flops_per_token_training",
     "tflops_per_gpu",
@@ -98,3 +106,19 @@ def gradient_free_slices(config: GPTConfig) -> dict[str, slice]:
     """
     h = config.hidden
     return {f"blocks.{i}.attn.qkv.bias": slice(h, 2 * h) for i in range(config.n_layers)}
+
+
+def parameter_stages(name: str, stage_layers: Sequence[Collection[int]]) -> list[int]:
+    """The pipeline stages holding GPT parameter ``name``, given each stage's block indices
+    (in stage order; interleaved stages hold several ranges): a block's parameters live with
+    their block, the embedding on the first stage, the final norm on the last, and the tied
+    token embedding on both."""
+    last = len(stage_layers) - 1
+    if name.startswith("blocks."):
+        layer = int(name.split(".")[1])
+        return [s for s, layers in enumerate(stage_layers) if layer in layers]
+    if name == TIED_WEIGHT:
+        return sorted({0, last})
+    if name.startswith("embed."):
+        return [0]
+    return [last]  # ln_f and anything after the blocks
