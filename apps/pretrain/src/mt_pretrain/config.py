@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mt_pipeline import SCHEDULES as PIPELINE_SCHEDULES
+
 __all__ = [
     "DEFAULT_TRAIN_STEPS",
     "SECTIONS",
@@ -38,7 +40,7 @@ DEFAULT_MODEL = "tiny"
 ARCHITECTURE = ("n_layers", "hidden", "n_heads", "vocab_size", "ffn_hidden")
 ENGINES = ("mt", "deepspeed")
 PRECISIONS = ("fp32", "bf16", "fp16")
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = tuple(PIPELINE_SCHEDULES)  # mt-pipeline's: gpipe, 1f1b, interleaved
 
 
 class ConfigError(ValueError):

@@ -26,6 +26,8 @@ from mt_model import GPTConfig, count_parameters, model_flops_per_iteration
 from mt_pipeline import get_schedule, simulate
 from mt_pretrain.gpus import GPUSpec
 from mt_pretrain.layout import RECOMPUTE, Layout, LayoutError, stage_layers
+from mt_tensor_parallel import padded_vocab_size
+from mt_zero import ZeroConfig
 
 __all__ = ["EFFICIENCY", "MTNLG_PUBLISHED", "Estimate", "Layout", "LayoutError",
            "activation_bytes_per_layer", "calibrate_efficiency", "estimate", "peak_in_flight",
@@ -43,7 +45,7 @@ _WIDTH = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 #: Elements per gradient-reduction bucket of mt-zero (``ZeroConfig.bucket_numel``); a tensor
 #: larger than that is a bucket of its own.
-BUCKET_NUMEL = 2**22
+BUCKET_NUMEL = ZeroConfig().bucket_numel  # mt-zero's gradient bucket
 
 
 def zero_bytes(psi: float, dp: int, stage: int, precision: str = "bf16") -> dict[str, float]:
@@ -149,8 +151,7 @@ def _params_of(gpt: GPTConfig, layout: Layout, stage: int, layers: int) -> int:
     h, f, t = gpt.hidden, gpt.ffn_hidden, layout.tp
     sharded = 3 * h * h + 3 * h + h * h + h * f + f + f * h  # column/row weights + col biases
     block = 4 * h + 2 * h + sharded // t  # LayerNorms and row biases are replicated
-    unit = 128 * t
-    vocab = -(-gpt.vocab_size // unit) * unit if t > 1 else gpt.vocab_size
+    vocab = padded_vocab_size(gpt.vocab_size, t) if t > 1 else gpt.vocab_size
     first, last = stage == 0, stage == layout.pp - 1
     n = layers * block
     if first or last:

@@ -10,12 +10,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from mt_model import GPTConfig
+from mt_pipeline import SCHEDULES as PIPELINE_SCHEDULES
+from mt_pipeline import PartitionError, uniform_partition
 
 __all__ = ["RECOMPUTE", "SCHEDULES", "Layout", "LayoutError", "enumerate_layouts",
            "stage_layers"]
 
 RECOMPUTE = ("full", "selective", "none")
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = tuple(PIPELINE_SCHEDULES)  # mt-pipeline's: gpipe, 1f1b, interleaved
 PRECISIONS = ("bf16", "fp16", "fp32")
 
 
@@ -113,8 +115,11 @@ class Layout:
 
 
 def stage_layers(n_layers: int, layout: Layout) -> list[int]:
-    """Transformer layers per pipeline stage (uniform split, as mt-pipeline's default)."""
-    return [n_layers // layout.pp] * layout.pp
+    """Transformer layers per pipeline stage: mt-pipeline's uniform split (its default)."""
+    try:
+        return list(uniform_partition(n_layers, layout.pp).layer_counts)
+    except PartitionError as err:
+        raise LayoutError(f"invalid layout for this model: {err}") from None
 
 
 def _divisors(n: int) -> list[int]:
