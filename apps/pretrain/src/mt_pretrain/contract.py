@@ -64,7 +64,7 @@ FLOORS: dict[str, Tolerance] = {
 #: reordering (the worst ratio the full matrix measured in brackets; README):
 #: - nothing beyond summing in another order (data/pipeline parallel, ZeRO, checkpointing,
 #:   dropout): 3 (1.95, the fp16 grad norm at DP 8: eight partial sums);
-#: - DeepSpeed's engine: it reduces 16-bit gradients its own way: 6 (4.7);
+#: - DeepSpeed's engine: it reduces 16-bit gradients its own way: 6 (4.7 at PP 2 x DP 4);
 #: - tensor parallelism: each row-parallel all-reduce rounds partial sums to 16 bits once
 #:   more per layer, t partial sums at TP t: 8 (6.3, fp16 grad norm at TP 4).
 FLOOR_FACTORS = {"plain": 3.0, "deepspeed": 6.0, "tp": 8.0}
