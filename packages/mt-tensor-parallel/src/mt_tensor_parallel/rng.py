@@ -59,6 +59,10 @@ class RNGTracker:
         if seed in self.seeds.values():
             raise ValueError(f"seed {seed} is already used by another RNG state")
         self.seeds[name] = seed
+        self._start(name, seed)
+
+    def _start(self, name: str, seed: int) -> None:
+        """Stream ``name`` at the start of the sequence of ``seed`` (CPU, and CUDA's)."""
         self._cpu[name] = torch.Generator().manual_seed(seed).get_state()
         if self.use_cuda:
             saved = torch.cuda.get_rng_state()
@@ -90,13 +94,7 @@ class RNGTracker:
         """Restart every stream from ``seed`` (each still apart from the others and from
         the other TP ranks' streams: its own creation seed is mixed in)."""
         for name, base in self.seeds.items():
-            stream = mix_seed(seed, base)
-            self._cpu[name] = torch.Generator().manual_seed(stream).get_state()
-            if self.use_cuda:
-                saved = torch.cuda.get_rng_state()
-                torch.cuda.manual_seed(stream)
-                self._cuda[name] = torch.cuda.get_rng_state()
-                torch.cuda.set_rng_state(saved)
+            self._start(name, mix_seed(seed, base))
 
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
         """Copies of every stream (for checkpoints)."""
