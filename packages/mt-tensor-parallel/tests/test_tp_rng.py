@@ -65,3 +65,33 @@ def test_tp_rng_region_is_a_no_op_in_eval_mode() -> None:
     before = torch.get_rng_state()
     assert torch.equal(region(torch.ones(8)), torch.ones(8))
     assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_keyed_rng_draws_by_key_and_region_not_by_history() -> None:
+    """KeyedRNG.enter(key, region) makes the next draws a function of (seed, key, region):
+    the same after any other draws, different for another key or region, and the TP tracker's
+    streams re-seeded too, still apart per TP rank."""
+    import torch
+
+    from mt_tensor_parallel import KeyedRNG, RNGTracker, mix_seed
+
+    def draw(rng: KeyedRNG, key: int, region: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rng.enter(key, region)
+        default = torch.rand(4)
+        assert rng.tracker is not None
+        with rng.tracker.fork():
+            tp = torch.rand(4)
+        return default, tp
+
+    a = KeyedRNG(7, RNGTracker(7, tp_rank=0), use_cuda=False)
+    b = KeyedRNG(7, RNGTracker(7, tp_rank=1), use_cuda=False)
+    first = draw(a, key=16, region=3)
+    torch.rand(100)  # whatever ran in between
+    again = draw(a, key=16, region=3)
+    assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
+    assert not torch.equal(first[0], draw(a, key=17, region=3)[0])
+    assert not torch.equal(first[0], draw(a, key=16, region=4)[0])
+    other_rank = draw(b, key=16, region=3)
+    assert torch.equal(other_rank[0], first[0])  # replicated regions: the same masks
+    assert not torch.equal(other_rank[1], first[1])  # sharded regions: per-rank masks
+    assert mix_seed(1, 2) != mix_seed(2, 1) and 0 <= mix_seed(1, 2) < 2**63
