@@ -2,6 +2,7 @@
 
 - mt-model and mt-data import no other mt package;
 - the parallel packages (mt-tensor-parallel, mt-pipeline, mt-zero) import only mt-dist;
+- mt-checkpoint imports mt-dist, mt-model and the parallel packages it reshards for;
 - mt-dist imports no mt package;
 - nothing imports an app (mt_pretrain, mt_convert) but the app itself.
 """
@@ -23,10 +24,12 @@ ALLOWED: dict[str, set[str]] = {
     "mt_tensor_parallel": {"mt_dist"},
     "mt_pipeline": {"mt_dist"},
     "mt_zero": {"mt_dist"},
+    # The checkpoint format and resharding: above the parallel packages, below the apps.
+    "mt_checkpoint": {"mt_dist", "mt_model", "mt_tensor_parallel", "mt_zero"},
     "mt_pretrain": {"mt_dist", "mt_model", "mt_data", "mt_tensor_parallel", "mt_pipeline",
-                    "mt_zero"},
+                    "mt_zero", "mt_checkpoint"},
     "mt_convert": {"mt_dist", "mt_model", "mt_data", "mt_tensor_parallel", "mt_pipeline",
-                   "mt_zero"},
+                   "mt_zero", "mt_checkpoint"},
 }
 
 

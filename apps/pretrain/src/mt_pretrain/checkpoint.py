@@ -1,16 +1,14 @@
-"""Sharded training checkpoints: one file per rank, written atomically, resumable at any layout.
+"""mt's engine's checkpoints: one file per rank, written atomically, resumable at any layout.
 
-The folder layout and ``meta.json`` are :mod:`mt_pretrain.checkpoint_format`'s. Ranks write
-into ``.step-XXXXXXXX.tmp`` which rank 0 renames once every rank has finished; ``latest`` is
-replaced after the rename, so a crash never leaves a half-written checkpoint behind
-``latest``. Only the ``keep_last`` newest step folders are kept. Files are read with
-``torch.load(weights_only=True)``: tensors and plain containers only, never arbitrary
-pickled objects.
+The format (names, ``meta.json``, rank order, the publish protocol, weights-only reading)
+and the resharding maths are mt-checkpoint's; this module fills the rank files (weights of
+DP replica 0, ZeRO optimizer shards, RNG states) and loads them into a run of any layout.
+Ranks write into ``.step-XXXXXXXX.tmp``, which rank 0 publishes once every rank has finished
+(:func:`mt_checkpoint.publish_step`).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import warnings
@@ -19,33 +17,30 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from mt_checkpoint import (
+    DATA_ORDER,
+    RANK_FORMAT,
+    CheckpointError,
+    SavedLayout,
+    canonical_optimizer,
+    clean_stale,
+    find_checkpoint,
+    load_rank,
+    local_optimizer,
+    merge_model,
+    publish_step,
+    rank_file,
+    read_meta,
+    step_dir,
+)
 
 from mt_data import DataLoaderState
 from mt_dist import ParallelGroups
 from mt_model import parameter_stages
 from mt_pretrain.build import Built
-from mt_pretrain.checkpoint_format import (
-    DATA_ORDER,
-    FORMAT,
-    LATEST,
-    META,
-    RANK_FORMAT,
-    CheckpointError,
-    find_checkpoint,
-    fsync_dir,
-    rank_file,
-    read_meta,
-    step_dir,
-    write_synced,
-)
 from mt_pretrain.config import ConfigError, PretrainConfig
 from mt_pretrain.failpoints import failpoint
 from mt_pretrain.plan import RunPlan
-from mt_pretrain.reshard import (
-    canonical_optimizer,
-    local_optimizer,
-    merge_model,
-)
 from mt_zero import ZeroOptimizer, consolidate, load_consolidated, optimizer_shard_state
 
 __all__ = ["CheckpointError", "Checkpointer", "consolidated_model", "find_checkpoint", "load"]
@@ -80,12 +75,11 @@ class Checkpointer:
     def save(self, step: int, data_state: DataLoaderState) -> Path:
         """Write the checkpoint of ``step`` (collective); returns its folder."""
         groups, opt = self.groups, self.optimizer
-        tmp, final = self.root / f".{step_dir(step)}.tmp", self.root / step_dir(step)
+        tmp = self.root / f".{step_dir(step)}.tmp"
         if groups.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
-            if self.last_step is None:  # what a killed save left behind (never loaded)
-                for stale in [*self.root.glob(".step-*.tmp"), *self.root.glob(".step-*.replaced")]:
-                    shutil.rmtree(stale, ignore_errors=True)
+            if self.last_step is None:
+                clean_stale(self.root)  # what a killed save left behind (never loaded)
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
         _barrier(groups)
@@ -107,57 +101,29 @@ class Checkpointer:
             os.fsync(f.fileno())
         failpoint("checkpoint.write", groups.rank)
         _barrier(groups)
+        final = self.root / step_dir(step)
         if groups.rank == 0:
-            self._publish(step, data_state, tmp, final)
+            publish_step(self.root, tmp, self._meta(step, data_state), self.keep_last,
+                         phase=lambda name: failpoint(f"checkpoint.{name}", 0))
         _barrier(groups)
         self.last_saved, self.last_step = final, step
         return final
 
-    def _publish(self, step: int, data_state: DataLoaderState, tmp: Path, final: Path) -> None:
+    def _meta(self, step: int, data_state: DataLoaderState) -> dict[str, Any]:
         topo = self.plan.topology
-        meta = {
-            "format": FORMAT,
+        layout = SavedLayout(topo.tp, topo.pp, topo.dp, self.plan.pipeline.virtual_stages,
+                             self.config.parallel.zero_stage, self.config.parallel.precision)
+        return {
             "step": step,
             "data": data_state.to_dict(),
             "data_order": DATA_ORDER,
             "tokens": data_state.consumed_samples * self.plan.gpt.seq_len,
-            "layout": {"tp": topo.tp, "pp": topo.pp, "dp": topo.dp,
-                       "world_size": topo.world_size,
-                       "virtual_stages": self.plan.pipeline.virtual_stages,
-                       "zero_stage": self.config.parallel.zero_stage,
-                       "precision": self.config.parallel.precision},
+            "layout": layout.to_dict(),
             "model": self.plan.model.to_dict(),
             "styles": self.built.styles,
             "stage_params": all_stage_names(self.plan, list(self.built.full_shapes)),
             "config": self.config.to_dict(),
         }
-        write_synced(tmp / META, json.dumps(meta, indent=1))
-        fsync_dir(tmp)
-        failpoint("checkpoint.meta", 0)
-        # The new step is complete beside the old ones. A step of the same number (a run
-        # resumed from an earlier step saves it again) is moved aside, not deleted, until
-        # `latest` names the new folder; a crash in between leaves `latest` naming a step
-        # folder that exists complete, or naming nothing, and loading then falls back to
-        # the newest complete step.
-        replaced = self.root / f".{final.name}.replaced"
-        if final.exists():
-            shutil.rmtree(replaced, ignore_errors=True)
-            os.rename(final, replaced)
-            failpoint("checkpoint.replace", 0)
-        os.rename(tmp, final)
-        fsync_dir(self.root)
-        failpoint("checkpoint.rename", 0)
-        write_synced(self.root / LATEST, final.name + "\n")
-        failpoint("checkpoint.pointer", 0)
-        shutil.rmtree(replaced, ignore_errors=True)
-        self._prune(final)
-        failpoint("checkpoint.prune", 0)
-
-    def _prune(self, newest: Path) -> None:
-        steps = sorted(p for p in self.root.glob("step-*") if p.is_dir())
-        for old in steps[: max(len(steps) - self.keep_last, 0)]:
-            if old != newest:
-                shutil.rmtree(old, ignore_errors=True)
 
 
 def _to_cpu(value: Any) -> Any:
@@ -171,24 +137,6 @@ def _to_cpu(value: Any) -> Any:
     return value
 
 
-def _load_rank(folder: Path, rank: int) -> dict[str, Any]:
-    path = folder / rank_file(rank)
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint {folder} lacks {path.name}: incomplete checkpoint")
-    try:
-        data = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # noqa: BLE001 - torch raises many kinds for a damaged file
-        size = path.stat().st_size
-        reason = "empty" if size == 0 else f"damaged or truncated ({size:,} bytes: " + \
-            f"{str(err).splitlines()[0] if str(err) else type(err).__name__})"
-        raise CheckpointError(f"{path}: {reason}; load an earlier step folder of "
-                              f"{folder.parent} instead") from None
-    if not isinstance(data, dict) or data.get("format") != RANK_FORMAT:
-        found = data.get("format") if isinstance(data, dict) else type(data).__name__
-        raise CheckpointError(f"{path}: format {found!r}, expected {RANK_FORMAT}")
-    return data
-
-
 def _check_model(meta: dict[str, Any], plan: RunPlan) -> None:
     saved, mine = meta["model"], plan.model.to_dict()
     diff = {k: (saved.get(k), mine.get(k)) for k in set(saved) | set(mine)
@@ -198,28 +146,23 @@ def _check_model(meta: dict[str, Any], plan: RunPlan) -> None:
                           f"(field: (saved, configured)): {dict(sorted(diff.items()))}")
 
 
-def _ranks_at(layout: dict[str, Any], pp: int, tp: int) -> list[int]:
-    """Old ranks (dp order) holding stage ``pp``, TP slice ``tp`` (mt_dist's rank order)."""
-    return [(pp * layout["dp"] + d) * layout["tp"] + tp for d in range(layout["dp"])]
-
-
 def _optimizer_state(folder: Path, meta: dict[str, Any], plan: RunPlan, groups: ParallelGroups,
                      names: list[str], styles: dict[str, str]) -> dict[str, Any]:
     """This rank's ``mt-zero-full/1`` optimizer state from a checkpoint of any layout."""
-    old = meta["layout"]
+    old = SavedLayout.from_dict(meta["layout"], str(folder / "meta.json"))
     old_stages = {int(k): v for k, v in meta["stage_params"].items()}
-    if old["tp"] == plan.topology.tp and set(old_stages.get(groups.pp_rank, ())) == set(names):
+    if old.tp == plan.topology.tp and set(old_stages.get(groups.pp_rank, ())) == set(names):
         # Same slicing and stage: only the DP shards of this (pp, tp) need consolidating.
-        shards = [_load_rank(folder, r)["optimizer"]
-                  for r in _ranks_at(old, groups.pp_rank, groups.tp_rank)]
+        shards = [load_rank(folder, r)["optimizer"]
+                  for r in old.replicas(groups.pp_rank, groups.tp_rank)]
         return consolidate(shards)
     wanted = set(names)
     merged: dict[str, Any] = {"master": {}, "sharded": {}, "replicated": {}, "group_of": {}}
     for stage, stage_names in sorted(old_stages.items()):
         if not wanted & set(stage_names):
             continue
-        by_tp = [[_load_rank(folder, r)["optimizer"] for r in _ranks_at(old, stage, t)]
-                 for t in range(old["tp"])]
+        by_tp = [[load_rank(folder, r)["optimizer"] for r in old.replicas(stage, t)]
+                 for t in range(old.tp)]
         part = canonical_optimizer(by_tp, wanted & set(stage_names), styles,
                                    plan.gpt.vocab_size)
         for key in ("master", "sharded", "replicated", "group_of"):
@@ -247,10 +190,11 @@ def load(path: str | Path, config: PretrainConfig, plan: RunPlan, groups: Parall
         group["weight_decay"] = train.weight_decay if index == 0 else 0.0
         group["betas"] = (train.adam_beta1, train.adam_beta2)
         group["eps"] = train.adam_eps
-    same_world = meta["layout"]["world_size"] == plan.topology.world_size and all(
-        meta["layout"][k] == getattr(plan.topology, k) for k in ("tp", "pp", "dp"))
+    saved = SavedLayout.from_dict(meta["layout"], str(folder / "meta.json"))
+    topo = plan.topology
+    same_world = (saved.tp, saved.pp, saved.dp) == (topo.tp, topo.pp, topo.dp)
     if same_world:
-        rng = _load_rank(folder, groups.rank)["rng"]
+        rng = load_rank(folder, groups.rank)["rng"]
         torch.set_rng_state(rng["torch"])
         if rng.get("cuda") is not None and groups.device.type == "cuda":
             torch.cuda.set_rng_state(rng["cuda"])
@@ -274,10 +218,10 @@ def consolidated_model(path: str | Path) -> tuple[dict[str, Any], dict[str, torc
     """(model config dict, unsharded fp32 weights) of a checkpoint, read on one process."""
     folder = find_checkpoint(path)
     meta = read_meta(folder)
-    layout = meta["layout"]
+    layout = SavedLayout.from_dict(meta["layout"], str(folder / "meta.json"))
     parts = {}
-    for pp in range(layout["pp"]):
-        for tp in range(layout["tp"]):
-            parts[(pp, tp)] = _load_rank(folder, _ranks_at(layout, pp, tp)[0])["model"]
+    for pp in range(layout.pp):
+        for tp in range(layout.tp):
+            parts[(pp, tp)] = load_rank(folder, layout.rank(pp, 0, tp))["model"]
     weights = merge_model(parts, meta["styles"], meta["model"]["vocab_size"])
     return meta["model"], weights

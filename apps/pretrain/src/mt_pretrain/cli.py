@@ -28,6 +28,7 @@ DISTRIBUTIONS: dict[str, str] = {
     "mt-tensor-parallel": "mt_tensor_parallel",
     "mt-pipeline": "mt_pipeline",
     "mt-zero": "mt_zero",
+    "mt-checkpoint": "mt_checkpoint",
     "mt-data": "mt_data",
     "mt-model": "mt_model",
     "mt-pretrain": "mt_pretrain",

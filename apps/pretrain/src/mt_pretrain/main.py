@@ -52,8 +52,9 @@ def pretrain_main(config_path: Path | None, overrides: dict[str, Any],
         Console().print(f"no run given: the 3D demo, {DEMO_CONFIG} (tiny GPT, TP 2 x PP 2 x "
                         "DP 2 on 8 processes); `mt pretrain --help` for the flags",
                         highlight=False, markup=False)
+    from mt_checkpoint import CheckpointError
+
     from mt_dist import LaunchError  # a launcher environment that does not add up
-    from mt_pretrain.checkpoint_format import CheckpointError
 
     try:
         config = load_config(config_path, overrides)

@@ -11,10 +11,11 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from mt_checkpoint import find_checkpoint, fresh_start, read_meta
+
 from mt_dist import Topology, TopologyError
 from mt_model import GPTConfig, count_parameters, model_flops_per_token_training
 from mt_pipeline import PartitionError, PipelineConfig, PipelinePlan, ScheduleError, plan_pipeline
-from mt_pretrain.checkpoint_format import find_checkpoint, fresh_start, read_meta
 from mt_pretrain.config import DEFAULT_MODEL, DEFAULT_TRAIN_STEPS, ConfigError, PretrainConfig
 from mt_pretrain.engine_support import CHECKPOINT_HAS_MODEL, unsupported
 from mt_pretrain.estimate import peak_in_flight, stage_memory

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from mt_checkpoint import fresh_start
 
 from mt_data import DataLoaderState
 from mt_dist import (
@@ -27,7 +28,6 @@ from mt_dist import (
     local_device,
 )
 from mt_model import count_parameters
-from mt_pretrain.checkpoint_format import fresh_start
 from mt_pretrain.config import ConfigError, PretrainConfig
 from mt_pretrain.data import ensure_data, make_loaders, tokenizer_for
 from mt_pretrain.engine import Engine

@@ -13,7 +13,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from mt_pretrain.checkpoint_format import LATEST, has_checkpoints
+from mt_checkpoint import LATEST, has_checkpoints
+
 from mt_pretrain.config import ConfigError, PretrainConfig
 
 __all__ = ["claim_run_folder"]

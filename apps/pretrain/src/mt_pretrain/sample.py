@@ -11,10 +11,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from mt_checkpoint import merge_model
 
 from mt_dist import ParallelGroups
 from mt_model import GPT, GPTConfig
-from mt_pretrain.reshard import merge_model
 
 __all__ = ["MAX_SAMPLE_PARAMETERS", "gather_model", "gather_weights", "greedy_generate"]
 

@@ -1,8 +1,8 @@
-"""The on-disk format of `mt pretrain` checkpoints: names, pointers and ``meta.json``.
+"""The on-disk format of mt training checkpoints: names, pointers, ``meta.json``, rank files,
+and the protocol that publishes a step atomically.
 
-Only plain file handling lives here (no model, no process groups), so that resolving a run
-(:mod:`mt_pretrain.plan`) can read what a checkpoint holds before anything is built.
-:mod:`mt_pretrain.checkpoint` writes and loads the tensors. Layout of a checkpoint folder::
+No model and no process group here: a checkpoint can be inspected, resolved and resharded
+from one process (mt pretrain's ``--load``, mt convert). Layout of a checkpoint folder::
 
     DIR/latest                 name of the newest complete step folder (written last)
     DIR/step-00000020/
@@ -16,14 +16,17 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
 __all__ = ["DATA_ORDER", "FORMAT", "LATEST", "META", "RANK_FORMAT", "CheckpointError",
-           "find_checkpoint", "fresh_start", "fsync_dir", "has_checkpoints", "rank_file",
-           "read_meta",
-           "step_dir", "write_synced"]
+           "clean_stale", "find_checkpoint", "fresh_start", "fsync_dir", "has_checkpoints",
+           "load_rank", "publish_step", "rank_file", "read_meta", "step_dir", "write_synced"]
 
 FORMAT = "mt-pretrain/1"
 RANK_FORMAT = "mt-pretrain-rank/1"
@@ -157,3 +160,70 @@ def read_meta(folder: Path) -> dict[str, Any]:
     if missing:
         raise CheckpointError(f"{path}: damaged (no {', '.join(missing)})")
     return meta
+
+
+def load_rank(folder: Path, rank: int) -> dict[str, Any]:
+    """Rank ``rank``'s file of a step folder, read weights-only (tensors and plain containers,
+    never arbitrary objects); one-line errors for a missing, empty or damaged file."""
+    path = folder / rank_file(rank)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {folder} lacks {path.name}: incomplete checkpoint")
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - torch raises many kinds for a damaged file
+        size = path.stat().st_size
+        reason = "empty" if size == 0 else f"damaged or truncated ({size:,} bytes: " + \
+            f"{str(err).splitlines()[0] if str(err) else type(err).__name__})"
+        raise CheckpointError(f"{path}: {reason}; load an earlier step folder of "
+                              f"{folder.parent} instead") from None
+    if not isinstance(data, dict) or data.get("format") != RANK_FORMAT:
+        found = data.get("format") if isinstance(data, dict) else type(data).__name__
+        raise CheckpointError(f"{path}: format {found!r}, expected {RANK_FORMAT}")
+    return data
+
+
+def clean_stale(root: Path) -> None:
+    """Remove what a killed save left behind (never loaded: names start with a dot)."""
+    for stale in [*root.glob(".step-*.tmp"), *root.glob(".step-*.replaced")]:
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def publish_step(root: Path, tmp: Path, meta: dict[str, Any], keep_last: int,
+                 phase: Callable[[str], None] | None = None) -> Path:
+    """Publish the step written into ``tmp`` (every rank file complete) as
+    ``root/step-XXXXXXXX`` and make ``latest`` name it; returns the folder.
+
+    Order: meta.json written and synced; a step folder of the same number (saved before by a
+    run that was rolled back) moved aside, not deleted; the new folder renamed into place;
+    ``latest`` replaced atomically and synced; then the old copy removed and all but the
+    ``keep_last`` newest step folders pruned. At no point does ``latest`` name a folder that is
+    incomplete, and where it names none for an instant, :func:`find_checkpoint` falls back
+    to the newest complete step. ``phase(name)`` is called after each step of the protocol
+    (``meta``, ``replace``, ``rename``, ``pointer``, ``prune``): fault injection in tests.
+    """
+    def passed(name: str) -> None:
+        if phase is not None:
+            phase(name)
+
+    final = root / step_dir(int(meta["step"]))
+    meta = {"format": FORMAT, **meta}
+    write_synced(tmp / META, json.dumps(meta, indent=1))
+    fsync_dir(tmp)
+    passed("meta")
+    replaced = root / f".{final.name}.replaced"
+    if final.exists():
+        shutil.rmtree(replaced, ignore_errors=True)
+        os.rename(final, replaced)
+        passed("replace")
+    os.rename(tmp, final)
+    fsync_dir(root)
+    passed("rename")
+    write_synced(root / LATEST, final.name + "\n")
+    passed("pointer")
+    shutil.rmtree(replaced, ignore_errors=True)
+    steps = sorted(p for p in root.glob("step-*") if p.is_dir())
+    for old in steps[: max(len(steps) - keep_last, 0)]:
+        if old != final:
+            shutil.rmtree(old, ignore_errors=True)
+    passed("prune")
+    return final

@@ -1,4 +1,5 @@
-"""Move model and optimizer state between (TP, PP, DP) layouts (pure tensor maths).
+"""Move model and optimizer state between (TP, PP, DP) layouts (pure tensor maths, one
+process).
 
 A checkpoint holds, per rank, the ZeRO optimizer shard of that rank's pipeline stage in
 its tensor-parallel slicing. :func:`canonical_optimizer` rebuilds the unsharded fp32 master

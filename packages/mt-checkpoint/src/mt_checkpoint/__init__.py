@@ -1,0 +1,63 @@
+"""mt-checkpoint: the on-disk format of mt training checkpoints and resharding between layouts.
+
+- :mod:`mt_checkpoint.format`: names (``latest``, ``step-XXXXXXXX``, ``rank-XXXXX.pt``,
+  ``meta.json``), finding the step to load (falling back to the newest complete one),
+  weights-only rank files, the atomic publish protocol.
+- :class:`SavedLayout`: the layout a checkpoint was written at; which rank file holds which
+  (stage, replica, TP slice), in mt-dist's rank order.
+- :mod:`mt_checkpoint.reshard`: optimizer state and weights merged to full shape and cut
+  again for another (TP, PP, DP) layout, through mt-zero's and mt-tensor-parallel's
+  public functions.
+
+``mt pretrain`` writes and loads its checkpoints with it; ``mt convert`` reads and writes
+them with it. Neither knows a file name or the rank formula.
+"""
+
+from mt_checkpoint.format import (
+    DATA_ORDER,
+    FORMAT,
+    LATEST,
+    META,
+    RANK_FORMAT,
+    CheckpointError,
+    clean_stale,
+    find_checkpoint,
+    fresh_start,
+    fsync_dir,
+    has_checkpoints,
+    load_rank,
+    publish_step,
+    rank_file,
+    read_meta,
+    step_dir,
+    write_synced,
+)
+from mt_checkpoint.layout import SavedLayout
+from mt_checkpoint.reshard import canonical_optimizer, local_optimizer, merge_model
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DATA_ORDER",
+    "FORMAT",
+    "LATEST",
+    "META",
+    "RANK_FORMAT",
+    "CheckpointError",
+    "SavedLayout",
+    "__version__",
+    "canonical_optimizer",
+    "clean_stale",
+    "find_checkpoint",
+    "fresh_start",
+    "fsync_dir",
+    "has_checkpoints",
+    "load_rank",
+    "local_optimizer",
+    "merge_model",
+    "publish_step",
+    "rank_file",
+    "read_meta",
+    "step_dir",
+    "write_synced",
+]

@@ -1,0 +1,70 @@
+"""The (TP, PP, DP) layout a checkpoint was written at, and which rank file holds what.
+
+Ranks follow mt-dist's order (:meth:`mt_dist.Topology.rank_of`), so the file of a
+(stage, replica, TP slice) is computed in one place, never by a formula of its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from mt_checkpoint.format import CheckpointError, rank_file
+from mt_dist import Topology
+
+__all__ = ["SavedLayout"]
+
+
+@dataclass(frozen=True)
+class SavedLayout:
+    """The layout of a checkpoint (``meta.json``'s ``"layout"``)."""
+
+    tp: int
+    pp: int
+    dp: int
+    virtual_stages: int = 1
+    zero_stage: int = 0
+    precision: str = "fp32"
+
+    def __post_init__(self) -> None:
+        Topology(tp=self.tp, pp=self.pp, dp=self.dp)  # validates the degrees
+
+    @property
+    def world_size(self) -> int:
+        """Ranks (and rank files) of the checkpoint."""
+        return self.tp * self.pp * self.dp
+
+    @property
+    def topology(self) -> Topology:
+        """mt-dist's topology of this layout (its rank order is the files')."""
+        return Topology(tp=self.tp, pp=self.pp, dp=self.dp)
+
+    def rank(self, pp: int, dp: int, tp: int) -> int:
+        """The rank (file number) of pipeline stage ``pp``, replica ``dp``, TP slice ``tp``."""
+        return self.topology.rank_of(pp=pp, dp=dp, tp=tp)
+
+    def file(self, pp: int, dp: int, tp: int) -> str:
+        """File name of that rank's shard."""
+        return rank_file(self.rank(pp, dp, tp))
+
+    def replicas(self, pp: int, tp: int) -> list[int]:
+        """The ranks, in DP order, holding stage ``pp``'s TP slice ``tp``."""
+        return [self.rank(pp, d, tp) for d in range(self.dp)]
+
+    def to_dict(self) -> dict[str, Any]:
+        """``meta.json``'s ``"layout"`` (with the world size, for readers)."""
+        return {**asdict(self), "world_size": self.world_size}
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> SavedLayout:
+        """Parse ``meta.json``'s ``"layout"``; ``where`` names the file in errors."""
+        try:
+            layout = cls(int(data["tp"]), int(data["pp"]), int(data["dp"]),
+                         int(data.get("virtual_stages", 1)), int(data.get("zero_stage", 0)),
+                         str(data.get("precision", "fp32")))
+        except (KeyError, TypeError, ValueError) as err:
+            raise CheckpointError(f"{where}: bad layout {data!r} ({err})") from None
+        if "world_size" in data and int(data["world_size"]) != layout.world_size:
+            raise CheckpointError(f"{where}: layout world_size {data['world_size']} is not tp "
+                                  f"{layout.tp} x pp {layout.pp} x dp {layout.dp}")
+        return layout

@@ -1,0 +1,138 @@
+"""The checkpoint format without training: names, rank order, the publish protocol (a
+rollback and a kill after every phase included), finding the step to load, damaged files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from mt_checkpoint import (
+    LATEST,
+    RANK_FORMAT,
+    CheckpointError,
+    SavedLayout,
+    clean_stale,
+    find_checkpoint,
+    fresh_start,
+    load_rank,
+    publish_step,
+    rank_file,
+    read_meta,
+    step_dir,
+)
+
+from mt_dist import Topology
+
+LAYOUT = SavedLayout(tp=2, pp=2, dp=2, zero_stage=1)
+
+
+def test_names_and_rank_order_follow_mt_dist() -> None:
+    assert (rank_file(7), step_dir(300)) == ("rank-00007.pt", "step-00000300")
+    topology = Topology(tp=2, pp=2, dp=2)
+    for rank in range(8):
+        pp, dp, tp = topology.coord(rank).pp, topology.coord(rank).dp, topology.coord(rank).tp
+        assert LAYOUT.rank(pp, dp, tp) == rank and LAYOUT.file(pp, dp, tp) == rank_file(rank)
+    assert LAYOUT.replicas(1, 0) == [topology.rank_of(pp=1, dp=d, tp=0) for d in range(2)]
+    assert SavedLayout.from_dict(LAYOUT.to_dict(), "m") == LAYOUT
+    with pytest.raises(CheckpointError, match=r"m: layout world_size 6 is not tp 2 x pp 2"):
+        SavedLayout.from_dict({**LAYOUT.to_dict(), "world_size": 6}, "m")
+    with pytest.raises(CheckpointError, match=r"m: bad layout \{'tp': 2\}"):
+        SavedLayout.from_dict({"tp": 2}, "m")
+
+
+def _write_step(root: Path, step: int, layout: SavedLayout = LAYOUT) -> Path:
+    """A step's rank files in its hidden temporary folder, as the ranks leave them."""
+    tmp = root / f".{step_dir(step)}.tmp"
+    tmp.mkdir(parents=True)
+    for rank in range(layout.world_size):
+        torch.save({"format": RANK_FORMAT, "rank": rank, "step": torch.tensor(step)},
+                   tmp / rank_file(rank))
+    return tmp
+
+
+def _meta(step: int) -> dict:
+    return {"step": step, "data": {"consumed_samples": 8 * step, "step": step},
+            "layout": LAYOUT.to_dict(), "model": {}, "styles": {}, "stage_params": {}}
+
+
+def _publish(root: Path, step: int, **kw: object) -> Path:
+    return publish_step(root, _write_step(root, step), _meta(step), keep_last=2, **kw)
+
+
+def test_publish_switches_latest_and_prunes(tmp_path: Path) -> None:
+    for step in (2, 4, 6):
+        folder = _publish(tmp_path, step)
+        assert (tmp_path / LATEST).read_text().strip() == folder.name == step_dir(step)
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == [step_dir(4), step_dir(6)]
+    assert find_checkpoint(tmp_path) == tmp_path / step_dir(6)
+    assert read_meta(tmp_path / step_dir(6))["format"] == "mt-pretrain/1"
+    assert int(load_rank(tmp_path / step_dir(6), 7)["step"]) == 6
+    assert not list(tmp_path.glob(".*"))  # no temporary left
+
+
+class _Killed(Exception):
+    """Stands for a SIGKILL at a phase of the protocol (nothing after it runs)."""
+
+
+@pytest.mark.parametrize("phase, loads", [
+    ("meta", 4), ("replace", 2), ("rename", 4), ("pointer", 4), ("prune", 4)])
+def test_a_kill_after_any_phase_of_a_rollback_save_leaves_a_loadable_step(
+        tmp_path: Path, phase: str, loads: int) -> None:
+    """Steps 2 and 4 published; the run goes back to step 2 and saves step 4 again, killed
+    after ``phase``: `latest` (or the fallback) always leads to a complete step."""
+    _publish(tmp_path, 2)
+    _publish(tmp_path, 4)
+
+    def kill(name: str) -> None:
+        if name == phase:
+            raise _Killed(name)
+
+    with pytest.raises(_Killed):
+        _publish(tmp_path, 4, phase=kill)
+    if phase == "replace":  # `latest` names step 4, moved aside: the newest complete one
+        with pytest.warns(UserWarning, match=r"latest names step-00000004, which is missing: "
+                          r"loading step-00000002"):
+            folder = find_checkpoint(tmp_path)
+    else:
+        folder = find_checkpoint(tmp_path)
+    assert folder.name == step_dir(loads)
+    assert int(load_rank(folder, 0)["step"]) == loads
+    clean_stale(tmp_path)  # what the next save does first
+    assert not list(tmp_path.glob(".step-*"))
+
+
+def test_damaged_files_are_one_line_and_latest_falls_back(tmp_path: Path) -> None:
+    _publish(tmp_path, 2)
+    _publish(tmp_path, 4)
+    step4 = tmp_path / step_dir(4)
+    (step4 / rank_file(3)).write_bytes(b"")
+    with pytest.raises(CheckpointError, match=r"rank-00003.pt: empty; load an earlier step"):
+        load_rank(step4, 3)
+    good = (tmp_path / step_dir(2) / rank_file(1)).read_bytes()
+    (step4 / rank_file(1)).write_bytes(good[:100])
+    with pytest.raises(CheckpointError, match=r"rank-00001.pt: damaged or truncated \(100 "):
+        load_rank(step4, 1)
+    with pytest.warns(UserWarning, match=r"step-00000004, which is missing or empty: "
+                      r"rank-00003.pt: loading step-00000002"):
+        assert find_checkpoint(tmp_path) == tmp_path / step_dir(2)
+    (step4 / "meta.json").write_text('{"format": "mt-pretrain/1", "st')
+    with pytest.raises(CheckpointError, match=r"meta.json: damaged \("):
+        read_meta(step4)
+    (step4 / "meta.json").write_text(json.dumps({"format": "other/1"}))
+    with pytest.raises(CheckpointError, match=r"format 'other/1', expected 'mt-pretrain/1'"):
+        read_meta(step4)
+    with pytest.raises(CheckpointError, match=r"no checkpoint at .*nowhere: no such folder"):
+        find_checkpoint(tmp_path / "nowhere")
+
+
+def test_a_chain_may_load_its_own_empty_folder(tmp_path: Path) -> None:
+    own = tmp_path / "ck"
+    assert fresh_start(str(own), own)  # not created yet
+    own.mkdir()
+    assert fresh_start(str(own), own)  # empty
+    _publish(own, 2)
+    assert not fresh_start(str(own), own)  # it holds a step: resume
+    assert not fresh_start(str(tmp_path / "other"), own)  # another folder: must exist
+    assert not fresh_start(None, own)
