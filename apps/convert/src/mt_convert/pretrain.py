@@ -1,21 +1,20 @@
 """Reading ``mt pretrain`` checkpoints (model weights only) as a conversion source.
 
-A step folder (``checkpoints/step-00000300``, or a ``checkpoints`` folder whose ``latest``
-file names one) holds ``meta.json`` (model config, ``layout`` {tp, pp, dp}, each
-parameter's TP ``styles``) and one ``rank-XXXXX.pt`` per rank; the ranks of DP replica 0
-carry their pipeline stage's fp32 weights, TP-sliced, under ``"model"`` with full-model
-names. Files are opened with ``torch.load(weights_only=True, mmap=True)``, so the
-optimizer state beside the weights is never read into memory. Ranks follow mt_dist's
-order: rank = (pp * dp + dp_rank) * tp + tp_rank.
+A step folder (or a checkpoints folder whose pointer names one) holds the meta file (model
+config, layout {tp, pp, dp}, each parameter's TP styles) and one file per rank; the ranks of
+DP replica 0 carry their pipeline stage's fp32 weights, TP-sliced, under ``"model"`` with
+full-model names. Files are opened with ``torch.load(weights_only=True, mmap=True)``, so
+the optimizer state beside the weights is never read into memory. The names, the meta file
+and which rank file holds what are mt-checkpoint's (:class:`mt_checkpoint.SavedLayout`).
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
+from mt_checkpoint import FORMAT, LATEST, META, CheckpointError, SavedLayout, read_meta
 
 from mt_convert.errors import ConvertError
 from mt_convert.layout import CheckpointReader, TensorRef, canonical_shapes, follow_pointer
@@ -24,11 +23,10 @@ from mt_convert.torch_io import load_weights_only
 from mt_model import GPTConfig
 from mt_tensor_parallel import GPT_PLAN, merge_shards, param_styles
 
-__all__ = ["PRETRAIN_FORMAT", "PretrainReader", "is_pretrain_checkpoint", "meta_of",
+__all__ = ["PRETRAIN_FORMAT", "PretrainReader", "is_pretrain_checkpoint", "layout_of", "meta_of",
            "step_folder"]
 
-PRETRAIN_FORMAT = "mt-pretrain/1"
-META, LATEST = "meta.json", "latest"
+PRETRAIN_FORMAT = FORMAT
 
 
 def is_pretrain_checkpoint(path: Path) -> bool:
@@ -46,15 +44,18 @@ def step_folder(path: Path) -> Path:
 
 def meta_of(folder: Path) -> dict[str, Any]:
     """The validated ``meta.json`` of a step folder."""
-    path = folder / META
     try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ConvertError(f"{path}: not valid JSON: {err}") from None
-    if not isinstance(meta, dict) or meta.get("format") != PRETRAIN_FORMAT:
-        got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
-        raise ConvertError(f"{path}: format {got!r}, expected {PRETRAIN_FORMAT!r}")
-    return meta
+        return read_meta(folder)
+    except CheckpointError as err:
+        raise ConvertError(str(err)) from None
+
+
+def layout_of(folder: Path, meta: dict[str, Any]) -> SavedLayout:
+    """The layout the checkpoint was written at."""
+    try:
+        return SavedLayout.from_dict(meta["layout"], str(folder / META))
+    except CheckpointError as err:
+        raise ConvertError(str(err)) from None
 
 
 def _weights(path: Path) -> dict[str, torch.Tensor]:
@@ -76,15 +77,15 @@ class PretrainReader(CheckpointReader):
         meta = meta_of(self.root)
         try:
             self.config = GPTConfig.from_dict(meta["model"])
-            layout = meta["layout"]
-            self.tp, self.pp, dp = int(layout["tp"]), int(layout["pp"]), int(layout["dp"])
         except (KeyError, TypeError, ValueError) as err:
-            raise ConvertError(f"{self.root / META}: bad model or layout: {err!r}") from None
+            raise ConvertError(f"{self.root / META}: bad model: {err!r}") from None
+        self.layout = layout_of(self.root, meta)
+        self.tp, self.pp = self.layout.tp, self.layout.pp
         self._shapes = canonical_shapes(self.config)
         self._styles = {**param_styles(self._shapes, GPT_PLAN), **meta.get("styles", {})}
         self.styles = dict(self._styles)
         """TP slicing style of every tensor."""
-        self._files = {(s, t): f"rank-{(s * dp) * self.tp + t:05d}.pt"
+        self._files = {(s, t): self.layout.file(s, 0, t)  # DP replica 0 holds the weights
                        for s in range(self.pp) for t in range(self.tp)}
         self._parts = {key: _weights(self.root / file) for key, file in self._files.items()}
         self._stages: dict[str, list[int]] = {name: [] for name in self._shapes}

@@ -3,9 +3,9 @@ a fresh ``mt pretrain`` checkpoint that ``mt pretrain --load`` starts from. (Fro
 pretrain`` source, :mod:`mt_convert.pretrain_relayout` reshards it, optimizer state included.)
 
 The destination is one step folder of the simplest layout (tp = pp = dp = 1, ZeRO 0, step
-0): ``meta.json`` and ``rank-00000.pt``. ``mt pretrain --load`` reshards it to the run's own
-(TP, PP, DP, ZeRO) layout, so one file serves every layout. The rank file holds the fp32
-weights under ``"model"`` (what :class:`~mt_convert.pretrain.PretrainReader` reads) and, under
+0): the meta file and one rank file (mt-checkpoint's names). ``mt pretrain --load``
+reshards it to the run's own (TP, PP, DP, ZeRO) layout, so one file serves every layout.
+The rank file holds the fp32 weights under ``"model"`` (what :class:`~mt_convert.pretrain.PretrainReader` reads) and, under
 ``"optimizer"``, the same weights as a one-rank mt-zero optimizer shard (fp32 masters, one
 piece per parameter, no Adam moments yet: the optimizer starts fresh, as for a new run).
 Matrices go to parameter group 0 (weight decay), vectors to group 1, like
@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from mt_checkpoint import FORMAT, META, rank_file
 
 from mt_convert.errors import ConvertError
 from mt_convert.layout import CheckpointWriter, TensorRef
-from mt_convert.pretrain import META, PRETRAIN_FORMAT
 from mt_convert.tensors import TensorSpec
 from mt_model import GPTConfig
 from mt_tensor_parallel import GPT_PLAN, param_styles
@@ -35,7 +35,7 @@ __all__ = ["PretrainWriter"]
 
 RANK_FORMAT = "mt-pretrain-rank/1"
 SHARD_FORMAT = "mt-zero-shard/1"
-RANK_FILE = "rank-00000.pt"
+RANK_FILE = rank_file(0)  # the one rank of the tp = pp = dp = 1 step folder
 
 
 def _param_groups() -> list[dict[str, Any]]:
@@ -86,7 +86,7 @@ class PretrainWriter(CheckpointWriter):
     def _meta(self) -> dict[str, Any]:
         shapes = {name: tuple(spec.shape) for name, spec in self.specs.items()}
         return {
-            "format": PRETRAIN_FORMAT, "step": 0,
+            "format": FORMAT, "step": 0,
             "data": {"consumed_samples": 0, "step": 0}, "tokens": 0,
             "layout": {"tp": 1, "pp": 1, "dp": 1, "world_size": 1, "virtual_stages": 1,
                        "zero_stage": 0, "precision": "fp32"},

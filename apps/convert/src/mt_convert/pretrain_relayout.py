@@ -3,8 +3,8 @@ layout, optimizer state included.
 
 The source's AdamW state is rebuilt per parameter: each pipeline stage's ZeRO shards (one
 per DP rank, each piece with its parameter name, offset and length, see
-``mt_zero.optimizer_shard_state``) are consolidated with ``mt_zero.consolidate``, the TP slices
-merged with ``mt_tensor_parallel.merge_shards`` (padding rows dropped). The canonical fp32
+``mt_zero.optimizer_shard_state``) go through ``mt_checkpoint.canonical_optimizer``
+(``mt_zero.consolidate``, then the TP slices merged, padding rows dropped). The canonical fp32
 master weights, ``exp_avg`` / ``exp_avg_sq`` and the replicated ``step`` are then cut again
 with ``shard_tensor`` for every target TP rank and split over the target DP ranks exactly
 as ``mt_zero.partition`` splits a flat buffer (ZeRO stage >= 1; stage 0 keeps everything
@@ -35,19 +35,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from mt_checkpoint import META, RANK_FORMAT, SavedLayout, canonical_optimizer, rank_file
 
 from mt_convert.atomic import atomic_directory
 from mt_convert.errors import ConvertError
 from mt_convert.layout import ProgressFn, canonical_shapes
-from mt_convert.pretrain import META, PretrainReader, meta_of
+from mt_convert.pretrain import PretrainReader, layout_of, meta_of
 from mt_convert.sharded import _check_tp, stage_layers, stages_of
 from mt_convert.torch_io import load_weights_only
-from mt_tensor_parallel import merge_shards, shard_tensor
-from mt_zero import consolidate, partition
+from mt_tensor_parallel import shard_tensor
+from mt_zero import partition
 
 __all__ = ["PretrainTarget", "convert_pretrain", "describe_pretrain"]
 
-RANK_FORMAT = "mt-pretrain-rank/1"
 SHARD_FORMAT = "mt-zero-shard/1"
 
 
@@ -76,8 +76,8 @@ class _Source:
 
     def __init__(self, reader: PretrainReader, meta: dict[str, Any]) -> None:
         self.reader, self.root = reader, reader.root
-        layout = meta["layout"]
-        self.tp, self.pp, self.dp = int(layout["tp"]), int(layout["pp"]), int(layout["dp"])
+        self.layout = layout_of(self.root, meta)
+        self.tp, self.pp, self.dp = self.layout.tp, self.layout.pp, self.layout.dp
         self.styles: dict[str, str] = dict(reader.styles)
         self.vocab = reader.config.vocab_size
         self.stage_names = {int(k): list(v) for k, v in meta["stage_params"].items()}
@@ -86,7 +86,7 @@ class _Source:
     def _shards(self, stage: int, tp_rank: int) -> list[dict[str, Any]]:
         shards = []
         for dp_rank in range(self.dp):
-            path = self.root / f"rank-{(stage * self.dp + dp_rank) * self.tp + tp_rank:05d}.pt"
+            path = self.root / self.layout.file(stage, dp_rank, tp_rank)
             data = load_weights_only(path, missing="file not found (incomplete checkpoint)")
             state = data.get("optimizer") if isinstance(data, dict) else None
             if not isinstance(state, dict) or state.get("format") != SHARD_FORMAT:
@@ -100,30 +100,13 @@ class _Source:
             return self._cached[1]
         self._cached = None  # free the previous stage first
         try:
-            fulls = [consolidate(self._shards(stage, t)) for t in range(self.tp)]
+            out = canonical_optimizer([self._shards(stage, t) for t in range(self.tp)],
+                                      self.stage_names[stage], self.styles, self.vocab)
         except ValueError as err:
             raise ConvertError(f"{self.root}: optimizer shards of pipeline stage {stage}: "
                                f"{err}") from None
-        out: dict[str, Any] = {"param_groups": fulls[0]["param_groups"],
-                               "scaler": fulls[0]["scaler"], "group_of": {}, "master": {},
-                               "sharded": {}, "replicated": {}}
-        for name in fulls[0]["master"]:
-            out["group_of"][name] = fulls[0]["group_of"][name]
-            out["master"][name] = self._merge(name, [f["master"][name] for f in fulls])
-            keys = fulls[0]["state"][name]["sharded"]
-            out["sharded"][name] = {k: self._merge(name, [f["state"][name]["sharded"][k]
-                                                          for f in fulls]) for k in keys}
-            out["replicated"][name] = dict(fulls[0]["state"][name]["replicated"])
         self._cached = (stage, out)
         return out
-
-    def _merge(self, name: str, parts: Sequence[torch.Tensor]) -> torch.Tensor:
-        # tp == 1 stores the real vocabulary (no padding): nothing to merge.
-        if len(parts) == 1:
-            return parts[0]
-        style = self.styles[name]
-        return merge_shards(style, list(parts), vocab_size=self.vocab
-                            if style == "vocab" else None)
 
     def state_of(self, name: str) -> tuple[dict[str, Any], int]:
         """(canonical state of the stage holding ``name``, that stage)."""
@@ -166,7 +149,7 @@ def _zero_shards(local: Mapping[str, Mapping[str, Any]], names: Sequence[str],
 def _rng(source: _Source, meta: dict[str, Any], same: bool, rank: int, pp: int,
          dp: int) -> dict[str, Any]:
     if same:
-        data = load_weights_only(source.root / f"rank-{rank:05d}.pt")
+        data = load_weights_only(source.root / rank_file(rank))
         return data["rng"]
     seed = int((meta.get("config") or {}).get("train", {}).get("seed", 0) or 0)
     state = torch.Generator().manual_seed(seed + 100 * pp + 10007 * dp).get_state()
@@ -210,6 +193,7 @@ def _write_stage(source: _Source, meta: dict[str, Any], staging: Path, stage: in
                  same: bool) -> int:
     """Write every rank file of target pipeline ``stage``; returns the bytes written."""
     tp, pp, dp, zero_stage = target
+    layout = SavedLayout(tp, pp, dp, zero_stage=zero_stage)
     canonical, common = _stage_state(source, names, drop)
     fulls = {n: source.reader.read(n) for n in names}  # model weights, the source's dtype
     written = 0
@@ -221,11 +205,11 @@ def _write_stage(source: _Source, meta: dict[str, Any], staging: Path, stage: in
                  for n, s in canonical.items()}
         weights = {n: _cut(source.styles[n], fulls[n], tp_rank, tp) for n in names}
         for dp_rank, shard in enumerate(_zero_shards(local, names, common, dp, zero_stage)):
-            rank = (stage * dp + dp_rank) * tp + tp_rank
+            rank = layout.rank(stage, dp_rank, tp_rank)
             payload = {"format": RANK_FORMAT, "rank": rank, "coord": [stage, dp_rank, tp_rank],
                        "model": weights if dp_rank == 0 else {}, "optimizer": shard,
                        "rng": _rng(source, meta, same, rank, stage, dp_rank)}
-            path = staging / f"rank-{rank:05d}.pt"
+            path = staging / rank_file(rank)
             with open(path, "wb") as handle:
                 torch.save(payload, handle)
                 handle.flush()
@@ -292,11 +276,12 @@ def describe_pretrain(source: Path, target: PretrainTarget) -> list[str]:
         for stage in range(pp):
             mine = {n for n in names if stage in stages_of(n, ranges)}
             old = sorted(s for s, ns in src.stage_names.items() if mine & set(ns))
-            files = [f"rank-{(s * src.dp + d) * src.tp + t:05d}.pt" for s in old
+            files = [src.layout.file(s, d, t) for s in old
                      for d in range(src.dp) for t in range(src.tp)]
+            new = SavedLayout(tp, pp, dp, zero_stage=zero)
             for d in range(dp):
                 for t in range(tp):
-                    lines.append(f"rank-{(stage * dp + d) * tp + t:05d}.pt (pp {stage}, dp "
+                    lines.append(f"{new.file(stage, d, t)} (pp {stage}, dp "
                                  f"{d}, tp {t}): layers {ranges[stage][0]}-"
                                  f"{ranges[stage][1] - 1} <- {', '.join(files)}")
         return lines
