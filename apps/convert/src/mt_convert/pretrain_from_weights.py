@@ -1,16 +1,18 @@
-"""``--to pretrain`` from weights only (hf, consolidated, tp, megatron, deepspeed sources):
-a fresh ``mt pretrain`` checkpoint that ``mt pretrain --load`` starts from. (From an ``mt
-pretrain`` source, :mod:`mt_convert.pretrain_relayout` reshards it, optimizer state included.)
+"""``--to pretrain`` from weights only (hf, consolidated, tp, megatron, deepspeed sources): a
+fresh ``mt pretrain`` checkpoint that ``mt pretrain --load`` starts from. (From an ``mt
+pretrain`` source, :mod:`mt_convert.pretrain_relayout` reshards it, optimizer state
+included.)
 
 The destination is one step folder of the simplest layout (tp = pp = dp = 1, ZeRO 0, step
-0): the meta file and one rank file (mt-checkpoint's names). ``mt pretrain --load``
-reshards it to the run's own (TP, PP, DP, ZeRO) layout, so one file serves every layout.
-The rank file holds the fp32 weights under ``"model"`` (what
-:class:`~mt_convert.pretrain.PretrainReader` reads) and, under ``"optimizer"``, the same weights as a one-rank mt-zero optimizer shard (fp32 masters, one
-piece per parameter, no Adam moments yet: the optimizer starts fresh, as for a new run).
-Matrices go to parameter group 0 (weight decay), vectors to group 1, like
-``mt_zero.decay_param_groups``; the run sets its own learning rate, weight decay, betas and
-eps. The data position is 0: training starts at step 1 of the run's data.
+0): the meta file and one rank file (mt-checkpoint's names). ``mt pretrain --load`` reshards
+it to the run's own (TP, PP, DP, ZeRO) layout, so one file serves every layout. The rank
+file holds the fp32 weights under ``"model"`` (what
+:class:`~mt_convert.pretrain.PretrainReader` reads) and, under ``"optimizer"``, the same
+weights as a one-rank mt-zero optimizer shard (fp32 masters, one piece per parameter, no
+Adam moments yet: the optimizer starts fresh, as for a new run). Matrices go to parameter
+group 0 (weight decay), vectors to group 1, like ``mt_zero.decay_param_groups``; the run
+sets its own learning rate, weight decay, betas and eps. The data position is 0: training
+starts at step 1 of the run's data.
 
 ``torch.save`` needs the whole file, so the writer buffers the tensors until
 :meth:`~PretrainWriter.finish`.
