@@ -4,20 +4,20 @@ layout, optimizer state included.
 The source's AdamW state is rebuilt per parameter: each pipeline stage's ZeRO shards (one
 per DP rank, each piece with its parameter name, offset and length, see
 ``mt_zero.optimizer_shard_state``) go through ``mt_checkpoint.canonical_optimizer``
-(``mt_zero.consolidate``, then the TP slices merged, padding rows dropped). The canonical fp32
-master weights, ``exp_avg`` / ``exp_avg_sq`` and the replicated ``step`` are then cut again
-with ``shard_tensor`` for every target TP rank and split over the target DP ranks exactly
-as ``mt_zero.partition`` splits a flat buffer (ZeRO stage >= 1; stage 0 keeps everything
-on every DP rank). Each target rank file is ``mt pretrain``'s: ``format``, ``rank``,
-``coord``, ``model`` (DP rank 0 only: the weights, in the source's dtype), ``optimizer``
-(``mt-zero-shard/1``) and ``rng``. ``meta.json`` is the source's with the new layout and
-``stage_params`` of a uniform partition (as ``mt pretrain`` makes).
+(``mt_zero.consolidate``, then the TP slices merged, padding rows dropped). The canonical
+fp32 master weights, ``exp_avg`` / ``exp_avg_sq`` and the replicated ``step`` are then cut
+again for every target TP rank (``mt_checkpoint.local_optimizer``) and split over the target
+DP ranks (``mt_zero.split_consolidated``: ZeRO stage >= 1 partitions a flat buffer, stage 0
+keeps everything on every DP rank). Each target rank file is ``mt pretrain``'s: ``format``,
+``rank``, ``coord``, ``model`` (DP rank 0 only: the weights, in the source's dtype),
+``optimizer`` (``mt-zero-shard/1``) and ``rng``. ``meta.json`` is the source's with the new
+layout and ``stage_params`` of a uniform partition (as ``mt pretrain`` makes).
 
 ``drop_optimizer`` writes the master weights with empty optimizer state: the run resumes
 with fresh Adam moments and step counts. RNG: an unchanged layout copies every rank's
 states; any other layout gets freshly seeded default generators (``mt pretrain``'s rule,
-seed + 100 pp + 10007 dp) and no tensor-parallel tracker state, so dropout streams
-restart, as when ``mt pretrain`` itself resumes at another layout.
+seed + 100 pp + 10007 dp) and no tensor-parallel tracker state, so dropout streams restart,
+as when ``mt pretrain`` itself resumes at another layout.
 
 Memory: a rank file is one ``torch.save`` (it needs its whole content), so this path holds
 one source stage's consolidated optimizer state plus one target rank's payload, not one
@@ -35,7 +35,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from mt_checkpoint import META, RANK_FORMAT, SavedLayout, canonical_optimizer, rank_file
+from mt_checkpoint import (
+    META,
+    RANK_FORMAT,
+    SavedLayout,
+    canonical_optimizer,
+    cut,
+    local_optimizer,
+    rank_file,
+)
 
 from mt_convert.atomic import atomic_directory
 from mt_convert.errors import ConvertError
@@ -43,12 +51,11 @@ from mt_convert.layout import ProgressFn, canonical_shapes
 from mt_convert.pretrain import PretrainReader, layout_of, meta_of
 from mt_convert.sharded import _check_tp, stage_layers, stages_of
 from mt_convert.torch_io import load_weights_only
-from mt_tensor_parallel import shard_tensor
-from mt_zero import partition
+from mt_zero import split_consolidated
 
 __all__ = ["PretrainTarget", "convert_pretrain", "describe_pretrain"]
 
-SHARD_FORMAT = "mt-zero-shard/1"
+SHARD_FORMAT = "mt-zero-shard/1"  # what a rank file's optimizer entry must be
 
 
 @dataclass(frozen=True)
@@ -116,36 +123,6 @@ class _Source:
         raise ConvertError(f"{self.root / META}: no pipeline stage lists parameter {name!r}")
 
 
-def _cut(style: str, tensor: torch.Tensor, tp_rank: int, tp: int) -> torch.Tensor:
-    # As mt pretrain slices: tp == 1 keeps the real vocabulary, tp > 1 pads it.
-    return tensor.clone() if tp == 1 else shard_tensor(style, tensor, tp_rank, tp)
-
-
-def _zero_shards(local: Mapping[str, Mapping[str, Any]], names: Sequence[str],
-                 common: Mapping[str, Any], dp: int, zero_stage: int) -> list[dict[str, Any]]:
-    """``mt-zero-shard/1`` dicts of every DP rank of one (stage, TP rank)."""
-    shapes = {n: tuple(local[n]["master"].shape) for n in names}
-    layout = partition([local[n]["master"].numel() for n in names], dp if zero_stage else 1)
-    out = []
-    for dp_rank in range(dp):
-        pieces, master, state = [], [], []
-        for piece in layout.pieces(dp_rank if zero_stage else 0):
-            name = names[piece.param_index]
-            lo, hi = piece.param_offset, piece.param_offset + piece.length
-            pieces.append({"name": name, "offset": lo, "length": piece.length,
-                           "group": local[name]["group"]})
-            master.append(local[name]["master"].reshape(-1)[lo:hi].clone())
-            part = {k: t.reshape(-1)[lo:hi].clone() for k, t in local[name]["sharded"].items()}
-            part.update({k: v.clone() if isinstance(v, torch.Tensor) else v
-                         for k, v in local[name]["replicated"].items()})
-            state.append(part)
-        out.append({"format": SHARD_FORMAT, "stage": zero_stage, "dp_size": dp,
-                    "dp_rank": dp_rank, "shapes": shapes, "param_groups": common["param_groups"],
-                    "pieces": pieces, "master": master, "state": state,
-                    "scaler": common["scaler"]})
-    return out
-
-
 def _rng(source: _Source, meta: dict[str, Any], same: bool, rank: int, pp: int,
          dp: int) -> dict[str, Any]:
     if same:
@@ -171,41 +148,36 @@ def _new_meta(meta: dict[str, Any], tp: int, pp: int, dp: int, zero_stage: int,
     return out
 
 
-def _stage_state(source: _Source, names: Sequence[str], drop: bool
-                 ) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
-    """(canonical master / moments / group of each parameter of one target stage,
-    its parameter-group hyperparameters and loss scaler)."""
-    out: dict[str, dict[str, Any]] = {}
-    common: dict[str, Any] = {}
+def _stage_state(source: _Source, names: Sequence[str], drop: bool) -> dict[str, Any]:
+    """The canonical (unsharded) optimizer state of one target stage's parameters, gathered
+    from the source stages holding them (``mt_checkpoint.canonical_optimizer``'s form);
+    ``drop``: the master weights only (fresh Adam moments and step counts)."""
+    out: dict[str, Any] = {"master": {}, "sharded": {}, "replicated": {}, "group_of": {}}
     for name in names:
         state, _ = source.state_of(name)
-        common = common or {"param_groups": state["param_groups"], "scaler": state["scaler"]}
         if name not in state["master"]:
             raise ConvertError(f"{source.root}: the optimizer shards lack parameter {name!r}")
-        out[name] = {"master": state["master"][name], "group": state["group_of"][name],
-                     "sharded": {} if drop else state["sharded"][name],
-                     "replicated": {} if drop else state["replicated"][name]}
-    return out, common
+        out.setdefault("param_groups", state["param_groups"])
+        out.setdefault("scaler", state["scaler"])
+        out["master"][name] = state["master"][name]
+        out["group_of"][name] = state["group_of"][name]
+        out["sharded"][name] = {} if drop else state["sharded"][name]
+        out["replicated"][name] = {} if drop else state["replicated"][name]
+    return out
 
 
 def _write_stage(source: _Source, meta: dict[str, Any], staging: Path, stage: int,
-                 names: list[str], target: tuple[int, int, int, int], drop: bool,
-                 same: bool) -> int:
+                 names: list[str], target: SavedLayout, drop: bool, same: bool) -> int:
     """Write every rank file of target pipeline ``stage``; returns the bytes written."""
-    tp, pp, dp, zero_stage = target
-    layout = SavedLayout(tp, pp, dp, zero_stage=zero_stage)
-    canonical, common = _stage_state(source, names, drop)
+    canonical = _stage_state(source, names, drop)
     fulls = {n: source.reader.read(n) for n in names}  # model weights, the source's dtype
     written = 0
-    for tp_rank in range(tp):
-        local = {n: {"master": _cut(source.styles[n], s["master"], tp_rank, tp),
-                     "group": s["group"], "replicated": s["replicated"],
-                     "sharded": {k: _cut(source.styles[n], t, tp_rank, tp)
-                                 for k, t in s["sharded"].items()}}
-                 for n, s in canonical.items()}
-        weights = {n: _cut(source.styles[n], fulls[n], tp_rank, tp) for n in names}
-        for dp_rank, shard in enumerate(_zero_shards(local, names, common, dp, zero_stage)):
-            rank = layout.rank(stage, dp_rank, tp_rank)
+    for tp_rank in range(target.tp):
+        local = local_optimizer(canonical, names, source.styles, tp_rank, target.tp)
+        weights = {n: cut(source.styles[n], fulls[n], tp_rank, target.tp) for n in names}
+        shards = split_consolidated(local, target.dp, target.zero_stage)
+        for dp_rank, shard in enumerate(shards):
+            rank = target.rank(stage, dp_rank, tp_rank)
             payload = {"format": RANK_FORMAT, "rank": rank, "coord": [stage, dp_rank, tp_rank],
                        "model": weights if dp_rank == 0 else {}, "optimizer": shard,
                        "rng": _rng(source, meta, same, rank, stage, dp_rank)}
@@ -242,8 +214,8 @@ def convert_pretrain(source: Path, destination: Path, target: PretrainTarget,
             with atomic_directory(Path(destination), overwrite) as staging:
                 for stage, stage_list in stage_names.items():
                     written += _write_stage(src, meta, staging, stage, stage_list,
-                                            (tp, pp, dp, zero_stage), target.drop_optimizer,
-                                            same)
+                                            SavedLayout(tp, pp, dp, zero_stage=zero_stage),
+                                            target.drop_optimizer, same)
                     if progress is not None:
                         progress(f"pipeline stage {stage}", stage + 1, pp)
                 new_meta = _new_meta(meta, tp, pp, dp, zero_stage, stage_names)

@@ -33,7 +33,7 @@ from mt_checkpoint.format import (
     write_synced,
 )
 from mt_checkpoint.layout import SavedLayout
-from mt_checkpoint.reshard import canonical_optimizer, local_optimizer, merge_model
+from mt_checkpoint.reshard import canonical_optimizer, cut, local_optimizer, merge_model
 
 __version__ = "0.1.0"
 
@@ -48,6 +48,7 @@ __all__ = [
     "__version__",
     "canonical_optimizer",
     "clean_stale",
+    "cut",
     "find_checkpoint",
     "fresh_start",
     "fsync_dir",

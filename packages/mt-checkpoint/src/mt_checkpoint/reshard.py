@@ -18,7 +18,7 @@ import torch
 from mt_tensor_parallel import merge_shards, shard_tensor
 from mt_zero import consolidate
 
-__all__ = ["canonical_optimizer", "local_optimizer", "merge_model"]
+__all__ = ["canonical_optimizer", "cut", "local_optimizer", "merge_model"]
 
 FULL_FORMAT = "mt-zero-full/1"
 
@@ -31,7 +31,9 @@ def _merge(style: str, parts: Sequence[torch.Tensor], vocab_size: int) -> torch.
     return merge_shards(style, list(parts), vocab_size=vocab_size)
 
 
-def _cut(style: str, tensor: torch.Tensor, tp_rank: int, tp: int) -> torch.Tensor:
+def cut(style: str, tensor: torch.Tensor, tp_rank: int, tp: int) -> torch.Tensor:
+    """TP rank ``tp_rank``'s slice of a full tensor (a copy; tp == 1 keeps the real
+    vocabulary, as mt pretrain does)."""
     return tensor.clone() if tp == 1 else shard_tensor(style, tensor, tp_rank, tp)
 
 
@@ -66,8 +68,8 @@ def local_optimizer(canonical: Mapping[str, Any], names: Sequence[str],
     missing = [n for n in names if n not in canonical["master"]]
     if missing:
         raise ValueError(f"checkpoint lacks optimizer state for {missing}")
-    master = {n: _cut(styles[n], canonical["master"][n], tp_rank, tp) for n in names}
-    state = {n: {"sharded": {k: _cut(styles[n], v, tp_rank, tp)
+    master = {n: cut(styles[n], canonical["master"][n], tp_rank, tp) for n in names}
+    state = {n: {"sharded": {k: cut(styles[n], v, tp_rank, tp)
                              for k, v in canonical["sharded"][n].items()},
                  "replicated": dict(canonical["replicated"][n])} for n in names}
     return {"format": FULL_FORMAT, "shapes": {n: tuple(t.shape) for n, t in master.items()},

@@ -3,7 +3,12 @@
 Imports only torch and mt_dist; process groups are passed in explicitly.
 """
 
-from mt_zero.checkpoint import consolidate, load_consolidated, optimizer_shard_state
+from mt_zero.checkpoint import (
+    consolidate,
+    load_consolidated,
+    optimizer_shard_state,
+    split_consolidated,
+)
 from mt_zero.clip import clip_coefficient, clip_grad_norm_, counts_once, global_norm
 from mt_zero.grad_sync import GradSync
 from mt_zero.memory import paper_bytes
@@ -37,5 +42,6 @@ __all__ = [
     "paper_bytes",
     "partition",
     "optimizer_shard_state",
+    "split_consolidated",
     "split_decay",
 ]

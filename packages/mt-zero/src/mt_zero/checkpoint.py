@@ -20,8 +20,9 @@ from typing import Any
 import torch
 
 from mt_zero.optimizer import ZeroOptimizer
+from mt_zero.partition import partition
 
-__all__ = ["consolidate", "load_consolidated", "optimizer_shard_state"]
+__all__ = ["consolidate", "load_consolidated", "optimizer_shard_state", "split_consolidated"]
 
 SHARD_FORMAT = "mt-zero-shard/1"
 FULL_FORMAT = "mt-zero-full/1"
@@ -111,6 +112,38 @@ def consolidate(shards: Sequence[dict[str, Any]]) -> dict[str, Any]:
                       "replicated": replicated[n]} for n in shapes},
         "scaler": shards[0]["scaler"],
     }
+
+
+def split_consolidated(full: dict[str, Any], dp_size: int, stage: int) -> list[dict[str, Any]]:
+    """The shards ``dp_size`` ranks at ZeRO ``stage`` would save for ``full`` state (the
+    inverse of :func:`consolidate`, without an optimizer): one flat buffer over the
+    parameters in ``full``'s order, partitioned as :func:`~mt_zero.partition` splits it
+    (stage 0: every rank holds everything). Converters write checkpoints of another layout
+    with it; :func:`consolidate` of the result is ``full`` again."""
+    if full.get("format") != FULL_FORMAT:
+        raise ValueError(f"expected state in format {FULL_FORMAT!r}, got {full.get('format')!r}")
+    names = list(full["master"])
+    layout = partition([full["master"][n].numel() for n in names], dp_size if stage else 1)
+    shards = []
+    for dp_rank in range(dp_size):
+        pieces, master, state = [], [], []
+        for piece in layout.pieces(dp_rank if stage else 0):
+            name = names[piece.param_index]
+            lo, hi = piece.param_offset, piece.param_offset + piece.length
+            pieces.append({"name": name, "offset": lo, "length": piece.length,
+                           "group": full["group_of"][name]})
+            master.append(full["master"][name].reshape(-1)[lo:hi].clone())
+            saved = full["state"][name]
+            part = {k: t.reshape(-1)[lo:hi].clone() for k, t in saved["sharded"].items()}
+            part.update({k: v.clone() if isinstance(v, torch.Tensor) else v
+                         for k, v in saved["replicated"].items()})
+            state.append(part)
+        shards.append({"format": SHARD_FORMAT, "stage": stage, "dp_size": dp_size,
+                       "dp_rank": dp_rank, "shapes": {n: tuple(full["master"][n].shape)
+                                                      for n in names},
+                       "param_groups": full["param_groups"], "pieces": pieces,
+                       "master": master, "state": state, "scaler": full["scaler"]})
+    return shards
 
 
 def load_consolidated(opt: ZeroOptimizer, full: dict[str, Any]) -> None:
