@@ -211,7 +211,10 @@ def _collect(procs: list[Any], conns: list[Connection],
         kind, message = reports[failures[0]]
         raise _EXPECTED_BY_NAME[kind](message)
     if failures or silent:
-        first = failures[0] if failures else silent[0]
+        # A rank that died without a word (a signal, an OOM kill) comes first: its peers'
+        # errors ("connection closed by peer") are consequences, whatever arrived first.
+        died = [r for r in failures if procs[r].exitcode is not None and procs[r].exitcode < 0]
+        first = died[0] if died else failures[0] if failures else silent[0]
         detail = reports.get(first, ("error", "no report"))[1]
         raise LaunchFailed(f"rank {first} of {len(procs)} failed first (failed ranks: "
                            f"{sorted(failures)}):\n{detail}")
