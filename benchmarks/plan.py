@@ -57,13 +57,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from mt_plan.estimate import BUCKET_NUMEL, estimate
+from mt_plan.gpus import GPUSpec
+from mt_plan.layout import ParallelLayout
 
 from mt_dist.testing import run_distributed
 from mt_model import GPT, GPTConfig, count_parameters
 from mt_pretrain.config_io import load_config
-from mt_pretrain.estimate import BUCKET_NUMEL, estimate
-from mt_pretrain.gpus import GPUSpec
-from mt_pretrain.layout import Layout
 from mt_pretrain.plan import plan_layout, resolve
 from mt_zero import ZeroConfig, ZeroOptimizer
 
@@ -219,7 +219,7 @@ def _model_overheads(gpt: GPTConfig, micro_batch: int, rates: dict[str, float]
     (the estimator, those fixed costs 0) is subtracted; the 2 extra layers give the
     per-layer rest, the 1-layer model's rest minus one layer is the head's."""
     zero = _spec_of({**rates, "layer_overhead_s": 0.0, "head_overhead_s": 0.0})
-    layout = Layout(tp=1, pp=1, dp=1, global_batch=micro_batch, micro_batch=micro_batch,
+    layout = ParallelLayout(tp=1, pp=1, dp=1, global_batch=micro_batch, micro_batch=micro_batch,
                     zero_stage=0, recompute="none", precision="fp32")
 
     def rest(layers: int) -> float:
@@ -438,7 +438,7 @@ def _framework(overrides: dict[str, Any], parts: list[dict[str, float]], workdir
     return dict(zip(_FRAMEWORK, _nonnegative_solve(rows, rhs)))
 
 
-def _layout(overrides: dict[str, Any]) -> tuple[Any, Layout]:
+def _layout(overrides: dict[str, Any]) -> tuple[Any, ParallelLayout]:
     """The model and the estimator's layout of a run (as `mt pretrain --dry-run` builds it)."""
     config = load_config(None, overrides)
     par = config.parallel

@@ -2,7 +2,8 @@
 
 - mt-model and mt-data import no other mt package;
 - the parallel packages (mt-tensor-parallel, mt-pipeline, mt-zero) import only mt-dist;
-- mt-checkpoint imports mt-dist, mt-model and the parallel packages it reshards for;
+- mt-checkpoint imports mt-dist, mt-model and the parallel packages it reshards for; mt-plan
+  imports mt-model and the parallel packages whose constants and simulator it uses;
 - mt-dist imports no mt package;
 - nothing imports an app (mt_pretrain, mt_convert) but the app itself.
 """
@@ -24,10 +25,12 @@ ALLOWED: dict[str, set[str]] = {
     "mt_tensor_parallel": {"mt_dist"},
     "mt_pipeline": {"mt_dist"},
     "mt_zero": {"mt_dist"},
-    # The checkpoint format and resharding: above the parallel packages, below the apps.
+    # The checkpoint format and resharding, and the planner: above the parallel packages,
+    # below the apps.
     "mt_checkpoint": {"mt_dist", "mt_model", "mt_tensor_parallel", "mt_zero"},
+    "mt_plan": {"mt_model", "mt_pipeline", "mt_tensor_parallel", "mt_zero"},
     "mt_pretrain": {"mt_dist", "mt_model", "mt_data", "mt_tensor_parallel", "mt_pipeline",
-                    "mt_zero", "mt_checkpoint"},
+                    "mt_zero", "mt_checkpoint", "mt_plan"},
     "mt_convert": {"mt_dist", "mt_model", "mt_data", "mt_tensor_parallel", "mt_pipeline",
                    "mt_zero", "mt_checkpoint"},
 }

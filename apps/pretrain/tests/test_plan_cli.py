@@ -3,10 +3,10 @@
 import json
 from pathlib import Path
 
+from mt_plan.estimate import EFFICIENCY
 from typer.testing import CliRunner
 
 from mt_pretrain.cli import app
-from mt_pretrain.estimate import EFFICIENCY
 
 RUNNER = CliRunner()
 KEYS = {"iteration_time_s", "tflops_per_gpu", "memory_per_gpu_gb", "bubble_fraction", "fits",

@@ -29,6 +29,7 @@ DISTRIBUTIONS: dict[str, str] = {
     "mt-pipeline": "mt_pipeline",
     "mt-zero": "mt_zero",
     "mt-checkpoint": "mt_checkpoint",
+    "mt-plan": "mt_plan",
     "mt-data": "mt_data",
     "mt-model": "mt_model",
     "mt-pretrain": "mt_pretrain",

@@ -1,7 +1,7 @@
 """The layout matrix (pure): every way `mt pretrain` can split a run over at most 8 processes,
 what each must equal, and a small subset that still holds every pair of features.
 
-A :class:`Case` is a parallel :class:`~mt_pretrain.layout.Layout` (TP x PP x DP, ZeRO stage,
+A :class:`Case` is a parallel :class:`~mt_plan.layout.Layout` (TP x PP x DP, ZeRO stage,
 schedule, sequence parallelism, activation checkpointing, precision) plus dropout and the
 engine. Its :meth:`Case.reference` is the run it must train exactly like:
 
@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 from functools import cache
 from typing import Any
 
-from mt_pretrain.layout import Layout
+from mt_plan.layout import ParallelLayout
 
 __all__ = ["COMMON", "Case", "candidates", "full_matrix", "matrix_layout", "pairwise_cover",
            "valid"]
@@ -48,7 +48,7 @@ DROPOUT = 0.1
 class Case:
     """One row of the matrix: a layout, the dropout rate and the engine."""
 
-    layout: Layout
+    layout: ParallelLayout
     dropout: float = 0.0
     engine: str = "mt"
 
@@ -121,9 +121,9 @@ class Case:
 
 def matrix_layout(tp: int = 1, pp: int = 1, dp: int = 1, zero_stage: int = 0,
                   schedule: str = "1f1b", sequence_parallel: bool = False,
-                  checkpointing: bool = False, precision: str = "fp32") -> Layout:
+                  checkpointing: bool = False, precision: str = "fp32") -> ParallelLayout:
     """A layout at the matrix's batch sizes (interleaving with 2 chunks per stage)."""
-    return Layout(tp, pp, dp, GLOBAL_BATCH, MICRO_BATCH, zero_stage, schedule,
+    return ParallelLayout(tp, pp, dp, GLOBAL_BATCH, MICRO_BATCH, zero_stage, schedule,
                   2 if schedule == "interleaved" else 1, sequence_parallel,
                   "full" if checkpointing else "none", precision)
 

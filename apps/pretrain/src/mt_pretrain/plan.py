@@ -12,15 +12,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from mt_checkpoint import find_checkpoint, fresh_start, read_meta
+from mt_plan.estimate import peak_in_flight, stage_memory
+from mt_plan.gpus import GPUSpec
+from mt_plan.layout import ParallelLayout
 
 from mt_dist import Topology, TopologyError
 from mt_model import GPTConfig, count_parameters, model_flops_per_token_training
 from mt_pipeline import PartitionError, PipelineConfig, PipelinePlan, ScheduleError, plan_pipeline
 from mt_pretrain.config import DEFAULT_MODEL, DEFAULT_TRAIN_STEPS, ConfigError, PretrainConfig
 from mt_pretrain.engine_support import CHECKPOINT_HAS_MODEL, unsupported
-from mt_pretrain.estimate import peak_in_flight, stage_memory
-from mt_pretrain.gpus import GPUSpec
-from mt_pretrain.layout import Layout
 from mt_tensor_parallel import check_divisibility, param_styles
 
 __all__ = ["RunPlan", "activation_shape", "describe", "memory_estimate", "model_of",
@@ -180,10 +180,10 @@ def activation_shape(config: PretrainConfig, plan: RunPlan) -> tuple[int, int, i
     return (config.train.micro_batch_size, seq, plan.gpt.hidden)
 
 
-def plan_layout(config: PretrainConfig, plan: RunPlan) -> Layout:
-    """The :class:`~mt_pretrain.layout.Layout` (``mt plan``'s description) of this run."""
+def plan_layout(config: PretrainConfig, plan: RunPlan) -> ParallelLayout:
+    """The :class:`~mt_plan.layout.Layout` (``mt plan``'s description) of this run."""
     par, topo, pipe = config.parallel, plan.topology, plan.pipeline
-    return Layout(topo.tp, topo.pp, topo.dp, config.train.global_batch_size,
+    return ParallelLayout(topo.tp, topo.pp, topo.dp, config.train.global_batch_size,
                   config.train.micro_batch_size, par.zero_stage, pipe.schedule,
                   pipe.virtual_stages, par.sequence_parallel,
                   "full" if par.activation_checkpointing else "none", par.precision)
@@ -209,7 +209,7 @@ def memory_estimate(config: PretrainConfig, plan: RunPlan, stage: int,
     """Bytes per rank of pipeline ``stage``: ``weights``, ``grads``, ``optimizer``,
     ``activations``, ``temporaries``, ``total`` (and ``params``).
 
-    The very estimator ``mt plan`` uses (:func:`mt_pretrain.estimate.stage_memory`: ZeRO
+    The very estimator ``mt plan`` uses (:func:`mt_plan.estimate.stage_memory`: ZeRO
     sharding, Korthikanti activations times the chunk forwards the schedule keeps alive, the
     largest short-lived phase), applied to this run's stages on ``gpu`` (default: the
     run's own device, :func:`runtime_spec`).

@@ -1,6 +1,6 @@
 """``mt plan``: estimate memory, bubble, communication and speed of a layout, or search layouts.
 
-The maths lives in :mod:`mt_pretrain.estimate`; this module parses flags, resolves the model
+The maths lives in :mod:`mt_plan.estimate`; this module parses flags, resolves the model
 and GPU, and prints a report, one JSON object, or a ranked table.
 """
 
@@ -11,10 +11,9 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-
-from mt_pretrain.estimate import EFFICIENCY, Estimate, estimate
-from mt_pretrain.gpus import GPUS, GPUSpec, GPUSpecError, load_gpu
-from mt_pretrain.layout import RECOMPUTE, SCHEDULES, Layout, LayoutError, enumerate_layouts
+from mt_plan.estimate import EFFICIENCY, Estimate, estimate
+from mt_plan.gpus import GPUS, GPUSpec, GPUSpecError, load_gpu
+from mt_plan.layout import RECOMPUTE, SCHEDULES, LayoutError, ParallelLayout, enumerate_layouts
 
 __all__ = ["JSON_KEYS", "plan"]
 
@@ -183,8 +182,9 @@ def plan(
             return
         if tp < 1 or pp < 1 or n % (tp * pp):
             raise _fail(f"--gpus {n} is not divisible by --tp {tp} x --pp {pp} = {tp * pp}")
-        layout = Layout(tp, pp, n // (tp * pp), global_batch_size, micro_batch_size, zero_stage,
-                        schedule, virtual_stages, sequence_parallel, recompute, precision)
+        layout = ParallelLayout(tp, pp, n // (tp * pp), global_batch_size, micro_batch_size,
+                                zero_stage, schedule, virtual_stages, sequence_parallel,
+                                recompute, precision)
         est = estimate(gpt, layout, spec)
     except LayoutError as err:
         raise _fail(str(err)) from None

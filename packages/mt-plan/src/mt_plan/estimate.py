@@ -11,7 +11,7 @@ memory-bound optimizer step; communication is not overlapped with compute. One c
 constant, :data:`EFFICIENCY` (fraction of peak reached by the matmuls), is fitted to MT-NLG's
 published iteration times by :func:`calibrate_efficiency`. Fixed costs (per layer, per
 message, per optimizer tensor, and the training framework's own per-step, per-micro-batch and
-per-parameter-tensor work) come from the :class:`~mt_pretrain.gpus.GPUSpec`: zero for
+per-parameter-tensor work) come from the :class:`~mt_plan.gpus.GPUSpec`: zero for
 the data-sheet GPUs, measured for a calibrated machine such as a CPU (``benchmarks/plan.py``).
 The peak memory adds to the persistent states the largest short-lived phase (backward
 buffers, the shard all-gather), see :func:`_memory`.
@@ -24,12 +24,12 @@ from dataclasses import asdict, dataclass
 
 from mt_model import GPTConfig, count_parameters, model_flops_per_iteration
 from mt_pipeline import get_schedule, simulate
-from mt_pretrain.gpus import GPUSpec
-from mt_pretrain.layout import RECOMPUTE, Layout, LayoutError, stage_layers
+from mt_plan.gpus import GPUSpec
+from mt_plan.layout import RECOMPUTE, LayoutError, ParallelLayout, stage_layers
 from mt_tensor_parallel import padded_vocab_size
 from mt_zero import ZeroConfig
 
-__all__ = ["EFFICIENCY", "MTNLG_PUBLISHED", "Estimate", "Layout", "LayoutError",
+__all__ = ["EFFICIENCY", "MTNLG_PUBLISHED", "Estimate", "LayoutError", "ParallelLayout",
            "activation_bytes_per_layer", "calibrate_efficiency", "estimate", "peak_in_flight",
            "stage_memory", "zero_bytes"]
 
@@ -98,7 +98,8 @@ def activation_bytes_per_layer(gpt: GPTConfig, micro_batch: int, tp: int,
     return per_layer * _WIDTH[precision] / 2
 
 
-def _layer_activations(gpt: GPTConfig, layout: Layout, gpu: GPUSpec, recompute: str) -> float:
+def _layer_activations(gpt: GPTConfig, layout: ParallelLayout, gpu: GPUSpec,
+                       recompute: str) -> float:
     """:func:`activation_bytes_per_layer` for this layout, model dropout and attention kernel."""
     return activation_bytes_per_layer(
         gpt, layout.micro_batch, layout.tp, layout.sequence_parallel, recompute,
@@ -110,7 +111,7 @@ def _layer_activations(gpt: GPTConfig, layout: Layout, gpu: GPUSpec, recompute: 
 class Estimate:
     """The figures of one layout (``mt plan --json`` prints :meth:`to_dict`)."""
 
-    layout: Layout
+    layout: ParallelLayout
     gpu: str
     efficiency: float
     parameters: int
@@ -145,7 +146,7 @@ class Estimate:
         return out
 
 
-def _params_of(gpt: GPTConfig, layout: Layout, stage: int, layers: int) -> int:
+def _params_of(gpt: GPTConfig, layout: ParallelLayout, stage: int, layers: int) -> int:
     """Parameters one TP rank of ``stage`` holds with ``layers`` transformer layers
     (padded vocabulary, the tied copy on the last stage)."""
     h, f, t = gpt.hidden, gpt.ffn_hidden, layout.tp
@@ -163,13 +164,13 @@ def _params_of(gpt: GPTConfig, layout: Layout, stage: int, layers: int) -> int:
     return n
 
 
-def _stage_params(gpt: GPTConfig, layout: Layout) -> list[int]:
+def _stage_params(gpt: GPTConfig, layout: ParallelLayout) -> list[int]:
     """Parameters one TP rank of each pipeline stage holds (uniform split)."""
     return [_params_of(gpt, layout, i, n)
             for i, n in enumerate(stage_layers(gpt.n_layers, layout))]
 
 
-def peak_in_flight(layout: Layout) -> list[int]:
+def peak_in_flight(layout: ParallelLayout) -> list[int]:
     """Closed-form peak of chunk forwards alive per stage (no simulation)."""
     p, m, v = layout.pp, layout.num_micro_batches, layout.virtual_stages
     if layout.schedule == "gpipe":
@@ -179,7 +180,7 @@ def peak_in_flight(layout: Layout) -> list[int]:
     return [min(m * v, 2 * (p - i - 1) + (v - 1) * p + 1) for i in range(p)]
 
 
-def _largest_param(gpt: GPTConfig, layout: Layout, stage: int) -> float:
+def _largest_param(gpt: GPTConfig, layout: ParallelLayout, stage: int) -> float:
     """Elements of the largest parameter tensor one TP rank of ``stage`` holds."""
     t = layout.tp
     big = gpt.hidden * max(gpt.ffn_hidden, 3 * gpt.hidden) / t
@@ -188,7 +189,7 @@ def _largest_param(gpt: GPTConfig, layout: Layout, stage: int) -> float:
     return big
 
 
-def _temporaries(gpt: GPTConfig, layout: Layout, gpu: GPUSpec, stage: int,
+def _temporaries(gpt: GPTConfig, layout: ParallelLayout, gpu: GPUSpec, stage: int,
                  params: float) -> dict[str, float]:
     """Short-lived bytes of the two phases that can set a stage's peak (beyond the stored
     activations, which only the backward phase adds to)."""
@@ -214,7 +215,7 @@ def _temporaries(gpt: GPTConfig, layout: Layout, gpu: GPUSpec, stage: int,
     return {"backward": backward, "publish": publish}
 
 
-def stage_memory(gpt: GPTConfig, layout: Layout, gpu: GPUSpec, stage: int, layers: int,
+def stage_memory(gpt: GPTConfig, layout: ParallelLayout, gpu: GPUSpec, stage: int, layers: int,
                  in_flight: int) -> dict[str, float]:
     """Bytes on one rank of pipeline ``stage`` (``layers`` transformer layers, ``in_flight``
     chunk forwards alive at its peak), by part: ``weights``, ``grads``, ``optimizer``,
@@ -241,7 +242,7 @@ def stage_memory(gpt: GPTConfig, layout: Layout, gpu: GPUSpec, stage: int, layer
     return parts
 
 
-def _memory(gpt: GPTConfig, layout: Layout, gpu: GPUSpec,
+def _memory(gpt: GPTConfig, layout: ParallelLayout, gpu: GPUSpec,
             in_flight: list[int]) -> dict[str, float]:
     """:func:`stage_memory` of the fullest stage."""
     stages = [stage_memory(gpt, layout, gpu, i, n, in_flight[i])
@@ -249,7 +250,7 @@ def _memory(gpt: GPTConfig, layout: Layout, gpu: GPUSpec,
     return max(stages, key=lambda parts: parts["total"])
 
 
-def _stage_tensors(gpt: GPTConfig, layout: Layout) -> list[int]:
+def _stage_tensors(gpt: GPTConfig, layout: ParallelLayout) -> list[int]:
     """Parameter tensors of each stage (12 per layer, 2 embeddings, final LayerNorm 2)."""
     out = []
     for i, layers in enumerate(stage_layers(gpt.n_layers, layout)):
@@ -257,7 +258,7 @@ def _stage_tensors(gpt: GPTConfig, layout: Layout) -> list[int]:
     return out
 
 
-def _times(gpt: GPTConfig, layout: Layout, gpu: GPUSpec, efficiency: float) -> dict:
+def _times(gpt: GPTConfig, layout: ParallelLayout, gpu: GPUSpec, efficiency: float) -> dict:
     """Per-stage chunk forward / backward seconds, P2P, TP and DP communication."""
     s, b, h, f, t = gpt.seq_len, layout.micro_batch, gpt.hidden, gpt.ffn_hidden, layout.tp
     width = _WIDTH[layout.precision]
@@ -345,7 +346,7 @@ def _times(gpt: GPTConfig, layout: Layout, gpu: GPUSpec, efficiency: float) -> d
             "optimizer": optimizer, "tied": tied, "framework": framework}
 
 
-def estimate(gpt: GPTConfig, layout: Layout, gpu: GPUSpec, efficiency: float = EFFICIENCY,
+def estimate(gpt: GPTConfig, layout: ParallelLayout, gpu: GPUSpec, efficiency: float = EFFICIENCY,
              simulate_pipeline: bool = True) -> Estimate:
     """Estimate memory and speed of ``layout`` for ``gpt`` on ``gpu``.
 
@@ -391,7 +392,7 @@ def estimate(gpt: GPTConfig, layout: Layout, gpu: GPUSpec, efficiency: float = E
         simulated=simulate_pipeline)
 
 
-def calibrate_efficiency(gpt: GPTConfig, cases: list[tuple[Layout, float]], gpu: GPUSpec,
+def calibrate_efficiency(gpt: GPTConfig, cases: list[tuple[ParallelLayout, float]], gpu: GPUSpec,
                          iterations: int = 6) -> float:
     """The efficiency whose predicted iteration times match ``cases`` (layout, seconds)
     on average in log space (secant method; time is ~ a / efficiency + b)."""

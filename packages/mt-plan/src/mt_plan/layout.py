@@ -1,7 +1,9 @@
-"""A training layout for ``mt plan`` (pure): TP x PP x DP, batches, ZeRO, schedule, recompute.
+"""A parallel training layout (pure): TP x PP x DP, batches, ZeRO, schedule, recompute.
 
-:class:`Layout` validates its own numbers; :meth:`Layout.check` validates it against a model;
-:func:`enumerate_layouts` lists the valid layouts of a GPU count for ``mt plan --search``.
+:class:`ParallelLayout` validates its own numbers; :meth:`ParallelLayout.check` validates it
+against a model; :func:`enumerate_layouts` lists the valid layouts of a GPU count for
+``mt plan --search``. The one layout type of mt: the planner, the dry run and the layout
+matrix describe a run with it.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from mt_model import GPTConfig
 from mt_pipeline import SCHEDULES as PIPELINE_SCHEDULES
 from mt_pipeline import PartitionError, uniform_partition
 
-__all__ = ["RECOMPUTE", "SCHEDULES", "Layout", "LayoutError", "enumerate_layouts",
+__all__ = ["RECOMPUTE", "SCHEDULES", "LayoutError", "ParallelLayout", "enumerate_layouts",
            "stage_layers"]
 
 RECOMPUTE = ("full", "selective", "none")
@@ -26,7 +28,7 @@ class LayoutError(ValueError):
 
 
 @dataclass(frozen=True)
-class Layout:
+class ParallelLayout:
     """One way to run a model: parallel degrees, batch sizes and memory savers.
 
     Attributes:
@@ -114,7 +116,7 @@ class Layout:
             raise LayoutError("invalid layout for this model: " + "; ".join(problems))
 
 
-def stage_layers(n_layers: int, layout: Layout) -> list[int]:
+def stage_layers(n_layers: int, layout: ParallelLayout) -> list[int]:
     """Transformer layers per pipeline stage: mt-pipeline's uniform split (its default)."""
     try:
         return list(uniform_partition(n_layers, layout.pp).layer_counts)
@@ -128,7 +130,7 @@ def _divisors(n: int) -> list[int]:
 
 def enumerate_layouts(gpt: GPTConfig, gpus: int, global_batch: int, gpus_per_node: int = 8,
                       zero_stage: int = 1, schedule: str = "1f1b",
-                      micro_batches: tuple[int, ...] = (1, 2, 4, 8)) -> Iterator[Layout]:
+                      micro_batches: tuple[int, ...] = (1, 2, 4, 8)) -> Iterator[ParallelLayout]:
     """Every valid layout on exactly ``gpus`` GPUs: TP within a node (dividing the heads),
     PP dividing the layers, micro-batch in ``micro_batches``, all three recompute modes,
     sequence parallelism whenever TP > 1."""
@@ -139,7 +141,7 @@ def enumerate_layouts(gpt: GPTConfig, gpus: int, global_batch: int, gpus_per_nod
                 for recompute in RECOMPUTE:
                     try:
                         sched = schedule if pp > 1 else "1f1b"
-                        layout = Layout(tp, pp, dp, global_batch, b, zero_stage, sched,
+                        layout = ParallelLayout(tp, pp, dp, global_batch, b, zero_stage, sched,
                                         sequence_parallel=tp > 1 and gpt.seq_len % tp == 0,
                                         recompute=recompute)
                         layout.check(gpt)

@@ -4,10 +4,7 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-
-from mt_model import count_parameters, preset, tflops_per_gpu
-from mt_pipeline import get_schedule, simulate
-from mt_pretrain.estimate import (
+from mt_plan.estimate import (
     EFFICIENCY,
     MTNLG_PUBLISHED,
     activation_bytes_per_layer,
@@ -15,17 +12,20 @@ from mt_pretrain.estimate import (
     estimate,
     zero_bytes,
 )
-from mt_pretrain.estimate import peak_in_flight as in_flight_closed_form
-from mt_pretrain.gpus import GPUS, GPUSpec, GPUSpecError, load_gpu
-from mt_pretrain.layout import Layout, LayoutError, enumerate_layouts
+from mt_plan.estimate import peak_in_flight as in_flight_closed_form
+from mt_plan.gpus import GPUS, GPUSpec, GPUSpecError, load_gpu
+from mt_plan.layout import LayoutError, ParallelLayout, enumerate_layouts
+
+from mt_model import count_parameters, preset, tflops_per_gpu
+from mt_pipeline import get_schedule, simulate
 from mt_zero import paper_bytes
 
 MTNLG = preset("mt-nlg-530b")
 A100 = GPUS["a100-80gb"]
 
 
-def _mtnlg(dp: int) -> Layout:
-    return Layout(tp=8, pp=35, dp=dp, global_batch=1920, micro_batch=1, zero_stage=1)
+def _mtnlg(dp: int) -> ParallelLayout:
+    return ParallelLayout(tp=8, pp=35, dp=dp, global_batch=1920, micro_batch=1, zero_stage=1)
 
 
 def test_flops_formula_gives_published_tflops() -> None:
@@ -83,19 +83,19 @@ def test_korthikanti_activation_formulas() -> None:
 def test_in_flight_closed_form_matches_simulator() -> None:
     for sched, p, m, v in (("1f1b", 4, 8, 1), ("1f1b", 4, 2, 1), ("gpipe", 3, 5, 1),
                            ("interleaved", 4, 8, 2), ("interleaved", 2, 4, 3)):
-        lay = Layout(1, p, 1, m, 1, schedule=sched, virtual_stages=v)
+        lay = ParallelLayout(1, p, 1, m, 1, schedule=sched, virtual_stages=v)
         sim = simulate(get_schedule(sched, p, m, v), forward_time=1.0, backward_time=2.0)
         assert in_flight_closed_form(lay) == list(sim.peak_in_flight), (sched, p, m, v)
 
 
 def test_memory_decides_fit_and_search_ranks() -> None:
-    one_gpu = estimate(MTNLG, Layout(1, 1, 1, 8, 1), A100, simulate_pipeline=False)
+    one_gpu = estimate(MTNLG, ParallelLayout(1, 1, 1, 8, 1), A100, simulate_pipeline=False)
     assert not one_gpu.fits and one_gpu.memory_per_gpu_gb > 8000
     layouts = list(enumerate_layouts(preset("gpt2-small"), 8, 64))
     assert {(lay.tp, lay.pp, lay.dp) for lay in layouts} >= {(1, 1, 8), (2, 2, 2), (4, 2, 1)}
     assert all(lay.world_size == 8 for lay in layouts)
     # Faster GPU, same layout: shorter iteration.
-    lay = Layout(2, 2, 2, 64, 1, sequence_parallel=True)
+    lay = ParallelLayout(2, 2, 2, 64, 1, sequence_parallel=True)
     small = preset("gpt2-small")
     assert (estimate(small, lay, GPUS["h100-80gb"]).iteration_time_s
             < estimate(small, lay, A100).iteration_time_s)
@@ -104,13 +104,13 @@ def test_memory_decides_fit_and_search_ranks() -> None:
 def test_layout_errors_name_the_numbers() -> None:
     with pytest.raises(LayoutError, match="global batch 10 is not divisible by micro-batch 4 x "
                                           "dp 2 = 8"):
-        Layout(1, 1, 2, 10, 4)
+        ParallelLayout(1, 1, 2, 10, 4)
     with pytest.raises(LayoutError, match="recompute 'some'"):
-        Layout(1, 1, 1, 8, recompute="some")
+        ParallelLayout(1, 1, 1, 8, recompute="some")
     with pytest.raises(LayoutError, match="n_layers 105 is not divisible by pp 4"):
-        Layout(8, 4, 1, 8).check(MTNLG)
+        ParallelLayout(8, 4, 1, 8).check(MTNLG)
     with pytest.raises(LayoutError, match="tp 0"):
-        Layout(0, 1, 1, 8)
+        ParallelLayout(0, 1, 1, 8)
 
 
 def test_gpu_table_and_custom_yaml(tmp_path: Path) -> None:
@@ -133,7 +133,7 @@ def test_calibrated_machine_costs_and_peak_phases() -> None:
     """A measured machine (CPU-like GPUSpec): fixed costs slow the estimate down, and the
     peak memory is the persistent states plus the largest short-lived phase."""
     small = preset("gpt2-small").replace(seq_len=128)
-    lay = Layout(1, 1, 2, 4, 1, zero_stage=1, recompute="none", precision="fp32")
+    lay = ParallelLayout(1, 1, 2, 4, 1, zero_stage=1, recompute="none", precision="fp32")
     cpu = GPUSpec("cpu", 50e9, 24 * 2**30, 1e9, 1e9, 2, 10e9, fused_attention=True)
     slow = dataclasses.replace(cpu, layer_overhead_s=1e-3, link_latency_s=1e-3,
                                tensor_overhead_s=1e-4)
@@ -160,8 +160,8 @@ def test_framework_costs_add_per_step_micro_batch_and_tensor() -> None:
     stage (through the schedule), one per parameter tensor of the fullest stage."""
     gpt = preset("tiny")
     cpu = GPUSpec("cpu", 50e9, 24 * 2**30, 1e9, 1e9, 2, 10e9, fused_attention=True)
-    for lay in (Layout(1, 1, 2, 16, 4, recompute="none", precision="fp32"),
-                Layout(1, 2, 1, 16, 4, recompute="none", precision="fp32")):
+    for lay in (ParallelLayout(1, 1, 2, 16, 4, recompute="none", precision="fp32"),
+                ParallelLayout(1, 2, 1, 16, 4, recompute="none", precision="fp32")):
         base = estimate(gpt, lay, cpu, 1.0)
         assert base.framework_time_s == 0.0
         step = estimate(gpt, lay, dataclasses.replace(cpu, step_overhead_s=1e-3), 1.0)
@@ -181,7 +181,7 @@ def test_gloo_collectives_as_all_reduces_and_bucket_latency() -> None:
     """On gloo mt-zero runs ZeRO's reduce-scatter and all-gather as all-reduces (twice the
     bytes each), and a bucket-sized collective has a fixed cost of its own."""
     gpt = preset("tiny")
-    lay = Layout(1, 1, 2, 16, 4, zero_stage=1, recompute="none", precision="fp32")
+    lay = ParallelLayout(1, 1, 2, 16, 4, zero_stage=1, recompute="none", precision="fp32")
     cpu = GPUSpec("cpu", 50e9, 24 * 2**30, 1e9, 1e9, 2, 10e9, link_latency_s=1e-4,
                   fused_attention=True)
     grads = count_parameters(gpt) * 4.0  # one bucket: tiny is below 2**22 parameters
