@@ -57,12 +57,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from mt_plan.estimate import BUCKET_NUMEL, estimate
-from mt_plan.gpus import GPUSpec
-from mt_plan.layout import ParallelLayout
 
 from mt_dist.testing import run_distributed
 from mt_model import GPT, GPTConfig, count_parameters
+from mt_plan.estimate import BUCKET_NUMEL, estimate
+from mt_plan.gpus import GPUSpec
+from mt_plan.layout import ParallelLayout
 from mt_pretrain.config_io import load_config
 from mt_pretrain.plan import plan_layout, resolve
 from mt_zero import ZeroConfig, ZeroOptimizer

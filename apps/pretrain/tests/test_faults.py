@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 from conftest import run_pretrain
-from mt_checkpoint import CheckpointError
 
+from mt_checkpoint import CheckpointError
 from mt_pretrain.config import ConfigError
 from mt_pretrain.failpoints import POINTS
 from mt_pretrain.launch import LaunchFailed

@@ -3,9 +3,9 @@
 import json
 from pathlib import Path
 
-from mt_plan.estimate import EFFICIENCY
 from typer.testing import CliRunner
 
+from mt_plan.estimate import EFFICIENCY
 from mt_pretrain.cli import app
 
 RUNNER = CliRunner()

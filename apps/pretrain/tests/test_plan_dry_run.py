@@ -3,8 +3,8 @@
 import dataclasses
 
 import pytest
-from mt_plan.estimate import estimate
 
+from mt_plan.estimate import estimate
 from mt_pretrain.config_io import load_config
 from mt_pretrain.plan import memory_estimate, plan_layout, resolve, runtime_spec
 

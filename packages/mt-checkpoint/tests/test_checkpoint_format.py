@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from mt_checkpoint import (
     LATEST,
     RANK_FORMAT,
@@ -22,7 +23,6 @@ from mt_checkpoint import (
     read_meta,
     step_dir,
 )
-
 from mt_dist import Topology
 
 LAYOUT = SavedLayout(tp=2, pp=2, dp=2, zero_stage=1)

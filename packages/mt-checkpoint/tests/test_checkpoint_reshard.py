@@ -4,9 +4,9 @@ is the original, bit for bit; weights of (stage, TP) parts merge to the full mod
 from __future__ import annotations
 
 import torch
-from mt_checkpoint import canonical_optimizer, local_optimizer, merge_model
 from torch import nn
 
+from mt_checkpoint import canonical_optimizer, local_optimizer, merge_model
 from mt_model import GPT, parameter_stages, preset
 from mt_tensor_parallel import GPT_PLAN, padded_vocab_size, param_styles, shard_tensor
 from mt_zero import (

@@ -4,6 +4,9 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+
+from mt_model import count_parameters, preset, tflops_per_gpu
+from mt_pipeline import get_schedule, simulate
 from mt_plan.estimate import (
     EFFICIENCY,
     MTNLG_PUBLISHED,
@@ -15,9 +18,6 @@ from mt_plan.estimate import (
 from mt_plan.estimate import peak_in_flight as in_flight_closed_form
 from mt_plan.gpus import GPUS, GPUSpec, GPUSpecError, load_gpu
 from mt_plan.layout import LayoutError, ParallelLayout, enumerate_layouts
-
-from mt_model import count_parameters, preset, tflops_per_gpu
-from mt_pipeline import get_schedule, simulate
 from mt_zero import paper_bytes
 
 MTNLG = preset("mt-nlg-530b")

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from mt_checkpoint import FORMAT, LATEST, META, CheckpointError, SavedLayout, read_meta
 
+from mt_checkpoint import FORMAT, LATEST, META, CheckpointError, SavedLayout, read_meta
 from mt_convert.errors import ConvertError
 from mt_convert.layout import CheckpointReader, TensorRef, canonical_shapes, follow_pointer
 from mt_convert.tensors import TensorSpec

@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from mt_checkpoint import FORMAT, META, rank_file
 
+from mt_checkpoint import FORMAT, META, rank_file
 from mt_convert.errors import ConvertError
 from mt_convert.layout import CheckpointWriter, TensorRef
 from mt_convert.tensors import TensorSpec

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from mt_checkpoint import (
     META,
     RANK_FORMAT,
@@ -44,7 +45,6 @@ from mt_checkpoint import (
     local_optimizer,
     rank_file,
 )
-
 from mt_convert.atomic import atomic_directory
 from mt_convert.errors import ConvertError
 from mt_convert.layout import ProgressFn, canonical_shapes

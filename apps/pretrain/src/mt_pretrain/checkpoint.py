@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
 from mt_checkpoint import (
     DATA_ORDER,
     RANK_FORMAT,
@@ -33,7 +34,6 @@ from mt_checkpoint import (
     read_meta,
     step_dir,
 )
-
 from mt_data import DataLoaderState
 from mt_dist import ParallelGroups
 from mt_model import parameter_stages

@@ -53,7 +53,6 @@ def pretrain_main(config_path: Path | None, overrides: dict[str, Any],
                         "DP 2 on 8 processes); `mt pretrain --help` for the flags",
                         highlight=False, markup=False)
     from mt_checkpoint import CheckpointError
-
     from mt_dist import LaunchError  # a launcher environment that does not add up
 
     try:

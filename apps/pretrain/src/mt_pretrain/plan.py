@@ -12,13 +12,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from mt_checkpoint import find_checkpoint, fresh_start, read_meta
-from mt_plan.estimate import peak_in_flight, stage_memory
-from mt_plan.gpus import GPUSpec
-from mt_plan.layout import ParallelLayout
-
 from mt_dist import Topology, TopologyError
 from mt_model import GPTConfig, count_parameters, model_flops_per_token_training
 from mt_pipeline import PartitionError, PipelineConfig, PipelinePlan, ScheduleError, plan_pipeline
+from mt_plan.estimate import peak_in_flight, stage_memory
+from mt_plan.gpus import GPUSpec
+from mt_plan.layout import ParallelLayout
 from mt_pretrain.config import DEFAULT_MODEL, DEFAULT_TRAIN_STEPS, ConfigError, PretrainConfig
 from mt_pretrain.engine_support import CHECKPOINT_HAS_MODEL, unsupported
 from mt_tensor_parallel import check_divisibility, param_styles

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+
 from mt_plan.estimate import EFFICIENCY, Estimate, estimate
 from mt_plan.gpus import GPUS, GPUSpec, GPUSpecError, load_gpu
 from mt_plan.layout import RECOMPUTE, SCHEDULES, LayoutError, ParallelLayout, enumerate_layouts

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from mt_checkpoint import fresh_start
 
+from mt_checkpoint import fresh_start
 from mt_data import DataLoaderState
 from mt_dist import (
     LaunchInfo,

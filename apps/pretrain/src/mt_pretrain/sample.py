@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from mt_checkpoint import merge_model
 
+from mt_checkpoint import merge_model
 from mt_dist import ParallelGroups
 from mt_model import GPT, GPTConfig
 
