@@ -98,7 +98,7 @@ def _crash_on_rank_one() -> int:
 
 
 def test_a_crashed_rank_is_reported_with_its_exit_code() -> None:
-    with pytest.raises(DistributedTestError, match="rank 1 exited with code 3"):
+    with pytest.raises(DistributedTestError, match="rank 1 died with exit code 3"):
         run_distributed(_crash_on_rank_one, 2, timeout=60)
 
 

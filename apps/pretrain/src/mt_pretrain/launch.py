@@ -2,29 +2,24 @@
 
 Under torchrun, mpirun/mpiexec (mpi4py) or SLURM srun, this process is one rank: its place
 comes from ``mt_dist.discover(os.environ)``. Otherwise ``--nproc N`` forks N local ranks
-joined by gloo over a free TCP port on 127.0.0.1; the parent prepares the data once, waits,
-forwards SIGTERM / SIGINT (the ranks save a checkpoint and stop), and if a rank dies it stops
-the others and reports the first failure. This module and the CLI are the only places that
-read ``os.environ``.
+joined by gloo over a free TCP port on 127.0.0.1 (mt-dist's ``LocalRanks`` supervises them);
+the parent prepares the data once, waits, forwards SIGTERM / SIGINT (the ranks save a
+checkpoint and stop), and if a rank fails it stops the others and reports the root cause.
+This module and the CLI are the only places that read ``os.environ``.
 """
 
 from __future__ import annotations
 
-import ctypes
-import multiprocessing as mp
 import os
 import signal
-import sys
-import time
-import traceback
 from collections.abc import Mapping
-from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from mt_dist import LaunchInfo, discover, free_port
+from mt_dist.supervisor import LocalRanks, Outcome
 from mt_pretrain.checkpoint import CheckpointError
 from mt_pretrain.config import ConfigError, PretrainConfig
 from mt_pretrain.data import check_vocab, default_cache_dir, ensure_data
@@ -42,7 +37,6 @@ _EXPECTED_BY_NAME = {kind.__name__: kind for kind in _EXPECTED}
 # After the first rank fails, give the others this long to report (their errors are usually
 # consequences) before killing them.
 _GRACE_S = 5.0
-_PR_SET_PDEATHSIG = 1
 
 
 class LaunchFailed(RuntimeError):
@@ -78,147 +72,54 @@ def launch(config: PretrainConfig, environ: Mapping[str, str] | None = None,
     return spawn(config, nproc, cache, timeout, keep_weights)
 
 
-def _child(config: PretrainConfig, info: LaunchInfo, cache: Path, conn: Connection,
-           threads: int, parent: int, keep_weights: bool) -> None:
-    _die_with_parent(parent)
+def _rank(rank: int, config: PretrainConfig, nproc: int, port: int, cache: Path,
+          threads: int, keep_weights: bool) -> RunSummary | None:
     torch.set_num_threads(threads)
-    try:
-        result = run_rank(config, info, cache, keep_weights)
-        if result is not None and result.weights is not None:
-            # As numpy arrays: torch would share the tensors' memory by file descriptors,
-            # which die with this process before the parent reads them.
-            result.weights = {k: v.cpu().numpy() for k, v in result.weights.items()}
-        conn.send(("ok", result))
-    except _EXPECTED as err:
-        # Expected failures (every rank sees the same one): a message, no traceback; the
-        # parent raises the same kind of error.
-        try:
-            conn.send((type(err).__name__, str(err)))
-        finally:
-            os._exit(1)
-    except BaseException as err:  # noqa: BLE001 - report everything to the parent
-        text = traceback.format_exc()
-        sys.stderr.write(f"[rank {info.rank}] {text}")
-        sys.stderr.flush()
-        try:
-            conn.send(("error", f"{type(err).__name__}: {err}\n{text}"))
-        finally:
-            os._exit(1)
-    finally:
-        conn.close()
-
-
-def _die_with_parent(parent: int) -> None:
-    """Linux: the kernel kills this rank if the launcher dies (no orphans on a small box)."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent:
-        os._exit(1)
+    info = LaunchInfo(rank, nproc, rank, nproc, "127.0.0.1", port, "single")
+    return run_rank(config, info, cache, keep_weights)
 
 
 def spawn(config: PretrainConfig, nproc: int, cache: Path, timeout: float | None = None,
           keep_weights: bool = False) -> RunSummary | None:
     """Run ``nproc`` local ranks (forked when possible: no second torch import)."""
-    method = "fork" if "fork" in mp.get_all_start_methods() and not \
-        torch.cuda.is_initialized() else "spawn"
-    ctx = mp.get_context(method)
-    port = free_port("127.0.0.1")
     threads = max(1, (os.cpu_count() or 1) // nproc)
-    procs, conns = [], []
-    for rank in range(nproc):
-        info = LaunchInfo(rank, nproc, rank, nproc, "127.0.0.1", port, "single")
-        recv, send = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_child, name=f"mt-rank{rank}",
-                           args=(config, info, cache, send, threads, os.getpid(),
-                                 keep_weights))
-        proc.start()
-        send.close()
-        procs.append(proc)
-        conns.append(recv)
+    args = (config, nproc, free_port("127.0.0.1"), cache, threads, keep_weights)
+    interrupts: list[int] = []
+    with LocalRanks(_rank, nproc, args=args) as ranks:
 
-    interrupts = []
+        def forward(signum: int, _frame: Any) -> None:
+            # The first interrupt asks the ranks to save and stop after their step; a second
+            # one stops them at once.
+            interrupts.append(signum)
+            ranks.signal(signal.SIGTERM if len(interrupts) == 1 else signal.SIGKILL)
 
-    def forward(signum: int, _frame: Any) -> None:
-        # The first interrupt asks the ranks to save and stop after their step; a second
-        # one stops them at once.
-        interrupts.append(signum)
-        for proc in procs:
-            if proc.is_alive():
-                os.kill(proc.pid, signal.SIGTERM if len(interrupts) == 1 else signal.SIGKILL)
-
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
+        previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
-            return _collect(procs, conns, timeout)
-        except LaunchFailed:
-            if len(interrupts) > 1:
-                raise Interrupted("interrupted twice: the ranks were stopped at once, "
-                                  "without a checkpoint of the current step") from None
-            raise
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-            proc.join(5.0)
+            outcome = ranks.collect(timeout, _GRACE_S)
+        finally:
+            for sig, old in previous.items():
+                signal.signal(sig, old)
+        if len(interrupts) > 1 and outcome.failures:
+            raise Interrupted("interrupted twice: the ranks were stopped at once, "
+                              "without a checkpoint of the current step")
+        _raise_failure(outcome, timeout)
+        return outcome.reports[0].value
 
 
-def _collect(procs: list[Any], conns: list[Connection],
-             timeout: float | None) -> RunSummary | None:
-    reports: dict[int, tuple[str, Any]] = {}
-    failures: list[int] = []  # in order of arrival: the first is the likely root cause
-    deadline = None if timeout is None else time.monotonic() + timeout
-    grace_end: float | None = None
-    while len(reports) < len(procs):
-        now = time.monotonic()
-        if grace_end is not None and now > grace_end:
-            break
-        if deadline is not None and now > deadline:
-            raise LaunchFailed(f"the run did not finish within {timeout} s; ranks "
-                               f"{[r for r in range(len(procs)) if r not in reports]} killed")
-        pending = [r for r in range(len(procs)) if r not in reports]
-        wait([conns[r] for r in pending] + [procs[r].sentinel for r in pending], timeout=1.0)
-        for r in pending:
-            if conns[r].poll():
-                try:
-                    reports[r] = conns[r].recv()
-                except EOFError:
-                    procs[r].join(1.0)
-                    reports[r] = ("error", f"rank {r} died with exit code "
-                                           f"{procs[r].exitcode} (no report)")
-            elif not procs[r].is_alive():
-                procs[r].join(1.0)
-                reports[r] = ("error", f"rank {r} died with exit code "
-                                           f"{procs[r].exitcode} (no report)")
-            if r in reports and reports[r][0] != "ok" and r not in failures:
-                failures.append(r)
-                if grace_end is None:
-                    grace_end = time.monotonic() + _GRACE_S
-    silent = [r for r in range(len(procs)) if r not in reports]
-    if silent and failures:
+def _raise_failure(outcome: Outcome, timeout: float | None) -> None:
+    n, silent, first = outcome.world_size, list(outcome.silent), outcome.root_cause()
+    if outcome.timed_out:
+        raise LaunchFailed(f"the run did not finish within {timeout} s; ranks {silent} killed")
+    if first is None:
+        return
+    failed = sorted(r.rank for r in outcome.failures)
+    if silent:
         # Peers failed (typically: a collective timed out) while these ranks said nothing:
         # they are stuck (stopped, deadlocked, in an endless loop); they are killed next.
-        detail = reports[failures[0]][1]
-        raise LaunchFailed(f"rank {silent[0]} of {len(procs)} hung: it gave no report while "
-                           f"ranks {sorted(failures)} failed waiting for it (stuck ranks "
-                           f"{silent} killed); rank {failures[0]} reported:\n{detail}")
-    if failures and reports[failures[0]][0] in _EXPECTED_BY_NAME:
-        kind, message = reports[failures[0]]
-        raise _EXPECTED_BY_NAME[kind](message)
-    if failures or silent:
-        # A rank that died without a word (a signal, an OOM kill) comes first: its peers'
-        # errors ("connection closed by peer") are consequences, whatever arrived first.
-        died = [r for r in failures if procs[r].exitcode is not None and procs[r].exitcode < 0]
-        first = died[0] if died else failures[0] if failures else silent[0]
-        detail = reports.get(first, ("error", "no report"))[1]
-        raise LaunchFailed(f"rank {first} of {len(procs)} failed first (failed ranks: "
-                           f"{sorted(failures)}):\n{detail}")
-    summary = reports[0][1]
-    if summary is not None and summary.weights is not None:
-        summary.weights = {k: torch.from_numpy(v) for k, v in summary.weights.items()}
-    return summary
+        raise LaunchFailed(f"rank {silent[0]} of {n} hung: it gave no report while ranks "
+                           f"{failed} failed waiting for it (stuck ranks {silent} killed); "
+                           f"rank {first.rank} reported:\n{first.detail}")
+    if first.kind in _EXPECTED_BY_NAME:
+        raise _EXPECTED_BY_NAME[first.kind](first.message)
+    raise LaunchFailed(f"rank {first.rank} of {n} failed first (failed ranks: {failed}):\n"
+                       f"{first.detail}")

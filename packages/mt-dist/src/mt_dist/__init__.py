@@ -3,8 +3,9 @@
 Pure pieces (no processes): :class:`Topology`, the SLURM node-list parsers and
 :func:`discover`. Process-group pieces: :func:`init_distributed`, :func:`build_groups` and
 :func:`finalize_distributed`. The collectives every package uses (along a tensor dimension,
-on flat buffers, gloo-aware) live in :mod:`mt_dist.collectives`; the multi-process test
-harness in :mod:`mt_dist.testing`.
+on flat buffers, gloo-aware) live in :mod:`mt_dist.collectives`; the local process
+supervisor (N ranks, their reports, the root cause of a failure) in :mod:`mt_dist.supervisor`;
+the multi-process test harness built on it in :mod:`mt_dist.testing`.
 """
 
 from mt_dist.groups import ParallelGroups, backend_for, build_groups

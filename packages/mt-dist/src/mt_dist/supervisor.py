@@ -1,0 +1,284 @@
+"""One local process supervisor: start N ranks, collect their reports, name the root cause.
+
+``mt_dist.testing`` (tests) and ``mt pretrain --nproc`` (the app's local launcher) both run
+their ranks through :class:`LocalRanks`; what a failure is raised as stays with the caller.
+
+- Each rank runs ``target(rank, *args, **kwargs)`` in its own process (forked where possible:
+  a spawned child re-imports torch, seconds each on a small machine) and sends back one
+  :class:`Report` as a plain pickle over a pipe (not torch's shared-memory reductions, which
+  need the sender alive until the receiver maps the tensor).
+- On Linux the kernel kills a rank whose parent dies: no orphans keep spinning.
+- A rank that dies without a report (a signal, ``os._exit``, a native crash) gets one from
+  the parent, with its exit code. After the first failure the others get ``grace_s`` to
+  report (their errors are usually consequences), then collection ends.
+- :meth:`Outcome.root_cause`: a rank killed by a signal comes first (its peers' "connection
+  closed" errors are consequences, whichever report arrived first), else the earliest failure
+  by the child's clock (``time.monotonic`` is system-wide on Linux).
+- :meth:`LocalRanks.stacks` asks ranks that gave no report for their Python stacks
+  (faulthandler on SIGUSR1), to show where a hung rank is stuck.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import faulthandler
+import multiprocessing as mp
+import os
+import pickle
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import torch
+
+__all__ = ["LocalRanks", "Outcome", "Report", "default_start_method"]
+
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+# After asking stuck ranks to dump their stacks (SIGUSR1), wait this long for the dumps.
+_STACK_DUMP_WAIT_S = 0.3
+
+
+@dataclass(frozen=True)
+class Report:
+    """What one rank ended with: its return value, its exception, or its death."""
+
+    rank: int
+    ok: bool
+    time: float  # time.monotonic() when it reported (or when the parent saw it die)
+    value: Any = None
+    kind: str = ""  # the exception's type name; "" when ok or died
+    message: str = ""
+    traceback: str = ""
+    exitcode: int | None = None  # set when the rank died without a report
+
+    @property
+    def detail(self) -> str:
+        """The traceback when there is one, else the message."""
+        return self.traceback or self.message
+
+    @property
+    def killed_by_signal(self) -> bool:
+        return self.exitcode is not None and self.exitcode < 0
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """Every report collected, the ranks that gave none, and whether time ran out."""
+
+    world_size: int
+    reports: Mapping[int, Report]
+    silent: tuple[int, ...]  # no report when collection ended (still running: stuck?)
+    timed_out: bool
+
+    @property
+    def failures(self) -> list[Report]:
+        """Failed ranks, earliest first."""
+        return sorted((r for r in self.reports.values() if not r.ok), key=lambda r: r.time)
+
+    def root_cause(self) -> Report | None:
+        """A rank killed by a signal, else the earliest failure; None when none failed."""
+        failures = self.failures
+        died = [r for r in failures if r.killed_by_signal]
+        return (died or failures or [None])[0]
+
+    def values(self) -> list[Any]:
+        """Return values by rank (only meaningful when every rank succeeded)."""
+        return [self.reports[r].value for r in range(self.world_size)]
+
+
+def default_start_method() -> str:
+    """``"fork"`` where the platform has it (fast), else ``"spawn"``.
+
+    Also ``"spawn"`` once this process has initialized CUDA, which a forked child cannot use.
+    """
+    if torch.cuda.is_initialized() or "fork" not in mp.get_all_start_methods():
+        return "spawn"
+    return "fork"
+
+
+@dataclass
+class _Rank:
+    proc: Any  # multiprocessing.process.BaseProcess
+    conn: Connection
+    stack_file: str
+    report: Report | None = field(default=None)
+
+
+class LocalRanks:
+    """``world_size`` local processes, each running ``target(rank, *args, **kwargs)``.
+
+    ``teardown(ok)``, when given, runs in each rank after its report is sent (e.g. leaving a
+    process group, which must not happen before the root cause reached the parent). Use as a
+    context manager: leaving it kills and reaps every rank still running.
+    """
+
+    def __init__(self, target: Callable[..., Any], world_size: int, *,
+                 args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None,
+                 start_method: str | None = None,
+                 teardown: Callable[[bool], None] | None = None, name: str = "mt-rank") -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        ctx = mp.get_context(start_method or default_start_method())
+        # A forkserver child's parent is the server, not us: skip the parent-death check.
+        parent = None if ctx.get_start_method() == "forkserver" else os.getpid()
+        self.world_size = world_size
+        self._workdir = tempfile.mkdtemp(prefix="mt_ranks_")
+        self._ranks: list[_Rank] = []
+        try:
+            for rank in range(world_size):
+                recv, send = ctx.Pipe(duplex=False)
+                stack_file = os.path.join(self._workdir, f"rank{rank}.stack")
+                proc = ctx.Process(target=_rank_main, name=f"{name}{rank}", args=(
+                    target, rank, tuple(args), dict(kwargs or {}), send, parent, stack_file,
+                    teardown))
+                with warnings.catch_warnings():
+                    # Python >= 3.12 warns when forking a process that has threads; torch's
+                    # idle intra-op pool threads are harmless here.
+                    warnings.filterwarnings("ignore", message=r".*fork\(\).*",
+                                            category=DeprecationWarning)
+                    proc.start()
+                send.close()  # the parent's copy: EOF then means the rank is gone
+                self._ranks.append(_Rank(proc, recv, stack_file))
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self) -> LocalRanks:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+    def signal(self, signum: int) -> None:
+        """Send ``signum`` to every rank still running."""
+        for r in self._ranks:
+            if r.proc.is_alive():
+                os.kill(r.proc.pid, signum)
+
+    @property
+    def pids(self) -> list[int]:
+        return [r.proc.pid for r in self._ranks]
+
+    def collect(self, timeout: float | None, grace_s: float) -> Outcome:
+        """Wait for every report, at most ``timeout`` seconds (None: no limit); after the
+        first failure, at most ``grace_s`` more."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pending = set(range(self.world_size))
+        grace_end: float | None = None
+        timed_out = False
+        while pending:
+            now = time.monotonic()
+            if grace_end is not None and now >= grace_end:
+                break
+            if grace_end is None and deadline is not None and now >= deadline:
+                timed_out = True
+                break
+            end = grace_end if grace_end is not None else deadline
+            waitables: list[Any] = [self._ranks[r].conn for r in pending]
+            waitables += [self._ranks[r].proc.sentinel for r in pending]
+            wait(waitables, timeout=None if end is None else end - now)
+            for rank in sorted(pending):
+                report = self._poll(rank)
+                if report is None:
+                    continue
+                pending.discard(rank)
+                if not report.ok and grace_end is None:
+                    grace_end = time.monotonic() + grace_s
+        reports = {i: r.report for i, r in enumerate(self._ranks) if r.report is not None}
+        return Outcome(self.world_size, reports, tuple(sorted(pending)), timed_out)
+
+    def stacks(self, ranks: Sequence[int]) -> dict[int, str]:
+        """Python stacks of ``ranks`` (still running), "" where none could be dumped."""
+        for rank in ranks:
+            proc = self._ranks[rank].proc
+            if proc.is_alive() and hasattr(signal, "SIGUSR1"):
+                os.kill(proc.pid, signal.SIGUSR1)
+        time.sleep(_STACK_DUMP_WAIT_S)
+        return {rank: _read(self._ranks[rank].stack_file) for rank in ranks}
+
+    def close(self) -> None:
+        """Kill every rank still running, reap them all, remove the scratch folder."""
+        for r in self._ranks:
+            if r.proc.is_alive():
+                r.proc.kill()
+        for r in self._ranks:
+            r.proc.join(5.0)
+            r.conn.close()
+        shutil.rmtree(self._workdir, ignore_errors=True)
+
+    def _poll(self, rank: int) -> Report | None:
+        r = self._ranks[rank]
+        if r.report is not None:
+            return r.report
+        if r.conn.poll():
+            try:
+                r.report = pickle.loads(r.conn.recv_bytes())
+                return r.report
+            except EOFError:
+                pass  # closed without a report: it died
+        elif r.proc.is_alive():
+            return None
+        r.proc.join(1.0)
+        code = r.proc.exitcode
+        r.report = Report(rank, False, time.monotonic(), exitcode=code, message=(
+            f"rank {rank} died with exit code {code} without a report (killed by a signal, "
+            "os._exit or a crash in native code)"))
+        return r.report
+
+
+def _rank_main(target: Callable[..., Any], rank: int, args: tuple[Any, ...],
+               kwargs: dict[str, Any], conn: Connection, parent: int | None, stack_file: str,
+               teardown: Callable[[bool], None] | None) -> None:
+    """Body of one rank: run ``target``, send the report, tear down."""
+    _die_with_parent(parent)
+    with open(stack_file, "w") as stack_out:
+        if hasattr(faulthandler, "register"):
+            faulthandler.register(signal.SIGUSR1, file=stack_out, all_threads=True)
+        try:
+            value = target(rank, *args, **kwargs)
+            payload = pickle.dumps(Report(rank, True, time.monotonic(), value=value))
+            ok = True
+        except BaseException as err:  # noqa: BLE001 - even SystemExit goes to the parent
+            payload = pickle.dumps(Report(rank, False, time.monotonic(), kind=type(err).__name__,
+                                          message=str(err), traceback=traceback.format_exc()))
+            ok = False
+        conn.send_bytes(payload)
+        if teardown is not None:
+            teardown(ok)
+        conn.close()
+        if hasattr(faulthandler, "unregister"):
+            faulthandler.unregister(signal.SIGUSR1)  # before stack_out is closed
+    if not ok:
+        # Reported; do not risk hanging in the interpreter's exit (threads of a broken
+        # process group): leave at once.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def _die_with_parent(parent: int | None) -> None:
+    """Have the kernel kill this rank if the parent dies (e.g. killed by a test timeout)."""
+    if parent is None or not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
