@@ -11,16 +11,21 @@ import torch
 
 from mt_checkpoint import (
     LATEST,
+    META,
     RANK_FORMAT,
     CheckpointError,
+    CheckpointMeta,
     SavedLayout,
     clean_stale,
     find_checkpoint,
+    fresh_rng,
     fresh_start,
     load_rank,
     publish_step,
     rank_file,
+    rank_seed,
     read_meta,
+    save_rank,
     step_dir,
 )
 from mt_dist import Topology
@@ -52,9 +57,11 @@ def _write_step(root: Path, step: int, layout: SavedLayout = LAYOUT) -> Path:
     return tmp
 
 
-def _meta(step: int) -> dict:
-    return {"step": step, "data": {"consumed_samples": 8 * step, "step": step},
-            "layout": LAYOUT.to_dict(), "model": {}, "styles": {}, "stage_params": {}}
+def _meta(step: int) -> CheckpointMeta:
+    return CheckpointMeta(step=step, layout=LAYOUT, model={"n_layers": 2},
+                          styles={"w": "column"}, stage_params={0: ["w"], 1: ["v"]},
+                          consumed_samples=8 * step, data_step=step,
+                          config={"train": {"seed": 5}, "parallel": {"tp": 2, "nproc": 8}})
 
 
 def _publish(root: Path, step: int, **kw: object) -> Path:
@@ -67,7 +74,8 @@ def test_publish_switches_latest_and_prunes(tmp_path: Path) -> None:
         assert (tmp_path / LATEST).read_text().strip() == folder.name == step_dir(step)
     assert sorted(p.name for p in tmp_path.glob("step-*")) == [step_dir(4), step_dir(6)]
     assert find_checkpoint(tmp_path) == tmp_path / step_dir(6)
-    assert read_meta(tmp_path / step_dir(6))["format"] == "mt-pretrain/1"
+    assert read_meta(tmp_path / step_dir(6)) == _meta(6)
+    assert json.loads((tmp_path / step_dir(6) / META).read_text())["format"] == "mt-pretrain/1"
     assert int(load_rank(tmp_path / step_dir(6), 7)["step"]) == 6
     assert not list(tmp_path.glob(".*"))  # no temporary left
 
@@ -136,3 +144,41 @@ def test_a_chain_may_load_its_own_empty_folder(tmp_path: Path) -> None:
     assert not fresh_start(str(own), own)  # it holds a step: resume
     assert not fresh_start(str(tmp_path / "other"), own)  # another folder: must exist
     assert not fresh_start(None, own)
+
+
+def test_meta_is_typed_and_moves_to_another_layout(tmp_path: Path) -> None:
+    meta = _meta(4)
+    data = meta.to_dict()
+    assert CheckpointMeta.from_dict(data, "m") == meta
+    assert data["data"] == {"consumed_samples": 32, "step": 4} and data["data_order"] == 2
+    assert meta.seed == 5 and meta.stages_holding({"v", "x"}) == [1]
+    old = {k: v for k, v in data.items() if k != "data_order"}  # written before order 2
+    assert CheckpointMeta.from_dict(old, "m").data_order == 1
+    new = meta.relaid(SavedLayout(tp=1, pp=1, dp=4, zero_stage=2), {0: ["w", "v"]})
+    assert new.layout.world_size == 4 and new.stage_params == {0: ["w", "v"]}
+    assert new.config["parallel"] == {"tp": 1, "pp": 1, "dp": 4, "zero_stage": 2,
+                                      "virtual_stages": 1, "nproc": 4}
+    assert meta.config["parallel"] == {"tp": 2, "nproc": 8}  # the original is untouched
+    with pytest.raises(CheckpointError, match=r"m: damaged \(no styles, stage_params\)"):
+        CheckpointMeta.from_dict({k: v for k, v in data.items()
+                                  if k not in ("styles", "stage_params")}, "m")
+    with pytest.raises(CheckpointError, match=r"m: stage_params names stages \[0\], the "
+                       r"layout has pp 2"):
+        CheckpointMeta.from_dict({**data, "stage_params": {"0": ["w"]}}, "m")
+    with pytest.raises(CheckpointError, match=r"m: damaged \(ValueError"):
+        CheckpointMeta.from_dict({**data, "step": "four"}, "m")
+
+
+def test_rank_files_round_trip_and_fresh_rng_follows_the_rank_seed(tmp_path: Path) -> None:
+    rng = fresh_rng(5, pp_rank=1, dp_rank=1)
+    size = save_rank(tmp_path, 3, (1, 1, 1), {"w": torch.ones(2)}, {"format": "x"}, rng)
+    assert size == (tmp_path / rank_file(3)).stat().st_size
+    data = load_rank(tmp_path, 3)
+    assert data["coord"] == [1, 1, 1] and torch.equal(data["model"]["w"], torch.ones(2))
+    assert rank_seed(5, 1, 1) == 5 + 100 + 10007
+    torch.manual_seed(rank_seed(5, 1, 1))  # what a training rank at (pp 1, dp 1) does
+    expected = torch.rand(3)
+    generator = torch.Generator()
+    generator.set_state(data["rng"]["torch"])
+    assert torch.equal(torch.rand(3, generator=generator), expected)
+    assert data["rng"]["cuda"] is None and data["rng"]["tracker"] == {}

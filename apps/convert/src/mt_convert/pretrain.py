@@ -11,11 +11,10 @@ and which rank file holds what are mt-checkpoint's (:class:`mt_checkpoint.SavedL
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from mt_checkpoint import FORMAT, LATEST, META, CheckpointError, SavedLayout, read_meta
+from mt_checkpoint import FORMAT, LATEST, META, CheckpointError, read_meta
 from mt_convert.errors import ConvertError
 from mt_convert.layout import CheckpointReader, TensorRef, canonical_shapes, follow_pointer
 from mt_convert.tensors import TensorSpec
@@ -23,8 +22,7 @@ from mt_convert.torch_io import load_weights_only
 from mt_model import GPTConfig
 from mt_tensor_parallel import GPT_PLAN, merge_shards, param_styles
 
-__all__ = ["PRETRAIN_FORMAT", "PretrainReader", "is_pretrain_checkpoint", "layout_of", "meta_of",
-           "step_folder"]
+__all__ = ["PRETRAIN_FORMAT", "PretrainReader", "is_pretrain_checkpoint", "step_folder"]
 
 PRETRAIN_FORMAT = FORMAT
 
@@ -40,22 +38,6 @@ def step_folder(path: Path) -> Path:
     if folder is not None:
         return folder
     raise ConvertError(f"{path}: not an mt pretrain checkpoint (neither {META} nor {LATEST})")
-
-
-def meta_of(folder: Path) -> dict[str, Any]:
-    """The validated ``meta.json`` of a step folder."""
-    try:
-        return read_meta(folder)
-    except CheckpointError as err:
-        raise ConvertError(str(err)) from None
-
-
-def layout_of(folder: Path, meta: dict[str, Any]) -> SavedLayout:
-    """The layout the checkpoint was written at."""
-    try:
-        return SavedLayout.from_dict(meta["layout"], str(folder / META))
-    except CheckpointError as err:
-        raise ConvertError(str(err)) from None
 
 
 def _weights(path: Path) -> dict[str, torch.Tensor]:
@@ -74,15 +56,18 @@ class PretrainReader(CheckpointReader):
 
     def __init__(self, root: Path) -> None:
         self.root = step_folder(Path(root))
-        meta = meta_of(self.root)
         try:
-            self.config = GPTConfig.from_dict(meta["model"])
+            self.meta = read_meta(self.root)
+        except CheckpointError as err:
+            raise ConvertError(str(err)) from None
+        try:
+            self.config = GPTConfig.from_dict(dict(self.meta.model))
         except (KeyError, TypeError, ValueError) as err:
             raise ConvertError(f"{self.root / META}: bad model: {err!r}") from None
-        self.layout = layout_of(self.root, meta)
+        self.layout = self.meta.layout
         self.tp, self.pp = self.layout.tp, self.layout.pp
         self._shapes = canonical_shapes(self.config)
-        self._styles = {**param_styles(self._shapes, GPT_PLAN), **meta.get("styles", {})}
+        self._styles = {**param_styles(self._shapes, GPT_PLAN), **self.meta.styles}
         self.styles = dict(self._styles)
         """TP slicing style of every tensor."""
         self._files = {(s, t): self.layout.file(s, 0, t)  # DP replica 0 holds the weights

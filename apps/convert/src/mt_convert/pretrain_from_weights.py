@@ -8,9 +8,8 @@ The destination is one step folder of the simplest layout (tp = pp = dp = 1, ZeR
 it to the run's own (TP, PP, DP, ZeRO) layout, so one file serves every layout. The rank
 file holds the fp32 weights under ``"model"`` (what
 :class:`~mt_convert.pretrain.PretrainReader` reads) and, under ``"optimizer"``, the same
-weights as a one-rank mt-zero optimizer shard (fp32 masters, one piece per parameter, no
-Adam moments yet: the optimizer starts fresh, as for a new run). Matrices go to parameter
-group 0 (weight decay), vectors to group 1, like ``mt_zero.decay_param_groups``; the run
+weights as a one-rank mt-zero optimizer shard of an AdamW that has not stepped
+(``mt_zero.initial_state``: fp32 masters, no Adam moments yet, as for a new run); the run
 sets its own learning rate, weight decay, betas and eps. The data position is 0: training
 starts at step 1 of the run's data.
 
@@ -20,34 +19,29 @@ starts at step 1 of the run's data.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from mt_checkpoint import FORMAT, META, rank_file
+from mt_checkpoint import (
+    META,
+    CheckpointMeta,
+    SavedLayout,
+    fresh_rng,
+    rank_file,
+    save_rank,
+    write_synced,
+)
 from mt_convert.errors import ConvertError
 from mt_convert.layout import CheckpointWriter, TensorRef
 from mt_convert.tensors import TensorSpec
 from mt_model import GPTConfig
 from mt_tensor_parallel import GPT_PLAN, param_styles
+from mt_zero import initial_state, split_consolidated
 
 __all__ = ["PretrainWriter"]
 
-RANK_FORMAT = "mt-pretrain-rank/1"
-SHARD_FORMAT = "mt-zero-shard/1"
 RANK_FILE = rank_file(0)  # the one rank of the tp = pp = dp = 1 step folder
-
-
-def _param_groups() -> list[dict[str, Any]]:
-    """torch AdamW's group hyperparameters (every key this torch version expects on load);
-    the resuming run overrides lr, weight decay, betas and eps."""
-    dummy = [torch.zeros(1), torch.zeros(1)]
-    optimizer = torch.optim.AdamW([{"params": [dummy[0]], "weight_decay": 0.1},
-                                   {"params": [dummy[1]], "weight_decay": 0.0}], lr=0.0)
-    return [{k: v for k, v in group.items() if k != "params"}
-            for group in optimizer.state_dict()["param_groups"]]
 
 
 class PretrainWriter(CheckpointWriter):
@@ -73,31 +67,6 @@ class PretrainWriter(CheckpointWriter):
             raise ConvertError(f"{RANK_FILE}: unexpected tensor {name!r}")
         self._tensors[name] = tensor.detach().to(torch.float32).contiguous().clone()
 
-    def _optimizer(self) -> dict[str, Any]:
-        pieces, master = [], []
-        for name in self.specs:
-            tensor = self._tensors[name]
-            pieces.append({"name": name, "offset": 0, "length": tensor.numel(),
-                           "group": 0 if tensor.dim() >= 2 else 1})
-            master.append(tensor.reshape(-1).clone())
-        return {"format": SHARD_FORMAT, "stage": 0, "dp_size": 1, "dp_rank": 0,
-                "shapes": {name: tuple(self.specs[name].shape) for name in self.specs},
-                "param_groups": _param_groups(), "pieces": pieces, "master": master,
-                "state": [{} for _ in pieces], "scaler": None}
-
-    def _meta(self) -> dict[str, Any]:
-        shapes = {name: tuple(spec.shape) for name, spec in self.specs.items()}
-        return {
-            "format": FORMAT, "step": 0,
-            "data": {"consumed_samples": 0, "step": 0}, "tokens": 0,
-            "layout": {"tp": 1, "pp": 1, "dp": 1, "world_size": 1, "virtual_stages": 1,
-                       "zero_stage": 0, "precision": "fp32"},
-            "model": self.config.to_dict(),
-            "styles": param_styles(shapes, GPT_PLAN),
-            "stage_params": {"0": list(self.specs)},
-            "config": {}, "source": "mt convert",
-        }
-
     def finish(self) -> None:
         if self._directory is None:
             raise ConvertError("PretrainWriter.finish() before open()")
@@ -105,14 +74,14 @@ class PretrainWriter(CheckpointWriter):
         if missing:
             raise ConvertError(f"{self._directory / RANK_FILE}: tensors never written: "
                                f"{missing}")
-        payload = {"format": RANK_FORMAT, "rank": 0, "coord": [0, 0, 0],
-                   "model": dict(self._tensors), "optimizer": self._optimizer(),
-                   "rng": {"torch": torch.Generator().manual_seed(0).get_state(),
-                           "cuda": None, "tracker": {}}}
-        with open(self._directory / RANK_FILE, "wb") as f:
-            torch.save(payload, f)
-        (self._directory / META).write_text(json.dumps(self._meta(), indent=1),
-                                            encoding="utf-8")
+        shapes = {name: tuple(spec.shape) for name, spec in self.specs.items()}
+        weights = {name: self._tensors[name] for name in self.specs}
+        optimizer = split_consolidated(initial_state(weights), 1, 0)[0]
+        save_rank(self._directory, 0, (0, 0, 0), weights, optimizer, fresh_rng(0, 0, 0))
+        meta = CheckpointMeta(step=0, layout=SavedLayout(1, 1, 1), model=self.config.to_dict(),
+                              styles=param_styles(shapes, GPT_PLAN),
+                              stage_params={0: list(self.specs)}, source="mt convert")
+        write_synced(self._directory / META, meta.as_json())
         self._tensors.clear()
 
     def abort(self) -> None:

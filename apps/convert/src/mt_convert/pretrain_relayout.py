@@ -10,14 +10,15 @@ again for every target TP rank (``mt_checkpoint.local_optimizer``) and split ove
 DP ranks (``mt_zero.split_consolidated``: ZeRO stage >= 1 partitions a flat buffer, stage 0
 keeps everything on every DP rank). Each target rank file is ``mt pretrain``'s: ``format``,
 ``rank``, ``coord``, ``model`` (DP rank 0 only: the weights, in the source's dtype),
-``optimizer`` (``mt-zero-shard/1``) and ``rng``. ``meta.json`` is the source's with the new
-layout and ``stage_params`` of a uniform partition (as ``mt pretrain`` makes).
+``optimizer`` (``mt-zero-shard/1``) and ``rng`` (``mt_checkpoint.save_rank``). ``meta.json``
+is the source's moved to the new layout (``CheckpointMeta.relaid``), with the ``stage_params``
+of a uniform partition (as ``mt pretrain`` makes).
 
 ``drop_optimizer`` writes the master weights with empty optimizer state: the run resumes
 with fresh Adam moments and step counts. RNG: an unchanged layout copies every rank's
-states; any other layout gets freshly seeded default generators (``mt pretrain``'s rule,
-seed + 100 pp + 10007 dp) and no tensor-parallel tracker state, so dropout streams restart,
-as when ``mt pretrain`` itself resumes at another layout.
+states; any other layout gets freshly seeded default generators (``mt_checkpoint.fresh_rng``:
+the rank seed ``mt pretrain`` uses) and no tensor-parallel tracker state, so dropout streams
+restart, as when ``mt pretrain`` itself resumes at another layout.
 
 Memory: a rank file is one ``torch.save`` (it needs its whole content), so this path holds
 one source stage's consolidated optimizer state plus one target rank's payload, not one
@@ -26,29 +27,26 @@ layer. Files are read with ``torch.load(weights_only=True, mmap=True)``.
 
 from __future__ import annotations
 
-import copy
-import json
-import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from mt_checkpoint import (
     META,
-    RANK_FORMAT,
     SavedLayout,
     canonical_optimizer,
     cut,
+    fresh_rng,
     local_optimizer,
     rank_file,
+    save_rank,
+    write_synced,
 )
 from mt_convert.atomic import atomic_directory
 from mt_convert.errors import ConvertError
 from mt_convert.layout import ProgressFn, canonical_shapes
-from mt_convert.pretrain import PretrainReader, layout_of, meta_of
+from mt_convert.pretrain import PretrainReader
 from mt_convert.sharded import _check_tp, stage_layers, stages_of
 from mt_convert.torch_io import load_weights_only
 from mt_zero import split_consolidated
@@ -81,13 +79,13 @@ class _Source:
     """The source checkpoint's optimizer state, consolidated one pipeline stage at a time
     (the last stage is cached: target stages walk the layers in order)."""
 
-    def __init__(self, reader: PretrainReader, meta: dict[str, Any]) -> None:
-        self.reader, self.root = reader, reader.root
-        self.layout = layout_of(self.root, meta)
+    def __init__(self, reader: PretrainReader) -> None:
+        self.reader, self.root, self.meta = reader, reader.root, reader.meta
+        self.layout = reader.meta.layout
         self.tp, self.pp, self.dp = self.layout.tp, self.layout.pp, self.layout.dp
         self.styles: dict[str, str] = dict(reader.styles)
         self.vocab = reader.config.vocab_size
-        self.stage_names = {int(k): list(v) for k, v in meta["stage_params"].items()}
+        self.stage_names = {s: list(v) for s, v in reader.meta.stage_params.items()}
         self._cached: tuple[int, dict[str, Any]] | None = None
 
     def _shards(self, stage: int, tp_rank: int) -> list[dict[str, Any]]:
@@ -123,29 +121,11 @@ class _Source:
         raise ConvertError(f"{self.root / META}: no pipeline stage lists parameter {name!r}")
 
 
-def _rng(source: _Source, meta: dict[str, Any], same: bool, rank: int, pp: int,
-         dp: int) -> dict[str, Any]:
+def _rng(source: _Source, same: bool, rank: int, pp: int, dp: int) -> dict[str, Any]:
+    """The rank's saved RNG states when the layout is unchanged, else fresh ones."""
     if same:
-        data = load_weights_only(source.root / rank_file(rank))
-        return data["rng"]
-    seed = int((meta.get("config") or {}).get("train", {}).get("seed", 0) or 0)
-    state = torch.Generator().manual_seed(seed + 100 * pp + 10007 * dp).get_state()
-    return {"torch": state, "cuda": None, "tracker": {}}
-
-
-def _new_meta(meta: dict[str, Any], tp: int, pp: int, dp: int, zero_stage: int,
-              stage_names: Mapping[int, list[str]]) -> dict[str, Any]:
-    out = copy.deepcopy(meta)
-    out["layout"].update({"tp": tp, "pp": pp, "dp": dp, "world_size": tp * pp * dp,
-                          "virtual_stages": 1, "zero_stage": zero_stage})
-    out["stage_params"] = {str(s): names for s, names in stage_names.items()}
-    parallel = (out.get("config") or {}).get("parallel")
-    if isinstance(parallel, dict):  # the run config travels along: keep it consistent
-        parallel.update({"tp": tp, "pp": pp, "dp": dp, "zero_stage": zero_stage,
-                         "virtual_stages": 1})
-        if parallel.get("nproc") is not None:
-            parallel["nproc"] = tp * pp * dp
-    return out
+        return load_weights_only(source.root / rank_file(rank))["rng"]
+    return fresh_rng(source.meta.seed, pp, dp)
 
 
 def _stage_state(source: _Source, names: Sequence[str], drop: bool) -> dict[str, Any]:
@@ -166,8 +146,8 @@ def _stage_state(source: _Source, names: Sequence[str], drop: bool) -> dict[str,
     return out
 
 
-def _write_stage(source: _Source, meta: dict[str, Any], staging: Path, stage: int,
-                 names: list[str], target: SavedLayout, drop: bool, same: bool) -> int:
+def _write_stage(source: _Source, staging: Path, stage: int, names: list[str],
+                 target: SavedLayout, drop: bool, same: bool) -> int:
     """Write every rank file of target pipeline ``stage``; returns the bytes written."""
     canonical = _stage_state(source, names, drop)
     fulls = {n: source.reader.read(n) for n in names}  # model weights, the source's dtype
@@ -178,16 +158,16 @@ def _write_stage(source: _Source, meta: dict[str, Any], staging: Path, stage: in
         shards = split_consolidated(local, target.dp, target.zero_stage)
         for dp_rank, shard in enumerate(shards):
             rank = target.rank(stage, dp_rank, tp_rank)
-            payload = {"format": RANK_FORMAT, "rank": rank, "coord": [stage, dp_rank, tp_rank],
-                       "model": weights if dp_rank == 0 else {}, "optimizer": shard,
-                       "rng": _rng(source, meta, same, rank, stage, dp_rank)}
-            path = staging / rank_file(rank)
-            with open(path, "wb") as handle:
-                torch.save(payload, handle)
-                handle.flush()
-                os.fsync(handle.fileno())
-            written += path.stat().st_size
+            written += save_rank(staging, rank, (stage, dp_rank, tp_rank),
+                                 weights if dp_rank == 0 else {}, shard,
+                                 _rng(source, same, rank, stage, dp_rank))
     return written
+
+
+def _target(src: _Source, target: PretrainTarget) -> SavedLayout:
+    zero = src.layout.zero_stage if target.zero_stage is None else target.zero_stage
+    return SavedLayout(target.tp or src.tp, target.pp or src.pp, target.dp or src.dp,
+                       zero_stage=zero, precision=src.layout.precision)
 
 
 def convert_pretrain(source: Path, destination: Path, target: PretrainTarget,
@@ -197,60 +177,47 @@ def convert_pretrain(source: Path, destination: Path, target: PretrainTarget,
     ``latest``) as a step folder ``destination`` at the ``target`` layout, atomically.
     Returns (source format, parameters, bytes written)."""
     with PretrainReader(Path(source)) as reader:
-        meta = meta_of(reader.root)
-        src = _Source(reader, meta)
-        tp, pp = target.tp or src.tp, target.pp or src.pp
-        dp = target.dp or src.dp
-        zero_stage = (int(meta["layout"].get("zero_stage", 0)) if target.zero_stage is None
-                      else target.zero_stage)
-        ranges = stage_layers(reader.config.n_layers, pp)
-        shapes = canonical_shapes(reader.config)
-        names = [n for n in shapes if n in src.styles]
-        stage_names = {s: [n for n in names if s in stages_of(n, ranges)] for s in range(pp)}
-        _check_tp(reader.config, tp)
-        same = (tp, pp, dp) == (src.tp, src.pp, src.dp)
+        src = _Source(reader)
+        new = _target(src, target)
+        ranges = stage_layers(reader.config.n_layers, new.pp)
+        names = [n for n in canonical_shapes(reader.config) if n in src.styles]
+        stage_names = {s: [n for n in names if s in stages_of(n, ranges)]
+                       for s in range(new.pp)}
+        _check_tp(reader.config, new.tp)
+        same = (new.tp, new.pp, new.dp) == (src.tp, src.pp, src.dp)
         written = 0
         try:
             with atomic_directory(Path(destination), overwrite) as staging:
                 for stage, stage_list in stage_names.items():
-                    written += _write_stage(src, meta, staging, stage, stage_list,
-                                            SavedLayout(tp, pp, dp, zero_stage=zero_stage),
+                    written += _write_stage(src, staging, stage, stage_list, new,
                                             target.drop_optimizer, same)
                     if progress is not None:
-                        progress(f"pipeline stage {stage}", stage + 1, pp)
-                new_meta = _new_meta(meta, tp, pp, dp, zero_stage, stage_names)
-                with open(staging / META, "w", encoding="utf-8") as handle:
-                    handle.write(json.dumps(new_meta, indent=1))
-                    handle.flush()
-                    os.fsync(handle.fileno())
+                        progress(f"pipeline stage {stage}", stage + 1, new.pp)
+                write_synced(staging / META, src.meta.relaid(new, stage_names).as_json())
         except OSError as err:
             raise ConvertError(f"{destination}: writing failed, nothing was written: "
                                f"{err}") from err
         return reader.format, len(names), written
 
 
-
 def describe_pretrain(source: Path, target: PretrainTarget) -> list[str]:
     """What :func:`convert_pretrain` would write (for ``--dry-run``): one line per target
     rank file with the source rank files its pipeline stage reads."""
     with PretrainReader(Path(source)) as reader:
-        meta = meta_of(reader.root)
-        src = _Source(reader, meta)
-        tp, pp, dp = target.tp or src.tp, target.pp or src.pp, target.dp or src.dp
-        zero = (int(meta["layout"].get("zero_stage", 0)) if target.zero_stage is None
-                else target.zero_stage)
+        src = _Source(reader)
+        new = _target(src, target)
+        tp, pp, dp, zero = new.tp, new.pp, new.dp, new.zero_stage
         ranges = stage_layers(reader.config.n_layers, pp)
         names = list(canonical_shapes(reader.config))
         state = "dropped (fresh AdamW)" if target.drop_optimizer else "carried"
         lines = [f"{reader.root} (pretrain {src.tp}x{src.pp}x{src.dp}, ZeRO "
-                 f"{meta['layout'].get('zero_stage', 0)}) -> pretrain {tp}x{pp}x{dp}, ZeRO "
+                 f"{src.layout.zero_stage}) -> pretrain {tp}x{pp}x{dp}, ZeRO "
                  f"{zero}, optimizer state {state} (dry run: nothing written)"]
         for stage in range(pp):
             mine = {n for n in names if stage in stages_of(n, ranges)}
             old = sorted(s for s, ns in src.stage_names.items() if mine & set(ns))
             files = [src.layout.file(s, d, t) for s in old
                      for d in range(src.dp) for t in range(src.tp)]
-            new = SavedLayout(tp, pp, dp, zero_stage=zero)
             for d in range(dp):
                 for t in range(tp):
                     lines.append(f"{new.file(stage, d, t)} (pp {stage}, dp "

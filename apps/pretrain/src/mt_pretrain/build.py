@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mt_checkpoint import rank_seed
 from mt_dist import ParallelGroups
 from mt_model import GPT, TIED_WEIGHT, init_parameter
 from mt_pipeline import PipelineStage, build_stage
@@ -50,9 +51,9 @@ class Built:
 
 
 def seed_everything(seed: int, groups: ParallelGroups) -> None:
-    """Seed torch's default generator: equal across TP ranks (replicated dropout must match),
-    different across pipeline stages and data-parallel replicas."""
-    torch.manual_seed(seed + 100 * groups.pp_rank + 10007 * groups.dp_rank)
+    """Seed torch's default generator with mt-checkpoint's rank seed: equal across TP ranks
+    (replicated dropout must match), different across pipeline stages and replicas."""
+    torch.manual_seed(rank_seed(seed, groups.pp_rank, groups.dp_rank))
 
 
 def build_model_stage(plan: RunPlan, groups: ParallelGroups, seed: int,

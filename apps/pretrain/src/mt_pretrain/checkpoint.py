@@ -9,7 +9,6 @@ Ranks write into ``.step-XXXXXXXX.tmp``, which rank 0 publishes once every rank 
 
 from __future__ import annotations
 
-import os
 import shutil
 import warnings
 from pathlib import Path
@@ -20,8 +19,8 @@ import torch.distributed as dist
 
 from mt_checkpoint import (
     DATA_ORDER,
-    RANK_FORMAT,
     CheckpointError,
+    CheckpointMeta,
     SavedLayout,
     canonical_optimizer,
     clean_stale,
@@ -30,8 +29,8 @@ from mt_checkpoint import (
     local_optimizer,
     merge_model,
     publish_step,
-    rank_file,
     read_meta,
+    save_rank,
     step_dir,
 )
 from mt_data import DataLoaderState
@@ -54,10 +53,10 @@ def _barrier(groups: ParallelGroups) -> None:
         dist.barrier()
 
 
-def all_stage_names(plan: RunPlan, full_names: list[str]) -> dict[str, list[str]]:
-    """Parameter names of every pipeline stage of ``plan`` (JSON keys are strings)."""
+def all_stage_names(plan: RunPlan, full_names: list[str]) -> dict[int, list[str]]:
+    """Parameter names of every pipeline stage of ``plan``."""
     layers = [sp.layers for sp in plan.stages.stages]
-    return {str(s): [n for n in full_names if s in parameter_stages(n, layers)]
+    return {s: [n for n in full_names if s in parameter_stages(n, layers)]
             for s in range(len(layers))}
 
 
@@ -84,21 +83,12 @@ class Checkpointer:
             tmp.mkdir()
         _barrier(groups)
         weights = opt.full_parameters()  # collective over DP; also works for ZeRO-3
-        payload: dict[str, Any] = _to_cpu({
-            "format": RANK_FORMAT,
-            "rank": groups.rank,
-            "coord": list(groups.coord),
-            "model": weights if groups.dp_rank == 0 else {},
-            "optimizer": optimizer_shard_state(opt),
-            "rng": {"torch": torch.get_rng_state(),
-                    "cuda": torch.cuda.get_rng_state() if groups.device.type == "cuda" else None,
-                    "tracker": self.built.tracker.state_dict() if self.built.tracker else {}},
-        })
-        path = tmp / rank_file(groups.rank)
-        with open(path, "wb") as f:
-            torch.save(payload, f)
-            f.flush()
-            os.fsync(f.fileno())
+        rng = {"torch": torch.get_rng_state(),
+               "cuda": torch.cuda.get_rng_state() if groups.device.type == "cuda" else None,
+               "tracker": self.built.tracker.state_dict() if self.built.tracker else {}}
+        model, shard, rng = _to_cpu((weights if groups.dp_rank == 0 else {},
+                                     optimizer_shard_state(opt), rng))
+        save_rank(tmp, groups.rank, groups.coord, model, shard, rng)
         failpoint("checkpoint.write", groups.rank)
         _barrier(groups)
         final = self.root / step_dir(step)
@@ -109,21 +99,16 @@ class Checkpointer:
         self.last_saved, self.last_step = final, step
         return final
 
-    def _meta(self, step: int, data_state: DataLoaderState) -> dict[str, Any]:
-        topo = self.plan.topology
+    def _meta(self, step: int, data_state: DataLoaderState) -> CheckpointMeta:
+        topo, parallel = self.plan.topology, self.config.parallel
         layout = SavedLayout(topo.tp, topo.pp, topo.dp, self.plan.pipeline.virtual_stages,
-                             self.config.parallel.zero_stage, self.config.parallel.precision)
-        return {
-            "step": step,
-            "data": data_state.to_dict(),
-            "data_order": DATA_ORDER,
-            "tokens": data_state.consumed_samples * self.plan.gpt.seq_len,
-            "layout": layout.to_dict(),
-            "model": self.plan.model.to_dict(),
-            "styles": self.built.styles,
-            "stage_params": all_stage_names(self.plan, list(self.built.full_shapes)),
-            "config": self.config.to_dict(),
-        }
+                             parallel.zero_stage, parallel.precision)
+        return CheckpointMeta(
+            step=step, layout=layout, model=self.plan.model.to_dict(), styles=self.built.styles,
+            stage_params=all_stage_names(self.plan, list(self.built.full_shapes)),
+            consumed_samples=data_state.consumed_samples, data_step=data_state.step,
+            tokens=data_state.consumed_samples * self.plan.gpt.seq_len,
+            config=self.config.to_dict())
 
 
 def _to_cpu(value: Any) -> Any:
@@ -137,8 +122,8 @@ def _to_cpu(value: Any) -> Any:
     return value
 
 
-def _check_model(meta: dict[str, Any], plan: RunPlan) -> None:
-    saved, mine = meta["model"], plan.model.to_dict()
+def _check_model(meta: CheckpointMeta, plan: RunPlan) -> None:
+    saved, mine = meta.model, plan.model.to_dict()
     diff = {k: (saved.get(k), mine.get(k)) for k in set(saved) | set(mine)
             if k not in _MAY_DIFFER and saved.get(k) != mine.get(k)}
     if diff:
@@ -146,11 +131,11 @@ def _check_model(meta: dict[str, Any], plan: RunPlan) -> None:
                           f"(field: (saved, configured)): {dict(sorted(diff.items()))}")
 
 
-def _optimizer_state(folder: Path, meta: dict[str, Any], plan: RunPlan, groups: ParallelGroups,
-                     names: list[str], styles: dict[str, str]) -> dict[str, Any]:
+def _optimizer_state(folder: Path, meta: CheckpointMeta, plan: RunPlan,
+                     groups: ParallelGroups, names: list[str], styles: dict[str, str]
+                     ) -> dict[str, Any]:
     """This rank's ``mt-zero-full/1`` optimizer state from a checkpoint of any layout."""
-    old = SavedLayout.from_dict(meta["layout"], str(folder / "meta.json"))
-    old_stages = {int(k): v for k, v in meta["stage_params"].items()}
+    old, old_stages = meta.layout, meta.stage_params
     if old.tp == plan.topology.tp and set(old_stages.get(groups.pp_rank, ())) == set(names):
         # Same slicing and stage: only the DP shards of this (pp, tp) need consolidating.
         shards = [load_rank(folder, r)["optimizer"]
@@ -190,8 +175,7 @@ def load(path: str | Path, config: PretrainConfig, plan: RunPlan, groups: Parall
         group["weight_decay"] = train.weight_decay if index == 0 else 0.0
         group["betas"] = (train.adam_beta1, train.adam_beta2)
         group["eps"] = train.adam_eps
-    saved = SavedLayout.from_dict(meta["layout"], str(folder / "meta.json"))
-    topo = plan.topology
+    saved, topo = meta.layout, plan.topology
     same_world = (saved.tp, saved.pp, saved.dp) == (topo.tp, topo.pp, topo.dp)
     if same_world:
         rng = load_rank(folder, groups.rank)["rng"]
@@ -205,23 +189,23 @@ def load(path: str | Path, config: PretrainConfig, plan: RunPlan, groups: Parall
         # forward draws from generators a new layout cannot take over.
         warnings.warn("resuming a compiled run at another layout: dropout RNG streams "
                       "restart", stacklevel=2)
-    consumed = int(meta["data"]["consumed_samples"])
-    if groups.rank == 0 and consumed and meta.get("data_order") != DATA_ORDER:
+    consumed = meta.consumed_samples
+    if groups.rank == 0 and consumed and meta.data_order != DATA_ORDER:
         warnings.warn(f"{folder} was written before mt's sample order stopped depending on "
                       f"the run's length: training continues after sample "
                       f"{consumed:,} of the new order, so the samples "
                       "it sees next are not those the old run would have seen", stacklevel=2)
-    return int(meta["step"]), DataLoaderState.from_dict(meta["data"])
+    return meta.step, DataLoaderState.from_dict(meta.data)
 
 
 def consolidated_model(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """(model config dict, unsharded fp32 weights) of a checkpoint, read on one process."""
     folder = find_checkpoint(path)
     meta = read_meta(folder)
-    layout = SavedLayout.from_dict(meta["layout"], str(folder / "meta.json"))
+    layout = meta.layout
     parts = {}
     for pp in range(layout.pp):
         for tp in range(layout.tp):
             parts[(pp, tp)] = load_rank(folder, layout.rank(pp, 0, tp))["model"]
-    weights = merge_model(parts, meta["styles"], meta["model"]["vocab_size"])
-    return meta["model"], weights
+    weights = merge_model(parts, dict(meta.styles), meta.model["vocab_size"])
+    return dict(meta.model), weights

@@ -97,7 +97,7 @@ def model_of(config: PretrainConfig) -> tuple[GPTConfig, int]:
     if load and CHECKPOINT_HAS_MODEL[config.parallel.engine] and not fresh_start(
             load, config.checkpoint.save_dir):
         folder = find_checkpoint(load)
-        saved = GPTConfig.from_dict(read_meta(folder)["model"])
+        saved = GPTConfig.from_dict(read_meta(folder).model)
         return config.model.on_checkpoint(saved, str(folder))
     gpt = config.model.gpt_config()
     return gpt, gpt.seq_len

@@ -1,8 +1,11 @@
 """mt-checkpoint: the on-disk format of mt training checkpoints and resharding between layouts.
 
-- :mod:`mt_checkpoint.format`: names (``latest``, ``step-XXXXXXXX``, ``rank-XXXXX.pt``,
-  ``meta.json``), finding the step to load (falling back to the newest complete one),
-  weights-only rank files, the atomic publish protocol.
+- :mod:`mt_checkpoint.names`: versions and names (``latest``, ``step-XXXXXXXX``,
+  ``rank-XXXXX.pt``, ``meta.json``), the rank seed.
+- :class:`CheckpointMeta`: ``meta.json`` as a typed, frozen dataclass (read, written,
+  moved to another layout).
+- :mod:`mt_checkpoint.format`: finding the step to load (falling back to the newest complete
+  one), writing and weights-only reading of rank files, the atomic publish protocol.
 - :class:`SavedLayout`: the layout a checkpoint was written at; which rank file holds which
   (stage, replica, TP slice), in mt-dist's rank order.
 - :mod:`mt_checkpoint.reshard`: optimizer state and weights merged to full shape and cut
@@ -14,25 +17,30 @@ them with it. Neither knows a file name or the rank formula.
 """
 
 from mt_checkpoint.format import (
+    clean_stale,
+    find_checkpoint,
+    fresh_rng,
+    fresh_start,
+    fsync_dir,
+    has_checkpoints,
+    load_rank,
+    publish_step,
+    save_rank,
+    write_synced,
+)
+from mt_checkpoint.layout import SavedLayout
+from mt_checkpoint.meta import CheckpointMeta, read_meta
+from mt_checkpoint.names import (
     DATA_ORDER,
     FORMAT,
     LATEST,
     META,
     RANK_FORMAT,
     CheckpointError,
-    clean_stale,
-    find_checkpoint,
-    fresh_start,
-    fsync_dir,
-    has_checkpoints,
-    load_rank,
-    publish_step,
     rank_file,
-    read_meta,
+    rank_seed,
     step_dir,
-    write_synced,
 )
-from mt_checkpoint.layout import SavedLayout
 from mt_checkpoint.reshard import canonical_optimizer, cut, local_optimizer, merge_model
 
 __version__ = "0.1.0"
@@ -44,12 +52,14 @@ __all__ = [
     "META",
     "RANK_FORMAT",
     "CheckpointError",
+    "CheckpointMeta",
     "SavedLayout",
     "__version__",
     "canonical_optimizer",
     "clean_stale",
     "cut",
     "find_checkpoint",
+    "fresh_rng",
     "fresh_start",
     "fsync_dir",
     "has_checkpoints",
@@ -58,7 +68,9 @@ __all__ = [
     "merge_model",
     "publish_step",
     "rank_file",
+    "rank_seed",
     "read_meta",
+    "save_rank",
     "step_dir",
     "write_synced",
 ]

@@ -14,7 +14,6 @@ from one process (mt pretrain's ``--load``, mt convert). Layout of a checkpoint 
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import warnings
@@ -24,31 +23,19 @@ from typing import Any
 
 import torch
 
-__all__ = ["DATA_ORDER", "FORMAT", "LATEST", "META", "RANK_FORMAT", "CheckpointError",
-           "clean_stale", "find_checkpoint", "fresh_start", "fsync_dir", "has_checkpoints",
-           "load_rank", "publish_step", "rank_file", "read_meta", "step_dir", "write_synced"]
+from mt_checkpoint.meta import CheckpointMeta, read_meta
+from mt_checkpoint.names import (
+    LATEST,
+    META,
+    RANK_FORMAT,
+    CheckpointError,
+    rank_file,
+    rank_seed,
+    step_dir,
+)
 
-FORMAT = "mt-pretrain/1"
-RANK_FORMAT = "mt-pretrain-rank/1"
-LATEST = "latest"
-META = "meta.json"
-#: The sample order of mt-data's GPTDataset a checkpoint's data position counts in: 2 is the
-#: order that does not depend on the run's length. Checkpoints without the key used order 1.
-DATA_ORDER = 2
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete or does not fit the model."""
-
-
-def rank_file(rank: int) -> str:
-    """File name of ``rank``'s shard."""
-    return f"rank-{rank:05d}.pt"
-
-
-def step_dir(step: int) -> str:
-    """Folder name of the checkpoint of ``step``."""
-    return f"step-{step:08d}"
+__all__ = ["clean_stale", "find_checkpoint", "fresh_rng", "fresh_start", "fsync_dir",
+           "has_checkpoints", "load_rank", "publish_step", "save_rank", "write_synced"]
 
 
 def fsync_dir(path: Path) -> None:
@@ -80,8 +67,7 @@ def _problem(folder: Path) -> str | None:
         meta = read_meta(folder)
     except CheckpointError as err:
         return str(err)
-    world = int(meta.get("layout", {}).get("world_size", 0))
-    files = [folder / rank_file(r) for r in range(world)]
+    files = [folder / rank_file(r) for r in range(meta.layout.world_size)]
     absent = [f.name for f in files if not f.is_file() or not f.stat().st_size]
     if absent:
         return f"missing or empty: {', '.join(absent[:3])}" + (" ..." if len(absent) > 3 else "")
@@ -143,25 +129,6 @@ def fresh_start(load: str | None, save_dir: Path | None) -> bool:
             and not has_checkpoints(path))
 
 
-def read_meta(folder: Path) -> dict[str, Any]:
-    """The parsed ``meta.json`` of a step folder (one-line errors for a damaged one)."""
-    path = folder / META
-    try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: missing") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"{path}: damaged ({err})") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
-        raise CheckpointError(f"{path}: format {found!r}, expected {FORMAT!r}")
-    missing = [k for k in ("step", "data", "layout", "model", "styles", "stage_params")
-               if k not in meta]
-    if missing:
-        raise CheckpointError(f"{path}: damaged (no {', '.join(missing)})")
-    return meta
-
-
 def load_rank(folder: Path, rank: int) -> dict[str, Any]:
     """Rank ``rank``'s file of a step folder, read weights-only (tensors and plain containers,
     never arbitrary objects); one-line errors for a missing, empty or damaged file."""
@@ -182,13 +149,39 @@ def load_rank(folder: Path, rank: int) -> dict[str, Any]:
     return data
 
 
+def save_rank(folder: Path, rank: int, coord: tuple[int, int, int], model: dict[str, Any],
+              optimizer: dict[str, Any], rng: dict[str, Any]) -> int:
+    """Write rank ``rank``'s file into ``folder`` durably; returns its size in bytes.
+
+    ``coord``: its (pp, dp, tp) place; ``model``: its weights (empty off DP replica 0);
+    ``optimizer``: its ZeRO shard (``mt_zero.optimizer_shard_state``); ``rng``: ``torch``,
+    ``cuda`` (or None) and ``tracker`` (tensor-parallel streams, or empty) states.
+    """
+    payload = {"format": RANK_FORMAT, "rank": rank, "coord": list(coord), "model": model,
+               "optimizer": optimizer, "rng": rng}
+    path = folder / rank_file(rank)
+    with open(path, "wb") as f:
+        torch.save(payload, f)
+        f.flush()
+        os.fsync(f.fileno())
+    return path.stat().st_size
+
+
+def fresh_rng(seed: int, pp_rank: int, dp_rank: int) -> dict[str, Any]:
+    """The RNG entry of a rank file for a rank that starts its streams anew (a checkpoint
+    written at another layout, or converted from weights): the default generator seeded by
+    :func:`rank_seed`, no CUDA state, no tensor-parallel tracker state."""
+    state = torch.Generator().manual_seed(rank_seed(seed, pp_rank, dp_rank)).get_state()
+    return {"torch": state, "cuda": None, "tracker": {}}
+
+
 def clean_stale(root: Path) -> None:
     """Remove what a killed save left behind (never loaded: names start with a dot)."""
     for stale in [*root.glob(".step-*.tmp"), *root.glob(".step-*.replaced")]:
         shutil.rmtree(stale, ignore_errors=True)
 
 
-def publish_step(root: Path, tmp: Path, meta: dict[str, Any], keep_last: int,
+def publish_step(root: Path, tmp: Path, meta: CheckpointMeta, keep_last: int,
                  phase: Callable[[str], None] | None = None) -> Path:
     """Publish the step written into ``tmp`` (every rank file complete) as
     ``root/step-XXXXXXXX`` and make ``latest`` name it; returns the folder.
@@ -205,9 +198,8 @@ def publish_step(root: Path, tmp: Path, meta: dict[str, Any], keep_last: int,
         if phase is not None:
             phase(name)
 
-    final = root / step_dir(int(meta["step"]))
-    meta = {"format": FORMAT, **meta}
-    write_synced(tmp / META, json.dumps(meta, indent=1))
+    final = root / step_dir(meta.step)
+    write_synced(tmp / META, meta.as_json())
     fsync_dir(tmp)
     passed("meta")
     replaced = root / f".{final.name}.replaced"

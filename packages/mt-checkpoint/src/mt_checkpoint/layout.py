@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from mt_checkpoint.format import CheckpointError, rank_file
+from mt_checkpoint.names import CheckpointError, rank_file
 from mt_dist import Topology
 
 __all__ = ["SavedLayout"]

@@ -14,15 +14,17 @@ Optimizer state tensors shaped like the piece (Adam's moments) are sharded; anyt
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from mt_zero.optimizer import ZeroOptimizer
+from mt_zero.param_groups import decays
 from mt_zero.partition import partition
 
-__all__ = ["consolidate", "load_consolidated", "optimizer_shard_state", "split_consolidated"]
+__all__ = ["consolidate", "initial_state", "load_consolidated", "optimizer_shard_state",
+           "split_consolidated"]
 
 SHARD_FORMAT = "mt-zero-shard/1"
 FULL_FORMAT = "mt-zero-full/1"
@@ -111,6 +113,28 @@ def consolidate(shards: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "state": {n: {"sharded": {k: t.view(shapes[n]) for k, t in sharded[n].items()},
                       "replicated": replicated[n]} for n in shapes},
         "scaler": shards[0]["scaler"],
+    }
+
+
+def initial_state(weights: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """The consolidated state (:func:`consolidate`'s form) of a torch AdamW over ``weights``
+    that has not stepped yet: fp32 masters, no moments, matrices in parameter group 0 (weight
+    decay) and the rest in group 1 (:func:`~mt_zero.decays`). A run that loads it sets its
+    own learning rate, weight decay, betas and eps; converters write it so that training
+    starts from given weights."""
+    dummy = [torch.zeros(1), torch.zeros(1)]
+    adamw = torch.optim.AdamW([{"params": [dummy[0]], "weight_decay": 0.1},
+                               {"params": [dummy[1]], "weight_decay": 0.0}], lr=0.0)
+    master = {n: t.detach().to(torch.float32).clone() for n, t in weights.items()}
+    return {
+        "format": FULL_FORMAT,
+        "shapes": {n: tuple(t.shape) for n, t in master.items()},
+        "param_groups": [{k: v for k, v in group.items() if k != "params"}
+                         for group in adamw.state_dict()["param_groups"]],
+        "group_of": {n: 0 if decays(t) else 1 for n, t in master.items()},
+        "master": master,
+        "state": {n: {"sharded": {}, "replicated": {}} for n in master},
+        "scaler": None,
     }
 
 

@@ -5,9 +5,16 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import torch
 from torch import nn
 
-__all__ = ["decay_param_groups", "split_decay"]
+__all__ = ["decay_param_groups", "decays", "split_decay"]
+
+
+def decays(param: torch.Tensor) -> bool:
+    """Whether a parameter gets weight decay (as in GPT-2 / Megatron / MT-NLG training):
+    matrices (linear weights, embeddings) do; biases and LayerNorm weights do not."""
+    return param.dim() >= 2
 
 
 def split_decay(
@@ -15,15 +22,13 @@ def split_decay(
 ) -> tuple[list[str], list[str]]:
     """Names of parameters that get weight decay and of those that do not.
 
-    The rule (as in GPT-2 / Megatron / MT-NLG training): tensors with fewer than two
-    dimensions (biases, LayerNorm weights and biases) are not decayed; matrices
-    (linear weights, embeddings) are. Parameters that do not require gradients are left out.
+    The rule is :func:`decays`. Parameters that do not require gradients are left out.
     """
     decay, no_decay = [], []
     for name, param in named_params:
         if not param.requires_grad:
             continue
-        (decay if param.dim() >= 2 else no_decay).append(name)
+        (decay if decays(param) else no_decay).append(name)
     return decay, no_decay
 
 
