@@ -46,7 +46,7 @@ from torch import nn
 from mt_convert.hf_config import hf_config_from_gpt, hf_name
 from mt_model import GPT, GPTConfig, model_flops_per_token_training, preset
 from mt_pipeline import PipelineConfig, build_stage, plan_pipeline
-from mt_pretrain.mfu import measure_peak_flops
+from mt_plan.mfu import measure_peak_flops
 from mt_zero import ZeroConfig, ZeroOptimizer, decay_param_groups
 
 LR, BETAS, EPS, WEIGHT_DECAY, CLIP = 3e-3, (0.9, 0.95), 1e-8, 0.1, 1.0

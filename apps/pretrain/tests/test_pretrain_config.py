@@ -13,7 +13,7 @@ from mt_pretrain.config import SECTIONS, ConfigError, PretrainConfig
 from mt_pretrain.config_io import field_docs, flat_fields, load_config, replace_config
 from mt_pretrain.main import dry_run
 from mt_pretrain.plan import memory_estimate, resolve
-from mt_pretrain.schedule import LRSchedule
+from mt_zero import LRSchedule
 
 
 def test_defaults_are_one_process_and_the_demo_is_3d() -> None:

@@ -12,11 +12,11 @@ import torch
 from rich.console import Console
 
 from mt_model import model_flops_per_token_training, preset
+from mt_plan.mfu import measure_peak_flops, model_flops_utilization
 from mt_pretrain.config import ConfigError
 from mt_pretrain.config_io import load_config
 from mt_pretrain.launch import launch
 from mt_pretrain.metrics import read_metrics
-from mt_pretrain.mfu import measure_peak_flops, model_flops_utilization
 from mt_pretrain.progress import Reporter
 
 

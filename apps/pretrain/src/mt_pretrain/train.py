@@ -21,12 +21,12 @@ import torch.distributed as dist
 from mt_data import DPDataLoader
 from mt_dist import ParallelGroups
 from mt_model import model_flops_per_token_training
+from mt_plan.mfu import measure_peak_flops, model_flops_utilization
 from mt_pretrain.config import PretrainConfig
 from mt_pretrain.engine import Engine
 from mt_pretrain.evaluate import evaluate
-from mt_pretrain.mfu import measure_peak_flops, model_flops_utilization
 from mt_pretrain.plan import RunPlan, activation_shape
-from mt_pretrain.schedule import LRSchedule
+from mt_zero import LRSchedule
 from mt_zero.precision import compute_dtype
 
 __all__ = ["NonFiniteLossError", "StepStats", "Trainer"]

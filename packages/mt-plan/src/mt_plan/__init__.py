@@ -9,6 +9,8 @@
   calibrated efficiency (:data:`EFFICIENCY`, fitted to MT-NLG 530B's published times).
 - :data:`GPUS`, :class:`GPUSpec`, :func:`load_gpu`: the hardware descriptions (data sheets, or
   YAML with measured costs).
+- :func:`measure_peak_flops`, :func:`model_flops_utilization`: a run's MFU against a given
+  or probed peak (what ``mt pretrain`` reports beside the plan's prediction).
 
 Bucket sizes, vocabulary padding and the stage split come from the packages that own them
 (mt-zero, mt-tensor-parallel, mt-pipeline). ``mt plan`` and ``mt pretrain --dry-run`` are thin
@@ -27,6 +29,7 @@ from mt_plan.estimate import (
 )
 from mt_plan.gpus import GPUS, GPUSpec, GPUSpecError, load_gpu
 from mt_plan.layout import RECOMPUTE, LayoutError, ParallelLayout, enumerate_layouts, stage_layers
+from mt_plan.mfu import measure_peak_flops, model_flops_utilization
 
 __version__ = "0.1.0"
 
@@ -46,6 +49,8 @@ __all__ = [
     "enumerate_layouts",
     "estimate",
     "load_gpu",
+    "measure_peak_flops",
+    "model_flops_utilization",
     "stage_layers",
     "stage_memory",
     "zero_bytes",

@@ -1,4 +1,5 @@
-"""mt-zero: data parallelism with ZeRO stages 0-3, mixed precision, loss scaling, clipping.
+"""mt-zero: data parallelism with ZeRO stages 0-3, mixed precision, loss scaling, clipping,
+and the learning-rate schedule (warmup, cosine decay in tokens).
 
 Imports only torch and mt_dist; process groups are passed in explicitly.
 """
@@ -12,6 +13,7 @@ from mt_zero.checkpoint import (
 )
 from mt_zero.clip import clip_coefficient, clip_grad_norm_, counts_once, global_norm
 from mt_zero.grad_sync import GradSync
+from mt_zero.lr_schedule import LRSchedule
 from mt_zero.memory import paper_bytes
 from mt_zero.optimizer import MemoryReport, StepResult, ZeroConfig, ZeroOptimizer
 from mt_zero.param_groups import decay_param_groups, decays, split_decay
@@ -21,6 +23,7 @@ from mt_zero.stage3 import assign_units, default_units
 
 __all__ = [
     "GradSync",
+    "LRSchedule",
     "LossScaler",
     "LossScalerConfig",
     "MemoryReport",
