@@ -63,8 +63,8 @@ from mt_model import GPT, GPTConfig, count_parameters
 from mt_plan.estimate import BUCKET_NUMEL, estimate
 from mt_plan.gpus import GPUSpec
 from mt_plan.layout import ParallelLayout
-from mt_pretrain.config_io import load_config
-from mt_pretrain.plan import plan_layout, resolve
+from mt_pretrain.config.load import load_config
+from mt_pretrain.config.resolve import plan_layout, resolve
 from mt_zero import ZeroConfig, ZeroOptimizer
 
 # Runs a command and prints the largest RSS (KiB) of any of its descendants (the ranks).

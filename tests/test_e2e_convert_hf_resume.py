@@ -23,11 +23,11 @@ from typer.testing import CliRunner
 from mt_convert import load_state_dict
 from mt_convert.cli import app
 from mt_data import DataLoaderState
-from mt_pretrain.config import ConfigError
-from mt_pretrain.config_io import load_config
-from mt_pretrain.data import ensure_data, make_loaders, to_batch
+from mt_pretrain.config.load import load_config
+from mt_pretrain.config.resolve import resolve
+from mt_pretrain.config.schema import ConfigError
 from mt_pretrain.launch import launch
-from mt_pretrain.plan import resolve
+from mt_pretrain.run.data import ensure_data, make_loaders, to_batch
 
 transformers = pytest.importorskip("transformers")
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from mt_pretrain.config_io import load_config
+from mt_pretrain.config.load import load_config
 from mt_pretrain.launch import launch
 
 

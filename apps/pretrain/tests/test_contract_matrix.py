@@ -1,7 +1,7 @@
 """The correctness contract in CI: the pairwise cover of the layout matrix, each case trained
 for 10 steps against the run it must equal (one process in the same precision; with dropout
 the run at the same TP degree), comparing every step's loss, gradient norm and learning rate,
-the validation loss and every final parameter (see mt_pretrain.contract for the metrics and
+the validation loss and every final parameter (see mt_pretrain.contract.runner for the metrics and
 the tolerances). The full matrix is `mt matrix --set full` (README: its table).
 
 Also the matrix itself (pure): at least 60 layouts, every pair of feature values that can
@@ -15,14 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from mt_pretrain.contract import FLOORS, FP32, MatrixRunner, noise_floor
-from mt_pretrain.matrix import (
+from mt_pretrain.contract.matrix import (
     Case,
     candidates,
     full_matrix,
     matrix_layout,
     pairwise_cover,
 )
+from mt_pretrain.contract.runner import FLOORS, FP32, MatrixRunner, noise_floor
 
 STEPS = 10
 CI = pairwise_cover()

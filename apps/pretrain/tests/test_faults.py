@@ -4,7 +4,7 @@ Each test asserts the exact outcome: resumable from the last complete step (and 
 same losses as a run that was never interrupted), or one clear error line and its exit
 status, with nothing left half-written where a later run would read it.
 
-Kills use the failpoints of mt_pretrain.failpoints (MT_FAILPOINT=<point>@<rank>): the rank
+Kills use the failpoints of mt_pretrain.run.failpoints (MT_FAILPOINT=<point>@<rank>): the rank
 SIGKILLs itself there, exactly like a crash; the --nproc parent reports it and stops.
 """
 
@@ -23,10 +23,10 @@ import pytest
 from conftest import run_pretrain
 
 from mt_checkpoint import CheckpointError
-from mt_pretrain.config import ConfigError
-from mt_pretrain.failpoints import POINTS
+from mt_pretrain.config.schema import ConfigError
 from mt_pretrain.launch import LaunchFailed
-from mt_pretrain.metrics import read_metrics
+from mt_pretrain.run.failpoints import POINTS
+from mt_pretrain.run.metrics import read_metrics
 
 COMMON: dict[str, Any] = {
     "model": "tiny", "seq_len": 32, "dropout": 0.1, "micro_batch_size": 2,

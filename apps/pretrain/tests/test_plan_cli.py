@@ -6,7 +6,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from mt_plan.estimate import EFFICIENCY
-from mt_pretrain.cli import app
+from mt_pretrain.cli.app import app
 
 RUNNER = CliRunner()
 KEYS = {"iteration_time_s", "tflops_per_gpu", "memory_per_gpu_gb", "bubble_fraction", "fits",

@@ -5,8 +5,8 @@ import dataclasses
 import pytest
 
 from mt_plan.estimate import estimate
-from mt_pretrain.config_io import load_config
-from mt_pretrain.plan import memory_estimate, plan_layout, resolve, runtime_spec
+from mt_pretrain.config.load import load_config
+from mt_pretrain.config.resolve import memory_estimate, plan_layout, resolve, runtime_spec
 
 CASES = [
     {"tp": 2, "pp": 2, "dp": 2},  # the default 3D demo

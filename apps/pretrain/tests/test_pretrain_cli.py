@@ -2,7 +2,7 @@
 
 from typer.testing import CliRunner
 
-from mt_pretrain.cli import DISTRIBUTIONS, app, package_versions
+from mt_pretrain.cli.app import DISTRIBUTIONS, app, package_versions
 
 
 def test_version_lists_every_package() -> None:

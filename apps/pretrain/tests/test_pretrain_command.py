@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from mt_pretrain.metrics import read_metrics
+from mt_pretrain.run.metrics import read_metrics
 
 SMALL = ["--seq-len", "32", "--global-batch-size", "8", "--micro-batch-size", "2",
          "--timeout", "120", "--no-progress"]

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from mt_pretrain.cli import app
-from mt_pretrain.config import SECTIONS, ConfigError, PretrainConfig
-from mt_pretrain.config_io import field_docs, flat_fields, load_config, replace_config
-from mt_pretrain.main import dry_run
-from mt_pretrain.plan import memory_estimate, resolve
+from mt_pretrain.cli.app import app
+from mt_pretrain.cli.pretrain import dry_run
+from mt_pretrain.config.load import field_docs, flat_fields, load_config, replace_config
+from mt_pretrain.config.resolve import memory_estimate, resolve
+from mt_pretrain.config.schema import SECTIONS, ConfigError, PretrainConfig
 from mt_zero import LRSchedule
 
 

@@ -27,8 +27,8 @@ from typing import Any
 import pytest
 from conftest import run_pretrain
 
-from mt_pretrain.config import ConfigError
-from mt_pretrain.config_io import load_config
+from mt_pretrain.config.load import load_config
+from mt_pretrain.config.schema import ConfigError
 
 STEPS = 10
 COMMON: dict[str, Any] = {

@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from mt_pretrain.config_io import load_config
+from mt_pretrain.config.load import load_config
 from mt_pretrain.launch import launch
-from mt_pretrain.metrics import read_metrics
+from mt_pretrain.run.metrics import read_metrics
 
 STEPS = 20
 COMMON: dict[str, Any] = {

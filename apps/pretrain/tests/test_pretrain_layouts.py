@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import run_pretrain
 
-from mt_pretrain.train import NonFiniteLossError
+from mt_pretrain.run.train import NonFiniteLossError
 
 COMMON: dict[str, Any] = {
     "model": "tiny", "seq_len": 32, "dropout": 0.0, "micro_batch_size": 2,

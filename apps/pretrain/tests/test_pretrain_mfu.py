@@ -13,11 +13,11 @@ from rich.console import Console
 
 from mt_model import model_flops_per_token_training, preset
 from mt_plan.mfu import measure_peak_flops, model_flops_utilization
-from mt_pretrain.config import ConfigError
-from mt_pretrain.config_io import load_config
+from mt_pretrain.config.load import load_config
+from mt_pretrain.config.schema import ConfigError
 from mt_pretrain.launch import launch
-from mt_pretrain.metrics import read_metrics
-from mt_pretrain.progress import Reporter
+from mt_pretrain.run.metrics import read_metrics
+from mt_pretrain.run.progress import Reporter
 
 
 def test_measure_peak_flops_is_a_plausible_cpu_rate() -> None:

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 from conftest import run_pretrain
 
-from mt_pretrain.checkpoint import consolidated_model
-from mt_pretrain.metrics import read_metrics
+from mt_pretrain.run.checkpoint import consolidated_model
+from mt_pretrain.run.metrics import read_metrics
 
 STEPS, HALF = 12, 6
 COMMON: dict[str, Any] = {

@@ -47,9 +47,7 @@ ZERO_DIR = "zero"
 FP32_FILE = "fp32.pt"
 LATEST_UNIVERSAL = "latest_universal"
 MODEL_STATES = "mp_rank_*_model_states.pt"
-OPTIMIZER_KEYS = ("exp_avg", "exp_avg_sq")
 _PREFIX = "module."
-_SIZES = ("n_layers", "hidden", "ffn_hidden", "vocab_size", "seq_len")
 _CONVERT_HINT = ("convert it first: python -m deepspeed.checkpoint.ds_to_universal "
                  "--input_folder {src} --output_folder OUT --inject_missing_state")
 

@@ -25,23 +25,13 @@ from mt_convert.safetensors_io import SafetensorsReader, SafetensorsWriter
 from mt_convert.tensors import TensorSpec, check_names
 from mt_model import GPTConfig
 
-__all__ = ["HFReader", "HFWriter", "is_hf_checkpoint"]
+__all__ = ["HFReader", "HFWriter"]
 
 PREFIX = "transformer."
 SAFETENSORS = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 TORCH_BIN = "pytorch_model.bin"
 HEAD = "lm_head.weight"
-
-
-def is_hf_checkpoint(root: Path) -> bool:
-    """Whether ``root/config.json`` looks like a Hugging Face model config."""
-    path = Path(root) / "config.json"
-    try:
-        data = read_json(path)
-    except ConvertError:
-        return False
-    return "model_type" in data
 
 
 class _TorchFile:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from mt_checkpoint import FORMAT, LATEST, META, CheckpointError, read_meta
+from mt_checkpoint import LATEST, META, CheckpointError, read_meta
 from mt_convert.errors import ConvertError
 from mt_convert.layout import CheckpointReader, TensorRef, canonical_shapes, follow_pointer
 from mt_convert.tensors import TensorSpec
@@ -22,10 +22,7 @@ from mt_convert.torch_io import load_weights_only
 from mt_model import GPTConfig
 from mt_tensor_parallel import GPT_PLAN, merge_shards, param_styles
 
-__all__ = ["PRETRAIN_FORMAT", "PretrainReader", "is_pretrain_checkpoint", "step_folder"]
-
-PRETRAIN_FORMAT = FORMAT
-
+__all__ = ["PretrainReader", "is_pretrain_checkpoint", "step_folder"]
 
 def is_pretrain_checkpoint(path: Path) -> bool:
     """Whether ``path`` is an mt pretrain step folder or a folder with a ``latest`` file."""

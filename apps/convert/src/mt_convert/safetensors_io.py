@@ -333,10 +333,6 @@ class SafetensorsReader:
         view = self._file.get_slice(key)
         return TensorSpec(tuple(view.get_shape()), dtype_from_name(view.get_dtype()))
 
-    def has_checksum(self, key: str) -> bool:
-        """Whether a digest is known for ``key``."""
-        return key in self._embedded or key in self._expected
-
     def get(self, key: str, verify: bool = True) -> torch.Tensor:
         """Load ``key`` (a CPU tensor) and verify its checksums (unless ``verify`` is
         false: then the caller must call :meth:`verify`)."""

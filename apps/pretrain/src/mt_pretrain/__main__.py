@@ -1,6 +1,6 @@
 """``python -m mt_pretrain ...``: same as the ``mt`` command."""
 
-from mt_pretrain.cli import main
+from mt_pretrain.cli.app import main
 
 if __name__ == "__main__":
     main()

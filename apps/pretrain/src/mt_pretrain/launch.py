@@ -20,13 +20,13 @@ import torch
 
 from mt_dist import LaunchInfo, discover, free_port
 from mt_dist.supervisor import LocalRanks, Outcome
-from mt_pretrain.checkpoint import CheckpointError
-from mt_pretrain.config import ConfigError, PretrainConfig
-from mt_pretrain.data import check_vocab, default_cache_dir, ensure_data
-from mt_pretrain.plan import resolve, sharding_styles
-from mt_pretrain.run import RunSummary, run_rank
-from mt_pretrain.run_folder import claim_run_folder
-from mt_pretrain.train import NonFiniteLossError
+from mt_pretrain.config.resolve import resolve, sharding_styles
+from mt_pretrain.config.schema import ConfigError, PretrainConfig
+from mt_pretrain.run.checkpoint import CheckpointError
+from mt_pretrain.run.data import check_vocab, default_cache_dir, ensure_data
+from mt_pretrain.run.folder import claim_run_folder
+from mt_pretrain.run.rank import RunSummary, run_rank
+from mt_pretrain.run.train import NonFiniteLossError
 
 __all__ = ["Interrupted", "LaunchFailed", "launch", "spawn"]
 

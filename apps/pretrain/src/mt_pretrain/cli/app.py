@@ -16,11 +16,11 @@ from typing import Annotated, Any
 import typer
 
 from mt_data.cli import app as data_app
-from mt_pretrain.matrix_cmd import _HELP as _MATRIX_HELP
-from mt_pretrain.matrix_cmd import matrix
-from mt_pretrain.options import with_config_options
-from mt_pretrain.plan_cmd import _HELP as _PLAN_HELP
-from mt_pretrain.plan_cmd import plan
+from mt_pretrain.cli.matrix import _HELP as _MATRIX_HELP
+from mt_pretrain.cli.matrix import matrix
+from mt_pretrain.cli.options import with_config_options
+from mt_pretrain.cli.plan import _HELP as _PLAN_HELP
+from mt_pretrain.cli.plan import plan
 
 #: Every distribution of the mt monorepo, with its import name.
 DISTRIBUTIONS: dict[str, str] = {
@@ -86,7 +86,7 @@ def root(
 
 def _pretrain(config_path: Path | None, overrides: dict[str, Any]) -> None:
     """Pretrain a GPT with tensor, pipeline and data parallelism (ZeRO)."""
-    from mt_pretrain.main import pretrain_main
+    from mt_pretrain.cli.pretrain import pretrain_main
 
     raise typer.Exit(pretrain_main(config_path, overrides))
 
@@ -120,7 +120,7 @@ def plot(
     log_y: Annotated[bool, typer.Option("--log-y", help="Logarithmic vertical axis.")] = False,
 ) -> None:
     """Draw a metric (default: the loss curve) of one or more runs to a PNG."""
-    from mt_pretrain.plot import plot_metrics
+    from mt_pretrain.cli.plot import plot_metrics
 
     try:
         path = plot_metrics(metrics, output, key=key, x=x, log_y=log_y)

@@ -17,12 +17,12 @@ from torch import nn
 from mt_data import DataLoaderState
 from mt_dist import ParallelGroups
 from mt_pipeline import PipelineExecutor, StageComm
-from mt_pretrain.build import Built, build_model_stage, make_optimizer, seed_everything
-from mt_pretrain.checkpoint import Checkpointer, load
-from mt_pretrain.config import PretrainConfig
-from mt_pretrain.data import to_batch
-from mt_pretrain.engine import Engine, Saver
-from mt_pretrain.plan import RunPlan, activation_shape
+from mt_pretrain.config.resolve import RunPlan, activation_shape
+from mt_pretrain.config.schema import PretrainConfig
+from mt_pretrain.engines.base import Engine, Saver
+from mt_pretrain.engines.build import Built, build_model_stage, make_optimizer, seed_everything
+from mt_pretrain.run.checkpoint import Checkpointer, load
+from mt_pretrain.run.data import to_batch
 from mt_zero import StepResult, ZeroOptimizer
 from mt_zero.precision import compute_dtype
 

@@ -1,7 +1,7 @@
 """The correctness contract, checked: train a matrix case and its reference, compare them.
 
-For each case of :mod:`mt_pretrain.matrix` the runner trains the case and (once per distinct
-reference) the run it must equal, both through :func:`mt_pretrain.launch.launch` exactly as
+For each case of :mod:`mt_pretrain.contract.matrix` the runner trains the case and (once per
+distinct reference) the run it must equal, both through :func:`mt_pretrain.launch.launch` exactly as
 the CLI does, and compares per step the loss, the gradient norm before clipping and the
 learning rate, the validation loss at the end, and every parameter gathered to full shape.
 
@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from mt_model import gradient_free_slices
-from mt_pretrain.matrix import COMMON, Case
+from mt_pretrain.contract.matrix import COMMON, Case
 
 __all__ = ["FLOORS", "FP32", "Diff", "MatrixRunner", "Outcome", "Tolerance", "Trace", "compare",
            "noise_floor", "run_case", "run_matrix", "tolerance_for"]
@@ -136,7 +136,7 @@ def _config_options(case: Case, steps: int, out: Path, cache: Path,
 def run_case(case: Case, steps: int, out: Path, cache: Path,
              micro_batch_size: int | None = None) -> Trace:
     """Train ``case`` for ``steps`` steps (as `mt pretrain` would) and keep its trace."""
-    from mt_pretrain.config_io import load_config
+    from mt_pretrain.config.load import load_config
     from mt_pretrain.launch import launch
 
     config = load_config(None, _config_options(case, steps, out, cache, micro_batch_size))
@@ -203,7 +203,7 @@ def compare(run: Trace, ref: Trace, skip: dict[str, slice] | None = None) -> Dif
 
 
 def _skip() -> dict[str, slice]:
-    from mt_pretrain.config_io import load_config
+    from mt_pretrain.config.load import load_config
 
     return gradient_free_slices(load_config(None, COMMON).model.gpt_config())
 
@@ -268,7 +268,7 @@ def noise_floor(precision: str, steps: int, micro_batch_sizes: Iterable[int] = (
     global batch grouped into larger micro-batches: mathematically the same step, summed in
     another order. Returns the differences per grouping (``"mb2"``...) and, under
     ``"fp32-gap"``, the distance to the fp32 run (what the tolerance must stay below)."""
-    from mt_pretrain.matrix import matrix_layout
+    from mt_pretrain.contract.matrix import matrix_layout
 
     with tempfile.TemporaryDirectory(prefix="mt-floor-") as tmp:
         root = Path(work) if work is not None else Path(tmp)

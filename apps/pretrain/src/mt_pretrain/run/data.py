@@ -22,8 +22,8 @@ from mt_data import (
     load_tokenizer,
     prepare_demo,
 )
-from mt_pretrain.config import ConfigError, PretrainConfig
-from mt_pretrain.plan import RunPlan
+from mt_pretrain.config.resolve import RunPlan
+from mt_pretrain.config.schema import ConfigError, PretrainConfig
 
 __all__ = ["check_vocab", "default_cache_dir", "default_tokenizer", "ensure_data", "make_loaders",
            "tokenizer_for"]

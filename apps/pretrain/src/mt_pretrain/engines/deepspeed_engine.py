@@ -7,10 +7,11 @@ Layouts:
   built from mt's groups (:class:`mt_zero.deepspeed_mpu.GroupsMpu`); per micro-batch
   ``engine.backward`` + ``engine.step``, the optimizer stepping on the last of
   ``gradient_accumulation_steps`` (fixed: no batch-size ramp-up with this engine).
-- pp > 1: mt's stage inside DeepSpeed's ``PipelineModule`` (:mod:`mt_pretrain.deepspeed_pipe`)
-  and ``PipelineEngine.train_batch`` per global batch (DeepSpeed's own 1F1B schedule, ZeRO 1).
+- pp > 1: mt's stage inside DeepSpeed's ``PipelineModule``
+  (:mod:`mt_pretrain.engines.deepspeed_pipe`) and ``PipelineEngine.train_batch`` per global
+  batch (DeepSpeed's own 1F1B schedule, ZeRO 1).
 
-:class:`DeepSpeedEngine` is the :class:`~mt_pretrain.engine.Engine` of both.
+:class:`DeepSpeedEngine` is the :class:`~mt_pretrain.engines.base.Engine` of both.
 
 Checkpoints: DeepSpeed's ``save_checkpoint`` / ``load_checkpoint`` (model, ZeRO optimizer
 shards, its ``latest`` file) plus, per rank, mt's data-loader position and RNG states in
@@ -32,12 +33,12 @@ from torch import nn
 
 from mt_data import DataLoaderState
 from mt_dist import ParallelGroups
-from mt_pretrain.build import Built, build_model_stage, seed_everything
-from mt_pretrain.config import PretrainConfig
-from mt_pretrain.data import default_cache_dir, to_batch
-from mt_pretrain.deepspeed_pipe import build_pipeline_module, micro_batches
-from mt_pretrain.engine import Engine, Saver
-from mt_pretrain.plan import RunPlan, sharding_styles
+from mt_pretrain.config.resolve import RunPlan, sharding_styles
+from mt_pretrain.config.schema import PretrainConfig
+from mt_pretrain.engines.base import Engine, Saver
+from mt_pretrain.engines.build import Built, build_model_stage, seed_everything
+from mt_pretrain.engines.deepspeed_pipe import build_pipeline_module, micro_batches
+from mt_pretrain.run.data import default_cache_dir, to_batch
 from mt_zero import StepResult, ZeroConfig, decay_param_groups
 from mt_zero.deepspeed_engine import deepspeed_config, deepspeed_environ, initialize_deepspeed
 from mt_zero.deepspeed_mpu import GroupsMpu

@@ -138,8 +138,8 @@ def _grids() -> Iterator[tuple[int, int, int]]:
 def valid(case: Case) -> bool:
     """Whether `mt pretrain` accepts the case (its own config checks decide) and the case
     differs from its reference."""
-    from mt_pretrain.config import ConfigError
-    from mt_pretrain.config_io import load_config
+    from mt_pretrain.config.load import load_config
+    from mt_pretrain.config.schema import ConfigError
 
     if case == case.reference():
         return False

@@ -14,15 +14,15 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from mt_pretrain.config import SECTIONS, ConfigError, PretrainConfig
-from mt_pretrain.engine_support import unsupported
-from mt_pretrain.plan import resolve
+from mt_pretrain.config.resolve import resolve
+from mt_pretrain.config.schema import SECTIONS, ConfigError, PretrainConfig
+from mt_pretrain.engines.support import unsupported
 
 __all__ = ["SHIPPED", "build_config", "field_docs", "flat_fields", "load_config",
            "replace_config"]
 
 #: Configs shipped with mt pretrain, usable by name: ``--config demo-3d``.
-SHIPPED = Path(__file__).parent / "configs"
+SHIPPED = Path(__file__).parent.parent / "configs"
 
 
 @cache

@@ -24,7 +24,7 @@ _HELP = (
 
 
 def _cases(which: str, only: list[str]) -> list:
-    from mt_pretrain.matrix import candidates, full_matrix, pairwise_cover
+    from mt_pretrain.contract.matrix import candidates, full_matrix, pairwise_cover
 
     sets = {"ci": pairwise_cover, "full": full_matrix, "all": candidates}
     if which not in sets:
@@ -57,7 +57,7 @@ def markdown_table(outcomes: list) -> str:
 
 
 def _floor(steps: int, console: Console) -> None:
-    from mt_pretrain.contract import noise_floor
+    from mt_pretrain.contract.runner import noise_floor
 
     for precision in ("bf16", "fp16"):
         for name, d in noise_floor(precision, steps).items():
@@ -81,7 +81,7 @@ def matrix(
         help="Keep the runs' folders here (default: a temporary folder).")] = None,
 ) -> None:
     """Train layouts against the run they must equal; print the differences."""
-    from mt_pretrain.contract import run_matrix
+    from mt_pretrain.contract.runner import run_matrix
 
     console = Console(soft_wrap=True)
     if not console.is_terminal:

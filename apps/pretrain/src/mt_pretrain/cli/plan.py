@@ -68,8 +68,8 @@ def _model(name: str | None, config: Path | None) -> Any:
 
         data = yaml.safe_load(config.read_text(encoding="utf-8"))
         if isinstance(data, dict) and "model" in data:  # an `mt pretrain` YAML
-            from mt_pretrain.config import ConfigError
-            from mt_pretrain.config_io import load_config
+            from mt_pretrain.config.load import load_config
+            from mt_pretrain.config.schema import ConfigError
             try:
                 return load_config(config).model.gpt_config()
             except ConfigError as err:

@@ -12,8 +12,8 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
-from mt_pretrain.config import SECTIONS, ConfigError, PretrainConfig
-from mt_pretrain.config_io import SHIPPED, load_config
+from mt_pretrain.config.load import SHIPPED, load_config
+from mt_pretrain.config.schema import SECTIONS, ConfigError, PretrainConfig
 
 __all__ = ["DEMO_CONFIG", "dry_run", "pretrain_main"]
 
@@ -32,7 +32,7 @@ def _error(console: Console, text: str) -> None:
 def dry_run(config: PretrainConfig, environ: Mapping[str, str]) -> str:
     """The plan of ``config`` at the world size of the launcher (or --nproc) as text."""
     from mt_dist import discover
-    from mt_pretrain.plan import describe, resolve
+    from mt_pretrain.config.resolve import describe, resolve
 
     info = discover(environ, use_mpi4py=False)
     world = info.world_size if info.launcher != "single" else config.world_size_hint()
@@ -61,7 +61,7 @@ def pretrain_main(config_path: Path | None, overrides: dict[str, Any],
             Console(soft_wrap=True).print(dry_run(config, environ), highlight=False)
             return 0
         from mt_pretrain.launch import Interrupted, LaunchFailed, launch
-        from mt_pretrain.train import NonFiniteLossError
+        from mt_pretrain.run.train import NonFiniteLossError
     except (ConfigError, LaunchError, CheckpointError) as err:
         _error(console, str(err))
         return 2

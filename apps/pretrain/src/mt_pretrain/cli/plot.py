@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from mt_pretrain.metrics import read_metrics
+from mt_pretrain.run.metrics import read_metrics
 
 __all__ = ["plot_metrics"]
 

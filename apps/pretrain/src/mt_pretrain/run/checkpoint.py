@@ -36,10 +36,10 @@ from mt_checkpoint import (
 from mt_data import DataLoaderState
 from mt_dist import ParallelGroups
 from mt_model import parameter_stages
-from mt_pretrain.build import Built
-from mt_pretrain.config import ConfigError, PretrainConfig
-from mt_pretrain.failpoints import failpoint
-from mt_pretrain.plan import RunPlan
+from mt_pretrain.config.resolve import RunPlan
+from mt_pretrain.config.schema import ConfigError, PretrainConfig
+from mt_pretrain.engines.build import Built
+from mt_pretrain.run.failpoints import failpoint
 from mt_zero import ZeroOptimizer, consolidate, load_consolidated, optimizer_shard_state
 
 __all__ = ["CheckpointError", "Checkpointer", "consolidated_model", "find_checkpoint", "load"]

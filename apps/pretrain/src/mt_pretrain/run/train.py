@@ -1,5 +1,5 @@
 """The training loop: LR warmup + cosine, batch-size ramp-up, the engine's forward, backward
-and step (:mod:`mt_pretrain.engine`), NaN detection, metrics, eval, checkpoints, early exits
+and step (:mod:`mt_pretrain.engines.base`), NaN detection, metrics, eval, checkpoints, early exits
 and a clean stop on SIGTERM / SIGINT. It knows no engine by name.
 
 Every rank runs the same loop; all decisions that change control flow (non-finite loss,
@@ -22,10 +22,10 @@ from mt_data import DPDataLoader
 from mt_dist import ParallelGroups
 from mt_model import model_flops_per_token_training
 from mt_plan.mfu import measure_peak_flops, model_flops_utilization
-from mt_pretrain.config import PretrainConfig
-from mt_pretrain.engine import Engine
-from mt_pretrain.evaluate import evaluate
-from mt_pretrain.plan import RunPlan, activation_shape
+from mt_pretrain.config.resolve import RunPlan, activation_shape
+from mt_pretrain.config.schema import PretrainConfig
+from mt_pretrain.engines.base import Engine
+from mt_pretrain.run.evaluate import evaluate
 from mt_zero import LRSchedule
 from mt_zero.precision import compute_dtype
 

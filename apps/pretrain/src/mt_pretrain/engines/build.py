@@ -17,8 +17,8 @@ from mt_checkpoint import rank_seed
 from mt_dist import ParallelGroups
 from mt_model import GPT, TIED_WEIGHT, init_parameter
 from mt_pipeline import PipelineStage, build_stage
-from mt_pretrain.config import PretrainConfig
-from mt_pretrain.plan import RunPlan, sharding_styles
+from mt_pretrain.config.resolve import RunPlan, sharding_styles
+from mt_pretrain.config.schema import PretrainConfig
 from mt_tensor_parallel import (
     GPT_PLAN,
     KeyedRNG,

@@ -28,16 +28,21 @@ from mt_dist import (
     local_device,
 )
 from mt_model import count_parameters
-from mt_pretrain.config import ConfigError, PretrainConfig
-from mt_pretrain.data import ensure_data, make_loaders, tokenizer_for
-from mt_pretrain.engine import Engine
-from mt_pretrain.metrics import MetricsWriter
-from mt_pretrain.mt_engine import MTEngine
-from mt_pretrain.plan import RunPlan, resolve
-from mt_pretrain.progress import Reporter
-from mt_pretrain.run_folder import claim_run_folder
-from mt_pretrain.sample import MAX_SAMPLE_PARAMETERS, gather_model, gather_weights, greedy_generate
-from mt_pretrain.train import StepStats, Trainer, stats_dict
+from mt_pretrain.config.resolve import RunPlan, resolve
+from mt_pretrain.config.schema import ConfigError, PretrainConfig
+from mt_pretrain.engines.base import Engine
+from mt_pretrain.engines.mt import MTEngine
+from mt_pretrain.run.data import ensure_data, make_loaders, tokenizer_for
+from mt_pretrain.run.folder import claim_run_folder
+from mt_pretrain.run.metrics import MetricsWriter
+from mt_pretrain.run.progress import Reporter
+from mt_pretrain.run.sample import (
+    MAX_SAMPLE_PARAMETERS,
+    gather_model,
+    gather_weights,
+    greedy_generate,
+)
+from mt_pretrain.run.train import StepStats, Trainer, stats_dict
 
 __all__ = ["RunSummary", "make_engine", "run_rank"]
 
@@ -213,7 +218,7 @@ def make_engine(config: PretrainConfig, plan: RunPlan, groups: ParallelGroups,
     """The engine ``--engine`` names, built for this rank: the one place that chooses."""
     if config.parallel.engine == "deepspeed":
         # Optional dependency; DeepSpeed reads its environment at import (set inside).
-        from mt_pretrain.deepspeed_run import DeepSpeedEngine
+        from mt_pretrain.engines.deepspeed_engine import DeepSpeedEngine
 
         return DeepSpeedEngine.create(config, plan, groups, device)
     return MTEngine.create(config, plan, groups, device)

@@ -1,14 +1,15 @@
 """The training engine interface: what the trainer asks of whatever runs the model.
 
-An engine is chosen once per run (``--engine``; :func:`mt_pretrain.run.make_engine`) and
+An engine is chosen once per run (``--engine``; :func:`mt_pretrain.run.rank.make_engine`) and
 owns this rank's model stage, its optimizer and everything that depends on how the model is
 run: a step's forward and backward passes (pipeline schedule or gradient accumulation), the
 optimizer step, the parameters in evaluation, the full weights, checkpoints. The trainer and
 the run loop only call these methods; they know no engine by name. What an engine does not
-support is refused at config time by :mod:`mt_pretrain.engine_support`.
+support is refused at config time by :mod:`mt_pretrain.engines.support`.
 
-Implementations: :class:`mt_pretrain.mt_engine.MTEngine` (mt-pipeline + mt-zero) and
-:class:`mt_pretrain.deepspeed_run.DeepSpeedEngine` (DeepSpeed's engines around mt's model).
+Implementations: :class:`mt_pretrain.engines.mt.MTEngine` (mt-pipeline + mt-zero) and
+:class:`mt_pretrain.engines.deepspeed_engine.DeepSpeedEngine` (DeepSpeed's engines around
+mt's model).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import numpy as np
 import torch
 
 from mt_data import DataLoaderState
-from mt_pretrain.build import Built
+from mt_pretrain.engines.build import Built
 from mt_zero import StepResult
 
 __all__ = ["Engine", "Saver"]

@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 
 from mt_checkpoint import LATEST, has_checkpoints
-from mt_pretrain.config import ConfigError, PretrainConfig
+from mt_pretrain.config.schema import ConfigError, PretrainConfig
 
 __all__ = ["claim_run_folder"]
 

@@ -1,7 +1,7 @@
 """The resolved plan of a run (pure: no processes): layout, batches, steps, memory estimate.
 
-:func:`resolve` turns a :class:`~mt_pretrain.config.PretrainConfig` and a world size into a
-:class:`RunPlan`, raising :class:`~mt_pretrain.config.ConfigError` with the numbers when
+:func:`resolve` turns a :class:`~mt_pretrain.config.schema.PretrainConfig` and a world size into a
+:class:`RunPlan`, raising :class:`~mt_pretrain.config.schema.ConfigError` with the numbers when
 the layout cannot work. Every rank calls it; ``--dry-run`` prints :func:`describe` of it.
 """
 
@@ -18,8 +18,13 @@ from mt_pipeline import PartitionError, PipelineConfig, PipelinePlan, ScheduleEr
 from mt_plan.estimate import peak_in_flight, stage_memory
 from mt_plan.gpus import GPUSpec
 from mt_plan.layout import ParallelLayout
-from mt_pretrain.config import DEFAULT_MODEL, DEFAULT_TRAIN_STEPS, ConfigError, PretrainConfig
-from mt_pretrain.engine_support import CHECKPOINT_HAS_MODEL, unsupported
+from mt_pretrain.config.schema import (
+    DEFAULT_MODEL,
+    DEFAULT_TRAIN_STEPS,
+    ConfigError,
+    PretrainConfig,
+)
+from mt_pretrain.engines.support import CHECKPOINT_HAS_MODEL, unsupported
 from mt_tensor_parallel import check_divisibility, param_styles
 
 __all__ = ["RunPlan", "activation_shape", "describe", "memory_estimate", "model_of",
@@ -52,18 +57,6 @@ class RunPlan:
     train_samples: int
     model: GPTConfig
 
-    @property
-    def tokens_per_sample(self) -> int:
-        """Tokens per training sequence (the model's sequence length)."""
-        return self.gpt.seq_len
-
-    def pipeline_for(self, global_batch: int, micro_batch: int) -> PipelineConfig:
-        """The pipeline config for a (ramped-up) global batch size."""
-        m = global_batch // (micro_batch * self.topology.dp)
-        p = self.pipeline
-        return PipelineConfig(p.schedule, m, p.virtual_stages, p.activation_checkpointing,
-                              p.compile)
-
 
 def _batch_schedule(config: PretrainConfig, rampup: tuple[int, int, int] | None) -> Any:
     from mt_data import BatchSchedule
@@ -92,7 +85,7 @@ def _steps_and_samples(config: PretrainConfig, rampup: tuple[int, int, int] | No
 
 def model_of(config: PretrainConfig) -> tuple[GPTConfig, int]:
     """(the model to build, the training sequence length): from the flags, or with --load
-    from the checkpoint (see :meth:`~mt_pretrain.config.ModelArgs.on_checkpoint`)."""
+    from the checkpoint (see :meth:`~mt_pretrain.config.schema.ModelArgs.on_checkpoint`)."""
     load = config.checkpoint.load
     if load and CHECKPOINT_HAS_MODEL[config.parallel.engine] and not fresh_start(
             load, config.checkpoint.save_dir):

@@ -12,8 +12,8 @@ from typing import Any, Optional
 
 import typer
 
-from mt_pretrain.config import SECTIONS
-from mt_pretrain.config_io import field_docs, flat_fields
+from mt_pretrain.config.load import field_docs, flat_fields
+from mt_pretrain.config.schema import SECTIONS
 
 __all__ = ["CONFIG_OPTION", "with_config_options"]
 

@@ -1,13 +1,13 @@
 """What each training engine does not support, checked when a run is resolved (pure).
 
 Each engine names the options it refuses, each with a message saying what to use instead;
-:func:`unsupported` is what :func:`mt_pretrain.plan.resolve` asks. Also the engines' traits
-the resolver needs before anything is built.
+:func:`unsupported` is what :func:`mt_pretrain.config.resolve.resolve` asks. Also the
+engines' traits the resolver needs before anything is built.
 """
 
 from __future__ import annotations
 
-from mt_pretrain.config import PretrainConfig
+from mt_pretrain.config.schema import PretrainConfig
 
 __all__ = ["CHECKPOINT_HAS_MODEL", "deepspeed_unsupported", "unsupported"]
 

@@ -6,8 +6,8 @@ YAML file may use sections (``parallel: {tp: 2}``) or flat keys (``tp: 2``).
 
 Checks that need only the config run in ``__post_init__``; checks that need the world size
 (data-parallel degree, batch divisibility, pipeline split) run in
-:func:`mt_pretrain.plan.resolve`, an explicit step (``load_config`` takes it when the flags
-fix the world size; the dry run and every rank take it). The config is pure data: nothing
+:func:`mt_pretrain.config.resolve.resolve`, an explicit step (``load_config`` takes it when
+the flags fix the world size; the dry run and every rank take it). The config is pure data: nothing
 here reads a file or imports the resolver. Every error names the numbers involved.
 """
 
