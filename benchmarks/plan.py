@@ -64,7 +64,7 @@ from mt_plan.estimate import BUCKET_NUMEL, estimate
 from mt_plan.gpus import GPUSpec
 from mt_plan.layout import ParallelLayout
 from mt_pretrain.config.load import load_config
-from mt_pretrain.config.resolve import plan_layout, resolve
+from mt_pretrain.config.resolve import resolve
 from mt_zero import ZeroConfig, ZeroOptimizer
 
 # Runs a command and prints the largest RSS (KiB) of any of its descendants (the ranks).
@@ -443,7 +443,7 @@ def _layout(overrides: dict[str, Any]) -> tuple[Any, ParallelLayout]:
     config = load_config(None, overrides)
     par = config.parallel
     plan = resolve(config, par.tp * par.pp * (par.dp or 1))
-    return plan.gpt, plan_layout(config, plan)
+    return plan.gpt, plan.layout
 
 
 def _pct(pred: float, meas: float) -> str:

@@ -83,8 +83,9 @@ def test_hf_gpt2_defaults_continue_pretraining(converted: tuple[Path, Any]) -> N
     assert len(one.losses) == STEPS
 
     # The run's first global batch, from its own (fresh) data loader: GPT-2 BPE ids.
-    loader, _ = make_loaders(one_config, plan, ensure_data(one_config, plan, root / "cache"),
-                             0, DataLoaderState())
+    paths = ensure_data(one_config.data, plan.gpt.vocab_size, root / "cache")
+    loader, _ = make_loaders(one_config.data, one_config.train, plan, paths, 0,
+                             DataLoaderState())
     batch = to_batch(loader.next())
     with torch.no_grad():
         logits = hf(batch[:, :-1]).logits

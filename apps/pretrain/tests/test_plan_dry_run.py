@@ -6,7 +6,7 @@ import pytest
 
 from mt_plan.estimate import estimate
 from mt_pretrain.config.load import load_config
-from mt_pretrain.config.resolve import memory_estimate, plan_layout, resolve, runtime_spec
+from mt_pretrain.config.resolve import memory_estimate, resolve, runtime_spec
 
 CASES = [
     {"tp": 2, "pp": 2, "dp": 2},  # the default 3D demo
@@ -22,8 +22,8 @@ CASES = [
 def test_dry_run_memory_equals_plan_estimate(overrides: dict) -> None:
     config = load_config(None, {**overrides, "device": "cpu"})
     plan = resolve(config, _world(overrides))
-    layout, gpu = plan_layout(config, plan), runtime_spec("cpu")
-    stages = [memory_estimate(config, plan, s) for s in range(plan.topology.pp)]
+    layout, gpu = plan.layout, runtime_spec("cpu")
+    stages = [memory_estimate(plan, s, gpu) for s in range(plan.topology.pp)]
     fullest = max(stages, key=lambda parts: parts["total"])
     est = estimate(plan.gpt, layout, dataclasses.replace(gpu, memory_bytes=1e12), 0.5)
     assert fullest["total"] == pytest.approx(est.memory_per_gpu_gb * 1e9, rel=1e-12)
@@ -31,7 +31,7 @@ def test_dry_run_memory_equals_plan_estimate(overrides: dict) -> None:
                                                    rel=1e-12, abs=1e-3)
     assert fullest["params"] == est.parameters_per_gpu
     # gloo (CPU) stages an all-gather's output; NCCL does not: never more memory on CUDA.
-    cuda = max(memory_estimate(config, plan, s, runtime_spec("cuda"))["total"]
+    cuda = max(memory_estimate(plan, s, runtime_spec("cuda"))["total"]
                for s in range(plan.topology.pp))
     assert cuda <= fullest["total"]
 

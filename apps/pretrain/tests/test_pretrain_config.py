@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from mt_pretrain.cli.app import app
 from mt_pretrain.cli.pretrain import dry_run
 from mt_pretrain.config.load import field_docs, flat_fields, load_config, replace_config
-from mt_pretrain.config.resolve import memory_estimate, resolve
+from mt_pretrain.config.resolve import memory_estimate, resolve, runtime_spec
 from mt_pretrain.config.schema import SECTIONS, ConfigError, PretrainConfig
 from mt_zero import LRSchedule
 
@@ -131,7 +131,7 @@ def test_dry_run_of_mt_nlg_530b_on_2240_ranks() -> None:
     assert "529,6" in text  # ~529.6B parameters
     plan = resolve(config, 2240)
     assert plan.stages.stages[0].chunks == ((0, 3),)
-    mem = memory_estimate(config, plan, 1)
+    mem = memory_estimate(plan, 1, runtime_spec(config.parallel.device))
     # 3 layers x 20480^2 x 12 / 8 = 1.89e9 parameters per rank of a middle stage.
     assert mem["params"] == pytest.approx(1.888e9, rel=1e-3)
     assert 10 * 2**30 < mem["total"] < 80 * 2**30

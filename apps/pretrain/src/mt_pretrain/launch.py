@@ -61,8 +61,9 @@ def launch(config: PretrainConfig, environ: Mapping[str, str] | None = None,
         return run_rank(config, info, cache, keep_weights)
     nproc = config.world_size_hint()
     plan = resolve(config, nproc)  # fail before starting anything
-    claim_run_folder(config)
-    check_vocab(plan, ensure_data(config, plan, cache))  # once, here, not racing per rank
+    claim_run_folder(config.checkpoint)
+    # Once, here, not racing per rank.
+    check_vocab(plan, ensure_data(config.data, plan.gpt.vocab_size, cache))
     # Building a meta GPT imports torch's Python reference ops (seconds); do it once before
     # forking so that every rank inherits them.
     sharding_styles(plan.model)

@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from mt_pretrain.config.resolve import resolve
-from mt_pretrain.config.schema import SECTIONS, ConfigError, PretrainConfig
+from mt_pretrain.config.schema import SECTIONS, ConfigError, DataArgs, PretrainConfig
 from mt_pretrain.engines.support import unsupported
 
-__all__ = ["SHIPPED", "build_config", "field_docs", "flat_fields", "load_config",
-           "replace_config"]
+__all__ = ["SHIPPED", "blend_text", "build_config", "dataset_paths", "field_docs",
+           "flat_fields", "load_config", "replace_config"]
 
 #: Configs shipped with mt pretrain, usable by name: ``--config demo-3d``.
 SHIPPED = Path(__file__).parent.parent / "configs"
@@ -122,6 +122,10 @@ def build_config(nested: Mapping[str, Any], flat: Mapping[str, Any],
     except TypeError as err:
         raise ConfigError(str(err)) from None
     config = PretrainConfig(**sections)
+    missing = [str(p) for p in dataset_paths(config.data) if not p.is_dir()]
+    if missing:
+        raise ConfigError(f"invalid configuration: data path(s) not found: {missing} (prepare "
+                          "them with `mt data prepare`, or omit --data for the embedded corpus)")
     if config.parallel.nproc is not None or config.parallel.dp is not None:
         resolve(config, config.world_size_hint())  # the flags fix the world size: check now
     elif unsupported(config):  # resolve checks this too; without a world size, here
@@ -165,3 +169,26 @@ def load_config(path: str | Path | None = None,
                               f"{type(loaded).__name__}")
         nested = loaded
     return build_config(nested, dict(overrides or {}), str(path) if path else None)
+
+
+def blend_text(data: DataArgs) -> str:
+    """``--data`` as one line: the text of a blend file, or the flag itself."""
+    assert data.data is not None
+    path = Path(data.data)
+    return " ".join((path.read_text(encoding="utf-8") if path.is_file() else data.data).split())
+
+
+def dataset_paths(data: DataArgs) -> list[Path]:
+    """The dataset folders ``--data`` names (none for the embedded corpus)."""
+    if data.data is None:
+        return []
+    words = blend_text(data).split()
+    return [Path(w) for w in words if len(words) == 1 or not _is_number(w)]
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True

@@ -17,7 +17,7 @@ from mt_model import GPTConfig, count_parameters, model_flops_per_token_training
 from mt_pipeline import PartitionError, PipelineConfig, PipelinePlan, ScheduleError, plan_pipeline
 from mt_plan.estimate import peak_in_flight, stage_memory
 from mt_plan.gpus import GPUSpec
-from mt_plan.layout import ParallelLayout
+from mt_plan.layout import LayoutError, ParallelLayout
 from mt_pretrain.config.schema import (
     DEFAULT_MODEL,
     DEFAULT_TRAIN_STEPS,
@@ -27,8 +27,8 @@ from mt_pretrain.config.schema import (
 from mt_pretrain.engines.support import CHECKPOINT_HAS_MODEL, unsupported
 from mt_tensor_parallel import check_divisibility, param_styles
 
-__all__ = ["RunPlan", "activation_shape", "describe", "memory_estimate", "model_of",
-           "plan_layout", "resolve", "runtime_spec"]
+__all__ = ["RunPlan", "activation_shape", "describe", "memory_estimate", "model_of", "resolve",
+           "runtime_spec"]
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,8 @@ class RunPlan:
         model: the model as built and saved: the same as ``gpt`` but for ``seq_len``, the
             rows of its position table, which a run resumed from a checkpoint may use only
             in part.
+        layout: the run as mt-plan describes a layout (degrees, batch sizes, ZeRO stage,
+            schedule, sequence parallelism, recomputation, precision).
     """
 
     topology: Topology
@@ -56,6 +58,7 @@ class RunPlan:
     train_steps: int
     train_samples: int
     model: GPTConfig
+    layout: ParallelLayout
 
 
 def _batch_schedule(config: PretrainConfig, rampup: tuple[int, int, int] | None) -> Any:
@@ -161,24 +164,22 @@ def resolve(config: PretrainConfig, world_size: int) -> RunPlan:
     except (PartitionError, ScheduleError) as err:
         raise ConfigError(f"invalid pipeline: {err}") from None
     steps, samples = _steps_and_samples(config, rampup, gpt.seq_len)
-    return RunPlan(topology, gpt, pipeline, stages, rampup, steps, samples, model)
+    try:
+        layout = ParallelLayout(topology.tp, topology.pp, topology.dp, train.global_batch_size,
+                                micro, par.zero_stage, schedule, v, par.sequence_parallel,
+                                "full" if par.activation_checkpointing else "none",
+                                par.precision)
+    except LayoutError as err:
+        raise ConfigError(str(err)) from None
+    return RunPlan(topology, gpt, pipeline, stages, rampup, steps, samples, model, layout)
 
 
-def activation_shape(config: PretrainConfig, plan: RunPlan) -> tuple[int, int, int]:
+def activation_shape(plan: RunPlan) -> tuple[int, int, int]:
     """Shape of one micro-batch's activation between stages: [micro, seq (/tp with SP), h]."""
     seq = plan.gpt.seq_len
-    if config.parallel.sequence_parallel:
+    if plan.layout.sequence_parallel:
         seq //= plan.topology.tp
-    return (config.train.micro_batch_size, seq, plan.gpt.hidden)
-
-
-def plan_layout(config: PretrainConfig, plan: RunPlan) -> ParallelLayout:
-    """The :class:`~mt_plan.layout.Layout` (``mt plan``'s description) of this run."""
-    par, topo, pipe = config.parallel, plan.topology, plan.pipeline
-    return ParallelLayout(topo.tp, topo.pp, topo.dp, config.train.global_batch_size,
-                  config.train.micro_batch_size, par.zero_stage, pipe.schedule,
-                  pipe.virtual_stages, par.sequence_parallel,
-                  "full" if par.activation_checkpointing else "none", par.precision)
+    return (plan.layout.micro_batch, seq, plan.gpt.hidden)
 
 
 def runtime_spec(device: str) -> GPUSpec:
@@ -196,18 +197,16 @@ def runtime_spec(device: str) -> GPUSpec:
                    gather_scratch=1.0 if device == "cpu" else 0.0, fused_attention=True)
 
 
-def memory_estimate(config: PretrainConfig, plan: RunPlan, stage: int,
-                    gpu: GPUSpec | None = None) -> dict[str, float]:
+def memory_estimate(plan: RunPlan, stage: int, gpu: GPUSpec) -> dict[str, float]:
     """Bytes per rank of pipeline ``stage``: ``weights``, ``grads``, ``optimizer``,
     ``activations``, ``temporaries``, ``total`` (and ``params``).
 
     The very estimator ``mt plan`` uses (:func:`mt_plan.estimate.stage_memory`: ZeRO
     sharding, Korthikanti activations times the chunk forwards the schedule keeps alive, the
-    largest short-lived phase), applied to this run's stages on ``gpu`` (default: the
-    run's own device, :func:`runtime_spec`).
+    largest short-lived phase), applied to this run's stages on ``gpu`` (the run's own
+    device: :func:`runtime_spec`).
     """
-    layout = plan_layout(config, plan)
-    gpu = gpu if gpu is not None else runtime_spec(config.parallel.device)
+    layout = plan.layout
     layers = plan.stages.stages[stage].num_layers
     return stage_memory(plan.gpt, layout, gpu, stage, layers, peak_in_flight(layout)[stage])
 
@@ -252,7 +251,7 @@ def describe(config: PretrainConfig, plan: RunPlan, max_ranks: int = 32) -> str:
     lines.append("stages")
     for sp in plan.stages.stages:
         ends = ("embedding " if sp.has_embedding else "") + ("head+loss" if sp.has_head else "")
-        mem = memory_estimate(config, plan, sp.stage)
+        mem = memory_estimate(plan, sp.stage, runtime_spec(par.device))
         chunks = ", ".join(f"[{a}, {b})" for a, b in sp.chunks)
         lines.append(
             f"  stage {sp.stage}: layers {chunks} {ends.strip()}; {int(mem['params']):,} "

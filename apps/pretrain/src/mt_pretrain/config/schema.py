@@ -352,33 +352,6 @@ class DataArgs:
             raise ConfigError(f"--split must be three weights like '969,30,1', got "
                               f"{self.split!r}")
 
-    def paths(self) -> list[str]:
-        """Dataset folders named by --data (empty for the embedded corpus)."""
-        if self.data is None:
-            return []
-        spec = self.data
-        if Path(spec).is_file():
-            spec = Path(spec).read_text(encoding="utf-8")
-        words = spec.split()
-        if len(words) == 1:
-            return words
-        return [w for w in words if not _is_number(w)]
-
-    def blend(self) -> str:
-        """The blend text for mt_data.build_blended."""
-        assert self.data is not None
-        spec = Path(self.data).read_text(encoding="utf-8") if Path(self.data).is_file() else \
-            self.data
-        return " ".join(spec.split())
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
-
 
 @dataclass(frozen=True)
 class CheckpointArgs:
@@ -463,14 +436,8 @@ class PretrainConfig:
 
     def __post_init__(self) -> None:
         self.model.gpt_config()  # raises ConfigError for a bad shape
-        problems: list[str] = []
         if self.train.eval_interval and self.train.eval_iters == 0:
-            problems.append("--eval-interval needs --eval-iters >= 1")
-        missing = [p for p in self.data.paths() if not Path(p).is_dir()]
-        if missing:
-            problems.append(f"data path(s) not found: {missing} (prepare them with "
-                            "`mt data prepare`, or omit --data for the embedded corpus)")
-        _raise(problems, "configuration")
+            _raise(["--eval-interval needs --eval-iters >= 1"], "configuration")
 
     def world_size_hint(self) -> int:
         """World size implied by the config alone (a launcher may say otherwise)."""

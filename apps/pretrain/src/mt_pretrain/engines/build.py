@@ -17,8 +17,9 @@ from mt_checkpoint import rank_seed
 from mt_dist import ParallelGroups
 from mt_model import GPT, TIED_WEIGHT, init_parameter
 from mt_pipeline import PipelineStage, build_stage
+from mt_plan.layout import ParallelLayout
 from mt_pretrain.config.resolve import RunPlan, sharding_styles
-from mt_pretrain.config.schema import PretrainConfig
+from mt_pretrain.config.schema import TrainArgs
 from mt_tensor_parallel import (
     GPT_PLAN,
     KeyedRNG,
@@ -93,10 +94,10 @@ def build_model_stage(plan: RunPlan, groups: ParallelGroups, seed: int,
     return Built(stage, tracker, full_shapes, styles)
 
 
-def make_optimizer(config: PretrainConfig, stage: PipelineStage, groups: ParallelGroups,
-                   styles: dict[str, str]) -> ZeroOptimizer:
-    """AdamW inside the ZeRO wrapper; norms count each parameter once over TP x PP x DP."""
-    train = config.train
+def make_optimizer(train: TrainArgs, layout: ParallelLayout, stage: PipelineStage,
+                   groups: ParallelGroups, styles: dict[str, str]) -> ZeroOptimizer:
+    """AdamW (``train``'s hyperparameters) inside the ZeRO wrapper (``layout``'s stage and
+    precision); norms count each parameter once over TP x PP x DP."""
 
     def factory(param_groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
         # fused: one vectorised kernel per tensor (on this CPU 10x the default loop's speed).
@@ -114,11 +115,11 @@ def make_optimizer(config: PretrainConfig, stage: PipelineStage, groups: Paralle
                           pp_duplicate=pp_duplicate)
     # ZeRO-3 gathers per unit: the stage (embedding, head, norms) and each block.
     units = [stage, *stage.get_submodule(stage.layout.layers).values()] \
-        if config.parallel.zero_stage == 3 else None
+        if layout.zero_stage == 3 else None
     return ZeroOptimizer(
         stage, factory, dp_group=groups.dp, units=units,
-        config=ZeroConfig(stage=config.parallel.zero_stage,
-                          precision=config.parallel.precision, clip_grad=train.clip_grad),
+        config=ZeroConfig(stage=layout.zero_stage, precision=layout.precision,
+                          clip_grad=train.clip_grad),
         param_groups=decay_param_groups(stage.named_parameters(), train.weight_decay),
         norm_groups=[groups.tp, groups.pp],
         count_in_norm=counted,

@@ -55,7 +55,7 @@ class MTEngine(Engine):
         super().__init__(built)
         self.optimizer, self.config, self.plan, self.groups = optimizer, config, plan, groups
         self.dtype = compute_dtype(config.parallel.precision)
-        self.shape = activation_shape(config, plan)
+        self.shape = activation_shape(plan)
         self._executors: dict[int, PipelineExecutor] = {}
         stage = built.stage
         # fp16 through the pipeline executor: the loss module itself applies the loss scale
@@ -81,8 +81,8 @@ class MTEngine(Engine):
                                   config.parallel.sequence_parallel, device,
                                   keyed_dropout=dropout and not config.parallel.compile)
         built.stage.train()
-        return cls(built, make_optimizer(config, built.stage, groups, built.styles), config,
-                   plan, groups)
+        optimizer = make_optimizer(config.train, plan.layout, built.stage, groups, built.styles)
+        return cls(built, optimizer, config, plan, groups)
 
     @property
     def skips_nonfinite(self) -> bool:
@@ -111,7 +111,7 @@ class MTEngine(Engine):
                             self.optimizer)
 
     def load(self, path: str | Path) -> tuple[int, DataLoaderState]:
-        return load(path, self.config, self.plan, self.groups, self.built, self.optimizer)
+        return load(path, self.config.train, self.plan, self.groups, self.built, self.optimizer)
 
     # ------------------------------------------------------------------------ internals
     def _accumulate_loss(self, micro: Sequence[np.ndarray], keys: list[int] | None) -> float:

@@ -37,7 +37,7 @@ from mt_data import DataLoaderState
 from mt_dist import ParallelGroups
 from mt_model import parameter_stages
 from mt_pretrain.config.resolve import RunPlan
-from mt_pretrain.config.schema import ConfigError, PretrainConfig
+from mt_pretrain.config.schema import ConfigError, PretrainConfig, TrainArgs
 from mt_pretrain.engines.build import Built
 from mt_pretrain.run.failpoints import failpoint
 from mt_zero import ZeroOptimizer, consolidate, load_consolidated, optimizer_shard_state
@@ -157,12 +157,12 @@ def _optimizer_state(folder: Path, meta: CheckpointMeta, plan: RunPlan,
     return local_optimizer(merged, names, styles, groups.tp_rank, plan.topology.tp)
 
 
-def load(path: str | Path, config: PretrainConfig, plan: RunPlan, groups: ParallelGroups,
+def load(path: str | Path, train: TrainArgs, plan: RunPlan, groups: ParallelGroups,
          built: Built, optimizer: ZeroOptimizer) -> tuple[int, DataLoaderState]:
     """Resume from a checkpoint (any layout): optimizer + weights, RNG, data position.
 
     Returns (step, data-loader state). The run's hyperparameters (weight decay, betas, eps)
-    come from ``config``, not from the checkpoint.
+    come from ``train``, not from the checkpoint.
     """
     folder = find_checkpoint(path)
     meta = read_meta(folder)
@@ -170,7 +170,6 @@ def load(path: str | Path, config: PretrainConfig, plan: RunPlan, groups: Parall
     names = [n for n, p in built.stage.named_parameters() if p.requires_grad]
     state = _optimizer_state(folder, meta, plan, groups, names, built.styles)
     load_consolidated(optimizer, state)
-    train = config.train
     for index, group in enumerate(optimizer.optimizer.param_groups):
         group["weight_decay"] = train.weight_decay if index == 0 else 0.0
         group["betas"] = (train.adam_beta1, train.adam_beta2)

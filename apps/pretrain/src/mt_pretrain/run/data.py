@@ -22,8 +22,9 @@ from mt_data import (
     load_tokenizer,
     prepare_demo,
 )
+from mt_pretrain.config.load import blend_text, dataset_paths
 from mt_pretrain.config.resolve import RunPlan
-from mt_pretrain.config.schema import ConfigError, PretrainConfig
+from mt_pretrain.config.schema import ConfigError, DataArgs, TrainArgs
 
 __all__ = ["check_vocab", "default_cache_dir", "default_tokenizer", "ensure_data", "make_loaders",
            "tokenizer_for"]
@@ -40,21 +41,20 @@ def default_cache_dir(environ: Mapping[str, str]) -> Path:
     return Path.home() / ".cache" / "mt"
 
 
-def default_tokenizer(config: PretrainConfig, vocab_size: int) -> str:
+def default_tokenizer(data: DataArgs, vocab_size: int) -> str:
     """Tokenizer of the embedded corpus for a model of ``vocab_size`` ids."""
-    if config.data.tokenizer:
-        return config.data.tokenizer
+    if data.tokenizer:
+        return data.tokenizer
     return "tokenizer-1k" if vocab_size < GPT2_VOCAB else "gpt2"
 
 
-def ensure_data(config: PretrainConfig, plan: RunPlan, cache_dir: Path) -> list[Path]:
-    """The dataset folders of the run, tokenizing the embedded corpus once if needed.
-
-    Safe to call from every rank at once: a file lock serializes the preparation.
-    """
-    if config.data.data is not None:
-        return [Path(p) for p in config.data.paths()]
-    tokenizer = default_tokenizer(config, plan.gpt.vocab_size)
+def ensure_data(data: DataArgs, vocab_size: int, cache_dir: Path) -> list[Path]:
+    """The dataset folders of the run, tokenizing the embedded corpus once if needed (for a
+    model of ``vocab_size`` ids). Safe to call from every rank at once: a file lock
+    serializes the preparation."""
+    if data.data is not None:
+        return dataset_paths(data)
+    tokenizer = default_tokenizer(data, vocab_size)
     folder = cache_dir / "data" / f"embedded-{Path(tokenizer).name.replace('.json', '')}"
     folder.parent.mkdir(parents=True, exist_ok=True)
     with open(folder.parent / f".{folder.name}.lock", "w") as lock:
@@ -73,16 +73,12 @@ def tokenizer_for(paths: list[Path]) -> Any:
     return load_tokenizer(name or "gpt2")
 
 
-def _split(config: PretrainConfig) -> SplitSpec:
-    return SplitSpec.parse(config.data.split, seed=config.train.seed)
-
-
-def _dataset(config: PretrainConfig, paths: list[Path], seq_len: int, samples: int,
+def _dataset(data: DataArgs, seed: int, paths: list[Path], seq_len: int, samples: int,
              split: str) -> Any:
-    spec = _split(config)
-    if config.data.data is None:
-        return GPTDataset(paths[0], seq_len, samples, config.train.seed, split, spec)
-    return build_blended(config.data.blend(), seq_len, samples, config.train.seed, split, spec)
+    spec = SplitSpec.parse(data.split, seed=seed)
+    if data.data is None:
+        return GPTDataset(paths[0], seq_len, samples, seed, split, spec)
+    return build_blended(blend_text(data), seq_len, samples, seed, split, spec)
 
 
 def check_vocab(plan: RunPlan, paths: list[Path]) -> None:
@@ -107,20 +103,20 @@ def check_vocab(plan: RunPlan, paths: list[Path]) -> None:
                               f"--vocab-size >= {largest + 1}")
 
 
-def make_loaders(config: PretrainConfig, plan: RunPlan, paths: list[Path], dp_rank: int,
-                 state: DataLoaderState) -> tuple[DPDataLoader, DPDataLoader | None]:
+def make_loaders(data: DataArgs, train: TrainArgs, plan: RunPlan, paths: list[Path],
+                 dp_rank: int, state: DataLoaderState
+                 ) -> tuple[DPDataLoader, DPDataLoader | None]:
     """Train loader (resumed at ``state``) and validation loader of this DP rank."""
     check_vocab(plan, paths)
-    train = config.train
     seq_len, dp = plan.gpt.seq_len, plan.topology.dp
     schedule = BatchSchedule(train.global_batch_size, plan.rampup)
-    dataset = _dataset(config, paths, seq_len, max(plan.train_samples, 1), "train")
+    dataset = _dataset(data, train.seed, paths, seq_len, max(plan.train_samples, 1), "train")
     loader = DPDataLoader(dataset, schedule, train.micro_batch_size, dp_rank, dp, state)
     valid = None
     if train.eval_interval and train.eval_iters:
         size = train.eval_iters * train.global_batch_size
         try:
-            valid_set = _dataset(config, paths, seq_len, size, "valid")
+            valid_set = _dataset(data, train.seed, paths, seq_len, size, "valid")
         except ValueError:
             valid_set = None  # no validation split (e.g. a tiny dataset): no eval
         if valid_set is not None:

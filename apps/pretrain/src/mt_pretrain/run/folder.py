@@ -14,22 +14,20 @@ import shutil
 from pathlib import Path
 
 from mt_checkpoint import LATEST, has_checkpoints
-from mt_pretrain.config.schema import ConfigError, PretrainConfig
+from mt_pretrain.config.schema import CheckpointArgs, ConfigError
 
 __all__ = ["claim_run_folder"]
 
 
-def _resumes_own(config: PretrainConfig) -> bool:
+def _resumes_own(ckpt: CheckpointArgs) -> bool:
     """``--load`` names the run's own checkpoint folder or a step folder inside it."""
-    ckpt = config.checkpoint
     if ckpt.load is None or ckpt.save_dir is None:
         return False
     load, save = Path(ckpt.load).resolve(), ckpt.save_dir.resolve()
     return load == save or save in load.parents
 
 
-def _previous(config: PretrainConfig) -> list[str]:
-    ckpt = config.checkpoint
+def _previous(ckpt: CheckpointArgs) -> list[str]:
     found = []
     if ckpt.save_dir is not None and has_checkpoints(ckpt.save_dir):
         found.append(f"checkpoints in {ckpt.save_dir}")
@@ -39,12 +37,11 @@ def _previous(config: PretrainConfig) -> list[str]:
     return found
 
 
-def claim_run_folder(config: PretrainConfig) -> None:
+def claim_run_folder(ckpt: CheckpointArgs) -> None:
     """Refuse to write over a previous run's outputs, or with ``--overwrite`` delete them."""
-    ckpt = config.checkpoint
-    if _resumes_own(config):
+    if _resumes_own(ckpt):
         return
-    found = _previous(config)
+    found = _previous(ckpt)
     if not found:
         return
     if not ckpt.overwrite:

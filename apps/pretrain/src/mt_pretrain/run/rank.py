@@ -29,7 +29,7 @@ from mt_dist import (
 )
 from mt_model import count_parameters
 from mt_pretrain.config.resolve import RunPlan, resolve
-from mt_pretrain.config.schema import ConfigError, PretrainConfig
+from mt_pretrain.config.schema import CheckpointArgs, ConfigError, PretrainConfig, TrainArgs
 from mt_pretrain.engines.base import Engine
 from mt_pretrain.engines.mt import MTEngine
 from mt_pretrain.run.data import ensure_data, make_loaders, tokenizer_for
@@ -110,7 +110,7 @@ def run_rank(config: PretrainConfig, info: LaunchInfo, cache_dir: Path,
     try:
         plan = resolve(config, info.world_size)
         groups = build_groups(plan.topology, device, timeout=config.parallel.timeout)
-        _claim_run_folder(config, groups)
+        _claim_run_folder(config.checkpoint, groups)
         flag = StopFlag()
         with _stop_on_signals(flag):
             summary = _train(config, plan, groups, device, cache_dir, flag, info.launcher,
@@ -121,13 +121,13 @@ def run_rank(config: PretrainConfig, info: LaunchInfo, cache_dir: Path,
         finalize_distributed(completed=completed)
 
 
-def _claim_run_folder(config: PretrainConfig, groups: ParallelGroups) -> None:
+def _claim_run_folder(ckpt: CheckpointArgs, groups: ParallelGroups) -> None:
     """Rank 0 checks (and with --overwrite clears) the run folder; every rank gets its
     verdict, so all fail alike."""
     verdict: list[str | None] = [None]
     if groups.rank == 0:
         try:
-            claim_run_folder(config)
+            claim_run_folder(ckpt)
         except ConfigError as err:
             verdict[0] = str(err)
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -143,12 +143,12 @@ def _train(config: PretrainConfig, plan: RunPlan, groups: ParallelGroups, device
     rank0 = groups.rank == 0
     ckpt = config.checkpoint
     engine = make_engine(config, plan, groups, device)
-    paths = ensure_data(config, plan, cache_dir)
+    paths = ensure_data(config.data, plan.gpt.vocab_size, cache_dir)
     start_step, state = 0, DataLoaderState()
     resuming = ckpt.load is not None and not fresh_start(ckpt.load, ckpt.save_dir)
     if resuming:
         start_step, state = engine.load(ckpt.load)
-    loader, valid = make_loaders(config, plan, paths, groups.dp_rank, state)
+    loader, valid = make_loaders(config.data, config.train, plan, paths, groups.dp_rank, state)
     reporter = Reporter(plan.train_steps, start_step, rank0, ckpt.progress, ckpt.log_interval)
     topo = plan.topology
     if rank0:  # which launcher placed the ranks ("single": this command's --nproc)
@@ -180,7 +180,8 @@ def _train(config: PretrainConfig, plan: RunPlan, groups: ParallelGroups, device
             saver.save(step, loader.state)
             reporter.print(f"saved checkpoint {saver.last_saved}")
 
-    trainer = Trainer(config, plan, groups, engine, loader, valid, on_step, flag, save, started)
+    trainer = Trainer(config.train, ckpt, plan, groups, engine, loader, valid, on_step, flag,
+                      save, started)
     try:
         stats, stopped = trainer.run()
     finally:
@@ -200,7 +201,7 @@ def _train(config: PretrainConfig, plan: RunPlan, groups: ParallelGroups, device
                        f"--load {ckpt.save_dir}" if saver is not None else
                        f"exiting after step {loader.state.step} (--{stopped})")
     elif config.train.sample_tokens and count_parameters(plan.model) <= MAX_SAMPLE_PARAMETERS:
-        summary.sample = _sample(config, engine, groups, plan, paths)
+        summary.sample = _sample(config.train, engine, groups, plan, paths)
     if not rank0:
         return None
     summary.checkpoint = str(saver.last_saved) if saver and saver.last_saved else None
@@ -224,13 +225,13 @@ def make_engine(config: PretrainConfig, plan: RunPlan, groups: ParallelGroups,
     return MTEngine.create(config, plan, groups, device)
 
 
-def _sample(config: PretrainConfig, engine: Engine, groups: ParallelGroups, plan: RunPlan,
+def _sample(train: TrainArgs, engine: Engine, groups: ParallelGroups, plan: RunPlan,
             paths: list[Path]) -> str | None:
     """Greedy continuation of the prompt on rank 0 (collective gather first)."""
     model = gather_model(engine.full_parameters(), engine.built.styles, groups, plan.model)
     if model is None:
         return None
     tokenizer = tokenizer_for(paths)
-    ids = tokenizer.encode(config.train.prompt)
-    out = greedy_generate(model, ids, config.train.sample_tokens)
+    ids = tokenizer.encode(train.prompt)
+    out = greedy_generate(model, ids, train.sample_tokens)
     return tokenizer.decode(out)

@@ -23,7 +23,7 @@ from mt_dist import ParallelGroups
 from mt_model import model_flops_per_token_training
 from mt_plan.mfu import measure_peak_flops, model_flops_utilization
 from mt_pretrain.config.resolve import RunPlan, activation_shape
-from mt_pretrain.config.schema import PretrainConfig
+from mt_pretrain.config.schema import CheckpointArgs, TrainArgs
 from mt_pretrain.engines.base import Engine
 from mt_pretrain.run.evaluate import evaluate
 from mt_zero import LRSchedule
@@ -60,8 +60,9 @@ class Trainer:
     """Runs the optimizer steps of one rank.
 
     Args:
-        config, plan, groups, engine: the run's config, resolved plan, process groups, and
-            the engine running this rank's model stage and optimizer.
+        train, ckpt: the run's training and checkpoint / output config sections.
+        plan, groups, engine: the resolved plan, the process groups, and the engine running
+            this rank's model stage and optimizer.
         loader: this DP rank's training loader (already at the resume position).
         valid: validation loader or None.
         on_step: called with every :class:`StepStats` (rank 0 writes metrics there); on
@@ -72,26 +73,28 @@ class Trainer:
             it; default: now).
     """
 
-    def __init__(self, config: PretrainConfig, plan: RunPlan, groups: ParallelGroups,
-                 engine: Engine, loader: DPDataLoader, valid: DPDataLoader | None,
+    def __init__(self, train: TrainArgs, ckpt: CheckpointArgs, plan: RunPlan,
+                 groups: ParallelGroups, engine: Engine, loader: DPDataLoader,
+                 valid: DPDataLoader | None,
                  on_step: Callable[[StepStats], None], should_stop: Callable[[], bool],
                  save: Callable[[int], None], started: float | None = None) -> None:
-        self.config, self.plan, self.groups, self.engine = config, plan, groups, engine
+        self.train, self.ckpt = train, ckpt
+        self.plan, self.groups, self.engine = plan, groups, engine
         self.loader, self.valid = loader, valid
         self.on_step, self.should_stop, self.save = on_step, should_stop, save
-        minutes = config.train.exit_duration
+        minutes = train.exit_duration
         started = time.perf_counter() if started is None else started
         self._deadline = None if minutes is None else started + 60.0 * minutes
         self._longest_step = self._longest_save = 0.0
-        train, gpt = config.train, plan.gpt
+        gpt = plan.gpt
         self.lr = LRSchedule.create(train.lr, train.min_lr, train.warmup_tokens,
                                     train.decay_tokens, plan.train_samples * gpt.seq_len)
-        self.dtype = compute_dtype(config.parallel.precision)
+        self.dtype = compute_dtype(plan.layout.precision)
         self.device = groups.device
-        self.activation_shape = activation_shape(config, plan)
+        self.activation_shape = activation_shape(plan)
         self._flops_per_token = model_flops_per_token_training(gpt)
         # MFU denominator: given, or probed once on rank 0 (the rank that reports it).
-        peak = config.checkpoint.peak_tflops
+        peak = ckpt.peak_tflops
         self._peak_flops = peak * 1e12 if peak is not None else (
             measure_peak_flops(self.dtype, self.device) if groups.rank == 0 else float("nan"))
 
@@ -103,8 +106,7 @@ class Trainer:
         ``"exit-duration"``, or None when it reached its last step).
         """
         stats: list[StepStats] = []
-        interval = self.config.checkpoint.save_interval
-        eval_interval = self.config.train.eval_interval
+        interval, eval_interval = self.ckpt.save_interval, self.train.eval_interval
         while self.loader.state.step < self.plan.train_steps:
             record = self.step()
             step = record.step
@@ -127,7 +129,7 @@ class Trainer:
         late = self._deadline is not None and time.perf_counter() + self._longest_step + max(
             self._longest_save, self._longest_step) > self._deadline
         signal, late = self._agree(self.should_stop(), late)
-        exit_interval = self.config.train.exit_interval
+        exit_interval = self.train.exit_interval
         if signal:
             return "signal"
         if late and step < self.plan.train_steps:
