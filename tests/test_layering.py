@@ -3,7 +3,8 @@
 - mt-model and mt-data import no other mt package;
 - the parallel packages (mt-tensor-parallel, mt-pipeline, mt-zero) import only mt-dist;
 - mt-checkpoint imports mt-dist, mt-model and the parallel packages it reshards for; mt-plan
-  imports mt-model and the parallel packages whose constants and simulator it uses;
+  imports mt-model and the parallel packages whose constants and simulator it uses; mt-eval
+  imports only mt-data;
 - mt-dist imports no mt package;
 - nothing imports an app (mt_pretrain, mt_convert) but the app itself.
 """
@@ -29,8 +30,11 @@ ALLOWED: dict[str, set[str]] = {
     # below the apps.
     "mt_checkpoint": {"mt_dist", "mt_model", "mt_tensor_parallel", "mt_zero"},
     "mt_plan": {"mt_model", "mt_pipeline", "mt_tensor_parallel", "mt_zero"},
+    # Evaluation knows tasks, prompts and metrics, no model: it builds its built-in tasks
+    # from mt-data's corpus.
+    "mt_eval": {"mt_data"},
     "mt_pretrain": {"mt_dist", "mt_model", "mt_data", "mt_tensor_parallel", "mt_pipeline",
-                    "mt_zero", "mt_checkpoint", "mt_plan"},
+                    "mt_zero", "mt_checkpoint", "mt_plan", "mt_eval"},
     "mt_convert": {"mt_dist", "mt_model", "mt_data", "mt_tensor_parallel", "mt_pipeline",
                    "mt_zero", "mt_checkpoint"},
 }

@@ -79,7 +79,7 @@ def _dry_run(src: Path, dst: Path, to: str, from_format: str | None, layout: Lay
 
 def _convert(src: Path, dst: Path, to: str, from_format: str | None, layout: Layout,
              force: bool, console: Console, model: str | None = None,
-             optimizer: dict[str, Any] | None = None) -> None:
+             optimizer: dict[str, Any] | None = None, tokenizer: str | None = None) -> None:
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn(), TextColumn("{task.fields[tensor]}"))
     with Progress(*columns, console=console, transient=True) as bar:
@@ -91,10 +91,15 @@ def _convert(src: Path, dst: Path, to: str, from_format: str | None, layout: Lay
         tp, pp, pad_multiple = layout
         result = convert_checkpoint(src, dst, to=to, from_format=from_format, tp=tp, pp=pp,
                                     pad_multiple=pad_multiple, overwrite=force,
-                                    progress=progress, model=model, **(optimizer or {}))
+                                    progress=progress, model=model, tokenizer=tokenizer,
+                                    **(optimizer or {}))
     console.print(f"wrote {result.destination} ({result.target_format}): {result.tensors} "
                   f"tensors, {result.bytes / 2**20:.1f} MiB in {result.seconds:.1f} s",
                   markup=False, highlight=False, soft_wrap=True)
+    if to == "hf" and not (dst / "tokenizer.json").exists():
+        console.print("note: no tokenizer written (the source records none); pass --tokenizer "
+                      "so that transformers and lm-eval load the folder unaided",
+                      markup=False, highlight=False, soft_wrap=True)
 
 
 @app.callback(invoke_without_command=True, subcommand_metavar="",
@@ -135,6 +140,10 @@ def convert(
     drop_optimizer: Annotated[bool, typer.Option(
         "--drop-optimizer", help="pretrain -> pretrain: write the weights with a fresh "
         "optimizer (no Adam moments) instead of carrying the optimizer state.")] = False,
+    tokenizer: Annotated[str | None, typer.Option(
+        "--tokenizer", help="hf target: the tokenizer to write beside the weights (gpt2, "
+        "tokenizer-1k, a tokenizer.json or a folder; default: the one an mt pretrain source "
+        "trained with).")] = None,
 ) -> None:
     """Convert a GPT checkpoint: mt consolidated, mt sharded (TP x PP), Hugging Face
     GPT-2, Megatron-LM, an mt pretrain checkpoint or (read only) a DeepSpeed universal
@@ -157,7 +166,8 @@ def convert(
         elif dry_run:
             _dry_run(src, dst, target, source, layout, Console(), model)
         else:
-            _convert(src, dst, target, source, layout, force, console, model, optimizer)
+            _convert(src, dst, target, source, layout, force, console, model, optimizer,
+                     tokenizer)
     except ConvertError as err:
         console.print(f"[bold red]error:[/] {escape(str(err))}", highlight=False,
                       soft_wrap=True)

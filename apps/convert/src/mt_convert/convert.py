@@ -240,8 +240,8 @@ def convert_checkpoint(source: Path, destination: Path, *, to: str = "consolidat
                        pp: int | None = None, pad_multiple: int | None = None,
                        overwrite: bool = False, progress: ProgressFn | None = None,
                        model: GPTConfig | str | None = None, dp: int | None = None,
-                       zero_stage: int | None = None, drop_optimizer: bool = False
-                       ) -> ConversionResult:
+                       zero_stage: int | None = None, drop_optimizer: bool = False,
+                       tokenizer: str | None = None) -> ConversionResult:
     """Convert the checkpoint at ``source`` into format ``to`` at ``destination``.
 
     Streams tensor by tensor; ``destination`` appears only when everything succeeded (an
@@ -249,7 +249,9 @@ def convert_checkpoint(source: Path, destination: Path, *, to: str = "consolidat
     pretrain`` checkpoint writes a step folder at layout ``tp`` x ``pp`` x ``dp`` with
     ZeRO stage ``zero_stage`` (unset ones keep the source's), optimizer state included
     unless ``drop_optimizer``; from other formats it writes weights only (a fresh
-    optimizer, see :mod:`mt_convert.pretrain_from_weights`). Raises :class:`ConvertError`.
+    optimizer, see :mod:`mt_convert.pretrain_from_weights`). ``tokenizer`` (default: the
+    one the source records) is written beside Hugging Face weights. Raises
+    :class:`ConvertError`.
     """
     source, destination = Path(source), Path(destination)
     if destination.resolve() == source.resolve():
@@ -268,6 +270,7 @@ def convert_checkpoint(source: Path, destination: Path, *, to: str = "consolidat
     start = time.perf_counter()
     with open_checkpoint(source, from_format, model) as reader:
         writer = make_writer(to, reader.config, _specs(reader), tp, pp, pad_multiple)
+        writer.tokenizer = tokenizer or reader.tokenizer
         get: Callable[[str], _Read] = reader.read_deferred
         if writer.accepts_pieces:  # tensors stored as-is go file to file
             get = lambda name: reader.read_pieces(name) or reader.read_deferred(name)  # noqa: E731

@@ -94,6 +94,9 @@ class CheckpointReader(ABC):
     format: str
     root: Path
     config: GPTConfig
+    tokenizer: str | None = None
+    """The tokenizer the model was trained with (as ``mt_data.load_tokenizer`` takes it),
+    when the checkpoint says."""
 
     @abstractmethod
     def names(self) -> list[str]:
@@ -143,6 +146,8 @@ class CheckpointWriter(ABC):
     def __init__(self, config: GPTConfig, specs: dict[str, TensorSpec]) -> None:
         self.config = config
         self.specs = dict(specs)
+        self.tokenizer: str | None = None
+        """The tokenizer to store beside the weights (formats that carry one)."""
 
     @abstractmethod
     def targets(self, name: str) -> list[TensorRef]:

@@ -63,6 +63,8 @@ class PretrainReader(CheckpointReader):
             raise ConvertError(f"{self.root / META}: bad model: {err!r}") from None
         self.layout = self.meta.layout
         self.tp, self.pp = self.layout.tp, self.layout.pp
+        data = self.meta.config.get("data") or {}
+        self.tokenizer = self.meta.tokenizer or data.get("tokenizer")
         self._shapes = canonical_shapes(self.config)
         self._styles = {**param_styles(self._shapes, GPT_PLAN), **self.meta.styles}
         self.styles = dict(self._styles)

@@ -12,27 +12,33 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
+from mt_checkpoint import find_checkpoint
+from mt_data.tokenizer import TokenizerError
 from mt_dist import LaunchInfo, discover, free_port
 from mt_dist.supervisor import LocalRanks, Outcome
+from mt_eval import TaskError, TaskResult, load_task
 from mt_pretrain.config.resolve import resolve, sharding_styles
 from mt_pretrain.config.schema import ConfigError, PretrainConfig
+from mt_pretrain.evaluation.rank import EvalSpec, eval_rank
 from mt_pretrain.run.checkpoint import CheckpointError
 from mt_pretrain.run.data import check_vocab, default_cache_dir, ensure_data
 from mt_pretrain.run.folder import claim_run_folder
 from mt_pretrain.run.rank import RunSummary, run_rank
 from mt_pretrain.run.train import NonFiniteLossError
 
-__all__ = ["Interrupted", "LaunchFailed", "launch", "spawn"]
+__all__ = ["Interrupted", "LaunchFailed", "launch", "launch_eval", "spawn", "supervise"]
+
+T = TypeVar("T")
 
 # Failures every rank meets alike (bad config, damaged checkpoint, diverged loss): the parent
 # re-raises them as they are, one line, no traceback.
-_EXPECTED = (ConfigError, CheckpointError, NonFiniteLossError)
+_EXPECTED = (ConfigError, CheckpointError, NonFiniteLossError, TaskError, TokenizerError)
 _EXPECTED_BY_NAME = {kind.__name__: kind for kind in _EXPECTED}
 # After the first rank fails, give the others this long to report (their errors are usually
 # consequences) before killing them.
@@ -73,6 +79,31 @@ def launch(config: PretrainConfig, environ: Mapping[str, str] | None = None,
     return spawn(config, nproc, cache, timeout, keep_weights)
 
 
+def launch_eval(spec: EvalSpec, environ: Mapping[str, str] | None = None,
+                timeout: float | None = None) -> list[TaskResult] | None:
+    """Run `mt eval` ``spec``: as one rank under a launcher, else on ``spec.nproc`` local
+    processes. Returns rank 0's results (None on other ranks under a launcher)."""
+    environ = os.environ if environ is None else environ
+    info = discover(environ)
+    if info.launcher != "single":
+        return eval_rank(spec, info)
+    for task in spec.tasks:  # fail here, before starting anything
+        load_task(task)
+    find_checkpoint(spec.checkpoint)
+    if spec.nproc == 1:
+        return eval_rank(spec, LaunchInfo(0, 1, 0, 1, "127.0.0.1", free_port("127.0.0.1"),
+                                          "single"))
+    threads = max(1, (os.cpu_count() or 1) // spec.nproc)
+    return supervise(_eval_rank, spec.nproc,
+                     (spec, spec.nproc, free_port("127.0.0.1"), threads), timeout)
+
+
+def _eval_rank(rank: int, spec: EvalSpec, nproc: int, port: int,
+               threads: int) -> list[TaskResult] | None:
+    torch.set_num_threads(threads)
+    return eval_rank(spec, LaunchInfo(rank, nproc, rank, nproc, "127.0.0.1", port, "single"))
+
+
 def _rank(rank: int, config: PretrainConfig, nproc: int, port: int, cache: Path,
           threads: int, keep_weights: bool) -> RunSummary | None:
     torch.set_num_threads(threads)
@@ -84,13 +115,22 @@ def spawn(config: PretrainConfig, nproc: int, cache: Path, timeout: float | None
           keep_weights: bool = False) -> RunSummary | None:
     """Run ``nproc`` local ranks (forked when possible: no second torch import)."""
     threads = max(1, (os.cpu_count() or 1) // nproc)
-    args = (config, nproc, free_port("127.0.0.1"), cache, threads, keep_weights)
+    return supervise(_rank, nproc, (config, nproc, free_port("127.0.0.1"), cache, threads,
+                                    keep_weights), timeout)
+
+
+def supervise(target: Callable[..., T], nproc: int, args: tuple[Any, ...],
+              timeout: float | None = None) -> T:
+    """Run ``target(rank, *args)`` on ``nproc`` local processes; returns rank 0's value.
+
+    SIGTERM / SIGINT are forwarded (the first asks the ranks to stop after their step, a
+    second kills them); a failure of any rank stops the others and is raised here with its
+    root cause (an expected failure, such as a bad config, as itself: one line).
+    """
     interrupts: list[int] = []
-    with LocalRanks(_rank, nproc, args=args) as ranks:
+    with LocalRanks(target, nproc, args=args) as ranks:
 
         def forward(signum: int, _frame: Any) -> None:
-            # The first interrupt asks the ranks to save and stop after their step; a second
-            # one stops them at once.
             interrupts.append(signum)
             ranks.signal(signal.SIGTERM if len(interrupts) == 1 else signal.SIGKILL)
 

@@ -35,6 +35,8 @@ class CheckpointMeta:
         tokens: training tokens seen.
         config: the run's config (``mt pretrain``'s), for readers; may be empty.
         source: who wrote it when not a training run (``"mt convert"``).
+        tokenizer: the tokenizer the run trained with (a built-in name such as ``gpt2``,
+            or a path); absent in old files.
     """
 
     step: int
@@ -48,6 +50,7 @@ class CheckpointMeta:
     tokens: int = 0
     config: Mapping[str, Any] = field(default_factory=dict)
     source: str | None = None
+    tokenizer: str | None = None
 
     @property
     def data(self) -> dict[str, int]:
@@ -90,6 +93,8 @@ class CheckpointMeta:
         }
         if self.source is not None:
             out["source"] = self.source
+        if self.tokenizer is not None:
+            out["tokenizer"] = self.tokenizer
         return out
 
     @classmethod
@@ -113,7 +118,8 @@ class CheckpointMeta:
                 consumed_samples=int(position["consumed_samples"]),
                 data_step=int(position.get("step", 0)),
                 data_order=int(data.get("data_order", 1)), tokens=int(data.get("tokens", 0)),
-                config=dict(data.get("config") or {}), source=data.get("source"))
+                config=dict(data.get("config") or {}), source=data.get("source"),
+                tokenizer=data.get("tokenizer"))
         except (KeyError, TypeError, ValueError, AttributeError) as err:
             raise CheckpointError(f"{where}: damaged ({type(err).__name__}: {err})") from None
         if sorted(meta.stage_params) != list(range(layout.pp)):

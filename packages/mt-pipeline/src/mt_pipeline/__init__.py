@@ -74,6 +74,7 @@ _LAZY = {
     "StageComm": "mt_pipeline.p2p",
     "PipelineExecutor": "mt_pipeline.executor",
     "forward_losses": "mt_pipeline.forward",
+    "forward_outputs": "mt_pipeline.forward",
     "PipelineStepResult": "mt_pipeline.executor",
 }
 
@@ -122,6 +123,7 @@ __all__ = [
     "event_name",
     "explicit_partition",
     "forward_losses",
+    "forward_outputs",
     "get_schedule",
     "gpipe",
     "interleaved_1f1b",

@@ -9,7 +9,8 @@ of the data flow, so the asynchronous sends cannot deadlock.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -17,10 +18,45 @@ import torch.distributed as dist
 from mt_pipeline.p2p import StageComm
 from mt_pipeline.stage import PipelineStage
 
-__all__ = ["forward_losses"]
+__all__ = ["forward_losses", "forward_outputs"]
+
+T = TypeVar("T")
 
 
 @torch.no_grad()
+def forward_outputs(stage: PipelineStage, comm: StageComm, num_micro_batches: int,
+                    inputs: Sequence[torch.Tensor] | None,
+                    last: Callable[[int, torch.Tensor], T],
+                    activation_shape: Sequence[int] | Callable[[int], Sequence[int]],
+                    dtype: torch.dtype, device: torch.device | str) -> list[T]:
+    """``last(i, logits)`` of each of ``num_micro_batches`` micro-batches, on the last stage
+    (an empty list on the others); ``inputs[i]`` are micro-batch ``i``'s token ids on the
+    first stage. Receive buffers have ``activation_shape`` (one shape, or the shape of
+    micro-batch ``i`` when micro-batches differ in size) and ``dtype``.
+    """
+    p, s = comm.num_stages, comm.stage
+    shape_of = activation_shape if callable(activation_shape) else (lambda _i: activation_shape)
+    outputs, pending = [], []
+    for micro in range(num_micro_batches):
+        for chunk in range(stage.num_chunks):
+            virtual = chunk * p + s
+            if stage.is_first_chunk(chunk):
+                assert inputs is not None, "the first stage needs the inputs"
+                x = inputs[micro]
+            else:
+                x = torch.empty(tuple(shape_of(micro)), dtype=dtype, device=device)
+                dist.recv(x, src=comm.stage_ranks[(virtual - 1) % p], group=comm.group)
+            out = stage.forward_chunk(chunk, x)
+            if stage.is_last_chunk(chunk):
+                outputs.append(last(micro, out))
+            else:
+                pending.append(dist.isend(out.contiguous(), dst=comm.stage_ranks[(virtual + 1) % p],
+                                          group=comm.group))
+    for work in pending:
+        work.wait()
+    return outputs
+
+
 def forward_losses(stage: PipelineStage, comm: StageComm, num_micro_batches: int,
                    inputs: Sequence[torch.Tensor] | None,
                    targets: Sequence[torch.Tensor] | None,
@@ -30,24 +66,9 @@ def forward_losses(stage: PipelineStage, comm: StageComm, num_micro_batches: int
     the first stage, ``targets[i]`` on the last), on the last stage; an empty list on the
     others. Receive buffers have ``activation_shape`` and ``dtype`` (as in the executor).
     """
-    p, s = comm.num_stages, comm.stage
-    losses, pending = [], []
-    for micro in range(num_micro_batches):
-        for chunk in range(stage.num_chunks):
-            virtual = chunk * p + s
-            if stage.is_first_chunk(chunk):
-                assert inputs is not None, "the first stage needs the inputs"
-                x = inputs[micro]
-            else:
-                x = torch.empty(tuple(activation_shape), dtype=dtype, device=device)
-                dist.recv(x, src=comm.stage_ranks[(virtual - 1) % p], group=comm.group)
-            out = stage.forward_chunk(chunk, x)
-            if stage.is_last_chunk(chunk):
-                assert targets is not None, "the last stage needs the targets"
-                losses.append(stage.loss(out, targets[micro]))
-            else:
-                pending.append(dist.isend(out.contiguous(), dst=comm.stage_ranks[(virtual + 1) % p],
-                                          group=comm.group))
-    for work in pending:
-        work.wait()
-    return losses
+    def loss(micro: int, logits: torch.Tensor) -> torch.Tensor:
+        assert targets is not None, "the last stage needs the targets"
+        return stage.loss(logits, targets[micro])
+
+    return forward_outputs(stage, comm, num_micro_batches, inputs, loss, activation_shape,
+                           dtype, device)

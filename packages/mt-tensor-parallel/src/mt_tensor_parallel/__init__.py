@@ -55,6 +55,7 @@ from mt_tensor_parallel.vocab import (
     VocabParallelEmbedding,
     VocabParallelHead,
     vocab_parallel_cross_entropy,
+    vocab_parallel_logprobs,
 )
 
 __all__ = [
@@ -92,5 +93,6 @@ __all__ = [
     "shard_state_dict",
     "shard_tensor",
     "vocab_parallel_cross_entropy",
+    "vocab_parallel_logprobs",
     "vocab_range",
 ]

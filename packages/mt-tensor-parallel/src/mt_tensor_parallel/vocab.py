@@ -37,6 +37,7 @@ __all__ = [
     "VocabParallelHead",
     "VocabParallelCrossEntropy",
     "vocab_parallel_cross_entropy",
+    "vocab_parallel_logprobs",
 ]
 
 
@@ -194,6 +195,35 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
     if reduction == "sum":
         return per_token.sum()
     return per_token.sum() / (targets != ignore_index).sum()
+
+
+@torch.no_grad()
+def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor,
+                            group: ProcessGroup | None, vocab_size: int
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probability of each target token, whether it is the most likely token) from
+    vocabulary-sharded ``logits`` [..., padded_vocab/tp] and global ids ``targets`` [...]:
+    what an evaluation scores (``log_softmax(logits).gather(targets)`` and ``argmax ==
+    target`` over the first ``vocab_size`` columns of the gathered logits), in float32 or
+    wider, identical on every TP rank, with two all-reduces of [...]-sized tensors. A target
+    tied with another token for the maximum counts as the most likely.
+    """
+    width = logits.shape[-1]
+    start = group_rank(group) * width
+    real = max(0, min(width, vocab_size - start))
+    x = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    if real < width:
+        x = x.clone()
+        x[..., real:] = float("-inf")
+    row_max = all_reduce(x.max(dim=-1).values, group, op=dist.ReduceOp.MAX)
+    local_t = targets - start
+    mine = (local_t >= 0) & (local_t < real)
+    index = local_t.clamp(0, width - 1).unsqueeze(-1)
+    target_logit = torch.where(mine, x.gather(-1, index).squeeze(-1), 0.0)
+    sum_exp = (x - row_max.unsqueeze(-1)).exp().sum(dim=-1)
+    sums = all_reduce(torch.stack([sum_exp, target_logit]), group)
+    logprob = sums[1] - row_max - torch.log(sums[0])
+    return logprob, sums[1] >= row_max
 
 
 class VocabParallelCrossEntropy(nn.Module):

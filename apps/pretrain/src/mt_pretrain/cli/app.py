@@ -16,6 +16,8 @@ from typing import Annotated, Any
 import typer
 
 from mt_data.cli import app as data_app
+from mt_pretrain.cli.eval import _HELP as _EVAL_HELP
+from mt_pretrain.cli.eval import eval_command
 from mt_pretrain.cli.matrix import _HELP as _MATRIX_HELP
 from mt_pretrain.cli.matrix import matrix
 from mt_pretrain.cli.options import with_config_options
@@ -30,6 +32,7 @@ DISTRIBUTIONS: dict[str, str] = {
     "mt-zero": "mt_zero",
     "mt-checkpoint": "mt_checkpoint",
     "mt-plan": "mt_plan",
+    "mt-eval": "mt_eval",
     "mt-data": "mt_data",
     "mt-model": "mt_model",
     "mt-pretrain": "mt_pretrain",
@@ -132,6 +135,7 @@ def plot(
 
 app.command("plan", help=_PLAN_HELP, context_settings={"max_content_width": 110})(plan)
 app.command("matrix", help=_MATRIX_HELP, context_settings={"max_content_width": 110})(matrix)
+app.command("eval", help=_EVAL_HELP, context_settings={"max_content_width": 110})(eval_command)
 app.add_typer(data_app, name="data")
 
 

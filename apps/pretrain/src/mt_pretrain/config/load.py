@@ -14,6 +14,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from mt_eval import TaskError, load_task
 from mt_pretrain.config.resolve import resolve
 from mt_pretrain.config.schema import SECTIONS, ConfigError, DataArgs, PretrainConfig
 from mt_pretrain.engines.support import unsupported
@@ -126,6 +127,11 @@ def build_config(nested: Mapping[str, Any], flat: Mapping[str, Any],
     if missing:
         raise ConfigError(f"invalid configuration: data path(s) not found: {missing} (prepare "
                           "them with `mt data prepare`, or omit --data for the embedded corpus)")
+    for task in config.train.eval_tasks:  # read now: a bad task file fails before training
+        try:
+            load_task(task)
+        except TaskError as err:
+            raise ConfigError(f"--eval-task: {err}") from None
     if config.parallel.nproc is not None or config.parallel.dp is not None:
         resolve(config, config.world_size_hint())  # the flags fix the world size: check now
     elif unsupported(config):  # resolve checks this too; without a world size, here

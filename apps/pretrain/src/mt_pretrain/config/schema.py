@@ -272,6 +272,14 @@ class TrainArgs:
     eval_iters: int = 2
     """Global batches of the validation split in one validation pass (the same samples
     whatever the layout)."""
+    eval_task: str | None = None
+    """Zero- or few-shot tasks to score during training, comma separated, as `mt eval` takes
+    them: built-in names (mt-cloze, mt-choice, mt-perplexity), .jsonl or lm-eval .yaml files;
+    their metrics go to the metrics JSONL and TensorBoard as eval/TASK/METRIC."""
+    eval_task_interval: int = 0
+    """Score --eval-task every this many steps (0: after the last step only)."""
+    eval_task_limit: int | None = None
+    """Score the first N documents of each --eval-task task (default: all)."""
     sample_tokens: int = 48
     """Tokens to generate greedily at the end of training (0: no sample)."""
     prompt: str = "The whale"
@@ -282,7 +290,9 @@ class TrainArgs:
         _positive(problems, self, "micro_batch_size", "global_batch_size")
         _positive(problems, self, "train_steps", "train_tokens", "decay_tokens",
                   "rampup_start", "rampup_increment", "rampup_tokens", "exit_interval",
-                  allow_none=True)
+                  "eval_task_limit", allow_none=True)
+        if self.eval_task_interval < 0:
+            problems.append(f"--eval-task-interval must be >= 0, got {self.eval_task_interval}")
         if self.exit_duration is not None and not self.exit_duration > 0:
             problems.append(f"--exit-duration must be > 0 minutes, got {self.exit_duration}")
         if self.warmup_tokens is not None and self.warmup_tokens < 0:
@@ -315,6 +325,11 @@ class TrainArgs:
                             f"({self.eval_iters}) and --sample-tokens ({self.sample_tokens}) "
                             "must be >= 0")
         _raise(problems, "training arguments")
+
+    @property
+    def eval_tasks(self) -> tuple[str, ...]:
+        """The --eval-task tasks, in order."""
+        return tuple(t.strip() for t in (self.eval_task or "").split(",") if t.strip())
 
     @property
     def rampup(self) -> tuple[int, int, int] | None:

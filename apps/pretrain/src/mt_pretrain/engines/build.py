@@ -7,6 +7,7 @@ ZeRO / DP optimizer wrapper, for mt's engine). Each arrow is one call into a pac
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,8 +16,8 @@ from torch import nn
 
 from mt_checkpoint import rank_seed
 from mt_dist import ParallelGroups
-from mt_model import GPT, TIED_WEIGHT, init_parameter
-from mt_pipeline import PipelineStage, build_stage
+from mt_model import GPT, TIED_WEIGHT, GPTConfig, init_parameter
+from mt_pipeline import PipelineStage, StagePlan, build_stage
 from mt_plan.layout import ParallelLayout
 from mt_pretrain.config.resolve import RunPlan, sharding_styles
 from mt_pretrain.config.schema import TrainArgs
@@ -29,8 +30,8 @@ from mt_tensor_parallel import (
 )
 from mt_zero import ZeroConfig, ZeroOptimizer, counts_once, decay_param_groups
 
-__all__ = ["Built", "build_model_stage", "make_optimizer", "seed_everything"]
-
+__all__ = ["Built", "build_model_stage", "make_optimizer", "materialize_stage",
+           "seed_everything"]
 
 
 @dataclass
@@ -66,25 +67,36 @@ def build_model_stage(plan: RunPlan, groups: ParallelGroups, seed: int,
     drawn per (micro-batch, layer), the same on every layout.
     """
     gpt = plan.model  # all position rows, even when training uses fewer
+    return materialize_stage(
+        gpt, plan.stages.stages[groups.pp_rank], groups, plan.topology.tp,
+        # Pure per-name init of the full tensor: the one-process model's numbers.
+        lambda name, shape: init_parameter(name, shape, gpt, seed),
+        seed, sequence_parallel, device, keyed_dropout)
+
+
+def materialize_stage(gpt: GPTConfig, stage_plan: StagePlan, groups: ParallelGroups, tp: int,
+                      full_value: Callable[[str, tuple[int, ...]], torch.Tensor], seed: int,
+                      sequence_parallel: bool, device: torch.device,
+                      keyed_dropout: bool = False) -> Built:
+    """This rank's stage of ``gpt`` (``stage_plan``'s layers, TP slices of degree ``tp``),
+    each parameter this rank's exact slice of ``full_value(name, full_shape)``: the same
+    numbers as the one-process model, whatever the layout."""
     with torch.device("meta"):
         model = GPT(gpt, seed=None)
     full_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     styles = sharding_styles(gpt)
-    tp = plan.topology.tp
     tracker = None
     if tp > 1:
         tracker = RNGTracker(seed, groups.tp_rank)
         apply_tensor_parallel(model, groups.tp, GPT_PLAN, sequence_parallel=sequence_parallel,
                               rng_tracker=tracker)
     rng = KeyedRNG(seed, tracker, use_cuda=device.type == "cuda") if keyed_dropout else None
-    stage = build_stage(model, plan.stages.stages[groups.pp_rank], rng=rng)
+    stage = build_stage(model, stage_plan, rng=rng)
     del model  # modules of other stages stay on the meta device and are dropped here
     stage.to_empty(device=device)
     with torch.no_grad():
         for name, param in stage.named_parameters():
-            # Pure per-name init of the full tensor, then this rank's exact slice: the same
-            # numbers as the one-process model, whatever the layout.
-            full = init_parameter(name, full_shapes[name], gpt, seed)
+            full = full_value(name, full_shapes[name])
             if tp > 1:
                 full = shard_tensor(styles[name], full, groups.tp_rank, tp)
             param.copy_(full.to(device=device, dtype=param.dtype))

@@ -39,6 +39,7 @@ from mt_model import parameter_stages
 from mt_pretrain.config.resolve import RunPlan
 from mt_pretrain.config.schema import ConfigError, PretrainConfig, TrainArgs
 from mt_pretrain.engines.build import Built
+from mt_pretrain.run.data import run_tokenizer
 from mt_pretrain.run.failpoints import failpoint
 from mt_zero import ZeroOptimizer, consolidate, load_consolidated, optimizer_shard_state
 
@@ -108,7 +109,8 @@ class Checkpointer:
             stage_params=all_stage_names(self.plan, list(self.built.full_shapes)),
             consumed_samples=data_state.consumed_samples, data_step=data_state.step,
             tokens=data_state.consumed_samples * self.plan.gpt.seq_len,
-            config=self.config.to_dict())
+            config=self.config.to_dict(),
+            tokenizer=run_tokenizer(self.config.data, self.plan.gpt.vocab_size))
 
 
 def _to_cpu(value: Any) -> Any:

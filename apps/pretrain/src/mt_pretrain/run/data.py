@@ -66,6 +66,19 @@ def ensure_data(data: DataArgs, vocab_size: int, cache_dir: Path) -> list[Path]:
     return [folder]
 
 
+def run_tokenizer(data: DataArgs, vocab_size: int) -> str | None:
+    """The tokenizer a run trains with, as ``mt_data.load_tokenizer`` takes it: the one its
+    dataset's index records, else the embedded corpus' (None if the dataset is not here)."""
+    if data.data is None:
+        return default_tokenizer(data, vocab_size)
+    paths = dataset_paths(data)
+    if not all(p.exists() for p in paths):
+        return None
+    info = TokenDataset(paths[0]).index.get("tokenizer", {})
+    name = info.get("name") if isinstance(info, dict) else info
+    return str(name) if name else None
+
+
 def tokenizer_for(paths: list[Path]) -> Any:
     """The tokenizer recorded in the first dataset's index (for decoding samples)."""
     info = TokenDataset(paths[0]).index.get("tokenizer", {})

@@ -32,6 +32,7 @@ from mt_pretrain.config.resolve import RunPlan, resolve
 from mt_pretrain.config.schema import CheckpointArgs, ConfigError, PretrainConfig, TrainArgs
 from mt_pretrain.engines.base import Engine
 from mt_pretrain.engines.mt import MTEngine
+from mt_pretrain.evaluation.training import task_scorer
 from mt_pretrain.run.data import ensure_data, make_loaders, tokenizer_for
 from mt_pretrain.run.folder import claim_run_folder
 from mt_pretrain.run.metrics import MetricsWriter
@@ -170,6 +171,9 @@ def _train(config: PretrainConfig, plan: RunPlan, groups: ParallelGroups, device
         if metrics is not None:
             metrics.write(summary.records[-1])
         reporter.step(stats)
+        if stats.tasks:
+            reporter.print(f"step {stats.step}: " + ", ".join(
+                f"{key} {value:.4g}" for key, value in stats.tasks.items()))
         if stats.val_loss is not None:
             summary.val_loss = stats.val_loss
             reporter.print(f"step {stats.step}: validation loss {stats.val_loss:.4f}, "
@@ -180,8 +184,11 @@ def _train(config: PretrainConfig, plan: RunPlan, groups: ParallelGroups, device
             saver.save(step, loader.state)
             reporter.print(f"saved checkpoint {saver.last_saved}")
 
+    score_tasks = None
+    if config.train.eval_tasks:
+        score_tasks = task_scorer(config.train, plan, groups, engine, tokenizer_for(paths))
     trainer = Trainer(config.train, ckpt, plan, groups, engine, loader, valid, on_step, flag,
-                      save, started)
+                      save, started, score_tasks)
     try:
         stats, stopped = trainer.run()
     finally:

@@ -54,6 +54,8 @@ class StepStats:
     loss_scale: float
     val_loss: float | None = None
     val_ppl: float | None = None
+    tasks: dict[str, float] | None = None
+    """--eval-task metrics by ``TASK/METRIC`` (on the steps that score them)."""
 
 
 class Trainer:
@@ -69,6 +71,8 @@ class Trainer:
             validation steps they carry the validation loss and perplexity.
         should_stop: local stop request (e.g. a signal arrived); agreed on by all ranks.
         save: called with the step number to write a checkpoint.
+        score_tasks: scores the --eval-task tasks (collective), or None; called every
+            ``train.eval_task_interval`` steps and after the last one.
         started: ``time.perf_counter()`` at the run's start (``--exit-duration`` counts from
             it; default: now).
     """
@@ -77,8 +81,10 @@ class Trainer:
                  groups: ParallelGroups, engine: Engine, loader: DPDataLoader,
                  valid: DPDataLoader | None,
                  on_step: Callable[[StepStats], None], should_stop: Callable[[], bool],
-                 save: Callable[[int], None], started: float | None = None) -> None:
+                 save: Callable[[int], None], started: float | None = None,
+                 score_tasks: Callable[[], dict[str, float]] | None = None) -> None:
         self.train, self.ckpt = train, ckpt
+        self.score_tasks = score_tasks
         self.plan, self.groups, self.engine = plan, groups, engine
         self.loader, self.valid = loader, valid
         self.on_step, self.should_stop, self.save = on_step, should_stop, save
@@ -114,6 +120,10 @@ class Trainer:
             if self.valid is not None and eval_interval and step % eval_interval == 0:
                 val_loss, val_ppl = self.evaluate()
                 record = replace(record, val_loss=val_loss, val_ppl=val_ppl)
+            every = self.train.eval_task_interval
+            if self.score_tasks is not None and (
+                    (every and step % every == 0) or step == self.plan.train_steps):
+                record = replace(record, tasks=self.score_tasks())
             stats.append(record)
             self.on_step(record)
             reason = self._early_exit(step)
@@ -203,5 +213,8 @@ class Trainer:
 
 
 def stats_dict(stats: StepStats) -> dict[str, Any]:
-    """The metrics line of a step (validation keys only on validation steps)."""
-    return {k: v for k, v in asdict(stats).items() if v is not None}
+    """The metrics line of a step (validation and task keys only on the steps that have
+    them; task metrics as ``eval/TASK/METRIC``)."""
+    line = {k: v for k, v in asdict(stats).items() if v is not None and k != "tasks"}
+    line.update({f"eval/{key}": value for key, value in (stats.tasks or {}).items()})
+    return line

@@ -1,0 +1,92 @@
+"""`mt eval`: zero- and few-shot evaluation of an mt checkpoint at any TP x PP layout, with
+lm-evaluation-harness's tasks, prompts and metrics."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+__all__ = ["eval_command"]
+
+_HELP = (
+    "Evaluate a checkpoint zero- or few-shot, the way lm-evaluation-harness scores models.\n\n"
+    "CHECKPOINT is an mt pretrain checkpoint folder (its latest step, or one step folder); "
+    "the tokenizer is the one it trained with (or --tokenizer). TASK is a built-in task "
+    "(mt-cloze, mt-choice, mt-perplexity: made from the embedded corpus' held-out "
+    "documents), a .jsonl file (rows {context, choices, label}: multiple choice; rows {text}: "
+    "last-word cloze) or an lm-eval task .yaml (dataset_path: json; output_type "
+    "multiple_choice, loglikelihood or loglikelihood_rolling). Few-shot examples are drawn as "
+    "lm-eval draws them (same seed, same examples). --nproc N evaluates on N local processes "
+    "at --tp x --pp (data parallelism takes the rest); under torchrun, mpirun or srun each "
+    "process is one rank."
+)
+
+
+def eval_command(
+    checkpoint: Annotated[str, typer.Argument(help="mt pretrain checkpoint folder.")],
+    task: Annotated[list[str], typer.Option(
+        "--task", "-t", help="Task to evaluate (repeatable).")],
+    shots: Annotated[int | None, typer.Option(
+        "--shots", help="Few-shot examples per prompt (default: the task's num_fewshot, "
+        "else 0).")] = None,
+    fewshot_seed: Annotated[int, typer.Option(
+        help="Seed of the few-shot draw (lm-eval's default: 1234).")] = 1234,
+    batch_size: Annotated[int, typer.Option(help="Requests per forward pass.")] = 16,
+    limit: Annotated[int | None, typer.Option(
+        help="Evaluate the first N documents of each task.")] = None,
+    tp: Annotated[int, typer.Option(help="Tensor-parallel degree.")] = 1,
+    pp: Annotated[int, typer.Option(help="Pipeline-parallel degree.")] = 1,
+    nproc: Annotated[int, typer.Option(
+        help="Local processes (without a launcher); dp = nproc / (tp x pp).")] = 1,
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
+    precision: Annotated[str, typer.Option(help="fp32, bf16 or fp16 weights.")] = "fp32",
+    tokenizer: Annotated[str | None, typer.Option(
+        help="Tokenizer (gpt2, tokenizer-1k, a tokenizer.json or a folder) instead of the "
+        "checkpoint's.")] = None,
+    output: Annotated[Path | None, typer.Option(
+        "--output", "-o", help="Write the results as JSON here.")] = None,
+    log_samples: Annotated[bool, typer.Option(
+        "--log-samples", help="Add every document's log-likelihoods to the JSON.")] = False,
+    progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
+) -> None:
+    from mt_eval import results_json, results_table, write_json
+    from mt_pretrain.evaluation.rank import EvalSpec
+    from mt_pretrain.launch import launch_eval
+
+    console = Console(stderr=True)
+    problems = [f"--{name} must be positive, got {value}" for name, value in
+                (("batch-size", batch_size), ("tp", tp), ("pp", pp), ("nproc", nproc),
+                 ("limit", limit if limit is not None else 1),
+                 ("shots", shots + 1 if shots is not None else 1)) if value < 1]
+    if device not in ("auto", "cpu", "cuda"):
+        problems.append(f"--device must be auto, cpu or cuda, got {device!r}")
+    if precision not in ("fp32", "bf16", "fp16"):
+        problems.append(f"--precision must be fp32, bf16 or fp16, got {precision!r}")
+    if problems:
+        console.print(f"[bold red]error:[/] {escape('; '.join(problems))}", highlight=False)
+        raise typer.Exit(2)
+    spec = EvalSpec(checkpoint, tuple(task), shots, fewshot_seed, batch_size, limit, tp, pp,
+                    nproc, device, precision, tokenizer, progress)
+    try:
+        results = launch_eval(spec)
+    except Exception as err:  # noqa: BLE001 - every failure is reported as one line
+        from mt_pretrain.launch import _EXPECTED, LaunchFailed
+
+        if not isinstance(err, (*_EXPECTED, LaunchFailed, OSError)):
+            raise
+        console.print(f"[bold red]error:[/] {escape(str(err))}", highlight=False)
+        raise typer.Exit(1) from None
+    if results is None:  # a rank other than 0 under a launcher
+        return
+    Console().print(results_table(results))
+    if output is not None:
+        config = {"checkpoint": checkpoint, "tasks": list(task), "shots": shots,
+                  "fewshot_seed": fewshot_seed, "batch_size": batch_size, "limit": limit,
+                  "tp": tp, "pp": pp, "nproc": nproc, "precision": precision,
+                  "tokenizer": tokenizer}
+        write_json(output, results_json(results, config, samples=log_samples))
+        console.print(f"wrote {output}", highlight=False)

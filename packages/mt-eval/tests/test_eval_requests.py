@@ -1,0 +1,172 @@
+"""mt-eval builds exactly lm-evaluation-harness's requests: the same prompt strings (few-shot
+examples drawn by the same seed, delimiters, descriptions, templates), the same token pairs
+and rolling windows, and the same metric arithmetic. lm-eval itself is the oracle (no model
+is needed: its tasks build their requests from text)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import lm_eval.api.metrics as lm_metrics
+import lm_eval.tasks as lm_eval_tasks
+import lm_eval.utils as lm_utils
+import pytest
+from conftest import TASKS
+from lm_eval.api.model import TemplateLM
+
+from mt_data import load_tokenizer
+from mt_eval import TaskError, aggregate, builtin_task, encode_pair, load_task, rolling_windows
+from mt_eval.requests import context, continuations, fewshot_sample
+from mt_eval.tasks import load_jsonl
+
+
+@pytest.fixture(scope="module")
+def lm_tasks(task_dir: Path) -> dict:
+    manager = lm_eval_tasks.TaskManager(include_path=str(task_dir))
+    return manager.load(list(TASKS))["tasks"]
+
+
+@pytest.mark.parametrize("shots", [0, 2, 5])
+def test_prompts_equal_lm_eval(lm_tasks: dict, task_dir: Path, shots: int) -> None:
+    for name in TASKS:
+        k = 0 if name == "t_ppl" else shots
+        theirs = lm_tasks[name]
+        theirs.set_config(key="num_fewshot", value=k)
+        theirs.set_fewshot_seed(1234)
+        theirs.build_all_requests(limit=None, rank=0, world_size=1)
+        ours = load_task(str(task_dir / f"{name}.yaml"))
+        examples = fewshot_sample(ours, k, 1234)
+        assert len(theirs.instances) == sum(
+            len(continuations(ours, d)) for d in range(len(ours.docs)))
+        for inst in theirs.instances:
+            if name == "t_ppl":
+                expected = (continuations(ours, inst.doc_id)[0],)
+            else:
+                expected = (context(ours, inst.doc_id, examples[inst.doc_id]),
+                            continuations(ours, inst.doc_id)[inst.idx])
+            assert inst.arguments == expected, (name, inst.doc_id, inst.idx)
+
+
+class _LM(TemplateLM):
+    """lm-eval's own context/continuation split over a given tokenizer."""
+
+    backend = "causal"
+
+    def __init__(self, tokenizer) -> None:
+        super().__init__()
+        self.tok = tokenizer
+
+    def tok_encode(self, string: str, **kwargs) -> list[int]:
+        return self.tok.encode(string)
+
+    @property
+    def eot_token_id(self) -> int:
+        return self.tok.eod_id
+
+    def _loglikelihood_tokens(self, requests, **kwargs):
+        raise NotImplementedError
+
+    def loglikelihood_rolling(self, requests, **kwargs):
+        raise NotImplementedError
+
+    def generate_until(self, requests, **kwargs):
+        raise NotImplementedError
+
+
+def test_token_pairs_and_windows_equal_lm_eval() -> None:
+    tok = load_tokenizer("gpt2")
+    lm = _LM(tok)
+    for ctx, cont in [("The whale", " swam"), ("Call me  ", "Ishmael."), ("a\n\n", "b"),
+                      ("Passage: x y\nAnswer:", " yes"), ("", "Hello there")]:
+        if ctx:
+            assert encode_pair(tok.encode, tok.eod_id, ctx, cont) == lm._encode_pair(ctx, cont)
+        else:
+            assert encode_pair(tok.encode, tok.eod_id, ctx, cont) == (
+                [tok.eod_id], tok.encode(cont))
+    tokens = tok.encode(builtin_task("mt-perplexity").docs[0]["text"])[:300]
+    for length in (1, 7, 64, 299, 300, 512):
+        theirs = [lm_utils.make_disjoint_window(w) for w in lm_utils.get_rolling_token_windows(
+            tokens, prefix_token=tok.eod_id, max_seq_len=length, context_len=1)]
+        ours = rolling_windows(tokens, tok.eod_id, length)
+        assert ours == [(list(a), list(b)) for a, b in theirs], length
+        assert sum(len(pred) for _, pred in ours) == len(tokens)
+
+
+def test_metrics_equal_lm_eval() -> None:
+    lls = [-3.0, -0.5, -7.25, -1.0]
+    values, errors = aggregate("loglikelihood", [{"ll": x, "greedy": x > -2} for x in lls],
+                               ("perplexity", "acc"))
+    assert values["perplexity"] == pytest.approx(lm_metrics.perplexity(lls), rel=1e-12)
+    assert values["acc"] == 0.5
+    assert errors["acc"] == pytest.approx(lm_metrics.mean_stderr([0, 1, 0, 1]), rel=1e-12)
+    items = [{"ll": x, "words": w, "bytes": b} for x, w, b in zip(lls, [2, 1, 5, 3],
+                                                                  [9, 4, 30, 12], strict=True)]
+    values, _ = aggregate("loglikelihood_rolling", items,
+                          ("word_perplexity", "byte_perplexity", "bits_per_byte"))
+    pairs = [(i["ll"], i["words"]) for i in items]
+    assert values["word_perplexity"] == pytest.approx(lm_metrics.weighted_perplexity(pairs))
+    byte_pairs = [(i["ll"], i["bytes"]) for i in items]
+    assert values["byte_perplexity"] == pytest.approx(
+        lm_metrics.weighted_perplexity(byte_pairs))
+    assert values["bits_per_byte"] == pytest.approx(lm_metrics.bits_per_byte(byte_pairs))
+    assert values["bits_per_byte"] == pytest.approx(
+        -sum(lls) / sum(i["bytes"] for i in items) / math.log(2))
+
+
+def test_builtin_tasks_are_held_out() -> None:
+    """Every built-in item comes from a document mt pretrain's default split keeps out of
+    training, and none from a training document."""
+    from mt_data import SplitSpec, iter_corpus, split_documents
+
+    docs = list(iter_corpus())
+    split = split_documents(len(docs), SplitSpec.parse("969,30,1", seed=1234))
+    held = {int(i) for i in [*split["valid"], *split["test"]]}
+    normal = [" ".join(d["text"].split()) for d in docs]
+    for name in ("mt-cloze", "mt-choice"):
+        task = builtin_task(name)
+        assert len(task.docs) >= 90
+        for doc in task.docs:
+            text = doc.get("text") or doc["context"]
+            homes = {i for i, body in enumerate(normal) if text in body}
+            assert homes and homes <= held, (name, text[:60])
+    assert len(builtin_task("mt-perplexity").docs) == len(held) == 6
+
+
+def test_bad_tasks_name_the_file_line_and_field(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"context": "a", "choices": ["x", "y"], "label": 0}\n{not json}\n')
+    with pytest.raises(TaskError, match=r"bad.jsonl:2: not JSON"):
+        load_jsonl(bad)
+    bad.write_text('{"context": "a", "choices": ["x", "y"], "label": 0}\n'
+                   '{"context": "b", "choices": ["x", "y"], "label": 2}\n')
+    with pytest.raises(TaskError, match=r"bad.jsonl:2: 'label' must be an index into the 2"):
+        load_task(str(bad))
+    bad.write_text('{"context": "a", "choices": ["x"], "label": 0}\n{"context": "b"}\n')
+    with pytest.raises(TaskError, match=r"bad.jsonl:2: field 'choices' is missing"):
+        load_task(str(bad))
+    bad.write_text('{"question": "a"}\n')
+    with pytest.raises(TaskError, match=r"bad.jsonl:1: rows need the fields"):
+        load_task(str(bad))
+    yaml_file = tmp_path / "t.yaml"
+    good = tmp_path / "good.jsonl"
+    good.write_text(json.dumps({"text": "one two three"}) + "\n")
+    yaml_file.write_text(f"task: t\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+                         f"    test: {good}\ntest_split: test\noutput_type: generate_until\n"
+                         "doc_to_text: text\ndoc_to_target: text\n")
+    with pytest.raises(TaskError, match=r"t.yaml: output_type 'generate_until' is not"):
+        load_task(str(yaml_file))
+    yaml_file.write_text(yaml_file.read_text() + "process_docs: !function utils.p\n")
+    with pytest.raises(TaskError, match=r"t.yaml: not YAML|t.yaml: key 'process_docs'"):
+        load_task(str(yaml_file))
+    yaml_file.write_text(f"task: t\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+                         f"    test: {good}\ntest_split: test\noutput_type: loglikelihood\n"
+                         "doc_to_text: \"{{ txt }}\"\ndoc_to_target: text\n")
+    task = load_task(str(yaml_file))
+    with pytest.raises(TaskError, match=r"t.yaml: document 0: template .*'txt' is undefined"):
+        context(task, 0, [])
+    with pytest.raises(TaskError, match="unknown task 'nope'"):
+        load_task("nope")
+    with pytest.raises(TaskError, match="3 examples asked, but the pool holds 0"):
+        fewshot_sample(load_task(str(good)), 3, 1234)

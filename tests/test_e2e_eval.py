@@ -1,0 +1,161 @@
+"""Cross-app: `mt eval` gives lm-evaluation-harness's numbers, at any layout.
+
+A tiny GPT trained briefly by `mt pretrain` with the GPT-2 vocabulary is exported by `mt
+convert --to hf` (weights, config and, unasked, the tokenizer it trained with). lm-eval's HF
+backend (a pinned test dependency) scores the export; `mt eval` scores the mt checkpoint.
+Multiple-choice, cloze and rolling-perplexity tasks, zero-shot and with 2 examples (the same
+examples: lm-eval's seed): every per-item log-likelihood within 1e-4 (fp32), every greedy
+flag and acc / acc_norm identical. Then TP 2 x PP 2 (4 processes) against one process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from mt_convert.cli import app as convert_app
+from mt_eval import builtin_task
+from mt_pretrain.config.load import load_config
+from mt_pretrain.evaluation.rank import EvalSpec
+from mt_pretrain.launch import launch, launch_eval
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+TOL = 1e-4
+TASKS = {
+    "mc": "output_type: multiple_choice\nfewshot_split: test\ndoc_to_text: context\n"
+          "doc_to_choice: choices\ndoc_to_target: label\n",
+    "cloze": "output_type: loglikelihood\nfewshot_split: test\n"
+             "doc_to_text: \"{{text.split(' ')[:-1]|join(' ')}}\"\n"
+             "doc_to_target: \"{{' '+text.split(' ')[-1]}}\"\ntarget_delimiter: \"\"\n",
+    "ppl": "output_type: loglikelihood_rolling\ndoc_to_text: \"\"\ndoc_to_target: text\n",
+}
+
+
+def _single_threaded(fn: Any, *args: Any) -> Any:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return fn(*args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("eval")
+    config = load_config(None, {
+        "model": "tiny", "vocab_size": 50257, "tokenizer": "gpt2", "nproc": 1,
+        "micro_batch_size": 4, "global_batch_size": 8, "train_steps": 12, "eval_interval": 0,
+        "sample_tokens": 0, "progress": False, "log_interval": 100, "timeout": 300.0,
+        "out_dir": str(root / "run"), "cache_dir": str(root / "cache")})
+    summary = _single_threaded(launch, config, {}, 600)
+    ckpt = Path(summary.checkpoint)
+    result = CliRunner().invoke(convert_app, [str(ckpt), str(root / "hf"), "--to", "hf"])
+    assert result.exit_code == 0, result.output
+    assert (root / "hf" / "tokenizer.json").exists(), "the export must carry its tokenizer"
+    tasks = root / "tasks"
+    tasks.mkdir()
+    rows = {"mc": builtin_task("mt-choice").docs[:10],
+            # plus an item a barely trained model gets right: "the" is its greedy word
+            "cloze": (*builtin_task("mt-cloze").docs[:9],
+                      {"text": "He went down to the sea, and then up into the"}),
+            # document beginnings: a few windows each (long documents: see the note below)
+            "ppl": tuple({"text": d["text"][:600]} for d in builtin_task("mt-perplexity").docs[:3])}
+    for name, body in TASKS.items():
+        data = tasks / f"{name}.jsonl"
+        data.write_text("".join(json.dumps(r) + "\n" for r in rows[name]), encoding="utf-8")
+        (tasks / f"{name}.yaml").write_text(
+            f"task: t_{name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+            f"    test: {data}\ntest_split: test\n{body}", encoding="utf-8")
+    return {"root": root, "ckpt": ckpt, "hf": root / "hf", "tasks": tasks}
+
+
+def _mt(setup: dict[str, Path], names: list[str], shots: int, **layout: int) -> dict:
+    spec = EvalSpec(str(setup["ckpt"]), tuple(str(setup["tasks"] / f"{n}.yaml") for n in names),
+                    shots=shots, batch_size=8, progress=False, **layout)
+    results = _single_threaded(launch_eval, spec, {}, 600)
+    return {r.name: r for r in results}
+
+
+def _lm_eval(setup: dict[str, Path], names: list[str], shots: int) -> dict:
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    out = _single_threaded(lambda: lm_eval.simple_evaluate(
+        model="hf", model_args=f"pretrained={setup['hf']},dtype=float32",
+        tasks=[f"t_{n}" for n in names], num_fewshot=shots, batch_size=8, device="cpu",
+        log_samples=True, task_manager=TaskManager(include_path=str(setup["tasks"])),
+        fewshot_random_seed=1234, bootstrap_iters=0))
+    return out
+
+
+@pytest.mark.parametrize("shots", [0, 2])
+def test_mt_eval_equals_lm_eval(setup: dict[str, Path], shots: int) -> None:
+    names = list(TASKS) if shots == 0 else ["mc", "cloze"]
+    ours, theirs = _mt(setup, names, shots), _lm_eval(setup, names, shots)
+    greedy_seen = False
+    for task, samples in theirs["samples"].items():
+        mine = {s["doc_id"]: s for s in ours[task].samples}
+        assert sorted(mine) == sorted(s["doc_id"] for s in samples)
+        for sample in samples:
+            if task == "t_ppl":
+                lls, greedy = [r[0] for r in sample["resps"]], None
+            else:
+                lls = [r[0][0] for r in sample["resps"]]
+                greedy = [bool(r[0][1]) for r in sample["resps"]]
+            got = mine[sample["doc_id"]]
+            assert got["loglikelihoods"] == pytest.approx(lls, abs=TOL, rel=0), (task, sample)
+            if greedy is not None:
+                assert got["is_greedy"] == greedy, (task, sample["doc_id"])
+                greedy_seen |= any(greedy)
+        for key, value in theirs["results"][task].items():
+            metric = key.split(",")[0]
+            if metric in ("acc", "acc_norm"):
+                assert ours[task].metrics[metric] == value, (task, metric)
+            elif metric in ours[task].metrics:
+                assert ours[task].metrics[metric] == pytest.approx(value, rel=1e-6), (task, key)
+    assert greedy_seen, "no greedy continuation at all: the is_greedy check proved nothing"
+
+
+def test_tp2_pp2_equals_one_process(setup: dict[str, Path]) -> None:
+    one = _mt(setup, list(TASKS), 2)
+    four = _mt(setup, list(TASKS), 2, tp=2, pp=2, nproc=4)
+    for task, result in one.items():
+        other = four[task]
+        assert other.metrics.keys() == result.metrics.keys()
+        for metric in ("acc", "acc_norm"):
+            if metric in result.metrics:
+                assert other.metrics[metric] == result.metrics[metric], (task, metric)
+        for a, b in zip(result.samples, other.samples, strict=True):
+            assert b["loglikelihoods"] == pytest.approx(a["loglikelihoods"], abs=TOL, rel=0)
+            assert b["is_greedy"] == a["is_greedy"], (task, a["doc_id"])
+
+
+def test_pretrain_eval_task_equals_mt_eval(tmp_path: Path) -> None:
+    """`mt pretrain --eval-task` at TP 2 x PP 2 writes, after its last step, the metrics
+    `mt eval` computes on the checkpoint it saved (one process)."""
+    tasks = ("mt-choice", "mt-cloze", "mt-perplexity")
+    config = load_config(None, {
+        "model": "tiny", "nproc": 4, "tp": 2, "pp": 2, "micro_batch_size": 2,
+        "global_batch_size": 4, "train_steps": 4, "eval_interval": 0, "sample_tokens": 0,
+        "progress": False, "log_interval": 100, "timeout": 300.0,
+        "eval_task": ",".join(tasks), "eval_task_interval": 2, "eval_task_limit": 6,
+        "out_dir": str(tmp_path / "run"), "cache_dir": str(tmp_path / "cache")})
+    summary = _single_threaded(launch, config, {}, 600)
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    scored = {line["step"]: {k[5:]: v for k, v in line.items() if k.startswith("eval/")}
+              for line in lines}
+    assert [step for step, m in scored.items() if m] == [2, 4]
+    spec = EvalSpec(summary.checkpoint, tasks, limit=6, progress=False)
+    for result in _single_threaded(launch_eval, spec, {}, 600):
+        for metric, value in result.metrics.items():
+            assert scored[4][f"{result.name}/{metric}"] == pytest.approx(value, rel=1e-6), (
+                result.name, metric)
