@@ -140,11 +140,13 @@ def test_tp2_pp2_equals_one_process(setup: dict[str, Path]) -> None:
 
 
 def test_pretrain_eval_task_equals_mt_eval(tmp_path: Path) -> None:
-    """`mt pretrain --eval-task` at TP 2 x PP 2 writes, after its last step, the metrics
-    `mt eval` computes on the checkpoint it saved (one process)."""
+    """`mt pretrain --eval-task` at TP 2 x PP 2 with sequence parallelism (odd request
+    lengths padded to a multiple of tp; the head on every position) writes, after its last
+    step, the metrics `mt eval` computes on the checkpoint it saved (one process)."""
     tasks = ("mt-choice", "mt-cloze", "mt-perplexity")
     config = load_config(None, {
-        "model": "tiny", "nproc": 4, "tp": 2, "pp": 2, "micro_batch_size": 2,
+        "model": "tiny", "nproc": 4, "tp": 2, "pp": 2, "sequence_parallel": True,
+        "micro_batch_size": 2,
         "global_batch_size": 4, "train_steps": 4, "eval_interval": 0, "sample_tokens": 0,
         "progress": False, "log_interval": 100, "timeout": 300.0,
         "eval_task": ",".join(tasks), "eval_task_interval": 2, "eval_task_limit": 6,

@@ -49,9 +49,20 @@ class TaskResult:
 
 def batches_by_length(requests: Sequence[Request], batch_size: int) -> list[list[Request]]:
     """Requests longest first (equal lengths by tokens, as lm-eval orders them), in batches
-    of ``batch_size``: each batch pads little, and the first batch shows the peak memory."""
+    of ``batch_size`` distinct inputs: requests that differ only in their last token (the
+    one-token choices of a question) are adjacent in this order and count once, as a scorer
+    runs their shared input once. Each batch pads little; the first shows the peak memory."""
     ordered = sorted(requests, key=lambda r: (-len(r.tokens), r.tokens))
-    return [ordered[i:i + batch_size] for i in range(0, len(ordered), batch_size)]
+    batches: list[list[Request]] = []
+    inputs: set[tuple[int, ...]] = set()
+    for request in ordered:
+        key = request.tokens[:-1]
+        if not batches or (key not in inputs and len(inputs) == batch_size):
+            batches.append([])
+            inputs = set()
+        batches[-1].append(request)
+        inputs.add(key)
+    return batches
 
 
 def _task_result(task: Task, shots: int, requests: list[Request],

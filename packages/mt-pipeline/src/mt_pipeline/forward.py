@@ -28,11 +28,14 @@ def forward_outputs(stage: PipelineStage, comm: StageComm, num_micro_batches: in
                     inputs: Sequence[torch.Tensor] | None,
                     last: Callable[[int, torch.Tensor], T],
                     activation_shape: Sequence[int] | Callable[[int], Sequence[int]],
-                    dtype: torch.dtype, device: torch.device | str) -> list[T]:
+                    dtype: torch.dtype, device: torch.device | str,
+                    head: bool = True) -> list[T]:
     """``last(i, logits)`` of each of ``num_micro_batches`` micro-batches, on the last stage
     (an empty list on the others); ``inputs[i]`` are micro-batch ``i``'s token ids on the
     first stage. Receive buffers have ``activation_shape`` (one shape, or the shape of
-    micro-batch ``i`` when micro-batches differ in size) and ``dtype``.
+    micro-batch ``i`` when micro-batches differ in size) and ``dtype``. ``head=False`` gives
+    ``last`` the final hidden states instead of logits (it may apply
+    :meth:`PipelineStage.apply_head` to the positions it needs).
     """
     p, s = comm.num_stages, comm.stage
     shape_of = activation_shape if callable(activation_shape) else (lambda _i: activation_shape)
@@ -46,7 +49,7 @@ def forward_outputs(stage: PipelineStage, comm: StageComm, num_micro_batches: in
             else:
                 x = torch.empty(tuple(shape_of(micro)), dtype=dtype, device=device)
                 dist.recv(x, src=comm.stage_ranks[(virtual - 1) % p], group=comm.group)
-            out = stage.forward_chunk(chunk, x)
+            out = stage.forward_chunk(chunk, x, head=head)
             if stage.is_last_chunk(chunk):
                 outputs.append(last(micro, out))
             else:

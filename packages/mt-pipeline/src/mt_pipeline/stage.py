@@ -168,12 +168,13 @@ class PipelineStage(nn.Module):
         return [layers[str(i)] for i in range(start, stop)]
 
     def forward_chunk(self, chunk: int, x: torch.Tensor, checkpoint: bool = False,
-                      key: int | None = None) -> torch.Tensor:
+                      key: int | None = None, head: bool = True) -> torch.Tensor:
         """Run local ``chunk`` on ``x`` (token ids for the first virtual stage, else hidden).
 
         Returns hidden states, or logits on the last virtual stage. ``checkpoint`` recomputes
         each layer in backward instead of keeping its inner activations. ``key`` names the
-        micro-batch for the stage's :class:`RegionRNG` (ignored without one).
+        micro-batch for the stage's :class:`RegionRNG` (ignored without one). ``head=False``
+        returns the last virtual stage's final hidden states (see :meth:`apply_head`).
         """
         if not 0 <= chunk < self.num_chunks:
             raise IndexError(f"chunk {chunk} outside 0..{self.num_chunks - 1}")
@@ -192,11 +193,19 @@ class PipelineStage(nn.Module):
         if self.is_last_chunk(chunk):
             for name in self.layout.final:
                 x = self.get_submodule(name)(x)
-            if self.layout.head is not None:
-                head = self.get_submodule(self.layout.head)
-                tied = self.layout.tied_weight
-                x = head(x, self.get_parameter(tied)) if tied is not None else head(x)
+            if head:
+                x = self.apply_head(x)
         return x
+
+    def apply_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The output head on final hidden states (the last virtual stage's): logits. Given
+        only some positions' hidden states, it computes only their logits (evaluation
+        scores a few tokens of each sequence; without sequence parallelism)."""
+        if self.layout.head is None:
+            return hidden
+        module = self.get_submodule(self.layout.head)
+        tied = self.layout.tied_weight
+        return module(hidden, self.get_parameter(tied)) if tied is not None else module(hidden)
 
     def forward(self, x: torch.Tensor, chunk: int = 0, key: int | None = None) -> torch.Tensor:
         """Same as :meth:`forward_chunk` without checkpointing."""

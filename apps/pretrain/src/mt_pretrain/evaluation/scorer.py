@@ -3,14 +3,16 @@
 Every rank holds the same batches (tasks and tokenizer are deterministic); DP replica ``r``
 scores batches ``r, r + dp, ...``; within a replica the batches stream through mt-pipeline's
 forward-only pass as micro-batches (no backward, a few in flight at once); the last stage
-turns vocabulary-sharded logits into per-token log-probabilities and greedy flags
-(:func:`mt_tensor_parallel.vocab_parallel_logprobs`: the full logits never exist); one
-all-reduce then gives every rank every score.
+applies the output head to the scored positions only (a multiple-choice request scores a
+few of its tokens) and turns those vocabulary-sharded logits into log-probabilities and
+greedy flags (:func:`mt_tensor_parallel.vocab_parallel_logprobs`: the full logits never
+exist on one rank); one all-reduce then gives every rank every score.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -21,6 +23,19 @@ from mt_pipeline import PipelineStage, StageComm, forward_outputs
 from mt_tensor_parallel import vocab_parallel_logprobs
 
 __all__ = ["StageScorer"]
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """One batch as tensors: ``ids`` [distinct inputs, length] (right-padded); for every
+    scored position, its input row, column, target token and owning request."""
+
+    ids: torch.Tensor
+    rows: torch.Tensor
+    cols: torch.Tensor
+    targets: torch.Tensor
+    owner: torch.Tensor
+    requests: int
 
 
 class StageScorer:
@@ -52,25 +67,46 @@ class StageScorer:
             length = -(-length // tp) * tp
         return length
 
-    def _tensors(self, batch: Sequence[Request]) -> tuple[torch.Tensor, torch.Tensor,
-                                                          torch.Tensor]:
-        """(inputs, targets, scored mask), each [batch, length], right-padded."""
-        length = self._length(batch)
-        inputs = torch.zeros(len(batch), length, dtype=torch.int64)
-        targets = torch.zeros(len(batch), length, dtype=torch.int64)
-        mask = torch.zeros(len(batch), length, dtype=torch.bool)
+    def _inputs(self, batch: Sequence[Request]) -> list[tuple[int, ...]]:
+        """The distinct input sequences of a batch (requests that differ only in their last
+        token, such as the one-token choices of a question, share one forward pass)."""
+        return list(dict.fromkeys(r.tokens[:-1] for r in batch))
+
+    def _tensors(self, batch: Sequence[Request]) -> _Batch:
+        inputs = self._inputs(batch)
+        row_of = {tokens: i for i, tokens in enumerate(inputs)}
+        ids = torch.zeros(len(inputs), self._length(batch), dtype=torch.int64)
+        for i, tokens in enumerate(inputs):
+            ids[i, :len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
+        rows, cols, targets, owner = [], [], [], []
         for i, request in enumerate(batch):
-            tokens = torch.tensor(request.tokens, dtype=torch.int64)
-            n = len(tokens) - 1
-            inputs[i, :n], targets[i, :n] = tokens[:-1], tokens[1:]
-            mask[i, n - request.scored:n] = True
-        return inputs.to(self.device), targets.to(self.device), mask.to(self.device)
+            n = len(request.tokens) - 1
+            rows += [row_of[request.tokens[:-1]]] * request.scored
+            cols += range(n - request.scored, n)
+            targets += request.tokens[n - request.scored + 1:]
+            owner += [i] * request.scored
+        as_tensor = lambda v: torch.tensor(v, dtype=torch.int64, device=self.device)  # noqa: E731
+        return _Batch(ids.to(self.device), as_tensor(rows), as_tensor(cols),
+                      as_tensor(targets), as_tensor(owner), len(batch))
 
     def _shape(self, batch: Sequence[Request]) -> tuple[int, int, int]:
         length = self._length(batch)
         if self.sequence_parallel:
             length //= self.groups.tp_size
-        return (len(batch), length, self.hidden)
+        return (len(self._inputs(batch)), length, self.hidden)
+
+    def _scores(self, out: torch.Tensor, b: _Batch) -> torch.Tensor:
+        """[requests, 2]: summed log-likelihood and all-greedy of each request, from the
+        last stage's output (hidden states, or logits under sequence parallelism)."""
+        picked = out[b.rows, b.cols].unsqueeze(0)  # the scored positions only
+        logits = picked if self.sequence_parallel else self.stage.apply_head(picked)
+        logprob, greedy = vocab_parallel_logprobs(logits, b.targets.unsqueeze(0),
+                                                  self.groups.tp, self.vocab_size)
+        ll = torch.zeros(b.requests, dtype=torch.float64, device=self.device)
+        ll.index_add_(0, b.owner, logprob[0].double())
+        missed = torch.zeros(b.requests, device=self.device)
+        missed.index_add_(0, b.owner, (~greedy[0]).float())
+        return torch.stack([ll, (missed == 0).double()], dim=1)
 
     @torch.no_grad()
     def __call__(self, batches: Sequence[Sequence[Request]],
@@ -90,19 +126,15 @@ class StageScorer:
                 group = [batches[b] for b in mine[start:start + self.in_flight]]
                 tensors = [self._tensors(batch) for batch in group]
 
-                def last(micro: int, logits: torch.Tensor,
-                         tensors: list = tensors) -> torch.Tensor:
-                    _, targets, mask = tensors[micro]
-                    logprob, greedy = vocab_parallel_logprobs(logits, targets, groups.tp,
-                                                              self.vocab_size)
-                    ll = torch.where(mask, logprob.double(), 0.0).sum(dim=1)
-                    return torch.stack([ll, (greedy | ~mask).all(dim=1).double()], dim=1)
+                def last(micro: int, out: torch.Tensor,
+                         tensors: list[_Batch] = tensors) -> torch.Tensor:
+                    return self._scores(out, tensors[micro])
 
                 out = forward_outputs(
                     self.stage, comm, len(group),
-                    [t[0] for t in tensors] if groups.is_first_stage else None, last,
+                    [t.ids for t in tensors] if groups.is_first_stage else None, last,
                     lambda micro, group=group: self._shape(group[micro]), self.dtype,
-                    self.device)
+                    self.device, head=self.sequence_parallel)
                 if groups.is_last_stage and groups.tp_rank == 0:
                     for b, result in zip(mine[start:start + self.in_flight], out, strict=True):
                         scores[offsets[b]:offsets[b + 1]] = result
