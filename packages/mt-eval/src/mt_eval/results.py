@@ -51,7 +51,9 @@ def write_json(path: str | Path, data: dict[str, Any]) -> Path:
 def _fmt(value: float | None) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
-    return f"{value:.4f}" if abs(value) < 1000 else f"{value:,.1f}"
+    if abs(value) < 1000:
+        return f"{value:.4f}"
+    return f"{value:,.1f}" if abs(value) < 1e6 else f"{value:.3e}"
 
 
 def results_table(results: Sequence[TaskResult]) -> Table:
@@ -59,7 +61,7 @@ def results_table(results: Sequence[TaskResult]) -> Table:
     table = Table(title="mt eval")
     for column, justify in (("task", "left"), ("shots", "right"), ("docs", "right"),
                             ("metric", "left"), ("value", "right"), ("stderr", "right")):
-        table.add_column(column, justify=justify)  # type: ignore[arg-type]
+        table.add_column(column, justify=justify, no_wrap=True)  # type: ignore[arg-type]
     for result in results:
         for i, (metric, value) in enumerate(result.metrics.items()):
             table.add_row(result.name if i == 0 else "", str(result.shots) if i == 0 else "",

@@ -67,7 +67,8 @@ def eval_command(
     if precision not in ("fp32", "bf16", "fp16"):
         problems.append(f"--precision must be fp32, bf16 or fp16, got {precision!r}")
     if problems:
-        console.print(f"[bold red]error:[/] {escape('; '.join(problems))}", highlight=False)
+        console.print(f"[bold red]error:[/] {escape('; '.join(problems))}", highlight=False,
+                      soft_wrap=True)
         raise typer.Exit(2)
     spec = EvalSpec(checkpoint, tuple(task), shots, fewshot_seed, batch_size, limit, tp, pp,
                     nproc, device, precision, tokenizer, progress)
@@ -78,7 +79,8 @@ def eval_command(
 
         if not isinstance(err, (*_EXPECTED, LaunchFailed, OSError)):
             raise
-        console.print(f"[bold red]error:[/] {escape(str(err))}", highlight=False)
+        console.print(f"[bold red]error:[/] {escape(str(err))}", highlight=False,
+                      soft_wrap=True)
         raise typer.Exit(1) from None
     if results is None:  # a rank other than 0 under a launcher
         return
@@ -89,4 +91,4 @@ def eval_command(
                   "tp": tp, "pp": pp, "nproc": nproc, "precision": precision,
                   "tokenizer": tokenizer}
         write_json(output, results_json(results, config, samples=log_samples))
-        console.print(f"wrote {output}", highlight=False)
+        console.print(f"wrote {output}", highlight=False, soft_wrap=True)

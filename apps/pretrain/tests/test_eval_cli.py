@@ -1,0 +1,71 @@
+"""`mt eval` from the command line: results as a table and JSON, and bad input reported in
+one line that names the file, line or number at fault (no traceback)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from mt_pretrain.cli.app import app
+from mt_pretrain.config.load import load_config
+from mt_pretrain.launch import launch
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("evalcli")
+    config = load_config(None, {
+        "model": "tiny", "nproc": 1, "micro_batch_size": 2, "global_batch_size": 2,
+        "train_steps": 2, "eval_interval": 0, "sample_tokens": 0, "progress": False,
+        "out_dir": str(root / "run"), "cache_dir": str(root / "cache")})
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        launch(config, environ={}, timeout=300)
+    finally:
+        torch.set_num_threads(threads)
+    return root / "run" / "checkpoints"
+
+
+def _eval(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(app, ["eval", *args])
+    return result.exit_code, result.output
+
+
+def test_results_table_and_json(checkpoint: Path, tmp_path: Path) -> None:
+    out = tmp_path / "res" / "results.json"
+    code, text = _eval(str(checkpoint), "--task", "mt-choice", "--task", "mt-cloze",
+                       "--limit", "5", "--shots", "1", "--no-progress", "--output", str(out),
+                       "--log-samples")
+    assert code == 0, text
+    assert "mt-choice" in text and "acc_norm" in text and f"wrote {out}" in text
+    data = json.loads(out.read_text())
+    choice = data["results"]["mt-choice"]
+    assert choice["documents"] == 5 and choice["num_fewshot"] == 1
+    assert 0 <= choice["acc"] <= 1 and choice["acc_stderr"] is not None
+    assert data["config"]["tasks"] == ["mt-choice", "mt-cloze"]
+    samples = data["samples"]["mt-choice"]
+    assert [s["doc_id"] for s in samples] == list(range(5))
+    assert all(len(s["loglikelihoods"]) == 4 and all(x < 0 for x in s["loglikelihoods"])
+               for s in samples)
+    assert not list(out.parent.glob(".*.tmp")), "the JSON is written atomically"
+
+
+def test_bad_input_is_one_line(checkpoint: Path, tmp_path: Path) -> None:
+    missing = tmp_path / "nowhere"
+    code, text = _eval(str(missing), "--task", "mt-cloze")
+    assert code == 1 and str(missing) in text and "Traceback" not in text, text
+    task = tmp_path / "broken.jsonl"
+    task.write_text('{"text": "one two three"}\n{"text": \n')
+    code, text = _eval(str(checkpoint), "--task", str(task))
+    assert code == 1 and f"{task}:2: not JSON" in text and "Traceback" not in text, text
+    code, text = _eval(str(checkpoint), "--task", "mt-cloze", "--tp", "3", "--nproc", "3")
+    assert code == 1 and "invalid layout" in text and "3" in text, text
+    code, text = _eval(str(checkpoint), "--task", "mt-cloze", "--batch-size", "0")
+    assert code == 2 and "--batch-size must be positive, got 0" in text, text
+    code, text = _eval(str(checkpoint), "--task", "no-such-task")
+    assert code == 1 and "unknown task 'no-such-task'" in text, text
