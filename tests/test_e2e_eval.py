@@ -78,8 +78,9 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"root": root, "ckpt": ckpt, "hf": root / "hf", "tasks": tasks}
 
 
-def _mt(setup: dict[str, Path], names: list[str], shots: int, **layout: int) -> dict:
-    spec = EvalSpec(str(setup["ckpt"]), tuple(str(setup["tasks"] / f"{n}.yaml") for n in names),
+def _mt(setup: dict[str, Path], names: list[str], shots: int, source: str = "ckpt",
+        **layout: int) -> dict:
+    spec = EvalSpec(str(setup[source]), tuple(str(setup["tasks"] / f"{n}.yaml") for n in names),
                     shots=shots, batch_size=8, progress=False, **layout)
     results = _single_threaded(launch_eval, spec, {}, 600)
     return {r.name: r for r in results}
@@ -125,9 +126,14 @@ def test_mt_eval_equals_lm_eval(setup: dict[str, Path], shots: int) -> None:
     assert greedy_seen, "no greedy continuation at all: the is_greedy check proved nothing"
 
 
-def test_tp2_pp2_equals_one_process(setup: dict[str, Path]) -> None:
+@pytest.mark.parametrize("other", ["tp2-pp2", "hf-folder"])
+def test_layouts_and_sources_agree(setup: dict[str, Path], other: str) -> None:
+    """TP 2 x PP 2 on 4 processes, and the Hugging Face export given to `mt eval` as it is
+    (converted by `mt convert` on the fly, its own tokenizer), score like one process on the
+    mt checkpoint."""
     one = _mt(setup, list(TASKS), 2)
-    four = _mt(setup, list(TASKS), 2, tp=2, pp=2, nproc=4)
+    four = _mt(setup, list(TASKS), 2, tp=2, pp=2, nproc=4) if other == "tp2-pp2" else \
+        _mt(setup, list(TASKS), 2, source="hf")
     for task, result in one.items():
         other = four[task]
         assert other.metrics.keys() == result.metrics.keys()

@@ -13,18 +13,19 @@ from __future__ import annotations
 import os
 import signal
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 
-from mt_checkpoint import find_checkpoint
 from mt_data.tokenizer import TokenizerError
 from mt_dist import LaunchInfo, discover, free_port
 from mt_dist.supervisor import LocalRanks, Outcome
 from mt_eval import TaskError, TaskResult, load_task
 from mt_pretrain.config.resolve import resolve, sharding_styles
 from mt_pretrain.config.schema import ConfigError, PretrainConfig
+from mt_pretrain.evaluation.model import as_pretrain_checkpoint
 from mt_pretrain.evaluation.rank import EvalSpec, eval_rank
 from mt_pretrain.run.checkpoint import CheckpointError
 from mt_pretrain.run.data import check_vocab, default_cache_dir, ensure_data
@@ -85,17 +86,19 @@ def launch_eval(spec: EvalSpec, environ: Mapping[str, str] | None = None,
     processes. Returns rank 0's results (None on other ranks under a launcher)."""
     environ = os.environ if environ is None else environ
     info = discover(environ)
-    if info.launcher != "single":
-        return eval_rank(spec, info)
     for task in spec.tasks:  # fail here, before starting anything
         load_task(task)
-    find_checkpoint(spec.checkpoint)
-    if spec.nproc == 1:
-        return eval_rank(spec, LaunchInfo(0, 1, 0, 1, "127.0.0.1", free_port("127.0.0.1"),
-                                          "single"))
-    threads = max(1, (os.cpu_count() or 1) // spec.nproc)
-    return supervise(_eval_rank, spec.nproc,
-                     (spec, spec.nproc, free_port("127.0.0.1"), threads), timeout)
+    # Another format is converted once here (under a launcher: once per rank).
+    with as_pretrain_checkpoint(spec.checkpoint, spec.tokenizer) as (checkpoint, tokenizer):
+        spec = replace(spec, checkpoint=checkpoint, tokenizer=tokenizer)
+        if info.launcher != "single":
+            return eval_rank(spec, info)
+        if spec.nproc == 1:
+            return eval_rank(spec, LaunchInfo(0, 1, 0, 1, "127.0.0.1",
+                                              free_port("127.0.0.1"), "single"))
+        threads = max(1, (os.cpu_count() or 1) // spec.nproc)
+        return supervise(_eval_rank, spec.nproc,
+                         (spec, spec.nproc, free_port("127.0.0.1"), threads), timeout)
 
 
 def _eval_rank(rank: int, spec: EvalSpec, nproc: int, port: int,

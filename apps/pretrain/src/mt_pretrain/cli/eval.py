@@ -14,8 +14,11 @@ __all__ = ["eval_command"]
 
 _HELP = (
     "Evaluate a checkpoint zero- or few-shot, the way lm-evaluation-harness scores models.\n\n"
-    "CHECKPOINT is an mt pretrain checkpoint folder (its latest step, or one step folder); "
-    "the tokenizer is the one it trained with (or --tokenizer). TASK is a built-in task "
+    "CHECKPOINT is an mt pretrain checkpoint folder (its latest step, or one step folder), "
+    "or any folder mt convert reads (a Hugging Face GPT-2 folder, an mt consolidated or "
+    "sharded folder, a Megatron-LM checkpoint; converted once to a temporary folder); the "
+    "tokenizer is the one it trained with or the one the folder carries (or --tokenizer). "
+    "TASK is a built-in task "
     "(mt-cloze, mt-choice, mt-perplexity: made from the embedded corpus' held-out "
     "documents), a .jsonl file (rows {context, choices, label}: multiple choice; rows {text}: "
     "last-word cloze) or an lm-eval task .yaml (dataset_path: json; output_type "
@@ -27,7 +30,8 @@ _HELP = (
 
 
 def eval_command(
-    checkpoint: Annotated[str, typer.Argument(help="mt pretrain checkpoint folder.")],
+    checkpoint: Annotated[str, typer.Argument(
+        help="mt pretrain checkpoint, or a folder mt convert reads (e.g. Hugging Face).")],
     task: Annotated[list[str], typer.Option(
         "--task", "-t", help="Task to evaluate (repeatable).")],
     shots: Annotated[int | None, typer.Option(

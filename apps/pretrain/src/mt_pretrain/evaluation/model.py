@@ -1,8 +1,16 @@
 """What `mt eval` evaluates: the model config, its full weights and its tokenizer, read from
-an `mt pretrain` checkpoint (the folder, its ``latest``, or one step)."""
+an `mt pretrain` checkpoint (the folder, its ``latest``, or one step), or from any folder
+`mt convert` reads (a Hugging Face GPT-2 folder, an mt consolidated or sharded folder, a
+Megatron-LM checkpoint), converted once into a temporary `mt pretrain` checkpoint by `mt
+convert` itself (a subprocess: the apps do not import each other)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,7 +23,7 @@ from mt_pretrain.config.schema import DataArgs
 from mt_pretrain.run.checkpoint import consolidated_model
 from mt_pretrain.run.data import run_tokenizer
 
-__all__ = ["EvalModel", "load_eval_model"]
+__all__ = ["EvalModel", "as_pretrain_checkpoint", "load_eval_model"]
 
 
 @dataclass
@@ -34,6 +42,40 @@ def _configured_tokenizer(config: Any, vocab_size: int) -> str | None:
     data = dict(config.get("data") or {}) if isinstance(config, dict) else {}
     return run_tokenizer(DataArgs(data=data.get("data"), tokenizer=data.get("tokenizer")),
                          vocab_size)
+
+
+def _folder_tokenizer(folder: Path) -> str | None:
+    """The tokenizer a model folder carries (``tokenizer.json``, or GPT-2's vocab and merges
+    files), as ``mt_data.load_tokenizer`` takes it."""
+    if (folder / "tokenizer.json").is_file() or (
+            (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file()):
+        return str(folder)
+    return None
+
+
+@contextmanager
+def as_pretrain_checkpoint(path: str, tokenizer: str | None
+                           ) -> Iterator[tuple[str, str | None]]:
+    """(an `mt pretrain` checkpoint, tokenizer) for ``path``: itself, or a temporary
+    conversion of another format by `mt convert` (deleted on exit), with the tokenizer the
+    folder carries unless ``tokenizer`` is given."""
+    try:
+        find_checkpoint(path)
+        yield path, tokenizer
+        return
+    except CheckpointError:
+        if not Path(path).is_dir():
+            raise
+    with tempfile.TemporaryDirectory(prefix="mt-eval-") as tmp:
+        target = Path(tmp) / "checkpoint"
+        done = subprocess.run([sys.executable, "-m", "mt_convert", path, str(target), "--to",
+                               "pretrain"], capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            lines = (done.stderr or done.stdout).strip().splitlines() or ["(no output)"]
+            reason = lines[-1].removeprefix("error: ")
+            raise CheckpointError(f"{path}: neither an mt pretrain checkpoint nor a folder mt "
+                                  f"convert reads ({reason})")
+        yield str(target), tokenizer or _folder_tokenizer(Path(path))
 
 
 def load_eval_model(path: str | Path, tokenizer: str | None = None) -> EvalModel:
