@@ -61,6 +61,15 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     result = CliRunner().invoke(convert_app, [str(ckpt), str(root / "hf"), "--to", "hf"])
     assert result.exit_code == 0, result.output
     assert (root / "hf" / "tokenizer.json").exists(), "the export must carry its tokenizer"
+    # ... that transformers loads unaided: GPT-2's ids, and a text-generation pipeline.
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(root / "hf")
+    assert tokenizer("Hello world")["input_ids"] == [15496, 995]
+    assert tokenizer.eos_token_id == 50256
+    generate = transformers.pipeline("text-generation", model=str(root / "hf"), device="cpu")
+    assert generate("The whale", max_new_tokens=3, do_sample=False)[0][
+        "generated_text"].startswith("The whale")
     tasks = root / "tasks"
     tasks.mkdir()
     rows = {"mc": builtin_task("mt-choice").docs[:10],
