@@ -71,8 +71,10 @@ def test_presets_match_published_shapes() -> None:
         "8.3b": (72, 3072, 24, 51200, 2048),
         "mt-nlg-530b": (105, 20480, 128, 51200, 2048),
     }
-    assert set(PRESETS) == set(expected)
+    llama = {"llama-test", "llama-3.2-1b", "llama-3.1-8b"}
+    assert set(PRESETS) == set(expected) | llama
     for name, shape in expected.items():
+        assert preset(name).architecture == "gpt2"
         cfg = preset(name)
         assert (cfg.n_layers, cfg.hidden, cfg.n_heads, cfg.vocab_size, cfg.seq_len) == shape
         assert cfg.ffn_hidden == 4 * cfg.hidden
@@ -127,3 +129,42 @@ def test_from_dict_rejects_unknown_and_missing_keys() -> None:
     del data["n_heads"], data["dropout"]
     with pytest.raises(GPTConfigError, match="n_heads"):
         GPTConfig.from_dict(data)
+
+
+def test_llama_presets_match_published_shapes_and_counts() -> None:
+    """Llama 3.2 1B and Llama 3.1 8B as published (config.json of the HF releases): shapes,
+    and parameter counts equal to the released models' (1,235,814,400 and 8,030,261,248)."""
+    from mt_model import count_parameters
+
+    small, big = preset("llama-3.2-1b"), preset("llama-3.1-8b")
+    assert (small.n_layers, small.hidden, small.n_heads, small.n_kv_heads, small.ffn_hidden,
+            small.vocab_size, small.rope_theta, small.tied_embeddings) == (
+        16, 2048, 32, 8, 8192, 128256, 500000.0, True)
+    assert (big.n_layers, big.hidden, big.n_heads, big.n_kv_heads, big.ffn_hidden,
+            big.vocab_size, big.tied_embeddings) == (32, 4096, 32, 8, 14336, 128256, False)
+    for cfg in (small, big, preset("llama-test")):
+        assert (cfg.position, cfg.norm, cfg.mlp, cfg.bias) == ("rope", "rmsnorm", "swiglu",
+                                                               False)
+    assert count_parameters(small) == 1_235_814_400
+    assert count_parameters(big) == 8_030_261_248
+
+
+def test_architecture_choices_are_validated_with_numbers() -> None:
+    base = preset("tiny")
+    with pytest.raises(GPTConfigError, match="n_heads=4 is not divisible by n_kv_heads=3"):
+        base.replace(n_kv_heads=3)
+    with pytest.raises(GPTConfigError, match="n_kv_heads must be a positive int, got 0"):
+        base.replace(n_kv_heads=0)
+    with pytest.raises(GPTConfigError, match=r"position must be one of \('learned', 'rope'\)"):
+        base.replace(position="alibi")
+    with pytest.raises(GPTConfigError, match="norm must be one of"):
+        base.replace(norm="batchnorm")
+    with pytest.raises(GPTConfigError, match="mlp must be one of"):
+        base.replace(mlp="relu")
+    with pytest.raises(GPTConfigError, match="rope needs an even head width, got hidden 60 / "
+                                             "n_heads 4 = 15"):
+        base.replace(hidden=60, position="rope")
+    with pytest.raises(GPTConfigError, match="rope_theta must be a number > 1"):
+        base.replace(rope_theta=0.5)
+    assert base.n_kv_heads == base.n_heads  # None resolves to multi-head
+    assert base.replace(n_kv_heads=1).architecture == "n_kv_heads=1"

@@ -79,6 +79,9 @@ def hf_name(name: str) -> tuple[str, bool]:
 
 def hf_config_from_gpt(config: GPTConfig, dtype: torch.dtype) -> dict[str, Any]:
     """The ``config.json`` of a ``GPT2LMHeadModel`` equal to ``mt_model.GPT(config)``."""
+    if config.architecture != "gpt2":
+        raise ConvertError(f"the hf format writes GPT2LMHeadModel; this model's architecture "
+                           f"({config.architecture}) is not GPT-2's")
     in_vocab = config.vocab_size > GPT2_EOS  # GPT-2 BPE ids only make sense if they exist
     return {
         "architectures": ["GPT2LMHeadModel"],

@@ -42,8 +42,10 @@ def _is_real(value: object) -> bool:
 
 @dataclass(frozen=True)
 class GPTConfig:
-    """Shape and regularisation of a decoder-only GPT (pre-LayerNorm, learned positions,
-    GeLU MLP, tied input/output embedding).
+    """Shape, architecture and regularisation of a decoder-only transformer: by default the
+    GPT-2 / MT-NLG block (pre-LayerNorm, learned positions, GeLU MLP, multi-head attention,
+    tied input/output embedding); ``position``, ``norm``, ``mlp``, ``n_kv_heads``, ``bias``
+    and ``tied_embeddings`` give the Llama family's choices.
 
     ``ffn_hidden`` and ``init_std`` may be passed as ``None``; they are then resolved in
     ``__post_init__`` to ``4 * hidden`` and ``sqrt(1 / (3 * hidden))`` so that reading them
@@ -75,10 +77,31 @@ class GPTConfig:
     gelu_approximate: str = field(default="none")
     """``"none"``: exact erf GeLU (default); ``"tanh"``: the tanh approximation used by
     OpenAI GPT-2 checkpoints (HF ``gelu_new``) and Megatron's fused bias-GeLU."""
+    position: str = "learned"
+    """``"learned"``: an absolute position table (GPT-2); ``"rope"``: rotary embeddings on
+    queries and keys (Su et al. 2021, as Llama applies them: halves rotated), no table."""
+    rope_theta: float = 10000.0
+    """RoPE base (Llama 2: 10000; Llama 3: 500000)."""
+    norm: str = "layernorm"
+    """``"layernorm"`` or ``"rmsnorm"`` (Zhang & Sennrich 2019; eps ``layernorm_eps``)."""
+    mlp: str = "gelu"
+    """``"gelu"``: fc -> GeLU -> proj; ``"swiglu"``: fc gives [gate; up] (2 x ffn_hidden),
+    then silu(gate) * up -> proj (Shazeer 2020)."""
+    n_kv_heads: int | None = None
+    """Key/value heads: ``None`` or ``n_heads`` is multi-head attention, fewer is
+    grouped-query attention (each kv head serves ``n_heads / n_kv_heads`` query heads), 1 is
+    multi-query attention."""
+    bias: bool = True
+    """Biases in the attention and MLP projections and the LayerNorms (Llama: none)."""
+    tied_embeddings: bool = True
+    """The output head is the token embedding (GPT-2); False gives the head its own weight
+    ``head.weight``."""
 
     def __post_init__(self) -> None:
         if self.ffn_hidden is None and _is_int(self.hidden) and self.hidden > 0:
             object.__setattr__(self, "ffn_hidden", _default_ffn(self.hidden))
+        if self.n_kv_heads is None and _is_int(self.n_heads):
+            object.__setattr__(self, "n_kv_heads", self.n_heads)
         if self.init_std is None and _is_int(self.hidden) and self.hidden > 0:
             object.__setattr__(self, "init_std", _default_init_std(self.hidden))
         problems = self._problems()
@@ -116,7 +139,35 @@ class GPTConfig:
                 f"gelu_approximate must be one of {_GELU_APPROXIMATIONS}, "
                 f"got {self.gelu_approximate!r}"
             )
+        for name, allowed in (("position", _POSITIONS), ("norm", _NORMS), ("mlp", _MLPS)):
+            if getattr(self, name) not in allowed:
+                problems.append(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        for name in ("bias", "tied_embeddings"):
+            if not isinstance(getattr(self, name), bool):
+                problems.append(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if not _is_real(self.rope_theta) or not self.rope_theta > 1.0:
+            problems.append(f"rope_theta must be a number > 1, got {self.rope_theta!r}")
+        kv = self.n_kv_heads
+        if not _is_int(kv) or kv <= 0:
+            problems.append(f"n_kv_heads must be a positive int, got {kv!r}")
+        elif _is_int(self.n_heads) and self.n_heads > 0 and self.n_heads % kv:
+            problems.append(f"n_heads={self.n_heads} is not divisible by n_kv_heads={kv}: "
+                            "each key/value head must serve the same number of query heads")
+        if (self.position == "rope" and not problems and self.head_dim % 2):
+            problems.append(f"rope needs an even head width, got hidden {self.hidden} / "
+                            f"n_heads {self.n_heads} = {self.head_dim}")
         return problems
+
+    @property
+    def architecture(self) -> str:
+        """``"gpt2"`` for the GPT-2 / MT-NLG block (learned positions, LayerNorm, GeLU,
+        multi-head attention with biases, tied head), else a description of what differs."""
+        differs = [name for name, gpt2 in _GPT2_ARCHITECTURE.items()
+                   if getattr(self, name) != gpt2]
+        if self.n_kv_heads != self.n_heads:
+            differs.append("n_kv_heads")
+        return "gpt2" if not differs else "+".join(
+            f"{name}={getattr(self, name)}" for name in differs)
 
     @property
     def head_dim(self) -> int:
@@ -129,11 +180,15 @@ class GPTConfig:
         When ``hidden`` changes, ``ffn_hidden`` and ``init_std`` that still hold their derived
         defaults (``4 * hidden``, ``sqrt(1/(3*hidden))``) are re-derived from the new width
         unless they are overridden explicitly, so ``preset("tiny").replace(hidden=128)`` is
-        the model one expects.
+        the model one expects; likewise ``n_kv_heads`` follows ``n_heads`` in a multi-head
+        model.
         """
         unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(self)})
         if unknown:
             raise GPTConfigError(f"unknown GPTConfig fields {unknown}")
+        if "n_heads" in overrides and "n_kv_heads" not in overrides and \
+                self.n_kv_heads == self.n_heads:
+            overrides["n_kv_heads"] = None  # multi-head stays multi-head
         if "hidden" in overrides and overrides["hidden"] != self.hidden:
             if "ffn_hidden" not in overrides and self.ffn_hidden == _default_ffn(self.hidden):
                 overrides["ffn_hidden"] = None
@@ -167,9 +222,20 @@ class GPTConfig:
         return cls(**dict(data))
 
 
+_POSITIONS = ("learned", "rope")
+_NORMS = ("layernorm", "rmsnorm")
+_MLPS = ("gelu", "swiglu")
+_GPT2_ARCHITECTURE = {"position": "learned", "norm": "layernorm", "mlp": "gelu", "bias": True,
+                      "tied_embeddings": True}
+
 # GPT-2 BPE has 50257 tokens; Megatron pads it to a multiple of 1024 (128 * 8-way TP) -> 51200.
 _GPT2_VOCAB = 50257
 _GPT2_VOCAB_PADDED = 51200
+
+_LLAMA3_VOCAB = 128256
+_LLAMA: dict[str, Any] = {"position": "rope", "norm": "rmsnorm", "mlp": "swiglu",
+                          "bias": False, "tied_embeddings": False, "layernorm_eps": 1e-5,
+                          "init_std": 0.02}
 
 PRESETS: Mapping[str, GPTConfig] = MappingProxyType(
     {
@@ -186,6 +252,15 @@ PRESETS: Mapping[str, GPTConfig] = MappingProxyType(
         "8.3b": GPTConfig(72, 3072, 24, _GPT2_VOCAB_PADDED, 2048),
         # Megatron-Turing NLG 530B (Smith et al. 2022).
         "mt-nlg-530b": GPTConfig(105, 20480, 128, _GPT2_VOCAB_PADDED, 2048),
+        # Llama-shaped (Touvron et al. 2023; Grattafiori et al. 2024): RoPE, RMSNorm, SwiGLU,
+        # grouped-query attention, no biases. A test model on the 1k tokenizer...
+        "llama-test": GPTConfig(4, 64, 4, 1000, 64, ffn_hidden=176, n_kv_heads=2, **_LLAMA),
+        # ... and the published shapes of Llama 3.2 1B (tied head) and Llama 3.1 8B.
+        "llama-3.2-1b": GPTConfig(16, 2048, 32, _LLAMA3_VOCAB, 8192, ffn_hidden=8192,
+                                  n_kv_heads=8, **{**_LLAMA, "rope_theta": 500000.0,
+                                                   "tied_embeddings": True}),
+        "llama-3.1-8b": GPTConfig(32, 4096, 32, _LLAMA3_VOCAB, 8192, ffn_hidden=14336,
+                                  n_kv_heads=8, **{**_LLAMA, "rope_theta": 500000.0}),
     }
 )
 

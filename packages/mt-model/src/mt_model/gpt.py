@@ -1,10 +1,14 @@
-"""Plain single-device GPT (pre-LayerNorm, learned positions, GeLU, tied embeddings).
+"""Plain single-device decoder: GPT-2 / MT-NLG by default (pre-LayerNorm, learned
+positions, GeLU, tied embeddings), the Llama family's choices by config (RoPE, RMSNorm,
+SwiGLU, grouped-query attention, no biases, untied head).
 
 The module tree and its names are a contract: the tensor-parallel plan swaps modules by
 name, pipeline stages call ``embed``, slices of ``blocks``, ``ln_f``, ``head`` and
-``loss_fn`` separately, and checkpoint converters map state-dict keys. Nothing here knows
-about parallelism: every width that tensor parallelism may slice (attention heads) is read
-from the tensors at run time instead of from the config.
+``loss_fn`` separately, and checkpoint converters map state-dict keys. Multi-head attention
+projects with one fused ``attn.qkv`` ([q; k; v]); grouped-query attention with ``attn.q``
+and a fused ``attn.kv`` ([k; v]). The norms keep the names ``ln1``, ``ln2``, ``ln_f`` whatever
+their kind. Nothing here knows about parallelism: every width that tensor parallelism may
+slice (heads, MLP width) is read from the tensors at run time instead of from the config.
 
 Activation: GeLU with ``approximate=config.gelu_approximate``; the default ``"none"`` is
 the exact erf form (``F.gelu``'s default). Use ``"tanh"`` to match OpenAI GPT-2 weights.
@@ -28,106 +32,154 @@ __all__ = [
     "MLP",
     "LMHead",
     "LMLoss",
+    "apply_rope",
+    "make_norm",
 ]
 
 
-class Embedding(nn.Module):
-    """Token + learned absolute position embedding, then dropout.
+def make_norm(config: GPTConfig) -> nn.Module:
+    """The block's normalisation: LayerNorm (with a bias when ``config.bias``) or RMSNorm."""
+    if config.norm == "rmsnorm":
+        return nn.RMSNorm(config.hidden, eps=config.layernorm_eps)
+    return nn.LayerNorm(config.hidden, eps=config.layernorm_eps, bias=config.bias)
 
-    Children: ``tokens`` (vocab_size x hidden, also the output projection), ``positions``
-    (seq_len x hidden), ``drop``.
+
+def apply_rope(x: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary position embedding of ``x`` [b, n, s, d] (positions 0..s-1), as Llama applies
+    it: frequencies ``theta^(-2i/d)`` in float32, the two halves of each head rotated."""
+    d, seq = x.shape[-1], x.shape[-2]
+    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=x.device)
+                               .float() / d)
+    angles = torch.outer(torch.arange(seq, device=x.device).float(), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    half = d // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class Embedding(nn.Module):
+    """Token embedding (+ learned absolute positions), then dropout.
+
+    Children: ``tokens`` (vocab_size x hidden, also the output projection when tied),
+    ``positions`` (seq_len x hidden; only with learned positions), ``drop``.
     """
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.tokens = nn.Embedding(config.vocab_size, config.hidden)
-        self.positions = nn.Embedding(config.seq_len, config.hidden)
+        self.positions = nn.Embedding(config.seq_len, config.hidden) \
+            if config.position == "learned" else None
+        self.max_seq = config.seq_len
         self.drop = nn.Dropout(config.dropout)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """``idx`` [b, s] token ids -> [b, s, hidden]."""
         seq = idx.shape[-1]
-        max_seq = self.positions.num_embeddings
-        if seq > max_seq:
-            raise ValueError(f"sequence length {seq} exceeds the model's seq_len {max_seq}")
-        positions = torch.arange(seq, device=idx.device)
-        return self.drop(self.tokens(idx) + self.positions(positions))
+        if seq > self.max_seq:
+            raise ValueError(f"sequence length {seq} exceeds the model's seq_len {self.max_seq}")
+        x = self.tokens(idx)
+        if self.positions is not None:
+            x = x + self.positions(torch.arange(seq, device=idx.device))
+        return self.drop(x)
 
 
 class CoreAttention(nn.Module):
-    """Causal multi-head attention on already projected q, k, v (no parameters).
-
-    Takes q, k, v of shape [b, s, n * head_dim] and returns [b, s, n * head_dim]. The head
-    count n is derived from the width, so a tensor-parallel rank holding n / tp heads runs
-    this module unchanged.
+    """Causal attention on already projected q [b, s, n * d] and k, v [b, s, m * d] (no
+    parameters): RoPE on q and k when ``rope_theta`` is given; with m < n key/value heads
+    (grouped-query) each serves n / m consecutive query heads. Head counts are derived from
+    the widths, so a tensor-parallel rank holding n / tp and m / tp heads runs it unchanged.
     """
 
-    def __init__(self, head_dim: int, dropout: float = 0.0) -> None:
+    def __init__(self, head_dim: int, dropout: float = 0.0,
+                 rope_theta: float | None = None) -> None:
         super().__init__()
         self.head_dim = head_dim
         self.dropout = dropout
+        self.rope_theta = rope_theta
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         batch, seq, width = q.shape
-        if width % self.head_dim != 0:
-            raise ValueError(f"attention width {width} is not a multiple of {self.head_dim}")
-        heads = width // self.head_dim
+        for t in (q, k):
+            if t.shape[-1] % self.head_dim:
+                raise ValueError(f"attention width {t.shape[-1]} is not a multiple of "
+                                 f"{self.head_dim}")
+        heads, kv_heads = width // self.head_dim, k.shape[-1] // self.head_dim
 
-        def split(t: torch.Tensor) -> torch.Tensor:  # [b, s, n*d] -> [b, n, s, d]
-            return t.reshape(batch, seq, heads, self.head_dim).transpose(1, 2)
+        def split(t: torch.Tensor, n: int) -> torch.Tensor:  # [b, s, n*d] -> [b, n, s, d]
+            return t.reshape(batch, seq, n, self.head_dim).transpose(1, 2)
 
+        q, k, v = split(q, heads), split(k, kv_heads), split(v, kv_heads)
+        if self.rope_theta is not None:
+            q, k = apply_rope(q, self.rope_theta), apply_rope(k, self.rope_theta)
+        if kv_heads != heads:
+            k = k.repeat_interleave(heads // kv_heads, dim=1)
+            v = v.repeat_interleave(heads // kv_heads, dim=1)
         out = F.scaled_dot_product_attention(
-            split(q),
-            split(k),
-            split(v),
-            dropout_p=self.dropout if self.training else 0.0,
-            is_causal=True,
-        )
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
         return out.transpose(1, 2).reshape(batch, seq, width)
 
     def extra_repr(self) -> str:
-        return f"head_dim={self.head_dim}, dropout={self.dropout}"
+        rope = f", rope_theta={self.rope_theta}" if self.rope_theta is not None else ""
+        return f"head_dim={self.head_dim}, dropout={self.dropout}{rope}"
 
 
 class Attention(nn.Module):
-    """Self-attention: ``qkv`` projection ([q; k; v], each block heads-contiguous),
-    ``core`` attention, ``proj`` output projection."""
+    """Self-attention: multi-head projects with ``qkv`` ([q; k; v], each block
+    heads-contiguous); grouped-query with ``q`` and ``kv`` ([k; v]); then ``core`` attention
+    and the ``proj`` output projection."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.qkv = nn.Linear(config.hidden, 3 * config.hidden)
-        self.core = CoreAttention(config.head_dim, config.attention_dropout)
-        self.proj = nn.Linear(config.hidden, config.hidden)
+        d, kv_width = config.head_dim, config.n_kv_heads * config.head_dim
+        if config.n_kv_heads == config.n_heads:
+            self.qkv = nn.Linear(config.hidden, 3 * config.hidden, bias=config.bias)
+        else:
+            self.q = nn.Linear(config.hidden, config.hidden, bias=config.bias)
+            self.kv = nn.Linear(config.hidden, 2 * kv_width, bias=config.bias)
+        self.core = CoreAttention(d, config.attention_dropout,
+                                  config.rope_theta if config.position == "rope" else None)
+        self.proj = nn.Linear(config.hidden, config.hidden, bias=config.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # chunk (not a config width) so a TP-sliced qkv giving [q_l; k_l; v_l] still works.
-        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        # chunk (not a config width) so TP-sliced projections giving [q_l; k_l; v_l] or
+        # [k_l; v_l] still work.
+        if hasattr(self, "qkv"):
+            q, k, v = self.qkv(x).chunk(3, dim=-1)
+        else:
+            q, (k, v) = self.q(x), self.kv(x).chunk(2, dim=-1)
         return self.proj(self.core(q, k, v))
 
 
 class MLP(nn.Module):
-    """``fc`` (hidden -> ffn), GeLU, ``proj`` (ffn -> hidden)."""
+    """``fc`` (hidden -> ffn), GeLU, ``proj`` (ffn -> hidden); with SwiGLU ``fc`` gives
+    [gate; up] (hidden -> 2 ffn) and the activation is ``silu(gate) * up``."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.fc = nn.Linear(config.hidden, config.ffn_hidden)
-        self.act = nn.GELU(approximate=config.gelu_approximate)
-        self.proj = nn.Linear(config.ffn_hidden, config.hidden)
+        self.swiglu = config.mlp == "swiglu"
+        width = 2 * config.ffn_hidden if self.swiglu else config.ffn_hidden
+        self.fc = nn.Linear(config.hidden, width, bias=config.bias)
+        self.act = nn.SiLU() if self.swiglu else nn.GELU(approximate=config.gelu_approximate)
+        self.proj = nn.Linear(config.ffn_hidden, config.hidden, bias=config.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.swiglu:
+            gate, up = self.fc(x).chunk(2, dim=-1)
+            return self.proj(self.act(gate) * up)
         return self.proj(self.act(self.fc(x)))
 
 
 class Block(nn.Module):
-    """Pre-LayerNorm transformer block: ``x + drop1(attn(ln1(x)))``, then
+    """Pre-norm transformer block: ``x + drop1(attn(ln1(x)))``, then
     ``x + drop2(mlp(ln2(x)))``."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.ln1 = nn.LayerNorm(config.hidden, eps=config.layernorm_eps)
+        self.ln1 = make_norm(config)
         self.attn = Attention(config)
         self.drop1 = nn.Dropout(config.dropout)
-        self.ln2 = nn.LayerNorm(config.hidden, eps=config.layernorm_eps)
+        self.ln2 = make_norm(config)
         self.mlp = MLP(config)
         self.drop2 = nn.Dropout(config.dropout)
 
@@ -138,15 +190,19 @@ class Block(nn.Module):
 
 
 class LMHead(nn.Module):
-    """Output projection with an externally owned weight (tied to ``embed.tokens``).
+    """Output projection. Tied (default): the weight is the token embedding, owned
+    elsewhere and passed to ``forward``, so the tied matrix is one parameter and a
+    pipeline's last stage (or a vocab-parallel replacement) can pass whichever copy it
+    holds. Untied (``vocab_size`` and ``hidden`` given): its own ``weight``."""
 
-    It owns no parameter, so the tied matrix is one parameter and a pipeline's last stage
-    (or a vocab-parallel replacement) can pass whichever copy it holds.
-    """
+    def __init__(self, vocab_size: int | None = None, hidden: int | None = None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, hidden)) \
+            if vocab_size is not None and hidden is not None else None
 
-    def forward(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         """[b, s, hidden] x [vocab, hidden] -> logits [b, s, vocab]."""
-        return F.linear(hidden, weight)
+        return F.linear(hidden, self.weight if weight is None else weight)
 
 
 class LMLoss(nn.Module):
@@ -170,7 +226,7 @@ class LMLoss(nn.Module):
 
 
 class GPT(nn.Module):
-    """Decoder-only GPT: ``embed`` -> ``blocks`` -> ``ln_f`` -> ``head`` (tied) [-> ``loss_fn``].
+    """Decoder-only GPT: ``embed`` -> ``blocks`` -> ``ln_f`` -> ``head`` [-> ``loss_fn``].
 
     ``seed`` (default 0) applies :func:`mt_model.init_gpt_` after construction, so
     ``GPT(config)`` is deterministic and independent of torch's global RNG. The init is
@@ -183,8 +239,9 @@ class GPT(nn.Module):
         self.config = config
         self.embed = Embedding(config)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
-        self.ln_f = nn.LayerNorm(config.hidden, eps=config.layernorm_eps)
-        self.head = LMHead()
+        self.ln_f = make_norm(config)
+        self.head = LMHead() if config.tied_embeddings else LMHead(config.vocab_size,
+                                                                    config.hidden)
         self.loss_fn = LMLoss()
         if seed is not None and not any(p.is_meta for p in self.parameters()):
             init_gpt_(self, seed)
@@ -194,7 +251,8 @@ class GPT(nn.Module):
         x = self.embed(idx)
         for block in self.blocks:
             x = block(x)
-        logits = self.head(self.ln_f(x), self.embed.tokens.weight)
+        tied = self.embed.tokens.weight if self.config.tied_embeddings else None
+        logits = self.head(self.ln_f(x), tied)
         if targets is None:
             return logits
         return self.loss_fn(logits, targets)

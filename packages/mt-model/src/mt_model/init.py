@@ -28,10 +28,11 @@ __all__ = ["init_parameter", "init_gpt_", "parameter_seed", "init_std_for"]
 # is tolerated for recognising the role, but it is part of the hashed name.
 _ONES = re.compile(r"(?:^|\.)(?:ln1|ln2|ln_f)\.weight$")
 _ZEROS = re.compile(
-    r"(?:^|\.)(?:(?:ln1|ln2|ln_f)|attn\.(?:qkv|proj)|mlp\.(?:fc|proj))\.bias$"
+    r"(?:^|\.)(?:(?:ln1|ln2|ln_f)|attn\.(?:qkv|q|kv|proj)|mlp\.(?:fc|proj))\.bias$"
 )
 _OUTPUT_PROJ = re.compile(r"(?:^|\.)(?:attn|mlp)\.proj\.weight$")
-_NORMAL = re.compile(r"(?:^|\.)(?:embed\.(?:tokens|positions)|attn\.qkv|mlp\.fc)\.weight$")
+_NORMAL = re.compile(
+    r"(?:^|\.)(?:embed\.(?:tokens|positions)|attn\.(?:qkv|q|kv)|mlp\.fc|head)\.weight$")
 
 
 def parameter_seed(seed: int, name: str) -> int:

@@ -27,22 +27,31 @@ __all__ = [
 
 
 def count_block_parameters(config: GPTConfig) -> int:
-    """Parameters of one transformer block (weights and biases of qkv, proj, fc, proj and
-    two LayerNorms): ``4h^2 + 2hf + 9h + f`` with f = ffn_hidden (``12h^2 + 13h`` for 4h)."""
-    h, f = config.hidden, config.ffn_hidden
-    attention = (h * 3 * h + 3 * h) + (h * h + h)
-    mlp = (h * f + f) + (f * h + h)
-    layernorms = 2 * 2 * h
-    return attention + mlp + layernorms
+    """Parameters of one transformer block: attention projections (q, k, v, output), MLP
+    (fc, proj; SwiGLU's fc is twice as wide) and two norms, with biases when
+    ``config.bias``: ``4h^2 + 2hf + 9h + f`` for the GPT-2 block (``12h^2 + 13h`` at f = 4h)."""
+    h, f, b = config.hidden, config.ffn_hidden, int(config.bias)
+    kv = config.n_kv_heads * config.head_dim
+    attention = (h * (h + 2 * kv) + b * (h + 2 * kv)) + (h * h + b * h)
+    fc = 2 * f if config.mlp == "swiglu" else f
+    mlp = (h * fc + b * fc) + (f * h + b * h)
+    norms = 2 * _norm_parameters(config)
+    return attention + mlp + norms
+
+
+def _norm_parameters(config: GPTConfig) -> int:
+    return config.hidden * (2 if config.norm == "layernorm" and config.bias else 1)
 
 
 def count_parameters(config: GPTConfig) -> int:
-    """Total parameters of :class:`mt_model.GPT` for ``config``; the output projection is
-    tied to the token embedding and counted once."""
+    """Total parameters of :class:`mt_model.GPT` for ``config``: a tied output projection is
+    the token embedding (counted once), an untied one adds ``vocab x hidden``."""
     h = config.hidden
-    embeddings = config.vocab_size * h + config.seq_len * h
-    final_layernorm = 2 * h
-    return embeddings + config.n_layers * count_block_parameters(config) + final_layernorm
+    embeddings = config.vocab_size * h + (config.seq_len * h if config.position == "learned"
+                                          else 0)
+    head = 0 if config.tied_embeddings else config.vocab_size * h
+    return (embeddings + config.n_layers * count_block_parameters(config)
+            + _norm_parameters(config) + head)
 
 
 def model_flops_per_iteration(
@@ -72,10 +81,13 @@ def model_flops_per_token_training(config: GPTConfig) -> float:
     """Training FLOPs per token without recomputation, for MFU: ``6N + 12 * l * h * s``.
 
     ``6N`` covers forward + backward of every weight matmul (N = :func:`count_parameters`,
-    tied embedding once, since the head matmul is the one using it); ``12 * l * h * s`` is
+    tied embedding once, since the head matmul is the one using it; an untied model's input
+    embedding, a lookup, is left out); ``12 * l * h * s`` is
     the attention score and value matmuls (PaLM, Chowdhery et al. 2022, appendix B).
     """
     n = count_parameters(config)
+    if not config.tied_embeddings:  # the input embedding is a lookup, not a matmul
+        n -= config.vocab_size * config.hidden
     return 6.0 * n + 12.0 * config.n_layers * config.hidden * config.seq_len
 
 
@@ -104,20 +116,25 @@ def gradient_free_slices(config: GPTConfig) -> dict[str, slice]:
     step; so these elements drift by noise in any run, and comparisons of two runs (layouts,
     engines) must leave them out. They sit in the middle third of ``attn.qkv.bias`` ([q; k; v]).
     """
-    h = config.hidden
+    if not config.bias:
+        return {}
+    h, kv = config.hidden, config.n_kv_heads * config.head_dim
+    if config.n_kv_heads != config.n_heads:  # [k; v] of attn.kv
+        return {f"blocks.{i}.attn.kv.bias": slice(0, kv) for i in range(config.n_layers)}
     return {f"blocks.{i}.attn.qkv.bias": slice(h, 2 * h) for i in range(config.n_layers)}
 
 
-def parameter_stages(name: str, stage_layers: Sequence[Collection[int]]) -> list[int]:
+def parameter_stages(name: str, stage_layers: Sequence[Collection[int]],
+                     tied: bool = True) -> list[int]:
     """The pipeline stages holding GPT parameter ``name``, given each stage's block indices
     (in stage order; interleaved stages hold several ranges): a block's parameters live with
-    their block, the embedding on the first stage, the final norm on the last, and the tied
-    token embedding on both."""
+    their block, the embedding on the first stage, the final norm and an untied head on the
+    last, and the tied token embedding (``tied``) on both."""
     last = len(stage_layers) - 1
     if name.startswith("blocks."):
         layer = int(name.split(".")[1])
         return [s for s, layers in enumerate(stage_layers) if layer in layers]
-    if name == TIED_WEIGHT:
+    if name == TIED_WEIGHT and tied:
         return sorted({0, last})
     if name.startswith("embed."):
         return [0]

@@ -24,7 +24,11 @@ from mt_pretrain.config.schema import (
     ConfigError,
     PretrainConfig,
 )
-from mt_pretrain.engines.support import CHECKPOINT_HAS_MODEL, unsupported
+from mt_pretrain.engines.support import (
+    CHECKPOINT_HAS_MODEL,
+    architecture_unsupported,
+    unsupported,
+)
 from mt_tensor_parallel import check_divisibility, param_styles
 
 __all__ = ["RunPlan", "activation_shape", "describe", "memory_estimate", "model_of", "resolve",
@@ -107,6 +111,9 @@ def resolve(config: PretrainConfig, world_size: int) -> RunPlan:
         raise ConfigError("invalid configuration: " + "; ".join(refused))
     model, seq_len = model_of(config)
     gpt = model.replace(seq_len=seq_len)
+    refused = architecture_unsupported(gpt, config)
+    if refused:
+        raise ConfigError("invalid configuration: " + "; ".join(refused))
     problems: list[str] = []
     try:
         if par.dp is not None and par.tp * par.pp * par.dp != world_size:

@@ -17,7 +17,7 @@ from torch import nn
 from mt_checkpoint import rank_seed
 from mt_dist import ParallelGroups
 from mt_model import GPT, TIED_WEIGHT, GPTConfig, init_parameter
-from mt_pipeline import PipelineStage, StagePlan, build_stage
+from mt_pipeline import ModelLayout, PipelineStage, StagePlan, build_stage
 from mt_plan.layout import ParallelLayout
 from mt_pretrain.config.resolve import RunPlan, sharding_styles
 from mt_pretrain.config.schema import TrainArgs
@@ -91,7 +91,8 @@ def materialize_stage(gpt: GPTConfig, stage_plan: StagePlan, groups: ParallelGro
         apply_tensor_parallel(model, groups.tp, GPT_PLAN, sequence_parallel=sequence_parallel,
                               rng_tracker=tracker)
     rng = KeyedRNG(seed, tracker, use_cuda=device.type == "cuda") if keyed_dropout else None
-    stage = build_stage(model, stage_plan, rng=rng)
+    layout = ModelLayout(tied_weight=TIED_WEIGHT if gpt.tied_embeddings else None)
+    stage = build_stage(model, stage_plan, layout, rng=rng)
     del model  # modules of other stages stay on the meta device and are dropped here
     stage.to_empty(device=device)
     with torch.no_grad():

@@ -7,6 +7,7 @@ engines' traits the resolver needs before anything is built.
 
 from __future__ import annotations
 
+from mt_model import GPTConfig
 from mt_pretrain.config.schema import PretrainConfig
 
 __all__ = ["CHECKPOINT_HAS_MODEL", "deepspeed_unsupported", "unsupported"]
@@ -47,3 +48,21 @@ def unsupported(config: PretrainConfig) -> list[str]:
     """Why ``config``'s engine cannot run it (empty: it can). mt's own engine refuses its
     few limits in ParallelArgs already."""
     return deepspeed_unsupported(config) if config.parallel.engine == "deepspeed" else []
+
+
+def architecture_unsupported(gpt: GPTConfig, config: PretrainConfig) -> list[str]:
+    """Why the model's architecture cannot run at ``config``'s layout (empty: it can). The
+    Llama family's choices (RoPE, RMSNorm, SwiGLU, grouped-query attention, untied head) run
+    on one model replica per process so far: data parallelism and ZeRO, but neither tensor
+    nor pipeline parallelism nor the DeepSpeed engine."""
+    if gpt.architecture == "gpt2":
+        return []
+    par = config.parallel
+    limits = [what for what, bad in (("--tp", par.tp > 1), ("--pp", par.pp > 1),
+                                     ("--engine deepspeed", par.engine == "deepspeed"))
+              if bad]
+    if not limits:
+        return []
+    return [f"the model's architecture ({gpt.architecture}) trains with data parallelism "
+            f"only so far, not with {', '.join(limits)} (tp {par.tp}, pp {par.pp}); use "
+            "--tp 1 --pp 1"]
