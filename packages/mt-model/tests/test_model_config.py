@@ -168,3 +168,14 @@ def test_architecture_choices_are_validated_with_numbers() -> None:
         base.replace(rope_theta=0.5)
     assert base.n_kv_heads == base.n_heads  # None resolves to multi-head
     assert base.replace(n_kv_heads=1).architecture == "n_kv_heads=1"
+
+
+def test_dicts_without_architecture_fields_read_as_gpt2() -> None:
+    """Checkpoints written before the architecture fields existed hold none of them: their
+    model reads back as the GPT-2 block, equal to today's preset (resume compares the two)."""
+    new_fields = ("position", "rope_theta", "norm", "mlp", "n_kv_heads", "bias",
+                  "tied_embeddings")
+    for name in ("tiny", "gpt2-small"):
+        old = {k: v for k, v in preset(name).to_dict().items() if k not in new_fields}
+        assert GPTConfig.from_dict(old) == preset(name)
+        assert GPTConfig.from_dict(old).architecture == "gpt2"

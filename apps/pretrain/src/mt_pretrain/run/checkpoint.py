@@ -35,7 +35,7 @@ from mt_checkpoint import (
 )
 from mt_data import DataLoaderState
 from mt_dist import ParallelGroups
-from mt_model import parameter_stages
+from mt_model import GPTConfig, parameter_stages
 from mt_pretrain.config.resolve import RunPlan
 from mt_pretrain.config.schema import ConfigError, PretrainConfig, TrainArgs
 from mt_pretrain.engines.build import Built
@@ -125,7 +125,8 @@ def _to_cpu(value: Any) -> Any:
 
 
 def _check_model(meta: CheckpointMeta, plan: RunPlan) -> None:
-    saved, mine = meta.model, plan.model.to_dict()
+    # Through GPTConfig: fields newer than the checkpoint take their defaults.
+    saved, mine = GPTConfig.from_dict(meta.model).to_dict(), plan.model.to_dict()
     diff = {k: (saved.get(k), mine.get(k)) for k in set(saved) | set(mine)
             if k not in _MAY_DIFFER and saved.get(k) != mine.get(k)}
     if diff:
