@@ -1,7 +1,8 @@
-"""Single-process training throughput and MFU: mt against Hugging Face GPT-2.
+"""Single-process training throughput and MFU: mt against Hugging Face GPT-2 and Llama.
 
-For each shape (``tiny`` and a reduced GPT-2-small) and each precision (fp32, bf16) this
-times one full optimizer step (forward, backward, clipping, AdamW) of
+For each shape (``tiny``, a reduced GPT-2-small, ``llama-test`` and Llama 3.2 1B's block at
+the reduced depth) and each precision (fp32, bf16) this times one full optimizer step
+(forward, backward, clipping, AdamW) of
 
 - **mt**: ``mt_model.GPT`` as one pipeline stage (``PipelineStage.forward_loss``, the
   function ``mt pretrain`` runs) inside ``mt_zero.ZeroOptimizer`` (ZeRO stage 1 on one
@@ -10,7 +11,8 @@ times one full optimizer step (forward, backward, clipping, AdamW) of
   master weights and optimizer state;
 - **mt+compile**: the same with ``mt pretrain --compile`` (``torch.compile`` of
   ``forward_loss``; compilation happens in the warm-up step and is not timed);
-- **hf**: ``transformers.GPT2LMHeadModel`` (sdpa attention) with the same config, the
+- **hf**: ``transformers.GPT2LMHeadModel`` (``LlamaForCausalLM`` for the Llama shapes;
+  sdpa attention) with the same config, the
   same initial weights (copied from mt by the ``mt convert`` name mapping), the same
   batches, loss, AdamW parameter groups and clipping, and fused AdamW (the HF Trainer's
   default optimizer, ``adamw_torch_fused``, on torch >= 2.8). bf16 means the usual HF
@@ -44,8 +46,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from mt_convert.hf_config import hf_config_from_gpt, hf_name
-from mt_model import GPT, GPTConfig, model_flops_per_token_training, preset
-from mt_pipeline import PipelineConfig, build_stage, plan_pipeline
+from mt_model import GPT, TIED_WEIGHT, GPTConfig, model_flops_per_token_training, preset
+from mt_pipeline import ModelLayout, PipelineConfig, build_stage, plan_pipeline
 from mt_plan.mfu import measure_peak_flops
 from mt_zero import ZeroConfig, ZeroOptimizer, decay_param_groups
 
@@ -95,7 +97,9 @@ def mt_runner(config: GPTConfig, precision: str, seed: int, compiled: bool
     model = GPT(config, seed=seed)
     reference = GPT(config, seed=None)
     reference.load_state_dict(model.state_dict())  # fp32 init, before ZeRO casts to bf16
-    stage = build_stage(model, plan_pipeline(PipelineConfig(), config.n_layers, 1).stages[0])
+    layout = ModelLayout(tied_weight=TIED_WEIGHT if config.tied_embeddings else None)
+    stage = build_stage(model, plan_pipeline(PipelineConfig(), config.n_layers, 1).stages[0],
+                        layout)
     stage.train()
 
     def factory(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
@@ -116,8 +120,47 @@ def mt_runner(config: GPTConfig, precision: str, seed: int, compiled: bool
     return Runner("mt+compile" if compiled else "mt", step), reference
 
 
+def hf_llama(config: GPTConfig, source: GPT) -> nn.Module:
+    """``LlamaForCausalLM`` equal to ``source`` (a Llama-shaped mt GPT): q / [k; v] and
+    [gate; up] split into HF's separate projections."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hf_config = LlamaConfig(
+        vocab_size=config.vocab_size, hidden_size=config.hidden,
+        intermediate_size=config.ffn_hidden, num_hidden_layers=config.n_layers,
+        num_attention_heads=config.n_heads, num_key_value_heads=config.n_kv_heads,
+        max_position_embeddings=config.seq_len, rms_norm_eps=config.layernorm_eps,
+        rope_theta=config.rope_theta, tie_word_embeddings=config.tied_embeddings,
+        attention_bias=False, mlp_bias=False, use_cache=False)
+    hf_config._attn_implementation = "sdpa"
+    model = LlamaForCausalLM(hf_config)
+    mt = source.state_dict()
+    state = {"model.embed_tokens.weight": mt["embed.tokens.weight"],
+             "model.norm.weight": mt["ln_f.weight"],
+             "lm_head.weight": mt.get("head.weight", mt["embed.tokens.weight"])}
+    for i in range(config.n_layers):
+        b, h = f"blocks.{i}.", f"model.layers.{i}."
+        if b + "attn.qkv.weight" in mt:
+            q, k, v = mt[b + "attn.qkv.weight"].chunk(3)
+        else:
+            q, (k, v) = mt[b + "attn.q.weight"], mt[b + "attn.kv.weight"].chunk(2)
+        gate, up = mt[b + "mlp.fc.weight"].chunk(2)
+        state.update({h + "self_attn.q_proj.weight": q, h + "self_attn.k_proj.weight": k,
+                      h + "self_attn.v_proj.weight": v,
+                      h + "self_attn.o_proj.weight": mt[b + "attn.proj.weight"],
+                      h + "mlp.gate_proj.weight": gate, h + "mlp.up_proj.weight": up,
+                      h + "mlp.down_proj.weight": mt[b + "mlp.proj.weight"],
+                      h + "input_layernorm.weight": mt[b + "ln1.weight"],
+                      h + "post_attention_layernorm.weight": mt[b + "ln2.weight"]})
+    model.load_state_dict({k: v.clone() for k, v in state.items()}, strict=True)
+    return model
+
+
 def hf_model(config: GPTConfig, source: GPT) -> nn.Module:
-    """``GPT2LMHeadModel`` equal to ``source`` (config and weights, via mt_convert names)."""
+    """The transformers model equal to ``source``: ``GPT2LMHeadModel`` (config and weights
+    via mt_convert names) for the GPT-2 block, ``LlamaForCausalLM`` for a Llama shape."""
+    if config.architecture != "gpt2":
+        return hf_llama(config, source)
     from transformers import GPT2Config, GPT2LMHeadModel
 
     body = hf_config_from_gpt(config, torch.float32)
@@ -202,7 +245,13 @@ def bench_case(config: GPTConfig, precision: str, args: argparse.Namespace) -> d
 
 def shapes(args: argparse.Namespace) -> dict[str, GPTConfig]:
     small = preset("gpt2-small").replace(n_layers=args.small_layers, seq_len=args.small_seq)
-    return {"tiny": preset("tiny"), f"gpt2-small-l{args.small_layers}s{args.small_seq}": small}
+    # Llama 3.2 1B's block (2048 wide, 32 query / 8 key-value heads, SwiGLU 8192) at the same
+    # depth and sequence as the GPT-2 shape, with the 1k vocabulary: block-dominated.
+    llama = preset("llama-3.2-1b").replace(n_layers=args.small_layers, seq_len=args.small_seq,
+                                           vocab_size=1000, tied_embeddings=False)
+    return {"tiny": preset("tiny"), f"gpt2-small-l{args.small_layers}s{args.small_seq}": small,
+            "llama-test": preset("llama-test"),
+            f"llama-1b-block-l{args.small_layers}s{args.small_seq}": llama}
 
 
 def print_table(results: list[dict[str, Any]], peaks: dict[str, float]) -> None:

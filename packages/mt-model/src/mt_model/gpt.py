@@ -34,6 +34,7 @@ __all__ = [
     "LMLoss",
     "apply_rope",
     "make_norm",
+    "rope_tables",
 ]
 
 
@@ -44,16 +45,21 @@ def make_norm(config: GPTConfig) -> nn.Module:
     return nn.LayerNorm(config.hidden, eps=config.layernorm_eps, bias=config.bias)
 
 
-def apply_rope(x: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary position embedding of ``x`` [b, n, s, d] (positions 0..s-1), as Llama applies
-    it: frequencies ``theta^(-2i/d)`` in float32, the two halves of each head rotated."""
-    d, seq = x.shape[-1], x.shape[-2]
-    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=x.device)
+def rope_tables(seq: int, d: int, theta: float, device: torch.device,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) [s, d] of rotary position embedding as Llama computes them: frequencies
+    ``theta^(-2i/d)`` and angles in float32, then cast."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=device)
                                .float() / d)
-    angles = torch.outer(torch.arange(seq, device=x.device).float(), inv_freq)
+    angles = torch.outer(torch.arange(seq, device=device).float(), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
-    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
-    half = d // 2
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding of ``x`` [b, n, s, d] with :func:`rope_tables`' ``cos`` and
+    ``sin``: the two halves of each head rotated (Llama's convention)."""
+    half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
 
@@ -97,6 +103,15 @@ class CoreAttention(nn.Module):
         self.head_dim = head_dim
         self.dropout = dropout
         self.rope_theta = rope_theta
+        # Not buffers (meta-built models leave buffers uninitialized): a plain cache.
+        self._rope: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _tables(self, seq: int, device: torch.device, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (seq, device, dtype)
+        if key not in self._rope:
+            self._rope[key] = rope_tables(seq, self.head_dim, self.rope_theta, device, dtype)
+        return self._rope[key]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         batch, seq, width = q.shape
@@ -111,12 +126,11 @@ class CoreAttention(nn.Module):
 
         q, k, v = split(q, heads), split(k, kv_heads), split(v, kv_heads)
         if self.rope_theta is not None:
-            q, k = apply_rope(q, self.rope_theta), apply_rope(k, self.rope_theta)
-        if kv_heads != heads:
-            k = k.repeat_interleave(heads // kv_heads, dim=1)
-            v = v.repeat_interleave(heads // kv_heads, dim=1)
+            cos, sin = self._tables(seq, q.device, q.dtype)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True,
+            enable_gqa=kv_heads != heads)
         return out.transpose(1, 2).reshape(batch, seq, width)
 
     def extra_repr(self) -> str:
