@@ -23,7 +23,7 @@ import torch
 from mt_convert.atomic import atomic_directory
 from mt_convert.consolidated import CONSOLIDATED_FORMAT, ConsolidatedReader, ConsolidatedWriter
 from mt_convert.deepspeed_universal import DeepSpeedUniversalReader, is_deepspeed_checkpoint
-from mt_convert.errors import ConvertError
+from mt_convert.errors import ConvertError, gpt2_only
 from mt_convert.hf import HFReader, HFWriter
 from mt_convert.layout import (
     CheckpointReader,
@@ -123,6 +123,8 @@ def make_writer(fmt: str, config: GPTConfig, specs: Mapping[str, TensorSpec],
     _check_format(fmt)
     if fmt not in _WRITABLE:
         raise ConvertError(f"cannot write the {fmt!r} format; writable: {list(_WRITABLE)}")
+    if fmt not in ("consolidated", "pretrain"):
+        gpt2_only(config, f"writing the {fmt!r} format")
     pad = DEFAULT_PAD_MULTIPLE if pad_multiple is None else pad_multiple
     if fmt == "tp":
         if tp is None and pp is None:

@@ -8,9 +8,19 @@ The CLI prints the message and exits with status 1 instead of showing a tracebac
 
 from __future__ import annotations
 
-__all__ = ["ConvertError"]
+__all__ = ["ConvertError", "gpt2_only"]
 
 
 class ConvertError(Exception):
     """A checkpoint cannot be read, written or converted; the message says which file,
     which tensor and why."""
+
+
+def gpt2_only(config: object, what: str) -> None:
+    """Refuse ``what`` for a model that is not the GPT-2 block (``config.architecture``):
+    mt convert slices, names and lays out the Llama family's tensors only where it is
+    tested (mt pretrain <-> consolidated)."""
+    architecture = getattr(config, "architecture", "gpt2")
+    if architecture != "gpt2":
+        raise ConvertError(f"{what} is supported for the GPT-2 block only so far; this model's "
+                           f"architecture is {architecture}")

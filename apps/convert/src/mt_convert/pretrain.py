@@ -20,7 +20,7 @@ from mt_convert.layout import CheckpointReader, TensorRef, canonical_shapes, fol
 from mt_convert.tensors import TensorSpec
 from mt_convert.torch_io import load_weights_only
 from mt_model import GPTConfig
-from mt_tensor_parallel import GPT_PLAN, merge_shards, param_styles
+from mt_tensor_parallel import decoder_plan, merge_shards, param_styles
 
 __all__ = ["PretrainReader", "is_pretrain_checkpoint", "step_folder"]
 
@@ -66,7 +66,8 @@ class PretrainReader(CheckpointReader):
         data = self.meta.config.get("data") or {}
         self.tokenizer = self.meta.tokenizer or data.get("tokenizer")
         self._shapes = canonical_shapes(self.config)
-        self._styles = {**param_styles(self._shapes, GPT_PLAN), **self.meta.styles}
+        self._styles = {**param_styles(self._shapes, decoder_plan(self.config, self.tp)),
+                        **self.meta.styles}
         self.styles = dict(self._styles)
         """TP slicing style of every tensor."""
         self._files = {(s, t): self.layout.file(s, 0, t)  # DP replica 0 holds the weights

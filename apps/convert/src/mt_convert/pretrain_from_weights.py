@@ -36,7 +36,7 @@ from mt_convert.errors import ConvertError
 from mt_convert.layout import CheckpointWriter, TensorRef
 from mt_convert.tensors import TensorSpec
 from mt_model import GPTConfig
-from mt_tensor_parallel import GPT_PLAN, param_styles
+from mt_tensor_parallel import decoder_plan, param_styles
 from mt_zero import initial_state, split_consolidated
 
 __all__ = ["PretrainWriter"]
@@ -79,7 +79,7 @@ class PretrainWriter(CheckpointWriter):
         optimizer = split_consolidated(initial_state(weights), 1, 0)[0]
         save_rank(self._directory, 0, (0, 0, 0), weights, optimizer, fresh_rng(0, 0, 0))
         meta = CheckpointMeta(step=0, layout=SavedLayout(1, 1, 1), model=self.config.to_dict(),
-                              styles=param_styles(shapes, GPT_PLAN),
+                              styles=param_styles(shapes, decoder_plan(self.config, 1)),
                               stage_params={0: list(self.specs)}, source="mt convert")
         write_synced(self._directory / META, meta.as_json())
         self._tensors.clear()

@@ -44,7 +44,7 @@ from mt_checkpoint import (
     write_synced,
 )
 from mt_convert.atomic import atomic_directory
-from mt_convert.errors import ConvertError
+from mt_convert.errors import ConvertError, gpt2_only
 from mt_convert.layout import ProgressFn, canonical_shapes
 from mt_convert.pretrain import PretrainReader
 from mt_convert.sharded import _check_tp, stage_layers, stages_of
@@ -177,6 +177,7 @@ def convert_pretrain(source: Path, destination: Path, target: PretrainTarget,
     ``latest``) as a step folder ``destination`` at the ``target`` layout, atomically.
     Returns (source format, parameters, bytes written)."""
     with PretrainReader(Path(source)) as reader:
+        gpt2_only(reader.config, "resharding an mt pretrain checkpoint")
         src = _Source(reader)
         new = _target(src, target)
         ranges = stage_layers(reader.config.n_layers, new.pp)

@@ -73,7 +73,7 @@ def launch(config: PretrainConfig, environ: Mapping[str, str] | None = None,
     check_vocab(plan, ensure_data(config.data, plan.gpt.vocab_size, cache))
     # Building a meta GPT imports torch's Python reference ops (seconds); do it once before
     # forking so that every rank inherits them.
-    sharding_styles(plan.model)
+    sharding_styles(plan.model, plan.topology.tp)
     if nproc == 1:
         single = LaunchInfo(0, 1, 0, 1, "127.0.0.1", free_port("127.0.0.1"), "single")
         return run_rank(config, single, cache, keep_weights)

@@ -12,14 +12,16 @@ Public API:
   :class:`SequenceParallelLayerNorm`, :class:`ParallelTokenPositionEmbedding`;
 - randomness: :class:`RNGTracker`, :class:`RNGRegion`, :class:`KeyedRNG` (masks as a function
   of (seed, micro-batch, layer): layout-independent and replayed by recomputation);
-- plans: :data:`GPT_PLAN`, :func:`apply_tensor_parallel`, :func:`param_styles`,
+- plans: :data:`GPT_PLAN`, :func:`decoder_plan` (any mt_model architecture: grouped-query
+  key/value heads split or replicated, SwiGLU pairs, RMSNorm, untied heads),
+  :func:`apply_tensor_parallel`, :func:`param_styles`,
   :func:`shard_state_dict`, :func:`merge_state_dicts`;
 - pure slicing maths: :func:`check_divisibility`, :func:`padded_vocab_size`,
   :func:`shard_tensor`, :func:`merge_shards`.
 """
 
 from mt_tensor_parallel.embedding import ParallelTokenPositionEmbedding
-from mt_tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from mt_tensor_parallel.layers import ColumnParallelLinear, ReplicatedKVLinear, RowParallelLinear
 from mt_tensor_parallel.mappings import (
     copy_to_tp,
     gather_from_sequence,
@@ -34,13 +36,18 @@ from mt_tensor_parallel.plan import (
     MODULE_STYLES,
     TPContext,
     apply_tensor_parallel,
+    decoder_plan,
     match_plan,
     merge_state_dicts,
     param_styles,
     shard_state_dict,
 )
 from mt_tensor_parallel.rng import TP_RNG, KeyedRNG, RNGTracker, mix_seed
-from mt_tensor_parallel.sequence import RNGRegion, SequenceParallelLayerNorm
+from mt_tensor_parallel.sequence import (
+    RNGRegion,
+    SequenceParallelLayerNorm,
+    SequenceParallelRMSNorm,
+)
 from mt_tensor_parallel.sharding import (
     DEFAULT_PAD_MULTIPLE,
     PARAM_STYLES,
@@ -69,13 +76,16 @@ __all__ = [
     "ParallelTokenPositionEmbedding",
     "RNGRegion",
     "RNGTracker",
+    "ReplicatedKVLinear",
     "RowParallelLinear",
     "SequenceParallelLayerNorm",
+    "SequenceParallelRMSNorm",
     "TPContext",
     "VocabParallelCrossEntropy",
     "VocabParallelEmbedding",
     "VocabParallelHead",
     "apply_tensor_parallel",
+    "decoder_plan",
     "check_divisibility",
     "copy_to_tp",
     "gather_from_sequence",

@@ -20,7 +20,8 @@ class ParallelTokenPositionEmbedding(nn.Module):
     """``drop(tokens(idx) + positions(arange(s)))`` with a vocabulary-parallel ``tokens``.
 
     Children keep the names ``tokens`` (a :class:`VocabParallelEmbedding`), ``positions``
-    (replicated ``nn.Embedding``) and ``drop``, so state-dict keys do not change.
+    (replicated ``nn.Embedding``; None with rotary positions) and ``drop``, so state-dict
+    keys do not change.
     Without sequence parallelism the token partial sums are all-reduced and the output is
     replicated [b, s, h]; dropout uses the default generator (same mask on every rank).
     With it the partial sums are reduce-scattered along the sequence, this rank's position
@@ -28,7 +29,8 @@ class ParallelTokenPositionEmbedding(nn.Module):
     over ranks) and the output [b, s/tp, h] gets dropout from the TP stream of ``tracker``.
     """
 
-    def __init__(self, tokens: VocabParallelEmbedding, positions: nn.Embedding, drop: nn.Module,
+    def __init__(self, tokens: VocabParallelEmbedding, positions: nn.Embedding | None,
+                 drop: nn.Module,
                  group: ProcessGroup | None, *, sequence_parallel: bool = False,
                  tracker: RNGTracker | None = None) -> None:
         super().__init__()
@@ -55,19 +57,23 @@ class ParallelTokenPositionEmbedding(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """``idx`` [b, s] -> [b, s, h], or [b, s/tp, h] with sequence parallelism."""
         seq = idx.shape[-1]
-        max_seq = self.positions.num_embeddings
-        if seq > max_seq:
-            raise ValueError(f"sequence length {seq} exceeds the model's seq_len {max_seq}")
+        if self.positions is not None and seq > self.positions.num_embeddings:
+            raise ValueError(f"sequence length {seq} exceeds the model's seq_len "
+                             f"{self.positions.num_embeddings}")
         if not self.sequence_parallel:
+            x = self.tokens(idx)
+            if self.positions is None:  # rotary positions are applied in attention
+                return self.drop(x)
             positions = torch.arange(seq, device=idx.device)
-            return self.drop(self.tokens(idx) + F.embedding(positions, self.positions.weight))
+            return self.drop(x + F.embedding(positions, self.positions.weight))
         size, rank = group_size(self.group), group_rank(self.group)
         if seq % size != 0:
             raise ValueError(f"sequence length {seq} is not divisible by tp {size}")
         local = seq // size
         x = self.tokens(idx)
-        weight = copy_to_tp(self.positions.weight, self.group)
-        x = x + weight[rank * local:(rank + 1) * local]
+        if self.positions is not None:
+            weight = copy_to_tp(self.positions.weight, self.group)
+            x = x + weight[rank * local:(rank + 1) * local]
         if self.tracker is None or not self.training:
             return self.drop(x)
         with self.tracker.fork():

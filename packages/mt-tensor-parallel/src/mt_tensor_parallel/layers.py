@@ -26,7 +26,7 @@ from mt_tensor_parallel.mappings import (
 )
 from mt_tensor_parallel.sharding import shard_tensor
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear"]
+__all__ = ["ColumnParallelLinear", "ReplicatedKVLinear", "RowParallelLinear"]
 
 
 def _empty_param(shape: tuple[int, ...], device: torch.device | str | None,
@@ -76,7 +76,7 @@ class ColumnParallelLinear(nn.Module):
     @property
     def param_style(self) -> str:
         """Shard style of weight and bias (see :mod:`mt_tensor_parallel.sharding`)."""
-        return "column_qkv" if self.fused_chunks != 1 else "column"
+        return {1: "column", 2: "column_pair"}.get(self.fused_chunks, "column_qkv")
 
     @torch.no_grad()
     def load_full_(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
@@ -187,3 +187,41 @@ class RowParallelLinear(nn.Module):
             f"out_features={self.out_features}, tp={self.tp_size}, rank={self.tp_rank}, "
             f"sequence_parallel={self.sequence_parallel}"
         )
+
+
+class ReplicatedKVLinear(nn.Module):
+    """A grouped-query ``[k; v]`` projection when the TP degree exceeds the key/value heads
+    (``tp % kv_heads == 0``): every rank holds the full, replicated weight and computes only
+    the key/value head its query heads use (rank r: head ``r * kv_heads // tp``), so its
+    output is [b, s, 2 * head_dim]. The weight (and bias) are used through
+    :func:`copy_to_tp`: each rank's gradient covers its own query heads and the backward
+    all-reduce sums them, so every rank holds the full gradient and the copies stay equal;
+    the input's gradient is summed over ranks the same way (or reduce-scattered with
+    sequence parallelism)."""
+
+    param_style = "replicate"
+
+    def __init__(self, linear: nn.Linear, group: ProcessGroup | None, kv_heads: int,
+                 sequence_parallel: bool = False) -> None:
+        super().__init__()
+        self.group, self.sequence_parallel = group, sequence_parallel
+        tp, rank = group_size(group), group_rank(group)
+        if tp % kv_heads:
+            raise ValueError(f"replicated key/value heads need tp {tp} to be a multiple of "
+                             f"the {kv_heads} key/value heads")
+        self.weight, self.bias = linear.weight, linear.bias
+        head_dim = linear.out_features // (2 * kv_heads)
+        head = rank * kv_heads // tp
+        rows = torch.arange(head * head_dim, (head + 1) * head_dim)
+        self.rows = torch.cat([rows, rows + kv_heads * head_dim]).tolist()  # k_j, then v_j
+        self.kv_heads, self.head = kv_heads, head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = gather_from_sequence(x, self.group) if self.sequence_parallel \
+            else copy_to_tp(x, self.group)
+        weight = copy_to_tp(self.weight, self.group)[self.rows]
+        bias = None if self.bias is None else copy_to_tp(self.bias, self.group)[self.rows]
+        return F.linear(x, weight, bias)
+
+    def extra_repr(self) -> str:
+        return f"kv_heads={self.kv_heads}, head={self.head}, replicated"

@@ -11,12 +11,14 @@ Module styles:
 ======================== ===============================================================
 ``column``               nn.Linear -> :class:`ColumnParallelLinear`
 ``column_qkv``           fused [q; k; v] nn.Linear -> ColumnParallelLinear(fused_chunks=3)
+``column_pair``          fused [k; v] or [gate; up] nn.Linear -> ColumnParallelLinear(2)
+``kv_replicated``        [k; v] with fewer heads than tp -> :class:`ReplicatedKVLinear`
 ``row``                  nn.Linear -> :class:`RowParallelLinear`
 ``vocab_embedding``      nn.Embedding -> :class:`VocabParallelEmbedding`
 ``gpt_embedding``        tokens + positions + drop -> :class:`ParallelTokenPositionEmbedding`
-``vocab_head``           tied head ``forward(hidden, weight)`` -> :class:`VocabParallelHead`
+``vocab_head``           head (tied, or with its own weight) -> :class:`VocabParallelHead`
 ``vocab_cross_entropy``  loss ``forward(logits, targets)`` -> :class:`VocabParallelCrossEntropy`
-``norm``                 LayerNorm: kept (replicated input), or sequence-parallel with SP
+``norm``                 LayerNorm / RMSNorm: kept (replicated input), or sequence-parallel
 ``sequence_dropout``     dropout between blocks: kept, or in the TP RNG stream with SP
 ``tp_rng``               any module whose activations are sharded: run in the TP RNG stream
 ======================== ===============================================================
@@ -35,9 +37,13 @@ from torch.distributed import ProcessGroup
 
 from mt_dist.collectives import group_rank, group_size
 from mt_tensor_parallel.embedding import ParallelTokenPositionEmbedding
-from mt_tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from mt_tensor_parallel.layers import ColumnParallelLinear, ReplicatedKVLinear, RowParallelLinear
 from mt_tensor_parallel.rng import RNGTracker
-from mt_tensor_parallel.sequence import RNGRegion, SequenceParallelLayerNorm
+from mt_tensor_parallel.sequence import (
+    RNGRegion,
+    SequenceParallelLayerNorm,
+    SequenceParallelRMSNorm,
+)
 from mt_tensor_parallel.sharding import (
     DEFAULT_PAD_MULTIPLE,
     check_divisibility,
@@ -55,6 +61,7 @@ __all__ = [
     "MODULE_STYLES",
     "TPContext",
     "apply_tensor_parallel",
+    "decoder_plan",
     "match_plan",
     "merge_state_dicts",
     "param_styles",
@@ -76,7 +83,27 @@ GPT_PLAN: Mapping[str, str] = MappingProxyType({
     "head": "vocab_head",
     "loss_fn": "vocab_cross_entropy",
 })
-"""The tensor-parallel plan of ``mt_model.GPT`` (module names are mt_model's contract)."""
+"""The tensor-parallel plan of ``mt_model.GPT``'s GPT-2 block (module names are mt_model's
+contract); :func:`decoder_plan` gives the plan of any of its architectures."""
+
+
+def decoder_plan(config: object, tp: int) -> Mapping[str, str]:
+    """The plan of an ``mt_model.GPT`` of ``config`` (duck-typed: ``n_heads``,
+    ``n_kv_heads``, ``mlp``) at TP degree ``tp``: the GPT-2 plan, with grouped-query
+    attention's ``attn.q`` column-parallel and ``attn.kv`` split by heads when ``tp`` divides
+    the key/value heads, else replicated (``kv_replicated``), and SwiGLU's fused [gate; up]
+    split as a pair. Norms (LayerNorm or RMSNorm), the embedding (with or without a position
+    table) and the head (tied or not) take the GPT-2 styles."""
+    plan = dict(GPT_PLAN)
+    heads = getattr(config, "n_heads", None)
+    kv = getattr(config, "n_kv_heads", None) or heads
+    if kv != heads:
+        del plan["blocks.*.attn.qkv"]
+        plan["blocks.*.attn.q"] = "column"
+        plan["blocks.*.attn.kv"] = "column_pair" if kv % tp == 0 else "kv_replicated"
+    if getattr(config, "mlp", "gelu") == "swiglu":
+        plan["blocks.*.mlp.fc"] = "column_pair"
+    return MappingProxyType(plan)
 
 
 @dataclass(frozen=True)
@@ -90,6 +117,7 @@ class TPContext:
     tracker: RNGTracker
     vocab_size: int | None
     pad_multiple: int
+    kv_heads: int | None = None
 
 
 def _linear(module: nn.Module, style: str) -> nn.Linear:
@@ -107,6 +135,20 @@ def _column_qkv(module: nn.Module, ctx: TPContext) -> nn.Module:
     return ColumnParallelLinear.from_linear(_linear(module, "column_qkv"), ctx.group,
                                             fused_chunks=3,
                                             sequence_parallel=ctx.sequence_parallel)
+
+
+def _column_pair(module: nn.Module, ctx: TPContext) -> nn.Module:
+    return ColumnParallelLinear.from_linear(_linear(module, "column_pair"), ctx.group,
+                                            fused_chunks=2,
+                                            sequence_parallel=ctx.sequence_parallel)
+
+
+def _kv_replicated(module: nn.Module, ctx: TPContext) -> nn.Module:
+    if ctx.kv_heads is None:
+        raise ValueError("style 'kv_replicated' needs the key/value head count: give the "
+                         "model a config with n_kv_heads")
+    return ReplicatedKVLinear(_linear(module, "kv_replicated"), ctx.group, ctx.kv_heads,
+                              ctx.sequence_parallel)
 
 
 def _row(module: nn.Module, ctx: TPContext) -> nn.Module:
@@ -130,7 +172,8 @@ def _gpt_embedding(module: nn.Module, ctx: TPContext) -> nn.Module:
 
 
 def _vocab_head(module: nn.Module, ctx: TPContext) -> nn.Module:
-    return VocabParallelHead(ctx.group, ctx.sequence_parallel)
+    return VocabParallelHead.from_head(module, ctx.group, ctx.sequence_parallel,
+                                       ctx.pad_multiple)
 
 
 def _vocab_cross_entropy(module: nn.Module, ctx: TPContext) -> nn.Module:
@@ -143,9 +186,12 @@ def _vocab_cross_entropy(module: nn.Module, ctx: TPContext) -> nn.Module:
 
 def _norm(module: nn.Module, ctx: TPContext) -> nn.Module:
     if not ctx.sequence_parallel:
-        return module  # replicated input: the plain LayerNorm is already correct
+        return module  # replicated input: the plain norm is already correct
+    if isinstance(module, nn.RMSNorm):
+        return SequenceParallelRMSNorm(module, ctx.group)
     if not isinstance(module, nn.LayerNorm):
-        raise TypeError(f"style 'norm' needs an nn.LayerNorm, got {type(module).__name__}")
+        raise TypeError(f"style 'norm' needs an nn.LayerNorm or nn.RMSNorm, got "
+                        f"{type(module).__name__}")
     return SequenceParallelLayerNorm.from_layernorm(module, ctx.group)
 
 
@@ -160,6 +206,8 @@ def _tp_rng(module: nn.Module, ctx: TPContext) -> nn.Module:
 MODULE_STYLES: Mapping[str, Callable[[nn.Module, TPContext], nn.Module]] = MappingProxyType({
     "column": _column,
     "column_qkv": _column_qkv,
+    "column_pair": _column_pair,
+    "kv_replicated": _kv_replicated,
     "row": _row,
     "vocab_embedding": _vocab_embedding,
     "gpt_embedding": _gpt_embedding,
@@ -176,7 +224,9 @@ MODULE_STYLES: Mapping[str, Callable[[nn.Module, TPContext], nn.Module]] = Mappi
 _PARAM_STYLES: Mapping[str, Mapping[str, str]] = MappingProxyType({
     "column": {"weight": "column", "bias": "column"},
     "column_qkv": {"weight": "column_qkv", "bias": "column_qkv"},
+    "column_pair": {"weight": "column_pair", "bias": "column_pair"},
     "row": {"weight": "row"},
+    "vocab_head": {"weight": "vocab"},
     "vocab_embedding": {"weight": "vocab"},
     "gpt_embedding": {"tokens.weight": "vocab"},
 })
@@ -262,7 +312,8 @@ def _check_config(model: nn.Module, tp: int, sequence_parallel: bool) -> None:
         check_divisibility(tp=tp, n_heads=config.n_heads, hidden=config.hidden,
                            ffn_hidden=getattr(config, "ffn_hidden", None),
                            seq_len=getattr(config, "seq_len", None),
-                           sequence_parallel=sequence_parallel)
+                           sequence_parallel=sequence_parallel,
+                           n_kv_heads=getattr(config, "n_kv_heads", None))
 
 
 def _vocab_size(model: nn.Module, matched: Mapping[str, str]) -> int | None:
@@ -296,7 +347,9 @@ def apply_tensor_parallel(model: nn.Module, group: ProcessGroup | None,
     matched = match_plan([n for n, _ in model.named_modules()], plan, strict)
     tracker = rng_tracker or RNGTracker(torch.initial_seed() % 2**62, tp_rank)
     vocab = vocab_size if vocab_size is not None else _vocab_size(model, matched)
-    ctx = TPContext(group, tp_rank, tp_size, sequence_parallel, tracker, vocab, pad_multiple)
+    kv_heads = getattr(getattr(model, "config", None), "n_kv_heads", None)
+    ctx = TPContext(group, tp_rank, tp_size, sequence_parallel, tracker, vocab, pad_multiple,
+                    kv_heads)
     for name, style in matched.items():
         original = model.get_submodule(name)
         replacement = MODULE_STYLES[style](original, ctx)

@@ -21,7 +21,7 @@ from torch.distributed import ProcessGroup
 from mt_tensor_parallel.mappings import copy_to_tp
 from mt_tensor_parallel.rng import TP_RNG, RNGTracker
 
-__all__ = ["SequenceParallelLayerNorm", "RNGRegion"]
+__all__ = ["SequenceParallelLayerNorm", "SequenceParallelRMSNorm", "RNGRegion"]
 
 
 class SequenceParallelLayerNorm(nn.Module):
@@ -61,6 +61,26 @@ class SequenceParallelLayerNorm(nn.Module):
         weight = None if self.weight is None else copy_to_tp(self.weight, self.group)
         bias = None if self.bias is None else copy_to_tp(self.bias, self.group)
         return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.normalized_shape}, eps={self.eps}, sequence_parallel=True"
+
+
+class SequenceParallelRMSNorm(nn.Module):
+    """RMSNorm over the last dim of a sequence-sharded [b, s/tp, h] input, with a replicated
+    ``weight`` whose gradient is summed over the TP group (as
+    :class:`SequenceParallelLayerNorm`)."""
+
+    param_style = "replicate"
+
+    def __init__(self, norm: nn.RMSNorm, group: ProcessGroup | None) -> None:
+        super().__init__()
+        self.normalized_shape, self.eps = tuple(norm.normalized_shape), norm.eps
+        self.weight, self.group = norm.weight, group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = None if self.weight is None else copy_to_tp(self.weight, self.group)
+        return F.rms_norm(x, self.normalized_shape, weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.normalized_shape}, eps={self.eps}, sequence_parallel=True"

@@ -10,6 +10,8 @@ Parameter styles (how one tensor is cut):
 - ``"column"``: split dim 0 (output features of a Linear weight, or its bias).
 - ``"column_qkv"``: dim 0 holds ``chunks`` fused blocks ([q; k; v]); each block is split
   into ``tp`` contiguous pieces and a rank holds [q_r; k_r; v_r].
+- ``"column_pair"``: the same with two fused blocks ([k; v] of grouped-query attention,
+  [gate; up] of SwiGLU): a rank holds [k_r; v_r].
 - ``"row"``: split the last dim (input features of a Linear weight).
 - ``"vocab"``: pad dim 0 with zero rows to :func:`padded_vocab_size`, then split dim 0.
 """
@@ -30,17 +32,21 @@ __all__ = [
     "merge_shards",
 ]
 
-PARAM_STYLES: tuple[str, ...] = ("replicate", "column", "column_qkv", "row", "vocab")
+PARAM_STYLES: tuple[str, ...] = ("replicate", "column", "column_qkv", "column_pair", "row",
+                                 "vocab")
+_FUSED = {"column_qkv": 3, "column_pair": 2}
 DEFAULT_PAD_MULTIPLE = 128
 
 
 def check_divisibility(*, tp: int, n_heads: int, hidden: int, ffn_hidden: int | None = None,
-                       seq_len: int | None = None, sequence_parallel: bool = False) -> None:
+                       seq_len: int | None = None, sequence_parallel: bool = False,
+                       n_kv_heads: int | None = None) -> None:
     """Raise ValueError naming the numbers when a GPT shape cannot be sliced ``tp`` ways.
 
     Meant to run before any process group exists. Heads (hence the qkv and attention
     output widths), the MLP width and, with sequence parallelism, the sequence length must
-    divide by ``tp``. All problems are reported at once.
+    divide by ``tp``; grouped-query key/value heads must divide by ``tp`` or divide it. All
+    problems are reported at once.
     """
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ValueError(f"tp must be a positive int, got {tp!r}")
@@ -51,6 +57,10 @@ def check_divisibility(*, tp: int, n_heads: int, hidden: int, ffn_hidden: int | 
         problems.append(f"hidden {hidden} is not divisible by tp {tp}")
     if ffn_hidden is not None and ffn_hidden % tp != 0:
         problems.append(f"ffn_hidden {ffn_hidden} is not divisible by tp {tp}")
+    if n_kv_heads is not None and n_kv_heads % tp and tp % n_kv_heads:
+        problems.append(f"n_kv_heads {n_kv_heads} and tp {tp}: key/value heads are split over "
+                        "TP when tp divides them and replicated when they divide tp; neither "
+                        "holds")
     if sequence_parallel and seq_len is not None and seq_len % tp != 0:
         problems.append(
             f"seq_len {seq_len} is not divisible by tp {tp} (needed by sequence parallelism)"
@@ -112,14 +122,15 @@ def shard_tensor(style: str, tensor: torch.Tensor, tp_rank: int, tp_size: int, *
         return tensor.clone()
     if style == "column":
         return _split(tensor, 0, tp_rank, tp_size, "column")
-    if style == "column_qkv":
+    if style in _FUSED:
+        chunks = _FUSED[style] if style == "column_pair" else chunks
         if tensor.shape[0] % chunks != 0:
             raise ValueError(
-                f"column_qkv: dimension 0 of size {tensor.shape[0]} is not divisible by "
+                f"{style}: dimension 0 of size {tensor.shape[0]} is not divisible by "
                 f"chunks {chunks}"
             )
         blocks = tensor.reshape(chunks, tensor.shape[0] // chunks, *tensor.shape[1:])
-        local = _split(blocks, 1, tp_rank, tp_size, "column_qkv block")
+        local = _split(blocks, 1, tp_rank, tp_size, f"{style} block")
         return local.reshape(-1, *tensor.shape[1:])
     if style == "row":
         return _split(tensor, tensor.dim() - 1, tp_rank, tp_size, "row")
@@ -145,7 +156,8 @@ def merge_shards(style: str, shards: Sequence[torch.Tensor], *, chunks: int = 3,
         return shards[0].clone()
     if style == "column":
         return torch.cat(list(shards), dim=0)
-    if style == "column_qkv":
+    if style in _FUSED:
+        chunks = _FUSED[style] if style == "column_pair" else chunks
         blocks = [s.reshape(chunks, s.shape[0] // chunks, *s.shape[1:]) for s in shards]
         merged = torch.cat(blocks, dim=1)
         return merged.reshape(-1, *shards[0].shape[1:])

@@ -111,25 +111,44 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class VocabParallelHead(nn.Module):
-    """Tied output projection: ``forward(hidden, weight)`` with ``weight`` this rank's
-    vocabulary rows; returns logits for the local vocabulary slice [b, s, padded_vocab/tp].
+    """Output projection: ``forward(hidden, weight)`` with ``weight`` this rank's vocabulary
+    rows of the tied embedding, or (untied) its own rows; returns logits for the local
+    vocabulary slice [b, s, padded_vocab/tp].
 
     With ``sequence_parallel`` the hidden states [b, s/tp, h] are all-gathered first; the
     reduce-scatter of that gather's backward sums the partial input gradients, so the
     copy_to_tp of the replicated case is not needed on top.
     """
 
-    def __init__(self, group: ProcessGroup | None, sequence_parallel: bool = False) -> None:
+    def __init__(self, group: ProcessGroup | None, sequence_parallel: bool = False,
+                 weight: torch.Tensor | None = None) -> None:
         super().__init__()
         self.group = group
         self.sequence_parallel = sequence_parallel
+        self.weight = None if weight is None else nn.Parameter(weight)
 
-    def forward(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    param_style = "vocab"
+
+    @classmethod
+    def from_head(cls, head: nn.Module, group: ProcessGroup | None,
+                  sequence_parallel: bool = False,
+                  pad_multiple: int = DEFAULT_PAD_MULTIPLE) -> VocabParallelHead:
+        """The parallel version of a head: tied (no weight: ``forward`` is given this rank's
+        embedding rows), or untied with its own ``weight`` [vocab, hidden], of which this
+        rank keeps its padded vocabulary rows."""
+        full = getattr(head, "weight", None)
+        if full is None:
+            return cls(group, sequence_parallel)
+        shard = shard_tensor("vocab", full.detach(), group_rank(group), group_size(group),
+                             pad_multiple=pad_multiple)
+        return cls(group, sequence_parallel, shard)
+
+    def forward(self, hidden: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         if self.sequence_parallel:
             hidden = gather_from_sequence(hidden, self.group)
         else:
             hidden = copy_to_tp(hidden, self.group)
-        return F.linear(hidden, weight)
+        return F.linear(hidden, self.weight if weight is None else weight)
 
     def extra_repr(self) -> str:
         return f"sequence_parallel={self.sequence_parallel}"

@@ -132,7 +132,7 @@ def resolve(config: PretrainConfig, world_size: int) -> RunPlan:
     try:
         check_divisibility(tp=par.tp, n_heads=gpt.n_heads, hidden=gpt.hidden,
                            ffn_hidden=gpt.ffn_hidden, seq_len=gpt.seq_len,
-                           sequence_parallel=par.sequence_parallel)
+                           sequence_parallel=par.sequence_parallel, n_kv_heads=gpt.n_kv_heads)
     except ValueError as err:
         problems.append(str(err))
     if par.compile and par.activation_checkpointing and (gpt.dropout or gpt.attention_dropout):
@@ -281,13 +281,14 @@ def describe(config: PretrainConfig, plan: RunPlan, max_ranks: int = 32) -> str:
     return "\n".join(lines)
 
 
-def sharding_styles(gpt: GPTConfig) -> dict[str, str]:
-    """Tensor-parallel shard style of every parameter of the unsharded model."""
+def sharding_styles(gpt: GPTConfig, tp: int) -> dict[str, str]:
+    """Tensor-parallel shard style of every parameter of the unsharded model at TP degree
+    ``tp`` (grouped-query key/value heads are split or replicated depending on it)."""
     import torch
 
     from mt_model import GPT
-    from mt_tensor_parallel import GPT_PLAN
+    from mt_tensor_parallel import decoder_plan
 
     with torch.device("meta"):
         model = GPT(gpt, seed=None)
-    return param_styles([n for n, _ in model.named_parameters()], GPT_PLAN)
+    return param_styles([n for n, _ in model.named_parameters()], decoder_plan(gpt, tp))

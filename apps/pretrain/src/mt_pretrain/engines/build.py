@@ -22,10 +22,10 @@ from mt_plan.layout import ParallelLayout
 from mt_pretrain.config.resolve import RunPlan, sharding_styles
 from mt_pretrain.config.schema import TrainArgs
 from mt_tensor_parallel import (
-    GPT_PLAN,
     KeyedRNG,
     RNGTracker,
     apply_tensor_parallel,
+    decoder_plan,
     shard_tensor,
 )
 from mt_zero import ZeroConfig, ZeroOptimizer, counts_once, decay_param_groups
@@ -84,12 +84,12 @@ def materialize_stage(gpt: GPTConfig, stage_plan: StagePlan, groups: ParallelGro
     with torch.device("meta"):
         model = GPT(gpt, seed=None)
     full_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    styles = sharding_styles(gpt)
+    styles = sharding_styles(gpt, tp)
     tracker = None
     if tp > 1:
         tracker = RNGTracker(seed, groups.tp_rank)
-        apply_tensor_parallel(model, groups.tp, GPT_PLAN, sequence_parallel=sequence_parallel,
-                              rng_tracker=tracker)
+        apply_tensor_parallel(model, groups.tp, decoder_plan(gpt, tp),
+                              sequence_parallel=sequence_parallel, rng_tracker=tracker)
     rng = KeyedRNG(seed, tracker, use_cuda=device.type == "cuda") if keyed_dropout else None
     layout = ModelLayout(tied_weight=TIED_WEIGHT if gpt.tied_embeddings else None)
     stage = build_stage(model, stage_plan, layout, rng=rng)

@@ -167,7 +167,7 @@ def _initialize(config: PretrainConfig, plan: RunPlan, stage: nn.Module,
     accumulation = max(1, train.global_batch_size // (train.micro_batch_size * dp))
     ds_config = deepspeed_config(zero, train.micro_batch_size, accumulation, dp)
     backend = "nccl" if groups.device.type == "cuda" else "gloo"
-    styles = sharding_styles(plan.gpt)
+    styles = sharding_styles(plan.gpt, plan.topology.tp)
     if plan.topology.pp > 1:
         import deepspeed  # pants: no-infer-dep (optional engine)
 

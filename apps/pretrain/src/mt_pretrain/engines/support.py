@@ -51,18 +51,10 @@ def unsupported(config: PretrainConfig) -> list[str]:
 
 
 def architecture_unsupported(gpt: GPTConfig, config: PretrainConfig) -> list[str]:
-    """Why the model's architecture cannot run at ``config``'s layout (empty: it can). The
-    Llama family's choices (RoPE, RMSNorm, SwiGLU, grouped-query attention, untied head) run
-    on one model replica per process so far: data parallelism and ZeRO, but neither tensor
-    nor pipeline parallelism nor the DeepSpeed engine."""
-    if gpt.architecture == "gpt2":
+    """Why the model's architecture cannot run with ``config``'s engine (empty: it can).
+    mt's engine runs every mt-model architecture at any layout; the DeepSpeed engine runs
+    the GPT-2 block."""
+    if gpt.architecture == "gpt2" or config.parallel.engine != "deepspeed":
         return []
-    par = config.parallel
-    limits = [what for what, bad in (("--tp", par.tp > 1), ("--pp", par.pp > 1),
-                                     ("--engine deepspeed", par.engine == "deepspeed"))
-              if bad]
-    if not limits:
-        return []
-    return [f"the model's architecture ({gpt.architecture}) trains with data parallelism "
-            f"only so far, not with {', '.join(limits)} (tp {par.tp}, pp {par.pp}); use "
-            "--tp 1 --pp 1"]
+    return [f"--engine deepspeed trains the GPT-2 block, not this architecture "
+            f"({gpt.architecture}); use --engine mt"]

@@ -57,7 +57,8 @@ def _barrier(groups: ParallelGroups) -> None:
 def all_stage_names(plan: RunPlan, full_names: list[str]) -> dict[int, list[str]]:
     """Parameter names of every pipeline stage of ``plan``."""
     layers = [sp.layers for sp in plan.stages.stages]
-    return {s: [n for n in full_names if s in parameter_stages(n, layers)]
+    tied = plan.model.tied_embeddings
+    return {s: [n for n in full_names if s in parameter_stages(n, layers, tied)]
             for s in range(len(layers))}
 
 
@@ -151,8 +152,10 @@ def _optimizer_state(folder: Path, meta: CheckpointMeta, plan: RunPlan,
             continue
         by_tp = [[load_rank(folder, r)["optimizer"] for r in old.replicas(stage, t)]
                  for t in range(old.tp)]
-        part = canonical_optimizer(by_tp, wanted & set(stage_names), styles,
-                                   plan.gpt.vocab_size)
+        # Shards are merged as they were cut (the saved styles: a grouped-query key/value
+        # projection is split or replicated depending on tp) and cut as this run needs.
+        part = canonical_optimizer(by_tp, wanted & set(stage_names),
+                                   {**styles, **meta.styles}, plan.gpt.vocab_size)
         for key in ("master", "sharded", "replicated", "group_of"):
             merged[key].update(part[key])
         for key in ("param_groups", "scaler"):
