@@ -23,6 +23,7 @@ from mt_data.ingest import (
 from mt_data.loader import BatchSchedule, DataLoaderState, DPDataLoader
 from mt_data.megatron import MegatronReader, export_megatron, import_megatron, read_index
 from mt_data.pipeline import NoDocumentsError, PrepareConfig, PrepareError, prepare, prepare_demo
+from mt_data.quality import RULE_SETS, apply_rule_sets, parse_rule_sets
 from mt_data.shards import ShardSetWriter, TokenDataset
 from mt_data.stages import CleanConfig
 from mt_data.tokenizer import EOD_TOKEN, Tokenizer, gpt2, load_tokenizer, train_tokenizer
@@ -32,10 +33,12 @@ __all__ = [
     "DPDataLoader", "DataError", "DataLoaderState", "DataNotFoundError", "DatasetError",
     "DecontamConfig", "DedupConfig", "ErrorLog", "FilterConfig", "GPTDataset", "IngestConfig",
     "InputError", "MegatronReader", "MinHasher", "NgramIndex", "NoDocumentsError",
-    "PrepareConfig", "PrepareError", "ShardSetWriter", "SplitSpec", "StreamError",
-    "TextKeyError", "TokenDataset", "Tokenizer", "UnionFind", "blend_schedule", "build_blended",
+    "PrepareConfig", "PrepareError", "RULE_SETS", "ShardSetWriter", "SplitSpec", "StreamError",
+    "TextKeyError", "TokenDataset", "Tokenizer", "UnionFind", "apply_rule_sets", "blend_schedule",
+    "build_blended",
     "build_sample_index", "content_hashes", "corpus_path", "corpus_texts",
     "decontaminate_batch", "export_megatron", "filter_batch", "fuzzy_dedup", "gpt2",
     "import_megatron", "iter_corpus", "iter_documents", "load_tokenizer", "parse_blend",
+    "parse_rule_sets",
     "prepare", "prepare_demo", "read_index", "split_documents", "train_tokenizer",
 ]

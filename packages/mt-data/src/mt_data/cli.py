@@ -34,7 +34,8 @@ from mt_data.errors import DataError
 from mt_data.filters import FilterConfig
 from mt_data.ingest import ErrorLog, IngestConfig, iter_documents
 from mt_data.megatron import export_megatron, import_megatron
-from mt_data.pipeline import PrepareConfig, prepare, summary_rows
+from mt_data.pipeline import PrepareConfig, prepare, read_dropped, select_dropped, summary_rows
+from mt_data.quality import parse_rule_sets
 from mt_data.shards import TokenDataset
 from mt_data.stages import CleanConfig
 from mt_data.tokenizer import TokenizerError, load_tokenizer, train_tokenizer
@@ -133,8 +134,12 @@ def prepare_cmd(
                                           "'stop'.")] = "skip",
     workers: Annotated[int, typer.Option(help="Worker processes (0 = one per CPU).")] = 0,
     normalize: Annotated[bool, typer.Option(help="Unicode NFC normalisation.")] = True,
+    filters: Annotated[str | None, typer.Option(
+        "--filters", help="Quality rule sets applied in order, comma-separated: mt-basic, "
+        "gopher-quality, gopher-repetition, c4, fineweb (default: mt-basic, the filters below; "
+        "the others with datatrove's default thresholds).")] = None,
     quality_filters: Annotated[bool, typer.Option(help="Length/symbol/alpha/HTML/repeated-line "
-                                                  "filters.")] = True,
+                                                  "filters (mt-basic).")] = True,
     min_chars: Annotated[int, typer.Option(help="Minimum characters per document.")] = 100,
     max_chars: Annotated[int, typer.Option(help="Maximum characters per document.")] = 5_000_000,
     min_words: Annotated[int, typer.Option(help="Minimum words per document.")] = 20,
@@ -164,16 +169,20 @@ def prepare_cmd(
     """
     with _errors():
         if quality_filters:
-            filters = FilterConfig("NFC" if normalize else None, min_chars, max_chars, min_words,
-                                   max_symbol_ratio, min_alpha_words, max_html_ratio,
-                                   max_repeated_lines)
+            basic = FilterConfig("NFC" if normalize else None, min_chars, max_chars, min_words,
+                                 max_symbol_ratio, min_alpha_words, max_html_ratio,
+                                 max_repeated_lines)
         else:
-            filters = FilterConfig.disabled()
+            if filters is not None:
+                raise ValueError(f"--no-quality-filters and --filters {filters} contradict "
+                                 f"each other; give one")
+            basic = FilterConfig.disabled()
             if normalize:
-                filters = FilterConfig("NFC", None, None, None, None, None, None, None)
+                basic = FilterConfig("NFC", None, None, None, None, None, None, None)
         clean = CleanConfig(
             ingest=IngestConfig(text_key=text_key),
-            filters=filters,
+            filters=basic,
+            rule_sets=parse_rule_sets(filters, basic) if filters is not None else None,
             dedup=DedupConfig(exact=exact_dedup, fuzzy=fuzzy_dedup, num_perm=num_perm,
                               bands=bands, threshold=threshold),
             decontam=DecontamConfig(ngram=decontam_ngram, mode=decontam_mode)
@@ -276,11 +285,16 @@ def inspect_cmd(
     chars: Annotated[int, typer.Option(help="Characters of the sample to print.")] = 500,
     verify: Annotated[bool, typer.Option(help="Check shard SHA-256 checksums and the largest "
                                           "token id against the shards.")] = False,
+    dropped: Annotated[str | None, typer.Option(
+        help="Show the documents recorded as dropped by this rule (e.g. c4/curly_bracket, "
+             "too_short) or by every rule of a rule set (e.g. gopher-quality), instead of a "
+             "decoded document.")] = None,
 ) -> None:
     """Print documents, tokens, sources and a decoded sample of a prepared dataset."""
     with _errors():
         ds = TokenDataset(data)
         max_id = ds.max_token_id
+        chosen = select_dropped(read_dropped(data), dropped) if dropped is not None else None
     rows = [("documents", f"{len(ds):,}"), ("tokens", f"{ds.num_tokens:,}"),
             ("shards", str(len(ds.index["shards"]))), ("dtype", ds.index["dtype"]),
             ("max token id", f"{max_id:,}"),
@@ -301,6 +315,9 @@ def inspect_cmd(
     _table(f"dataset {data}", rows)
     if bad:
         _fail(f"{data}: checksum mismatch in {', '.join(bad)}")
+    if chosen is not None:
+        _show_dropped(chosen, chars)
+        return
     if len(ds) and 0 <= document < len(ds):
         doc_id, source = ds.metadata(document)
         try:
@@ -310,6 +327,20 @@ def inspect_cmd(
         Console().print(f"[bold]document {document}[/bold] ({doc_id}, {source}, "
                         f"{len(ds.document(document))} tokens):")
         Console().print(text[:chars], markup=False, highlight=False)
+
+
+def _show_dropped(rules: dict[str, dict], chars: int) -> None:
+    """Each rule's drop count and its recorded examples (the text as the rule saw it)."""
+    out = Console()
+    for rule, info in rules.items():
+        samples = info["samples"]
+        out.print(f"[bold]{rule}[/bold]: {info['dropped']:,} dropped"
+                  + (f", {len(samples)} shown" if samples else ""), highlight=False)
+        for sample in samples:
+            out.print(f"[bold]{sample['id']}[/bold] ({sample['source']}, {sample['chars']:,} "
+                      f"chars):", highlight=False)
+            out.print(sample["text"][:chars], markup=False, highlight=False)
+            out.print()
 
 
 def main() -> None:

@@ -101,16 +101,11 @@ def _needed(config: FilterConfig) -> tuple[str, ...]:
     return tuple(sorted(needs))
 
 
-def filter_batch(
-    batch: pa.RecordBatch, config: FilterConfig
-) -> tuple[pa.RecordBatch, Counter[str]]:
-    """Normalise and filter a batch with a ``text`` column; returns kept rows and drop counts."""
-    texts = batch.column("text")
-    if config.normalize:
-        texts = pc.utf8_normalize(texts, config.normalize)
-        batch = batch.set_column(batch.schema.get_field_index("text"), "text", texts)
+def failed_filters(texts: pa.Array, config: FilterConfig) -> np.ndarray:
+    """Index into :data:`FILTERS` of the first filter each text fails (-1: kept); no
+    normalisation (see :func:`filter_batch`)."""
     m = measure(texts, _needed(config))
-    n = batch.num_rows
+    n = len(texts)
     words = np.maximum(m.get("words", np.ones(n)), 1.0)
 
     def check(limit: float | None, values: str, below: bool,
@@ -121,25 +116,49 @@ def filter_batch(
         return x < limit if below else x > limit
 
     checks = [
-        ("too_short", check(config.min_chars, "chars", below=True)),
-        ("too_long", check(config.max_chars, "chars", below=False)),
-        ("too_few_words", check(config.min_words, "words", below=True)),
-        ("symbols", check(config.max_symbol_ratio, "symbols", False, per_word=True)),
-        ("non_alpha", check(config.min_alpha_word_fraction, "alpha_words", True, per_word=True)),
-        ("html", check(config.max_html_tag_ratio, "html_tags", False, per_word=True)),
+        check(config.min_chars, "chars", below=True),
+        check(config.max_chars, "chars", below=False),
+        check(config.min_words, "words", below=True),
+        check(config.max_symbol_ratio, "symbols", False, per_word=True),
+        check(config.min_alpha_word_fraction, "alpha_words", True, per_word=True),
+        check(config.max_html_tag_ratio, "html_tags", False, per_word=True),
     ]
-    alive = np.ones(n, dtype=bool)
-    counts: Counter[str] = Counter()
-    for name, failed in checks:
-        if failed is not None:
-            dropped = alive & failed
-            counts[name] += int(dropped.sum())
-            alive &= ~failed
+    failed = np.full(n, -1, dtype=np.int16)
+    for k, bad in enumerate(checks):
+        if bad is not None:
+            failed[(failed == -1) & bad] = k
     if config.max_repeated_line_fraction is not None:
         limit = config.max_repeated_line_fraction
-        counts["repeated_lines"] += 0  # listed even when nothing is dropped
-        for i in np.flatnonzero(alive):
+        for i in np.flatnonzero(failed == -1):
             if repeated_line_fraction(texts[int(i)].as_py()) > limit:
-                alive[i] = False
-                counts["repeated_lines"] += 1
-    return batch.filter(pa.array(alive)), counts
+                failed[i] = FILTERS.index("repeated_lines")
+    return failed
+
+
+def enabled_filters(config: FilterConfig) -> list[str]:
+    """The filters of :data:`FILTERS` that ``config`` switches on."""
+    limits = (config.min_chars, config.max_chars, config.min_words, config.max_symbol_ratio,
+              config.min_alpha_word_fraction, config.max_html_tag_ratio,
+              config.max_repeated_line_fraction)
+    return [name for name, limit in zip(FILTERS, limits, strict=True) if limit is not None]
+
+
+def normalize_batch(batch: pa.RecordBatch, form: str | None) -> pa.RecordBatch:
+    """The batch with its ``text`` column in Unicode normal form ``form`` (None: unchanged)."""
+    if not form:
+        return batch
+    texts = pc.utf8_normalize(batch.column("text"), form)
+    return batch.set_column(batch.schema.get_field_index("text"), "text", texts)
+
+
+def filter_batch(
+    batch: pa.RecordBatch, config: FilterConfig
+) -> tuple[pa.RecordBatch, Counter[str]]:
+    """Normalise and filter a batch with a ``text`` column; returns kept rows and drop counts
+    (every enabled filter is listed, with 0 when it dropped nothing)."""
+    batch = normalize_batch(batch, config.normalize)
+    failed = failed_filters(batch.column("text"), config)
+    counts: Counter[str] = Counter({name: 0 for name in enabled_filters(config)})
+    for k in failed[failed >= 0]:
+        counts[FILTERS[k]] += 1
+    return batch.filter(pa.array(failed == -1)), counts

@@ -30,6 +30,7 @@ import numpy as np
 import pyarrow as pa
 
 from mt_data.errors import DataError
+from mt_data.filters import FILTERS
 from mt_data.ingest import TextKeyError, WorkItem, check_text_key, expand_inputs, plan_work
 from mt_data.shards import (
     INDEX_FILE,
@@ -39,7 +40,14 @@ from mt_data.shards import (
     atomic_write_json,
     write_shard,
 )
-from mt_data.stages import ChunkStats, CleanConfig, clean_item, global_dedup, load_eval_index
+from mt_data.stages import (
+    ChunkStats,
+    CleanConfig,
+    clean_item,
+    global_dedup,
+    load_eval_index,
+    read_chunk_stats,
+)
 from mt_data.tokenizer import Tokenizer, load_tokenizer
 
 
@@ -100,6 +108,11 @@ def _fingerprint(inputs: list[Path], config: PrepareConfig) -> dict[str, Any]:
     settings = asdict(config)
     for key in ("workers", "keep_work", "overwrite"):
         settings.pop(key)
+    rule_sets = config.clean.rule_sets
+    if rule_sets is None:  # the default: fingerprints of earlier releases stay valid
+        settings["clean"].pop("rule_sets")
+    else:
+        settings["clean"]["rule_sets"] = [{"name": rs.name, **asdict(rs)} for rs in rule_sets]
     return {"inputs": [str(p) for p in inputs], "settings": settings}
 
 
@@ -316,8 +329,7 @@ def _stages(items: list[WorkItem], unknown: list[Path], files: list[Path],
     for result in results:
         for name in result["chunks"]:
             chunks.append(work / name)
-            totals.add(ChunkStats.from_json(json.loads((work / name).with_suffix(".json")
-                                                       .read_text())))
+            totals.add(read_chunk_stats(work / name, totals))
         totals.add(ChunkStats.from_json(result["tail"]))
     for path in unknown:
         totals.errors["unsupported"] += 1
@@ -349,8 +361,43 @@ def _stages(items: list[WorkItem], unknown: list[Path], files: list[Path],
         "mb_per_s": round(totals.bytes_in / 1e6 / max(elapsed, 1e-9), 3),
         "tokens_per_s": round(tokens / max(times["tokenize"], 1e-9)),
     }
+    write_dropped(output, totals)
     writer.finish(summary)
     return summary
+
+
+DROPPED_FILE = "dropped.json"
+"""Per rule: its drop count and up to ``SAMPLES_PER_RULE`` dropped documents (``inspect
+--dropped``)."""
+
+
+def write_dropped(output: Path, totals: ChunkStats) -> None:
+    """Write ``OUTPUT/dropped.json`` atomically: ``{"rules": {rule: {"dropped": n,
+    "samples": [{"id", "source", "chars", "text"}, ...]}}}`` for every counted rule."""
+    rules = {rule: {"dropped": count, "samples": totals.dropped_samples.get(rule, [])}
+             for rule, count in totals.dropped.items()}
+    atomic_write_json(output / DROPPED_FILE, {"rules": rules})
+
+
+def read_dropped(data: str | Path) -> dict[str, dict[str, Any]]:
+    """The rules recorded in ``DATA/dropped.json`` (see :func:`write_dropped`)."""
+    path = Path(data) / DROPPED_FILE
+    if not path.exists():
+        raise PrepareError(f"{data} has no {DROPPED_FILE}: it was prepared before dropped "
+                           f"documents were recorded; prepare it again to see them")
+    return json.loads(path.read_text())["rules"]
+
+
+def select_dropped(rules: dict[str, dict[str, Any]], rule: str) -> dict[str, dict[str, Any]]:
+    """The recorded rules matching ``rule``: a rule name (``c4/curly_bracket``, ``too_short``)
+    or a rule set (``c4``, ``mt-basic``); ``PrepareError`` lists the recorded ones."""
+    chosen = {name: info for name, info in rules.items()
+              if name == rule or name.startswith(rule + "/")
+              or (rule == "mt-basic" and name in FILTERS)}
+    if not chosen:
+        raise PrepareError(f"no rule {rule!r} in this dataset's {DROPPED_FILE}; recorded: "
+                           f"{', '.join(rules) or 'none'}")
+    return chosen
 
 
 def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
@@ -359,7 +406,7 @@ def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
             ("MB in", f"{summary['bytes_in'] / 1e6:,.2f}")]
     for kind, count in sorted(summary["bad_inputs"].items()):
         rows.append((f"bad input: {kind}", f"{count:,}"))
-    for name, count in summary["dropped"].items():
+    for name, count in summary["dropped"].items():  # every rule of the rule sets, in order
         rows.append((f"dropped: {name}", f"{count:,}"))
     rows += [
         ("exact duplicates", f"{summary['exact_duplicates']:,}"),

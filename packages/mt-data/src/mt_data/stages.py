@@ -20,8 +20,9 @@ import pyarrow as pa
 
 from mt_data.decontam import DecontamConfig, NgramIndex, decontaminate_batch
 from mt_data.dedup import DedupConfig, MinHasher, content_hashes, first_occurrences, fuzzy_dedup
-from mt_data.filters import FilterConfig, filter_batch
+from mt_data.filters import FilterConfig, normalize_batch
 from mt_data.ingest import ErrorLog, IngestConfig, WorkItem, iter_documents, read_work_item
+from mt_data.quality import SAMPLES_PER_RULE, MtBasic, RuleSet, apply_rule_sets
 from mt_data.shards import atomic_replace, atomic_write_bytes, atomic_write_json
 
 
@@ -31,10 +32,18 @@ class CleanConfig:
 
     ingest: IngestConfig = IngestConfig()
     filters: FilterConfig = FilterConfig()
+    """Unicode normalisation (always applied first) and the thresholds of ``mt-basic``."""
     dedup: DedupConfig = DedupConfig()
     decontam: DecontamConfig | None = None
     eval_paths: tuple[str, ...] = ()
     on_error: str = "skip"
+    rule_sets: tuple[RuleSet, ...] | None = None
+    """Quality rule sets applied in order (:mod:`mt_data.quality`); None: ``mt-basic`` with
+    ``filters``, the filters of every earlier release."""
+
+    def quality(self) -> tuple[RuleSet, ...]:
+        """The rule sets this config applies."""
+        return self.rule_sets if self.rule_sets is not None else (MtBasic(self.filters),)
 
 
 MAX_SAMPLES = 100
@@ -51,6 +60,8 @@ class ChunkStats:
     dropped: Counter[str] = field(default_factory=Counter)
     errors: Counter[str] = field(default_factory=Counter)
     error_samples: list[str] = field(default_factory=list)
+    dropped_samples: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    """Up to ``SAMPLES_PER_RULE`` dropped documents per rule (id, source, chars, text)."""
 
     def add(self, other: ChunkStats) -> None:
         """Accumulate another chunk's counts (keeps at most ``MAX_SAMPLES`` error samples)."""
@@ -61,10 +72,14 @@ class ChunkStats:
         self.errors.update(other.errors)
         room = max(0, MAX_SAMPLES - len(self.error_samples))
         self.error_samples.extend(other.error_samples[:room])
+        for rule, samples in other.dropped_samples.items():
+            mine = self.dropped_samples.setdefault(rule, [])
+            mine.extend(samples[:max(0, SAMPLES_PER_RULE - len(mine))])
 
     def to_json(self) -> dict[str, Any]:
-        """Plain dict (for sidecars and the index)."""
+        """Plain dict (for sidecars and the index); the dropped samples are stored apart."""
         data = asdict(self)
+        data.pop("dropped_samples")
         data["dropped"], data["errors"] = dict(self.dropped), dict(self.errors)
         return data
 
@@ -104,10 +119,11 @@ def load_eval_index(config: CleanConfig, work_dir: Path | None = None) -> NgramI
 
 def clean_chunk(batch: pa.RecordBatch, config: CleanConfig, hasher: MinHasher,
                 eval_index: NgramIndex | None) -> tuple[pa.RecordBatch, ChunkStats]:
-    """Filter, decontaminate and fingerprint one batch of documents."""
+    """Normalise, apply the quality rule sets, decontaminate and fingerprint one batch."""
     stats = ChunkStats(batch.num_rows, int(pa.compute.sum(
         pa.compute.binary_length(batch.column("text"))).as_py() or 0))
-    batch, dropped = filter_batch(batch, config.filters)
+    batch = normalize_batch(batch, config.filters.normalize)
+    batch, dropped, stats.dropped_samples = apply_rule_sets(batch, config.quality())
     stats.dropped.update(dropped)
     if eval_index is not None and config.decontam is not None:
         batch, dstats = decontaminate_batch(batch, eval_index, config.decontam)
@@ -138,7 +154,21 @@ def _write_chunk(path: Path, batch: pa.RecordBatch, stats: ChunkStats) -> None:
     with pa.ipc.new_file(sink, batch.schema) as writer:
         writer.write_batch(batch)
     atomic_write_bytes(path, sink.getvalue().to_pybytes())
+    if stats.dropped_samples:
+        atomic_write_json(path.with_suffix(".samples.json"), stats.dropped_samples)
     atomic_write_json(path.with_suffix(".json"), stats.to_json())  # the chunk's "done" mark
+
+
+def read_chunk_stats(path: Path, totals: ChunkStats) -> ChunkStats:
+    """A finished chunk's stats, with its dropped samples only when ``totals`` still lacks
+    samples of a rule that dropped documents in it (most chunks' samples are never read)."""
+    stats = ChunkStats.from_json(json.loads(path.with_suffix(".json").read_text()))
+    wanted = [rule for rule, count in stats.dropped.items() if count
+              and len(totals.dropped_samples.get(rule, ())) < SAMPLES_PER_RULE]
+    samples = path.with_suffix(".samples.json")
+    if wanted and samples.exists():
+        stats.dropped_samples = json.loads(samples.read_text())
+    return stats
 
 
 def clean_item(index: int, item: WorkItem, config: CleanConfig, work: str) -> dict[str, Any]:

@@ -1,0 +1,234 @@
+"""Gopher's quality and repetition rules (Rae et al. 2021, "Scaling Language Models: Methods,
+Analysis & Insights from Training Gopher", arXiv:2112.11446, appendix A and table A1), as
+Hugging Face datatrove 0.10.1 implements them (``GopherQualityFilter``,
+``GopherRepetitionFilter``), defaults included. Words are datatrove's English words (spaCy's
+tokenizer, :mod:`mt_data.quality.words`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from mt_data.quality.base import KEPT, RuleSet, Verdicts, first_failure, ratio
+from mt_data.quality.charsets import PUNCTUATION_SET
+from mt_data.quality.words import BatchWords, english
+
+STOP_WORDS = ("the", "be", "to", "of", "and", "that", "have", "with")
+
+
+def _line_stats(text: str) -> tuple[int, int, int]:
+    """(lines, lines starting with a bullet, lines ending with an ellipsis); str.splitlines."""
+    lines = text.splitlines()
+    bullets = sum(1 for s in lines if s.lstrip().startswith(("•", "-")))
+    ellipses = sum(1 for s in lines if s.rstrip().endswith(("...", "…")))
+    return len(lines), bullets, ellipses
+
+
+@dataclass(frozen=True)
+class GopherQuality(RuleSet):
+    """Gopher quality rules; each threshold ``None`` switches its rule off.
+
+    Words are all non-blank tokens; "non-symbol" words hold a character outside datatrove's
+    punctuation set. datatrove also treats a threshold of 0 as off; here 0 is a threshold.
+    """
+
+    name = "gopher-quality"
+    source = "Gopher (Rae et al. 2021, table A1); datatrove GopherQualityFilter"
+
+    min_doc_words: int | None = 50
+    """Drop documents with fewer non-symbol words."""
+    max_doc_words: int | None = 100_000
+    """Drop documents with more non-symbol words."""
+    min_avg_word_length: float | None = 3
+    """Drop documents whose mean non-symbol word length is below this (characters)."""
+    max_avg_word_length: float | None = 10
+    """... or above this."""
+    max_symbol_word_ratio: float | None = 0.1
+    """Drop documents with more '#' per word, or more ellipses ('...', '…') per word."""
+    max_bullet_lines_ratio: float | None = 0.9
+    """Drop documents where more of the lines start with a bullet ('•' or '-')."""
+    max_ellipsis_lines_ratio: float | None = 0.3
+    """Drop documents where more of the lines end with an ellipsis."""
+    min_alpha_words_ratio: float | None = 0.8
+    """Drop documents where fewer of the words hold an alphabetic character."""
+    min_stop_words: int | None = 2
+    """Drop documents holding fewer distinct stop words (case-sensitive)."""
+    stop_words: tuple[str, ...] = STOP_WORDS
+
+    def __post_init__(self) -> None:
+        self._check(nonnegative=("min_doc_words", "max_doc_words", "min_avg_word_length",
+                                 "max_avg_word_length", "max_symbol_word_ratio", "min_stop_words"),
+                    fractions=("max_bullet_lines_ratio", "max_ellipsis_lines_ratio",
+                               "min_alpha_words_ratio"))
+
+    def rule_names(self) -> tuple[str, ...]:
+        return ("too_few_words", "too_many_words", "short_words", "long_words", "hashes",
+                "ellipses", "bullet_lines", "ellipsis_lines", "non_alpha_words", "stop_words")
+
+    def apply(self, texts: pa.Array) -> Verdicts:
+        pytexts = texts.to_pylist()
+        words = BatchWords(pytexts)
+        n = len(pytexts)
+        n_words = words.counts().astype(np.float64)
+        symbol = words.type_values(lambda w: all(ch in PUNCTUATION_SET for ch in w))
+        lengths = words.type_values(len)
+        content = words.per_doc_sum(1 - symbol)
+        mean_length = ratio(words.per_doc_sum(lengths * (1 - symbol)), content)
+        mean_length[content == 0] = np.nan  # np.mean([]): no length rule fires
+        alpha = words.per_doc_sum(words.type_values(lambda w: any(c.isalpha() for c in w)))
+        stops = set(self.stop_words)
+        stop = words.per_doc_distinct(words.type_values(lambda w: w in stops))
+        hashes = pc.count_substring(texts, "#").to_numpy(zero_copy_only=False)
+        ellipses = (pc.count_substring(texts, "...").to_numpy(zero_copy_only=False)
+                    + pc.count_substring(texts, "…").to_numpy(zero_copy_only=False))
+        lines = np.array([_line_stats(t) for t in pytexts], dtype=np.float64).reshape(n, 3)
+
+        def over(limit: float | None, x: np.ndarray) -> np.ndarray | None:
+            return None if limit is None else x > limit
+
+        def under(limit: float | None, x: np.ndarray) -> np.ndarray | None:
+            return None if limit is None else x < limit
+
+        return Verdicts(first_failure([
+            under(self.min_doc_words, content),
+            over(self.max_doc_words, content),
+            under(self.min_avg_word_length, mean_length),
+            over(self.max_avg_word_length, mean_length),
+            over(self.max_symbol_word_ratio, ratio(hashes, n_words)),
+            over(self.max_symbol_word_ratio, ratio(ellipses, n_words)),
+            over(self.max_bullet_lines_ratio, ratio(lines[:, 1], lines[:, 0])),
+            over(self.max_ellipsis_lines_ratio, ratio(lines[:, 2], lines[:, 0])),
+            under(self.min_alpha_words_ratio, ratio(alpha, n_words)),
+            under(self.min_stop_words, stop),
+        ], n))
+
+
+_PARAGRAPHS = re.compile(r"\n{2,}")
+_LINES = re.compile(r"\n+")
+
+
+def duplicates(items: Sequence[str]) -> tuple[int, int]:
+    """(number, characters) of the items that repeat an earlier item."""
+    seen: set[str] = set()
+    count = chars = 0
+    for item in items:
+        if item in seen:
+            count += 1
+            chars += len(item)
+        else:
+            seen.add(item)
+    return count, chars
+
+
+def top_ngram_chars(ids: np.ndarray, lengths: np.ndarray, n: int) -> int:
+    """Characters covered by the most frequent word n-gram: its length (words joined by one
+    space) times its count; ties go to the n-gram seen first (``Counter.most_common``)."""
+    grams = np.lib.stride_tricks.sliding_window_view(ids, n)
+    base = int(ids.max()) + 1
+    if base ** n < 2 ** 62:  # exact integer key per n-gram
+        keys = grams @ (base ** np.arange(n - 1, -1, -1, dtype=np.int64))
+        _, first, counts = np.unique(keys, return_index=True, return_counts=True)
+    else:
+        _, first, counts = np.unique(grams, axis=0, return_index=True, return_counts=True)
+    best = int(counts.max())
+    start = int(first[counts == best].min())
+    return (int(lengths[start:start + n].sum()) + n - 1) * best
+
+
+def duplicated_ngram_chars(words: list[str], n: int) -> int:
+    """Characters of the n-grams (words joined with no space) that repeat an earlier one,
+    scanning left to right and jumping over each repeat (datatrove's ``find_all_duplicate``)."""
+    seen: set[str] = set()
+    chars = i = 0
+    last = len(words) - n + 1
+    while i < last:
+        gram = "".join(words[i:i + n])
+        if gram in seen:
+            chars += len(gram)
+            i += n
+        else:
+            seen.add(gram)
+            i += 1
+    return chars
+
+
+@dataclass(frozen=True)
+class GopherRepetition(RuleSet):
+    """Gopher repetition rules (fractions of the document's characters, or of its lines /
+    paragraphs); each threshold ``None`` switches its rule off. Paragraphs are split on 2+
+    newlines (after stripping the text), lines on 1+ newlines."""
+
+    name = "gopher-repetition"
+    source = "Gopher (Rae et al. 2021, table A1); datatrove GopherRepetitionFilter"
+
+    dup_line_frac: float | None = 0.3
+    """Max fraction of lines that repeat an earlier line."""
+    dup_para_frac: float | None = 0.3
+    """Max fraction of paragraphs that repeat an earlier paragraph."""
+    dup_line_char_frac: float | None = 0.2
+    """Max characters in repeated lines, per character of the document."""
+    dup_para_char_frac: float | None = 0.2
+    """Max characters in repeated paragraphs, per character of the document."""
+    top_n_grams: tuple[tuple[int, float], ...] = ((2, 0.2), (3, 0.18), (4, 0.16))
+    """(n, max fraction of characters covered by the most frequent n-gram)."""
+    dup_n_grams: tuple[tuple[int, float], ...] = (
+        (5, 0.15), (6, 0.14), (7, 0.13), (8, 0.12), (9, 0.11), (10, 0.10))
+    """(n, max fraction of characters in repeated n-grams)."""
+
+    def __post_init__(self) -> None:
+        self._check(fractions=("dup_line_frac", "dup_para_frac", "dup_line_char_frac",
+                               "dup_para_char_frac"))
+        for field_name in ("top_n_grams", "dup_n_grams"):
+            for n, frac in getattr(self, field_name):
+                if n < 1 or not 0 <= frac <= 1:
+                    raise ValueError(f"{self.name}: {field_name} needs n >= 1 and a fraction in "
+                                     f"[0, 1], got ({n}, {frac})")
+
+    def rule_names(self) -> tuple[str, ...]:
+        return ("empty", "dup_paragraphs", "dup_paragraph_chars", "dup_lines", "dup_line_chars",
+                *(f"top_{n}_gram" for n, _ in self.top_n_grams),
+                *(f"dup_{n}_grams" for n, _ in self.dup_n_grams))
+
+    def first_failure(self, text: str) -> int:
+        """Index of the first rule ``text`` fails, or -1."""
+        if not text:
+            return 0
+        size = len(text)
+        paragraphs = _PARAGRAPHS.split(text.strip())
+        count, chars = duplicates(paragraphs)
+        if self.dup_para_frac is not None and count / len(paragraphs) > self.dup_para_frac:
+            return 1
+        if self.dup_para_char_frac is not None and chars / size > self.dup_para_char_frac:
+            return 2
+        lines = _LINES.split(text)
+        count, chars = duplicates(lines)
+        if self.dup_line_frac is not None and count / len(lines) > self.dup_line_frac:
+            return 3
+        if self.dup_line_char_frac is not None and chars / size > self.dup_line_char_frac:
+            return 4
+        words = english().words(text)
+        if not words:
+            return KEPT
+        vocab: dict[str, int] = {}
+        ids = np.array([vocab.setdefault(w, len(vocab)) for w in words], dtype=np.int64)
+        lengths = np.array([len(w) for w in words], dtype=np.int64)
+        k = 5
+        for n, frac in self.top_n_grams:
+            if len(words) >= n and top_ngram_chars(ids, lengths, n) / size > frac:
+                return k
+            k += 1
+        for n, frac in self.dup_n_grams:
+            if duplicated_ngram_chars(words, n) / size > frac:
+                return k
+            k += 1
+        return KEPT
+
+    def apply(self, texts: pa.Array) -> Verdicts:
+        return Verdicts(np.array([self.first_failure(t) for t in texts.to_pylist()],
+                                 dtype=np.int16))
