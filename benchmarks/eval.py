@@ -36,7 +36,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 import torch  # noqa: E402
 
 from mt_convert import save_state_dict  # noqa: E402
-from mt_convert.hf import write_hf_tokenizer  # noqa: E402
+from mt_convert.hf_tokenizer import write_hf_tokenizer  # noqa: E402
 from mt_data import load_tokenizer  # noqa: E402
 from mt_dist import (  # noqa: E402  # noqa: E402
     LaunchInfo,

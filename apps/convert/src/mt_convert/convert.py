@@ -24,7 +24,8 @@ from mt_convert.atomic import atomic_directory
 from mt_convert.consolidated import CONSOLIDATED_FORMAT, ConsolidatedReader, ConsolidatedWriter
 from mt_convert.deepspeed_universal import DeepSpeedUniversalReader, is_deepspeed_checkpoint
 from mt_convert.errors import ConvertError, gpt2_only
-from mt_convert.hf import HFReader, HFWriter
+from mt_convert.hf import HFWriter, open_hf
+from mt_convert.hf_llama import LlamaWriter, is_llama
 from mt_convert.layout import (
     CheckpointReader,
     CheckpointWriter,
@@ -62,7 +63,7 @@ __all__ = [
 FORMATS: tuple[str, ...] = ("consolidated", "hf", "tp", "megatron", "pretrain", "deepspeed")
 _READERS: dict[str, Callable[[Path], CheckpointReader]] = {
     "consolidated": ConsolidatedReader,
-    "hf": HFReader,
+    "hf": open_hf,
     "tp": ShardedReader,
     "megatron": MegatronReader,
     "pretrain": PretrainReader,
@@ -123,7 +124,7 @@ def make_writer(fmt: str, config: GPTConfig, specs: Mapping[str, TensorSpec],
     _check_format(fmt)
     if fmt not in _WRITABLE:
         raise ConvertError(f"cannot write the {fmt!r} format; writable: {list(_WRITABLE)}")
-    if fmt not in ("consolidated", "pretrain"):
+    if fmt not in ("consolidated", "pretrain") and not (fmt == "hf" and is_llama(config)):
         gpt2_only(config, f"writing the {fmt!r} format")
     pad = DEFAULT_PAD_MULTIPLE if pad_multiple is None else pad_multiple
     if fmt == "tp":
@@ -140,7 +141,9 @@ def make_writer(fmt: str, config: GPTConfig, specs: Mapping[str, TensorSpec],
                                f"formats, not {fmt!r}")
     if fmt == "pretrain":
         return PretrainWriter(config, dict(specs))
-    return (ConsolidatedWriter if fmt == "consolidated" else HFWriter)(config, dict(specs))
+    if fmt == "consolidated":
+        return ConsolidatedWriter(config, dict(specs))
+    return (HFWriter if config.architecture == "gpt2" else LlamaWriter)(config, dict(specs))
 
 
 @dataclass(frozen=True)

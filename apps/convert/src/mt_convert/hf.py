@@ -19,15 +19,15 @@ import torch
 
 from mt_convert.errors import ConvertError
 from mt_convert.hf_config import HF_IGNORED, gpt_config_from_hf, hf_config_from_gpt, hf_name
+from mt_convert.hf_llama import LlamaReader
+from mt_convert.hf_tokenizer import write_hf_tokenizer
 from mt_convert.layout import CheckpointReader, CheckpointWriter, TensorRef, canonical_shapes
 from mt_convert.manifest import read_json
 from mt_convert.safetensors_io import SafetensorsReader, SafetensorsWriter
 from mt_convert.tensors import TensorSpec, check_names
-from mt_data import load_tokenizer
-from mt_data.tokenizer import TokenizerError
 from mt_model import GPTConfig
 
-__all__ = ["HFReader", "HFWriter"]
+__all__ = ["HFReader", "HFWriter", "open_hf"]
 
 PREFIX = "transformer."
 SAFETENSORS = "model.safetensors"
@@ -178,29 +178,6 @@ class HFReader(CheckpointReader):
             reader.close()
 
 
-def write_hf_tokenizer(directory: Path, name: str, config: GPTConfig) -> int:
-    """Write tokenizer ``name`` as transformers loads it unaided (``tokenizer.json``, its
-    config and special tokens: GPT-2's end-of-text as BOS, EOS and UNK); returns its
-    end-of-text id."""
-    try:
-        tokenizer = load_tokenizer(name)
-    except TokenizerError as err:
-        raise ConvertError(f"tokenizer: {err}") from None
-    if tokenizer.vocab_size > config.vocab_size:
-        raise ConvertError(f"tokenizer {name} has {tokenizer.vocab_size} ids, more than the "
-                           f"model's vocabulary of {config.vocab_size}")
-    tokenizer.save(directory / "tokenizer.json")
-    special = {"bos_token": tokenizer.eod_token, "eos_token": tokenizer.eod_token,
-               "unk_token": tokenizer.eod_token}
-    settings = {"tokenizer_class": "PreTrainedTokenizerFast", **special,
-                "model_max_length": config.seq_len, "add_prefix_space": False,
-                "clean_up_tokenization_spaces": False}
-    for file, body in (("tokenizer_config.json", settings),
-                       ("special_tokens_map.json", special)):
-        (directory / file).write_text(json.dumps(body, indent=2) + "\n", encoding="utf-8")
-    return tokenizer.eod_id
-
-
 class HFWriter(CheckpointWriter):
     """Writes ``config.json`` and ``model.safetensors`` for ``GPT2LMHeadModel``, and the
     tokenizer when one is known (:func:`write_hf_tokenizer`)."""
@@ -245,3 +222,11 @@ class HFWriter(CheckpointWriter):
     def abort(self) -> None:
         if self._writer is not None:
             self._writer.abort()
+
+
+def open_hf(root: Path) -> CheckpointReader:
+    """A Hugging Face folder's reader: ``LlamaForCausalLM`` (``model_type: llama``) or GPT-2."""
+    data = read_json(Path(root) / "config.json")
+    if data.get("model_type") == "llama":
+        return LlamaReader(Path(root), data, _open_weight_files(Path(root)))
+    return HFReader(Path(root))

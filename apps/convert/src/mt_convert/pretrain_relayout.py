@@ -44,11 +44,12 @@ from mt_checkpoint import (
     write_synced,
 )
 from mt_convert.atomic import atomic_directory
-from mt_convert.errors import ConvertError, gpt2_only
+from mt_convert.errors import ConvertError
 from mt_convert.layout import ProgressFn, canonical_shapes
 from mt_convert.pretrain import PretrainReader
 from mt_convert.sharded import _check_tp, stage_layers, stages_of
 from mt_convert.torch_io import load_weights_only
+from mt_tensor_parallel import decoder_plan, param_styles
 from mt_zero import split_consolidated
 
 __all__ = ["PretrainTarget", "convert_pretrain", "describe_pretrain"]
@@ -151,10 +152,14 @@ def _write_stage(source: _Source, staging: Path, stage: int, names: list[str],
     """Write every rank file of target pipeline ``stage``; returns the bytes written."""
     canonical = _stage_state(source, names, drop)
     fulls = {n: source.reader.read(n) for n in names}  # model weights, the source's dtype
+    # Cut as the target's TP degree slices each tensor (grouped-query key/value heads are
+    # split or replicated depending on it); the source was merged by its saved styles.
+    styles = {**source.styles, **param_styles(names, decoder_plan(source.reader.config,
+                                                                   target.tp))}
     written = 0
     for tp_rank in range(target.tp):
-        local = local_optimizer(canonical, names, source.styles, tp_rank, target.tp)
-        weights = {n: cut(source.styles[n], fulls[n], tp_rank, target.tp) for n in names}
+        local = local_optimizer(canonical, names, styles, tp_rank, target.tp)
+        weights = {n: cut(styles[n], fulls[n], tp_rank, target.tp) for n in names}
         shards = split_consolidated(local, target.dp, target.zero_stage)
         for dp_rank, shard in enumerate(shards):
             rank = target.rank(stage, dp_rank, tp_rank)
@@ -177,12 +182,12 @@ def convert_pretrain(source: Path, destination: Path, target: PretrainTarget,
     ``latest``) as a step folder ``destination`` at the ``target`` layout, atomically.
     Returns (source format, parameters, bytes written)."""
     with PretrainReader(Path(source)) as reader:
-        gpt2_only(reader.config, "resharding an mt pretrain checkpoint")
         src = _Source(reader)
         new = _target(src, target)
         ranges = stage_layers(reader.config.n_layers, new.pp)
         names = [n for n in canonical_shapes(reader.config) if n in src.styles]
-        stage_names = {s: [n for n in names if s in stages_of(n, ranges)]
+        tied = reader.config.tied_embeddings
+        stage_names = {s: [n for n in names if s in stages_of(n, ranges, tied)]
                        for s in range(new.pp)}
         _check_tp(reader.config, new.tp)
         same = (new.tp, new.pp, new.dp) == (src.tp, src.pp, src.dp)
@@ -215,7 +220,8 @@ def describe_pretrain(source: Path, target: PretrainTarget) -> list[str]:
                  f"{src.layout.zero_stage}) -> pretrain {tp}x{pp}x{dp}, ZeRO "
                  f"{zero}, optimizer state {state} (dry run: nothing written)"]
         for stage in range(pp):
-            mine = {n for n in names if stage in stages_of(n, ranges)}
+            mine = {n for n in names if stage in stages_of(n, ranges,
+                                                         reader.config.tied_embeddings)}
             old = sorted(s for s, ns in src.stage_names.items() if mine & set(ns))
             files = [src.layout.file(s, d, t) for s in old
                      for d in range(src.dp) for t in range(src.tp)]

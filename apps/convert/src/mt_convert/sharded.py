@@ -83,7 +83,7 @@ def shard_file(tp_rank: int, pp_rank: int = 0, pp: int = 1) -> str:
 def _check_tp(config: GPTConfig, tp: int) -> None:
     try:
         check_divisibility(tp=tp, n_heads=config.n_heads, hidden=config.hidden,
-                           ffn_hidden=config.ffn_hidden)
+                           ffn_hidden=config.ffn_hidden, n_kv_heads=config.n_kv_heads)
     except ValueError as err:
         raise ConvertError(str(err)) from None
 
@@ -97,11 +97,11 @@ def stage_layers(n_layers: int, pp: int) -> list[tuple[int, int]]:
     return [stage.chunks[0] for stage in plan.stages]
 
 
-def stages_of(name: str, ranges: list[tuple[int, int]]) -> list[int]:
+def stages_of(name: str, ranges: list[tuple[int, int]], tied: bool = True) -> list[int]:
     """The pipeline stages holding canonical tensor ``name``, stage ``s`` holding the blocks
-    ``ranges[s]`` (``mt_model.parameter_stages``: the tied embedding is on the first and the
+    ``ranges[s]`` (``mt_model.parameter_stages``: a tied embedding is on the first and the
     last stage)."""
-    return parameter_stages(name, [range(start, stop) for start, stop in ranges])
+    return parameter_stages(name, [range(start, stop) for start, stop in ranges], tied)
 
 
 def shard_specs(specs: dict[str, TensorSpec], tp: int, pad_multiple: int
