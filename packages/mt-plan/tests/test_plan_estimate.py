@@ -192,3 +192,34 @@ def test_gloo_collectives_as_all_reduces_and_bucket_latency() -> None:
     gloo = estimate(gpt, lay, dataclasses.replace(cpu, gather_via_all_reduce=True,
                                                   bulk_latency_s=2e-3), 1.0)
     assert gloo.dp_comm_time_s == pytest.approx(2.0 * grads / 1e9 + 2 * 2e-3 + small)
+
+
+def test_llama_family_parameters_flops_and_activations() -> None:
+    """The planner counts what mt builds for the Llama family too: per-stage parameters sum
+    to mt_model's count (published Llama sizes included), the per-token forward FLOPs are 2x
+    the block's weights, and the activation term follows GQA and SwiGLU (24 sbh for GPT-2)."""
+    from mt_model import count_block_parameters, count_parameters, preset
+    from mt_plan.estimate import (
+        _layer_matmul_flops,
+        _sharded_activation_units,
+        _stage_params,
+    )
+    from mt_plan.layout import ParallelLayout
+
+    one = ParallelLayout(1, 1, 1, 8, 1)
+    for name in ("tiny", "gpt2-small", "llama-test", "llama-3.2-1b", "llama-3.1-8b"):
+        gpt = preset(name)
+        assert sum(_stage_params(gpt, one)) == count_parameters(gpt), name
+        h, kv = gpt.hidden, gpt.n_kv_heads * gpt.head_dim
+        norms = 2 * h * (2 if gpt.norm == "layernorm" and gpt.bias else 1)
+        fc = gpt.ffn_hidden * (2 if gpt.mlp == "swiglu" else 1)
+        biases = (h + 2 * kv) + h + fc + h if gpt.bias else 0  # qkv, proj, fc, proj
+        assert count_block_parameters(gpt) == norms + biases + _layer_matmul_flops(gpt) / 2, (
+            name)
+    assert _sharded_activation_units(preset("gpt2-small"), 1) == 24.0
+    llama = preset("llama-3.1-8b")  # kv = h / 4, f = 3.5 h: 4 + 1 + 28
+    assert _sharded_activation_units(llama, 8) == pytest.approx(4 + 1 + 8 * 14336 / 4096)
+    # Pipeline stages of an untied model: the head on the last, the embedding on the first.
+    two = ParallelLayout(1, 2, 1, 8, 1)
+    small = preset("llama-test")
+    assert sum(_stage_params(small, two)) == count_parameters(small)

@@ -11,6 +11,7 @@ from mt_model.gpt import GPT, MLP, Attention, Block, CoreAttention, Embedding, L
 from mt_model.init import init_gpt_, init_parameter, init_std_for, parameter_seed
 from mt_model.params import (
     TIED_WEIGHT,
+    block_matmul_parameters,
     count_block_parameters,
     count_parameters,
     gradient_free_slices,
@@ -36,6 +37,7 @@ __all__ = [
     "LMHead",
     "LMLoss",
     "__version__",
+    "block_matmul_parameters",
     "count_block_parameters",
     "count_parameters",
     "gradient_free_slices",

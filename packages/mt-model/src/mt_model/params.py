@@ -17,6 +17,7 @@ TIED_WEIGHT = "embed.tokens.weight"
 __all__ = [
     "TIED_WEIGHT",
     "count_parameters",
+    "block_matmul_parameters",
     "count_block_parameters",
     "gradient_free_slices",
     "parameter_stages",
@@ -37,6 +38,15 @@ def count_block_parameters(config: GPTConfig) -> int:
     mlp = (h * fc + b * fc) + (f * h + b * h)
     norms = 2 * _norm_parameters(config)
     return attention + mlp + norms
+
+
+def block_matmul_parameters(config: GPTConfig) -> int:
+    """Weights of one block's matmuls (q, k, v, output projection, fc, proj; no biases or
+    norms): ``12h^2`` for the GPT-2 block at f = 4h. Forward FLOPs per token are twice this."""
+    h, f = config.hidden, config.ffn_hidden
+    kv = config.n_kv_heads * config.head_dim
+    fc = 2 * f if config.mlp == "swiglu" else f
+    return h * (h + 2 * kv) + h * h + h * fc + f * h
 
 
 def _norm_parameters(config: GPTConfig) -> int:
@@ -61,8 +71,10 @@ def model_flops_per_iteration(
 
     ``F = 96 * B * s * l * h^2 * (1 + s / (6h) + V / (16 * l * h))`` (Narayanan et al. 2021,
     "Efficient large-scale language model training on GPU clusters", eq. 3): forward,
-    backward (2x forward) and one recomputed forward of every matmul, assuming
-    ffn_hidden = 4h. This is the number MT-NLG used to report 126/121/113 TFLOP/s per GPU.
+    backward (2x forward) and one recomputed forward of every matmul, for ffn_hidden = 4h
+    and multi-head attention; other widths, grouped-query attention and SwiGLU count their
+    own matmuls (:func:`block_matmul_parameters`). This is the number MT-NLG used to report
+    126/121/113 TFLOP/s per GPU.
     ``seq_len`` defaults to ``config.seq_len``.
     """
     if global_batch <= 0:
@@ -71,10 +83,11 @@ def model_flops_per_iteration(
     if s <= 0:
         raise ValueError(f"seq_len must be positive, got {s}")
     layers, h, vocab = config.n_layers, config.hidden, config.vocab_size
-    return (
-        96.0 * global_batch * s * layers * h * h
-        * (1.0 + s / (6.0 * h) + vocab / (16.0 * layers * h))
-    )
+    # Forward, backward (2x) and recomputation of each block's matmuls (2 FLOPs per weight
+    # and token) and attention (4sh per token), plus the head's forward and backward: with
+    # f = 4h and multi-head attention this is the paper's formula.
+    block = 2.0 * block_matmul_parameters(config) + 4.0 * s * h
+    return global_batch * s * (4.0 * layers * block + 6.0 * h * vocab)
 
 
 def model_flops_per_token_training(config: GPTConfig) -> float:

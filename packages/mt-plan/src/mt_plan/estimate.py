@@ -22,7 +22,12 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from mt_model import GPTConfig, count_parameters, model_flops_per_iteration
+from mt_model import (
+    GPTConfig,
+    block_matmul_parameters,
+    count_parameters,
+    model_flops_per_iteration,
+)
 from mt_pipeline import get_schedule, simulate
 from mt_plan.gpus import GPUSpec
 from mt_plan.layout import RECOMPUTE, LayoutError, ParallelLayout, stage_layers
@@ -73,7 +78,9 @@ def activation_bytes_per_layer(gpt: GPTConfig, micro_batch: int, tp: int,
                                dropout_masks: bool = True) -> float:
     """Activation bytes one transformer layer keeps per micro-batch (Korthikanti et al.).
 
-    16-bit: ``sbh(10 + 24/t + 5as/(ht))`` with TP, ``sbh/t (34 + 5as/h)`` with TP + SP;
+    16-bit: ``sbh(10 + 24/t + 5as/(ht))`` with TP, ``sbh/t (34 + 5as/h)`` with TP + SP (the
+    ``24`` is the GPT-2 block's; grouped-query attention and SwiGLU change it, see
+    :func:`_sharded_activation_units`);
     selective recomputation drops the ``5as/h`` attention term; full recomputation keeps only
     the layer input ``2sbh`` (``/t`` with SP). fp32 doubles everything.
 
@@ -89,12 +96,13 @@ def activation_bytes_per_layer(gpt: GPTConfig, micro_batch: int, tp: int,
     scores = 5.0 if dropout_masks else 2.0
     attention = 0.0 if recompute == "selective" or fused_attention else scores * a * s / h
     replicated = 10.0 if dropout_masks else 8.0
+    sharded = _sharded_activation_units(gpt, tp)
     if recompute == "full":
         per_layer = 2.0 * sbh / (tp if sequence_parallel else 1)
     elif sequence_parallel:
-        per_layer = sbh / tp * (replicated + 24.0 + attention)
+        per_layer = sbh / tp * (replicated + sharded + attention)
     else:
-        per_layer = sbh * (replicated + 24.0 / tp + attention / tp)
+        per_layer = sbh * (replicated + sharded / tp + attention / tp)
     return per_layer * _WIDTH[precision] / 2
 
 
@@ -146,21 +154,56 @@ class Estimate:
         return out
 
 
+def _sharded_activation_units(gpt: GPTConfig, tp: int) -> float:
+    """Korthikanti's tensor-parallel activation term (``24`` in units of sbh for the GPT-2
+    block) for this block: q (2), k and v (4 kv/h, kv the key/value width; a rank whose
+    key/value heads are replicated keeps one head's), the output projection's input (2), the
+    MLP's fc output and activation output (4 f/h with GeLU; 8 f/h with SwiGLU, whose fc is
+    twice as wide and whose activation keeps silu(gate) and the product)."""
+    h, f = gpt.hidden, gpt.ffn_hidden
+    kv = gpt.n_kv_heads * gpt.head_dim
+    if gpt.n_kv_heads % tp:  # replicated: each rank computes one head of tp / n_kv ranks
+        kv = max(kv, gpt.head_dim * tp)
+    return 4.0 + 4.0 * kv / h + (8.0 if gpt.mlp == "swiglu" else 4.0) * f / h
+
+
+def _block_params(gpt: GPTConfig, tp: int) -> tuple[int, int]:
+    """(replicated, TP-sharded) parameters of one block: the norms, the row-parallel biases
+    and key/value projections replicated over TP (fewer kv heads than tp) stay whole."""
+    h, f, b = gpt.hidden, gpt.ffn_hidden, int(gpt.bias)
+    kv = gpt.n_kv_heads * gpt.head_dim
+    fc = 2 * f if gpt.mlp == "swiglu" else f
+    kv_params = 2 * h * kv + b * 2 * kv
+    kv_split = gpt.n_kv_heads % tp == 0
+    sharded = h * h + b * h + h * h + h * fc + b * fc + f * h + (kv_params if kv_split else 0)
+    replicated = 2 * _norm_params(gpt) + 2 * b * h + (0 if kv_split else kv_params)
+    return replicated, sharded
+
+
+def _norm_params(gpt: GPTConfig) -> int:
+    return gpt.hidden * (2 if gpt.norm == "layernorm" and gpt.bias else 1)
+
+
+def _layer_matmul_flops(gpt: GPTConfig) -> float:
+    """Forward matmul FLOPs of one block per token, attention scores aside: 2 x weights."""
+    return 2.0 * block_matmul_parameters(gpt)
+
+
 def _params_of(gpt: GPTConfig, layout: ParallelLayout, stage: int, layers: int) -> int:
     """Parameters one TP rank of ``stage`` holds with ``layers`` transformer layers
-    (padded vocabulary, the tied copy on the last stage)."""
-    h, f, t = gpt.hidden, gpt.ffn_hidden, layout.tp
-    sharded = 3 * h * h + 3 * h + h * h + h * f + f + f * h  # column/row weights + col biases
-    block = 4 * h + 2 * h + sharded // t  # LayerNorms and row biases are replicated
+    (padded vocabulary; the tied embedding's copy on the last stage, or the untied head)."""
+    h, t = gpt.hidden, layout.tp
+    replicated, sharded = _block_params(gpt, t)
+    block = replicated + sharded // t
     vocab = padded_vocab_size(gpt.vocab_size, t) if t > 1 else gpt.vocab_size
     first, last = stage == 0, stage == layout.pp - 1
     n = layers * block
-    if first or last:
-        n += vocab // t * h
     if first:
-        n += gpt.seq_len * h
+        n += vocab // t * h + (gpt.seq_len * h if gpt.position == "learned" else 0)
+    if last and (not first or not gpt.tied_embeddings):
+        n += vocab // t * h  # the tied copy, or the untied head
     if last:
-        n += 2 * h
+        n += _norm_params(gpt)
     return n
 
 
@@ -183,7 +226,9 @@ def peak_in_flight(layout: ParallelLayout) -> list[int]:
 def _largest_param(gpt: GPTConfig, layout: ParallelLayout, stage: int) -> float:
     """Elements of the largest parameter tensor one TP rank of ``stage`` holds."""
     t = layout.tp
-    big = gpt.hidden * max(gpt.ffn_hidden, 3 * gpt.hidden) / t
+    fc = 2 * gpt.ffn_hidden if gpt.mlp == "swiglu" else gpt.ffn_hidden
+    qkv = gpt.hidden + 2 * gpt.n_kv_heads * gpt.head_dim
+    big = gpt.hidden * max(fc, qkv) / t
     if stage in (0, layout.pp - 1):
         big = max(big, gpt.hidden * gpt.vocab_size / t)
     return big
@@ -260,10 +305,10 @@ def _stage_tensors(gpt: GPTConfig, layout: ParallelLayout) -> list[int]:
 
 def _times(gpt: GPTConfig, layout: ParallelLayout, gpu: GPUSpec, efficiency: float) -> dict:
     """Per-stage chunk forward / backward seconds, P2P, TP and DP communication."""
-    s, b, h, f, t = gpt.seq_len, layout.micro_batch, gpt.hidden, gpt.ffn_hidden, layout.tp
+    s, b, h, t = gpt.seq_len, layout.micro_batch, gpt.hidden, layout.tp
     width = _WIDTH[layout.precision]
     lat = gpu.link_latency_s
-    layer_fwd = b * s * (8.0 * h * h + 4.0 * h * f) + 4.0 * b * s * s * h
+    layer_fwd = b * s * _layer_matmul_flops(gpt) + 4.0 * b * s * s * h
     recompute = {"full": layer_fwd, "selective": 4.0 * b * s * s * h, "none": 0.0}
     speed = t * gpu.peak_flops * efficiency
     message = float(b * s * h * width)
