@@ -1,4 +1,5 @@
-"""The correctness contract in CI: the pairwise cover of the layout matrix, each case trained
+"""The correctness contract in CI: the pairwise cover of the layout matrix and two Llama rows
+(llama-test at TP 2 x PP 2 x DP 2 and TP 4 x DP 2 with SP), each case trained
 for 10 steps against the run it must equal (one process in the same precision; with dropout
 the run at the same TP degree), comparing every step's loss, gradient norm and learning rate,
 the validation loss and every final parameter (see mt_pretrain.contract.runner for the metrics and
@@ -16,22 +17,29 @@ from pathlib import Path
 import pytest
 
 from mt_pretrain.contract.matrix import (
+    LLAMA_CI,
     Case,
     candidates,
+    ci_matrix,
     full_matrix,
+    llama_rows,
     matrix_layout,
-    pairwise_cover,
+    valid,
 )
 from mt_pretrain.contract.runner import FLOORS, FP32, MatrixRunner, noise_floor
 
 STEPS = 10
-CI = pairwise_cover()
+CI = ci_matrix()
 
 
 def test_the_matrix_covers_every_pair_of_features() -> None:
     pool, full = candidates(), full_matrix()
     assert len(full) >= 60 and len(set(full)) == len(full)
-    assert set(CI) <= set(full) <= set(pool)
+    assert set(CI) <= set(full) <= set(pool) | set(llama_rows(pool))
+    assert {c.name for c in llama_rows(pool)} >= {c.name for c in LLAMA_CI}
+    grids = {(c.layout.tp, c.layout.pp, c.layout.dp) for c in pool}
+    assert len(llama_rows(pool)) == len(grids) - 1  # one per grid but one process (the ref)
+    assert all(valid(c) for c in llama_rows(pool))  # mt pretrain's own checks accept them
     wanted = set().union(*(case.pairs() for case in pool))
     covered = set().union(*(case.pairs() for case in CI))
     assert wanted == covered

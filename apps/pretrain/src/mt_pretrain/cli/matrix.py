@@ -24,9 +24,9 @@ _HELP = (
 
 
 def _cases(which: str, only: list[str]) -> list:
-    from mt_pretrain.contract.matrix import candidates, full_matrix, pairwise_cover
+    from mt_pretrain.contract.matrix import candidates, ci_matrix, full_matrix
 
-    sets = {"ci": pairwise_cover, "full": full_matrix, "all": candidates}
+    sets = {"ci": ci_matrix, "full": full_matrix, "all": candidates}
     if which not in sets:
         raise typer.BadParameter(f"--set must be one of {sorted(sets)}, got {which!r}")
     cases = sets[which]()

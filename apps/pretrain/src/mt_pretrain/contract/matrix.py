@@ -30,8 +30,8 @@ from typing import Any
 
 from mt_plan.layout import ParallelLayout
 
-__all__ = ["COMMON", "Case", "candidates", "full_matrix", "matrix_layout", "pairwise_cover",
-           "valid"]
+__all__ = ["COMMON", "LLAMA", "LLAMA_CI", "Case", "candidates", "ci_matrix", "full_matrix",
+           "llama_rows", "matrix_layout", "pairwise_cover", "valid"]
 
 #: The run every case trains: the tiny GPT on the embedded corpus, global batch 8 of
 #: micro-batches of 1 (so every DP degree up to 8 divides it), validation at the end.
@@ -51,6 +51,8 @@ class Case:
     layout: ParallelLayout
     dropout: float = 0.0
     engine: str = "mt"
+    model: str = "tiny"
+    """The preset trained: the GPT-2 ``tiny``, or ``llama-test`` (the Llama row set)."""
 
     @property
     def nproc(self) -> int:
@@ -78,6 +80,8 @@ class Case:
             parts.append("drop")
         if self.engine != "mt":
             parts.append("ds")
+        if self.model != "tiny":
+            parts.append(self.model.split("-")[0])
         return " ".join(parts)
 
     def options(self) -> dict[str, Any]:
@@ -88,7 +92,7 @@ class Case:
             "zero_stage": lay.zero_stage, "schedule": lay.schedule,
             "virtual_stages": lay.virtual_stages, "sequence_parallel": lay.sequence_parallel,
             "activation_checkpointing": self.checkpointing, "precision": lay.precision,
-            "dropout": self.dropout, "engine": self.engine,
+            "dropout": self.dropout, "engine": self.engine, "model": self.model,
         }
 
     def reference(self) -> Case:
@@ -97,7 +101,7 @@ class Case:
         keep_tp = self.dropout > 0
         return Case(matrix_layout(tp=lay.tp if keep_tp else 1, precision=lay.precision,
                             sequence_parallel=lay.sequence_parallel and keep_tp),
-                    self.dropout)
+                    self.dropout, model=self.model)
 
     def factors(self) -> dict[str, object]:
         """The feature values pairwise coverage counts; a factor that means nothing here
@@ -197,8 +201,8 @@ def pairwise_cover(cases: Iterable[Case] | None = None) -> list[Case]:
 def full_matrix() -> list[Case]:
     """What ``mt matrix --set full`` runs: every parallel layout (grid x ZeRO stage x
     schedule, fp32, dropout 0), every feature (SP, checkpointing, bf16, fp16, dropout,
-    dropout with checkpointing, DeepSpeed) on every grid it applies to, and the pairwise
-    cover; in that order, without repeats."""
+    dropout with checkpointing, DeepSpeed) on every grid it applies to, the pairwise
+    cover, and the Llama row set; in that order, without repeats."""
     pool = candidates()
     plain = [c for c in pool if c.dropout == 0 and c.engine == "mt" and
              c.layout.precision == "fp32" and not c.checkpointing and
@@ -219,7 +223,40 @@ def full_matrix() -> list[Case]:
             variant = _with(case, **feature)
             if variant in pool:
                 variants.append(variant)
-    return list(dict.fromkeys(plain + variants + pairwise_cover(pool)))
+    return list(dict.fromkeys(plain + variants + pairwise_cover(pool) + llama_rows(pool)))
+
+
+#: The Llama row set: llama-test (RoPE, RMSNorm, SwiGLU, 4 query / 2 key-value heads, untied
+#: head) on every grid's base layout, with sequence parallelism where there is TP (key/value
+#: heads split at TP 2, replicated at TP 4).
+LLAMA = "llama-test"
+
+
+def llama_rows(pool: Iterable[Case] | None = None) -> list[Case]:
+    """The Llama row set of the full matrix (fp32, dropout 0, mt's engine)."""
+    out = []
+    for case in (pool if pool is not None else candidates()):
+        lay = case.layout
+        if (case.dropout == 0 and case.engine == "mt" and lay.precision == "fp32"
+                and not case.checkpointing and lay.schedule == "1f1b"
+                and lay.zero_stage == (1 if lay.dp > 1 else 0)
+                and lay.sequence_parallel == (lay.tp > 1)):
+            out.append(replace(case, model=LLAMA))
+    return out
+
+
+#: The Llama rows CI runs: every Llama-specific mechanism at once (TP 2 x PP 2 x DP 2 with
+#: SP: split key/value heads, SP RMSNorm, the untied head on the last stage; TP 4 x DP 2 with
+#: SP: replicated key/value heads).
+LLAMA_CI = (
+    Case(matrix_layout(tp=2, pp=2, dp=2, zero_stage=1, sequence_parallel=True), model=LLAMA),
+    Case(matrix_layout(tp=4, dp=2, zero_stage=1, sequence_parallel=True), model=LLAMA),
+)
+
+
+def ci_matrix() -> list[Case]:
+    """What CI and ``mt matrix --set ci`` run: the pairwise cover and the Llama CI rows."""
+    return pairwise_cover() + list(LLAMA_CI)
 
 
 def _with(case: Case, **changes: Any) -> Case:

@@ -70,9 +70,19 @@ FLOORS: dict[str, Tolerance] = {
 FLOOR_FACTORS = {"plain": 3.0, "deepspeed": 6.0, "tp": 8.0}
 
 
+#: fp32 weights of the Llama rows: the one-process floor of llama-test (10 steps, worst over
+#: micro-batches of 2, 4 and 8 against 1: 2.2e-5; loss 1.4e-7 and grad norm 1.5e-6 stay far
+#: inside FP32), above the GPT-2 tiny's: no biases and SwiGLU leave more gradient elements
+#: made of cancelling sums, which Adam turns into equal-sized steps.
+LLAMA_FP32_PARAMS_FLOOR = 2.2e-5
+
+
 def tolerance_for(case: Case) -> Tolerance:
     """The limits ``case`` must keep against its reference."""
     precision = case.layout.precision
+    if precision == "fp32" and case.model != "tiny":
+        return Tolerance(FP32.loss, FP32.grad_norm,
+                         LLAMA_FP32_PARAMS_FLOOR * FLOOR_FACTORS["plain"])
     if precision == "fp32":
         return FP32
     kind = "tp" if case.layout.tp > 1 else "deepspeed" if case.engine != "mt" else "plain"
