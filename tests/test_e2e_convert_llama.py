@@ -47,6 +47,12 @@ def test_llama_round_trip_through_tp2_pp2(tmp_path: Path, tied: bool) -> None:
         mine = load_model(tmp_path / "ckpt22").eval()
         assert (mine.config.n_kv_heads, mine.config.tied_embeddings) == (2, tied)
         assert torch.allclose(mine(idx), want, atol=1e-5, rtol=0)
+    # mt convert's own sharded format: TP 4 (key/value heads replicated) x PP 2, and back.
+    _convert(str(tmp_path / "hf"), str(tmp_path / "tp42"), "--tp", "4", "--pp", "2")
+    _convert(str(tmp_path / "tp42"), str(tmp_path / "back42"), "--to", "hf")
+    again = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "back42").eval()
+    with torch.no_grad():
+        assert torch.equal(again(idx).logits, back(idx).logits)
 
 
 def test_llama_settings_mt_cannot_reproduce_are_refused_by_name(tmp_path: Path) -> None:

@@ -124,7 +124,7 @@ def make_writer(fmt: str, config: GPTConfig, specs: Mapping[str, TensorSpec],
     _check_format(fmt)
     if fmt not in _WRITABLE:
         raise ConvertError(f"cannot write the {fmt!r} format; writable: {list(_WRITABLE)}")
-    if fmt not in ("consolidated", "pretrain") and not (fmt == "hf" and is_llama(config)):
+    if fmt == "megatron" or (fmt == "hf" and not is_llama(config)):
         gpt2_only(config, f"writing the {fmt!r} format")
     pad = DEFAULT_PAD_MULTIPLE if pad_multiple is None else pad_multiple
     if fmt == "tp":

@@ -45,6 +45,10 @@ class Piece:
     span: FileSpan
 
 
+#: Fused styles and their number of blocks (mt_tensor_parallel.sharding).
+_FUSED = {"column_qkv": 3, "column_pair": 2}
+
+
 def merge_pieces(style: str, spans: Sequence[FileSpan], specs: Sequence[TensorSpec],
                  vocab_size: int) -> list[Piece] | None:
     """The byte ranges, in order, whose concatenation is ``merge_shards(style, shards,
@@ -55,12 +59,13 @@ def merge_pieces(style: str, spans: Sequence[FileSpan], specs: Sequence[TensorSp
         return [Piece(0, 0, spans[0])]
     if style == "column":
         return [Piece(rank, 0, span) for rank, span in enumerate(spans)]
-    if style == "column_qkv":
-        if any(span.length % 3 for span in spans):
+    if style in _FUSED:  # [q; k; v] or a pair: every rank's slice of each block in turn
+        n = _FUSED[style]
+        if any(span.length % n for span in spans):
             return None
-        return [Piece(rank, c * span.length // 3,
-                      FileSpan(span.fd, span.offset + c * span.length // 3, span.length // 3))
-                for c in range(3) for rank, span in enumerate(spans)]
+        return [Piece(rank, c * span.length // n,
+                      FileSpan(span.fd, span.offset + c * span.length // n, span.length // n))
+                for c in range(n) for rank, span in enumerate(spans)]
     if style == "vocab":
         pieces, start = [], 0
         for rank, (span, spec) in enumerate(zip(spans, specs)):
@@ -107,10 +112,11 @@ def shard_parts(style: str, tensor: torch.Tensor, rank: int, tp: int, pad_multip
         real = min(end, tensor.shape[0])
         row = tensor[0].numel() * tensor.element_size() if tensor.dim() else 0
         return [tensor[start:max(real, start)], (end - max(real, start)) * row]
-    if style == "column_qkv":  # [q; k; v]: this rank's slice of each block
-        blocks = tensor.reshape(3, tensor.shape[0] // 3, *tensor.shape[1:])
+    if style in _FUSED and tensor.shape[0] % (_FUSED[style] * tp) == 0:
+        n = _FUSED[style]  # [q; k; v] or a pair: this rank's slice of each block
+        blocks = tensor.reshape(n, tensor.shape[0] // n, *tensor.shape[1:])
         return [blocks[c].narrow(0, rank * blocks.shape[1] // tp, blocks.shape[1] // tp)
-                for c in range(3)]
+                for c in range(n)]
     dim = 0 if style == "column" else tensor.dim() - 1
     if style not in ("column", "row") or tensor.shape[dim] % tp:
         # Unknown styles and divisibility errors: let the reference raise its message.

@@ -55,6 +55,7 @@ from mt_tensor_parallel import (
     DEFAULT_PAD_MULTIPLE,
     GPT_PLAN,
     check_divisibility,
+    decoder_plan,
     merge_shards,
     param_styles,
     shard_tensor,
@@ -104,12 +105,13 @@ def stages_of(name: str, ranges: list[tuple[int, int]], tied: bool = True) -> li
     return parameter_stages(name, [range(start, stop) for start, stop in ranges], tied)
 
 
-def shard_specs(specs: dict[str, TensorSpec], tp: int, pad_multiple: int
+def shard_specs(specs: dict[str, TensorSpec], tp: int, pad_multiple: int,
+                config: GPTConfig | None = None
                 ) -> tuple[dict[str, str], list[dict[str, TensorSpec]]]:
     """(style of each tensor, per-rank shard specs) of canonical ``specs`` split ``tp`` ways.
     Shapes come from running ``shard_tensor`` on meta tensors, so they cannot disagree with
     the real slicing."""
-    styles = param_styles(specs, GPT_PLAN)
+    styles = param_styles(specs, decoder_plan(config, tp) if config is not None else GPT_PLAN)
     ranks: list[dict[str, TensorSpec]] = [{} for _ in range(tp)]
     # Layers repeat the same few (style, shape) pairs; slicing each pair once keeps this
     # fast for 100+ layer models.
@@ -136,8 +138,9 @@ class _Layout:
             raise ConvertError(f"pad_multiple must be >= 1, got {pad_multiple}")
         self.tp, self.pp, self.pad_multiple = tp, pp, pad_multiple
         self.ranges = stage_layers(config.n_layers, pp) if ranges is None else ranges
-        self.styles, self.ranks = shard_specs(specs, tp, pad_multiple)
-        self.stages = {name: stages_of(name, self.ranges) for name in specs}
+        self.styles, self.ranks = shard_specs(specs, tp, pad_multiple, config)
+        self.stages = {name: stages_of(name, self.ranges, config.tied_embeddings)
+                       for name in specs}
 
     def file(self, stage: int, rank: int) -> str:
         return shard_file(rank, stage, self.pp)
