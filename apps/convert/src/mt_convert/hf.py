@@ -11,7 +11,6 @@ nothing else is unpickled). Keys may carry the ``transformer.`` prefix or not.
 
 from __future__ import annotations
 
-import json
 import pickle
 from pathlib import Path
 
@@ -20,7 +19,7 @@ import torch
 from mt_convert.errors import ConvertError
 from mt_convert.hf_config import HF_IGNORED, gpt_config_from_hf, hf_config_from_gpt, hf_name
 from mt_convert.hf_llama import LlamaReader
-from mt_convert.hf_tokenizer import write_hf_tokenizer
+from mt_convert.hf_tokenizer import write_hf_config
 from mt_convert.layout import CheckpointReader, CheckpointWriter, TensorRef, canonical_shapes
 from mt_convert.manifest import read_json
 from mt_convert.safetensors_io import SafetensorsReader, SafetensorsWriter
@@ -213,11 +212,7 @@ class HFWriter(CheckpointWriter):
         self._writer.close()
         dtype = self.specs["embed.tokens.weight"].dtype
         body = hf_config_from_gpt(self.config, dtype)
-        if self.tokenizer is not None:
-            eod = write_hf_tokenizer(self._directory, self.tokenizer, self.config)
-            body.update(bos_token_id=eod, eos_token_id=eod)
-        (self._directory / "config.json").write_text(json.dumps(body, indent=2) + "\n",
-                                                    encoding="utf-8")
+        write_hf_config(self._directory, body, self.tokenizer, self.config)
 
     def abort(self) -> None:
         if self._writer is not None:

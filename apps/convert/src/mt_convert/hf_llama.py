@@ -11,7 +11,6 @@ unexpected keys. A tied head (``tie_word_embeddings``) is stored once, as HF doe
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,7 @@ from typing import Any
 import torch
 
 from mt_convert.errors import ConvertError
-from mt_convert.hf_tokenizer import write_hf_tokenizer
+from mt_convert.hf_tokenizer import write_hf_config
 from mt_convert.layout import CheckpointReader, CheckpointWriter, TensorRef, canonical_shapes
 from mt_convert.safetensors_io import SafetensorsWriter
 from mt_convert.tensors import TensorSpec, check_names
@@ -224,11 +223,7 @@ class LlamaWriter(CheckpointWriter):
         assert self._writer is not None and self._directory is not None, "open() first"
         self._writer.close()
         body = llama_config_from_gpt(self.config, self.specs["embed.tokens.weight"].dtype)
-        if self.tokenizer is not None:
-            eod = write_hf_tokenizer(self._directory, self.tokenizer, self.config)
-            body.update(bos_token_id=eod, eos_token_id=eod)
-        (self._directory / "config.json").write_text(json.dumps(body, indent=2) + "\n",
-                                                    encoding="utf-8")
+        write_hf_config(self._directory, body, self.tokenizer, self.config)
 
     def abort(self) -> None:
         if self._writer is not None:

@@ -10,7 +10,7 @@ from mt_data import load_tokenizer
 from mt_data.tokenizer import TokenizerError
 from mt_model import GPTConfig
 
-__all__ = ["write_hf_tokenizer"]
+__all__ = ["write_hf_config", "write_hf_tokenizer"]
 
 
 def write_hf_tokenizer(directory: Path, name: str, config: GPTConfig) -> int:
@@ -34,3 +34,13 @@ def write_hf_tokenizer(directory: Path, name: str, config: GPTConfig) -> int:
                        ("special_tokens_map.json", special)):
         (directory / file).write_text(json.dumps(body, indent=2) + "\n", encoding="utf-8")
     return tokenizer.eod_id
+
+
+def write_hf_config(directory: Path, body: dict, tokenizer: str | None,
+                    config: GPTConfig) -> None:
+    """Write ``config.json`` (``body``) and, when ``tokenizer`` is given, the tokenizer, whose
+    end-of-text id becomes the config's BOS and EOS."""
+    if tokenizer is not None:
+        eod = write_hf_tokenizer(directory, tokenizer, config)
+        body = {**body, "bos_token_id": eod, "eos_token_id": eod}
+    (directory / "config.json").write_text(json.dumps(body, indent=2) + "\n", encoding="utf-8")
