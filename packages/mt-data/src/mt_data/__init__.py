@@ -8,7 +8,16 @@ token shards), :func:`export_megatron` / :func:`import_megatron`. Online: :class
 from mt_data.blend import BlendedDataset, blend_schedule, build_blended, parse_blend
 from mt_data.corpus import corpus_path, corpus_texts, iter_corpus
 from mt_data.decontam import DecontamConfig, NgramIndex, decontaminate_batch
-from mt_data.dedup import DedupConfig, MinHasher, UnionFind, content_hashes, fuzzy_dedup
+from mt_data.dedup import (
+    DedupConfig,
+    MinHasher,
+    SignatureSpill,
+    SpilledSignatures,
+    UnionFind,
+    content_hashes,
+    fuzzy_dedup,
+    fuzzy_dedup_bounded,
+)
 from mt_data.errors import DataError, DataNotFoundError, DatasetError, StreamError
 from mt_data.filters import FilterConfig, filter_batch
 from mt_data.gpt_dataset import GPTDataset, SplitSpec, build_sample_index, split_documents
@@ -33,11 +42,13 @@ __all__ = [
     "DPDataLoader", "DataError", "DataLoaderState", "DataNotFoundError", "DatasetError",
     "DecontamConfig", "DedupConfig", "ErrorLog", "FilterConfig", "GPTDataset", "IngestConfig",
     "InputError", "MegatronReader", "MinHasher", "NgramIndex", "NoDocumentsError",
-    "PrepareConfig", "PrepareError", "RULE_SETS", "ShardSetWriter", "SplitSpec", "StreamError",
+    "PrepareConfig", "PrepareError", "RULE_SETS", "ShardSetWriter", "SignatureSpill",
+    "SpilledSignatures", "SplitSpec", "StreamError",
     "TextKeyError", "TokenDataset", "Tokenizer", "UnionFind", "apply_rule_sets", "blend_schedule",
     "build_blended",
     "build_sample_index", "content_hashes", "corpus_path", "corpus_texts",
-    "decontaminate_batch", "export_megatron", "filter_batch", "fuzzy_dedup", "gpt2",
+    "decontaminate_batch", "export_megatron", "filter_batch", "fuzzy_dedup",
+    "fuzzy_dedup_bounded", "gpt2",
     "import_megatron", "iter_corpus", "iter_documents", "load_tokenizer", "parse_blend",
     "parse_rule_sets",
     "prepare", "prepare_demo", "read_index", "split_documents", "train_tokenizer",

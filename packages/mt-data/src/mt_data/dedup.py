@@ -11,8 +11,11 @@ batch: no Python loop per word or per shingle.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
 
 import numpy as np
 import pyarrow as pa
@@ -199,27 +202,40 @@ def lsh_candidate_pairs(sig: np.ndarray, bands: int, valid: np.ndarray | None = 
     pairs = []
     for band in range(bands):
         block = sig[idx, band * rows : (band + 1) * rows].astype(np.uint64)
-        key = np.zeros(len(idx), dtype=np.uint64)
-        with np.errstate(over="ignore"):
-            for j in range(rows):
-                key = key * _P_BAND + block[:, j]
-        order = np.argsort(key, kind="stable")
-        sk = key[order]
-        same = sk[1:] == sk[:-1]
-        if not same.any():
-            continue
-        run_start = np.flatnonzero(np.concatenate([[True], ~same]))
-        first_of = run_start[np.cumsum(np.concatenate([[True], ~same])) - 1]
-        members = np.flatnonzero(np.concatenate([[False], same]))
-        ids = idx[order]
-        pairs.append(np.stack([ids[first_of[members]], ids[members]], axis=1))
-        pairs.append(np.stack([ids[members - 1], ids[members]], axis=1))
+        pairs.extend(_bucket_pairs(_band_key(block.T), idx))
     if not pairs:
         return np.zeros((0, 2), dtype=np.int64)
     allp = np.concatenate(pairs).astype(np.int64)
     allp = np.sort(allp, axis=1)
     allp = allp[allp[:, 0] != allp[:, 1]]
     return np.unique(allp, axis=0)
+
+
+def _band_key(columns: Iterable[np.ndarray]) -> np.ndarray:
+    """LSH bucket key of one band from its signature columns (one value per document)."""
+    key: np.ndarray | None = None
+    with np.errstate(over="ignore"):
+        for col in columns:
+            col = col.astype(np.uint64)
+            key = col if key is None else key * _P_BAND + col
+    assert key is not None
+    return key
+
+
+def _bucket_pairs(key: np.ndarray, idx: np.ndarray) -> list[np.ndarray]:
+    """Pairs of ``idx`` whose keys are equal: each bucket member with the first member and
+    with its predecessor (in stable key order); ``[]`` when no bucket has two members."""
+    order = np.argsort(key, kind="stable")
+    sk = key[order]
+    same = sk[1:] == sk[:-1]
+    if not same.any():
+        return []
+    run_start = np.flatnonzero(np.concatenate([[True], ~same]))
+    first_of = run_start[np.cumsum(np.concatenate([[True], ~same])) - 1]
+    members = np.flatnonzero(np.concatenate([[False], same]))
+    ids = idx[order]
+    return [np.stack([ids[first_of[members]], ids[members]], axis=1),
+            np.stack([ids[members - 1], ids[members]], axis=1)]
 
 
 class UnionFind:
@@ -241,6 +257,34 @@ class UnionFind:
         ra, rb = self.find(a), self.find(b)
         if ra != rb:
             self.parent[max(ra, rb)] = min(ra, rb)
+
+    def find_many(self, x: np.ndarray) -> np.ndarray:
+        """Roots of the elements ``x`` (vectorised), pointing them straight at their roots."""
+        parent = self.parent
+        r = parent[x]
+        while True:
+            nxt = parent[r]
+            if np.array_equal(nxt, r):
+                break
+            r = nxt
+        parent[x] = r
+        return r
+
+    def union_pairs(self, a: np.ndarray, b: np.ndarray) -> None:
+        """Merge the sets of every pair (a[i], b[i]), vectorised; same sets as ``union`` calls.
+
+        Each round points the larger root of every still-separate pair at the smallest root it
+        is paired with; roots only decrease, so the rounds end (few for real duplicate graphs).
+        """
+        a = np.asarray(a, dtype=np.int64)
+        b = np.asarray(b, dtype=np.int64)
+        while len(a):
+            ra, rb = self.find_many(a), self.find_many(b)
+            apart = ra != rb
+            if not apart.any():
+                return
+            a, b, ra, rb = a[apart], b[apart], ra[apart], rb[apart]
+            np.minimum.at(self.parent, np.maximum(ra, rb), np.minimum(ra, rb))
 
     def roots(self) -> np.ndarray:
         """Root of every element."""
@@ -291,3 +335,202 @@ def fuzzy_dedup(
     cluster = uf.roots()
     keep = cluster == np.arange(n)
     return FuzzyResult(keep, cluster, len(cand), len(dup))
+
+
+# --- Bounded-memory fuzzy dedup -------------------------------------------------------------
+#
+# The in-memory path holds an ``[n, num_perm]`` uint32 matrix (512 bytes per document at the
+# default 128 permutations). The bounded path writes signatures to an Arrow IPC file as they are
+# computed (a record batch per chunk, one uint32 column per permutation, so that one LSH band is
+# a few contiguous columns), then processes LSH band by band from a memory map: the band's key
+# per document, buckets by a stable sort, candidate pairs, verification by reading just the
+# pairs' signature rows. Peak memory is a few ``n``-long integer arrays, one band and the
+# candidate pairs; the clusters are exactly those of :func:`fuzzy_dedup`.
+
+SPILL_SUFFIX = ".minhash.arrow"
+
+
+def _spill_schema(num_perm: int) -> pa.Schema:
+    return pa.schema([pa.field(f"p{j}", pa.uint32()) for j in range(num_perm)]
+                     + [pa.field("has_shingles", pa.bool_())])
+
+
+class SignatureSpill:
+    """Writes MinHash signatures to an Arrow IPC file, one record batch per :meth:`append`.
+
+    Use as a context manager, or call :meth:`close`, which returns the reader.
+    """
+
+    def __init__(self, path: str | Path, num_perm: int) -> None:
+        self.path = Path(path)
+        self.num_perm = num_perm
+        self.num_docs = 0
+        self._schema = _spill_schema(num_perm)
+        self._sink = pa.OSFile(str(self.path), "wb")
+        self._writer = pa.ipc.new_file(self._sink, self._schema)
+        self._closed = False
+
+    def append(self, sig: np.ndarray, has: np.ndarray) -> None:
+        """Write the ``[m, num_perm]`` signatures and shingle mask of the next m documents."""
+        if sig.ndim != 2 or sig.shape[1] != self.num_perm or len(has) != len(sig):
+            raise ValueError(f"expected [m, {self.num_perm}] signatures and m flags, got "
+                             f"{sig.shape} and {len(has)}")
+        cols = np.ascontiguousarray(np.asarray(sig, dtype=np.uint32).T)  # one chunk: bounded
+        arrays = [pa.array(c) for c in cols] + [pa.array(np.asarray(has, dtype=bool))]
+        self._writer.write_batch(pa.RecordBatch.from_arrays(arrays, schema=self._schema))
+        self.num_docs += len(sig)
+
+    def close(self) -> SpilledSignatures:
+        """Finish the file and open it for reading."""
+        if not self._closed:
+            self._writer.close()
+            self._sink.close()
+            self._closed = True
+        return SpilledSignatures(self.path)
+
+    def __enter__(self) -> SignatureSpill:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if not self._closed:
+            self._writer.close()
+            self._sink.close()
+            self._closed = True
+
+
+class SpilledSignatures:
+    """Read side of a :class:`SignatureSpill` file, memory-mapped per operation.
+
+    The map is opened for each band / verification step and closed after it, so that pages
+    read for one band do not stay mapped (and counted as resident) for the next.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        with self._batches() as batches:
+            if not batches:
+                self.num_perm = 0
+                self.has = np.zeros(0, dtype=bool)
+                self.starts = np.zeros(1, dtype=np.int64)
+                return
+            self.num_perm = batches[0].num_columns - 1
+            self.has = np.concatenate([b.column(self.num_perm).to_numpy(zero_copy_only=False)
+                                       for b in batches])
+            sizes = [b.num_rows for b in batches]
+        self.starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+
+    @property
+    def num_docs(self) -> int:
+        return int(self.starts[-1])
+
+    @contextmanager
+    def _batches(self) -> Iterator[list[pa.RecordBatch]]:
+        source = pa.memory_map(str(self.path), "r")
+        try:
+            reader = pa.ipc.open_file(source)
+            batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
+            yield batches
+            del batches, reader
+        finally:
+            source.close()
+
+    def band_keys(self, lo: int, hi: int) -> np.ndarray:
+        """LSH key of the band of permutations ``lo:hi`` for every document (n uint64)."""
+        keys = np.empty(self.num_docs, dtype=np.uint64)
+        with self._batches() as batches:
+            for b, batch in enumerate(batches):
+                cols = (batch.column(j).to_numpy() for j in range(lo, hi))
+                keys[self.starts[b] : self.starts[b + 1]] = _band_key(cols)
+        return keys
+
+    def _equal_counts_group(self, lo: int, hi: int, picks: list, counts: np.ndarray) -> None:
+        vu = np.empty(len(counts), dtype=np.uint32)
+        vv = np.empty(len(counts), dtype=np.uint32)
+        with self._batches() as batches:
+            for j in range(lo, hi):
+                for b, batch in enumerate(batches):
+                    pu, pv = picks[0][b], picks[1][b]
+                    if not len(pu[0]) and not len(pv[0]):
+                        continue
+                    col = batch.column(j).to_numpy()
+                    vu[pu[0]] = col[pu[1]]
+                    vv[pv[0]] = col[pv[1]]
+                counts += vu == vv
+
+    def equal_counts(self, u: np.ndarray, v: np.ndarray) -> np.ndarray:
+        """Number of equal MinHash values of documents u[i] and v[i] (reads only their rows)."""
+        u = np.asarray(u, dtype=np.int64)
+        v = np.asarray(v, dtype=np.int64)
+        counts = np.zeros(len(u), dtype=np.int64)
+        if not len(u):
+            return counts
+        # Per batch: which pairs read a row there (positions) and the rows within the batch.
+        picks = []
+        for ends in (u, v):
+            where = np.searchsorted(self.starts, ends, side="right") - 1
+            order = np.argsort(where, kind="stable")
+            bounds = np.searchsorted(where[order], np.arange(len(self.starts)))
+            picks.append([(order[bounds[b] : bounds[b + 1]],
+                           ends[order[bounds[b] : bounds[b + 1]]] - self.starts[b])
+                          for b in range(len(self.starts) - 1)])
+        # A fresh map per group of columns: pages read for one group are unmapped (and no
+        # longer resident) before the next, so random rows never make the whole file resident.
+        for lo in range(0, self.num_perm, _VERIFY_COLUMNS):
+            self._equal_counts_group(lo, min(lo + _VERIFY_COLUMNS, self.num_perm), picks,
+                                     counts)
+        return counts
+
+
+_VERIFY_COLUMNS = 8
+"""Signature columns read per memory map during verification."""
+
+
+def fuzzy_dedup_bounded(
+    store: SpilledSignatures, bands: int, threshold: float, docs: np.ndarray | None = None,
+    pair_chunk: int = 1 << 18,
+) -> FuzzyResult:
+    """:func:`fuzzy_dedup` over spilled signatures, band by band, in bounded memory.
+
+    ``docs`` (ascending document ids of the store, default all) selects the documents to
+    cluster, as ``fuzzy_dedup(sig[docs], valid[docs], ...)`` would: the result is indexed by
+    position in ``docs`` and equals that call's (keep, cluster and both pair counts).
+    """
+    num_perm = store.num_perm
+    if num_perm % bands:
+        raise ValueError(f"num_perm ({num_perm}) must be a multiple of bands ({bands})")
+    rows = num_perm // bands
+    ids = np.arange(store.num_docs, dtype=np.int64) if docs is None else np.asarray(
+        docs, dtype=np.int64)
+    n = len(ids)
+    idx = np.flatnonzero(store.has[ids])
+    uf = UnionFind(n)
+    seen = np.zeros(0, dtype=np.int64)  # candidate pairs so far, as sorted keys a * n + b
+    duplicates = 0
+    for band in range(bands):
+        key = store.band_keys(band * rows, (band + 1) * rows)[ids[idx]]
+        parts = _bucket_pairs(key, idx)
+        del key
+        if not parts:
+            continue
+        pairs = np.sort(np.concatenate(parts).astype(np.int64), axis=1)
+        del parts
+        pairs = pairs[pairs[:, 0] != pairs[:, 1]]
+        codes = np.unique(pairs[:, 0] * n + pairs[:, 1])
+        del pairs
+        if len(seen):
+            pos = np.minimum(np.searchsorted(seen, codes), len(seen) - 1)
+            codes = codes[seen[pos] != codes]
+        if not len(codes):
+            continue
+        for lo in range(0, len(codes), pair_chunk):
+            part = codes[lo : lo + pair_chunk]
+            a, b = part // n, part % n
+            same = store.equal_counts(ids[a], ids[b]) / num_perm >= threshold
+            duplicates += int(same.sum())
+            uf.union_pairs(a[same], b[same])
+        seen = np.concatenate([seen, codes])
+        seen.sort(kind="stable")
+    cluster = uf.roots()
+    keep = cluster == np.arange(n)
+    return FuzzyResult(keep, cluster, len(seen), duplicates)

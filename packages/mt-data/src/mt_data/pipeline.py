@@ -3,7 +3,9 @@
 Stages (outputs under ``OUTPUT/work`` until the end, every file written atomically):
   1. clean: ingest + filters + decontamination + hashes/MinHash, one chunk file per batch,
      work items processed in parallel worker processes;
-  2. dedup: exact + fuzzy dedup over all chunks -> ``work/keep.npy``;
+  2. dedup: exact + fuzzy dedup over all chunks -> ``work/keep.npy`` (from
+     ``stages.BOUNDED_DEDUP_MIN_DOCS`` documents in bounded memory: signatures spilled to
+     ``work/``, LSH band by band; the same result);
   3. tokenize: kept documents of each chunk -> one token shard (EOD appended);
   4. ``index.json``.
 Each finished chunk / shard is recorded, so rerunning the same command after an interruption
@@ -195,7 +197,8 @@ def _run_dedup(chunks: list[Path], config: PrepareConfig, work: Path,
         if recorded.get("chunks") == names:
             return np.load(keep_path), recorded["stats"]
     progress.stage("dedup (exact + MinHash/LSH)", None, "")
-    keep, stats = global_dedup(chunks, config.clean.dedup)
+    # Spills signatures to work/ from stages.BOUNDED_DEDUP_MIN_DOCS documents (same result).
+    keep, stats = global_dedup(chunks, config.clean.dedup, spill_dir=work)
     tmp = work / f".keep.{os.getpid()}.tmp.npy"
     np.save(tmp, keep)
     atomic_replace(tmp, keep_path)

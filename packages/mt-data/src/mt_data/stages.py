@@ -19,7 +19,17 @@ import numpy as np
 import pyarrow as pa
 
 from mt_data.decontam import DecontamConfig, NgramIndex, decontaminate_batch
-from mt_data.dedup import DedupConfig, MinHasher, content_hashes, first_occurrences, fuzzy_dedup
+from mt_data.dedup import (
+    SPILL_SUFFIX,
+    DedupConfig,
+    MinHasher,
+    SignatureSpill,
+    SpilledSignatures,
+    content_hashes,
+    first_occurrences,
+    fuzzy_dedup,
+    fuzzy_dedup_bounded,
+)
 from mt_data.filters import FilterConfig, normalize_batch
 from mt_data.ingest import ErrorLog, IngestConfig, WorkItem, iter_documents, read_work_item
 from mt_data.quality import SAMPLES_PER_RULE, MtBasic, RuleSet, apply_rule_sets
@@ -212,8 +222,44 @@ def clean_item(index: int, item: WorkItem, config: CleanConfig, work: str) -> di
     return result
 
 
-def global_dedup(chunk_paths: list[Path], config: DedupConfig) -> tuple[np.ndarray, dict[str, int]]:
-    """Keep mask over all documents of all chunks (in order) and dedup counts."""
+BOUNDED_DEDUP_MIN_DOCS = 1_000_000
+"""From this many documents (after exact dedup) ``global_dedup`` with a ``spill_dir`` runs the
+bounded-memory fuzzy dedup (same clusters, signatures never all in memory)."""
+
+
+def _spill_chunks(chunk_paths: list[Path], num_perm: int, spill_dir: Path) -> SpilledSignatures:
+    """Copy the chunks' signatures into one column-per-permutation Arrow file, chunk by chunk."""
+    path = spill_dir / f".dedup-{os.getpid()}{SPILL_SUFFIX}"
+    try:
+        with SignatureSpill(path, num_perm) as spill:
+            for chunk in chunk_paths:
+                source = pa.memory_map(str(chunk), "r")
+                try:
+                    batch = pa.ipc.open_file(source).get_batch(0)
+                    sig = batch.column("minhash").values.to_numpy().reshape(-1, num_perm)
+                    spill.append(sig[: batch.num_rows],
+                                 batch.column("has_shingles").to_numpy(zero_copy_only=False))
+                    del batch, sig
+                finally:
+                    source.close()
+            return spill.close()
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
+
+
+def global_dedup(chunk_paths: list[Path], config: DedupConfig, spill_dir: Path | None = None,
+                 bounded_min_docs: int | None = None,
+                 ) -> tuple[np.ndarray, dict[str, int]]:
+    """Keep mask over all documents of all chunks (in order) and dedup counts.
+
+    With ``spill_dir`` and at least ``bounded_min_docs`` documents left after exact dedup, fuzzy
+    dedup runs band by band over signatures spilled to ``spill_dir`` (removed afterwards):
+    the same keep mask and counts as in memory, without holding every signature.
+    ``bounded_min_docs`` defaults to ``BOUNDED_DEDUP_MIN_DOCS``.
+    """
+    if bounded_min_docs is None:
+        bounded_min_docs = BOUNDED_DEDUP_MIN_DOCS
     hashes, sigs, has = [], [], []
     for path in chunk_paths:
         batch = pa.ipc.open_file(pa.memory_map(str(path), "r")).get_batch(0)
@@ -233,8 +279,18 @@ def global_dedup(chunk_paths: list[Path], config: DedupConfig) -> tuple[np.ndarr
         stats["exact_duplicates"] = int(n - keep.sum())
     if config.fuzzy:
         alive = np.flatnonzero(keep)
-        result = fuzzy_dedup(np.concatenate(sigs)[alive], np.concatenate(has)[alive],
-                             config.bands, config.threshold)
+        if spill_dir is not None and len(alive) >= bounded_min_docs:
+            # Drop every view of the mapped chunks, so that the chunks' pages read while
+            # spilling are unmapped chunk by chunk instead of staying resident.
+            del sigs, has, hashes, batch, minhash
+            store = _spill_chunks(chunk_paths, config.num_perm, Path(spill_dir))
+            try:
+                result = fuzzy_dedup_bounded(store, config.bands, config.threshold, alive)
+            finally:
+                store.path.unlink(missing_ok=True)
+        else:
+            result = fuzzy_dedup(np.concatenate(sigs)[alive], np.concatenate(has)[alive],
+                                 config.bands, config.threshold)
         keep[alive[~result.keep]] = False
         stats["fuzzy_duplicates"] = result.removed
         stats["fuzzy_clusters"] = result.clusters
