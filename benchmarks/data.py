@@ -23,6 +23,12 @@ documents, and their keep masks are compared. Each run is a fresh process (peak 
 the threshold (found = same cluster).
 
     python benchmarks/data.py --dedup-docs 2000000 [--dedup-compare-docs 200000]
+
+``--rule-sets`` times each quality rule set (gopher-quality, gopher-repetition, c4, fineweb)
+against datatrove's filter with the same rules on the same documents (the embedded corpus in
+4,000-character pages), alternating the sides, and checks that both keep the same count.
+
+    python benchmarks/data.py --rule-sets
 """
 
 from __future__ import annotations
@@ -332,6 +338,51 @@ def bench_dedup(n: int, compare: int, spill_dir: Path) -> None:
           "removed documents that are not planted copies; CPU s: the run's process, all of it")
 
 
+RULE_SET_PEERS = {  # mt-data rule set -> datatrove filter class (datatrove's defaults)
+    "gopher-quality": "GopherQualityFilter", "gopher-repetition": "GopherRepetitionFilter",
+    "c4": "C4QualityFilter", "fineweb": "FineWebQualityFilter",
+}
+
+
+def bench_rule_sets(repeats: int = 3) -> None:
+    """Documents per second of each mt-data rule set against datatrove's filter with the same
+    rules (a pinned test dependency: imported, never skipped), on the embedded corpus cut into
+    page-sized documents, alternating the two sides; the keep/drop counts must agree."""
+    import pyarrow as pa
+    from datatrove.data import Document
+    from datatrove.pipeline import filters as dt_filters
+
+    from mt_data.quality import parse_rule_sets
+
+    pages = [text[i:i + 4000] for text in corpus_texts() for i in range(0, len(text), 4000)]
+    nbytes = sum(len(t.encode("utf-8")) for t in pages)
+    print(f"quality rule sets: {len(pages):,} documents, {nbytes / 1e6:.1f} MB, "
+          f"load average {os.getloadavg()[0]:.1f}")
+    texts = pa.array(pages)
+    print(f"{'rule set':<20}{'mt docs/s':>12}{'datatrove docs/s':>18}{'speed-up':>10}"
+          f"{'kept (mt / datatrove)':>24}")
+    for name, peer in RULE_SET_PEERS.items():
+        (rule_set,) = parse_rule_sets(name)
+        dt = getattr(dt_filters, peer)()
+        times: dict[str, list[float]] = {"mt": [], "datatrove": []}
+        kept = {}
+        for repeat in range(repeats):
+            for side in (("mt", "datatrove") if repeat % 2 == 0 else ("datatrove", "mt")):
+                start = time.perf_counter()
+                if side == "mt":
+                    verdicts = rule_set.apply(texts)
+                    kept[side] = int(np.count_nonzero(verdicts.failed < 0))
+                else:
+                    kept[side] = sum(dt.filter(Document(text=t, id=str(i))) is True
+                                     for i, t in enumerate(pages))
+                times[side].append(time.perf_counter() - start)
+        mt_rate, dt_rate = (len(pages) / min(times[s]) for s in ("mt", "datatrove"))
+        print(f"{name:<20}{mt_rate:>12,.0f}{dt_rate:>18,.0f}{mt_rate / dt_rate:>9.1f}x"
+              f"{kept['mt']:>14,} / {kept['datatrove']:,}")
+        if kept["mt"] != kept["datatrove"]:
+            raise SystemExit(f"{name}: mt keeps {kept['mt']}, datatrove {kept['datatrove']}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--input", nargs="*", type=Path, default=None)
@@ -341,9 +392,14 @@ def main() -> None:
                         help="benchmark fuzzy dedup on this many synthetic documents instead")
     parser.add_argument("--dedup-compare-docs", type=int, default=200_000,
                         help="documents for the in-memory vs bounded comparison")
+    parser.add_argument("--rule-sets", action="store_true",
+                        help="benchmark the quality rule sets against datatrove instead")
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="mt-data-bench-"))
     try:
+        if args.rule_sets:
+            bench_rule_sets()
+            return
         if args.dedup_docs:
             bench_dedup(args.dedup_docs, args.dedup_compare_docs, tmp)
             return
