@@ -1,10 +1,10 @@
 """Benchmark mt-data: JSONL -> token shards throughput and random GPT-sample reads.
 
 Compared in the same run, on the same input, with the same GPT-2 fast tokenizer:
-  (a) HF ``datasets``: ``load_dataset("json")`` + batched ``map`` (skipped if not installed);
+  (a) HF ``datasets``: ``load_dataset("json")`` + batched ``map`` with as many processes;
   (b) a Megatron-style path: a multiprocessing pool encoding one document per task (as
       Megatron's ``preprocess_data.py``) feeding megatron-core's ``IndexedDatasetBuilder``
-      (skipped if megatron-core / torch are not importable);
+      (megatron-core and datasets are pinned in infra/python/constraints.txt: never skipped);
 and random-access GPT sample reads per second against megatron-core's ``IndexedDataset``,
 plus the time to build a sample index over 1M documents.
 
@@ -115,7 +115,7 @@ def run_mt(paths: list[Path], out: Path, workers: int, full: bool) -> int:
     return int(summary["tokens_out"])
 
 
-def run_hf_datasets(paths: list[Path], cache: Path) -> int:
+def run_hf_datasets(paths: list[Path], cache: Path, workers: int) -> int:
     import datasets
 
     tok = load_tokenizer("gpt2")
@@ -127,7 +127,9 @@ def run_hf_datasets(paths: list[Path], cache: Path) -> int:
         encs = tok.backend.encode_batch_fast(batch["text"], add_special_tokens=False)
         return {"input_ids": [e.ids + [eod] for e in encs]}
 
-    mapped = ds.map(encode, batched=True, batch_size=1000, remove_columns=ds.column_names)
+    # As many processes as the other two sides.
+    mapped = ds.map(encode, batched=True, batch_size=1000, remove_columns=ds.column_names,
+                    num_proc=workers if workers > 1 else None)
     return int(sum(len(x) for x in mapped.data.column("input_ids").to_pylist()))
 
 
@@ -172,11 +174,8 @@ def random_reads(read: Callable[[int], np.ndarray], n: int, count: int, seed: in
 def bench_random_access(data: Path, tmp: Path) -> dict[str, float]:
     ds = GPTDataset(data, SEQ_LEN, seed=1, split="train", cache=False)
     results = {"mt-data GPTDataset": random_reads(ds.__getitem__, len(ds), 20_000)}
-    try:
-        from megatron.core.datasets.indexed_dataset import IndexedDataset
-    except ImportError as exc:
-        print(f"  megatron-core not importable ({exc}): random-access baseline skipped")
-        return results
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
     export_megatron(TokenDataset(data), tmp / "ra")
     theirs = IndexedDataset(str(tmp / "ra"))
     idx = ds.index
@@ -413,13 +412,10 @@ def main() -> None:
             lambda: run_mt(paths, tmp / "mt", args.workers, full=False))
         rows["mt-data prepare (filters + dedup)"] = timed(
             lambda: run_mt(paths, tmp / "mt-full", args.workers, full=True))
-        for name, fn in (("HF datasets map", lambda: run_hf_datasets(paths, tmp / "hf")),
-                         ("Megatron-style pool + IndexedDatasetBuilder",
-                          lambda: run_megatron_style(paths, tmp / "mg", args.workers))):
-            try:
-                rows[name] = timed(fn)
-            except ImportError as exc:
-                print(f"  {name}: skipped ({exc})")
+        rows["HF datasets map"] = timed(
+            lambda: run_hf_datasets(paths, tmp / "hf", args.workers))
+        rows["Megatron-style pool + IndexedDatasetBuilder"] = timed(
+            lambda: run_megatron_style(paths, tmp / "mg", args.workers))
         print(f"\n{'JSONL -> token shards':<46}{'MB/s':>8}{'tokens/s':>12}{'wall s':>8}"
               f"{'CPU s':>8}{'MB/CPU-s':>10}")
         for name, (seconds, cpu, tokens) in rows.items():

@@ -95,9 +95,9 @@ def test_bad_index(tmp_path: Path) -> None:
         read_index(tmp_path / "y.idx")
 
 
-def test_megatron_core_reader_when_installed(dataset: TokenDataset, tmp_path: Path) -> None:
-    """Cross-check with Megatron's own reader (megatron-core is optional: skipped without it)."""
-    indexed = pytest.importorskip("megatron.core.datasets.indexed_dataset")
+def test_megatron_core_reader(dataset: TokenDataset, tmp_path: Path) -> None:
+    """Cross-check with Megatron's own reader (megatron-core: a pinned test dependency)."""
+    import megatron.core.datasets.indexed_dataset as indexed
     export_megatron(dataset, tmp_path / "mg")
     theirs = indexed.IndexedDataset(str(tmp_path / "mg"))
     assert len(theirs) == len(dataset)
