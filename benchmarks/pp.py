@@ -253,12 +253,8 @@ def measure_bubble(model: GPT, args: argparse.Namespace, schedule: str, v: int) 
 
 def measure_throughput(model: GPT, args: argparse.Namespace) -> dict[str, Any]:
     runners: dict[str, Any] = {"mt_pipeline 1F1B": MtRunner(model, args, "1f1b")}
-    if not args.no_deepspeed:
-        try:
-            runners["DeepSpeed PipelineModule"] = DeepSpeedRunner(model, args)
-        except ImportError as error:
-            if dist.get_rank() == 0:
-                print(f"DeepSpeed skipped: {error}")
+    if not args.no_deepspeed:  # DeepSpeed is pinned (infra/python/constraints.txt): never skipped
+        runners["DeepSpeed PipelineModule"] = DeepSpeedRunner(model, args)
     runners["torch.distributed.pipelining Schedule1F1B"] = PiPPyRunner(model, args)
     runners["mt_pipeline interleaved v=2"] = MtRunner(model, args, "interleaved", 2)
     idx, targets = make_batch(model.config, args.batch, 0)
