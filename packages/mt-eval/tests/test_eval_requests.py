@@ -13,13 +13,18 @@ import lm_eval.api.metrics as lm_metrics
 import lm_eval.tasks as lm_eval_tasks
 import lm_eval.utils as lm_utils
 import pytest
-from conftest import TASKS
+from eval_tasks import TASKS, write_tasks
 from lm_eval.api.model import TemplateLM
 
 from mt_data import load_tokenizer
 from mt_eval import TaskError, aggregate, builtin_task, encode_pair, load_task, rolling_windows
 from mt_eval.requests import context, continuations, fewshot_sample
 from mt_eval.tasks import load_jsonl
+
+
+@pytest.fixture(scope="module")
+def task_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tasks(tmp_path_factory.mktemp("tasks"))
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
-"""Task files for mt-eval's tests: the built-in tasks' first documents written as JSONL, and
+"""Task files for mt-eval's tests (a uniquely named helper module: apps/pretrain/tests has a
+conftest too): the built-in tasks' first documents written as JSONL, and
 lm-eval task YAMLs over them (the kinds `mt eval` reads)."""
 
 from __future__ import annotations
@@ -6,8 +7,6 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-
-import pytest
 
 from mt_eval import builtin_task
 
@@ -45,8 +44,3 @@ def write_tasks(folder: Path) -> Path:
             f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
             f"    test: {data}\ntest_split: test\n{body}", encoding="utf-8")
     return folder
-
-
-@pytest.fixture(scope="session")
-def task_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tasks(tmp_path_factory.mktemp("tasks"))
