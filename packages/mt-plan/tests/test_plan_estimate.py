@@ -9,6 +9,7 @@ from mt_model import count_parameters, preset, tflops_per_gpu
 from mt_pipeline import get_schedule, simulate
 from mt_plan.estimate import (
     EFFICIENCY,
+    MTNLG_GPU,
     MTNLG_PUBLISHED,
     activation_bytes_per_layer,
     calibrate_efficiency,
@@ -21,7 +22,7 @@ from mt_plan.layout import LayoutError, ParallelLayout, enumerate_layouts
 from mt_zero import paper_bytes
 
 MTNLG = preset("mt-nlg-530b")
-A100 = GPUS["a100-80gb"]
+A100 = MTNLG_GPU  # MT-NLG's machine and kernels (scores stored)
 
 
 def _mtnlg(dp: int) -> ParallelLayout:

@@ -9,6 +9,8 @@
   calibrated efficiency (:data:`EFFICIENCY`, fitted to MT-NLG 530B's published times).
 - :data:`GPUS`, :class:`GPUSpec`, :func:`load_gpu`: the hardware descriptions (data sheets, or
   YAML with measured costs).
+- :mod:`mt_plan.calibrate`: measures this machine's matmul, attention, memory and AdamW rates
+  at a model's shapes and stores them as such a YAML (``mt plan --calibrate``).
 - :func:`measure_peak_flops`, :func:`model_flops_utilization`: a run's MFU against a given
   or probed peak (what ``mt pretrain`` reports beside the plan's prediction).
 
@@ -19,9 +21,11 @@ commands over it.
 
 from mt_plan.estimate import (
     EFFICIENCY,
+    MTNLG_GPU,
     MTNLG_PUBLISHED,
     Estimate,
     activation_bytes_per_layer,
+    attention_flops,
     calibrate_efficiency,
     estimate,
     stage_memory,
@@ -36,6 +40,7 @@ __version__ = "0.1.0"
 __all__ = [
     "EFFICIENCY",
     "GPUS",
+    "MTNLG_GPU",
     "MTNLG_PUBLISHED",
     "RECOMPUTE",
     "Estimate",
@@ -45,6 +50,7 @@ __all__ = [
     "ParallelLayout",
     "__version__",
     "activation_bytes_per_layer",
+    "attention_flops",
     "calibrate_efficiency",
     "enumerate_layouts",
     "estimate",

@@ -3,13 +3,18 @@
 Memory per GPU: weights, gradients and optimizer states sharded by ZeRO stage (Rajbhandari et
 al. 2020), activations by Korthikanti et al. 2022 (with / without sequence parallelism, none /
 selective / full recomputation) times the chunk forwards a stage holds at once in the chosen
-schedule. Time: per-stage forward / backward matmuls at ``efficiency`` x peak FLOP/s, plus
+schedule (a fused attention kernel, what mt runs, stores no s x s scores). Time: per-stage
+forward / backward matmuls and attention (a causal fused kernel skips the masked half of the
+scores and recomputes them in backward: :func:`attention_flops`) at ``efficiency`` x peak
+FLOP/s, or at the rates a calibration measured (``mt plan --calibrate``:
+:mod:`mt_plan.calibrate`), plus
 elementwise memory traffic at the memory bandwidth and the tensor-parallel collectives, fed
 to mt-pipeline's simulator (the code that checks the schedules mt-pipeline runs) with the P2P
 time; then the data-parallel gradient reduction and the
 memory-bound optimizer step; communication is not overlapped with compute. One calibrated
 constant, :data:`EFFICIENCY` (fraction of peak reached by the matmuls), is fitted to MT-NLG's
-published iteration times by :func:`calibrate_efficiency`. Fixed costs (per layer, per
+published iteration times (on :data:`MTNLG_GPU`) by :func:`calibrate_efficiency`; it serves
+data-sheet planning. Fixed costs (per layer, per
 message, per optimizer tensor, and the training framework's own per-step, per-micro-batch and
 per-parameter-tensor work) come from the :class:`~mt_plan.gpus.GPUSpec`: zero for
 the data-sheet GPUs, measured for a calibrated machine such as a CPU (``benchmarks/plan.py``).
@@ -20,7 +25,7 @@ buffers, the shard all-gather), see :func:`_memory`.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from mt_model import (
     GPTConfig,
@@ -29,14 +34,14 @@ from mt_model import (
     model_flops_per_iteration,
 )
 from mt_pipeline import get_schedule, simulate
-from mt_plan.gpus import GPUSpec
+from mt_plan.gpus import GPUS, GPUSpec
 from mt_plan.layout import RECOMPUTE, LayoutError, ParallelLayout, stage_layers
 from mt_tensor_parallel import padded_vocab_size
 from mt_zero import ZeroConfig
 
-__all__ = ["EFFICIENCY", "MTNLG_PUBLISHED", "Estimate", "LayoutError", "ParallelLayout",
-           "activation_bytes_per_layer", "calibrate_efficiency", "estimate", "peak_in_flight",
-           "stage_memory", "zero_bytes"]
+__all__ = ["EFFICIENCY", "MTNLG_GPU", "MTNLG_PUBLISHED", "Estimate", "LayoutError",
+           "ParallelLayout", "activation_bytes_per_layer", "attention_flops",
+           "calibrate_efficiency", "estimate", "peak_in_flight", "stage_memory", "zero_bytes"]
 
 #: Fraction of peak bf16 FLOP/s the GEMMs reach; fitted by :func:`calibrate_efficiency` to
 #: MT-NLG 530B on A100-80GB (TP 8, PP 35, DP 8/10/12); the only tuned number of the model.
@@ -45,6 +50,10 @@ EFFICIENCY = 0.505
 #: MT-NLG 530B (Smith et al. 2022, table 1): (dp, iteration seconds, TFLOP/s per GPU).
 MTNLG_PUBLISHED: tuple[tuple[int, float, float], ...] = (
     (8, 60.1, 126.0), (10, 50.2, 121.0), (12, 44.4, 113.0))
+
+#: The machine of that fit: A100-80GB running Megatron's 2021 kernels, which stored the
+#: attention scores (no fused attention).
+MTNLG_GPU = replace(GPUS["a100-80gb"], name="a100-80gb (Megatron 2021)", fused_attention=False)
 
 _WIDTH = {"bf16": 2, "fp16": 2, "fp32": 4}
 
@@ -144,6 +153,7 @@ class Estimate:
     tflops_per_gpu: float
     tokens_per_s: float
     simulated: bool
+    calibrated: bool = False
 
     def to_dict(self) -> dict[str, object]:
         """Flat JSON-ready dict: the layout's fields first, then the figures."""
@@ -303,14 +313,32 @@ def _stage_tensors(gpt: GPTConfig, layout: ParallelLayout) -> list[int]:
     return out
 
 
+def attention_flops(gpt: GPTConfig, micro_batch: int, fused: bool) -> tuple[float, float]:
+    """(forward, backward) FLOPs the attention kernel of one layer executes per micro-batch.
+
+    The scores and the weighted sum are two ``2bs^2h`` matmuls. A fused causal kernel
+    (flash attention) skips the masked upper half of the score blocks and recomputes the
+    scores in backward (five matmuls there: 2.5x its forward); an unfused one computes all
+    of them and its backward is twice its forward (the model FLOPs convention).
+    """
+    full = 4.0 * micro_batch * gpt.seq_len * gpt.seq_len * gpt.hidden
+    return (full / 2, full / 2 * 2.5) if fused else (full, 2.0 * full)
+
+
 def _times(gpt: GPTConfig, layout: ParallelLayout, gpu: GPUSpec, efficiency: float) -> dict:
     """Per-stage chunk forward / backward seconds, P2P, TP and DP communication."""
     s, b, h, t = gpt.seq_len, layout.micro_batch, gpt.hidden, layout.tp
     width = _WIDTH[layout.precision]
     lat = gpu.link_latency_s
-    layer_fwd = b * s * _layer_matmul_flops(gpt) + 4.0 * b * s * s * h
-    recompute = {"full": layer_fwd, "selective": 4.0 * b * s * s * h, "none": 0.0}
-    speed = t * gpu.peak_flops * efficiency
+    # Matmul rates of the t GPUs of a tensor-parallel group (measured or planned).
+    gemm_f, gemm_b, attn_f, attn_b = (t * r for r in gpu.rates(efficiency))
+    attn_fwd, attn_bwd = attention_flops(gpt, b, gpu.fused_attention)
+    layer_fwd = b * s * _layer_matmul_flops(gpt) / gemm_f + attn_fwd / attn_f
+    layer_bwd = 2.0 * b * s * _layer_matmul_flops(gpt) / gemm_b + attn_bwd / attn_b
+    # A fused kernel already recomputes the scores: selective recomputation adds nothing.
+    recompute = {"full": layer_fwd,
+                 "selective": 0.0 if gpu.fused_attention else attn_fwd / attn_f,
+                 "none": 0.0}
     message = float(b * s * h * width)
     intra = t <= gpu.gpus_per_node
     tp_bw = gpu.nvlink_bytes_per_s if intra else gpu.ib_bytes_per_s
@@ -345,9 +373,9 @@ def _times(gpt: GPTConfig, layout: ParallelLayout, gpu: GPUSpec, efficiency: flo
                 + fresh * (first + last + (first and last)))
         # Framework work per micro-batch (loading, executor): a third in forward.
         micro = gpu.micro_batch_overhead_s
-        fwd.append((n * layer_fwd + head) / speed + n * (2 * allreduce + traffic + over_f)
+        fwd.append(n * layer_fwd + head / gemm_f + n * (2 * allreduce + traffic + over_f)
                    + (head_over + micro) / 3.0 + 3.0 * logits * last)
-        bwd.append((n * (2 * layer_fwd + recompute[layout.recompute]) + 2 * head) / speed
+        bwd.append(n * (layer_bwd + recompute[layout.recompute]) + 2 * head / gemm_b
                    + n * ((2 + n_recomp) * allreduce + ew_bwd * traffic + over_b)
                    + (head_over + micro) * 2.0 / 3.0 + 4.0 * logits * last + tied)
     one_node = layout.world_size <= gpu.gpus_per_node
@@ -434,7 +462,7 @@ def estimate(gpt: GPTConfig, layout: ParallelLayout, gpu: GPUSpec, efficiency: f
         iteration_time_s=iteration,
         tflops_per_gpu=flops / (iteration * layout.world_size) / 1e12,
         tokens_per_s=layout.global_batch * gpt.seq_len / iteration,
-        simulated=simulate_pipeline)
+        simulated=simulate_pipeline, calibrated=gpu.calibrated)
 
 
 def calibrate_efficiency(gpt: GPTConfig, cases: list[tuple[ParallelLayout, float]], gpu: GPUSpec,

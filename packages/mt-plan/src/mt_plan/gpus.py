@@ -61,9 +61,18 @@ class GPUSpec:
             hooks and bucket bookkeeping of the data-parallel wrapper).
         gather_scratch: scratch bytes an all-gather allocates per byte of its output (gloo
             on CPU stages the output in a buffer of its own: 1; NCCL: 0).
+        gemm_fwd_flops, gemm_bwd_flops: measured FLOP/s of the block's and the head's
+            matmuls at the model's shapes, forward and backward (data + weight gradient);
+            0 means ``efficiency`` x ``peak_flops`` (data-sheet planning).
+        attention_fwd_flops, attention_bwd_flops: the same for the attention kernel, in the
+            FLOPs the estimator counts for it (see :func:`mt_plan.estimate.attention_flops`);
+            0 means ``efficiency`` x ``peak_flops``.
         fused_attention: the attention kernel never stores the s x s scores (flash /
-            memory-efficient scaled-dot-product attention, as torch picks on CPU): the
-            ``5as/h`` activation term is dropped as with selective recomputation.
+            memory-efficient scaled-dot-product attention, what torch picks for mt on CPU and
+            on these GPUs): the ``5as/h`` activation term is dropped as with selective
+            recomputation, a causal kernel skips the masked half of the scores, and its
+            backward recomputes them. The built-in GPUs describe mt's runs (True); MT-NLG's
+            calibration describes Megatron's 2021 kernels, which stored the scores.
         gather_via_all_reduce: ZeRO's all-gather and reduce-scatter run as all-reduces
             (mt-zero on gloo, where those are slower), moving 2 (d-1)/d of the data each
             instead of (d-1)/d.
@@ -87,7 +96,11 @@ class GPUSpec:
     micro_batch_overhead_s: float = 0.0
     param_overhead_s: float = 0.0
     gather_scratch: float = 0.0
-    fused_attention: bool = False
+    gemm_fwd_flops: float = 0.0
+    gemm_bwd_flops: float = 0.0
+    attention_fwd_flops: float = 0.0
+    attention_bwd_flops: float = 0.0
+    fused_attention: bool = True
     gather_via_all_reduce: bool = False
 
     def __post_init__(self) -> None:
@@ -103,6 +116,18 @@ class GPUSpec:
     def adam_params_per_s(self) -> float:
         """Parameters per second of the Adam step (measured, or memory bound)."""
         return self.optimizer_params_per_s or self.memory_bytes_per_s / 32.0
+
+    def rates(self, efficiency: float) -> tuple[float, float, float, float]:
+        """FLOP/s of one GPU for (block matmuls forward, backward, attention forward,
+        backward): measured where calibrated, otherwise ``efficiency`` x peak."""
+        planned = self.peak_flops * efficiency
+        return (self.gemm_fwd_flops or planned, self.gemm_bwd_flops or planned,
+                self.attention_fwd_flops or planned, self.attention_bwd_flops or planned)
+
+    @property
+    def calibrated(self) -> bool:
+        """True when the matmul rates were measured (``mt plan --calibrate``)."""
+        return self.gemm_fwd_flops > 0
 
     def first_touch_s(self, nbytes: float) -> float:
         """Seconds to fault in ``nbytes`` of freshly allocated memory (0 if free)."""
@@ -127,19 +152,30 @@ _YAML_KEYS: dict[str, tuple[str, float]] = {
     "ib_gb_per_s": ("ib_bytes_per_s", 1e9),
     "gpus_per_node": ("gpus_per_node", 1.0),
     "memory_bandwidth_gb_per_s": ("memory_bytes_per_s", 1e9),
+    # Measured by `mt plan --calibrate` (mt_plan.calibrate), optional.
+    "gemm_fwd_tflops": ("gemm_fwd_flops", 1e12),
+    "gemm_bwd_tflops": ("gemm_bwd_flops", 1e12),
+    "attention_fwd_tflops": ("attention_fwd_flops", 1e12),
+    "attention_bwd_tflops": ("attention_bwd_flops", 1e12),
+    "optimizer_gparams_per_s": ("optimizer_params_per_s", 1e9),
 }
+_REQUIRED = ("peak_tflops", "memory_gb", "nvlink_gb_per_s", "ib_gb_per_s")
 
 
 def _from_mapping(data: Any, source: str) -> GPUSpec:
     if not isinstance(data, dict):
         raise GPUSpecError(f"{source}: expected a mapping of {sorted(_YAML_KEYS)}, "
                            f"got {type(data).__name__}")
-    unknown = sorted(set(data) - set(_YAML_KEYS) - {"name"})
-    missing = sorted(set(_YAML_KEYS) - {"gpus_per_node", "memory_bandwidth_gb_per_s"}
-                     - set(data))
+    unknown = sorted(set(data) - set(_YAML_KEYS) - {"name", "fused_attention", "calibration"})
+    missing = sorted(set(_REQUIRED) - set(data))
     if unknown or missing:
         raise GPUSpecError(f"{source}: unknown keys {unknown}, missing keys {missing}")
     kwargs: dict[str, Any] = {"name": str(data.get("name", Path(source).stem))}
+    if "fused_attention" in data:
+        if not isinstance(data["fused_attention"], bool):
+            raise GPUSpecError(f"{source}: fused_attention must be true or false, got "
+                               f"{data['fused_attention']!r}")
+        kwargs["fused_attention"] = data["fused_attention"]
     for key, (field, scale) in _YAML_KEYS.items():
         if key in data:
             value = data[key]
@@ -152,7 +188,10 @@ def _from_mapping(data: Any, source: str) -> GPUSpec:
 def load_gpu(name_or_path: str) -> GPUSpec:
     """A built-in GPU by name, or a YAML file with keys ``peak_tflops``, ``memory_gb``,
     ``nvlink_gb_per_s``, ``ib_gb_per_s`` and optionally ``gpus_per_node``,
-    ``memory_bandwidth_gb_per_s`` and ``name``."""
+    ``memory_bandwidth_gb_per_s``, ``name``, ``fused_attention`` and the measured rates
+    ``mt plan --calibrate`` writes (``gemm_fwd_tflops``, ``gemm_bwd_tflops``,
+    ``attention_fwd_tflops``, ``attention_bwd_tflops``, ``optimizer_gparams_per_s``; a
+    ``calibration`` mapping says where and when they were measured)."""
     key = name_or_path.lower()
     if key in GPUS:
         return GPUS[key]

@@ -7,6 +7,7 @@ and GPU, and prints a report, one JSON object, or a ranked table.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -39,12 +40,15 @@ JSON_KEYS: dict[str, str] = {
     "iteration_time_s, tflops_per_gpu, tokens_per_s": "the estimated speed; TFLOP/s by the "
         "formula above (it counts a full recompute, as MT-NLG reported)",
     "simulated": "true when the schedule ran through mt-pipeline's simulator",
+    "calibrated": "true when the rates were measured (--calibrate, or a --gpu file it wrote) "
+                  "rather than efficiency x peak",
 }
 
 _HELP = (
     "Plan a training run at any scale: memory per GPU, FLOPs, pipeline bubble, communication, "
     "iteration time and TFLOP/s per GPU, from the model and the cluster. Iteration times use "
-    f"one efficiency constant ({EFFICIENCY}, fitted to MT-NLG 530B's published times).\n\n"
+    f"one efficiency constant ({EFFICIENCY}, fitted to MT-NLG 530B's published times) on a "
+    "data sheet's peak, or the rates --calibrate measures on this machine.\n\n"
     "--json keys: " + "; ".join(f"{k} ({v})" for k, v in JSON_KEYS.items())
 )
 
@@ -104,8 +108,10 @@ def _report(est: Estimate) -> str:
                                            if est.framework_time_s else ""),
         f"speed       {est.iteration_time_s:.3f} s per iteration, {est.tflops_per_gpu:.1f} "
         f"TFLOP/s per GPU, {est.tokens_per_s:,.0f} tokens/s",
-        f"assumes     matmuls at {est.efficiency} x peak bf16 FLOP/s (one constant, "
-        "calibrated on MT-NLG 530B); communication not overlapped",
+        (f"assumes     matmuls and attention at the rates measured on {est.gpu}"
+         if est.calibrated else
+         f"assumes     matmuls at {est.efficiency} x peak bf16 FLOP/s (one constant, "
+         "calibrated on MT-NLG 530B)") + "; communication not overlapped",
     ]
     return "\n".join(lines)
 
@@ -144,13 +150,63 @@ def _search(gpt: Any, gpu: GPUSpec, gpus: int, global_batch: int, zero: int, sch
     typer.echo(f"efficiency constant {EFFICIENCY} (matmuls at that fraction of peak)")
 
 
+def _local_gpu() -> str:
+    """The built-in table's entry for this machine's GPU ("a100-80gb" if unknown or none)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "a100-80gb"
+    name = torch.cuda.get_device_name().lower()
+    memory = torch.cuda.get_device_properties(0).total_memory
+    for key in ("h200", "h100", "a100"):
+        if key in name:
+            if key == "a100":
+                return "a100-40gb" if memory < 50e9 else "a100-80gb"
+            return "h100-80gb" if key == "h100" else key
+    return "a100-80gb"
+
+
+def _calibrate(gpt: Any, base: GPUSpec, explicit: str | None, path: Path, micro_batch: int,
+               tp: int, precision: str, model: str) -> GPUSpec:
+    """Measure this device at ``gpt``'s shapes, store the calibration, return the spec
+    (``base``'s capacity and links, or, on a CPU without ``--gpu``, the machine's own)."""
+    import torch
+
+    from mt_plan.calibrate import calibrated, measure, write_calibration
+
+    if micro_batch < 1 or tp < 1 or precision not in ("bf16", "fp16", "fp32"):
+        raise _fail(f"--calibrate needs --micro-batch-size {micro_batch} >= 1, --tp {tp} >= 1 "
+                    f"and --precision bf16, fp16 or fp32 (got {precision!r})")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    where = (torch.cuda.get_device_name() if device == "cuda"
+             else f"cpu, {torch.get_num_threads()} threads")
+    typer.echo(f"calibrating on {where}: {model} shapes, micro-batch {micro_batch} x "
+               f"{gpt.seq_len}, tp {tp}, {precision} ...", err=True)
+    rates = measure(gpt, micro_batch, tp, precision, device)
+    if device == "cpu" and explicit is None:
+        # This machine: its memory; its peak the measured forward GEMM rate; ranks talk
+        # through shared memory (gloo), so links at the measured memory bandwidth.
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        link = rates["memory_bandwidth_gb_per_s"] * 1e9
+        base = GPUSpec("cpu", rates["gemm_fwd_tflops"] * 1e12, float(memory), link, link, 1,
+                       gather_scratch=1.0)
+    spec = calibrated(base, rates, f"{base.name} (calibrated: {where})")
+    write_calibration(path, spec, rates, {"device": where, "model": model, "micro_batch":
+                                          micro_batch, "seq_len": gpt.seq_len, "tp": tp,
+                                          "precision": precision, "torch": str(torch.__version__)})
+    typer.echo("measured   " + ", ".join(f"{k} {v:,.4g}" for k, v in rates.items())
+               + f"; written to {path}", err=True)
+    return spec
+
+
 def plan(
     model: Annotated[str | None, typer.Option(help="Model preset (tiny .. mt-nlg-530b).")] = None,
     config: Annotated[Path | None, typer.Option(
         help="YAML: GPTConfig fields, or an mt pretrain config with a model section.")] = None,
-    gpu: Annotated[str, typer.Option(
+    gpu: Annotated[str | None, typer.Option(
         help=f"GPU type {sorted(GPUS)} or a YAML file (peak_tflops, memory_gb, "
-             "nvlink_gb_per_s, ib_gb_per_s, gpus_per_node).")] = "a100-80gb",
+             "nvlink_gb_per_s, ib_gb_per_s, gpus_per_node). Default a100-80gb; with "
+             "--calibrate, this machine's GPU if the table knows it.")] = None,
     gpus: Annotated[int | None, typer.Option(help="Number of GPUs (default tp x pp).")] = None,
     tp: Annotated[int, typer.Option(help="Tensor-parallel degree.")] = 1,
     pp: Annotated[int, typer.Option(help="Pipeline stages.")] = 1,
@@ -167,13 +223,21 @@ def plan(
         "--search", help="Search layouts on --gpus GPUs instead of --tp/--pp.")] = False,
     top: Annotated[int, typer.Option(help="Rows of --search output.")] = 10,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    calibrate: Annotated[Path | None, typer.Option(
+        help="Measure this machine first (CUDA if present, else CPU) at the model's shapes "
+             "and --micro-batch-size / --tp / --precision: matmul, attention, memory and "
+             "AdamW rates; write them to this YAML (--gpu gives capacity and links) and plan "
+             "with them. Later runs reuse it as --gpu FILE.")] = None,
 ) -> None:
     """Plan a run: memory, FLOPs, bubble, communication, iteration time (see --help)."""
     gpt = _model(model, config)
     try:
-        spec = load_gpu(gpu)
+        spec = load_gpu(gpu or (_local_gpu() if calibrate is not None else "a100-80gb"))
     except GPUSpecError as err:
         raise _fail(str(err)) from None
+    if calibrate is not None:
+        spec = _calibrate(gpt, spec, gpu, calibrate, micro_batch_size, tp, precision,
+                          model or str(config))
     n = gpus if gpus is not None else tp * pp
     if n < 1 or top < 1:
         raise _fail(f"--gpus {n} and --top {top} must be >= 1")
