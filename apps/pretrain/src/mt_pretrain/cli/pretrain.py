@@ -88,6 +88,11 @@ def _print_summary(console: Console, summary: Any) -> None:
             f"trained steps {summary.start_step + 1}-{summary.final_step}: loss "
             f"{losses[0]:.4f} -> {losses[-1]:.4f}, {summary.tokens:,} tokens, "
             f"{summary.tokens_per_s:,.0f} tokens/s, {summary.wall_time:.1f} s", highlight=False)
+    if summary.memory is not None:
+        from mt_pretrain.run.memory import summary_line
+
+        console.print(summary_line(summary.memory, summary.planned_memory,
+                                   summary.planned_stage), highlight=False, markup=False)
     if summary.val_loss is not None:
         console.print(f"validation loss {summary.val_loss:.4f}", highlight=False)
     if summary.checkpoint:

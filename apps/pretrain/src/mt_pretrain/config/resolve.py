@@ -228,6 +228,30 @@ def _model_name(config: PretrainConfig) -> str:
     return f"from {config.checkpoint.load}" if config.checkpoint.load else DEFAULT_MODEL
 
 
+def fullest_stage_memory(plan: RunPlan, device: str) -> tuple[int, dict[str, float]]:
+    """(the pipeline stage with the most memory per rank, its :func:`memory_estimate`) on
+    ``device`` ("cpu", "cuda" or "auto"): what a run's measured peak compares with."""
+    gpu = runtime_spec(device)
+    estimates = [memory_estimate(plan, sp.stage, gpu) for sp in plan.stages.stages]
+    stage = max(range(len(estimates)), key=lambda s: estimates[s]["total"])
+    return stage, estimates[stage]
+
+
+def measured_memory_note(device: str) -> str:
+    """What ``mt pretrain`` measures on ``device`` to set beside the estimate."""
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        return ("measured   the run reports each rank's peak memory allocated by torch's CUDA "
+                "caching allocator (progress line, metrics `peak_mem_gib`, summary): compare "
+                "it with the memory per rank above")
+    return ("measured   the run reports each rank's peak RSS (progress line, metrics "
+            "`peak_mem_gib`, summary): the memory per rank above plus the Python interpreter "
+            "and torch (a few hundred MB)")
+
+
 def describe(config: PretrainConfig, plan: RunPlan, max_ranks: int = 32) -> str:
     """The dry-run report: layout, ranks, groups, stages, parameters, memory, schedule."""
     topo, gpt, pipe = plan.topology, plan.gpt, plan.pipeline
@@ -266,6 +290,7 @@ def describe(config: PretrainConfig, plan: RunPlan, max_ranks: int = 32) -> str:
             f"{_gib(mem['weights'])}, grads {_gib(mem['grads'])}, optimizer "
             f"{_gib(mem['optimizer'])}, activations {_gib(mem['activations'])}, temporaries "
             f"{_gib(mem['temporaries'])})")
+    lines.append(measured_memory_note(par.device))
     lines.append("groups")
     for kind in ("tp", "dp", "pp", "embedding"):
         groups = getattr(topo, f"{kind}_groups")()

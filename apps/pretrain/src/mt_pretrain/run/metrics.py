@@ -2,9 +2,18 @@
 
 Only rank 0 writes. Every line has at least ``step``, ``loss``, ``lr``,
 ``global_batch_size``, ``tokens`` (consumed so far) and ``tokens_per_s``; lines of
-validation steps also carry ``val_loss`` and ``val_ppl``. A resumed run appends to the same
-file, dropping lines of steps at or after the resume point first, so the file always holds
-one line per step.
+validation steps also carry ``val_loss`` and ``val_ppl``.
+
+Peak memory so far (:mod:`mt_pretrain.run.memory`, gathered from every rank once per step):
+``peak_mem_gib``, the largest over the ranks, and ``peak_mem_gib_per_rank``, a list in rank
+order (GiB; on CUDA the caching allocator's peak allocated bytes, on CPU the process's peak
+RSS, which includes the Python interpreter and torch); on CUDA also ``peak_reserved_gib`` and
+``peak_reserved_gib_per_rank`` (the allocator's peak reserved bytes); and ``mem_source``,
+``"cuda-allocator"`` or ``"rss"``. TensorBoard gets the numbers only (``train/peak_mem_gib``,
+``train/peak_reserved_gib``): lists and strings are not scalars.
+
+A resumed run appends to the same file, dropping lines of steps at or after the resume point
+first, so the file always holds one line per step.
 """
 
 from __future__ import annotations

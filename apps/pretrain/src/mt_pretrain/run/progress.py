@@ -25,6 +25,12 @@ def _mfu(stats: Any) -> str:
     return "MFU n/a" if math.isnan(mfu) else f"MFU {100 * mfu:.1f}%"
 
 
+def _memory(stats: Any) -> str:
+    """`` mem 1.23 GiB`` (peak memory so far, max over ranks; empty when not measured)."""
+    peak = getattr(stats, "peak_mem_gib", None)
+    return "" if peak is None else f" mem {peak:.2f} GiB"
+
+
 class Reporter:
     """Progress display of rank 0 (every other rank passes ``enabled=False``).
 
@@ -67,7 +73,7 @@ class Reporter:
         self._tokens_per_s = rate if self._tokens_per_s is None else (
             0.8 * self._tokens_per_s + 0.2 * rate)
         info = (f"loss {stats.loss:.4f} lr {stats.lr:.1e} {self._tokens_per_s:,.0f} tok/s "
-                f"{_mfu(stats)} {stats.tflops_per_rank * 1e3:.2f} GFLOP/s/rank")
+                f"{_mfu(stats)} {stats.tflops_per_rank * 1e3:.2f} GFLOP/s/rank{_memory(stats)}")
         if self._progress is not None:
             self._progress.update(self._task, completed=stats.step, info=info)
         elif stats.step % self.log_interval == 0 or stats.step == self.total:

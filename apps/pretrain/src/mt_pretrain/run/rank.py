@@ -28,13 +28,14 @@ from mt_dist import (
     local_device,
 )
 from mt_model import count_parameters
-from mt_pretrain.config.resolve import RunPlan, resolve
+from mt_pretrain.config.resolve import RunPlan, fullest_stage_memory, resolve
 from mt_pretrain.config.schema import CheckpointArgs, ConfigError, PretrainConfig, TrainArgs
 from mt_pretrain.engines.base import Engine
 from mt_pretrain.engines.mt import MTEngine
 from mt_pretrain.evaluation.training import task_scorer
 from mt_pretrain.run.data import ensure_data, make_loaders, tokenizer_for
 from mt_pretrain.run.folder import claim_run_folder
+from mt_pretrain.run.memory import MemoryPeaks, gather_memory
 from mt_pretrain.run.metrics import MetricsWriter
 from mt_pretrain.run.progress import Reporter
 from mt_pretrain.run.sample import (
@@ -69,6 +70,11 @@ class RunSummary:
     sample: str | None = None
     stopped: str | None = None
     """Why the run stopped before its last step: "signal", "exit-interval", "exit-duration"."""
+    memory: MemoryPeaks | None = None
+    """Every rank's peak memory at the end of the run (after the last checkpoint and sample)."""
+    planned_memory: float | None = None
+    """The planner's bytes per rank of the fullest pipeline stage (``planned_stage``)."""
+    planned_stage: int | None = None
 
 
 class StopFlag:
@@ -209,6 +215,7 @@ def _train(config: PretrainConfig, plan: RunPlan, groups: ParallelGroups, device
                        f"exiting after step {loader.state.step} (--{stopped})")
     elif config.train.sample_tokens and count_parameters(plan.model) <= MAX_SAMPLE_PARAMETERS:
         summary.sample = _sample(config.train, engine, groups, plan, paths)
+    memory = gather_memory(device)  # collective: every rank, after everything above
     if not rank0:
         return None
     summary.checkpoint = str(saver.last_saved) if saver and saver.last_saved else None
@@ -218,6 +225,9 @@ def _train(config: PretrainConfig, plan: RunPlan, groups: ParallelGroups, device
         summary.tokens_per_s = sum(s.global_batch_size * plan.gpt.seq_len for s in timed) / \
             sum(s.step_time for s in timed)
     summary.wall_time = time.perf_counter() - started
+    summary.memory = memory
+    summary.planned_stage, planned = fullest_stage_memory(plan, device.type)
+    summary.planned_memory = planned["total"]
     return summary
 
 

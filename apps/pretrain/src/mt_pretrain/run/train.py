@@ -26,6 +26,7 @@ from mt_pretrain.config.resolve import RunPlan, activation_shape
 from mt_pretrain.config.schema import CheckpointArgs, TrainArgs
 from mt_pretrain.engines.base import Engine
 from mt_pretrain.run.evaluate import evaluate
+from mt_pretrain.run.memory import gather_memory
 from mt_zero import LRSchedule
 from mt_zero.precision import compute_dtype
 
@@ -52,6 +53,16 @@ class StepStats:
     mfu: float
     skipped: bool
     loss_scale: float
+    peak_mem_gib: float | None = None
+    """Peak memory so far, max over ranks (GiB): allocated on CUDA, RSS on CPU."""
+    peak_mem_gib_per_rank: list[float] | None = None
+    """Each rank's ``peak_mem_gib``, in rank order."""
+    peak_reserved_gib: float | None = None
+    """CUDA only: peak reserved by the caching allocator, max over ranks (GiB)."""
+    peak_reserved_gib_per_rank: list[float] | None = None
+    """CUDA only: each rank's ``peak_reserved_gib``, in rank order."""
+    mem_source: str | None = None
+    """Where the memory figures come from: ``"cuda-allocator"`` or ``"rss"``."""
     val_loss: float | None = None
     val_ppl: float | None = None
     tasks: dict[str, float] | None = None
@@ -186,6 +197,8 @@ class Trainer:
                 "--lr or set --clip-grad, then resume from the last checkpoint")
         result = engine.step()
         elapsed = time.perf_counter() - start
+        # After the timing: one all-gather of 3 numbers per rank, outside the step's time.
+        memory = gather_memory(self.device).metrics()
         tokens_per_s = global_batch * seq / elapsed
         world = self.plan.topology.world_size
         flops_per_rank = self._flops_per_token * tokens_per_s / world
@@ -195,7 +208,7 @@ class Trainer:
             step_time=elapsed,
             tflops_per_rank=flops_per_rank / 1e12,
             mfu=model_flops_utilization(flops_per_rank, self._peak_flops),
-            skipped=result.skipped, loss_scale=result.loss_scale)
+            skipped=result.skipped, loss_scale=result.loss_scale, **memory)
 
     def _micro_batch_keys(self, consumed: int, global_batch: int) -> list[int] | None:
         """The dropout key of each of this rank's micro-batches: the run-wide index of its
