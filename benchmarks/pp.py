@@ -5,8 +5,9 @@
    = that stage's forward + backward time, is printed next to the theory ((p-1)/m,
    (p-1)/(v*m)) and next to the simulator fed with the measured forward / backward times.
 2. Throughput (tokens/s) of one training step (forward, backward, tied-gradient sum, AdamW)
-   on the same GPT and the same batch: mt_pipeline 1F1B, DeepSpeed's PipelineModule (when
-   ``deepspeed`` is importable) and torch.distributed.pipelining's Schedule1F1B. All three
+   on the same GPT and the same batch: mt_pipeline 1F1B, DeepSpeed's PipelineModule (a
+   pinned peer, benchmarks/requirements.txt: missing, it is an error unless
+   ``--no-deepspeed``) and torch.distributed.pipelining's Schedule1F1B. All three
    start from the same weights; their first-step losses are printed to show it. Rounds
    alternate between frameworks so that background load hits all of them alike.
 

@@ -4,13 +4,17 @@
   TP=2 run uses processes, i.e. the same cores);
 - mt TP=2 on 2 processes (gloo): ``GPT_PLAN`` (blocks + vocabulary-parallel embedding,
   head and cross entropy), optionally with sequence parallelism;
-- mt TP=2 restricted to the blocks (qkv/fc column, proj row): the same decomposition as ...
+- mt TP=2 restricted to the blocks (qkv/fc column, proj row): the same decomposition as the
+  DTensor variant below, the like-for-like comparison;
 - torch DTensor TP=2: ``parallelize_module`` with ``ColwiseParallel`` on qkv / fc and
   ``RowwiseParallel`` on the projections, over a 1-D DeviceMesh on gloo (embedding, head
   and loss stay replicated, as in that plan).
 
-Every variant starts from the same weights and batches, and the first step's loss is
-printed next to the throughput as a sanity check. Example:
+Every variant starts from the same weights and batches (each TP rank processes the same
+sequences, so every variant does the same batch x seq tokens per step), and the first step's
+loss is printed next to the throughput as a sanity check. The headline ratios divide equal
+work: mt against DTensor at the same TP degree, and mt TP=2 against mt TP=1 on as many
+threads as TP=2 has processes. Example:
 
     PYTHONPATH=packages/mt-dist/src:packages/mt-model/src:packages/mt-tensor-parallel/src \\
         python3 benchmarks/tp.py --layers 4 --hidden 512 --seq 256
@@ -183,11 +187,25 @@ def main() -> None:
         print(f"{name:<{width}}  {r['tokens_per_s']:>10.1f}  {r['step_s']:>13.3f}  "
               f"{r['best_step_s']:>11.3f}  {r['cpu_step_s']:>10.3f}  {r['first_loss']:>8.4f}")
     print("CPU s/step: rank 0's process CPU time (all its threads) per step")
+    # Every ratio divides equal work: the same model (same weights: loss@0 agrees), the same
+    # batch of batch x seq tokens per step (all TP ranks process the same sequences), and the
+    # same TP degree or the same cores on both sides.
     by_name = dict(rows)
-    dtensor = by_name[f"DTensor TP={args.tp} (blocks only)"]["tokens_per_s"]
-    for name in (f"mt TP={args.tp} (blocks only)", f"mt TP={args.tp} (GPT_PLAN)",
-                 f"mt TP={args.tp} (GPT_PLAN + sequence parallel)"):
-        print(f"ratio {name} / DTensor: {by_name[name]['tokens_per_s'] / dtensor:.2f}")
+    tp = args.tp
+    dtensor = by_name[f"DTensor TP={tp} (blocks only)"]["tokens_per_s"]
+    print(f"headline (same model, same {args.batch} x {args.seq} tokens per step, TP={tp} on "
+          "both sides; tokens/s from the median step):")
+    print(f"  mt TP={tp} (blocks only) / DTensor TP={tp} (blocks only): "
+          f"{by_name[f'mt TP={tp} (blocks only)']['tokens_per_s'] / dtensor:.2f}  "
+          "(like for like: the same layers sharded the same way)")
+    for name in (f"mt TP={tp} (GPT_PLAN)", f"mt TP={tp} (GPT_PLAN + sequence parallel)"):
+        print(f"  {name} / DTensor TP={tp} (blocks only): "
+              f"{by_name[name]['tokens_per_s'] / dtensor:.2f}  (mt also shards the embedding, "
+              "head and loss, which DTensor's plan replicates)")
+    single = by_name[f"mt TP=1 (1 process, {tp} threads)"]["tokens_per_s"]
+    print(f"  mt TP={tp} (GPT_PLAN) / mt TP=1 ({tp} threads, the same cores): "
+          f"{by_name[f'mt TP={tp} (GPT_PLAN)']['tokens_per_s'] / single:.2f}  (TP's speed-up "
+          "on one machine's cores; on CPU processes compete for the same cores)")
 
 
 if __name__ == "__main__":

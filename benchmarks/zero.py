@@ -23,8 +23,9 @@ With ``--repeats R`` each stage runs R rounds, alternating which engine goes fir
 per stage holds the medians over the rounds and the mt/ds ratios of tokens/s, cpu s, peak and
 delta.
 
-Example (needs ``pip install deepspeed``; its shm op is JIT-built once, about 35 s, into
-~/.cache/mt/torch_extensions)::
+DeepSpeed is a pinned peer (benchmarks/requirements.txt): missing, it is an error unless
+``--no-deepspeed`` is given (mt rows only). Example (DeepSpeed's shm op is JIT-built once,
+about 35 s, into ~/.cache/mt/torch_extensions)::
 
     PYTHONPATH=packages/mt-dist/src:packages/mt-model/src:packages/mt-zero/src \\
         python3 benchmarks/zero.py --layers 6 --hidden 512 --seq 256
@@ -161,17 +162,20 @@ def _row(stage: int, engine: str, r: dict[str, Any]) -> str:
 
 def _compare(stage: int, args: argparse.Namespace) -> None:
     """All rounds of one stage, then the medians and the mt/ds ratios."""
-    runs: dict[str, list[dict[str, Any]]] = {engine: [] for engine in ENGINES}
+    engines = ENGINES[:1] if args.no_deepspeed else ENGINES
+    runs: dict[str, list[dict[str, Any]]] = {engine: [] for engine in engines}
     for round_ in range(args.repeats):
-        for engine in ENGINES if round_ % 2 == 0 else ENGINES[::-1]:
+        for engine in engines if round_ % 2 == 0 else engines[::-1]:
             runs[engine].append(_measure(engine, stage, args))
             print(_row(stage, engine, runs[engine][-1]), flush=True)
     med = {engine: {k: statistics.median(r[k] for r in runs[engine]) for k in NUMBERS}
-           for engine in ENGINES}
+           for engine in engines}
     if args.repeats > 1:
-        for engine in ENGINES:
+        for engine in engines:
             print(_row(stage, ("ds" if engine == "deepspeed" else "mt") + " med", med[engine]),
                   flush=True)
+    if args.no_deepspeed:
+        return
     mt, ds = med["mt"], med["deepspeed"]
     print(f"{stage:>5} {'mt/ds':>9} {mt['tokens_per_s'] / ds['tokens_per_s']:>8.2f}x "
           f"{mt['cpu_s'] / ds['cpu_s']:>6.2f}x {mt['peak'] / ds['peak']:>8.2f}x "
@@ -194,7 +198,19 @@ def main() -> None:
     parser.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3])
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--timeout", type=float, default=900.0)
+    parser.add_argument("--no-deepspeed", action="store_true",
+                        help="mt only (otherwise a missing deepspeed is an error, not a skip)")
     args = parser.parse_args()
+    if not args.no_deepspeed:
+        # DeepSpeed is a pinned peer (benchmarks/requirements.txt): fail here, in the parent,
+        # before any rank starts. Only the spec is looked up: its import belongs to the ranks
+        # (it reads the environment they set first).
+        import importlib.util
+
+        if importlib.util.find_spec("deepspeed") is None:
+            raise SystemExit("deepspeed is not installed: pip install -r "
+                             "benchmarks/requirements.txt -c infra/python/constraints.txt "
+                             "(or pass --no-deepspeed to run mt only)")
     params = sum(p.numel() for p in GPT(GPTConfig(
         n_layers=args.layers, hidden=args.hidden, n_heads=args.heads, vocab_size=args.vocab,
         seq_len=args.seq), seed=None).parameters())
