@@ -132,7 +132,8 @@ def prepare_cmd(
                                            "folder with vocab.json + merges.txt.")] = "gpt2",
     on_error: Annotated[str, typer.Option(help="Bad input lines: 'skip' (count and report) or "
                                           "'stop'.")] = "skip",
-    workers: Annotated[int, typer.Option(help="Worker processes (0 = one per CPU).")] = 0,
+    workers: Annotated[int, typer.Option(
+        help="Processes working in parallel, this one included (0 = one per CPU).")] = 0,
     normalize: Annotated[bool, typer.Option(help="Unicode NFC normalisation.")] = True,
     filters: Annotated[str | None, typer.Option(
         "--filters", help="Quality rule sets applied in order, comma-separated: mt-basic, "

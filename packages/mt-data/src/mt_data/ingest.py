@@ -64,7 +64,9 @@ class IngestConfig:
     batch_bytes: int = 16 << 20
     """Text characters per record batch (whichever bound is hit first closes the batch)."""
     split_bytes: int = 8 << 20
-    """Uncompressed JSONL files larger than this are read as several work items in parallel."""
+    """Uncompressed JSONL files larger than this are read as several work items in parallel
+    (``prepare`` cuts smaller ones, down to ``MIN_SPLIT_BYTES``, when the inputs are under
+    ``SPLIT_PIECES * split_bytes``: see :func:`parallel_split_bytes`)."""
 
     def __post_init__(self) -> None:
         if self.batch_docs < 1 or self.batch_bytes < 1 or self.split_bytes < 1:
@@ -336,6 +338,20 @@ def split_jsonl(path: Path, split_bytes: int) -> list[WorkItem]:
             items.append(WorkItem("json", (str(path),), start, end, line))
             start, line = end, line + lines
     return items
+
+
+SPLIT_PIECES = 16
+MIN_SPLIT_BYTES = 1 << 20
+
+
+def parallel_split_bytes(files: list[Path], split_bytes: int) -> int:
+    """The byte-range size ``prepare`` cuts uncompressed JSONL files into: ``split_bytes``, or
+    less for small inputs, so that they still make about ``SPLIT_PIECES`` work items (at least
+    ``MIN_SPLIT_BYTES`` each) to share between the workers. A function of the inputs and the
+    config only (not of the worker count), so an interrupted run resumes on the same items."""
+    total = sum(path.stat().st_size for path in files if file_kind(path) == "json"
+                and not path.name.lower().endswith(COMPRESSED))
+    return min(split_bytes, max(MIN_SPLIT_BYTES, -(-total // SPLIT_PIECES)))
 
 
 def plan_work(files: list[Path], text_group: int = 512,

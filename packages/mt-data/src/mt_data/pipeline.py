@@ -19,7 +19,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed, wait
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import ExitStack, suppress
 from dataclasses import asdict, dataclass
@@ -33,7 +33,14 @@ import pyarrow as pa
 
 from mt_data.errors import DataError
 from mt_data.filters import FILTERS
-from mt_data.ingest import TextKeyError, WorkItem, check_text_key, expand_inputs, plan_work
+from mt_data.ingest import (
+    TextKeyError,
+    WorkItem,
+    check_text_key,
+    expand_inputs,
+    parallel_split_bytes,
+    plan_work,
+)
 from mt_data.shards import (
     INDEX_FILE,
     ShardInfo,
@@ -95,7 +102,7 @@ class PrepareConfig:
     tokenizer: str = "gpt2"
     """``gpt2``, ``tokenizer-1k``, a tokenizer.json or a vocab.json + merges.txt folder."""
     workers: int = 0
-    """Worker processes for cleaning and tokenizing (0: one per CPU)."""
+    """Processes cleaning and tokenizing in parallel, this one included (0: one per CPU)."""
     keep_work: bool = False
     """Keep ``OUTPUT/work`` (cleaned text chunks, signatures) after success."""
     overwrite: bool = False
@@ -138,12 +145,16 @@ def _check_output(output: Path, fingerprint: dict[str, Any], overwrite: bool) ->
 def _run_tasks(fn: Callable[..., Any], tasks: list[tuple[Any, ...]], sizes: list[float],
                pool: ProcessPoolExecutor | None, progress: ProgressHook,
                on_result: Callable[[Any], None] = lambda result: None) -> list[Any]:
-    """``fn(*task)`` for every task, in the pool when there is one and more than one task.
+    """``fn(*task)`` for every task: in this process and in the pool's, when there is a pool
+    and more than one task.
 
-    ``on_result`` sees each result as soon as its task finishes (so finished work is recorded
-    even if a later task fails or the run is interrupted); results are returned in task order.
-    When tasks fail, the error raised is that of the first failing task in input order, as in a
-    serial run, whatever order the workers finished in.
+    Tasks are started in input order, by the pool's processes (each kept with one task running
+    and one queued) and by this process, which runs the next task itself whenever it has
+    nothing to hand out or collect (with ``workers`` = N, N - 1 pool processes and this one
+    share the work). ``on_result`` sees each result as soon as its task finishes (so finished
+    work is recorded even if a later task fails or the run is interrupted); results are
+    returned in task order. When tasks fail, the error raised is that of the first failing task
+    in input order, as in a serial run, whatever order they finished in.
     """
     results: list[Any] = [None] * len(tasks)
     if pool is None or len(tasks) <= 1:
@@ -152,29 +163,55 @@ def _run_tasks(fn: Callable[..., Any], tasks: list[tuple[Any, ...]], sizes: list
             on_result(results[i])
             progress.advance(sizes[i])
         return results
-    futures = {pool.submit(fn, *task): i for i, task in enumerate(tasks)}
+    depth = 2 * max(1, getattr(pool, "_max_workers", 1))
+    futures: dict[Any, int] = {}
+    errors: dict[int, BaseException] = {}
+    next_task = 0
     try:
-        for future in as_completed(futures):
-            i = futures[future]
-            if future.exception() is not None:
+        while not errors:
+            while next_task < len(tasks) and len(futures) < depth:
+                futures[pool.submit(fn, *tasks[next_task])] = next_task
+                next_task += 1
+            for future in [f for f in futures if f.done()]:
+                i = futures.pop(future)
+                if future.exception() is not None:
+                    errors[i] = future.exception()
+                    continue
+                results[i] = future.result()
+                on_result(results[i])
+                progress.advance(sizes[i])
+            if errors:
                 break
-            results[i] = future.result()
-            on_result(results[i])
-            progress.advance(sizes[i])
+            if next_task < len(tasks):  # run the next task here
+                i = next_task
+                next_task += 1
+                try:
+                    results[i] = fn(*tasks[i])
+                except Exception as exc:  # reported in input order below
+                    errors[i] = exc
+                    break
+                on_result(results[i])
+                progress.advance(sizes[i])
+            elif futures:
+                wait(futures, return_when=FIRST_COMPLETED)
+            else:
+                break
     except BaseException:
         for future in futures:  # interrupted: do not start queued tasks
             future.cancel()
         raise
-    failed = [i for future, i in futures.items() if future.done() and future.exception()]
-    if failed:
-        # Tasks start in submission order, so every task before a failed one has started and
-        # cannot be cancelled: wait for those, and report the earliest failure.
-        for future in futures:
-            future.cancel()
+    if errors:
+        # Every task before the earliest failure so far was started (in order) or queued: run
+        # those to the end, drop the later ones, and report the earliest failure.
+        first = min(errors)
+        for future, i in futures.items():
+            if i > first:
+                future.cancel()
         wait([f for f in futures if not f.cancelled()])
-        first = min(i for future, i in futures.items()
-                    if not future.cancelled() and future.exception() is not None)
-        raise next(f for f, i in futures.items() if i == first).exception()
+        for future, i in futures.items():
+            if not future.cancelled() and future.exception() is not None:
+                errors[i] = future.exception()
+        raise errors[min(errors)]
     return results
 
 
@@ -257,7 +294,8 @@ def prepare(inputs: Sequence[str | Path], output: str | Path,
         raise PrepareError(f"{output} already holds a prepared dataset; pass --overwrite")
     _check_output(output, fingerprint, config.overwrite)
     work = output / "work"
-    items, unknown = plan_work(files, split_bytes=config.clean.ingest.split_bytes)
+    items, unknown = plan_work(files, split_bytes=parallel_split_bytes(
+        files, config.clean.ingest.split_bytes))
     if not items:
         raise PrepareError(f"no readable input files among {len(files)} found in {list(inputs)}")
     load_eval_index(config.clean, work)  # once, before the workers need it
@@ -265,8 +303,9 @@ def prepare(inputs: Sequence[str | Path], output: str | Path,
     try:
         with ExitStack() as stack:
             # One pool for both parallel stages (spawn, not fork: the parent may hold tokenizer
-            # thread pools or torch state); worker start-up is paid once.
-            pool = (stack.enter_context(ProcessPoolExecutor(workers,
+            # thread pools or torch state); worker start-up is paid once. This process runs
+            # tasks too (see _run_tasks): the pool has one process fewer than ``workers``.
+            pool = (stack.enter_context(ProcessPoolExecutor(workers - 1,
                                                             mp_context=get_context("spawn")))
                     if workers > 1 else None)
             summary = _stages(items, unknown, files, fingerprint, output, config, pool, progress,

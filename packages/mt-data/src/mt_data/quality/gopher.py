@@ -22,6 +22,11 @@ from mt_data.quality.words import BatchWords, english
 STOP_WORDS = ("the", "be", "to", "of", "and", "that", "have", "with")
 
 
+def _has_alpha(word: str) -> bool:
+    """Whether a character of ``word`` is alphabetic (``str.isalpha``)."""
+    return any(map(str.isalpha, word))
+
+
 def _line_stats(text: str) -> tuple[int, int, int]:
     """(lines, lines starting with a bullet, lines ending with an ellipsis); str.splitlines."""
     lines = text.splitlines()
@@ -76,14 +81,13 @@ class GopherQuality(RuleSet):
         words = BatchWords(pytexts)
         n = len(pytexts)
         n_words = words.counts().astype(np.float64)
-        symbol = words.type_values(lambda w: all(ch in PUNCTUATION_SET for ch in w))
+        symbol = words.type_values(PUNCTUATION_SET.issuperset)  # every character punctuation
         lengths = words.type_values(len)
         content = words.per_doc_sum(1 - symbol)
         mean_length = ratio(words.per_doc_sum(lengths * (1 - symbol)), content)
         mean_length[content == 0] = np.nan  # np.mean([]): no length rule fires
-        alpha = words.per_doc_sum(words.type_values(lambda w: any(c.isalpha() for c in w)))
-        stops = set(self.stop_words)
-        stop = words.per_doc_distinct(words.type_values(lambda w: w in stops))
+        alpha = words.per_doc_sum(words.type_values(_has_alpha))
+        stop = words.per_doc_distinct(words.type_values(frozenset(self.stop_words).__contains__))
         hashes = pc.count_substring(texts, "#").to_numpy(zero_copy_only=False)
         ellipses = (pc.count_substring(texts, "...").to_numpy(zero_copy_only=False)
                     + pc.count_substring(texts, "…").to_numpy(zero_copy_only=False))
@@ -158,6 +162,79 @@ def duplicated_ngram_chars(words: list[str], n: int) -> int:
     return chars
 
 
+_HASH_BASE = np.uint64(0x9E3779B97F4A7C15)  # odd: invertible modulo 2**64
+_HASH_BASE_INV = np.uint64(pow(0x9E3779B97F4A7C15, -1, 1 << 64))
+
+
+class NgramChars:
+    """:func:`duplicated_ngram_chars` of one document's words for any ``n``, with the same
+    result computed with numpy: each n-gram's joined text is identified by a polynomial hash
+    of its characters (prefix sums modulo 2**64, so any substring's hash costs O(1)); every
+    n-gram whose hash was seen before is compared as text with the first one holding that hash
+    (a collision falls back to :func:`duplicated_ngram_chars`), and only those n-grams are
+    visited in Python, in the order of the left-to-right scan."""
+
+    def __init__(self, words: list[str]) -> None:
+        self.words = words
+        lengths = np.fromiter(map(len, words), dtype=np.int64, count=len(words))
+        self.starts = np.zeros(len(words) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=self.starts[1:])
+        self.text = "".join(words)
+        size = len(self.text)
+        points = np.frombuffer(self.text.encode("utf-32-le"), dtype=np.uint32).astype(np.uint64)
+        with np.errstate(over="ignore"):
+            inv = np.full(size + 1, _HASH_BASE_INV, dtype=np.uint64)
+            inv[0] = 1
+            inv = np.cumprod(inv, dtype=np.uint64)  # BASE**-t, wrapping modulo 2**64
+            base = np.full(size + 1, _HASH_BASE, dtype=np.uint64)
+            base[0] = 1
+            self.power = np.cumprod(base, dtype=np.uint64)  # BASE**t
+            self.prefix = np.zeros(size + 1, dtype=np.uint64)
+            np.cumsum((points + np.uint64(1)) * inv[:size], dtype=np.uint64,
+                      out=self.prefix[1:])
+
+    def chars(self, n: int) -> int:
+        """``duplicated_ngram_chars(words, n)``."""
+        count = len(self.words) - n + 1
+        if count <= 1:
+            return 0
+        a, b = self.starts[:count], self.starts[n:n + count]
+        with np.errstate(over="ignore"):
+            keys = (self.prefix[b] - self.prefix[a]) * self.power[a]
+            keys ^= (b - a).astype(np.uint64) * np.uint64(0xD6E8FEB86659FD93)
+        ordered = np.sort(keys)
+        twice = ordered[1:][ordered[1:] == ordered[:-1]]
+        if len(twice) == 0:  # no hash seen twice: no n-gram repeats
+            return 0
+        involved = np.flatnonzero(np.isin(keys, twice))  # n-grams whose hash repeats
+        _, first_pos, group = np.unique(keys[involved], return_index=True, return_inverse=True)
+        first = involved[first_pos[group]]  # first n-gram holding each one's hash
+        repeats = involved[first != involved]
+        text = self.text
+        first = first[first != involved]
+        lo, hi = a[repeats].tolist(), b[repeats].tolist()
+        flo, fhi = a[first].tolist(), b[first].tolist()
+        for k in range(len(lo)):
+            if text[lo[k]:hi[k]] != text[flo[k]:fhi[k]]:
+                return duplicated_ngram_chars(self.words, n)  # a hash collision
+        firsts = first.tolist()
+        sizes = (b[repeats] - a[repeats]).tolist()
+        chars = i = 0
+        skipped: set[int] = set()
+        visited: set[int] = set()  # first positions of the groups of visited repeats
+        for pos, f, size in zip(repeats.tolist(), firsts, sizes, strict=True):
+            if pos < i:  # jumped over
+                continue
+            if f in visited or f not in skipped:  # an equal n-gram was visited before
+                chars += size
+                skipped.update(range(pos + 1, pos + n))
+                i = pos + n
+            else:
+                visited.add(f)
+                i = pos + 1
+        return chars
+
+
 @dataclass(frozen=True)
 class GopherRepetition(RuleSet):
     """Gopher repetition rules (fractions of the document's characters, or of its lines /
@@ -195,8 +272,9 @@ class GopherRepetition(RuleSet):
                 *(f"top_{n}_gram" for n, _ in self.top_n_grams),
                 *(f"dup_{n}_grams" for n, _ in self.dup_n_grams))
 
-    def first_failure(self, text: str) -> int:
-        """Index of the first rule ``text`` fails, or -1."""
+    def first_failure(self, text: str, words: list[str] | None = None) -> int:
+        """Index of the first rule ``text`` fails, or -1 (``words``: its English words, when
+        known already)."""
         if not text:
             return 0
         size = len(text)
@@ -212,23 +290,27 @@ class GopherRepetition(RuleSet):
             return 3
         if self.dup_line_char_frac is not None and chars / size > self.dup_line_char_frac:
             return 4
-        words = english().words(text)
+        if words is None:
+            words = english().words(text)
         if not words:
             return KEPT
-        vocab: dict[str, int] = {}
-        ids = np.array([vocab.setdefault(w, len(vocab)) for w in words], dtype=np.int64)
-        lengths = np.array([len(w) for w in words], dtype=np.int64)
+        types = list(dict.fromkeys(words))  # in order of first occurrence
+        vocab = dict(zip(types, range(len(types)), strict=True))
+        ids = np.fromiter(map(vocab.__getitem__, words), dtype=np.int64, count=len(words))
+        lengths = np.fromiter(map(len, words), dtype=np.int64, count=len(words))
         k = 5
         for n, frac in self.top_n_grams:
             if len(words) >= n and top_ngram_chars(ids, lengths, n) / size > frac:
                 return k
             k += 1
+        grams = NgramChars(words) if self.dup_n_grams else None
         for n, frac in self.dup_n_grams:
-            if duplicated_ngram_chars(words, n) / size > frac:
+            if grams.chars(n) / size > frac:
                 return k
             k += 1
         return KEPT
 
     def apply(self, texts: pa.Array) -> Verdicts:
-        return Verdicts(np.array([self.first_failure(t) for t in texts.to_pylist()],
+        known = english().recent_words  # split by gopher-quality just before, if it ran
+        return Verdicts(np.array([self.first_failure(t, known(t)) for t in texts.to_pylist()],
                                  dtype=np.int16))

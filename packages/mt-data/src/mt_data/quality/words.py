@@ -19,6 +19,7 @@ import unicodedata
 from collections.abc import Callable
 from functools import lru_cache
 from importlib import resources
+from itertools import chain, compress, count, islice, repeat
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,9 @@ import numpy as np
 
 ASSET = "spacy-en-tokenizer.json.gz"
 _RUNS = re.compile(r"\S+|\s+")
-_CACHE_SIZE = 1 << 17
+_ASCII_WORD = re.compile(r"[A-Za-z]+|[0-9]+").fullmatch
+_ASCII_WORD_PUNCT = re.compile(r"([A-Za-z]+)[,;:!?]").fullmatch
+_CACHE_SIZE = 1 << 18
 
 
 def export_spacy_english(path: str | Path) -> dict[str, Any]:
@@ -53,6 +56,90 @@ def _is_punct(text: str) -> bool:
     return all(unicodedata.category(ch).startswith("P") for ch in text)
 
 
+def _suffix_tail(pattern: str, flags: int) -> int:
+    """How many last characters of a string can hold a match of the suffix regex, 0 if
+    unknown. spaCy's suffix regex is one alternation of '...$' branches: all of bounded width
+    (at most W characters, ending at the end or before a final newline: W + 1 from the end)
+    but '\\.\\.+$', which also matches from any later position holding 2+ dots. So a search
+    from ``len - tail`` finds the whole string's first match, unless that match starts
+    exactly there (a run of dots that may reach further back)."""
+    try:
+        import re._parser as sre_parse
+    except ImportError:  # another Python: search whole strings
+        return 0
+    tree = sre_parse.parse(pattern, flags)
+    if len(tree.data) != 1 or tree.data[0][0] != sre_parse.BRANCH:
+        return 0
+    dots = sre_parse.parse(r"\.\.+$", flags).data
+    widest = 0
+    for branch in tree.data[0][1][1]:
+        low, high = branch.getwidth()
+        if high >= sre_parse.MAXREPEAT:
+            if repr(branch.data) != repr(dots):
+                return 0
+        else:
+            widest = max(widest, high)
+    return widest + 2
+
+
+def _first_chars(pattern: str, flags: int) -> frozenset[str] | None:
+    """Every character a match of the regex can start with (after zero-width lookarounds),
+    or None when that is not simply a set of literals (a string holding none of them cannot
+    match). spaCy's infix regex is an alternation of such branches."""
+    try:
+        import re._parser as sre_parse
+    except ImportError:
+        return None
+    lookaround = (sre_parse.ASSERT, sre_parse.ASSERT_NOT)
+
+    def first(items: Any) -> set[int] | None:
+        for op, av in items:
+            if op in lookaround:
+                continue
+            if op == sre_parse.LITERAL:
+                return {av}
+            if op == sre_parse.IN:
+                out: set[int] = set()
+                for o, v in av:
+                    if o == sre_parse.LITERAL:
+                        out.add(v)
+                    elif o == sre_parse.RANGE:
+                        out.update(range(v[0], v[1] + 1))
+                    else:  # a category or a negated set
+                        return None
+                return out
+            if op == sre_parse.BRANCH:
+                out = set()
+                for branch in av[1]:
+                    chars = first(branch.data if hasattr(branch, "data") else branch)
+                    if chars is None:
+                        return None
+                    out |= chars
+                return out
+            if op == sre_parse.MAX_REPEAT and av[0] >= 1:
+                return first(av[2].data if hasattr(av[2], "data") else av[2])
+            return None
+        return None  # only lookarounds: could match the empty string anywhere
+
+    chars = first(sre_parse.parse(pattern, flags).data)
+    return None if chars is None else frozenset(map(chr, chars))
+
+
+class _RunCache(dict):
+    """run -> its tokens (a tuple), computed by ``fn`` on a miss; emptied when it grows past
+    ``_CACHE_SIZE`` entries (a cache: results never depend on it)."""
+
+    def __init__(self, fn: Callable[[str], tuple[str, ...]]) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def __missing__(self, run: str) -> tuple[str, ...]:
+        if len(self) > _CACHE_SIZE:
+            self.clear()
+        value = self[run] = self.fn(run)
+        return value
+
+
 class EnglishTokenizer:
     """spaCy 3's ``Tokenizer`` algorithm with spaCy's English settings (see module doc)."""
 
@@ -62,7 +149,9 @@ class EnglishTokenizer:
 
         self.version = data["spacy_version"]
         self._prefix, self._suffix = compile_("prefix").search, compile_("suffix").search
+        self._suffix_tail = _suffix_tail(data["suffix"]["pattern"], data["suffix"]["flags"])
         self._infix, self._url = compile_("infix").finditer, compile_("url").match
+        self._infix_chars = _first_chars(data["infix"]["pattern"], data["infix"]["flags"])
         self.rules: dict[str, tuple[str, ...]] = {k: tuple(v) for k, v in data["rules"].items()}
         self.sentence_punct = frozenset(data["sentence_punct"])
         self._cache: dict[str, tuple[str, ...]] = {}  # chunk -> tokens (spaCy caches them too)
@@ -74,12 +163,38 @@ class EnglishTokenizer:
                     any(True for _ in self._infix(key)) or " " in key):
                 pattern = tuple(self._split(key, specials=False))
                 self._patterns.setdefault(pattern[0], []).append(pattern)
+        # The fast path (tokenize): runs -> tokens from two caches, and the special-case pass
+        # restricted to patterns of 2+ tokens, found by their first two tokens. A 1-token
+        # pattern is processed after every longer one and replaced by its rule, itself, so it
+        # changes nothing when that rule is the token itself (checked here; else: slow path).
+        self._multi: dict[tuple[str, str], list[tuple[str, ...]]] = {}
+        for patterns in self._patterns.values():
+            for pattern in patterns:
+                if len(pattern) > 1:
+                    self._multi.setdefault(pattern[:2], []).append(pattern)
+        self._fast = all(self.rules.get(p[0]) == p for ps in self._patterns.values()
+                         for p in ps if len(p) == 1)
+        self._plain = _RunCache(self._run_tokens)
+        self._recent: dict[str, list[str]] = {}
+        plain = self._plain
+        # a run after the first: a space run loses its first ' ' (absorbed by the word before)
+        self._after = _RunCache(lambda run: (plain[run[1:]] if len(run) > 1 else ())
+                                if run[0] == " " else plain[run])
 
     def _find_prefix(self, s: str) -> int:
         m = self._prefix(s)
         return m.end() - m.start() if m is not None else 0
 
     def _find_suffix(self, s: str) -> int:
+        start = len(s) - self._suffix_tail
+        if self._suffix_tail and start > 0:
+            # Only the last characters can hold a match (see _suffix_tail), unless a '..+'
+            # run reaches back to ``start``: then search the whole string as well.
+            m = self._suffix(s, start)
+            if m is None:
+                return 0
+            if m.start() > start:
+                return m.end() - m.start()
         m = self._suffix(s)
         return m.end() - m.start() if m is not None else 0
 
@@ -123,8 +238,9 @@ class EnglishTokenizer:
         if string:
             if string in rules:
                 tokens.extend(rules[string])
-            elif self._url(string):
-                tokens.append(string)
+            elif self._url(string) or (self._infix_chars is not None
+                                       and self._infix_chars.isdisjoint(string)):
+                tokens.append(string)  # a URL, or no character an infix can start with
             else:
                 start = 0
                 for m in self._infix(string):
@@ -139,6 +255,22 @@ class EnglishTokenizer:
                     tokens.append(string[start:])
         tokens.extend(reversed(suffixes))
         return tokens
+
+    def _run_tokens(self, run: str) -> tuple[str, ...]:
+        """``_chunk_tokens(run, True)``, with shortcuts for ASCII words and numbers, bare or
+        followed by one of ``,;:!?``: no prefix, suffix, infix or URL rule of spaCy's English
+        applies inside them (no pattern matches an ASCII letter or digit alone), so only the
+        special cases and that one trailing character split them."""
+        rules = self.rules
+        if run in rules:
+            return rules[run]
+        if _ASCII_WORD(run):
+            return (run,)
+        m = _ASCII_WORD_PUNCT(run)
+        if m:
+            word = m.group(1)
+            return (*rules.get(word, (word,)), run[-1])
+        return tuple(self._chunk_tokens(run, True))
 
     def _split(self, text: str, specials: bool = True) -> list[str]:
         """Tokens (whitespace tokens included) before the special-case matcher pass."""
@@ -173,19 +305,38 @@ class EnglishTokenizer:
 
     def tokenize(self, text: str) -> list[str]:
         """All token texts, whitespace tokens included, as ``spacy.blank("en")(text)``."""
+        if not self._fast:
+            return self.tokenize_reference(text)
+        runs = _RUNS.findall(text)
+        if not runs:
+            return []
+        per_run = [self._plain[runs[0]]]
+        per_run += map(self._after.__getitem__, islice(runs, 1, None))
+        tokens = list(chain.from_iterable(per_run))
+        multi = self._multi
+        starts = compress(count(), map(multi.__contains__, zip(tokens, islice(tokens, 1, None))))
+        matches = [(i, i + len(pattern)) for i in starts
+                   for pattern in multi[tokens[i], tokens[i + 1]]
+                   if tuple(tokens[i:i + len(pattern)]) == pattern]
+        if not matches:
+            return tokens
+        # A token is followed by an absorbed ' ' when it ends its run and the next run (not
+        # the first) starts with one; only the tokens of matched spans are asked about.
+        ends = np.cumsum(np.fromiter(map(len, per_run), dtype=np.int64, count=len(per_run)))
+        absorbed = np.fromiter(map(str.startswith, runs, repeat(" ")), dtype=bool, count=len(runs))
+        spaced = ends[np.flatnonzero(absorbed[1:])] - 1
+        asked = np.concatenate([np.arange(start, end) for start, end in matches])
+        spaced = set(spaced[np.isin(spaced, asked)].tolist())
+        return self._replace_matches(tokens, spaced, matches)
+
+    def tokenize_reference(self, text: str) -> list[str]:
+        """:meth:`tokenize`, token by token as first written (slower; the same result)."""
         tokens, spaced = self._split_spaced(text, True)
         return self._special_pass(tokens, spaced)
 
-    def _special_pass(self, tokens: list[str], spaced: set[int]) -> list[str]:
-        """spaCy's ``_apply_special_cases``: phrase-match special cases over the tokens."""
-        matches: list[tuple[int, int]] = []
-        patterns = self._patterns
-        for i in [i for i, tok in enumerate(tokens) if tok in patterns]:
-            for pattern in patterns[tokens[i]]:
-                if tuple(tokens[i:i + len(pattern)]) == pattern:
-                    matches.append((i, i + len(pattern)))
-        if not matches:
-            return tokens
+    def _replace_matches(self, tokens: list[str], spaced: set[int],
+                         matches: list[tuple[int, int]]) -> list[str]:
+        """The rest of :meth:`_special_pass`: choose among the matches and replace them."""
         # Longest first, then leftmost; a span overlapping an earlier one at its first or last
         # token is skipped, and every span marks its tokens as seen (as _filter_special_spans).
         matches = sorted(set(matches), key=lambda m: (m[1] - m[0], -m[0]))
@@ -197,20 +348,43 @@ class EnglishTokenizer:
                 chosen[start] = (end, text[:-1] if end - 1 in spaced else text)
             seen.update(range(start, end))
         out: list[str] = []
-        i = 0
-        while i < len(tokens):
-            if i in chosen:
-                end, text = chosen[i]
-                out.extend(self.rules.get(text, tokens[i:end]))
-                i = end
-            else:
-                out.append(tokens[i])
-                i += 1
+        last = 0
+        for start in sorted(chosen):  # chosen spans never overlap
+            end, text = chosen[start]
+            out += tokens[last:start]
+            out += self.rules.get(text, tokens[start:end])
+            last = end
+        out += tokens[last:]
         return out
+
+    def _special_pass(self, tokens: list[str], spaced: set[int]) -> list[str]:
+        """spaCy's ``_apply_special_cases``: phrase-match special cases over the tokens."""
+        matches: list[tuple[int, int]] = []
+        patterns = self._patterns
+        for i in [i for i, tok in enumerate(tokens) if tok in patterns]:
+            for pattern in patterns[tokens[i]]:
+                if tuple(tokens[i:i + len(pattern)]) == pattern:
+                    matches.append((i, i + len(pattern)))
+        if not matches:
+            return tokens
+        return self._replace_matches(tokens, spaced, matches)
 
     def words(self, text: str) -> list[str]:
         """datatrove's ``split_into_words(text, "eng")``: tokens stripped, blank ones dropped."""
-        return [t.strip() for t in self.tokenize(text) if t.strip()]
+        return list(filter(None, map(str.strip, self.tokenize(text))))
+
+    def words_of(self, texts: list[str]) -> list[list[str]]:
+        """:meth:`words` of each text. The words of this call's texts are kept until the next
+        call (:meth:`recent_words`), so rule sets applied one after the other to the same
+        documents (gopher-quality, then gopher-repetition on those it kept) split them once."""
+        memo = self._recent
+        out = [memo[t] if t in memo else self.words(t) for t in texts]
+        self._recent = dict(zip(texts, out, strict=True))
+        return out
+
+    def recent_words(self, text: str) -> list[str] | None:
+        """The words of ``text`` if it was one of the texts of the last :meth:`words_of` call."""
+        return self._recent.get(text)
 
     def sentence_count(self, text: str) -> int:
         """Number of sentences spaCy's default ``sentencizer`` finds in ``text`` (datatrove's
@@ -246,16 +420,15 @@ class BatchWords:
     per-word properties are computed once per type and summed per document with numpy."""
 
     def __init__(self, texts: list[str]) -> None:
-        tok = english()
-        vocab: dict[str, int] = {}
-        ids: list[int] = []
-        offsets = [0]
-        for text in texts:
-            ids.extend([vocab.setdefault(w, len(vocab)) for w in tok.words(text)])
-            offsets.append(len(ids))
+        per_doc = english().words_of(texts)
+        words = list(chain.from_iterable(per_doc))
+        vocab = dict.fromkeys(words)  # distinct words, in order of first occurrence
         self.types = list(vocab)
-        self.ids = np.asarray(ids, dtype=np.int64)
-        self.offsets = np.asarray(offsets, dtype=np.int64)
+        vocab = dict(zip(self.types, range(len(self.types)), strict=True))
+        self.ids = np.fromiter(map(vocab.__getitem__, words), dtype=np.int64, count=len(words))
+        self.offsets = np.zeros(len(texts) + 1, dtype=np.int64)
+        np.cumsum(np.fromiter(map(len, per_doc), dtype=np.int64, count=len(per_doc)),
+                  out=self.offsets[1:])
         self.doc = np.repeat(np.arange(len(texts)), np.diff(self.offsets))
 
     def counts(self) -> np.ndarray:
@@ -264,7 +437,7 @@ class BatchWords:
 
     def type_values(self, fn: Callable[[str], float]) -> np.ndarray:
         """``fn`` of every distinct word, as a float64 array indexed by word id."""
-        return np.fromiter((fn(t) for t in self.types), dtype=np.float64, count=len(self.types))
+        return np.fromiter(map(fn, self.types), dtype=np.float64, count=len(self.types))
 
     def per_doc_sum(self, per_type: np.ndarray) -> np.ndarray:
         """Sum over each document's words of a per-type value."""
