@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 import unicodedata
+from collections.abc import Callable
 from itertools import chain
 
 import numpy as np
@@ -78,6 +79,18 @@ def is_gpt2_style(backend: HFTokenizer) -> bool:
     )
 
 
+class _PieceIndex(dict):
+    """pre-token -> run index; a missing pre-token is learnt (``learn`` returns its index)."""
+
+    def __init__(self, learn: Callable[[str], int]) -> None:
+        super().__init__()
+        self.learn = learn
+
+    def __missing__(self, piece: str) -> int:
+        index = self[piece] = self.learn(piece)
+        return index
+
+
 class FastByteLevelBPE:
     """Batch encoder with a pre-token cache; falls back to HF for the rare unsafe document."""
 
@@ -87,10 +100,11 @@ class FastByteLevelBPE:
         self.backend = backend
         self.model = backend.model
         self.byte_map = _bytes_to_unicode()
+        self._byte_table = {b: ch for b, ch in self.byte_map.items()}  # str.translate table
         self.risky = _risky_class()
         self.added = [t.content for t in backend.get_added_tokens_decoder().values()]
-        # Cache: pre-token -> index into a growing table of token-id runs.
-        self.piece_index: dict[str, int] = {}
+        # Cache: pre-token -> index into a growing table of token-id runs (a miss learns it).
+        self.piece_index: dict[str, int] = _PieceIndex(self._learn_one)
         self.run_ids: list[int] = []
         self.run_start: list[int] = [0]
         self._tables: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
@@ -100,13 +114,14 @@ class FastByteLevelBPE:
             return False
         return not any(token in text for token in self.added)
 
-    def _learn(self, pieces: set[str]) -> None:
-        for piece in pieces:
-            mapped = "".join(self.byte_map[b] for b in piece.encode("utf-8"))
-            self.piece_index[piece] = len(self.run_start) - 1
-            self.run_ids.extend(tok.id for tok in self.model.tokenize(mapped))
-            self.run_start.append(len(self.run_ids))
+    def _learn_one(self, piece: str) -> int:
+        """Encode a new pre-token with the HF model; its index in the run table."""
+        # Each UTF-8 byte b -> byte_map[b]: latin-1 decoding gives chr(b), translated.
+        mapped = piece.encode("utf-8").decode("latin-1").translate(self._byte_table)
+        self.run_ids.extend([tok.id for tok in self.model.tokenize(mapped)])
+        self.run_start.append(len(self.run_ids))
         self._tables = None
+        return len(self.run_start) - 2
 
     def _arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if self._tables is None:
@@ -139,18 +154,15 @@ class FastByteLevelBPE:
 
     def _encode_safe(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         pieces = [_PRETOKEN.findall(t) for t in texts]
-        flat = list(chain.from_iterable(pieces))
-        new = set(flat).difference(self.piece_index)
-        if new:
-            self._learn(new)
+        piece_counts = np.fromiter(map(len, pieces), np.int64, len(pieces))
+        pid = np.fromiter(map(self.piece_index.__getitem__, chain.from_iterable(pieces)),
+                          np.int64, int(piece_counts.sum()))  # new pre-tokens learnt here
         ids, starts, lengths = self._arrays()
-        pid = np.fromiter(map(self.piece_index.__getitem__, flat), np.int64, len(flat))
         run_len = lengths[pid]
         total = int(run_len.sum())
         # Gather every run: output position k reads ids[starts[pid] + offset within the run].
         ends = np.cumsum(run_len)
         offset = np.arange(total, dtype=np.int64) - np.repeat(ends - run_len, run_len)
         tokens = ids[np.repeat(starts[pid], run_len) + offset]
-        piece_counts = np.fromiter(map(len, pieces), np.int64, len(pieces))
         doc_ends = np.concatenate([[0], ends])[np.cumsum(piece_counts)] if len(texts) else ends
         return tokens, np.diff(np.concatenate([[0], doc_ends])).astype(np.int64)

@@ -17,14 +17,17 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import ExitStack, suppress
 from dataclasses import asdict, dataclass
 from functools import lru_cache
-from multiprocessing import get_context
+from multiprocessing import get_all_start_methods, get_context
+from multiprocessing.context import BaseContext
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -148,13 +151,15 @@ def _run_tasks(fn: Callable[..., Any], tasks: list[tuple[Any, ...]], sizes: list
     """``fn(*task)`` for every task: in this process and in the pool's, when there is a pool
     and more than one task.
 
-    Tasks are started in input order, by the pool's processes (each kept with one task running
-    and one queued) and by this process, which runs the next task itself whenever it has
-    nothing to hand out or collect (with ``workers`` = N, N - 1 pool processes and this one
-    share the work). ``on_result`` sees each result as soon as its task finishes (so finished
-    work is recorded even if a later task fails or the run is interrupted); results are
-    returned in task order. When tasks fail, the error raised is that of the first failing task
-    in input order, as in a serial run, whatever order they finished in.
+    Tasks are started in input order, by the pool's processes and by this process, which runs
+    the next task itself whenever it has no result to collect (with ``workers`` = N, N - 1 pool
+    processes and this one share the work). Each pool process is kept with one task: a task
+    finishing in the pool hands the next one to the pool at once (from the pool's thread), so
+    the pool never waits for this process to finish its own task. ``on_result`` sees each
+    result (in this process) as soon as it is collected (so finished work is recorded even if
+    a later task fails or the run is interrupted); results are returned in task order. When
+    tasks fail, the error raised is that of the first failing task in input order, as in a
+    serial run, whatever order they finished in.
     """
     results: list[Any] = [None] * len(tasks)
     if pool is None or len(tasks) <= 1:
@@ -163,28 +168,63 @@ def _run_tasks(fn: Callable[..., Any], tasks: list[tuple[Any, ...]], sizes: list
             on_result(results[i])
             progress.advance(sizes[i])
         return results
-    depth = 2 * max(1, getattr(pool, "_max_workers", 1))
-    futures: dict[Any, int] = {}
+    depth = max(1, getattr(pool, "_max_workers", 1))
+    lock = threading.Lock()
+    futures: dict[Future[Any], int] = {}
     errors: dict[int, BaseException] = {}
-    next_task = 0
+    state = {"next": 0, "running": 0, "stop": False}
+
+    def take() -> int | None:
+        with lock:
+            if state["stop"] or state["next"] >= len(tasks):
+                return None
+            state["next"] += 1
+            return state["next"] - 1
+
+    def feed(finished: Future[Any] | None = None) -> None:
+        """Hand tasks to the pool until it holds ``depth`` (also a finished task's callback)."""
+        while True:
+            with lock:
+                if finished is not None:
+                    state["running"] -= 1
+                    finished = None
+                if (state["stop"] or state["next"] >= len(tasks)
+                        or state["running"] >= depth):
+                    return
+                i = state["next"]
+                try:
+                    future = pool.submit(fn, *tasks[i])
+                except BaseException as exc:  # a broken pool: this task fails with it
+                    errors[i] = exc
+                    state["stop"] = True
+                    return
+                state["next"] += 1
+                state["running"] += 1
+                futures[future] = i
+            future.add_done_callback(feed)
+
+    collected: set[int] = set()
+
+    def collect() -> None:
+        with lock:
+            done = [(f, i) for f, i in futures.items() if f.done() and i not in collected]
+        for future, i in sorted(done, key=lambda item: item[1]):
+            collected.add(i)
+            if future.exception() is not None:
+                errors[i] = future.exception()
+                continue
+            results[i] = future.result()
+            on_result(results[i])
+            progress.advance(sizes[i])
+
     try:
+        feed()
         while not errors:
-            while next_task < len(tasks) and len(futures) < depth:
-                futures[pool.submit(fn, *tasks[next_task])] = next_task
-                next_task += 1
-            for future in [f for f in futures if f.done()]:
-                i = futures.pop(future)
-                if future.exception() is not None:
-                    errors[i] = future.exception()
-                    continue
-                results[i] = future.result()
-                on_result(results[i])
-                progress.advance(sizes[i])
+            collect()
             if errors:
                 break
-            if next_task < len(tasks):  # run the next task here
-                i = next_task
-                next_task += 1
+            i = take()
+            if i is not None:  # run the next task here
                 try:
                     results[i] = fn(*tasks[i])
                 except Exception as exc:  # reported in input order below
@@ -192,23 +232,30 @@ def _run_tasks(fn: Callable[..., Any], tasks: list[tuple[Any, ...]], sizes: list
                     break
                 on_result(results[i])
                 progress.advance(sizes[i])
-            elif futures:
-                wait(futures, return_when=FIRST_COMPLETED)
-            else:
+                continue
+            with lock:
+                pending = [f for f, j in futures.items() if j not in collected]
+            if not pending:
                 break
+            wait(pending, return_when=FIRST_COMPLETED)
     except BaseException:
-        for future in futures:  # interrupted: do not start queued tasks
+        with lock:
+            state["stop"] = True
+        for future in list(futures):  # interrupted: do not start queued tasks
             future.cancel()
         raise
+    with lock:
+        state["stop"] = True
+        started = dict(futures)
     if errors:
-        # Every task before the earliest failure so far was started (in order) or queued: run
-        # those to the end, drop the later ones, and report the earliest failure.
+        # Every task before the earliest failure so far was started (in order): run those to
+        # the end, drop the later ones, and report the earliest failure.
         first = min(errors)
-        for future, i in futures.items():
+        for future, i in started.items():
             if i > first:
                 future.cancel()
-        wait([f for f in futures if not f.cancelled()])
-        for future, i in futures.items():
+        wait([f for f in started if not f.cancelled()])
+        for future, i in started.items():
             if not future.cancelled() and future.exception() is not None:
                 errors[i] = future.exception()
         raise errors[min(errors)]
@@ -248,6 +295,11 @@ def _run_dedup(chunks: list[Path], config: PrepareConfig, work: Path,
 def _worker_tokenizer(spec: str) -> Tokenizer:
     # One tokenizer per (worker) process and spec: loading GPT-2 takes ~0.4 s, a chunk less.
     return load_tokenizer(spec)
+
+
+def warm_tokenizer(spec: str) -> None:
+    """Load a (worker) process's tokenizer and its encoder tables ahead of stage 3."""
+    _worker_tokenizer(spec).encode_batch(["warm up"])
 
 
 def tokenize_chunk(chunk: str, keep: np.ndarray, shard: str, tokenizer: str) -> ShardInfo:
@@ -302,11 +354,10 @@ def prepare(inputs: Sequence[str | Path], output: str | Path,
     workers = config.workers or (os.cpu_count() or 1)
     try:
         with ExitStack() as stack:
-            # One pool for both parallel stages (spawn, not fork: the parent may hold tokenizer
-            # thread pools or torch state); worker start-up is paid once. This process runs
-            # tasks too (see _run_tasks): the pool has one process fewer than ``workers``.
+            # One pool for both parallel stages; worker start-up is paid once. This process
+            # runs tasks too (see _run_tasks): the pool has one process fewer than ``workers``.
             pool = (stack.enter_context(ProcessPoolExecutor(workers - 1,
-                                                            mp_context=get_context("spawn")))
+                                                            mp_context=_pool_context()))
                     if workers > 1 else None)
             summary = _stages(items, unknown, files, fingerprint, output, config, pool, progress,
                               _label(inputs))
@@ -322,6 +373,24 @@ def prepare(inputs: Sequence[str | Path], output: str | Path,
     if not config.keep_work:
         shutil.rmtree(work)
     return summary
+
+
+_FORK_UNSAFE = ("torch", "jax", "tensorflow")
+"""Modules whose runtimes (OpenMP / CUDA thread pools and state) a forked child may find
+broken: with one of them imported, workers are spawned."""
+
+
+def _pool_context() -> BaseContext:
+    """``fork`` when this process runs no other Python thread (a progress display, a user's
+    thread: none can be copied holding a lock) and no runtime of ``_FORK_UNSAFE`` is loaded,
+    so that workers start at once with this process's imports; else ``spawn``. (The thread
+    pools of numpy's BLAS, Arrow and jemalloc are reset in a forked child by their fork
+    handlers; Python 3.12+ warns about forking with them anyway: spawn there.)"""
+    if ("fork" in get_all_start_methods() and threading.active_count() == 1
+            and not any(name in sys.modules for name in _FORK_UNSAFE)
+            and sys.version_info < (3, 12)):  # 3.12+ warns about any native thread
+        return get_context("fork")
+    return get_context("spawn")
 
 
 def _label(inputs: Sequence[str | Path]) -> str:
@@ -378,6 +447,9 @@ def _stages(items: list[WorkItem], unknown: list[Path], files: list[Path],
         totals.error_samples.append(f"{path}:0: unsupported: unknown file type")
     check_documents(totals, label)
     t1 = time.perf_counter()
+    if pool is not None:  # the pool's processes load the tokenizer while this one dedups
+        for _ in range(max(1, getattr(pool, "_max_workers", 1))):
+            pool.submit(warm_tokenizer, config.tokenizer)
     keep, dedup_stats = _run_dedup(chunks, config, work, progress)
     times["dedup"] = time.perf_counter() - t1
     tokenizer = _worker_tokenizer(config.tokenizer)

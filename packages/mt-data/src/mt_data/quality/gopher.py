@@ -10,10 +10,10 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import repeat
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from mt_data.quality.base import KEPT, RuleSet, Verdicts, first_failure, ratio
 from mt_data.quality.charsets import PUNCTUATION_SET
@@ -27,11 +27,18 @@ def _has_alpha(word: str) -> bool:
     return any(map(str.isalpha, word))
 
 
+def _counts(texts: list[str], sub: str) -> np.ndarray:
+    """Non-overlapping occurrences of ``sub`` in each text (``str.count``)."""
+    return np.fromiter(map(str.count, texts, repeat(sub)), dtype=np.int64, count=len(texts))
+
+
 def _line_stats(text: str) -> tuple[int, int, int]:
     """(lines, lines starting with a bullet, lines ending with an ellipsis); str.splitlines."""
     lines = text.splitlines()
-    bullets = sum(1 for s in lines if s.lstrip().startswith(("•", "-")))
-    ellipses = sum(1 for s in lines if s.rstrip().endswith(("...", "…")))
+    bullets = (sum(1 for s in lines if s.lstrip().startswith(("•", "-")))
+               if "-" in text or "•" in text else 0)
+    ellipses = (sum(1 for s in lines if s.rstrip().endswith(("...", "…")))
+                if "..." in text or "…" in text else 0)
     return len(lines), bullets, ellipses
 
 
@@ -88,9 +95,8 @@ class GopherQuality(RuleSet):
         mean_length[content == 0] = np.nan  # np.mean([]): no length rule fires
         alpha = words.per_doc_sum(words.type_values(_has_alpha))
         stop = words.per_doc_distinct(words.type_values(frozenset(self.stop_words).__contains__))
-        hashes = pc.count_substring(texts, "#").to_numpy(zero_copy_only=False)
-        ellipses = (pc.count_substring(texts, "...").to_numpy(zero_copy_only=False)
-                    + pc.count_substring(texts, "…").to_numpy(zero_copy_only=False))
+        hashes = _counts(pytexts, "#")
+        ellipses = _counts(pytexts, "...") + _counts(pytexts, "…")
         lines = np.array([_line_stats(t) for t in pytexts], dtype=np.float64).reshape(n, 3)
 
         def over(limit: float | None, x: np.ndarray) -> np.ndarray | None:
@@ -137,11 +143,14 @@ def top_ngram_chars(ids: np.ndarray, lengths: np.ndarray, n: int) -> int:
     base = int(ids.max()) + 1
     if base ** n < 2 ** 62:  # exact integer key per n-gram
         keys = grams @ (base ** np.arange(n - 1, -1, -1, dtype=np.int64))
-        _, first, counts = np.unique(keys, return_index=True, return_counts=True)
+        values, counts = np.unique(keys, return_counts=True)
+        best = int(counts.max())
+        # the first n-gram whose key is one of the most frequent
+        start = int(np.argmax(np.isin(keys, values[counts == best])))
     else:
         _, first, counts = np.unique(grams, axis=0, return_index=True, return_counts=True)
-    best = int(counts.max())
-    start = int(first[counts == best].min())
+        best = int(counts.max())
+        start = int(first[counts == best].min())
     return (int(lengths[start:start + n].sum()) + n - 1) * best
 
 
@@ -161,6 +170,9 @@ def duplicated_ngram_chars(words: list[str], n: int) -> int:
             i += 1
     return chars
 
+
+_DENSE_IDS = 40_000
+"""Word ids below this make exact integer keys for 4-grams (see top_ngram_chars)."""
 
 _HASH_BASE = np.uint64(0x9E3779B97F4A7C15)  # odd: invertible modulo 2**64
 _HASH_BASE_INV = np.uint64(pow(0x9E3779B97F4A7C15, -1, 1 << 64))
@@ -272,9 +284,10 @@ class GopherRepetition(RuleSet):
                 *(f"top_{n}_gram" for n, _ in self.top_n_grams),
                 *(f"dup_{n}_grams" for n, _ in self.dup_n_grams))
 
-    def first_failure(self, text: str, words: list[str] | None = None) -> int:
+    def first_failure(self, text: str, words: list[str] | None = None,
+                      known: tuple[np.ndarray, np.ndarray] | None = None) -> int:
         """Index of the first rule ``text`` fails, or -1 (``words``: its English words, when
-        known already)."""
+        known already; ``known``: their ids (equal ids for equal words) and lengths, too)."""
         if not text:
             return 0
         size = len(text)
@@ -294,10 +307,15 @@ class GopherRepetition(RuleSet):
             words = english().words(text)
         if not words:
             return KEPT
-        types = list(dict.fromkeys(words))  # in order of first occurrence
-        vocab = dict(zip(types, range(len(types)), strict=True))
-        ids = np.fromiter(map(vocab.__getitem__, words), dtype=np.int64, count=len(words))
-        lengths = np.fromiter(map(len, words), dtype=np.int64, count=len(words))
+        if known is not None:
+            ids, lengths = known
+            if int(ids.max()) >= _DENSE_IDS:  # keep top_ngram_chars on its integer keys
+                ids = np.unique(ids, return_inverse=True)[1].reshape(-1)
+        else:
+            types = list(dict.fromkeys(words))  # in order of first occurrence
+            vocab = dict(zip(types, range(len(types)), strict=True))
+            ids = np.fromiter(map(vocab.__getitem__, words), dtype=np.int64, count=len(words))
+            lengths = np.fromiter(map(len, words), dtype=np.int64, count=len(words))
         k = 5
         for n, frac in self.top_n_grams:
             if len(words) >= n and top_ngram_chars(ids, lengths, n) / size > frac:
@@ -311,6 +329,8 @@ class GopherRepetition(RuleSet):
         return KEPT
 
     def apply(self, texts: pa.Array) -> Verdicts:
-        known = english().recent_words  # split by gopher-quality just before, if it ran
-        return Verdicts(np.array([self.first_failure(t, known(t)) for t in texts.to_pylist()],
-                                 dtype=np.int16))
+        # Split by gopher-quality just before, if it ran: its words, their ids and lengths.
+        words, batch = english().recent_words, BatchWords.recent()
+        return Verdicts(np.array([
+            self.first_failure(t, words(t), batch.doc_words(t) if batch is not None else None)
+            for t in texts.to_pylist()], dtype=np.int16))

@@ -30,6 +30,7 @@ _RUNS = re.compile(r"\S+|\s+")
 _ASCII_WORD = re.compile(r"[A-Za-z]+|[0-9]+").fullmatch
 _ASCII_WORD_PUNCT = re.compile(r"([A-Za-z]+)[,;:!?]").fullmatch
 _CACHE_SIZE = 1 << 18
+_HARD_SPACE = re.compile(r"[^\S ]|  ")  # in every whitespace run but a single ' '
 
 
 def export_spacy_english(path: str | Path) -> dict[str, Any]:
@@ -82,15 +83,95 @@ def _suffix_tail(pattern: str, flags: int) -> int:
     return widest + 2
 
 
+def _last_chars(items: Any, sre_parse: Any) -> set[int] | None:
+    """Every character a match of the parsed regex items can end with (zero-width items
+    skipped), or None when that is not simply a set of literals."""
+    for op, av in reversed(list(items)):
+        if op in (sre_parse.AT, sre_parse.ASSERT, sre_parse.ASSERT_NOT):
+            continue
+        if op == sre_parse.LITERAL:
+            return {av}
+        if op == sre_parse.IN:
+            out: set[int] = set()
+            for o, v in av:
+                if o == sre_parse.LITERAL:
+                    out.add(v)
+                elif o == sre_parse.RANGE:
+                    out.update(range(v[0], v[1] + 1))
+                else:
+                    return None
+            return out
+        if op == sre_parse.SUBPATTERN:
+            return _last_chars(av[-1].data, sre_parse)
+        if op == sre_parse.BRANCH:
+            out = set()
+            for branch in av[1]:
+                chars = _last_chars(branch.data, sre_parse)
+                if chars is None:
+                    return None
+                out |= chars
+            return out
+        if op in (sre_parse.MAX_REPEAT, sre_parse.MIN_REPEAT) and av[0] >= 1:
+            return _last_chars(av[2].data, sre_parse)
+        return None
+    return None
+
+
+_ALNUM = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789")
+_QUOTES = ("'", "\u2019")
+_HAS_DIGIT = re.compile("[0-9]").search
+
+
+def _alnum_suffixes(pattern: str, flags: int) -> bool:
+    """Whether the suffix regex (an alternation of branches ending in ``$``) matches no
+    string ending in an ASCII digit, and a string ending in an ASCII letter only when it
+    holds a quote of ``_QUOTES`` or an ASCII digit: every branch that can end in a letter
+    either is literal text holding such a quote, or starts with the lookbehind ``(?<=[0-9])``
+    (spaCy's ``'s`` and unit suffixes). Checked on the regex; False (no shortcut) when
+    unsure."""
+    try:
+        import re._parser as sre_parse
+    except ImportError:
+        return False
+    if flags & (re.IGNORECASE | re.MULTILINE):
+        return False
+    tree = sre_parse.parse(pattern, flags)
+    if len(tree.data) != 1 or tree.data[0][0] != sre_parse.BRANCH:
+        return False
+    alnum = {ord(ch) for ch in _ALNUM}
+    digit = [(sre_parse.IN, [(sre_parse.RANGE, (48, 57))])]
+    for branch in tree.data[0][1][1]:
+        items = list(branch.data)
+        chars = _last_chars(items, sre_parse)
+        if chars is None:
+            return False
+        if not chars & alnum:
+            continue
+        if any(48 <= c <= 57 for c in chars):
+            return False  # a branch may end in a digit
+        if items and items[0][0] == sre_parse.ASSERT and items[0][1][0] == -1 \
+                and repr(list(items[0][1][1].data)) == repr(digit):
+            continue  # (?<=[0-9]): the string holds an ASCII digit
+        literal = [av for op, av in items if op == sre_parse.LITERAL]
+        if all(op in (sre_parse.LITERAL, sre_parse.AT) for op, _ in items) and any(
+                chr(c) in _QUOTES for c in literal):
+            continue
+        return False
+    return True
+
+
 def _first_chars(pattern: str, flags: int) -> frozenset[str] | None:
-    """Every character a match of the regex can start with (after zero-width lookarounds),
-    or None when that is not simply a set of literals (a string holding none of them cannot
-    match). spaCy's infix regex is an alternation of such branches."""
+    """Every character a match of the regex can start with (after zero-width lookarounds and
+    anchors), or None when that is not simply a set of literals (a string holding none of
+    them cannot match; a match of spaCy's ``^``-anchored prefix regex must start with one).
+    spaCy's infix and prefix regexes are alternations of such branches."""
     try:
         import re._parser as sre_parse
     except ImportError:
         return None
-    lookaround = (sre_parse.ASSERT, sre_parse.ASSERT_NOT)
+    if flags & re.IGNORECASE:
+        return None
+    lookaround = (sre_parse.ASSERT, sre_parse.ASSERT_NOT, sre_parse.AT)  # zero-width
 
     def first(items: Any) -> set[int] | None:
         for op, av in items:
@@ -150,8 +231,10 @@ class EnglishTokenizer:
         self.version = data["spacy_version"]
         self._prefix, self._suffix = compile_("prefix").search, compile_("suffix").search
         self._suffix_tail = _suffix_tail(data["suffix"]["pattern"], data["suffix"]["flags"])
+        self._alnum_rule = _alnum_suffixes(data["suffix"]["pattern"], data["suffix"]["flags"])
         self._infix, self._url = compile_("infix").finditer, compile_("url").match
         self._infix_chars = _first_chars(data["infix"]["pattern"], data["infix"]["flags"])
+        self._prefix_chars = _first_chars(data["prefix"]["pattern"], data["prefix"]["flags"])
         self.rules: dict[str, tuple[str, ...]] = {k: tuple(v) for k, v in data["rules"].items()}
         self.sentence_punct = frozenset(data["sentence_punct"])
         self._cache: dict[str, tuple[str, ...]] = {}  # chunk -> tokens (spaCy caches them too)
@@ -174,18 +257,29 @@ class EnglishTokenizer:
                     self._multi.setdefault(pattern[:2], []).append(pattern)
         self._fast = all(self.rules.get(p[0]) == p for ps in self._patterns.values()
                          for p in ps if len(p) == 1)
-        self._plain = _RunCache(self._run_tokens)
+        self._inner: set[str] = set()
+        self._plain = _RunCache(self._noted_run_tokens)
         self._recent: dict[str, list[str]] = {}
+        # words' fast path: a token of a non-space run is a word (stripping changes nothing,
+        # none is blank) when every rule of a key without whitespace gives such tokens.
+        self._bare = self._fast and all(
+            tok and tok.strip() == tok for key, toks in self.rules.items()
+            if not any(map(str.isspace, key)) for tok in toks)
         plain = self._plain
         # a run after the first: a space run loses its first ' ' (absorbed by the word before)
         self._after = _RunCache(lambda run: (plain[run[1:]] if len(run) > 1 else ())
                                 if run[0] == " " else plain[run])
 
     def _find_prefix(self, s: str) -> int:
+        if self._prefix_chars is not None and (not s or s[0] not in self._prefix_chars):
+            return 0  # no prefix starts with this character
         m = self._prefix(s)
         return m.end() - m.start() if m is not None else 0
 
     def _find_suffix(self, s: str) -> int:
+        if self._alnum_rule and s and s[-1] in _ALNUM and (
+                s[-1] <= "9" or not (_HAS_DIGIT(s) or _QUOTES[0] in s or _QUOTES[1] in s)):
+            return 0  # no suffix can match (see _alnum_suffixes)
         start = len(s) - self._suffix_tail
         if self._suffix_tail and start > 0:
             # Only the last characters can hold a match (see _suffix_tail), unless a '..+'
@@ -238,9 +332,9 @@ class EnglishTokenizer:
         if string:
             if string in rules:
                 tokens.extend(rules[string])
-            elif self._url(string) or (self._infix_chars is not None
-                                       and self._infix_chars.isdisjoint(string)):
-                tokens.append(string)  # a URL, or no character an infix can start with
+            elif (self._infix_chars is not None and self._infix_chars.isdisjoint(string)
+                  or self._url(string)):
+                tokens.append(string)  # no character an infix can start with, or a URL
             else:
                 start = 0
                 for m in self._infix(string):
@@ -369,9 +463,57 @@ class EnglishTokenizer:
             return tokens
         return self._replace_matches(tokens, spaced, matches)
 
+    def _noted_run_tokens(self, run: str) -> tuple[str, ...]:
+        """:meth:`_run_tokens`, recording in ``_inner`` a run whose tokens hold a special case
+        that changes them (see :meth:`words`)."""
+        if not self._plain:  # (re)started: forget the runs of the emptied cache
+            self._inner.clear()
+        tokens = self._run_tokens(run)
+        if (len(tokens) > 1
+                and not self._multi.keys().isdisjoint(zip(tokens, islice(tokens, 1, None)))
+                and any(self._changes(tokens, i) for i, pair in
+                        enumerate(zip(tokens, islice(tokens, 1, None))) if pair in self._multi)):
+            self._inner.add(run)
+        return tokens
+
+    def _changes(self, tokens: tuple[str, ...], i: int) -> bool:
+        """Whether a special-case pattern matching ``tokens`` from ``i`` is replaced by other
+        tokens than its own (its text's rule, when one exists)."""
+        for pattern in self._multi[tokens[i], tokens[i + 1]]:
+            if (tokens[i:i + len(pattern)] == pattern
+                    and self.rules.get("".join(pattern), pattern) != pattern):
+                return True
+        return False
+
     def words(self, text: str) -> list[str]:
-        """datatrove's ``split_into_words(text, "eng")``: tokens stripped, blank ones dropped."""
-        return list(filter(None, map(str.strip, self.tokenize(text))))
+        """datatrove's ``split_into_words(text, "eng")``: tokens stripped, blank ones dropped.
+
+        The special-case pass (see :meth:`tokenize`) replaces each chosen match by the rule of
+        its text, else by its own tokens. A match across runs holds the ``' '`` between them
+        (no rule of 2+ tokens has a space), and one inside a run has the text of its pattern:
+        so when no run holds a pattern whose rule differs from it (``_inner``), the tokens are
+        those of the runs whatever the matches. Whitespace tokens are blank, so the words are
+        then the tokens of the non-space runs (``str.split``: the ``\\s`` runs of ``_RUNS``),
+        as cached by ``tokenize`` (every such token is a word: ``_bare``); other texts are
+        split by :meth:`tokenize`."""
+        if not self._bare:
+            return list(filter(None, map(str.strip, self.tokenize(text))))
+        runs = text.split()
+        plain, inner = self._plain, self._inner
+        words = list(chain.from_iterable(map(plain.__getitem__, runs)))
+        if inner.isdisjoint(runs):
+            return words
+        # Pieces between whitespace other than one ' ' (which leaves a whitespace token, in no
+        # pattern): no match crosses them, so each piece is split apart, by tokenize only
+        # when it holds a run of _inner.
+        words = []
+        for piece in _HARD_SPACE.split(text):
+            runs = piece.split()
+            if any(map(inner.__contains__, runs)):
+                words += filter(None, map(str.strip, self.tokenize(piece)))
+            else:
+                words += chain.from_iterable(map(plain.__getitem__, runs))
+        return words
 
     def words_of(self, texts: list[str]) -> list[list[str]]:
         """:meth:`words` of each text. The words of this call's texts are kept until the next
@@ -430,6 +572,29 @@ class BatchWords:
         np.cumsum(np.fromiter(map(len, per_doc), dtype=np.int64, count=len(per_doc)),
                   out=self.offsets[1:])
         self.doc = np.repeat(np.arange(len(texts)), np.diff(self.offsets))
+        self._texts = texts
+        self._lengths: np.ndarray | None = None
+        self._rows: dict[str, int] | None = None
+        BatchWords._last = self
+
+    _last: BatchWords | None = None
+
+    @staticmethod
+    def recent() -> BatchWords | None:
+        """The last one built (gopher-repetition reuses gopher-quality's: see doc_words)."""
+        return BatchWords._last
+
+    def doc_words(self, text: str) -> tuple[np.ndarray, np.ndarray] | None:
+        """Word ids (equal for equal words) and word lengths of ``text``, if it is one of the
+        batch's texts (else None)."""
+        if self._rows is None:
+            self._rows = dict(zip(self._texts, range(len(self._texts)), strict=True))
+            self._lengths = self.type_values(len).astype(np.int64)
+        row = self._rows.get(text)
+        if row is None:
+            return None
+        ids = self.ids[self.offsets[row]:self.offsets[row + 1]]
+        return ids, self._lengths[ids]
 
     def counts(self) -> np.ndarray:
         """Words per document."""
@@ -446,5 +611,7 @@ class BatchWords:
     def per_doc_distinct(self, per_type: np.ndarray) -> np.ndarray:
         """Number of distinct words of each document with a true per-type flag."""
         mask = per_type[self.ids] != 0
-        pairs = np.unique(np.stack([self.doc[mask], self.ids[mask]]), axis=1)
-        return np.bincount(pairs[0], minlength=len(self.offsets) - 1)
+        # one integer per (document, word) pair: doc * types + id
+        pairs = np.unique(self.doc[mask] * np.int64(len(self.types)) + self.ids[mask])
+        return np.bincount(pairs // np.int64(max(1, len(self.types))),
+                           minlength=len(self.offsets) - 1)
