@@ -263,16 +263,20 @@ def _adam_costs() -> tuple[float, float]:
     return 1.0 / per_param, max(0.0, small - 16 * per_param)
 
 
-def _comm_costs(bucket: int) -> tuple[float, float, float, float]:
-    """(all-reduce bus bandwidth bytes/s, latency of a one-element message s, fixed cost of
-    a bucket-sized one s, all-gather scratch per output byte). Bandwidth and the bucket
-    cost are the line through two all-reduces of ``bucket`` elements (the model's DP bucket)
-    and of a size 4x apart: gloo costs more than its bytes and a tiny message's latency
-    there."""
+def _comm_costs(bucket: int, compute_s: float) -> tuple[float, float, float, float]:
+    """(all-reduce bus bandwidth bytes/s, fixed cost of a small message s, fixed cost of a
+    bucket-sized one s, all-gather scratch per output byte). Bandwidth is the line through
+    two back-to-back all-reduces of ``bucket`` elements (the model's DP bucket) and of a
+    size 4x apart. The fixed costs are timed as a step meets them: after ``compute_s`` of
+    matmuls on every rank (the run's compute between its gradient collectives), two bucket
+    all-reduces (the gradients, the updated weights), then three one-element ones (loss,
+    norm, flag), each pattern against the compute alone; on gloo they grow with the compute
+    before them (rank skew, waking its threads): two ranks computing ~60 ms paid ~3 ms per
+    1 MB all-reduce and ~1.5 ms per tiny one, 5-15x their back-to-back times."""
     world = dist.get_world_size()
     tiny = torch.zeros(1)
-    latency = _median_time(lambda: dist.all_reduce(tiny), 41, clock=time.perf_counter,
-                           average=statistics.mean)
+    back_to_back = _median_time(lambda: dist.all_reduce(tiny), 41, clock=time.perf_counter,
+                                average=statistics.mean)
     sizes = (bucket, bucket * 4 if bucket <= 2**22 else bucket // 4)
     seconds = []
     for n in sizes:
@@ -282,8 +286,33 @@ def _comm_costs(bucket: int) -> tuple[float, float, float, float]:
     bus = [2.0 * (world - 1) / world * n * 4 for n in sizes]
     bandwidth = (bus[1] - bus[0]) / max(seconds[1] - seconds[0], 1e-9)
     if bandwidth <= 0:  # noise: fall back to the larger message alone
-        bandwidth = max(bus) / max(max(seconds) - latency, 1e-9)
-    bulk = max(latency, seconds[0] - bus[0] / bandwidth)
+        bandwidth = max(bus) / max(max(seconds) - back_to_back, 1e-9)
+    grads, small = torch.ones(bucket), torch.zeros(3)
+    square = torch.ones(192, 192)
+    one = _median_time(lambda: torch.mm(square, square), 9)
+    count = max(1, round(compute_s / max(one, 1e-7)))
+
+    def compute() -> None:
+        for _ in range(count):
+            torch.mm(square, square)
+
+    def buckets() -> None:
+        compute()
+        dist.all_reduce(grads)
+        dist.all_reduce(grads)
+
+    def with_small() -> None:
+        buckets()
+        for _ in range(3):
+            dist.all_reduce(small)
+
+    repeats = max(5, min(15, int(0.6 / max(compute_s, 1e-3))))
+    wall = {"clock": time.perf_counter, "average": statistics.mean}
+    alone = _median_time(compute, repeats, **wall)
+    two = _median_time(buckets, repeats, **wall)
+    five = _median_time(with_small, repeats, **wall)
+    latency = max(back_to_back, (five - two) / 3)
+    bulk = max(latency, (two - alone) / 2 - bus[0] / bandwidth)
     out = torch.ones(2**23)  # 32 MiB, touched: only new memory raises the peak RSS
     shard = torch.ones(out.numel() // world)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -294,7 +323,7 @@ def _comm_costs(bucket: int) -> tuple[float, float, float, float]:
     return bandwidth, latency, bulk, min(2.0, max(0.0, grown / (out.numel() * 4)))
 
 
-def _measure(gpt: GPTConfig, rows: int) -> dict[str, float]:
+def _measure(gpt: GPTConfig, rows: int, step_rows: int) -> dict[str, float]:
     """One rank's measurements of this machine (runs in every rank at the same time)."""
     torch.manual_seed(dist.get_rank())
     start = _threads()
@@ -307,9 +336,12 @@ def _measure(gpt: GPTConfig, rows: int) -> dict[str, float]:
     fresh = _median_time(lambda: torch.empty(2**23).fill_(1.0), 7)
     reuse = _median_time(lambda: big.fill_(1.0), 7)
     bucket = min(count_parameters(gpt), BUCKET_NUMEL)  # tiny: the whole model is one
-    bandwidth, latency, bulk, scratch = _comm_costs(bucket)
-    adam, tensor = _adam_costs()
     flops = _matmul_flops(gpt, rows)
+    # The compute a rank does between two steps' gradient collectives: 6 FLOPs per
+    # parameter and token of its step at the measured GEMM rate (at most 50 ms).
+    compute_s = min(0.05, 6.0 * count_parameters(gpt) * step_rows / flops)
+    bandwidth, latency, bulk, scratch = _comm_costs(bucket, compute_s)
+    adam, tensor = _adam_costs()
     rates = {"peak_flops": flops, "memory_bytes_per_s": 3 * x.numel() * 4 / add,
              "alloc_bytes_per_s": big.numel() * 4 / max(fresh - reuse, 1e-6),
              "nvlink_bytes_per_s": bandwidth, "link_latency_s": latency,
@@ -321,9 +353,10 @@ def _measure(gpt: GPTConfig, rows: int) -> dict[str, float]:
             "head_overhead_s": head}
 
 
-def _cpu_spec(gpt: GPTConfig, rows: int, ranks: int) -> dict[str, float]:
-    """This CPU as one of ``ranks`` concurrent 1-thread ranks sees it (median over ranks)."""
-    results = run_distributed(_measure, max(ranks, 2), gpt, rows, timeout=600.0)
+def _cpu_spec(gpt: GPTConfig, rows: int, ranks: int, step_rows: int) -> dict[str, float]:
+    """This CPU as one of ``ranks`` concurrent 1-thread ranks sees it (median over ranks);
+    ``rows`` tokens per micro-batch, ``step_rows`` per rank and step."""
+    results = run_distributed(_measure, max(ranks, 2), gpt, rows, step_rows, timeout=600.0)
     return {k: statistics.median(r[k] for r in results) for k in results[0]}
 
 
@@ -398,27 +431,21 @@ def _nonnegative_solve(a: list[list[float]], b: list[float]) -> list[float]:
     return best[1]
 
 
-def _framework(overrides: dict[str, Any], parts: list[dict[str, float]], workdir: Path
-               ) -> dict[str, float]:
+def _framework(overrides: dict[str, Any], workdir: Path) -> dict[str, float]:
     """CPU seconds of the framework per step, per micro-batch and per parameter tensor at
     this layout: three real `mt pretrain` runs of the micro model (1 layer per stage, one
     micro-batch; 5 layers per stage; 4 micro-batches), each one's measured step time minus
     what the estimator already models (its compute, messages, Adam and per-layer costs on
-    this calibration); the three residuals give the three costs (non-negative least squares,
-    each run's sensitivity to a cost taken from the estimator itself, so the pipeline
-    schedule decides how a per-micro-batch cost adds up)."""
+    the micro model's own calibration); the three residuals give the three costs
+    (non-negative least squares, each run's sensitivity to a cost taken from the estimator
+    itself, so the pipeline schedule decides how a per-micro-batch cost adds up)."""
     rows, rhs = [], []
-    # The micro model's own layer and head costs (those in ``parts`` are the benchmarked
-    # model's), measured here in one thread like a rank.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    # The micro model's own calibration (``parts`` are the benchmarked model's): its layer
+    # and head costs, and gloo's fixed costs after its own (tiny) compute per step.
     micro_gpt, micro_layout = _layout(_micro(overrides, 1, 1))
-    rates = {k: statistics.mean(p[k] for p in parts) for k in parts[0]}
-    rates = {k: v for k, v in rates.items()
-             if k not in ("share", "layer_overhead_s", "head_overhead_s")}
-    layer, head = _model_overheads(micro_gpt, micro_layout.micro_batch, rates)
-    torch.set_num_threads(threads)
-    parts = [{**p, "layer_overhead_s": layer, "head_overhead_s": head} for p in parts]
+    micro_rows = micro_layout.micro_batch * micro_gpt.seq_len
+    parts = [_cpu_spec(micro_gpt, micro_rows, micro_layout.world_size, micro_rows)]
+    layer, head = parts[0]["layer_overhead_s"], parts[0]["head_overhead_s"]
     for layers, micro in ((1, 1), (5, 1), (1, 4)):
         over = _micro(overrides, layers, micro)
         gpt, layout = _layout(over)
@@ -460,12 +487,15 @@ def _case(name: str, lname: str, overrides: dict[str, Any], runtime: float,
     layout, kept in ``framework``); print one row and the calibration."""
     gpt, layout = _layout(overrides)
     rows = layout.micro_batch * gpt.seq_len
-    before = _cpu_spec(gpt, rows, layout.world_size)
+    # Tokens a rank computes per step, over the pipeline stages (the compute between the
+    # step's collectives).
+    step_rows = layout.global_batch // layout.dp * gpt.seq_len // layout.pp
+    before = _cpu_spec(gpt, rows, layout.world_size, step_rows)
     rss, tps, share = _run(overrides, workdir)
     # Load from other jobs drifts: calibrate on both sides of the run.
-    after = _cpu_spec(gpt, rows, layout.world_size)
+    after = _cpu_spec(gpt, rows, layout.world_size, step_rows)
     if lname not in framework:
-        framework[lname] = _framework(overrides, [before, after], workdir)
+        framework[lname] = _framework(overrides, workdir)
     spec = _spec([before, after], share, framework[lname])
     est = estimate(gpt, layout, spec, efficiency=1.0)
     pred_mem = est.memory_per_gpu_gb * 1e9 + runtime
