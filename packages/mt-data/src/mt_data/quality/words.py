@@ -83,6 +83,20 @@ def _suffix_tail(pattern: str, flags: int) -> int:
     return widest + 2
 
 
+def _class_chars(items: Any, sre_parse: Any) -> set[int] | None:
+    """The code points of a parsed character class ``[...]`` made of literals and ranges;
+    None for a category (``\\d``, ``\\w``) or a negated set."""
+    out: set[int] = set()
+    for op, av in items:
+        if op == sre_parse.LITERAL:
+            out.add(av)
+        elif op == sre_parse.RANGE:
+            out.update(range(av[0], av[1] + 1))
+        else:
+            return None
+    return out
+
+
 def _last_chars(items: Any, sre_parse: Any) -> set[int] | None:
     """Every character a match of the parsed regex items can end with (zero-width items
     skipped), or None when that is not simply a set of literals."""
@@ -92,19 +106,11 @@ def _last_chars(items: Any, sre_parse: Any) -> set[int] | None:
         if op == sre_parse.LITERAL:
             return {av}
         if op == sre_parse.IN:
-            out: set[int] = set()
-            for o, v in av:
-                if o == sre_parse.LITERAL:
-                    out.add(v)
-                elif o == sre_parse.RANGE:
-                    out.update(range(v[0], v[1] + 1))
-                else:
-                    return None
-            return out
+            return _class_chars(av, sre_parse)
         if op == sre_parse.SUBPATTERN:
             return _last_chars(av[-1].data, sre_parse)
         if op == sre_parse.BRANCH:
-            out = set()
+            out: set[int] = set()
             for branch in av[1]:
                 chars = _last_chars(branch.data, sre_parse)
                 if chars is None:
@@ -180,17 +186,9 @@ def _first_chars(pattern: str, flags: int) -> frozenset[str] | None:
             if op == sre_parse.LITERAL:
                 return {av}
             if op == sre_parse.IN:
-                out: set[int] = set()
-                for o, v in av:
-                    if o == sre_parse.LITERAL:
-                        out.add(v)
-                    elif o == sre_parse.RANGE:
-                        out.update(range(v[0], v[1] + 1))
-                    else:  # a category or a negated set
-                        return None
-                return out
+                return _class_chars(av, sre_parse)
             if op == sre_parse.BRANCH:
-                out = set()
+                out: set[int] = set()
                 for branch in av[1]:
                     chars = first(branch.data if hasattr(branch, "data") else branch)
                     if chars is None:
