@@ -108,3 +108,8 @@ def test_calibrate_measures_this_machine_and_is_reused(tmp_path: Path) -> None:
     assert plain["calibrated"] is False and plain["gpu"] == "a100-80gb"
     bad = _plan(*args, "--micro-batch-size", "0", "--calibrate", str(tmp_path / "x.yaml"))
     assert bad.exit_code == 2 and "--micro-batch-size 0" in bad.output
+    blocked = tmp_path / "file"
+    blocked.write_text("not a folder")
+    unwritable = _plan(*args, "--calibrate", str(blocked / "cal.yaml"))
+    assert unwritable.exit_code == 2 and f"cannot write the calibration to {blocked}" in (
+        unwritable.output)

@@ -191,9 +191,13 @@ def _calibrate(gpt: Any, base: GPUSpec, explicit: str | None, path: Path, micro_
         base = GPUSpec("cpu", rates["gemm_fwd_tflops"] * 1e12, float(memory), link, link, 1,
                        gather_scratch=1.0)
     spec = calibrated(base, rates, f"{base.name} (calibrated: {where})")
-    write_calibration(path, spec, rates, {"device": where, "model": model, "micro_batch":
-                                          micro_batch, "seq_len": gpt.seq_len, "tp": tp,
-                                          "precision": precision, "torch": str(torch.__version__)})
+    about = {"device": where, "model": model, "micro_batch": micro_batch,
+             "seq_len": gpt.seq_len, "tp": tp, "precision": precision,
+             "torch": str(torch.__version__)}
+    try:
+        write_calibration(path, spec, rates, about)
+    except OSError as err:
+        raise _fail(f"cannot write the calibration to {path}: {err.strerror or err}") from None
     typer.echo("measured   " + ", ".join(f"{k} {v:,.4g}" for k, v in rates.items())
                + f"; written to {path}", err=True)
     return spec
