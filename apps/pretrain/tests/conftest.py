@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from mt_pretrain.config.load import load_config
+from mt_pretrain.contract.runner import MatrixRunner
 from mt_pretrain.launch import launch
 
 
@@ -37,3 +38,12 @@ def one_thread() -> Iterator[None]:
 def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tokenized-data cache shared by the runs of one test module."""
     return tmp_path_factory.mktemp("mt-cache")
+
+
+@pytest.fixture(scope="module")
+def matrix_runner(tmp_path_factory: pytest.TempPathFactory) -> MatrixRunner:
+    """A contract-matrix runner for one test module: it trains each distinct reference and
+    measures each noise floor once (contract_shards.STEPS steps per run)."""
+    from contract_shards import STEPS
+
+    return MatrixRunner(STEPS, tmp_path_factory.mktemp("matrix"))

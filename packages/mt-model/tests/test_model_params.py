@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
@@ -30,13 +28,13 @@ def test_gpt2_small_has_the_known_parameter_count() -> None:
 
 
 @pytest.mark.parametrize("name", ["gpt2-xl", "8.3b", "mt-nlg-530b"])
-def test_presets_build_on_meta_quickly_with_the_analytic_count(name: str) -> None:
+def test_presets_build_on_meta_with_the_analytic_count(name: str) -> None:
+    """Built on the meta device: no storage anywhere (so no init runs and nothing is
+    allocated, whatever the size), the parameter count the analytic formula gives."""
     cfg = PRESETS[name]
-    start = time.perf_counter()
     with torch.device("meta"):
         model = GPT(cfg)
-    elapsed = time.perf_counter() - start
-    assert elapsed < 10.0, f"building {name} on meta took {elapsed:.1f} s"
+    assert all(p.is_meta for p in model.parameters())
     assert sum(p.numel() for p in model.parameters()) == count_parameters(cfg)
 
 

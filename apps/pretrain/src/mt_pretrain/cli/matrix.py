@@ -57,8 +57,9 @@ def markdown_table(outcomes: list) -> str:
 
 
 def _floor(steps: int, console: Console) -> None:
-    from mt_pretrain.contract.runner import noise_floor
+    from mt_pretrain.contract.runner import cpu_isa, noise_floor
 
+    console.print(f"measured on: {cpu_isa()}", highlight=False)
     for precision in ("bf16", "fp16"):
         for name, d in noise_floor(precision, steps).items():
             console.print(f"{precision} {name:>8}: loss {d.loss:.2e}  grad norm "
@@ -76,12 +77,13 @@ def matrix(
         help="Also write the table as Markdown to this file.")] = None,
     floor: Annotated[bool, typer.Option(
         "--noise-floor", help="Measure the bf16 and fp16 noise floors the tolerances are "
-        "derived from, and exit.")] = False,
+        "derived from (every run measures them again: they depend on the CPU's instruction "
+        "set), and exit.")] = False,
     work_dir: Annotated[Path | None, typer.Option(
         help="Keep the runs' folders here (default: a temporary folder).")] = None,
 ) -> None:
     """Train layouts against the run they must equal; print the differences."""
-    from mt_pretrain.contract.runner import run_matrix
+    from mt_pretrain.contract.runner import cpu_isa, run_matrix
 
     console = Console(soft_wrap=True)
     if not console.is_terminal:
@@ -96,7 +98,8 @@ def matrix(
                           f"{case.reference().name}", highlight=False)
         console.print(f"{len(cases)} cases", highlight=False)
         return
-    console.print(f"{len(cases)} cases, {steps} steps each", highlight=False)
+    console.print(f"{len(cases)} cases, {steps} steps each; 16-bit noise floors measured "
+                  f"on {cpu_isa()}", highlight=False)
     outcomes = run_matrix(cases, steps, work_dir,
                           lambda o: console.print("  ".join(_row(o)), highlight=False))
     table = Table(*_COLUMNS, title=f"mt matrix --set {which}: worst difference / tolerance")

@@ -10,11 +10,14 @@ largest ``||a - b|| / ||b||`` over tensors, leaving out the elements whose gradi
 exact arithmetic (:func:`mt_model.gradient_free_slices`: Adam turns their round-off gradients
 into drift of up to the learning rate per step in every run, one process included).
 :func:`tolerance_for` gives the limits: fp32 round-off for fp32; for bf16 and fp16 a
-multiple of the noise floor :func:`noise_floor` measures (one-process runs that differ only in
-how the global batch is grouped into micro-batches: the same sums in another order, which is
-all a correct layout changes). As such limits may exceed the distance between a 16-bit run
-and an fp32 one, a 16-bit case must also differ from the fp32 run of its reference by more
-than fp32 round-off: proof that it really computed in 16 bits.
+multiple of the noise floor, measured in the same run on the same machine
+(:meth:`MatrixRunner.floor`: one-process runs that differ only in how the global batch is
+grouped into micro-batches: the same sums in another order, which is all a correct layout
+changes). 16-bit matmuls take another kernel on each instruction set (AVX-512 BF16, AVX2
+emulation, AMX), so the floor is a property of the machine, never a stored figure. As such
+limits may exceed the distance between a 16-bit run and an fp32 one, a 16-bit case must also
+differ from the fp32 run of its reference by more than fp32 round-off: proof that it really
+computed in 16 bits.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -35,8 +38,9 @@ import torch
 from mt_model import gradient_free_slices
 from mt_pretrain.contract.matrix import COMMON, Case
 
-__all__ = ["FLOORS", "FP32", "Diff", "MatrixRunner", "Outcome", "Tolerance", "Trace", "compare",
-           "noise_floor", "run_case", "run_matrix", "tolerance_for"]
+__all__ = ["FP32", "GROUPINGS", "ISA_FLAGS", "Diff", "MatrixRunner", "Outcome", "Tolerance",
+           "Trace", "compare", "cpu_isa", "floor_of", "noise_floor", "run_case", "run_matrix",
+           "tolerance_for"]
 
 
 @dataclass(frozen=True)
@@ -54,12 +58,9 @@ class Tolerance:
 
 #: fp32: round-off (the limits the contract states).
 FP32 = Tolerance(loss=1e-5, grad_norm=1e-5, params=1e-5)
-#: The noise floors of bf16 and fp16 as ``mt matrix --noise-floor`` measured them (10 steps,
-#: worst over micro-batches of 2, 4 and 8 against micro-batches of 1; see the README).
-FLOORS: dict[str, Tolerance] = {
-    "bf16": Tolerance(loss=7.2e-5, grad_norm=7.4e-4, params=3.4e-2),
-    "fp16": Tolerance(loss=9.4e-6, grad_norm=8.2e-5, params=2.5e-3),
-}
+#: The micro-batch sizes a noise floor groups the global batch into, each against
+#: micro-batches of 1 (the worst of them is the floor).
+GROUPINGS = (2, 4, 8)
 #: The multiple of the floor a 16-bit case may reach, by what it adds to the floor's
 #: reordering (the worst ratio the full matrix measured in brackets; README):
 #: - nothing beyond summing in another order (data/pipeline parallel, ZeRO, checkpointing,
@@ -77,16 +78,48 @@ FLOOR_FACTORS = {"plain": 3.0, "deepspeed": 6.0, "tp": 8.0}
 LLAMA_FP32_PARAMS_FLOOR = 2.2e-5
 
 
-def tolerance_for(case: Case) -> Tolerance:
-    """The limits ``case`` must keep against its reference."""
+def tolerance_for(case: Case, floor: Tolerance | None = None) -> Tolerance:
+    """The limits ``case`` must keep against its reference; a 16-bit case needs the noise
+    floor of its precision measured on this machine (:meth:`MatrixRunner.floor`)."""
     precision = case.layout.precision
     if precision == "fp32" and case.model != "tiny":
         return Tolerance(FP32.loss, FP32.grad_norm,
                          LLAMA_FP32_PARAMS_FLOOR * FLOOR_FACTORS["plain"])
     if precision == "fp32":
         return FP32
+    if floor is None:
+        raise ValueError(f"{case.name}: a {precision} case needs its measured noise floor")
     kind = "tp" if case.layout.tp > 1 else "deepspeed" if case.engine != "mt" else "plain"
-    return FLOORS[precision].scaled(FLOOR_FACTORS[kind])
+    return floor.scaled(FLOOR_FACTORS[kind])
+
+
+def floor_of(measured: dict[str, Diff]) -> Tolerance:
+    """The noise floor of :meth:`MatrixRunner.noise_floor`'s differences: the worst grouping
+    per quantity (the ``"fp32-gap"`` entry is not a grouping)."""
+    groupings = [d for name, d in measured.items() if name != "fp32-gap"]
+    return Tolerance(max(d.loss for d in groupings), max(d.grad_norm for d in groupings),
+                     max(d.params for d in groupings))
+
+
+#: The CPU flags that decide which 16-bit kernels run (and so the noise floors).
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+
+
+def cpu_isa() -> str:
+    """The instruction sets behind this machine's 16-bit kernels, in one line: the CPU's
+    flags of :data:`ISA_FLAGS`, torch's vector capability and oneDNN's cap if one is set
+    (``ONEDNN_MAX_CPU_ISA``, which moves bf16 matmuls to another kernel)."""
+    flags: set[str] = set()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            flags = next((set(line.split(":", 1)[1].split()) for line in info
+                          if line.startswith("flags")), set())
+    except OSError:
+        pass
+    have = [flag for flag in ISA_FLAGS if flag in flags] or ["flags unknown"]
+    text = f"cpu {' '.join(have)}; torch {torch.backends.cpu.get_cpu_capability()}"
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA")
+    return text + (f"; ONEDNN_MAX_CPU_ISA={cap}" if cap else "")
 
 
 @dataclass
@@ -118,11 +151,12 @@ class Diff:
 @dataclass
 class Outcome:
     """One case's result. ``fp32_gap``: for a 16-bit case, the grad-norm difference from the
-    fp32 run of its reference, which must exceed fp32 round-off."""
+    fp32 run of its reference, which must exceed fp32 round-off. ``tolerance`` is None only
+    when the case failed before its limits were known."""
 
     case: Case
     diff: Diff | None
-    tolerance: Tolerance
+    tolerance: Tolerance | None
     seconds: float
     error: str | None = None
     fp32_gap: float | None = None
@@ -131,7 +165,7 @@ class Outcome:
     def __post_init__(self) -> None:
         real_precision = self.fp32_gap is None or self.fp32_gap > FP32.grad_norm
         self.passed = (self.error is None and self.diff is not None and real_precision
-                       and self.diff.within(self.tolerance))
+                       and self.tolerance is not None and self.diff.within(self.tolerance))
 
 
 def _config_options(case: Case, steps: int, out: Path, cache: Path,
@@ -219,7 +253,8 @@ def _skip() -> dict[str, slice]:
 
 
 class MatrixRunner:
-    """Checks cases one by one, training each distinct reference once (kept in memory).
+    """Checks cases one by one, training each distinct reference once (kept in memory) and
+    measuring each 16-bit precision's noise floor once, on first use.
 
     Args:
         steps: optimizer steps of every run.
@@ -230,6 +265,7 @@ class MatrixRunner:
         self.steps, self.root, self.cache = steps, Path(root), Path(root) / "cache"
         self.skip = _skip()
         self._refs: dict[Case, Trace] = {}
+        self._floors: dict[str, dict[str, Diff]] = {}
 
     def reference(self, case: Case) -> Trace:
         """The trace of ``case`` run as a reference (trained on first use)."""
@@ -238,18 +274,47 @@ class MatrixRunner:
             self._refs[case] = run_case(case, self.steps, folder, self.cache)
         return self._refs[case]
 
+    def noise_floor(self, precision: str) -> dict[str, Diff]:
+        """One process in ``precision`` with micro-batches of 1 (the reference run) against
+        the same run with the global batch grouped into larger micro-batches
+        (:data:`GROUPINGS`): mathematically the same steps, summed in another order. The
+        differences per grouping (``"mb2"``...) and, under ``"fp32-gap"``, the distance of
+        the fp32 run from the 16-bit one (what a tolerance must stay below)."""
+        if precision not in self._floors:
+            from mt_pretrain.contract.matrix import matrix_layout
+
+            case = Case(matrix_layout(precision=precision))
+            ref = self.reference(case)
+            out = {f"mb{mb}": compare(run_case(case, self.steps,
+                                               self.root / f"floor-{precision}-mb{mb}",
+                                               self.cache, mb), ref, self.skip)
+                   for mb in GROUPINGS}
+            out["fp32-gap"] = compare(self.reference(Case(matrix_layout())), ref, self.skip)
+            self._floors[precision] = out
+        return self._floors[precision]
+
+    def floor(self, precision: str) -> Tolerance:
+        """The noise floor of ``precision`` on this machine (:func:`floor_of`)."""
+        return floor_of(self.noise_floor(precision))
+
+    def tolerance(self, case: Case) -> Tolerance:
+        """The limits of ``case`` on this machine (:func:`tolerance_for`)."""
+        precision = case.layout.precision
+        return tolerance_for(case, None if precision == "fp32" else self.floor(precision))
+
     def check(self, case: Case, folder: Path) -> Outcome:
         """Train ``case`` in ``folder`` and compare it with its reference; for a 16-bit case
         also measure its distance to the fp32 run of the reference."""
         ref = self.reference(case.reference())
+        tolerance = self.tolerance(case)
         trace = run_case(case, self.steps, folder, self.cache)
         gap = None
         if case.layout.precision != "fp32":
             fp32_ref = replace(case.reference(), layout=replace(case.reference().layout,
                                                                 precision="fp32"))
             gap = compare(trace, self.reference(fp32_ref), self.skip).grad_norm
-        return Outcome(case, compare(trace, ref, self.skip), tolerance_for(case),
-                       trace.seconds, fp32_gap=gap)
+        return Outcome(case, compare(trace, ref, self.skip), tolerance, trace.seconds,
+                       fp32_gap=gap)
 
 
 def run_matrix(cases: Sequence[Case], steps: int, work: Path | None = None,
@@ -264,7 +329,7 @@ def run_matrix(cases: Sequence[Case], steps: int, work: Path | None = None,
             try:
                 outcome = runner.check(case, runner.root / f"case-{index}")
             except Exception as err:  # noqa: BLE001 - one failing case must not stop the rest
-                outcome = Outcome(case, None, tolerance_for(case), time.perf_counter() - start,
+                outcome = Outcome(case, None, None, time.perf_counter() - start,
                                   error=f"{type(err).__name__}: {err}".splitlines()[0])
             outcomes.append(outcome)
             if on_result is not None:
@@ -272,21 +337,8 @@ def run_matrix(cases: Sequence[Case], steps: int, work: Path | None = None,
         return outcomes
 
 
-def noise_floor(precision: str, steps: int, micro_batch_sizes: Iterable[int] = (2, 4, 8),
-                work: Path | None = None) -> dict[str, Diff]:
-    """One process in ``precision`` with micro-batches of 1 against the same run with the
-    global batch grouped into larger micro-batches: mathematically the same step, summed in
-    another order. Returns the differences per grouping (``"mb2"``...) and, under
-    ``"fp32-gap"``, the distance to the fp32 run (what the tolerance must stay below)."""
-    from mt_pretrain.contract.matrix import matrix_layout
-
+def noise_floor(precision: str, steps: int, work: Path | None = None) -> dict[str, Diff]:
+    """:meth:`MatrixRunner.noise_floor` of ``precision`` in a runner of its own."""
     with tempfile.TemporaryDirectory(prefix="mt-floor-") as tmp:
-        root = Path(work) if work is not None else Path(tmp)
-        cache = root / "cache"
-        case = Case(matrix_layout(precision=precision))
-        ref = run_case(case, steps, root / "ref", cache)
-        out = {f"mb{mb}": compare(run_case(case, steps, root / f"mb{mb}", cache, mb), ref,
-                                  _skip()) for mb in micro_batch_sizes}
-        fp32 = run_case(Case(matrix_layout()), steps, root / "fp32", cache)
-        out["fp32-gap"] = compare(fp32, ref, _skip())
-        return out
+        return MatrixRunner(steps, Path(work) if work is not None else Path(tmp)).noise_floor(
+            precision)
