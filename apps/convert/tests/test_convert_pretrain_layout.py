@@ -7,6 +7,7 @@ converted checkpoint.)"""
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -167,3 +168,33 @@ def test_convert_pretrain_cli_defaults_to_pretrain_and_dry_run(
     bad = runner.invoke(app, [str(folder), str(tmp_path / "c"), "--to", "tp", "--tp", "2",
                               "--dp", "2"])
     assert bad.exit_code == 1 and "--dp and --zero-stage only apply" in bad.output
+
+
+def test_convert_refuses_a_pretrain_checkpoint_with_flipped_bytes(tmp_path: Path) -> None:
+    """A checkpoint as mt pretrain now writes it (rank file and meta.json checksummed): it
+    converts without a word; with 64 bytes of its weights inverted it is refused naming the
+    file, and nothing is written (was: converted with a fresh, valid checksum)."""
+    from mt_checkpoint import CheckpointMeta, SavedLayout, fresh_rng, save_rank, write_meta
+
+    model, opt = _trained()
+    folder = tmp_path / "step-00000002"
+    folder.mkdir()
+    names = [n for n, _ in model.named_parameters()]
+    save_rank(folder, 0, (0, 0, 0), {n: p.detach().clone() for n, p in model.named_parameters()},
+              optimizer_shard_state(opt), fresh_rng(5, 0, 0))
+    write_meta(folder, CheckpointMeta(step=2, layout=SavedLayout(1, 1, 1),
+                                      model=model.config.to_dict(),
+                                      styles=param_styles(names, GPT_PLAN),
+                                      stage_params={0: names}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        convert_checkpoint(folder, tmp_path / "good", to="consolidated")
+    rank = folder / "rank-00000.pt"
+    data = bytearray(rank.read_bytes())
+    at = len(data) // 3
+    data[at:at + 64] = bytes(b ^ 0xFF for b in data[at:at + 64])
+    rank.write_bytes(bytes(data))
+    for to in ("consolidated", "pretrain"):
+        with pytest.raises(ConvertError, match=rf"{rank}: damaged \(its checksum is crc32c:"):
+            convert_checkpoint(folder, tmp_path / to, to=to, dp=2 if to == "pretrain" else None)
+        assert not (tmp_path / to).exists()

@@ -26,6 +26,7 @@ from mt_checkpoint import CheckpointError
 from mt_pretrain.config.schema import ConfigError
 from mt_pretrain.launch import LaunchFailed
 from mt_pretrain.run.failpoints import POINTS
+from mt_pretrain.run.folder import LOCK_FILE, run_folder_lock
 from mt_pretrain.run.metrics import read_metrics
 
 COMMON: dict[str, Any] = {
@@ -95,9 +96,19 @@ def test_kill_while_saving_a_step_again_after_a_rollback(point: str, expected: i
     assert resumed.losses == uninterrupted.losses[expected:]
 
 
+def _flip(path: Path, count: int) -> None:
+    """Invert ``count`` bytes in the second half of ``path`` (tensor data: the file still
+    unpickles, with other numbers)."""
+    data = bytearray(path.read_bytes())
+    at = len(data) * 3 // 4
+    data[at:at + count] = bytes(b ^ 0xFF for b in data[at:at + count])
+    path.write_bytes(bytes(data))
+
+
 @pytest.mark.parametrize("damage, words", [
     (lambda f: f.write_bytes(b""), "rank-00001.pt: empty; load an earlier step folder"),
     (lambda f: f.write_bytes(f.read_bytes()[:1000]), "rank-00001.pt: damaged or truncated"),
+    (lambda f: _flip(f, 64), "rank-00001.pt: damaged (its checksum is crc32c:"),
 ])
 def test_a_damaged_rank_file_is_one_clear_error(damage: Any, words: str, cache: Path,
                                                 tmp_path: Path) -> None:
@@ -131,6 +142,29 @@ def test_a_run_folder_is_never_overwritten_silently(cache: Path, tmp_path: Path)
     again = _run(tmp_path, cache, train_steps=2, overwrite=True)
     assert again.losses == first.losses and again.start_step == 0
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2]
+
+
+def test_a_run_folder_in_use_is_refused_and_a_killed_holder_blocks_nothing(
+        cache: Path, tmp_path: Path) -> None:
+    """The same job twice on one folder (a requeue while the first still runs): the second
+    is refused in one line naming the holder, and touches nothing. A holder killed with -9
+    leaves its lock file behind, which blocks nobody (the kernel drops the lock)."""
+    with run_folder_lock(tmp_path):
+        with pytest.raises(ConfigError, match=rf"{tmp_path} is in use by another run \(pid "
+                           rf"{os.getpid()} on .*\): wait for it to end, or choose another "
+                           r"--out-dir"):
+            _run(tmp_path, cache, train_steps=2, load=str(tmp_path / "checkpoints"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK_FILE]
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from mt_pretrain.run.folder import run_folder_lock\n"
+        "with run_folder_lock(sys.argv[1]):\n    print('held', flush=True); time.sleep(600)"),
+        str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+    with pytest.raises(ConfigError, match=rf"pid {holder.pid} on "):
+        _run(tmp_path, cache, train_steps=2)
+    holder.kill()
+    holder.wait()
+    assert _run(tmp_path, cache, train_steps=2).final_step == 2
 
 
 def test_load_of_the_runs_own_empty_folder_starts_fresh(uninterrupted: Any, cache: Path,

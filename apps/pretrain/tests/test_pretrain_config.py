@@ -162,6 +162,19 @@ def test_load_takes_the_model_from_the_checkpoint() -> None:
         load_config(None, {"model": "gpt2-medium"}).model.on_checkpoint(saved, "ck")
 
 
+def test_the_command_line_that_started_a_run_resumes_it() -> None:
+    """A preset reshaped by flags is compared as the model the flags resolve to (the SLURM
+    chain runs the same command with --load), not as the bare preset."""
+    flags = {"model": "tiny", "hidden": 64, "n_layers": 2}
+    saved = load_config(None, flags).model.gpt_config()
+    model, _ = load_config(None, flags).model.on_checkpoint(saved, "ck")
+    assert (model.hidden, model.n_layers) == (64, 2)
+    with pytest.raises(ConfigError, match=r"--load ck: .*--model tiny with --n-layers 3 "
+                       r"--hidden 64 has "
+                       r"n_layers 3, the checkpoint 2"):
+        load_config(None, {**flags, "n_layers": 3}).model.on_checkpoint(saved, "ck")
+
+
 @pytest.mark.parametrize("text, message", [
     (b"train_steps: abc\n", r"run.yaml: train_steps must be an integer, got 'abc'"),
     (b"tp: 1.5\n", r"run.yaml: tp must be an integer, got 1.5"),

@@ -4,6 +4,8 @@ rollback and a kill after every phase included), finding the step to load, damag
 from __future__ import annotations
 
 import json
+import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -28,6 +30,7 @@ from mt_checkpoint import (
     save_rank,
     step_dir,
 )
+from mt_checkpoint.checksums import ChecksumWriter, collect_sums, file_sum
 from mt_dist import Topology
 
 LAYOUT = SavedLayout(tp=2, pp=2, dp=2, zero_stage=1)
@@ -52,8 +55,11 @@ def _write_step(root: Path, step: int, layout: SavedLayout = LAYOUT) -> Path:
     tmp = root / f".{step_dir(step)}.tmp"
     tmp.mkdir(parents=True)
     for rank in range(layout.world_size):
-        torch.save({"format": RANK_FORMAT, "rank": rank, "step": torch.tensor(step)},
-                   tmp / rank_file(rank))
+        with open(tmp / rank_file(rank), "wb") as f:  # as save_rank does, another payload
+            checked = ChecksumWriter(f)
+            torch.save({"format": RANK_FORMAT, "rank": rank, "step": torch.tensor(step)},
+                       checked)
+        checked.record(tmp / rank_file(rank))
     return tmp
 
 
@@ -74,7 +80,11 @@ def test_publish_switches_latest_and_prunes(tmp_path: Path) -> None:
         assert (tmp_path / LATEST).read_text().strip() == folder.name == step_dir(step)
     assert sorted(p.name for p in tmp_path.glob("step-*")) == [step_dir(4), step_dir(6)]
     assert find_checkpoint(tmp_path) == tmp_path / step_dir(6)
-    assert read_meta(tmp_path / step_dir(6)) == _meta(6)
+    meta = read_meta(tmp_path / step_dir(6))
+    assert replace(meta, files={}) == _meta(6)
+    assert meta.files == {rank_file(r): {"bytes": (tmp_path / step_dir(6) / rank_file(r)).stat(
+        ).st_size, "crc32c": file_sum(tmp_path / step_dir(6) / rank_file(r))[1]}
+        for r in range(8)}
     assert json.loads((tmp_path / step_dir(6) / META).read_text())["format"] == "mt-pretrain/1"
     assert int(load_rank(tmp_path / step_dir(6), 7)["step"]) == 6
     assert not list(tmp_path.glob(".*"))  # no temporary left
@@ -173,7 +183,10 @@ def test_rank_files_round_trip_and_fresh_rng_follows_the_rank_seed(tmp_path: Pat
     rng = fresh_rng(5, pp_rank=1, dp_rank=1)
     size = save_rank(tmp_path, 3, (1, 1, 1), {"w": torch.ones(2)}, {"format": "x"}, rng)
     assert size == (tmp_path / rank_file(3)).stat().st_size
-    data = load_rank(tmp_path, 3)
+    sums = collect_sums(tmp_path, [rank_file(3)])  # what publishing puts in meta.json
+    assert sums == {rank_file(3): {"bytes": size,
+                                   "crc32c": file_sum(tmp_path / rank_file(3))[1]}}
+    data = load_rank(tmp_path, 3, replace(_meta(0), files=sums))
     assert data["coord"] == [1, 1, 1] and torch.equal(data["model"]["w"], torch.ones(2))
     assert rank_seed(5, 1, 1) == 5 + 100 + 10007
     torch.manual_seed(rank_seed(5, 1, 1))  # what a training rank at (pp 1, dp 1) does
@@ -182,3 +195,34 @@ def test_rank_files_round_trip_and_fresh_rng_follows_the_rank_seed(tmp_path: Pat
     generator.set_state(data["rng"]["torch"])
     assert torch.equal(torch.rand(3, generator=generator), expected)
     assert data["rng"]["cuda"] is None and data["rng"]["tracker"] == {}
+
+
+def test_flipped_bytes_in_a_rank_file_or_meta_are_refused(tmp_path: Path) -> None:
+    """64 flipped bytes inside a rank file (the same size, still a loadable pickle where
+    they fall inside tensor data) and a changed number in meta.json are one line naming the
+    file, never loaded. A step folder from before checksums loads, with a warning."""
+    folder = _publish(tmp_path, 2)
+    path = folder / rank_file(5)
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + 64] = bytes(b ^ 0xFF for b in data[middle:middle + 64])
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=rf"{path}: damaged \(its checksum is crc32c:"
+                       r"[0-9a-f]{8}, meta.json recorded crc32c:[0-9a-f]{8}: bytes changed on "
+                       r"disk\); load an earlier step folder of"):
+        load_rank(folder, 5)
+    assert int(load_rank(folder, 4)["step"]) == 2  # the others are intact
+    meta = json.loads((folder / META).read_text())
+    (folder / META).write_text(json.dumps({**meta, "step": 3}, indent=1))
+    with pytest.raises(CheckpointError, match=r"meta.json: damaged \(its content does not "
+                       r"match its checksum crc32c:"):
+        read_meta(folder)
+    # Before checksums: no "files", no "crc32c" in meta.json.
+    old = {k: v for k, v in meta.items() if k not in ("files", "crc32c")}
+    (folder / META).write_text(json.dumps(old, indent=1))
+    with pytest.warns(UserWarning, match="written before checkpoints carried checksums"):
+        assert int(load_rank(folder, 4)["step"]) == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _publish(tmp_path, 4)  # a new one verifies silently
+        assert int(load_rank(tmp_path / step_dir(4), 5)["step"]) == 4

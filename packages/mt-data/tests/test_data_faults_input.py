@@ -28,6 +28,7 @@ from mt_data.ingest import (
 from mt_data.pipeline import NoDocumentsError, PrepareConfig, prepare
 from mt_data.shards import TokenDataset
 from mt_data.stages import CleanConfig
+from mt_data.tokenizer import load_tokenizer
 
 zstandard = pytest.importorskip("zstandard")  # optional dependency, for .zst input
 runner = CliRunner()
@@ -295,3 +296,32 @@ def test_bad_line_counts_are_exact(docs, tmp_path: Path) -> None:
                            env={"COLUMNS": "300"})
     assert result.exit_code == 0 and "3,345" in result.output
     assert "3,335 more bad inputs" in result.output
+
+
+def test_overwrite_never_deletes_an_input(docs, tmp_path: Path) -> None:
+    """--overwrite deletes the output folder: refused (exit 2, nothing touched) when that
+    folder is an input folder, holds an input file or lies inside an input folder."""
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    (raw / "a.jsonl").write_bytes(_lines(docs, 30))
+    before = {p: p.read_bytes() for p in raw.iterdir()}
+    cases = [([str(raw)], raw, "is"), ([str(raw / "a.jsonl")], raw, "holds"),
+             ([str(raw)], raw / "out", "lies inside"), ([str(raw / "a.jsonl")], tmp_path, "holds")]
+    for inputs, output, how in cases:
+        output.mkdir(exist_ok=True)
+        result = runner.invoke(app, ["prepare", *inputs, "-o", str(output), "--overwrite",
+                                     *FAST], env={"COLUMNS": "300"})
+        assert result.exit_code == 2, result.output
+        assert f"--output {output} {how} the input" in result.output, result.output
+        assert "--overwrite would delete it" in result.output
+        assert {p: p.read_bytes() for p in raw.iterdir() if p.is_file()} == before
+    # A tokenizer given as a path is an input too.
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    load_tokenizer("tokenizer-1k").save(tok / "tokenizer.json")
+    saved = (tok / "tokenizer.json").read_bytes()
+    result = runner.invoke(app, ["prepare", str(raw / "a.jsonl"), "-o", str(tok), "--overwrite",
+                                 "--tokenizer", str(tok / "tokenizer.json"), "--workers", "1"],
+                           env={"COLUMNS": "300"})
+    assert result.exit_code == 2 and "holds the input" in result.output, result.output
+    assert (tok / "tokenizer.json").read_bytes() == saved

@@ -34,6 +34,13 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _chmod_by_umask(path: Path) -> None:
+    """Give a folder the mode ``mkdir`` would have given it under this process's umask."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o777 & ~umask)
+
+
 @contextmanager
 def atomic_directory(destination: Path, overwrite: bool = False) -> Iterator[Path]:
     """Yield a fresh temporary directory that becomes ``destination`` on success.
@@ -49,6 +56,7 @@ def atomic_directory(destination: Path, overwrite: bool = False) -> Iterator[Pat
     parent = destination.parent if str(destination.parent) else Path(".")
     parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}.partial-", dir=parent))
+    _chmod_by_umask(staging)  # mkdtemp's 0700 would hide the result from a shared group
     try:
         yield staging
         _fsync_dir(staging)

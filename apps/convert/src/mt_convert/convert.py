@@ -259,8 +259,11 @@ def convert_checkpoint(source: Path, destination: Path, *, to: str = "consolidat
     :class:`ConvertError`.
     """
     source, destination = Path(source), Path(destination)
-    if destination.resolve() == source.resolve():
-        raise ConvertError(f"{destination}: destination is the source checkpoint")
+    src, dst = source.resolve(), destination.resolve()
+    if dst == src or dst in src.parents or src in dst.parents:
+        how = "is" if dst == src else "holds" if dst in src.parents else "lies inside"
+        raise ConvertError(f"{destination}: the destination {how} the source checkpoint "
+                           f"{source}; choose a destination outside it")
     if destination.exists() and not overwrite:  # fail before reading anything
         raise ConvertError(f"{destination}: destination already exists (use --force to "
                            "replace it)")

@@ -3,18 +3,28 @@
 A step folder (or a checkpoints folder whose pointer names one) holds the meta file (model
 config, layout {tp, pp, dp}, each parameter's TP styles) and one file per rank; the ranks of
 DP replica 0 carry their pipeline stage's fp32 weights, TP-sliced, under ``"model"`` with
-full-model names. Files are opened with ``torch.load(weights_only=True, mmap=True)``, so
-the optimizer state beside the weights is never read into memory. The names, the meta file
+full-model names. Each file is checked against the size and CRC-32C ``meta.json`` records,
+then opened with ``torch.load(weights_only=True, mmap=True)``, so the optimizer state beside
+the weights is never read into memory. The names, the meta file
 and which rank file holds what are mt-checkpoint's (:class:`mt_checkpoint.SavedLayout`).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from mt_checkpoint import LATEST, META, CheckpointError, read_meta
+from mt_checkpoint import (
+    LATEST,
+    META,
+    CheckpointError,
+    CheckpointMeta,
+    rank_file,
+    read_meta,
+    verify_rank_file,
+)
 from mt_convert.errors import ConvertError
 from mt_convert.layout import CheckpointReader, TensorRef, canonical_shapes, follow_pointer
 from mt_convert.tensors import TensorSpec
@@ -22,7 +32,7 @@ from mt_convert.torch_io import load_weights_only
 from mt_model import GPTConfig
 from mt_tensor_parallel import decoder_plan, merge_shards, param_styles
 
-__all__ = ["PretrainReader", "is_pretrain_checkpoint", "step_folder"]
+__all__ = ["PretrainReader", "is_pretrain_checkpoint", "load_rank_file", "step_folder"]
 
 def is_pretrain_checkpoint(path: Path) -> bool:
     """Whether ``path`` is an mt pretrain step folder or a folder with a ``latest`` file."""
@@ -37,8 +47,19 @@ def step_folder(path: Path) -> Path:
     raise ConvertError(f"{path}: not an mt pretrain checkpoint (neither {META} nor {LATEST})")
 
 
-def _weights(path: Path) -> dict[str, torch.Tensor]:
-    data = load_weights_only(path, missing="file not found (incomplete checkpoint)")
+def load_rank_file(folder: Path, meta: CheckpointMeta, rank: int) -> Any:
+    """Rank ``rank``'s file of the step folder ``folder``, checked against the checksum its
+    ``meta.json`` records, then read weights-only and memory-mapped."""
+    try:
+        path = verify_rank_file(folder, rank, meta)
+    except CheckpointError as err:
+        raise ConvertError(str(err)) from None
+    return load_weights_only(path)
+
+
+def _weights(folder: Path, meta: CheckpointMeta, rank: int) -> dict[str, torch.Tensor]:
+    path = folder / rank_file(rank)
+    data = load_rank_file(folder, meta, rank)
     model = data.get("model") if isinstance(data, dict) else None
     if not isinstance(model, dict) or not model:
         raise ConvertError(f"{path}: no model weights (expected a non-empty 'model' dict on "
@@ -72,7 +93,8 @@ class PretrainReader(CheckpointReader):
         """TP slicing style of every tensor."""
         self._files = {(s, t): self.layout.file(s, 0, t)  # DP replica 0 holds the weights
                        for s in range(self.pp) for t in range(self.tp)}
-        self._parts = {key: _weights(self.root / file) for key, file in self._files.items()}
+        self._parts = {(s, t): _weights(self.root, self.meta, self.layout.rank(s, 0, t))
+                       for s, t in self._files}
         self._stages: dict[str, list[int]] = {name: [] for name in self._shapes}
         for (stage, rank), part in self._parts.items():
             extra = sorted(set(part) - set(self._shapes))

@@ -24,13 +24,12 @@ from pathlib import Path
 import torch
 
 from mt_checkpoint import (
-    META,
     CheckpointMeta,
     SavedLayout,
     fresh_rng,
     rank_file,
     save_rank,
-    write_synced,
+    write_meta,
 )
 from mt_convert.errors import ConvertError
 from mt_convert.layout import CheckpointWriter, TensorRef
@@ -81,7 +80,7 @@ class PretrainWriter(CheckpointWriter):
         meta = CheckpointMeta(step=0, layout=SavedLayout(1, 1, 1), model=self.config.to_dict(),
                               styles=param_styles(shapes, decoder_plan(self.config, 1)),
                               stage_params={0: list(self.specs)}, source="mt convert")
-        write_synced(self._directory / META, meta.as_json())
+        write_meta(self._directory, meta)
         self._tensors.clear()
 
     def abort(self) -> None:

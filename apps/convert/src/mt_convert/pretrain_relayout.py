@@ -39,16 +39,14 @@ from mt_checkpoint import (
     cut,
     fresh_rng,
     local_optimizer,
-    rank_file,
     save_rank,
-    write_synced,
+    write_meta,
 )
 from mt_convert.atomic import atomic_directory
 from mt_convert.errors import ConvertError
 from mt_convert.layout import ProgressFn, canonical_shapes
-from mt_convert.pretrain import PretrainReader
+from mt_convert.pretrain import PretrainReader, load_rank_file
 from mt_convert.sharded import _check_tp, stage_layers, stages_of
-from mt_convert.torch_io import load_weights_only
 from mt_tensor_parallel import decoder_plan, param_styles
 from mt_zero import split_consolidated
 
@@ -93,7 +91,8 @@ class _Source:
         shards = []
         for dp_rank in range(self.dp):
             path = self.root / self.layout.file(stage, dp_rank, tp_rank)
-            data = load_weights_only(path, missing="file not found (incomplete checkpoint)")
+            data = load_rank_file(self.root, self.meta,
+                                  self.layout.rank(stage, dp_rank, tp_rank))
             state = data.get("optimizer") if isinstance(data, dict) else None
             if not isinstance(state, dict) or state.get("format") != SHARD_FORMAT:
                 raise ConvertError(f"{path}: no {SHARD_FORMAT!r} optimizer shard")
@@ -125,7 +124,7 @@ class _Source:
 def _rng(source: _Source, same: bool, rank: int, pp: int, dp: int) -> dict[str, Any]:
     """The rank's saved RNG states when the layout is unchanged, else fresh ones."""
     if same:
-        return load_weights_only(source.root / rank_file(rank))["rng"]
+        return load_rank_file(source.root, source.meta, rank)["rng"]
     return fresh_rng(source.meta.seed, pp, dp)
 
 
@@ -199,7 +198,7 @@ def convert_pretrain(source: Path, destination: Path, target: PretrainTarget,
                                             target.drop_optimizer, same)
                     if progress is not None:
                         progress(f"pipeline stage {stage}", stage + 1, new.pp)
-                write_synced(staging / META, src.meta.relaid(new, stage_names).as_json())
+                write_meta(staging, src.meta.relaid(new, stage_names))
         except OSError as err:
             raise ConvertError(f"{destination}: writing failed, nothing was written: "
                                f"{err}") from err

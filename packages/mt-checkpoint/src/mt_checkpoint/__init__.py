@@ -6,6 +6,8 @@
   moved to another layout).
 - :mod:`mt_checkpoint.format`: finding the step to load (falling back to the newest complete
   one), writing and weights-only reading of rank files, the atomic publish protocol.
+- :mod:`mt_checkpoint.checksums`: every rank file's size and CRC-32C in ``meta.json`` (and
+  ``meta.json``'s own), checked whenever a file is read.
 - :class:`SavedLayout`: the layout a checkpoint was written at; which rank file holds which
   (stage, replica, TP slice), in mt-dist's rank order.
 - :mod:`mt_checkpoint.reshard`: optimizer state and weights merged to full shape and cut
@@ -26,6 +28,8 @@ from mt_checkpoint.format import (
     load_rank,
     publish_step,
     save_rank,
+    verify_rank_file,
+    write_meta,
     write_synced,
 )
 from mt_checkpoint.layout import SavedLayout
@@ -72,5 +76,7 @@ __all__ = [
     "read_meta",
     "save_rank",
     "step_dir",
+    "verify_rank_file",
+    "write_meta",
     "write_synced",
 ]

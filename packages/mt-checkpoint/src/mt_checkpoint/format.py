@@ -7,9 +7,12 @@ from one process (mt pretrain's ``--load``, mt convert). Layout of a checkpoint 
     DIR/latest                 name of the newest complete step folder (written last)
     DIR/step-00000020/
         meta.json              step, data position, layout, model + run config, the
-                               parameter names of every pipeline stage
+                               parameter names of every pipeline stage, every rank file's
+                               size and CRC-32C, and its own CRC-32C
         rank-00000.pt ...      per rank: model weights (DP rank 0 only), ZeRO optimizer
                                shard (fp32 master + Adam moments), RNG states
+
+Every file is checked against its checksum when read (:mod:`mt_checkpoint.checksums`).
 """
 
 from __future__ import annotations
@@ -18,11 +21,13 @@ import os
 import shutil
 import warnings
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from mt_checkpoint.checksums import ChecksumWriter, collect_sums, verify_file
 from mt_checkpoint.meta import CheckpointMeta, read_meta
 from mt_checkpoint.names import (
     LATEST,
@@ -35,7 +40,8 @@ from mt_checkpoint.names import (
 )
 
 __all__ = ["clean_stale", "find_checkpoint", "fresh_rng", "fresh_start", "fsync_dir",
-           "has_checkpoints", "load_rank", "publish_step", "save_rank", "write_synced"]
+           "has_checkpoints", "load_rank", "publish_step", "save_rank", "verify_rank_file",
+           "write_meta", "write_synced"]
 
 
 def fsync_dir(path: Path) -> None:
@@ -129,12 +135,21 @@ def fresh_start(load: str | None, save_dir: Path | None) -> bool:
             and not has_checkpoints(path))
 
 
-def load_rank(folder: Path, rank: int) -> dict[str, Any]:
-    """Rank ``rank``'s file of a step folder, read weights-only (tensors and plain containers,
-    never arbitrary objects); one-line errors for a missing, empty or damaged file."""
+def verify_rank_file(folder: Path, rank: int, meta: CheckpointMeta | None = None) -> Path:
+    """The path of rank ``rank``'s file of a step folder, checked against the size and
+    CRC-32C ``meta.json`` records for it (``meta``: the folder's, read if not given)."""
     path = folder / rank_file(rank)
     if not path.is_file():
         raise CheckpointError(f"checkpoint {folder} lacks {path.name}: incomplete checkpoint")
+    verify_file(path, dict((meta or read_meta(folder)).files))
+    return path
+
+
+def load_rank(folder: Path, rank: int, meta: CheckpointMeta | None = None) -> dict[str, Any]:
+    """Rank ``rank``'s file of a step folder, checked against its checksum
+    (:func:`verify_rank_file`), then read weights-only (tensors and plain containers, never
+    arbitrary objects); one-line errors for a missing, empty, damaged or altered file."""
+    path = verify_rank_file(folder, rank, meta)
     try:
         data = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001 - torch raises many kinds for a damaged file
@@ -161,10 +176,22 @@ def save_rank(folder: Path, rank: int, coord: tuple[int, int, int], model: dict[
                "optimizer": optimizer, "rng": rng}
     path = folder / rank_file(rank)
     with open(path, "wb") as f:
-        torch.save(payload, f)
+        checked = ChecksumWriter(f)
+        torch.save(payload, checked)
         f.flush()
         os.fsync(f.fileno())
-    return path.stat().st_size
+    checked.record(path)
+    return checked.size
+
+
+def write_meta(folder: Path, meta: CheckpointMeta) -> CheckpointMeta:
+    """Write ``folder``'s ``meta.json`` durably, with the checksum of every rank file of
+    ``meta``'s layout (each written by :func:`save_rank` into ``folder``); returns the meta
+    written."""
+    names = [rank_file(r) for r in range(meta.layout.world_size)]
+    meta = replace(meta, files=collect_sums(folder, names))
+    write_synced(folder / META, meta.as_json())
+    return meta
 
 
 def fresh_rng(seed: int, pp_rank: int, dp_rank: int) -> dict[str, Any]:
@@ -199,7 +226,7 @@ def publish_step(root: Path, tmp: Path, meta: CheckpointMeta, keep_last: int,
             phase(name)
 
     final = root / step_dir(meta.step)
-    write_synced(tmp / META, meta.as_json())
+    write_meta(tmp, meta)
     fsync_dir(tmp)
     passed("meta")
     replaced = root / f".{final.name}.replaced"

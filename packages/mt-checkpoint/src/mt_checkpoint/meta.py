@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from mt_checkpoint.checksums import json_crc
 from mt_checkpoint.layout import SavedLayout
 from mt_checkpoint.names import DATA_ORDER, FORMAT, META, CheckpointError
 
@@ -37,6 +38,8 @@ class CheckpointMeta:
         source: who wrote it when not a training run (``"mt convert"``).
         tokenizer: the tokenizer the run trained with (a built-in name such as ``gpt2``,
             or a path); absent in old files.
+        files: each rank file's ``bytes`` and ``crc32c`` (:mod:`mt_checkpoint.checksums`),
+            filled in when the step is published; absent in files written before checksums.
     """
 
     step: int
@@ -51,6 +54,7 @@ class CheckpointMeta:
     config: Mapping[str, Any] = field(default_factory=dict)
     source: str | None = None
     tokenizer: str | None = None
+    files: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
     @property
     def data(self) -> dict[str, int]:
@@ -95,6 +99,8 @@ class CheckpointMeta:
             out["source"] = self.source
         if self.tokenizer is not None:
             out["tokenizer"] = self.tokenizer
+        if self.files:
+            out["files"] = {name: dict(entry) for name, entry in sorted(self.files.items())}
         return out
 
     @classmethod
@@ -103,6 +109,12 @@ class CheckpointMeta:
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             found = data.get("format") if isinstance(data, dict) else type(data).__name__
             raise CheckpointError(f"{where}: format {found!r}, expected {FORMAT!r}")
+        stored = data.get("crc32c")
+        if stored is not None:  # absent in files written before meta.json carried one
+            body = {k: v for k, v in data.items() if k != "crc32c"}
+            if json_crc(body) != stored:
+                raise CheckpointError(f"{where}: damaged (its content does not match its "
+                                      f"checksum {stored})")
         missing = [k for k in ("step", "data", "layout", "model", "styles", "stage_params")
                    if k not in data]
         if missing:
@@ -119,7 +131,8 @@ class CheckpointMeta:
                 data_step=int(position.get("step", 0)),
                 data_order=int(data.get("data_order", 1)), tokens=int(data.get("tokens", 0)),
                 config=dict(data.get("config") or {}), source=data.get("source"),
-                tokenizer=data.get("tokenizer"))
+                tokenizer=data.get("tokenizer"),
+                files={str(k): dict(v) for k, v in (data.get("files") or {}).items()})
         except (KeyError, TypeError, ValueError, AttributeError) as err:
             raise CheckpointError(f"{where}: damaged ({type(err).__name__}: {err})") from None
         if sorted(meta.stage_params) != list(range(layout.pp)):
@@ -128,7 +141,9 @@ class CheckpointMeta:
         return meta
 
     def as_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=1)
+        """``meta.json``'s text: :meth:`to_dict` with the checksum of its content."""
+        body = self.to_dict()
+        return json.dumps({**body, "crc32c": json_crc(body)}, indent=1)
 
     def __post_init__(self) -> None:
         if self.step < 0 or self.consumed_samples < 0:

@@ -128,6 +128,22 @@ def _fingerprint(inputs: list[Path], config: PrepareConfig) -> dict[str, Any]:
     return {"inputs": [str(p) for p in inputs], "settings": settings}
 
 
+def _refuse_to_delete_inputs(output: Path, inputs: Sequence[str | Path],
+                             config: PrepareConfig) -> None:
+    """``--overwrite`` deletes ``output``: never when it is, holds or lies inside something
+    the run reads (the inputs, the decontamination sets, a tokenizer given as a path)."""
+    read = [*inputs, *config.clean.eval_paths]
+    if Path(config.tokenizer).exists():
+        read.append(config.tokenizer)
+    out = output.resolve()
+    for path in read:
+        path = Path(path).resolve()
+        if path == out or out in path.parents or path in out.parents:
+            how = ("is" if path == out else "holds" if out in path.parents else "lies inside")
+            raise PrepareError(f"--output {output} {how} the input {path}: --overwrite would "
+                               "delete it; choose another --output")
+
+
 def _check_output(output: Path, fingerprint: dict[str, Any], overwrite: bool) -> None:
     if overwrite and output.exists():
         shutil.rmtree(output)
@@ -339,6 +355,8 @@ def prepare(inputs: Sequence[str | Path], output: str | Path,
     output = Path(output)
     files = expand_inputs(inputs)
     fingerprint = _fingerprint(files, config)
+    if config.overwrite and output.exists():
+        _refuse_to_delete_inputs(output, [*inputs, *files], config)
     if (output / INDEX_FILE).exists() and not config.overwrite:
         index = json.loads((output / INDEX_FILE).read_text())
         if index.get("stats", {}).get("fingerprint") == json.loads(json.dumps(fingerprint)):

@@ -111,24 +111,28 @@ class ModelArgs:
         """(model, training sequence length) when resuming from a checkpoint whose model is
         ``saved`` (a GPTConfig; ``where`` names it in errors).
 
-        The architecture is the checkpoint's. Flags may not change it: --model must name a
-        preset of the same shape, --n-layers / --hidden / --n-heads / --vocab-size must
-        match; initialisation-only fields (init_std, scaled_output_init) never matter.
-        --seq-len may be up to the checkpoint's positions; --dropout applies as given.
+        The architecture is the checkpoint's. Flags may not change it: the model they
+        resolve to (--model's preset with --n-layers / --hidden / --n-heads / --vocab-size
+        applied, as for a new run) must have its shape, so the command line that started a
+        run also resumes it; initialisation-only fields (init_std, scaled_output_init) never
+        matter. --seq-len may be up to the checkpoint's positions; --dropout applies as given.
         """
-        from mt_model import preset
-
         problems = []
         if self.model is not None:
-            shape = preset(self.model)
-            problems += [f"--model {self.model} has {k} {getattr(shape, k)}, the checkpoint "
+            shape = dataclasses.replace(self, seq_len=None, dropout=None).gpt_config()
+            flags = [f"--{k.replace('_', '-')} {getattr(self, k)}"
+                     for k in ("n_layers", "hidden", "n_heads", "vocab_size")
+                     if getattr(self, k) is not None]
+            given = f"--model {self.model}" + (f" with {' '.join(flags)}" if flags else "")
+            problems += [f"{given} has {k} {getattr(shape, k)}, the checkpoint "
                          f"{getattr(saved, k)}" for k in ARCHITECTURE
                          if getattr(shape, k) != getattr(saved, k)]
-        for k in ("n_layers", "hidden", "n_heads", "vocab_size"):
-            given = getattr(self, k)
-            if given is not None and given != getattr(saved, k):
-                problems.append(f"--{k.replace('_', '-')} {given} but the checkpoint has "
-                                f"{getattr(saved, k)}")
+        else:
+            for k in ("n_layers", "hidden", "n_heads", "vocab_size"):
+                given = getattr(self, k)
+                if given is not None and given != getattr(saved, k):
+                    problems.append(f"--{k.replace('_', '-')} {given} but the checkpoint has "
+                                    f"{getattr(saved, k)}")
         if self.seq_len is not None and self.seq_len > saved.seq_len:
             problems.append(f"--seq-len {self.seq_len} exceeds the checkpoint's "
                             f"{saved.seq_len} positions")

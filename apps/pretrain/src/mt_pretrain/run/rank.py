@@ -9,7 +9,7 @@ from __future__ import annotations
 import signal
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,7 +34,7 @@ from mt_pretrain.engines.base import Engine
 from mt_pretrain.engines.mt import MTEngine
 from mt_pretrain.evaluation.training import task_scorer
 from mt_pretrain.run.data import ensure_data, make_loaders, tokenizer_for
-from mt_pretrain.run.folder import claim_run_folder
+from mt_pretrain.run.folder import claim_run_folder, run_folder_lock
 from mt_pretrain.run.memory import MemoryPeaks, gather_memory
 from mt_pretrain.run.metrics import MetricsWriter
 from mt_pretrain.run.progress import Reporter
@@ -117,23 +117,25 @@ def run_rank(config: PretrainConfig, info: LaunchInfo, cache_dir: Path,
     try:
         plan = resolve(config, info.world_size)
         groups = build_groups(plan.topology, device, timeout=config.parallel.timeout)
-        _claim_run_folder(config.checkpoint, groups)
-        flag = StopFlag()
-        with _stop_on_signals(flag):
-            summary = _train(config, plan, groups, device, cache_dir, flag, info.launcher,
-                             keep_weights)
+        with ExitStack() as held:
+            _claim_run_folder(config.checkpoint, groups, held)
+            flag = StopFlag()
+            with _stop_on_signals(flag):
+                summary = _train(config, plan, groups, device, cache_dir, flag, info.launcher,
+                                 keep_weights)
         completed = True
         return summary
     finally:
         finalize_distributed(completed=completed)
 
 
-def _claim_run_folder(ckpt: CheckpointArgs, groups: ParallelGroups) -> None:
-    """Rank 0 checks (and with --overwrite clears) the run folder; every rank gets its
-    verdict, so all fail alike."""
+def _claim_run_folder(ckpt: CheckpointArgs, groups: ParallelGroups, held: ExitStack) -> None:
+    """Rank 0 locks the run folder for the run (``held`` keeps the lock), then checks (and
+    with --overwrite clears) it; every rank gets its verdict, so all fail alike."""
     verdict: list[str | None] = [None]
     if groups.rank == 0:
         try:
+            held.enter_context(run_folder_lock(ckpt.out_dir))
             claim_run_folder(ckpt)
         except ConfigError as err:
             verdict[0] = str(err)
