@@ -190,8 +190,9 @@ def _children(pid: int) -> list[int]:
     return [int(p) for p in path.read_text().split()] if path.is_file() else []
 
 
-def _start(args: list[str], out: Path) -> subprocess.Popen:
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def _start(args: list[str], out: Path, session: bool = False) -> subprocess.Popen:
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=session)
     metrics, deadline = out / "metrics.jsonl", time.monotonic() + 180
     while not (metrics.is_file() and len(read_metrics(metrics)) >= 2):
         assert proc.poll() is None, proc.communicate()
@@ -244,6 +245,27 @@ def test_a_second_interrupt_stops_at_once(cache: Path, tmp_path: Path) -> None:
     assert "interrupted twice: the ranks were stopped at once" in stderr
     time.sleep(0.5)
     assert not any(Path(f"/proc/{pid}").exists() for pid in ranks)
+
+
+def test_ctrl_c_in_a_terminal_saves_once_and_exits_0(cache: Path, tmp_path: Path) -> None:
+    """Ctrl-C in a terminal signals the whole foreground process group: the --nproc parent
+    and (were they in it) every rank. One key press is one interrupt: the ranks save after
+    their step and the run exits 0 (was: each rank saw the terminal's SIGINT and the parent's
+    SIGTERM, "signal 15 received twice", exit 1, no checkpoint)."""
+    out = tmp_path / "run"
+    proc = _start(_mt("--train-steps", "100000", "--out-dir", str(out), "--cache-dir",
+                      str(cache)), out, session=True)
+    try:
+        os.killpg(proc.pid, signal.SIGINT)  # what the terminal does
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, stdout + stderr
+    step = int(stdout.split("stopped by signal after step ", 1)[1].split()[0])
+    root = out / "checkpoints"
+    assert (root / "latest").read_text().strip() == f"step-{step:08d}"
+    assert len(list((root / f"step-{step:08d}").glob("rank-*.pt"))) == 2
 
 
 def test_token_ids_outside_the_model_vocabulary_are_refused(cache: Path, tmp_path: Path) -> None:

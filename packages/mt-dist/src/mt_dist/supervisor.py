@@ -239,6 +239,11 @@ def _rank_main(target: Callable[..., Any], rank: int, args: tuple[Any, ...],
                teardown: Callable[[bool], None] | None) -> None:
     """Body of one rank: run ``target``, send the report, tear down."""
     _die_with_parent(parent)
+    if parent is not None and hasattr(os, "setpgid"):
+        # A process group of its own: a terminal's Ctrl-C reaches the supervising parent
+        # only, which decides what the ranks get (else every rank sees the terminal's
+        # SIGINT and the parent's forwarded signal: two interrupts for one key press).
+        os.setpgid(0, 0)
     with open(stack_file, "w") as stack_out:
         if hasattr(faulthandler, "register"):
             faulthandler.register(signal.SIGUSR1, file=stack_out, all_threads=True)

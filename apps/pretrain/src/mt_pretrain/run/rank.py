@@ -87,12 +87,22 @@ class StopFlag:
         return self.requested
 
 
+#: Seconds within which a further SIGINT / SIGTERM is the same interrupt, echoed: a launcher
+#: (torchrun, srun) forwards the terminal's Ctrl-C to ranks that got it from the terminal too.
+ECHO_S = 1.0
+
+
 @contextmanager
 def _stop_on_signals(flag: StopFlag) -> Iterator[None]:
+    first: list[float] = []
+
     def handler(signum: int, _frame: Any) -> None:
-        if flag.requested:  # the second interrupt: stop now, without the checkpoint
+        now = time.monotonic()
+        if not first:
+            first.append(now)
+            flag.requested = True
+        elif now - first[0] > ECHO_S:  # a second interrupt: stop now, without the checkpoint
             raise KeyboardInterrupt(f"signal {signum} received twice")
-        flag.requested = True
 
     previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
