@@ -83,21 +83,21 @@ def test_convert_cli_pipeline_and_megatron_layouts(checkpoint: Path, tmp_path: P
         tmp_path / "back" / "model.safetensors").read_bytes()
 
 
-def test_convert_cli_errors_exit_1_with_one_message(checkpoint: Path, tmp_path: Path) -> None:
+def test_convert_cli_bad_input_exits_2_with_one_message(checkpoint: Path, tmp_path: Path) -> None:
     weights = checkpoint / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-100])
     result = runner.invoke(app, [str(checkpoint), str(tmp_path / "out")])
-    assert result.exit_code == 1
+    assert result.exit_code == 2
     assert "error:" in result.output and "model.safetensors: not a readable safetensors " \
         "file (malformed or truncated)" in result.output
     assert "Traceback" not in result.output
     assert not (tmp_path / "out").exists()
     result = runner.invoke(app, [str(tmp_path / "nowhere"), str(tmp_path / "out")])
-    assert result.exit_code == 1 and "checkpoint directory not found" in result.output
+    assert result.exit_code == 2 and "checkpoint directory not found" in result.output
     result = runner.invoke(app, [str(checkpoint), str(tmp_path / "out"), "--to", "bogus"])
     assert result.exit_code == 2  # usage error from the option's choices
     result = runner.invoke(app, [str(checkpoint), str(tmp_path / "out"), "--to", "deepspeed"])
-    assert result.exit_code == 1 and "cannot write the 'deepspeed' format" in result.output
+    assert result.exit_code == 2 and "cannot write the 'deepspeed' format" in result.output
 
 
 def test_convert_cli_mounts_under_the_root_mt_app(checkpoint: Path, tmp_path: Path) -> None:

@@ -167,7 +167,7 @@ def test_convert_pretrain_cli_defaults_to_pretrain_and_dry_run(
     assert len(_ranks(tmp_path / "b")) == 4
     bad = runner.invoke(app, [str(folder), str(tmp_path / "c"), "--to", "tp", "--tp", "2",
                               "--dp", "2"])
-    assert bad.exit_code == 1 and "--dp and --zero-stage only apply" in bad.output
+    assert bad.exit_code == 2 and "--dp and --zero-stage only apply" in bad.output
 
 
 def test_convert_refuses_a_pretrain_checkpoint_with_flipped_bytes(tmp_path: Path) -> None:

@@ -56,16 +56,22 @@ def test_results_table_and_json(checkpoint: Path, tmp_path: Path) -> None:
 
 
 def test_bad_input_is_one_line(checkpoint: Path, tmp_path: Path) -> None:
+    """Bad input exits 2, as in mt pretrain, data, plan, plot and convert."""
     missing = tmp_path / "nowhere"
     code, text = _eval(str(missing), "--task", "mt-cloze")
-    assert code == 1 and str(missing) in text and "Traceback" not in text, text
+    assert code == 2 and str(missing) in text and "Traceback" not in text, text
     task = tmp_path / "broken.jsonl"
     task.write_text('{"text": "one two three"}\n{"text": \n')
     code, text = _eval(str(checkpoint), "--task", str(task))
-    assert code == 1 and f"{task}:2: not JSON" in text and "Traceback" not in text, text
+    assert code == 2 and f"{task}:2: not JSON" in text and "Traceback" not in text, text
     code, text = _eval(str(checkpoint), "--task", "mt-cloze", "--tp", "3", "--nproc", "3")
-    assert code == 1 and "invalid layout" in text and "3" in text, text
+    assert code == 2 and "invalid layout" in text and "3" in text, text
     code, text = _eval(str(checkpoint), "--task", "mt-cloze", "--batch-size", "0")
     assert code == 2 and "--batch-size must be positive, got 0" in text, text
     code, text = _eval(str(checkpoint), "--task", "no-such-task")
-    assert code == 1 and "unknown task 'no-such-task'" in text, text
+    assert code == 2 and "unknown task 'no-such-task'" in text, text
+    folder = tmp_path / "results"
+    folder.mkdir()
+    code, text = _eval(str(checkpoint), "--task", "mt-cloze", "--output", str(folder))
+    assert code == 2 and f"--output {folder} is a folder" in text, text
+    assert not list(tmp_path.glob(".*.tmp")) and not list(folder.iterdir())

@@ -11,10 +11,12 @@ SIGKILLs itself there, exactly like a crash; the --nproc parent reports it and s
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -266,6 +268,30 @@ def test_ctrl_c_in_a_terminal_saves_once_and_exits_0(cache: Path, tmp_path: Path
     root = out / "checkpoints"
     assert (root / "latest").read_text().strip() == f"step-{step:08d}"
     assert len(list((root / f"step-{step:08d}").glob("rank-*.pt"))) == 2
+
+
+def _file_size_limit(limit: int) -> Callable[[], None]:
+    """For ``preexec_fn``: writes past ``limit`` bytes fail (EFBIG) as on a full disk."""
+    def apply() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return apply
+
+
+def test_a_full_disk_during_a_save_is_one_line_and_exit_1(cache: Path, tmp_path: Path) -> None:
+    """The rank files of a save do not fit (was: `RuntimeError: [enforce fail at
+    inline_container.cc]`, a traceback per rank): one line naming the file, exit 1 (the run
+    failed; the input was fine); `latest` names no half-written step."""
+    _run(tmp_path / "warm", cache, train_steps=1, save="none")  # the data cache, prepared
+    out = tmp_path / "run"
+    done = subprocess.run(_mt("--train-steps", "2", "--out-dir", str(out), "--cache-dir",
+                              str(cache)), capture_output=True, text=True,
+                          preexec_fn=_file_size_limit(200_000))
+    assert done.returncode == 1, done.stdout + done.stderr
+    error = done.stderr.replace("\n", "")
+    assert error.startswith("error: [Errno 27] File too large: ") and "rank-0000" in error
+    assert "Traceback" not in done.stderr
+    assert not (out / "checkpoints" / "latest").exists()
 
 
 def test_token_ids_outside_the_model_vocabulary_are_refused(cache: Path, tmp_path: Path) -> None:

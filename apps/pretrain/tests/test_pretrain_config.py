@@ -63,6 +63,8 @@ def test_yaml_sections_flat_keys_and_cli_overrides(tmp_path: Path) -> None:
     ({"rampup_start": 8, "rampup_increment": 5, "rampup_tokens": 10},
      r"ramp-up from 8 by 5 does not reach global batch size 32"),
     ({"zero_stage": 5}, r"--zero-stage must be 0, 1, 2 or 3, got 5"),
+    ({"timeout": 0.001}, r"--timeout must be at least 1 seconds \(the ranks must first "
+                         r"connect to each other\), got 0.001"),
     ({"pp": 2, "schedule": "interleaved", "virtual_stages": 1},
      r"interleaved needs --virtual-stages >= 2, got 1"),
     ({"unknown_flag": 1}, r"unknown config keys \['unknown_flag'\]"),

@@ -24,7 +24,7 @@ from mt_convert.convert import (
     save_model,
     save_state_dict,
 )
-from mt_convert.errors import ConvertError
+from mt_convert.errors import ConvertError, WriteFailed
 from mt_convert.layout import CheckpointReader, CheckpointWriter, TensorRef, canonical_shapes
 from mt_convert.safetensors_io import SafetensorsReader, SafetensorsWriter
 from mt_convert.tensors import TensorSpec
@@ -42,6 +42,7 @@ __all__ = [
     "SafetensorsWriter",
     "TensorRef",
     "TensorSpec",
+    "WriteFailed",
     "__version__",
     "canonical_shapes",
     "convert_checkpoint",

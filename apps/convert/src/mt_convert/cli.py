@@ -30,7 +30,7 @@ from mt_convert.convert import (
     open_checkpoint,
     plan_conversion,
 )
-from mt_convert.errors import ConvertError
+from mt_convert.errors import ConvertError, WriteFailed
 from mt_convert.pretrain_relayout import PretrainTarget, describe_pretrain
 
 __all__ = ["app", "main"]
@@ -168,10 +168,10 @@ def convert(
         else:
             _convert(src, dst, target, source, layout, force, console, model, optimizer,
                      tokenizer)
-    except ConvertError as err:
+    except ConvertError as err:  # bad input exits 2, a failed write 1 (as mt pretrain)
         console.print(f"[bold red]error:[/] {escape(str(err))}", highlight=False,
                       soft_wrap=True)
-        raise typer.Exit(1) from None
+        raise typer.Exit(1 if isinstance(err, WriteFailed) else 2) from None
     except KeyboardInterrupt:
         console.print("interrupted: nothing was written")
         raise typer.Exit(130) from None

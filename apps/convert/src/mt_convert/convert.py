@@ -23,7 +23,7 @@ import torch
 from mt_convert.atomic import atomic_directory
 from mt_convert.consolidated import CONSOLIDATED_FORMAT, ConsolidatedReader, ConsolidatedWriter
 from mt_convert.deepspeed_universal import DeepSpeedUniversalReader, is_deepspeed_checkpoint
-from mt_convert.errors import ConvertError, gpt2_only
+from mt_convert.errors import ConvertError, WriteFailed, gpt2_only
 from mt_convert.hf import HFWriter, open_hf
 from mt_convert.hf_llama import LlamaWriter, is_llama
 from mt_convert.layout import (
@@ -235,7 +235,7 @@ def _write(writer: CheckpointWriter, names: list[str], get: Callable[[str], _Rea
                 writer.abort()
                 raise
     except OSError as err:
-        raise ConvertError(f"{destination}: writing failed, nothing was written: "
+        raise WriteFailed(f"{destination}: writing failed, nothing was written: "
                            f"{err}") from err
     return total_bytes
 

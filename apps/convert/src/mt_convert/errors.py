@@ -13,7 +13,12 @@ __all__ = ["ConvertError", "gpt2_only"]
 
 class ConvertError(Exception):
     """A checkpoint cannot be read, written or converted; the message says which file,
-    which tensor and why."""
+    which tensor and why (`mt convert` exits 2: the input or the flags are at fault)."""
+
+
+class WriteFailed(ConvertError):
+    """Writing the destination failed (disk full, permissions); nothing was written
+    (`mt convert` exits 1: the run failed, the input was fine)."""
 
 
 def gpt2_only(config: object, what: str) -> None:

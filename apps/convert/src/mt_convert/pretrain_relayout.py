@@ -43,7 +43,7 @@ from mt_checkpoint import (
     write_meta,
 )
 from mt_convert.atomic import atomic_directory
-from mt_convert.errors import ConvertError
+from mt_convert.errors import ConvertError, WriteFailed
 from mt_convert.layout import ProgressFn, canonical_shapes
 from mt_convert.pretrain import PretrainReader, load_rank_file
 from mt_convert.sharded import _check_tp, stage_layers, stages_of
@@ -200,7 +200,7 @@ def convert_pretrain(source: Path, destination: Path, target: PretrainTarget,
                         progress(f"pipeline stage {stage}", stage + 1, new.pp)
                 write_meta(staging, src.meta.relaid(new, stage_names))
         except OSError as err:
-            raise ConvertError(f"{destination}: writing failed, nothing was written: "
+            raise WriteFailed(f"{destination}: writing failed, nothing was written: "
                                f"{err}") from err
         return reader.format, len(names), written
 

@@ -40,7 +40,11 @@ T = TypeVar("T")
 # Failures every rank meets alike (bad config, damaged checkpoint, diverged loss): the parent
 # re-raises them as they are, one line, no traceback.
 _EXPECTED = (ConfigError, CheckpointError, NonFiniteLossError, TaskError, TokenizerError)
-_EXPECTED_BY_NAME = {kind.__name__: kind for kind in _EXPECTED}
+# The operating system's refusals (disk full, permissions, a path that is not there): the
+# message names the file, so they are one line too (exit 1: a failed run, not bad flags).
+_OS_ERRORS = (OSError, FileNotFoundError, PermissionError, IsADirectoryError,
+              NotADirectoryError, FileExistsError)
+_EXPECTED_BY_NAME = {kind.__name__: kind for kind in (*_EXPECTED, *_OS_ERRORS)}
 # After the first rank fails, give the others this long to report (their errors are usually
 # consequences) before killing them.
 _GRACE_S = 5.0

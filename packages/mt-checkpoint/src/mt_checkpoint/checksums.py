@@ -33,12 +33,18 @@ class ChecksumWriter:
 
     def __init__(self, raw: BinaryIO) -> None:
         self.raw, self.crc, self.size = raw, 0, 0
+        self.error: OSError | None = None
+        """The first failed write (torch's writer reports it only as a position mismatch)."""
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         self.crc = crc32c.crc32c(view, self.crc)
         self.size += len(view)
-        return self.raw.write(view)
+        try:
+            return self.raw.write(view)
+        except OSError as err:
+            self.error = self.error or err
+            raise
 
     def flush(self) -> None:
         self.raw.flush()

@@ -177,7 +177,12 @@ def save_rank(folder: Path, rank: int, coord: tuple[int, int, int], model: dict[
     path = folder / rank_file(rank)
     with open(path, "wb") as f:
         checked = ChecksumWriter(f)
-        torch.save(payload, checked)
+        try:
+            torch.save(payload, checked)
+        except RuntimeError:
+            if checked.error is not None:  # disk full, quota...: the cause, naming the file
+                raise OSError(checked.error.errno, checked.error.strerror, str(path)) from None
+            raise
         f.flush()
         os.fsync(f.fileno())
     checked.record(path)

@@ -70,6 +70,8 @@ def eval_command(
         problems.append(f"--device must be auto, cpu or cuda, got {device!r}")
     if precision not in ("fp32", "bf16", "fp16"):
         problems.append(f"--precision must be fp32, bf16 or fp16, got {precision!r}")
+    if output is not None and output.is_dir():  # found now, not after the evaluation
+        problems.append(f"--output {output} is a folder; name the JSON file to write")
     if problems:
         console.print(f"[bold red]error:[/] {escape('; '.join(problems))}", highlight=False,
                       soft_wrap=True)
@@ -85,7 +87,8 @@ def eval_command(
             raise
         console.print(f"[bold red]error:[/] {escape(str(err))}", highlight=False,
                       soft_wrap=True)
-        raise typer.Exit(1) from None
+        # Bad input (the checkpoint, a task, the tokenizer) exits 2, as in mt pretrain.
+        raise typer.Exit(2 if isinstance(err, _EXPECTED) else 1) from None
     if results is None:  # a rank other than 0 under a launcher
         return
     Console().print(results_table(results))

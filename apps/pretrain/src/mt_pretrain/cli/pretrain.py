@@ -41,8 +41,9 @@ def dry_run(config: PretrainConfig, environ: Mapping[str, str]) -> str:
 
 def pretrain_main(config_path: Path | None, overrides: dict[str, Any],
                   environ: Mapping[str, str] | None = None) -> int:
-    """Run the `mt pretrain` command; 0 on success, 1 on a failed run, 2 on bad input (config,
-    checkpoint), 130 when interrupted twice."""
+    """Run the `mt pretrain` command; 0 on success, 1 on a failed run (a rank's error, a
+    diverged loss, the operating system's: disk full...), 2 on bad input (config, checkpoint,
+    data), 130 when interrupted twice."""
     environ = os.environ if environ is None else environ
     console = Console(stderr=True)
     if config_path is None and not set(overrides) & _RUN_FIELDS:
@@ -70,7 +71,7 @@ def pretrain_main(config_path: Path | None, overrides: dict[str, Any],
     except (ConfigError, LaunchError, CheckpointError) as err:  # bad input: fix and rerun
         _error(console, str(err))
         return 2
-    except (LaunchFailed, NonFiniteLossError) as err:
+    except (LaunchFailed, NonFiniteLossError, OSError) as err:  # disk full, permissions...
         _error(console, str(err))
         return 1
     except (Interrupted, KeyboardInterrupt) as err:

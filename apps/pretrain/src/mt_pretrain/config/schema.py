@@ -39,6 +39,8 @@ DEFAULT_MODEL = "tiny"
 #: The model fields that make its shape (what a checkpoint and a preset must agree on).
 ARCHITECTURE = ("n_layers", "hidden", "n_heads", "vocab_size", "ffn_hidden")
 ENGINES = ("mt", "deepspeed")
+#: The shortest --timeout: ranks must first find each other (a TCP rendezvous) within it.
+MIN_TIMEOUT_S = 1.0
 PRECISIONS = ("fp32", "bf16", "fp16")
 SCHEDULES = tuple(PIPELINE_SCHEDULES)  # mt-pipeline's: gpipe, 1f1b, interleaved
 
@@ -208,8 +210,9 @@ class ParallelArgs:
             problems.append(f"--precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             problems.append(f"--device must be auto, cpu or cuda, got {self.device!r}")
-        if not self.timeout > 0:
-            problems.append(f"--timeout must be > 0 seconds, got {self.timeout}")
+        if not self.timeout >= MIN_TIMEOUT_S:
+            problems.append(f"--timeout must be at least {MIN_TIMEOUT_S:g} seconds (the "
+                            f"ranks must first connect to each other), got {self.timeout}")
         if self.zero_stage == 3 and self.activation_checkpointing:
             problems.append("--zero-stage 3 with --activation-checkpointing is not supported "
                             "yet; use ZeRO stage 0-2 with checkpointing")
