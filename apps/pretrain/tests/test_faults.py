@@ -294,6 +294,27 @@ def test_a_full_disk_during_a_save_is_one_line_and_exit_1(cache: Path, tmp_path:
     assert not (out / "checkpoints" / "latest").exists()
 
 
+@pytest.mark.parametrize("layout", [{"nproc": 1, "tp": 1, "pp": 1},
+                                    {"nproc": 2, "tp": 2, "pp": 1}])
+def test_a_damaged_dataset_shard_is_refused_at_every_layout(cache: Path, tmp_path: Path,
+                                                           layout: dict[str, int]) -> None:
+    """Bytes flipped inside a shard's token ids (its index.json untouched): refused before
+    training, naming the shard, at TP 1 and TP 2 alike (was: an IndexError naming nothing at
+    TP 1; at TP 2 the out-of-range ids were masked and a validation loss printed)."""
+    import shutil
+
+    _run(tmp_path / "first", cache, train_steps=1, save="none")  # prepares the corpus
+    data = tmp_path / "data"
+    shutil.copytree(next((cache / "data").glob("embedded-*")), data,
+                    ignore=shutil.ignore_patterns("cache"))
+    shard = sorted(data.glob("*.arrow"))[0]
+    _flip(shard, 64)
+    with pytest.raises(ConfigError, match=rf"{shard}: damaged \(its SHA-256 differs from the "
+                       r"one index.json records\); prepare the dataset again"):
+        _run(tmp_path / "run", cache, train_steps=1, save="none", data=str(data),
+             **{**layout, "dp": 1})
+
+
 def test_token_ids_outside_the_model_vocabulary_are_refused(cache: Path, tmp_path: Path) -> None:
     """A dataset whose ids reach past the model's vocabulary (here: imported without the
     tokenizer's size, so only the recorded largest id can tell) is refused before training,

@@ -30,6 +30,7 @@ from mt_data.errors import DataNotFoundError, DatasetError
 
 INDEX_FILE = "index.json"
 PROGRESS_FILE = "progress.jsonl"
+VERIFIED_FILE = "verified.json"
 FORMAT = "mt-data-token-shards"
 VERSION = 1
 
@@ -372,3 +373,28 @@ class TokenDataset:
         """Files whose SHA-256 does not match the index (empty when all are intact)."""
         return [s["file"] for s in self.index["shards"]
                 if file_sha256(self.path / s["file"]) != s["sha256"]]
+
+    def check_shards(self) -> None:
+        """Raise :class:`DatasetError` naming the first shard whose SHA-256 differs from
+        ``index.json``'s record (flipped bytes, a partial copy). Each shard is read once per
+        version: its digest, size and modification time are stamped in
+        ``cache/verified.json`` (where the folder is writable), so a later run reads only
+        shards that changed since."""
+        stamps_path = self.path / "cache" / VERIFIED_FILE
+        try:
+            stamps = json.loads(stamps_path.read_text())
+        except (OSError, ValueError):
+            stamps = {}
+        checked = {}
+        for shard in self.index["shards"]:
+            file = self.path / shard["file"]
+            stat = file.stat()
+            stamp = [shard["sha256"], stat.st_size, stat.st_mtime_ns]
+            if stamps.get(shard["file"]) != stamp and file_sha256(file) != shard["sha256"]:
+                raise DatasetError(f"{file}: damaged (its SHA-256 differs from the one "
+                                   f"{INDEX_FILE} records); prepare the dataset again")
+            checked[shard["file"]] = stamp
+        if checked != stamps:
+            with suppress(OSError):  # read-only data: checked again next time, only slower
+                stamps_path.parent.mkdir(exist_ok=True)
+                atomic_write_json(stamps_path, checked)

@@ -96,12 +96,14 @@ def _dataset(data: DataArgs, seed: int, paths: list[Path], seq_len: int, samples
 
 def check_vocab(plan: RunPlan, paths: list[Path]) -> None:
     """Every token id of the data must fit the model's vocabulary: the dataset's real largest
-    id (``max_token_id``, recorded in index.json and checked by mt-data on open) and its
+    id (``max_token_id``, recorded in index.json and checked by mt-data on open, the shards
+    checked against their recorded SHA-256, so the record holds at every layout) and its
     tokenizer's size. A dataset mt-data refuses to open is a ConfigError too."""
     vocab = plan.gpt.vocab_size
     for path in paths:
         try:
             data = TokenDataset(path)
+            data.check_shards()
             largest = data.max_token_id
         except DataError as err:
             raise ConfigError(str(err)) from None
