@@ -187,6 +187,13 @@ def test_the_command_line_that_started_a_run_resumes_it() -> None:
     (b"tp: [1\npp: 2\n", r"run.yaml line 2, column 3: YAML syntax error: expected ',' or ']'"),
     (b"lr: \xff\xfe\n", r"run.yaml is not UTF-8 text \(byte 0xff at offset 4\)"),
     (b"- 1\n- 2\n", r"run.yaml: expected a mapping at the top level, got list"),
+    (b"train: 5\n", r"run.yaml: train is a section of fields \(for example `train: "
+                    r"\{micro_batch_size: ...\}`\), got 5"),
+    (b"train_steps: 5\ntrain_steps: 6\n", r"run.yaml line 2: train_steps is given twice; "
+                                          r"keep one"),
+    (b"train_steps: 5\ntrain:\n  train_steps: 6\n", r"run.yaml: train_steps is given twice "
+                                                    r"\(as train_steps and as "
+                                                    r"train.train_steps\); keep one"),
 ])
 def test_bad_yaml_is_one_line_naming_file_field_and_line(tmp_path: Path, text: bytes,
                                                           message: str) -> None:
@@ -195,6 +202,26 @@ def test_bad_yaml_is_one_line_naming_file_field_and_line(tmp_path: Path, text: b
     with pytest.raises(ConfigError, match=message) as err:
         load_config(path)
     assert "\n" not in str(err.value)
+
+
+def test_a_toml_config_and_bad_data_flags_are_named_for_what_they_are(tmp_path: Path) -> None:
+    toml = tmp_path / "run.toml"
+    toml.write_text("[train]\nsteps = 5\n")
+    with pytest.raises(ConfigError, match=r"run.toml: config files are YAML \(section: then "
+                       r"indented key: value lines\), not TOML"):
+        load_config(toml)
+    raw = tmp_path / "raw.jsonl"  # raw text, not a prepared dataset or a blend file
+    raw.write_text("\n".join(f'{{"text": "document {i} of many words"}}' for i in range(2000)))
+    with pytest.raises(ConfigError) as err:
+        load_config(None, {"data": str(raw)})
+    assert str(err.value) == (f'--data {raw} is a file but not a blend file ("WEIGHT PATH" '
+                              f"pairs); raw text is prepared first: `mt data prepare {raw} -o "
+                              "DIR`, then --data DIR")
+    folder = tmp_path / "ds"
+    folder.mkdir()
+    with pytest.raises(ConfigError, match=rf"--data: the blend weight of {folder} is 0; every "
+                       r"weight must be positive"):
+        load_config(None, {"data": f"0 {folder} 1 {folder}"})
 
 
 def test_too_few_processes_for_the_layout_says_what_to_pass() -> None:

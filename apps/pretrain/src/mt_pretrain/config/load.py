@@ -106,16 +106,30 @@ def build_config(nested: Mapping[str, Any], flat: Mapping[str, Any],
         except ConfigError as err:
             raise ConfigError(f"{where}: {err}" if where else str(err)) from None
 
+    where = f"{source}: " if source else ""
+    seen: dict[str, str] = {}
+
+    def put_nested(key: Any, value: Any, spelled: str) -> None:
+        name = str(key).replace("-", "_")
+        if name in seen:
+            raise ConfigError(f"{where}{name} is given twice (as {seen[name]} and as "
+                              f"{spelled}); keep one")
+        seen[name] = spelled
+        put(key, value, source)
+
     for key, value in nested.items():
-        if key in SECTIONS and isinstance(value, Mapping):
+        if key in SECTIONS and (isinstance(value, Mapping) or key not in known):
+            if not isinstance(value, Mapping):
+                first = fields(SECTIONS[key])[0].name
+                raise ConfigError(f"{where}{key} is a section of fields (for example "
+                                  f"`{key}: {{{first}: ...}}`), got {value!r}")
             for sub, v in value.items():
-                put(sub, v, source)
+                put_nested(sub, v, f"{key}.{sub}")
         else:
-            put(key, value, source)
+            put_nested(key, value, str(key))
     for key, value in flat.items():
         put(key, value, None)
     if unknown:
-        where = f"{source}: " if source else ""
         raise ConfigError(f"{where}unknown config keys {sorted(unknown)}; valid keys: "
                           f"{sorted(known)} (optionally under sections {sorted(SECTIONS)})")
     try:
@@ -123,6 +137,7 @@ def build_config(nested: Mapping[str, Any], flat: Mapping[str, Any],
     except TypeError as err:
         raise ConfigError(str(err)) from None
     config = PretrainConfig(**sections)
+    _check_blend(config.data)
     missing = [str(p) for p in dataset_paths(config.data) if not p.is_dir()]
     if missing:
         raise ConfigError(f"invalid configuration: data path(s) not found: {missing} (prepare "
@@ -158,8 +173,13 @@ def load_config(path: str | Path | None = None,
         if not path.is_file():
             names = sorted(p.stem for p in SHIPPED.glob("*.yaml"))
             raise ConfigError(f"config file {path} not found (shipped configs: {names})")
+        if path.suffix.lower() in (".toml", ".ini", ".cfg"):
+            raise ConfigError(f"{path}: config files are YAML (section: then indented "
+                              f"key: value lines), not {path.suffix[1:].upper()}")
         try:
-            loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+            loaded = yaml.load(path.read_text(encoding="utf-8"), Loader=_unique_keys_loader())
+        except ConfigError as err:  # a key given twice
+            raise ConfigError(f"{path} {err}") from None
         except UnicodeDecodeError as err:
             raise ConfigError(f"{path} is not UTF-8 text (byte {err.object[err.start]:#04x} "
                               f"at offset {err.start})") from None
@@ -177,11 +197,54 @@ def load_config(path: str | Path | None = None,
     return build_config(nested, dict(overrides or {}), str(path) if path else None)
 
 
+@cache
+def _unique_keys_loader() -> type:
+    """YAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last
+    one silently)."""
+    import yaml
+
+    class UniqueKeys(yaml.SafeLoader):
+        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                if key in seen:
+                    mark = key_node.start_mark
+                    raise ConfigError(f"line {mark.line + 1}: {key} is given twice; keep "
+                                      "one")
+                seen.add(key)
+            return super().construct_mapping(node, deep)
+
+    return UniqueKeys
+
+
 def blend_text(data: DataArgs) -> str:
     """``--data`` as one line: the text of a blend file, or the flag itself."""
     assert data.data is not None
     path = Path(data.data)
     return " ".join((path.read_text(encoding="utf-8") if path.is_file() else data.data).split())
+
+
+def _check_blend(data: DataArgs) -> None:
+    """``--data`` is a dataset folder, a blend ("WEIGHT PATH" pairs, every weight positive)
+    or a file holding one; anything else is one line saying what it is and what to do."""
+    if data.data is None:
+        return
+    from mt_data.blend import parse_blend
+
+    try:
+        pairs = parse_blend(blend_text(data))
+    except ValueError as err:
+        if Path(data.data).is_file():
+            raise ConfigError(
+                f"--data {data.data} is a file but not a blend file (\"WEIGHT PATH\" pairs); "
+                f"raw text is prepared first: `mt data prepare {data.data} -o DIR`, then "
+                "--data DIR") from None
+        raise ConfigError(f"--data {data.data!r}: {err}") from None
+    zero = [path for weight, path in pairs if not weight > 0]
+    if zero:
+        raise ConfigError(f"--data: the blend weight of {zero[0]} is 0; every weight must be "
+                          "positive (leave the dataset out instead)")
 
 
 def dataset_paths(data: DataArgs) -> list[Path]:

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
+import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -150,6 +152,23 @@ def _set_environment(groups: ParallelGroups) -> None:
     # The shm comm op DeepSpeed JIT-builds on first use (about 35 s) is cached here.
     os.environ.setdefault("TORCH_EXTENSIONS_DIR",
                           str(default_cache_dir(os.environ) / "torch_extensions"))
+    _clear_stale_build_locks(Path(os.environ["TORCH_EXTENSIONS_DIR"]))  # every node's
+
+
+#: A JIT build of DeepSpeed's ops takes minutes; a lock older than this was left by a build
+#: that was killed (torch waits on such a lock forever).
+STALE_BUILD_LOCK_S = 1800.0
+
+
+def _clear_stale_build_locks(extensions: Path) -> None:
+    """Remove the ``lock`` files of killed extension builds, with a warning naming each."""
+    now = time.time()
+    for lock in extensions.glob("*/lock"):
+        with contextlib.suppress(OSError):
+            if now - lock.stat().st_mtime > STALE_BUILD_LOCK_S:
+                lock.unlink()
+                warnings.warn(f"{lock}: removed the lock of an extension build that did not "
+                              f"finish (older than {STALE_BUILD_LOCK_S:g} s)", stacklevel=2)
 
 
 def _initialize(config: PretrainConfig, plan: RunPlan, stage: nn.Module,
