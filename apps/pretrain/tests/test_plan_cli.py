@@ -66,7 +66,18 @@ def test_search_drops_layouts_that_do_not_fit() -> None:
     result = _plan("--model", "mt-nlg-530b", "--gpus", "8", "--global-batch-size", "8",
                    "--search")
     assert result.exit_code == 2
-    assert "fits in memory" in result.output
+    assert "none of the 30 layouts on 8 x a100-80gb fits in memory: the leanest (tp 8 x pp 1 " \
+        "x dp 1, micro-batch 1, recompute full) needs " in " ".join(result.output.split())
+
+
+def test_search_without_any_layout_says_why_and_what_would() -> None:
+    """Was: "none of 0 layouts fits"."""
+    result = _plan("--model", "tiny", "--gpus", "3", "--search")
+    assert result.exit_code == 2
+    assert " ".join(result.output.split()) == (
+        "error: no layout splits this run over 3 GPUs: tp x pp x dp = 3 needs tp to divide "
+        "the 4 heads (at most 8 per node), pp the 4 layers and dp the global batch 32; 2 GPUs "
+        "can")
 
 
 def test_bad_inputs_name_the_value(tmp_path: Path) -> None:

@@ -121,10 +121,25 @@ def _search(gpt: Any, gpu: GPUSpec, gpus: int, global_batch: int, zero: int, sch
     layouts = list(enumerate_layouts(gpt, gpus, global_batch, gpu.gpus_per_node, zero,
                                      schedule))
     # Rank all by the closed form, then simulate the best few for exact figures.
-    quick = [e for e in (estimate(gpt, lay, gpu, simulate_pipeline=False) for lay in layouts)
-             if e.fits]
+    if not layouts:
+        near = [n for n in (*range(gpus - 1, 0, -1), *range(gpus + 1, 2 * gpus + 2))
+                if any(True for _ in enumerate_layouts(gpt, n, global_batch, gpu.gpus_per_node,
+                                                       zero, schedule))][:1]
+        raise _fail(
+            f"no layout splits this run over {gpus} GPUs: tp x pp x dp = {gpus} needs tp to "
+            f"divide the {gpt.n_heads} heads (at most {gpu.gpus_per_node} per node), pp the "
+            f"{gpt.n_layers} layers and dp the global batch {global_batch}"
+            + (f"; {near[0]} GPUs can" if near else ""))
+    estimates = [estimate(gpt, lay, gpu, simulate_pipeline=False) for lay in layouts]
+    quick = [e for e in estimates if e.fits]
     if not quick:
-        raise _fail(f"none of {len(layouts)} layouts on {gpus} x {gpu.name} fits in memory")
+        least = min(estimates, key=lambda e: e.memory_per_gpu_gb)
+        lay = least.layout
+        raise _fail(f"none of the {len(layouts)} layouts on {gpus} x {gpu.name} fits in memory: "
+                    f"the leanest (tp {lay.tp} x pp {lay.pp} x dp {lay.dp}, micro-batch "
+                    f"{lay.micro_batch}, recompute {lay.recompute}) needs "
+                    f"{least.memory_per_gpu_gb:.1f} GB of the {gpu.memory_bytes / 1e9:.0f} GB per GPU; "
+                    "use more GPUs or ZeRO stage 3")
     quick.sort(key=lambda e: -e.tokens_per_s)
     best = [estimate(gpt, e.layout, gpu) for e in quick[:2 * top]]
     best = sorted((e for e in best if e.fits), key=lambda e: -e.tokens_per_s)[:top]
