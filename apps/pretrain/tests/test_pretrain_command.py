@@ -115,3 +115,23 @@ def test_mt_pretrain_dead_rank_fails_fast(tmp_path: Path, cache: Path) -> None:
     assert time.monotonic() - killed_at < 60
     assert re.search(r"rank \d of 4 failed first", stderr), stderr
     assert "died with exit code -9" in stderr, stderr
+
+
+def test_under_a_launcher_only_rank_0_speaks_for_errors_every_rank_shares(
+        tmp_path: Path) -> None:
+    """Two ranks placed as torchrun places them, with a layout neither can run: the error
+    once (rank 0), exit 2 on both (was: every rank printed the banner and the error)."""
+    port = str(29_000 + os.getpid() % 1000)
+    procs = []
+    for rank in (0, 1):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
+               "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+        procs.append(subprocess.Popen(_mt("pretrain", "--tp", "3", "--out-dir",
+                                          str(tmp_path / "run")),
+                                      env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    outputs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [2, 2], outputs
+    lead, other = (" ".join((out + err).split()) for out, err in outputs)
+    assert lead.startswith("error: invalid layout: world size 2 is not divisible by tp 3"), lead
+    assert other == "", other

@@ -3,6 +3,7 @@ processes)."""
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -120,6 +121,13 @@ def test_dry_run_prints_ranks_groups_stages_memory() -> None:
     assert "dp        [0, 2], [1, 3], [4, 6], [5, 7]" in text
     assert "rank    7: pp 1 dp 1 tp 1" in text
     assert "memory per rank" in text
+    # A run flag: not the demo, and said so (was: silently one process instead of eight).
+    result = CliRunner().invoke(app, ["pretrain", "--train-steps", "5", "--dry-run"],
+                                env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith("--train-steps given, so not the 3D demo: every degree is "
+                                    "1, on one process unless --nproc (add --config demo-3d")
+    assert "tp 1 x pp 1 x dp 1 = 1 ranks" in result.output
 
 
 def test_dry_run_of_mt_nlg_530b_on_2240_ranks() -> None:
@@ -222,6 +230,15 @@ def test_a_toml_config_and_bad_data_flags_are_named_for_what_they_are(tmp_path: 
     with pytest.raises(ConfigError, match=rf"--data: the blend weight of {folder} is 0; every "
                        r"weight must be positive"):
         load_config(None, {"data": f"0 {folder} 1 {folder}"})
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorboard") is not None,
+                    reason="tensorboard is installed here")
+def test_tensorboard_without_its_package_is_refused_up_front() -> None:
+    """Was: a raw UserWarning in the middle of the run, which then went on without it."""
+    with pytest.raises(ConfigError, match=r"--tensorboard needs the tensorboard package, which "
+                       r"is not installed: pip install tensorboard"):
+        load_config(None, {"tensorboard": True})
 
 
 def test_too_few_processes_for_the_layout_says_what_to_pass() -> None:

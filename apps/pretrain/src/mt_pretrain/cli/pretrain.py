@@ -22,6 +22,7 @@ __all__ = ["DEMO_CONFIG", "dry_run", "pretrain_main"]
 DEMO_CONFIG = SHIPPED / "demo-3d.yaml"
 _RUN_FIELDS = {f.name for section in ("model", "parallel", "train", "data")
                for f in dataclasses.fields(SECTIONS[section])}
+_LAYOUT_FIELDS = {"nproc", "tp", "pp", "dp"}
 
 
 def _error(console: Console, text: str) -> None:
@@ -46,12 +47,22 @@ def pretrain_main(config_path: Path | None, overrides: dict[str, Any],
     data), 130 when interrupted twice."""
     environ = os.environ if environ is None else environ
     console = Console(stderr=True)
+    lead = _lead_process(environ)
+    if not lead:  # under a launcher: rank 0 says what every rank would say alike
+        console.quiet = True
+    say = Console(quiet=not lead)
     if config_path is None and not set(overrides) & _RUN_FIELDS:
         # No model, layout, training or data given: the demo (output flags such as --dry-run,
         # --overwrite, --out-dir still apply to it).
         config_path = DEMO_CONFIG
-        Console().print(f"no run given: the 3D demo, {DEMO_CONFIG} (tiny GPT, TP 2 x PP 2 x "
+        say.print(f"no run given: the 3D demo, {DEMO_CONFIG} (tiny GPT, TP 2 x PP 2 x "
                         "DP 2 on 8 processes); `mt pretrain --help` for the flags",
+                        highlight=False, markup=False)
+    elif config_path is None and not set(overrides) & _LAYOUT_FIELDS:
+        # Said, so that adding --train-steps to the demo's command is no silent change.
+        given = " ".join(f"--{k.replace('_', '-')}" for k in sorted(set(overrides) & _RUN_FIELDS))
+        say.print(f"{given} given, so not the 3D demo: every degree is 1, on one "
+                        "process unless --nproc (add --config demo-3d to start from the demo)",
                         highlight=False, markup=False)
     from mt_checkpoint import CheckpointError
     from mt_dist import LaunchError  # a launcher environment that does not add up
@@ -72,6 +83,7 @@ def pretrain_main(config_path: Path | None, overrides: dict[str, Any],
         _error(console, str(err))
         return 2
     except (LaunchFailed, NonFiniteLossError, OSError) as err:  # disk full, permissions...
+        console.quiet = False  # this rank's own failure, perhaps its alone: always said
         _error(console, str(err))
         return 1
     except (Interrupted, KeyboardInterrupt) as err:
@@ -80,6 +92,16 @@ def pretrain_main(config_path: Path | None, overrides: dict[str, Any],
     if summary is not None:
         _print_summary(Console(soft_wrap=True), summary)
     return 0
+
+
+def _lead_process(environ: Mapping[str, str]) -> bool:
+    """Whether this process speaks for the run: not under a launcher, or its rank 0."""
+    from mt_dist import LaunchError, discover
+
+    try:
+        return discover(environ).rank == 0
+    except LaunchError:
+        return True  # reported by the launch itself, once it reads the same variables
 
 
 def _print_summary(console: Console, summary: Any) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import importlib.util
 import inspect
 import math
 import textwrap
@@ -137,6 +138,9 @@ def build_config(nested: Mapping[str, Any], flat: Mapping[str, Any],
     except TypeError as err:
         raise ConfigError(str(err)) from None
     config = PretrainConfig(**sections)
+    if config.checkpoint.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError("--tensorboard needs the tensorboard package, which is not "
+                          "installed: pip install tensorboard (or leave out --tensorboard)")
     _check_blend(config.data)
     missing = [str(p) for p in dataset_paths(config.data) if not p.is_dir()]
     if missing:
