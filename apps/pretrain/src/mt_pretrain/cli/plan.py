@@ -138,7 +138,8 @@ def _search(gpt: Any, gpu: GPUSpec, gpus: int, global_batch: int, zero: int, sch
         raise _fail(f"none of the {len(layouts)} layouts on {gpus} x {gpu.name} fits in memory: "
                     f"the leanest (tp {lay.tp} x pp {lay.pp} x dp {lay.dp}, micro-batch "
                     f"{lay.micro_batch}, recompute {lay.recompute}) needs "
-                    f"{least.memory_per_gpu_gb:.1f} GB of the {gpu.memory_bytes / 1e9:.0f} GB per GPU; "
+                    f"{least.memory_per_gpu_gb:.1f} GB of the {gpu.memory_bytes / 1e9:.0f} GB "
+                    "per GPU; "
                     "use more GPUs or ZeRO stage 3")
     quick.sort(key=lambda e: -e.tokens_per_s)
     best = [estimate(gpt, e.layout, gpu) for e in quick[:2 * top]]
