@@ -198,3 +198,27 @@ def test_convert_refuses_a_pretrain_checkpoint_with_flipped_bytes(tmp_path: Path
         with pytest.raises(ConvertError, match=rf"{rank}: damaged \(its checksum is crc32c:"):
             convert_checkpoint(folder, tmp_path / to, to=to, dp=2 if to == "pretrain" else None)
         assert not (tmp_path / to).exists()
+
+
+def test_convert_folders_follow_the_umask(source: tuple[Path, GPT, dict[str, Any]],
+                                          tmp_path: Path) -> None:
+    """Teammates on a shared cluster can read an export (was: mode 0700, from mkdtemp)."""
+    import os
+
+    folder, _, _ = source
+    old = os.umask(0o022)
+    try:
+        convert_checkpoint(folder, tmp_path / "shared", to="consolidated")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "shared").stat().st_mode & 0o777 == 0o755
+
+
+def test_convert_never_writes_into_or_over_its_source(
+        source: tuple[Path, GPT, dict[str, Any]], tmp_path: Path) -> None:
+    folder, _, _ = source
+    for destination, how in ((folder, "is"), (folder / "export", "lies inside"),
+                             (folder.parent, "holds")):
+        with pytest.raises(ConvertError, match=rf"the destination {how} the source checkpoint"):
+            convert_checkpoint(folder, destination, to="consolidated", overwrite=True)
+    assert (folder / "rank-00000.pt").is_file() and (folder / "meta.json").is_file()

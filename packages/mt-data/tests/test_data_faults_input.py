@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 from pathlib import Path
 
 import pyarrow as pa
@@ -325,3 +326,44 @@ def test_overwrite_never_deletes_an_input(docs, tmp_path: Path) -> None:
                            env={"COLUMNS": "300"})
     assert result.exit_code == 2 and "holds the input" in result.output, result.output
     assert (tok / "tokenizer.json").read_bytes() == saved
+
+
+def test_a_lone_surrogate_is_a_bad_line_naming_file_and_line(docs, tmp_path: Path) -> None:
+    """JSON can escape half a UTF-16 pair (\\ud800), which is no UTF-8 text: a bad line,
+    counted under --on-error skip and named under stop (was: the whole run aborted with
+    "'utf-8' codec can't encode", no file, no line)."""
+    path = tmp_path / "s.jsonl"
+    good = _lines(docs, 40).decode().splitlines()
+    good.insert(7, '{"text": "a lone \\ud800 surrogate among words"}')
+    path.write_text("\n".join(good) + "\n")
+    log = ErrorLog("skip")
+    texts = _texts(list(iter_documents([path], IngestConfig(), log)))
+    assert len(texts) == 40 and dict(log.counts) == {"utf8": 1}
+    assert log.errors == [InputError(str(path), 8, "utf8", "the text holds a lone surrogate "
+                                     "'\\ud800' at character 7: not UTF-8 text")]
+    result = runner.invoke(app, ["prepare", str(path), "-o", str(tmp_path / "o"),
+                                 "--on-error", "stop", *FAST], env={"COLUMNS": "300"})
+    assert result.exit_code == 2 and f"{path}:8: utf8: the text holds a lone surrogate" in (
+        result.output), result.output
+
+
+def test_a_full_disk_names_the_output(docs, tmp_path: Path) -> None:
+    """Writes past a file-size limit fail as on a full disk: one line naming the output
+    folder (was: "[Errno 28] No space left on device", no path)."""
+    import resource
+    import signal
+    import subprocess
+    import sys
+
+    def limit() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, 20_000))
+
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(_lines(docs, 600))
+    out = tmp_path / "out"
+    done = subprocess.run([sys.executable, "-c", "from mt_data.cli import app; app()", "prepare",
+                           str(path), "-o", str(out), *FAST], capture_output=True, text=True,
+                          preexec_fn=limit, env={**os.environ, "COLUMNS": "300"})
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"error: {out}: writing failed: File too large" in done.stdout + done.stderr

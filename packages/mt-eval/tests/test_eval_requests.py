@@ -148,6 +148,11 @@ def test_bad_tasks_name_the_file_line_and_field(tmp_path: Path) -> None:
                    '{"context": "b", "choices": ["x", "y"], "label": 2}\n')
     with pytest.raises(TaskError, match=r"bad.jsonl:2: 'label' must be an index into the 2"):
         load_task(str(bad))
+    bad.write_text('{"context": "a", "choices": ["x", "y"], "label": 0}\n'
+                   '{"context": "b", "choices": ["x", "y"], "label": true}\n')
+    with pytest.raises(TaskError, match=r"bad.jsonl:2: 'label' must be an index into the 2 "
+                       r"choices, got True"):  # was: read as index 1
+        load_task(str(bad))
     bad.write_text('{"context": "a", "choices": ["x"], "label": 0}\n{"context": "b"}\n')
     with pytest.raises(TaskError, match=r"bad.jsonl:2: field 'choices' is missing"):
         load_task(str(bad))

@@ -105,11 +105,14 @@ def _fail(message: str) -> None:
 
 
 @contextmanager
-def _errors() -> Iterator[None]:
-    """Turn a failure into one ``error: ...`` line and exit status 2."""
+def _errors(writing: Path | None = None) -> Iterator[None]:
+    """Turn a failure into one ``error: ...`` line and exit status 2; an operating-system
+    error that names no file (Arrow's writers raise such) names ``writing``, the output."""
     try:
         yield
     except (DataError, ValueError, OSError) as exc:
+        if isinstance(exc, OSError) and exc.filename is None and writing is not None:
+            _fail(f"{writing}: writing failed: {exc.strerror or exc}")
         _fail(str(exc))
 
 
@@ -168,7 +171,7 @@ def prepare_cmd(
 
     Rerunning the same command after an interruption resumes at the chunk/shard level.
     """
-    with _errors():
+    with _errors(writing=output):
         if quality_filters:
             basic = FilterConfig("NFC" if normalize else None, min_chars, max_chars, min_words,
                                  max_symbol_ratio, min_alpha_words, max_html_ratio,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -138,6 +139,11 @@ class _Batcher:
         return batch
 
 
+#: A JSON escape of a UTF-16 surrogate (``\\ud800``-``\\udfff``): only lines holding one can
+#: decode to a string that is not UTF-8 text.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
 def source_name(path: Path) -> str:
     """Default source of a file's documents: its name without extensions."""
     return path.name.split(".")[0] or path.name
@@ -184,7 +190,16 @@ def _parse_line(raw: bytes, config: IngestConfig, path: Path, line_no: int, log:
         return None
     if isinstance(record, dict):
         tally.count(record, config.text_key)
-    return _json_fields(record, config, path, line_no, log)
+    fields = _json_fields(record, config, path, line_no, log)
+    if fields is not None and _SURROGATE_ESCAPE.search(line):
+        for name, value in zip(("id", "source", "text"), fields):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as exc:  # an escaped half of a UTF-16 pair, alone
+                log.report(path, line_no, "utf8", f"the {name} holds a lone surrogate "
+                           f"{value[exc.start]!r} at character {exc.start}: not UTF-8 text")
+                return None
+    return fields
 
 
 def read_jsonl(path: Path, config: IngestConfig, log: ErrorLog, start: int = 0,

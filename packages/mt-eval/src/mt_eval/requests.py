@@ -93,7 +93,8 @@ def _gold_index(target: Any, choices: list[str], where: str) -> int:
         if target not in choices:
             raise TaskError(f"{where}: target {target!r} is not one of the choices")
         return choices.index(target)
-    if not isinstance(target, int) or not 0 <= target < len(choices):
+    if isinstance(target, bool) or not isinstance(target, int) or not (
+            0 <= target < len(choices)):  # JSON true is no index (Python's 1)
         raise TaskError(f"{where}: target {target!r} is not an index into {len(choices)} "
                         "choices")
     return target

@@ -146,7 +146,8 @@ def jsonl_task(path: Path) -> Task:
             choices, label = row["choices"], row["label"]
             if not isinstance(choices, list) or not all(isinstance(c, str) for c in choices):
                 raise TaskError(f"{path}:{number}: 'choices' must be a list of strings")
-            if not isinstance(label, int) or not 0 <= label < len(choices):
+            if isinstance(label, bool) or not isinstance(label, int) or not (
+                    0 <= label < len(choices)):  # JSON true is no index (Python's 1)
                 raise TaskError(f"{path}:{number}: 'label' must be an index into the "
                                 f"{len(choices)} choices, got {label!r}")
         elif not isinstance(row["text"], str) or len(row["text"].split(" ")) < 2:
