@@ -50,6 +50,8 @@ def step_folder(path: Path) -> Path:
 def load_rank_file(folder: Path, meta: CheckpointMeta, rank: int) -> Any:
     """Rank ``rank``'s file of the step folder ``folder``, checked against the checksum its
     ``meta.json`` records, then read weights-only and memory-mapped."""
+    if not (folder / rank_file(rank)).is_file():
+        raise ConvertError(f"{folder / rank_file(rank)}: file not found (incomplete checkpoint)")
     try:
         path = verify_rank_file(folder, rank, meta)
     except CheckpointError as err:
