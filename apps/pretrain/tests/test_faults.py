@@ -151,16 +151,17 @@ def test_a_run_folder_in_use_is_refused_and_a_killed_holder_blocks_nothing(
     """The same job twice on one folder (a requeue while the first still runs): the second
     is refused in one line naming the holder, and touches nothing. A holder killed with -9
     leaves its lock file behind, which blocks nobody (the kernel drops the lock)."""
-    with run_folder_lock(tmp_path):
-        with pytest.raises(ConfigError, match=rf"{tmp_path} is in use by another run \(pid "
+    checkpoints = tmp_path / "checkpoints"
+    with run_folder_lock(checkpoints):
+        with pytest.raises(ConfigError, match=rf"{checkpoints} is in use by another run \(pid "
                            rf"{os.getpid()} on .*\): wait for it to end, or choose another "
-                           r"--out-dir"):
-            _run(tmp_path, cache, train_steps=2, load=str(tmp_path / "checkpoints"))
-    assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK_FILE]
+                           r"--out-dir or --save"):
+            _run(tmp_path, cache, train_steps=2, load=str(checkpoints))
+    assert sorted(p.name for p in tmp_path.rglob("*")) == [LOCK_FILE, "checkpoints"]
     holder = subprocess.Popen([sys.executable, "-c", (
         "import sys, time; from mt_pretrain.run.folder import run_folder_lock\n"
         "with run_folder_lock(sys.argv[1]):\n    print('held', flush=True); time.sleep(600)"),
-        str(tmp_path)], stdout=subprocess.PIPE, text=True)
+        str(checkpoints)], stdout=subprocess.PIPE, text=True)
     assert holder.stdout is not None and holder.stdout.readline() == "held\n"
     with pytest.raises(ConfigError, match=rf"pid {holder.pid} on "):
         _run(tmp_path, cache, train_steps=2)

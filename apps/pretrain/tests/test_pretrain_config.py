@@ -98,6 +98,10 @@ def test_every_field_has_help_text_and_a_flag() -> None:
                  "--precision", "--save-interval", "--load", "--metrics", "--dry-run", "--config"):
         assert flag in result.output
     assert "Pipeline schedule: gpipe, 1f1b or interleaved" in result.output
+    from mt_model import PRESETS
+
+    model_help = field_docs(SECTIONS["model"])["model"]
+    assert all(name in model_help for name in PRESETS), model_help  # none forgotten
 
 
 def test_cli_rejects_bad_layout_with_exit_code_2() -> None:

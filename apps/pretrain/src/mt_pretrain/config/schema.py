@@ -69,8 +69,9 @@ class ModelArgs:
 
     model: str | None = None
     """Model preset: tiny (the default), gpt2-small, gpt2-medium, gpt2-large, gpt2-xl, 1.3b,
-    8.3b, mt-nlg-530b. With --load the checkpoint's model is used, and a preset given here
-    must have its shape."""
+    8.3b, mt-nlg-530b (GPT-2 blocks); llama-test, llama-3.2-1b, llama-3.1-8b (the Llama
+    family). With --load the checkpoint's model is used, and a preset given here (with any
+    shape flags) must have its shape."""
     n_layers: int | None = None
     """Override the preset's number of transformer layers."""
     hidden: int | None = None

@@ -7,9 +7,9 @@ Trainer refuses a non-empty output folder without ``--overwrite_output_dir``. Re
 (``--load`` of a checkpoint inside the run's own checkpoint folder) keeps everything: the
 metrics file keeps its lines up to the resume step.
 
-One run at a time: rank 0 holds an exclusive lock on ``OUT_DIR/.mt-run.lock`` (``flock``) for
-the whole run, so the same job started twice (a requeue while the old job still runs) is
-refused in one line naming the holder. The kernel releases the lock when its holder exits or
+One run at a time: rank 0 holds an exclusive lock (``flock``) on ``.mt-run.lock`` in the run's
+checkpoint folder (``--out-dir`` when it saves none) for the whole run, so the same job started
+twice (a requeue while the old job still runs) is refused in one line naming the holder. The kernel releases the lock when its holder exits or
 is killed, so a killed job never leaves a lock that blocks the next one.
 """
 
@@ -34,23 +34,24 @@ LOCK_FILE = ".mt-run.lock"
 
 
 @contextmanager
-def run_folder_lock(out_dir: str | Path) -> Iterator[None]:
-    """Hold the run folder's lock for the ``with`` body; :class:`ConfigError` at once if
-    another process holds it (its host, pid and start time in the message) or the folder
-    cannot be written."""
-    path = Path(out_dir) / LOCK_FILE
+def run_folder_lock(folder: str | Path) -> Iterator[None]:
+    """Hold the lock of ``folder`` (a run's checkpoint folder) for the ``with`` body;
+    :class:`ConfigError` at once if another process holds it (its host, pid and start time in
+    the message) or the folder cannot be written."""
+    path = Path(folder) / LOCK_FILE
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
     except OSError as err:
-        raise ConfigError(f"--out-dir {out_dir}: cannot write there ({err.strerror})") from None
+        raise ConfigError(f"{folder}: cannot write there ({err.strerror}); choose another "
+                          "--out-dir or --save") from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 256, 0).decode("utf-8", "replace").strip() or "unknown"
-            raise ConfigError(f"{out_dir} is in use by another run ({holder}): wait for it "
-                              "to end, or choose another --out-dir") from None
+            raise ConfigError(f"{folder} is in use by another run ({holder}): wait for it "
+                              "to end, or choose another --out-dir or --save") from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since "
                       f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode(), 0)

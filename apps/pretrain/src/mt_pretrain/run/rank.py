@@ -145,7 +145,9 @@ def _claim_run_folder(ckpt: CheckpointArgs, groups: ParallelGroups, held: ExitSt
     verdict: list[str | None] = [None]
     if groups.rank == 0:
         try:
-            held.enter_context(run_folder_lock(ckpt.out_dir))
+            # The checkpoint folder is what two jobs of one run would fight over (its
+            # --out-dir may be shared by runs that save elsewhere).
+            held.enter_context(run_folder_lock(ckpt.save_dir or ckpt.out_dir))
             claim_run_folder(ckpt)
         except ConfigError as err:
             verdict[0] = str(err)
