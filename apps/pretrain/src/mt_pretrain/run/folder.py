@@ -9,8 +9,9 @@ metrics file keeps its lines up to the resume step.
 
 One run at a time: rank 0 holds an exclusive lock (``flock``) on ``.mt-run.lock`` in the run's
 checkpoint folder (``--out-dir`` when it saves none) for the whole run, so the same job started
-twice (a requeue while the old job still runs) is refused in one line naming the holder. The kernel releases the lock when its holder exits or
-is killed, so a killed job never leaves a lock that blocks the next one.
+twice (a requeue while the old job still runs) is refused in one line naming the holder. The
+kernel releases the lock when its holder exits or is killed, so a killed job never leaves a
+lock that blocks the next one.
 """
 
 from __future__ import annotations
