@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -48,6 +49,27 @@ def test_progress_line_shows_mfu() -> None:
     lines = out.getvalue().splitlines()
     assert "1,000 tok/s MFU 12.3%" in lines[0]
     assert "MFU n/a" in lines[1]
+
+
+def test_live_progress_line_keeps_step_bar_and_eta_on_80_columns() -> None:
+    """On a terminal of 80 columns the live line stays one row with the step, the bar and
+    the ETA; the numbers that do not fit are left out, the loss first to stay (was: the
+    step, bar and ETA were pushed out by the numbers)."""
+    out = io.StringIO()
+    console = Console(file=out, width=80, force_terminal=True, color_system=None)
+    reporter = Reporter(300, 0, True, True, 1, console=console)
+
+    class Stats:
+        step, loss, lr, tokens_per_s, tflops_per_rank = 7, 4.5432, 3e-4, 12345.0, 0.02
+        grad_norm, mfu, peak_mem_gib = 1.0, 0.221, 0.43
+
+    reporter.step(Stats())
+    reporter.close()
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out.getvalue())  # cursor controls
+    last = [line for line in text.replace("\r", "\n").splitlines() if line.strip()][-1]
+    assert len(last.rstrip()) <= 80, last
+    assert "step" in last and "7/300" in last and "eta" in last and "loss 4.5432" in last, last
+    assert "12,345 tok/s" in last, last
 
 
 def test_pretrain_metrics_carry_mfu(tmp_path: Path, cache: Path) -> None:

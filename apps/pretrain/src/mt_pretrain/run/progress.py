@@ -31,6 +31,22 @@ def _memory(stats: Any) -> str:
     return "" if peak is None else f" mem {peak:.2f} GiB"
 
 
+#: Columns of the live line besides the numbers: "step", the bar, elapsed time, "eta", the
+#: remaining time and the gaps (the step counts come on top).
+BAR_COLUMNS = 40
+
+
+def _fit(parts: list[str], room: int) -> str:
+    """As many of ``parts`` (in order, empty ones skipped) as fit in ``room`` characters."""
+    out = ""
+    for part in filter(None, parts):
+        joined = f"{out} {part}" if out else part
+        if len(joined) > room:
+            break
+        out = joined
+    return out
+
+
 class Reporter:
     """Progress display of rank 0 (every other rank passes ``enabled=False``).
 
@@ -72,11 +88,17 @@ class Reporter:
         rate = stats.tokens_per_s
         self._tokens_per_s = rate if self._tokens_per_s is None else (
             0.8 * self._tokens_per_s + 0.2 * rate)
-        info = (f"loss {stats.loss:.4f} lr {stats.lr:.1e} {self._tokens_per_s:,.0f} tok/s "
-                f"{_mfu(stats)} {stats.tflops_per_rank * 1e3:.2f} GFLOP/s/rank{_memory(stats)}")
+        parts = [f"loss {stats.loss:.4f}", f"{self._tokens_per_s:,.0f} tok/s", _mfu(stats),
+                 _memory(stats).strip(), f"lr {stats.lr:.1e}",
+                 f"{stats.tflops_per_rank * 1e3:.2f} GFLOP/s/rank"]
         if self._progress is not None:
-            self._progress.update(self._task, completed=stats.step, info=info)
-        elif stats.step % self.log_interval == 0 or stats.step == self.total:
+            # The step, bar, times and ETA take BAR_COLUMNS; the numbers get what is left, the
+            # most telling first, so a narrow terminal keeps the whole line on one row.
+            room = max(self.console.width - BAR_COLUMNS - len(str(self.total)) * 2, 12)
+            self._progress.update(self._task, completed=stats.step, info=_fit(parts, room))
+            return
+        info = " ".join([parts[0], parts[4], parts[1], parts[2], parts[5]]) + _memory(stats)
+        if stats.step % self.log_interval == 0 or stats.step == self.total:
             self.console.print(f"step {stats.step:>6}/{self.total}  {info}  grad norm "
                                f"{stats.grad_norm:.3f}", highlight=False)
 
