@@ -50,7 +50,7 @@ def pretrain_main(config_path: Path | None, overrides: dict[str, Any],
     lead = _lead_process(environ)
     if not lead:  # under a launcher: rank 0 says what every rank would say alike
         console.quiet = True
-    say = Console(quiet=not lead)
+    say = Console(quiet=not lead or str(overrides.get("quiet", "")).lower() in ("true", "1"))
     if config_path is None and not set(overrides) & _RUN_FIELDS:
         # No model, layout, training or data given: the demo (output flags such as --dry-run,
         # --overwrite, --out-dir still apply to it).

@@ -406,6 +406,9 @@ class CheckpointArgs:
     """Print a log line every this many steps (when no progress bar is shown)."""
     progress: bool = True
     """Show a progress bar on rank 0 when the output is a terminal."""
+    quiet: bool = False
+    """Print only errors and the end-of-run summary: no banner, progress, log or
+    validation lines (the metrics file still gets every step)."""
     peak_tflops: float | None = None
     """Peak TFLOP/s of one rank's device, the denominator of the MFU (model FLOPs
     utilization) shown next to tokens/s and written as `mfu` in the metrics; default:

@@ -170,7 +170,8 @@ def _train(config: PretrainConfig, plan: RunPlan, groups: ParallelGroups, device
     if resuming:
         start_step, state = engine.load(ckpt.load)
     loader, valid = make_loaders(config.data, config.train, plan, paths, groups.dp_rank, state)
-    reporter = Reporter(plan.train_steps, start_step, rank0, ckpt.progress, ckpt.log_interval)
+    reporter = Reporter(plan.train_steps, start_step, rank0 and not ckpt.quiet, ckpt.progress,
+                        ckpt.log_interval)
     topo = plan.topology
     if rank0:  # which launcher placed the ranks ("single": this command's --nproc)
         source = "--nproc" if launcher == "single" else launcher
