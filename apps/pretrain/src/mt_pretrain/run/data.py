@@ -111,7 +111,11 @@ def check_vocab(plan: RunPlan, paths: list[Path]) -> None:
         size = info.get("vocab_size") if isinstance(info, dict) else None
         if size is not None and size > vocab:
             raise ConfigError(f"dataset {path} uses a tokenizer of {size} ids but the model "
-                              f"vocabulary has {vocab}: use --vocab-size >= {size}")
+                              f"vocabulary has {vocab}: use --vocab-size >= {size} or a model "
+                              f"whose vocabulary holds it (--model gpt2-small for `mt data "
+                              f"prepare`'s default GPT-2 tokenizer), or prepare the data with "
+                              f"a tokenizer of at most {vocab} ids (--tokenizer tokenizer-1k "
+                              f"for the tiny model)")
         if largest >= vocab:
             raise ConfigError(f"dataset {path} holds token id {largest} (max_token_id in its "
                               f"index.json) but the model vocabulary has {vocab} ids: use "
