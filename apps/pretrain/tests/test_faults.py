@@ -134,6 +134,31 @@ def test_a_damaged_meta_falls_back_or_is_one_clear_error(cache: Path, tmp_path: 
     assert resumed.start_step == 2
 
 
+def test_meta_json_fields_of_the_wrong_type_are_one_clear_error(cache: Path,
+                                                               tmp_path: Path) -> None:
+    """A hand-edited meta.json (its checksum removed, as an old file has none) with a field
+    of the wrong type: one line naming the file (was: a GPTConfigError traceback)."""
+    import json
+    import shutil
+
+    _run(tmp_path / "a", cache, train_steps=2)
+    for name, edit, words in [
+            ("model", lambda m: m["model"].update(n_layers="x"),
+             "meta.json: damaged model (invalid GPTConfig: n_layers must be a positive int"),
+            ("styles", lambda m: m.update(styles=5), "meta.json: damaged (AttributeError"),
+            ("tokenizer", lambda m: m.update(tokenizer=5),
+             "meta.json: damaged (tokenizer 5 is not a name or a path)")]:
+        folder = tmp_path / name / "step-00000002"
+        shutil.copytree(tmp_path / "a" / "checkpoints" / "step-00000002", folder)
+        meta = json.loads((folder / "meta.json").read_text())
+        del meta["crc32c"]
+        edit(meta)
+        (folder / "meta.json").write_text(json.dumps(meta))
+        with pytest.raises(CheckpointError) as err:
+            _run(tmp_path / name / "run", cache, train_steps=4, save="none", load=str(folder))
+        assert words in str(err.value) and "\n" not in str(err.value), (name, str(err.value))
+
+
 def test_a_run_folder_is_never_overwritten_silently(cache: Path, tmp_path: Path) -> None:
     first = _run(tmp_path, cache, train_steps=2)
     with pytest.raises(ConfigError, match=r"holds a previous run \(checkpoints in .*; metrics "

@@ -135,6 +135,9 @@ class CheckpointMeta:
                 files={str(k): dict(v) for k, v in (data.get("files") or {}).items()})
         except (KeyError, TypeError, ValueError, AttributeError) as err:
             raise CheckpointError(f"{where}: damaged ({type(err).__name__}: {err})") from None
+        if not isinstance(meta.tokenizer, (str, type(None))):
+            raise CheckpointError(f"{where}: damaged (tokenizer {meta.tokenizer!r} is not a "
+                                  "name or a path)")
         if sorted(meta.stage_params) != list(range(layout.pp)):
             raise CheckpointError(f"{where}: stage_params names stages "
                                   f"{sorted(meta.stage_params)}, the layout has pp {layout.pp}")

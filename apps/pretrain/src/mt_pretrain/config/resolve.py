@@ -11,9 +11,14 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from mt_checkpoint import find_checkpoint, fresh_start, read_meta
+from mt_checkpoint import CheckpointError, find_checkpoint, fresh_start, read_meta
 from mt_dist import Topology, TopologyError
-from mt_model import GPTConfig, count_parameters, model_flops_per_token_training
+from mt_model import (
+    GPTConfig,
+    GPTConfigError,
+    count_parameters,
+    model_flops_per_token_training,
+)
 from mt_pipeline import PartitionError, PipelineConfig, PipelinePlan, ScheduleError, plan_pipeline
 from mt_plan.estimate import peak_in_flight, stage_memory
 from mt_plan.gpus import GPUSpec
@@ -90,6 +95,15 @@ def _steps_and_samples(config: PretrainConfig, rampup: tuple[int, int, int] | No
     return steps, consumed
 
 
+def saved_model(model: Any, folder: Any) -> GPTConfig:
+    """The model a checkpoint's ``meta.json`` records (``model``), or a CheckpointError
+    naming the file when it is not a model config (a field of the wrong type...)."""
+    try:
+        return GPTConfig.from_dict(dict(model))
+    except (GPTConfigError, TypeError, ValueError, KeyError) as err:
+        raise CheckpointError(f"{folder}/meta.json: damaged model ({err})") from None
+
+
 def model_of(config: PretrainConfig) -> tuple[GPTConfig, int]:
     """(the model to build, the training sequence length): from the flags, or with --load
     from the checkpoint (see :meth:`~mt_pretrain.config.schema.ModelArgs.on_checkpoint`)."""
@@ -97,7 +111,7 @@ def model_of(config: PretrainConfig) -> tuple[GPTConfig, int]:
     if load and CHECKPOINT_HAS_MODEL[config.parallel.engine] and not fresh_start(
             load, config.checkpoint.save_dir):
         folder = find_checkpoint(load)
-        saved = GPTConfig.from_dict(read_meta(folder).model)
+        saved = saved_model(read_meta(folder).model, folder)
         return config.model.on_checkpoint(saved, str(folder))
     gpt = config.model.gpt_config()
     return gpt, gpt.seq_len

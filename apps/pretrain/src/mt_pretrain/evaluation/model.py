@@ -19,6 +19,7 @@ import torch
 
 from mt_checkpoint import CheckpointError, find_checkpoint, read_meta
 from mt_model import GPTConfig
+from mt_pretrain.config.resolve import saved_model
 from mt_pretrain.config.schema import DataArgs
 from mt_pretrain.run.checkpoint import consolidated_model
 from mt_pretrain.run.data import run_tokenizer
@@ -83,7 +84,7 @@ def load_eval_model(path: str | Path, tokenizer: str | None = None) -> EvalModel
     folder = find_checkpoint(path)
     meta = read_meta(folder)
     model, weights = consolidated_model(folder)
-    config = GPTConfig.from_dict(model)
+    config = saved_model(model, folder)
     name = tokenizer or meta.tokenizer or _configured_tokenizer(meta.config, config.vocab_size)
     if name is None:
         raise CheckpointError(f"{folder}: the tokenizer the run trained with is not recorded "
