@@ -341,6 +341,26 @@ def test_a_damaged_dataset_shard_is_refused_at_every_layout(cache: Path, tmp_pat
              **{**layout, "dp": 1})
 
 
+def test_a_dataset_shorter_than_one_sample_is_one_line(cache: Path, tmp_path: Path) -> None:
+    """Two short documents, --seq-len 128: one line saying what to change (was: a
+    ValueError traceback from inside the rank)."""
+    import json
+
+    from mt_data.pipeline import PrepareConfig, prepare
+    from mt_data.stages import CleanConfig, FilterConfig
+
+    raw = tmp_path / "small.jsonl"
+    raw.write_text("".join(json.dumps({"text": " ".join(f"word{i}{j}" for j in range(12))})
+                           + "\n" for i in range(2)))
+    clean = CleanConfig(filters=FilterConfig(min_chars=1, min_words=1))
+    prepare([raw], tmp_path / "data", PrepareConfig(clean, "tokenizer-1k", workers=1))
+    with pytest.raises(ConfigError, match=r"train split of .*data has 2 documents and \d+ "
+                       r"tokens: no sample of 129 tokens .*: use a shorter --seq-len or more "
+                       r"data"):
+        _run(tmp_path / "run", cache, train_steps=1, save="none", data=str(tmp_path / "data"),
+             seq_len=128, nproc=1, pp=1)
+
+
 def test_token_ids_outside_the_model_vocabulary_are_refused(cache: Path, tmp_path: Path) -> None:
     """A dataset whose ids reach past the model's vocabulary (here: imported without the
     tokenizer's size, so only the recorded largest id can tell) is refused before training,

@@ -129,7 +129,11 @@ def make_loaders(data: DataArgs, train: TrainArgs, plan: RunPlan, paths: list[Pa
     check_vocab(plan, paths)
     seq_len, dp = plan.gpt.seq_len, plan.topology.dp
     schedule = BatchSchedule(train.global_batch_size, plan.rampup)
-    dataset = _dataset(data, train.seed, paths, seq_len, max(plan.train_samples, 1), "train")
+    try:
+        dataset = _dataset(data, train.seed, paths, seq_len, max(plan.train_samples, 1),
+                           "train")
+    except ValueError as err:  # too little text for one sample of --seq-len
+        raise ConfigError(f"{err}: use a shorter --seq-len or more data") from None
     loader = DPDataLoader(dataset, schedule, train.micro_batch_size, dp_rank, dp, state)
     valid = None
     if train.eval_interval and train.eval_iters:
