@@ -346,8 +346,9 @@ def test_a_dataset_shorter_than_one_sample_is_one_line(cache: Path, tmp_path: Pa
     ValueError traceback from inside the rank)."""
     import json
 
+    from mt_data.filters import FilterConfig
     from mt_data.pipeline import PrepareConfig, prepare
-    from mt_data.stages import CleanConfig, FilterConfig
+    from mt_data.stages import CleanConfig
 
     raw = tmp_path / "small.jsonl"
     raw.write_text("".join(json.dumps({"text": " ".join(f"word{i}{j}" for j in range(12))})
