@@ -4,6 +4,7 @@ a cache folder), packed GPT samples and this data-parallel rank's loader."""
 from __future__ import annotations
 
 import fcntl
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -140,8 +141,10 @@ def make_loaders(data: DataArgs, train: TrainArgs, plan: RunPlan, paths: list[Pa
         size = train.eval_iters * train.global_batch_size
         try:
             valid_set = _dataset(data, train.seed, paths, seq_len, size, "valid")
-        except ValueError:
-            valid_set = None  # no validation split (e.g. a tiny dataset): no eval
+        except ValueError as err:  # no validation split (e.g. a tiny dataset): no eval, said
+            valid_set = None
+            if dp_rank == 0:
+                warnings.warn(f"no validation: {err}", stacklevel=2)
         if valid_set is not None:
             valid = DPDataLoader(valid_set, size, train.micro_batch_size, dp_rank, dp)
     return loader, valid
