@@ -130,3 +130,27 @@ def test_llama_resumes_where_kv_heads_change_slicing(cache: Path, tmp_path: Path
                 model="llama-test")
     assert rest.start_step == 4
     assert rest.losses == pytest.approx(one.losses[4:], rel=1e-5)
+
+
+def test_the_compile_cache_is_kept_per_cpu_capability(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's inductor cache mixes kernels of different CPU capabilities (a run with
+    ATEN_CPU_CAPABILITY=avx2 after AVX-512 runs reached a NaN loss at step 1): mt keeps one
+    per capability, and never overrides a cache folder the user chose."""
+    import getpass
+    import os
+    import tempfile
+
+    from mt_pretrain.engines.mt import compile_cache_per_capability
+
+    default = os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
+    capability = torch.backends.cpu.get_cpu_capability().lower()
+    for before in (None, default):  # unset, or set by importing inductor
+        if before is None:
+            monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+        else:
+            monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", before)
+        compile_cache_per_capability()
+        assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == os.path.join(default, capability)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/tmp/mine")
+    compile_cache_per_capability()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/tmp/mine"

@@ -4,6 +4,9 @@ mt-zero's data parallelism, ZeRO, mixed precision and clipping; mt's sharded che
 from __future__ import annotations
 
 import contextlib
+import getpass
+import os
+import tempfile
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import replace
@@ -44,6 +47,19 @@ class _ScaledLoss(nn.Module):
         return loss * self.scale if self.training else loss
 
 
+def compile_cache_per_capability() -> None:
+    """One inductor cache per CPU vector capability (unless the user set TORCHINDUCTOR_CACHE_DIR):
+    torch's cache does not tell kernels compiled for one capability from another's.
+    Measured: after an AVX-512 run, the same tiny run with ATEN_CPU_CAPABILITY=avx2 loaded
+    the cached kernels and reached a NaN loss at step 1; with a cache of its own it trained
+    like one process."""
+    torch_default = os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR", torch_default) != torch_default:
+        return  # the user's choice (importing inductor sets torch's default)
+    capability = torch.backends.cpu.get_cpu_capability().lower()
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(torch_default, capability)
+
+
 class MTEngine(Engine):
     """The stage in mt-zero's :class:`~mt_zero.ZeroOptimizer`; pp > 1 runs mt-pipeline's
     executor, pp == 1 accumulates micro-batches (the DP reduction overlapping the last
@@ -66,6 +82,8 @@ class MTEngine(Engine):
             self._scaled = _ScaledLoss(stage.get_submodule(stage.layout.loss))
             stage.set_submodule(stage.layout.loss, self._scaled)
         self._call_module = config.parallel.zero_stage == 3
+        if config.parallel.compile:
+            compile_cache_per_capability()
         # pp == 1: the same (optionally compiled) forward + loss the executor runs.
         self._forward_loss = (torch.compile(stage.forward_loss) if config.parallel.compile
                               else stage.forward_loss)
