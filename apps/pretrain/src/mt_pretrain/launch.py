@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -140,6 +141,10 @@ def supervise(target: Callable[..., T], nproc: int, args: tuple[Any, ...],
         def forward(signum: int, _frame: Any) -> None:
             interrupts.append(signum)
             ranks.signal(signal.SIGTERM if len(interrupts) == 1 else signal.SIGKILL)
+            if len(interrupts) == 1:
+                print("interrupted: the ranks stop after their current step (a training run "
+                      "saves a checkpoint first); interrupt again to stop them at once",
+                      file=sys.stderr, flush=True)
 
         previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
