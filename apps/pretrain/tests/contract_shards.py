@@ -2,9 +2,10 @@
 separate targets (each well under its timeout, side by side when cores allow) and every shard
 trains the references and noise floor it needs once.
 
-A shard groups cases that share references: the fp32 GPT-2 cases (in two halves, by
-estimated cost), the bf16 cases with the Llama rows, the fp16 cases. `test_contract_matrix.py`
-checks that the shards hold every CI case exactly once.
+A shard groups cases that share references: the fp32 GPT-2 cases and the bf16 ones (each in
+two halves, by estimated cost: bf16 matmuls are emulated, ten times slower, on AVX2-only
+CPUs), the fp16 cases, the Llama rows. `test_contract_matrix.py` checks that the shards hold
+every CI case exactly once.
 """
 
 from __future__ import annotations
@@ -18,15 +19,22 @@ from mt_pretrain.contract.runner import FP32, MatrixRunner, cpu_isa
 STEPS = 10
 
 
+def _by_cost(cases: list[Case]) -> list[Case]:
+    return sorted(cases, key=_cost, reverse=True)
+
+
 def _shards() -> dict[str, list[Case]]:
     cases = ci_matrix()
-    fp32 = sorted((c for c in cases if c.layout.precision == "fp32" and c.model == "tiny"),
-                  key=_cost, reverse=True)
-    return {
+    tiny = [c for c in cases if c.model == "tiny"]
+    fp32 = _by_cost([c for c in tiny if c.layout.precision == "fp32"])
+    bf16 = _by_cost([c for c in tiny if c.layout.precision == "bf16"])
+    return {  # halves alternate by estimated cost, so each gets its share of the dearest
         "fp32-a": fp32[0::2],
         "fp32-b": fp32[1::2],
-        "bf16": [c for c in cases if c.layout.precision == "bf16" or c.model != "tiny"],
-        "fp16": [c for c in cases if c.layout.precision == "fp16"],
+        "bf16-a": bf16[0::2],
+        "bf16-b": bf16[1::2],
+        "fp16": [c for c in tiny if c.layout.precision == "fp16"],
+        "llama": [c for c in cases if c.model != "tiny"],
     }
 
 

@@ -1,8 +1,9 @@
 """The layout matrix itself (pure): at least 60 layouts, every pair of feature values that can
 occur together covered by the CI subset (the pairwise cover and two Llama rows: llama-test at
 TP 2 x PP 2 x DP 2 and TP 4 x DP 2 with SP), references as documented, and the CI subset
-split into the shards that train it (test_contract_{fp32_a,fp32_b,bf16,fp16}.py: each case
-against the run it must equal) without dropping or repeating a case. The full matrix is
+split into the shards that train it (test_contract_{fp32,bf16}_{a,b}.py, test_contract_fp16.py,
+test_contract_llama.py: each case against the run it must equal) without dropping or repeating
+a case. The full matrix is
 `mt matrix --set full` (README: its table).
 """
 
