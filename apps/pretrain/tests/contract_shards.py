@@ -10,7 +10,10 @@ every CI case exactly once.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+
+import pytest
 
 from mt_pretrain.contract.matrix import Case, _cost, ci_matrix
 from mt_pretrain.contract.runner import FP32, MatrixRunner, cpu_isa
@@ -66,3 +69,24 @@ def check_noise_floor(precision: str, runner: MatrixRunner) -> None:
         assert min(diff.loss, diff.grad_norm, diff.params) > 0.0, (precision, name, diff)
     for key in ("loss", "grad_norm", "params"):
         assert getattr(floor, key) < getattr(gap, key), (precision, key, floor, gap, cpu_isa())
+
+
+def layout_test(shard: str) -> Callable[..., None]:
+    """The test of a shard file: every case of ``shard`` against its reference (the
+    ``matrix_runner`` fixture of conftest.py trains each reference once per file)."""
+    cases = SHARDS[shard]
+
+    @pytest.mark.parametrize("case", cases, ids=[c.name for c in cases])
+    def test_layout_trains_like_its_reference(case: Case, matrix_runner: MatrixRunner,
+                                              tmp_path: Path) -> None:
+        check_case(case, matrix_runner, tmp_path)
+
+    return test_layout_trains_like_its_reference
+
+
+def floor_test(precision: str) -> Callable[..., None]:
+    """The test of a 16-bit shard file that its floor, measured here, is honest."""
+    def test_noise_floor_measured_here_is_honest(matrix_runner: MatrixRunner) -> None:
+        check_noise_floor(precision, matrix_runner)
+
+    return test_noise_floor_measured_here_is_honest
