@@ -190,6 +190,11 @@ def test_a_run_folder_in_use_is_refused_and_a_killed_holder_blocks_nothing(
     assert holder.stdout is not None and holder.stdout.readline() == "held\n"
     with pytest.raises(ConfigError, match=rf"pid {holder.pid} on "):
         _run(tmp_path, cache, train_steps=2)
+    (checkpoints / "step-00000001").mkdir()  # as if the running job had saved
+    with pytest.raises(ConfigError, match=rf"pid {holder.pid} on "):  # --overwrite too
+        _run(tmp_path, cache, train_steps=2, overwrite=True)
+    assert (checkpoints / "step-00000001").is_dir()  # the running job's, untouched
+    (checkpoints / "step-00000001").rmdir()
     holder.kill()
     holder.wait()
     assert _run(tmp_path, cache, train_steps=2).final_step == 2

@@ -30,7 +30,7 @@ from mt_pretrain.evaluation.model import as_pretrain_checkpoint
 from mt_pretrain.evaluation.rank import EvalSpec, eval_rank
 from mt_pretrain.run.checkpoint import CheckpointError
 from mt_pretrain.run.data import check_vocab, default_cache_dir, ensure_data
-from mt_pretrain.run.folder import claim_run_folder
+from mt_pretrain.run.folder import claim_run_folder, run_folder_lock
 from mt_pretrain.run.rank import RunSummary, run_rank
 from mt_pretrain.run.train import NonFiniteLossError
 
@@ -73,7 +73,9 @@ def launch(config: PretrainConfig, environ: Mapping[str, str] | None = None,
         return run_rank(config, info, cache, keep_weights)
     nproc = config.world_size_hint()
     plan = resolve(config, nproc)  # fail before starting anything
-    claim_run_folder(config.checkpoint)
+    ckpt = config.checkpoint
+    with run_folder_lock(ckpt.save_dir or ckpt.out_dir):  # no --overwrite of a running run
+        claim_run_folder(ckpt)
     # Once, here, not racing per rank.
     check_vocab(plan, ensure_data(config.data, plan.gpt.vocab_size, cache))
     # Building a meta GPT imports torch's Python reference ops (seconds); do it once before

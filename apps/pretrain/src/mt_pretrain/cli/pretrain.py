@@ -56,14 +56,14 @@ def pretrain_main(config_path: Path | None, overrides: dict[str, Any],
         # --overwrite, --out-dir still apply to it).
         config_path = DEMO_CONFIG
         say.print(f"no run given: the 3D demo, {DEMO_CONFIG} (tiny GPT, TP 2 x PP 2 x "
-                        "DP 2 on 8 processes); `mt pretrain --help` for the flags",
-                        highlight=False, markup=False)
+                  "DP 2 on 8 processes); `mt pretrain --help` for the flags",
+                  highlight=False, markup=False)
     elif config_path is None and not set(overrides) & _LAYOUT_FIELDS:
         # Said, so that adding --train-steps to the demo's command is no silent change.
         given = " ".join(f"--{k.replace('_', '-')}" for k in sorted(set(overrides) & _RUN_FIELDS))
         say.print(f"{given} given, so not the 3D demo: every degree is 1, on one "
-                        "process unless --nproc (add --config demo-3d to start from the demo)",
-                        highlight=False, markup=False)
+                  "process unless --nproc (add --config demo-3d to start from the demo)",
+                  highlight=False, markup=False)
     from mt_checkpoint import CheckpointError
     from mt_dist import LaunchError  # a launcher environment that does not add up
 
