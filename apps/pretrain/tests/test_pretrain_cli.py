@@ -37,3 +37,21 @@ def test_quiet_prints_only_the_summary(tmp_path: Path) -> None:
     assert not any(word in result.stdout for word in ("not the 3D demo", "ranks from", "step ",
                                                       "saved checkpoint"))
     assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def test_help_on_80_columns_keeps_every_flag_whole() -> None:
+    """On a terminal narrower than 100 columns `mt pretrain --help` and `mt data prepare
+    --help` use click's plain layout: no line past the width, no flag name cut (was: rich's
+    table squeezed the help column and cut `--quality-filters` to `--quality-filte…`)."""
+    for command, flags in ((["pretrain"], ["--sequence-parallel / --no-sequence-parallel",
+                                           "--activation-checkpointing", "--micro-batch-size"]),
+                           (["data", "prepare"], ["--quality-filters / --no-quality-filters",
+                                                  "--max-repeated-lines <float>"])):
+        result = CliRunner().invoke(app, [*command, "--help"], env={"COLUMNS": "80"})
+        assert result.exit_code == 0, result.output
+        assert max(len(line) for line in result.output.splitlines()) <= 80, result.output
+        assert "…" not in result.output
+        for flag in flags:
+            assert flag in result.output, (command, flag)
+    wide = CliRunner().invoke(app, ["pretrain", "--help"], env={"COLUMNS": "200"})
+    assert "╭─ Parallelism" in wide.output  # rich panels where there is room

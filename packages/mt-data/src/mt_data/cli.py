@@ -7,11 +7,12 @@ exit status 2, never a traceback.
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -27,6 +28,7 @@ from rich.progress import (
 )
 from rich.table import Table
 from rich.text import Text
+from typer.core import TyperCommand
 
 from mt_data.decontam import DecontamConfig
 from mt_data.dedup import DedupConfig
@@ -39,6 +41,27 @@ from mt_data.quality import parse_rule_sets
 from mt_data.shards import TokenDataset
 from mt_data.stages import CleanConfig
 from mt_data.tokenizer import TokenizerError, load_tokenizer, train_tokenizer
+
+#: Below this many columns --help is click's plain layout (see :class:`HelpFitsTerminal`).
+NARROW_COLUMNS = 100
+
+
+class HelpFitsTerminal(TyperCommand):
+    """A command whose ``--help`` fits the terminal: rich panels on a wide one; below
+    :data:`NARROW_COLUMNS`, click's plain layout, which wraps each flag's help under it and
+    never cuts a flag's name (rich's table squeezes the columns and cuts ``--x/--no-x``
+    pairs at 80)."""
+
+    def format_help(self, ctx: Any, formatter: Any) -> None:
+        if shutil.get_terminal_size().columns >= NARROW_COLUMNS:
+            super().format_help(ctx, formatter)
+            return
+        mode, self.rich_markup_mode = self.rich_markup_mode, None  # Typer's plain path
+        try:
+            super().format_help(ctx, formatter)
+        finally:
+            self.rich_markup_mode = mode
+
 
 app = typer.Typer(name="data", help="Arrow data pipeline: raw text -> deduplicated, tokenized "
                   "shards -> packed GPT samples; Megatron .bin/.idx interop.",
@@ -124,7 +147,7 @@ def _bad_inputs(samples: list[str], total: int) -> None:
                       highlight=False)
 
 
-@app.command("prepare")
+@app.command("prepare", cls=HelpFitsTerminal)
 def prepare_cmd(
     inputs: Annotated[list[Path], typer.Argument(help="JSONL / Parquet / text files or folders "
                                                  "(.gz and .zst read transparently).")],

@@ -15,6 +15,7 @@ from typing import Annotated, Any
 
 import typer
 
+from mt_data.cli import HelpFitsTerminal
 from mt_data.cli import app as data_app
 from mt_pretrain.cli.eval import _HELP as _EVAL_HELP
 from mt_pretrain.cli.eval import eval_command
@@ -107,6 +108,7 @@ _PRETRAIN_HELP = (
 app.command(
     "pretrain",
     help=_PRETRAIN_HELP,
+    cls=HelpFitsTerminal,
     context_settings={"max_content_width": 110},
 )(with_config_options(_pretrain))
 
