@@ -20,6 +20,7 @@ rank processes, never in this process.
 
 from __future__ import annotations
 
+import json
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from typing import Any
 import pytest
 from conftest import run_pretrain
 
+from mt_checkpoint import MANIFEST, CheckpointError
 from mt_pretrain.config.load import load_config
 from mt_pretrain.config.schema import ConfigError
 
@@ -136,13 +138,29 @@ def test_pretrain_deepspeed_exact_resume(stage: int, cache: Path, tmp_path: Path
     assert resumed.losses == full.losses[3:]
 
 
-def test_pretrain_deepspeed_refuses_another_layout(cache: Path, tmp_path: Path) -> None:
+def test_pretrain_deepspeed_refuses_another_layout_and_damaged_files(cache: Path,
+                                                                     tmp_path: Path) -> None:
+    """A DeepSpeed-engine checkpoint resumes only at its layout, and only undamaged: mt's
+    checksums (mt-checksums.json) list every file of the step folder, DeepSpeed's own
+    included, and 64 flipped bytes inside a ZeRO optimizer shard are one line naming it."""
     pytest.importorskip("deepspeed")
     fast = {"engine": "deepspeed", "train_steps": 1, "eval_interval": 0, "sample_tokens": 0}
     _run(tmp_path / "a", cache, **fast)
     with pytest.raises(Exception, match="same layout"):
         _run(tmp_path / "b", cache, tp=2, save="none",
              load=str(tmp_path / "a" / "checkpoints"), **{**fast, "train_steps": 2})
+    folder = tmp_path / "a" / "checkpoints" / "step-00000001"
+    listed = json.loads((folder / MANIFEST).read_text())["files"]
+    assert set(listed) == {p.name for p in folder.iterdir() if p.name != MANIFEST}
+    shard = next(folder / name for name in sorted(listed) if "optim_states" in name)
+    with open(shard, "r+b") as f:  # flip 64 bytes in the middle, size unchanged
+        f.seek(shard.stat().st_size // 2)
+        middle = f.read(64)
+        f.seek(-64, 1)
+        f.write(bytes(b ^ 0xFF for b in middle))
+    with pytest.raises(CheckpointError, match=rf"{shard.name}: damaged \(its checksum is "
+                       r"crc32c:[0-9a-f]{8}, mt-checksums.json recorded"):
+        _run(tmp_path / "c", cache, save="none", load=str(folder), **{**fast, "train_steps": 2})
 
 
 @pytest.mark.parametrize("options, words", [

@@ -8,6 +8,8 @@
   one), writing and weights-only reading of rank files, the atomic publish protocol.
 - :mod:`mt_checkpoint.checksums`: every rank file's size and CRC-32C in ``meta.json`` (and
   ``meta.json``'s own), checked whenever a file is read.
+- :mod:`mt_checkpoint.manifest`: the same checksums for a folder another library wrote
+  (DeepSpeed's engine), in ``mt-checksums.json``, computed and verified by all ranks in parts.
 - :class:`SavedLayout`: the layout a checkpoint was written at; which rank file holds which
   (stage, replica, TP slice), in mt-dist's rank order.
 - :mod:`mt_checkpoint.reshard`: optimizer state and weights merged to full shape and cut
@@ -33,11 +35,19 @@ from mt_checkpoint.format import (
     write_synced,
 )
 from mt_checkpoint.layout import SavedLayout
+from mt_checkpoint.manifest import (
+    folder_files,
+    read_manifest,
+    sum_files,
+    verify_files,
+    write_manifest,
+)
 from mt_checkpoint.meta import CheckpointMeta, read_meta
 from mt_checkpoint.names import (
     DATA_ORDER,
     FORMAT,
     LATEST,
+    MANIFEST,
     META,
     RANK_FORMAT,
     CheckpointError,
@@ -53,6 +63,7 @@ __all__ = [
     "DATA_ORDER",
     "FORMAT",
     "LATEST",
+    "MANIFEST",
     "META",
     "RANK_FORMAT",
     "CheckpointError",
@@ -63,6 +74,7 @@ __all__ = [
     "clean_stale",
     "cut",
     "find_checkpoint",
+    "folder_files",
     "fresh_rng",
     "fresh_start",
     "fsync_dir",
@@ -73,10 +85,14 @@ __all__ = [
     "publish_step",
     "rank_file",
     "rank_seed",
+    "read_manifest",
     "read_meta",
     "save_rank",
     "step_dir",
+    "sum_files",
+    "verify_files",
     "verify_rank_file",
+    "write_manifest",
     "write_meta",
     "write_synced",
 ]

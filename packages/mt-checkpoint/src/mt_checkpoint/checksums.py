@@ -92,24 +92,26 @@ def file_sum(path: Path) -> tuple[int, str]:
     return size, crc_text(crc)
 
 
-def verify_file(path: Path, sums: dict[str, dict[str, Any]]) -> None:
-    """Check ``path`` against its entry in a ``meta.json``'s ``files`` (``sums``). A
-    checkpoint written before checksums (no ``files``) is read with a warning; a file the
-    checksums do not list, of another size or checksum is a :class:`CheckpointError`."""
+def verify_file(path: Path, sums: dict[str, dict[str, Any]], source: str = "meta.json"
+                ) -> None:
+    """Check ``path`` against its entry in a ``meta.json``'s ``files`` (``sums``; ``source``
+    names where they were read). A checkpoint written before checksums (no ``files``) is
+    read with a warning; a file the checksums do not list, of another size or checksum is a
+    :class:`CheckpointError`."""
     if not sums:
         warnings.warn(f"{path.parent}: written before checkpoints carried checksums; its "
                       "files are not verified", stacklevel=3)
         return
     entry = sums.get(path.name)
     if entry is None:
-        raise CheckpointError(f"{path}: not listed in {path.parent.name}/meta.json's checksums")
+        raise CheckpointError(f"{path}: not listed in {path.parent.name}/{source}'s checksums")
     size, crc = file_sum(path)
     if size == 0:
         why = "empty"
     elif size != entry.get("bytes"):
-        why = f"damaged or truncated ({size:,} bytes: meta.json recorded {entry.get('bytes')})"
+        why = f"damaged or truncated ({size:,} bytes: {source} recorded {entry.get('bytes')})"
     elif crc != entry.get("crc32c"):
-        why = (f"damaged (its checksum is {crc}, meta.json recorded {entry.get('crc32c')}: "
+        why = (f"damaged (its checksum is {crc}, {source} recorded {entry.get('crc32c')}: "
                "bytes changed on disk)")
     else:
         return

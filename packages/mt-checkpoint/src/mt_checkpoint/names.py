@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-__all__ = ["DATA_ORDER", "FORMAT", "LATEST", "META", "RANK_FORMAT", "CheckpointError",
-           "rank_file", "rank_seed", "step_dir"]
+__all__ = ["DATA_ORDER", "FORMAT", "LATEST", "MANIFEST", "META", "RANK_FORMAT",
+           "CheckpointError", "rank_file", "rank_seed", "step_dir"]
 
 FORMAT = "mt-pretrain/1"
 RANK_FORMAT = "mt-pretrain-rank/1"
 LATEST = "latest"
 META = "meta.json"
+#: Checksums of a checkpoint folder written by another library (DeepSpeed's engine).
+MANIFEST = "mt-checksums.json"
 #: The sample order of mt-data's GPTDataset a checkpoint's data position counts in: 2 is the
 #: order that does not depend on the run's length. Checkpoints without the key used order 1.
 DATA_ORDER = 2

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -50,7 +51,7 @@ def pretrain_main(config_path: Path | None, overrides: dict[str, Any],
     lead = _lead_process(environ)
     if not lead:  # under a launcher: rank 0 says what every rank would say alike
         console.quiet = True
-    say = Console(quiet=not lead or str(overrides.get("quiet", "")).lower() in ("true", "1"))
+    say = Console(quiet=not lead or not _says_info(overrides))
     if config_path is None and not set(overrides) & _RUN_FIELDS:
         # No model, layout, training or data given: the demo (output flags such as --dry-run,
         # --overwrite, --out-dir still apply to it).
@@ -78,7 +79,10 @@ def pretrain_main(config_path: Path | None, overrides: dict[str, Any],
         _error(console, str(err))
         return 2
     try:
-        summary = launch(config, environ)
+        with warnings.catch_warnings():
+            if config.checkpoint.level == "error":  # asked for: errors only (ranks: run_rank)
+                warnings.simplefilter("ignore")
+            summary = launch(config, environ)
     except (ConfigError, LaunchError, CheckpointError) as err:  # bad input: fix and rerun
         _error(console, str(err))
         return 2
@@ -89,9 +93,16 @@ def pretrain_main(config_path: Path | None, overrides: dict[str, Any],
     except (Interrupted, KeyboardInterrupt) as err:
         _error(console, str(err) or "interrupted")
         return 130
-    if summary is not None:
+    if summary is not None and config.checkpoint.says("warning"):
         _print_summary(Console(soft_wrap=True), summary)
     return 0
+
+
+def _says_info(overrides: Mapping[str, Any]) -> bool:
+    """Whether the flags leave info lines on (read before the config: the demo's line)."""
+    level = str(overrides.get("log_level", "info")).lower()
+    quiet = str(overrides.get("quiet", "")).lower() in ("true", "1")
+    return level in ("info", "debug") and not quiet
 
 
 def _lead_process(environ: Mapping[str, str]) -> bool:

@@ -141,6 +141,10 @@ def build_config(nested: Mapping[str, Any], flat: Mapping[str, Any],
     if config.checkpoint.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise ConfigError("--tensorboard needs the tensorboard package, which is not "
                           "installed: pip install tensorboard (or leave out --tensorboard)")
+    if config.checkpoint.wandb_project is not None and \
+            importlib.util.find_spec("wandb") is None:
+        raise ConfigError("--wandb-project needs the wandb package, which is not installed: "
+                          "pip install 'mt-pretrain[wandb]' (or leave out --wandb-project)")
     _check_blend(config.data)
     missing = [str(p) for p in dataset_paths(config.data) if not p.is_dir()]
     if missing:

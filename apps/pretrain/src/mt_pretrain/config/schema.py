@@ -42,6 +42,7 @@ ENGINES = ("mt", "deepspeed")
 #: The shortest --timeout: ranks must first find each other (a TCP rendezvous) within it.
 MIN_TIMEOUT_S = 1.0
 PRECISIONS = ("fp32", "bf16", "fp16")
+LOG_LEVELS = ("debug", "info", "warning", "error")
 SCHEDULES = tuple(PIPELINE_SCHEDULES)  # mt-pipeline's: gpipe, 1f1b, interleaved
 
 
@@ -402,13 +403,24 @@ class CheckpointArgs:
     tensorboard: bool = False
     """Also write TensorBoard events to OUT_DIR/tensorboard (needs the tensorboard
     package)."""
+    wandb_project: str | None = None
+    """Also log the metrics (and the config) to this Weights & Biases project (needs the
+    wandb package: pip install 'mt-pretrain[wandb]'); its files go to OUT_DIR/wandb, and a
+    resumed run continues the same W&B run. Online or offline as wandb's own settings say
+    (WANDB_MODE=offline writes locally; `wandb sync` uploads later)."""
+    wandb_name: str | None = None
+    """Name of the W&B run (default: the run folder's name)."""
     log_interval: int = 10
     """Print a log line every this many steps (when no progress bar is shown)."""
     progress: bool = True
     """Show a progress bar on rank 0 when the output is a terminal."""
+    log_level: str = "info"
+    """What rank 0 prints: error (errors only), warning (also warnings and the end-of-run
+    summary), info (also the banner, progress, log and validation lines) or debug (also
+    one line per rank saying where it sits, and a log line every step instead of the bar).
+    The metrics file gets every step whatever the level."""
     quiet: bool = False
-    """Print only errors and the end-of-run summary: no banner, progress, log or
-    validation lines (the metrics file still gets every step)."""
+    """Same as --log-level warning."""
     peak_tflops: float | None = None
     """Peak TFLOP/s of one rank's device, the denominator of the MFU (model FLOPs
     utilization) shown next to tokens/s and written as `mfu` in the metrics; default:
@@ -420,11 +432,26 @@ class CheckpointArgs:
     def __post_init__(self) -> None:
         problems: list[str] = []
         _positive(problems, self, "keep_last", "log_interval")
+        if self.log_level not in LOG_LEVELS:
+            problems.append(f"--log-level must be one of {', '.join(LOG_LEVELS)}, "
+                            f"got {self.log_level!r}")
+        if self.wandb_project is not None and not self.wandb_project.strip():
+            problems.append("--wandb-project must name a project, got an empty string")
         if self.save_interval < 0:
             problems.append(f"--save-interval must be >= 0, got {self.save_interval}")
         if self.peak_tflops is not None and not self.peak_tflops > 0:
             problems.append(f"--peak-tflops must be > 0, got {self.peak_tflops}")
         _raise(problems, "checkpoint arguments")
+
+    @property
+    def level(self) -> str:
+        """The effective log level (--quiet is --log-level warning)."""
+        return "warning" if self.quiet and self.log_level in ("info", "debug") else \
+            self.log_level
+
+    def says(self, level: str) -> bool:
+        """Whether lines of ``level`` are printed at this run's log level."""
+        return LOG_LEVELS.index(level) >= LOG_LEVELS.index(self.level)
 
     @property
     def save_dir(self) -> Path | None:

@@ -15,8 +15,9 @@ Layouts:
 
 Checkpoints: DeepSpeed's ``save_checkpoint`` / ``load_checkpoint`` (model, ZeRO optimizer
 shards, its ``latest`` file) plus, per rank, mt's data-loader position and RNG states in
-``mt-rank-NNNNN.pt`` (tensors and numbers only, read with ``weights_only=True``). Resuming
-needs the same (tp, pp, dp) layout.
+``mt-rank-NNNNN.pt`` (tensors and numbers only, read with ``weights_only=True``), and mt's
+checksums of every file of the folder (``mt-checksums.json``, mt-checkpoint's manifest),
+verified before anything is read. Resuming needs the same (tp, pp, dp) layout.
 """
 
 from __future__ import annotations
@@ -31,8 +32,17 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from mt_checkpoint import (
+    CheckpointError,
+    folder_files,
+    read_manifest,
+    sum_files,
+    verify_files,
+    write_manifest,
+)
 from mt_data import DataLoaderState
 from mt_dist import ParallelGroups
 from mt_pretrain.config.resolve import RunPlan, sharding_styles
@@ -257,6 +267,7 @@ class DeepSpeedCheckpointer:
         # DeepSpeed writes `latest` (rank 0) after its shards: our files come first.
         self.ds.save_checkpoint(str(self.root), tag=tag,
                                 client_state={"data": data_state.to_dict()})
+        _write_checksums(folder, self.groups)
         self.last_saved, self.last_step = folder, step
         return folder
 
@@ -271,6 +282,7 @@ def load_deepspeed_checkpoint(path: str | Path, ds: Any,
     if not mine_path.is_file():
         raise FileNotFoundError(f"{folder} has no {mine_path.name}: not a checkpoint of "
                                 "`mt pretrain --engine deepspeed` at this world size")
+    _verify_checksums(folder, groups)  # before anything of the folder is unpickled
     mine = torch.load(mine_path, map_location="cpu", weights_only=True)
     topo = groups.topology
     saved = mine["layout"]
@@ -288,3 +300,30 @@ def load_deepspeed_checkpoint(path: str | Path, ds: Any,
     if tracker is not None and mine["rng"]["tracker"]:
         tracker.load_state_dict(mine["rng"]["tracker"])
     return int(mine["step"]), DataLoaderState.from_dict(mine["data"])
+
+
+def _write_checksums(folder: Path, groups: ParallelGroups) -> None:
+    """mt's checksums of every file of the step folder (DeepSpeed's and mt's), each rank
+    reading its share, rank 0 writing the manifest (collective)."""
+    dist.barrier()  # every rank's files are on disk
+    world = groups.topology.world_size
+    names = folder_files(folder)
+    parts: list[Any] = [None] * world
+    dist.all_gather_object(parts, sum_files(folder, names, groups.rank, world))
+    if groups.rank == 0:
+        write_manifest(folder, {k: v for part in parts for k, v in part.items()})
+    dist.barrier()
+
+
+def _verify_checksums(folder: Path, groups: ParallelGroups) -> None:
+    """Every file of the step folder checked against its manifest before DeepSpeed reads
+    any, each rank checking its share; one rank's finding fails every rank alike."""
+    sums = read_manifest(folder)
+    if sums is None:
+        return
+    world = groups.topology.world_size
+    found: list[Any] = [None] * world
+    dist.all_gather_object(found, verify_files(folder, sums, groups.rank, world))
+    problems = [p for p in found if p]
+    if problems:
+        raise CheckpointError(problems[0])

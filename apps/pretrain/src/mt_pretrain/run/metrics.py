@@ -14,6 +14,10 @@ RSS, which includes the Python interpreter and torch); on CUDA also ``peak_reser
 
 A resumed run appends to the same file, dropping lines of steps at or after the resume point
 first, so the file always holds one line per step.
+
+Weights & Biases (``--wandb-project``) gets the same numbers as TensorBoard, plus the config;
+the run's W&B id is kept in OUT_DIR/wandb/mt-run-id so that a resumed run continues the
+same W&B run (W&B drops steps it already holds).
 """
 
 from __future__ import annotations
@@ -21,10 +25,26 @@ from __future__ import annotations
 import json
 import math
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MetricsWriter", "read_metrics"]
+from mt_pretrain.config.schema import ConfigError
+
+__all__ = ["MetricsWriter", "WandbTarget", "read_metrics"]
+
+WANDB_ID_FILE = "mt-run-id"
+
+
+@dataclass(frozen=True)
+class WandbTarget:
+    """Where rank 0 logs to W&B: ``project``, run ``name``, the run folder ``out_dir``
+    (W&B writes OUT_DIR/wandb) and the ``config`` to record."""
+
+    project: str
+    name: str
+    out_dir: Path
+    config: dict[str, Any]
 
 
 class MetricsWriter:
@@ -35,10 +55,11 @@ class MetricsWriter:
         tensorboard_dir: event folder (None: no TensorBoard). If ``torch.utils.tensorboard``
             cannot be imported (the tensorboard package is missing) a warning is given once.
         resume_step: drop lines with ``step > resume_step`` already in the file.
+        wandb: log to Weights & Biases too (None: not).
     """
 
     def __init__(self, path: Path | None, tensorboard_dir: Path | None = None,
-                 resume_step: int = 0) -> None:
+                 resume_step: int = 0, wandb: WandbTarget | None = None) -> None:
         self.path = path
         self._file = None
         if path is not None:
@@ -55,6 +76,16 @@ class MetricsWriter:
                               stacklevel=2)
             else:
                 self._tb = SummaryWriter(str(tensorboard_dir))
+        self._wandb = _start_wandb(wandb, resume_step) if wandb is not None else None
+
+    @property
+    def wandb_line(self) -> str | None:
+        """Which W&B run the metrics go to, one line (None: no W&B)."""
+        run = self._wandb
+        if run is None:
+            return None
+        mode = "offline, upload with `wandb sync`" if run.offline else "online"
+        return f"W&B run {run.id} of project {run.project} ({mode}): {run.dir}"
 
     def write(self, record: dict[str, Any]) -> None:
         """One line; non-finite floats are written as null (JSON has no NaN)."""
@@ -63,12 +94,14 @@ class MetricsWriter:
         if self._file is not None:
             self._file.write(json.dumps(clean) + "\n")
             self._file.flush()
+        scalars = {f"train/{key}": value for key, value in record.items()
+                   if key != "step" and isinstance(value, (int, float))
+                   and not isinstance(value, bool)}
         if self._tb is not None:
-            step = int(record["step"])
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)) and not isinstance(
-                        value, bool):
-                    self._tb.add_scalar(f"train/{key}", value, step)
+            for key, value in scalars.items():
+                self._tb.add_scalar(key, value, int(record["step"]))
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=int(record["step"]))
 
     def close(self) -> None:
         """Flush and close the outputs."""
@@ -78,6 +111,32 @@ class MetricsWriter:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+
+
+def _start_wandb(target: WandbTarget, resume_step: int) -> Any:
+    """A W&B run in OUT_DIR/wandb: a new one, or when resuming the one the run folder names."""
+    import wandb  # pants: no-infer-dep (optional: mt-pretrain[wandb], checked at config time)
+
+    folder = target.out_dir / "wandb"
+    folder.mkdir(parents=True, exist_ok=True)
+    id_file = folder / WANDB_ID_FILE
+    run_id = id_file.read_text(encoding="utf-8").strip() if resume_step and \
+        id_file.is_file() else None  # None: W&B makes a new id
+    try:
+        run = wandb.init(project=target.project, name=target.name, dir=str(target.out_dir),
+                         id=run_id, resume="allow" if run_id else None, config=target.config,
+                         # mt prints its own lines; W&B neither prints nor captures them.
+                         settings=wandb.Settings(silent=True, console="off"))
+    except wandb.errors.Error as err:
+        raise ConfigError(f"--wandb-project {target.project}: W&B did not start: {err} "
+                         "(or set WANDB_MODE=offline to log locally)") from None
+    tmp = id_file.with_name(id_file.name + ".tmp")
+    tmp.write_text(run.id + "\n", encoding="utf-8")
+    tmp.replace(id_file)
+    return run
 
 
 def _lines(path: Path) -> list[str]:

@@ -6,11 +6,13 @@ launcher info -> process group -> plan -> groups -> model shard + optimizer -> d
 
 from __future__ import annotations
 
+import os
 import signal
 import time
+import warnings
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +38,7 @@ from mt_pretrain.evaluation.training import task_scorer
 from mt_pretrain.run.data import ensure_data, make_loaders, tokenizer_for
 from mt_pretrain.run.folder import claim_run_folder, run_folder_lock
 from mt_pretrain.run.memory import MemoryPeaks, gather_memory
-from mt_pretrain.run.metrics import MetricsWriter
+from mt_pretrain.run.metrics import MetricsWriter, WandbTarget
 from mt_pretrain.run.progress import Reporter
 from mt_pretrain.run.sample import (
     MAX_SAMPLE_PARAMETERS,
@@ -116,6 +118,8 @@ def run_rank(config: PretrainConfig, info: LaunchInfo, cache_dir: Path,
              keep_weights: bool = False) -> RunSummary | None:
     """Train as rank ``info.rank``; returns the summary on rank 0, None elsewhere (with the
     final full weights in it when ``keep_weights``)."""
+    if config.checkpoint.level == "error":  # --log-level error: errors only
+        warnings.simplefilter("ignore")
     use_cuda = {"auto": None, "cpu": False, "cuda": True}[config.parallel.device]
     device = local_device(info, use_cuda=use_cuda)
     if device.type == "cuda" and info.local_rank >= torch.cuda.device_count():
@@ -170,9 +174,14 @@ def _train(config: PretrainConfig, plan: RunPlan, groups: ParallelGroups, device
     if resuming:
         start_step, state = engine.load(ckpt.load)
     loader, valid = make_loaders(config.data, config.train, plan, paths, groups.dp_rank, state)
-    reporter = Reporter(plan.train_steps, start_step, rank0 and not ckpt.quiet, ckpt.progress,
-                        ckpt.log_interval)
+    debug = ckpt.says("debug")
+    reporter = Reporter(plan.train_steps, start_step, rank0 and ckpt.says("info"),
+                        ckpt.progress and not debug, 1 if debug else ckpt.log_interval)
     topo = plan.topology
+    if debug:  # every rank: where it sits (printed as the ranks reach this point)
+        coords = groups.coord
+        print(f"rank {groups.rank}: tp {coords.tp} pp {coords.pp} dp {coords.dp}, "
+              f"{device}, pid {os.getpid()}", flush=True)
     if rank0:  # which launcher placed the ranks ("single": this command's --nproc)
         source = "--nproc" if launcher == "single" else launcher
         reporter.print(f"{topo.world_size} ranks from {source}: tp {topo.tp} x pp {topo.pp} "
@@ -182,7 +191,11 @@ def _train(config: PretrainConfig, plan: RunPlan, groups: ParallelGroups, device
     elif rank0 and ckpt.load and not resuming:
         reporter.print(f"no checkpoint in {ckpt.load} yet: starting at step 0")
     tb_dir = Path(ckpt.out_dir) / "tensorboard" if ckpt.tensorboard else None
-    metrics = MetricsWriter(ckpt.metrics_path, tb_dir, start_step) if rank0 else None
+    wandb = WandbTarget(ckpt.wandb_project, ckpt.wandb_name or Path(ckpt.out_dir).resolve().name,
+                        Path(ckpt.out_dir), asdict(config)) if ckpt.wandb_project else None
+    metrics = MetricsWriter(ckpt.metrics_path, tb_dir, start_step, wandb) if rank0 else None
+    if metrics is not None and metrics.wandb_line:
+        reporter.print(metrics.wandb_line)
     summary = RunSummary(start_step=start_step, final_step=start_step)
     saver = engine.saver(ckpt.save_dir, ckpt.keep_last) if ckpt.save_dir is not None else None
 
