@@ -10,24 +10,31 @@ Conversions stream one tensor at a time, verify checksums on read, write checksu
 write atomically; every expected failure is a :class:`ConvertError` naming file and tensor.
 """
 
-from mt_convert.convert import (
-    FORMATS,
-    ConversionResult,
-    MappingEntry,
-    convert_checkpoint,
-    detect_format,
-    load_model,
-    load_state_dict,
-    make_writer,
-    open_checkpoint,
-    plan_conversion,
-    save_model,
-    save_state_dict,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from mt_convert.errors import ConvertError, WriteFailed
-from mt_convert.layout import CheckpointReader, CheckpointWriter, TensorRef, canonical_shapes
-from mt_convert.safetensors_io import SafetensorsReader, SafetensorsWriter
-from mt_convert.tensors import TensorSpec
+
+if TYPE_CHECKING:  # imported on first use (see __getattr__); named here for tools
+    from mt_convert.convert import (
+        FORMATS,
+        ConversionResult,
+        MappingEntry,
+        convert_checkpoint,
+        detect_format,
+        load_model,
+        load_state_dict,
+        make_writer,
+        open_checkpoint,
+        plan_conversion,
+        save_model,
+        save_state_dict,
+    )
+    from mt_convert.layout import CheckpointReader, CheckpointWriter, TensorRef, canonical_shapes
+    from mt_convert.safetensors_io import SafetensorsReader, SafetensorsWriter
+    from mt_convert.tensors import TensorSpec
 
 __version__ = "0.1.0"
 
@@ -55,3 +62,25 @@ __all__ = [
     "save_model",
     "save_state_dict",
 ]
+
+#: The format library needs torch (seconds to import): its names load on first use, so that
+#: `mt convert --help` and `mt --help` start at once.
+_LAZY = {name: module for module, names in {
+    "mt_convert.convert": (
+        "FORMATS", "ConversionResult", "MappingEntry", "convert_checkpoint", "detect_format",
+        "load_model", "load_state_dict", "make_writer", "open_checkpoint", "plan_conversion",
+        "save_model", "save_state_dict"),
+    "mt_convert.layout": ("CheckpointReader", "CheckpointWriter", "TensorRef",
+                          "canonical_shapes"),
+    "mt_convert.safetensors_io": ("SafetensorsReader", "SafetensorsWriter"),
+    "mt_convert.tensors": ("TensorSpec",),
+}.items() for name in names}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'mt_convert' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

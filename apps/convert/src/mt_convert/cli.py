@@ -23,15 +23,7 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
-from mt_convert.convert import (
-    convert_checkpoint,
-    detect_format,
-    make_writer,
-    open_checkpoint,
-    plan_conversion,
-)
 from mt_convert.errors import ConvertError, WriteFailed
-from mt_convert.pretrain_relayout import PretrainTarget, describe_pretrain
 
 __all__ = ["app", "main"]
 
@@ -62,6 +54,8 @@ Layout = tuple[int | None, int | None, int | None]
 
 def _dry_run(src: Path, dst: Path, to: str, from_format: str | None, layout: Layout,
              console: Console, model: str | None = None) -> None:
+    from mt_convert.convert import make_writer, open_checkpoint, plan_conversion
+
     with open_checkpoint(src, from_format, model) as reader:
         specs = {name: reader.spec(name) for name in reader.names()}
         writer = make_writer(to, reader.config, specs, *layout)
@@ -80,6 +74,8 @@ def _dry_run(src: Path, dst: Path, to: str, from_format: str | None, layout: Lay
 def _convert(src: Path, dst: Path, to: str, from_format: str | None, layout: Layout,
              force: bool, console: Console, model: str | None = None,
              optimizer: dict[str, Any] | None = None, tokenizer: str | None = None) -> None:
+    from mt_convert.convert import convert_checkpoint
+
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn(), TextColumn("{task.fields[tensor]}"))
     with Progress(*columns, console=console, transient=True) as bar:
@@ -155,6 +151,10 @@ def convert(
     layout = (tp, pp, pad_multiple)
     source = from_format.value if from_format is not None else None
     console = Console(stderr=True)
+    # Imported here: the format library needs torch (seconds), `mt --help` does not.
+    from mt_convert.convert import detect_format
+    from mt_convert.pretrain_relayout import PretrainTarget, describe_pretrain
+
     try:
         if to is None and (sharded or dp is not None or zero_stage is not None) and (
                 source or detect_format(src)) == "pretrain":

@@ -70,20 +70,33 @@ console = Console(stderr=True)
 
 
 class RichProgress:
-    """ProgressHook that draws one rich progress bar per stage."""
+    """ProgressHook that draws one rich progress bar per stage.
+
+    The bars are redrawn by the calls themselves (at most every 0.1 s), not by rich's refresh
+    thread: a process with a second thread starts its workers with ``spawn`` (forking one
+    could copy a lock the thread holds), and fork starts them at once with the CLI's imports.
+    """
 
     def __init__(self, progress: Progress) -> None:
         self.progress = progress
         self.task: TaskID | None = None
+        self._drawn = 0.0
+
+    def _draw(self, now: bool = False) -> None:
+        if now or time.monotonic() - self._drawn >= 0.1:
+            self.progress.refresh()
+            self._drawn = time.monotonic()
 
     def stage(self, name: str, total: float | None, unit: str) -> None:
         """Start a bar for a new stage."""
         self.task = self.progress.add_task(name, total=total, unit=unit)
+        self._draw(now=True)
 
     def advance(self, amount: float) -> None:
         """Advance the current bar."""
         if self.task is not None:
             self.progress.advance(self.task, amount)
+            self._draw()
 
     def end(self) -> None:
         """Complete the current bar."""
@@ -92,6 +105,7 @@ class RichProgress:
             self.progress.update(self.task, total=task.total or 1,
                                  completed=task.total or 1)
             self.task = None
+            self._draw(now=True)
 
 
 class _AmountColumn(ProgressColumn):
@@ -103,9 +117,12 @@ class _AmountColumn(ProgressColumn):
         return Text(f"{task.completed:,.1f}/{task.total:,.1f} {task.fields['unit']}")
 
 
-def _progress() -> Progress:
+def _progress(refresh_thread: bool = False) -> Progress:
+    """The bars of a command; without ``refresh_thread`` they are drawn by
+    :class:`RichProgress`'s calls only (no thread: the workers fork)."""
     return Progress(TextColumn("[bold]{task.description}"), BarColumn(), _AmountColumn(),
-                    TimeElapsedColumn(), TimeRemainingColumn(), console=console)
+                    TimeElapsedColumn(), TimeRemainingColumn(), console=console,
+                    auto_refresh=refresh_thread)
 
 
 def _table(title: str, rows: list[tuple[str, str]]) -> None:
@@ -247,7 +264,7 @@ def train_tokenizer_cmd(
                 nbytes += len(text)
                 yield text
 
-    with _errors(), _progress() as progress:
+    with _errors(), _progress(refresh_thread=True) as progress:
         task = progress.add_task("train BPE", total=None, unit="")
         tok = train_tokenizer(texts(), vocab_size, min_frequency, name=str(output))
         progress.update(task, total=1, completed=1)
@@ -272,7 +289,7 @@ def export_megatron_cmd(
 ) -> None:
     """Write Megatron-LM MMIDIDX PREFIX.bin / PREFIX.idx (one sequence per document, EOD in)."""
     start = time.perf_counter()
-    with _errors(), _progress() as progress:
+    with _errors(), _progress(refresh_thread=True) as progress:
         task = progress.add_task("export .bin/.idx", total=None, unit="")
         info = export_megatron(data, prefix)
         progress.update(task, total=1, completed=1)
@@ -293,7 +310,7 @@ def import_megatron_cmd(
 ) -> None:
     """Read Megatron-LM .bin/.idx into token shards (each document = its sequences joined)."""
     start = time.perf_counter()
-    with _errors(), _progress() as progress:
+    with _errors(), _progress(refresh_thread=True) as progress:
         task = progress.add_task("import .bin/.idx", total=None, unit="")
         index = import_megatron(prefix, output, load_tokenizer(tokenizer).describe())
         progress.update(task, total=1, completed=1)
@@ -332,7 +349,7 @@ def inspect_cmd(
                                        f"{counts['tokens']:,} tokens"))
     bad: list[str] = []
     if verify:
-        with _errors(), _progress() as progress:
+        with _errors(), _progress(refresh_thread=True) as progress:
             task = progress.add_task("verify checksums", total=None, unit="")
             bad = ds.verify()
             if not bad:

@@ -3,12 +3,15 @@ per-parameter init, and analytic parameter / FLOP counts.
 
 The model is ordinary PyTorch and never imports ``torch.distributed``; parallelism is
 applied from outside by other mt packages using the module names documented in
-:mod:`mt_model.gpt`.
+:mod:`mt_model.gpt`. Configs and counts import without torch; the modules load on first use.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from mt_model.config import PRESETS, GPTConfig, GPTConfigError, preset
-from mt_model.gpt import GPT, MLP, Attention, Block, CoreAttention, Embedding, LMHead, LMLoss
-from mt_model.init import init_gpt_, init_parameter, init_std_for, parameter_seed
 from mt_model.params import (
     TIED_WEIGHT,
     block_matmul_parameters,
@@ -21,7 +24,28 @@ from mt_model.params import (
     tflops_per_gpu,
 )
 
+if TYPE_CHECKING:  # imported on first use (see __getattr__); named here for tools
+    from mt_model.gpt import GPT, MLP, Attention, Block, CoreAttention, Embedding, LMHead, LMLoss
+    from mt_model.init import init_gpt_, init_parameter, init_std_for, parameter_seed
+
 __version__ = "0.1.0"
+
+#: Names whose modules import torch (seconds): loaded on first use, so that configs and
+#: counts (a planner, a command line's --help) never pay for torch.
+_LAZY = {name: module for module, names in {
+    "mt_model.gpt": ("GPT", "MLP", "Attention", "Block", "CoreAttention", "Embedding",
+                     "LMHead", "LMLoss"),
+    "mt_model.init": ("init_gpt_", "init_parameter", "init_std_for", "parameter_seed"),
+}.items() for name in names}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'mt_model' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
 
 __all__ = [
     "GPT",

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, replace
+from functools import cache
 
 from mt_model import (
     GPTConfig,
@@ -36,8 +37,6 @@ from mt_model import (
 from mt_pipeline import get_schedule, simulate
 from mt_plan.gpus import GPUS, GPUSpec
 from mt_plan.layout import RECOMPUTE, LayoutError, ParallelLayout, stage_layers
-from mt_tensor_parallel import padded_vocab_size
-from mt_zero import ZeroConfig
 
 __all__ = ["EFFICIENCY", "MTNLG_GPU", "MTNLG_PUBLISHED", "Estimate", "LayoutError",
            "ParallelLayout", "activation_bytes_per_layer", "attention_flops",
@@ -57,9 +56,16 @@ MTNLG_GPU = replace(GPUS["a100-80gb"], name="a100-80gb (Megatron 2021)", fused_a
 
 _WIDTH = {"bf16": 2, "fp16": 2, "fp32": 4}
 
-#: Elements per gradient-reduction bucket of mt-zero (``ZeroConfig.bucket_numel``); a tensor
-#: larger than that is a bucket of its own.
-BUCKET_NUMEL = ZeroConfig().bucket_numel  # mt-zero's gradient bucket
+
+
+@cache
+def bucket_numel() -> int:
+    """Elements per gradient-reduction bucket of mt-zero (``ZeroConfig.bucket_numel``); a
+    tensor larger than that is a bucket of its own. (mt-zero and mt-tensor-parallel are
+    imported where their numbers are needed: they load torch, which planning never runs.)"""
+    from mt_zero import ZeroConfig
+
+    return ZeroConfig().bucket_numel
 
 
 def zero_bytes(psi: float, dp: int, stage: int, precision: str = "bf16") -> dict[str, float]:
@@ -205,6 +211,8 @@ def _params_of(gpt: GPTConfig, layout: ParallelLayout, stage: int, layers: int) 
     h, t = gpt.hidden, layout.tp
     replicated, sharded = _block_params(gpt, t)
     block = replicated + sharded // t
+    from mt_tensor_parallel import padded_vocab_size
+
     vocab = padded_vocab_size(gpt.vocab_size, t) if t > 1 else gpt.vocab_size
     first, last = stage == 0, stage == layout.pp - 1
     n = layers * block
@@ -265,7 +273,7 @@ def _temporaries(gpt: GPTConfig, layout: ParallelLayout, gpu: GPUSpec, stage: in
     # bucket's output (gloo on CPU).
     publish = 0.0
     if d > 1 and layout.zero_stage in (1, 2):
-        bucket = max(_largest_param(gpt, layout, stage), float(BUCKET_NUMEL))
+        bucket = max(_largest_param(gpt, layout, stage), float(bucket_numel()))
         publish = params / d * width + gpu.gather_scratch * bucket * width
     return {"backward": backward, "publish": publish}
 
@@ -399,7 +407,7 @@ def _times(gpt: GPTConfig, layout: ParallelLayout, gpu: GPUSpec, efficiency: flo
     volume = {0: 2.0, 1: 3.0, 2: 2.0, 3: 3.0}[layout.zero_stage]
     if gpu.gather_via_all_reduce:
         volume = 2.0 * passes
-    buckets = max(1.0, grads / width / BUCKET_NUMEL)
+    buckets = max(1.0, grads / width / bucket_numel())
     dp_time = (volume * (d - 1) / d * grads / dp_bw + passes * buckets * bulk) if d > 1 else 0.0
     # Small collectives every step: the loss mean, the gradient norm, the loss broadcast.
     dp_time += 3.0 * lat if layout.world_size > 1 else 0.0

@@ -10,8 +10,10 @@ cores) it is only indicative.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["measure_peak_flops", "model_flops_utilization"]
 
@@ -21,6 +23,8 @@ def measure_peak_flops(dtype: torch.dtype, device: torch.device, size: int = 102
     """Best FLOP/s of ``repeats`` timed ``size`` x ``size`` matmuls (after one warm-up)."""
     if size < 1 or repeats < 1:
         raise ValueError(f"size {size} and repeats {repeats} must be >= 1")
+    import torch  # here: planning without a run never loads it
+
     gen = torch.Generator().manual_seed(0)  # the probe must not move the training RNG
     a = torch.randn(size, size, generator=gen).to(device=device, dtype=dtype)
     b = torch.randn(size, size, generator=gen).to(device=device, dtype=dtype)

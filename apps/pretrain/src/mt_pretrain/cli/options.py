@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 import typer
 
-from mt_pretrain.config.load import field_docs, flat_fields
+from mt_pretrain.config.fields import field_docs, flat_fields
 from mt_pretrain.config.schema import SECTIONS
 
 __all__ = ["CONFIG_OPTION", "with_config_options"]

@@ -1,14 +1,11 @@
-"""Loading `mt pretrain` configs: YAML (sections or flat keys) + flat overrides, and the
-attribute docstrings that become --help text."""
+"""Loading `mt pretrain` configs: YAML (sections or flat keys) + flat overrides, checked
+against the data, the task files and the engines."""
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import importlib.util
-import inspect
 import math
-import textwrap
 from collections.abc import Mapping
 from dataclasses import fields
 from functools import cache
@@ -16,40 +13,16 @@ from pathlib import Path
 from typing import Any
 
 from mt_eval import TaskError, load_task
+from mt_pretrain.config.fields import field_docs, flat_fields
 from mt_pretrain.config.resolve import resolve
 from mt_pretrain.config.schema import SECTIONS, ConfigError, DataArgs, PretrainConfig
 from mt_pretrain.engines.support import unsupported
 
 __all__ = ["SHIPPED", "blend_text", "build_config", "dataset_paths", "field_docs",
-           "flat_fields", "load_config", "replace_config"]
+           "flat_fields", "load_config", "replace_config"]  # the field helpers: config.fields
 
 #: Configs shipped with mt pretrain, usable by name: ``--config demo-3d``.
 SHIPPED = Path(__file__).parent.parent / "configs"
-
-
-@cache
-def flat_fields() -> dict[str, tuple[str, dataclasses.Field]]:
-    """Flat field name -> (section, dataclass field), for every section."""
-    out: dict[str, tuple[str, dataclasses.Field]] = {}
-    for section, cls in SECTIONS.items():
-        for f in fields(cls):
-            assert f.name not in out, f"duplicate config field {f.name}"
-            out[f.name] = (section, f)
-    return out
-
-
-@cache
-def field_docs(cls: type) -> dict[str, str]:
-    """Attribute docstrings of a dataclass: the string literal right after each field."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    docs: dict[str, str] = {}
-    for node, nxt in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
-                and isinstance(nxt.value.value, str)):
-            docs[node.target.id] = " ".join(nxt.value.value.split())
-    return docs
 
 
 _TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
