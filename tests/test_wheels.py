@@ -5,13 +5,17 @@ Run through Pants (`./pants test tests:wheels`), which builds the eleven wheels 
 
 from __future__ import annotations
 
+import configparser
 import os
+import re
 import subprocess
 import sys
+import tomllib
 import venv
 import zipfile
 from email.parser import Parser
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -19,6 +23,7 @@ DISTRIBUTIONS = ["mt_dist", "mt_model", "mt_data", "mt_tensor_parallel", "mt_pip
                  "mt_checkpoint", "mt_plan", "mt_eval", "mt_pretrain", "mt_convert"]
 CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
 LOCAL_WHEELS = Path("/opt/wheels")  # where this kind of machine keeps the CPU build of torch
+ROOT = Path.cwd()  # the repository root (Pants' sandbox, or a checkout)
 
 
 def built_wheels() -> dict[str, Path]:
@@ -28,11 +33,19 @@ def built_wheels() -> dict[str, Path]:
     return wheels
 
 
-def metadata(wheel: Path) -> dict[str, list[str]]:
+def metadata(wheel: Path) -> dict[str, Any]:
     with zipfile.ZipFile(wheel) as zf:
         name = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
         msg = Parser().parsestr(zf.read(name).decode())
-    return {key: msg.get_all(key) or [] for key in ("Name", "Version", "Requires-Dist")}
+        points = configparser.ConfigParser(delimiters=("=",))
+        points.optionxform = str  # type: ignore[assignment,method-assign]  # keep the case
+        entry = name.replace("METADATA", "entry_points.txt")
+        if entry in zf.namelist():
+            points.read_string(zf.read(entry).decode())
+    found: dict[str, Any] = {key: msg.get_all(key) or []
+                             for key in ("Name", "Version", "Summary", "Requires-Dist")}
+    found["entry_points"] = {group: dict(points[group]) for group in points.sections()}
+    return found
 
 
 def make_venv(path: Path) -> Path:
@@ -70,22 +83,74 @@ def test_one_wheel_per_distribution_with_ranges() -> None:
     pipeline = metadata(wheels["mt_pipeline"])["Requires-Dist"]
     assert any(r.startswith("mt-dist") for r in pipeline), pipeline
     assert any(r.startswith("torch") for r in pipeline), pipeline
-    # Optional integrations stay optional: only behind an extra.
-    for dist, optional in (("mt_dist", "mpi4py"), ("mt_pipeline", "matplotlib")):
-        plain = [r for r in metadata(wheels[dist])["Requires-Dist"] if "extra ==" not in r]
-        assert not any(r.startswith(optional) for r in plain), (dist, plain)
     data = metadata(wheels["mt_data"])["Requires-Dist"]
     assert not any(r.startswith(("torch", "mt-")) for r in data), data
 
 
-def test_mt_data_alone_does_not_pull_torch(tmp_path: Path) -> None:
+def _requirement(text: str) -> str:
+    """``torch (>=2.4)`` and ``torch>=2.4`` alike."""
+    return text.replace(" (", "").replace(")", "").replace(" ", "")
+
+
+def test_each_pyproject_agrees_with_its_wheel() -> None:
+    """pip without Pants builds what Pants builds: the name, version, summary, requirements
+    (plain and per extra) and entry points of each pyproject.toml are its wheel's."""
     wheels = built_wheels()
+    for dist, wheel in wheels.items():
+        name = dist.replace("_", "-")
+        folder = ROOT / "packages" / name
+        if not folder.is_dir():
+            folder = ROOT / "apps" / name.removeprefix("mt-")
+        project = tomllib.loads((folder / "pyproject.toml").read_text())["project"]
+        meta = metadata(wheel)
+        fix = "run `./pants package :: && python infra/python/pyprojects.py dist`"
+        assert [project["name"]] == meta["Name"] and [project["version"]] == meta["Version"], fix
+        assert [project["description"]] == meta["Summary"], (dist, fix)
+        wheel_reqs = {"": set()}
+        for req in meta["Requires-Dist"]:
+            spec, _, marker = req.partition(";")
+            extra = marker.split("==")[1].strip(" '\"") if "extra ==" in marker else ""
+            wheel_reqs.setdefault(extra, set()).add(_requirement(spec))
+        declared = {"": {_requirement(r) for r in project["dependencies"]}}
+        for extra, reqs in project.get("optional-dependencies", {}).items():
+            declared[extra] = {_requirement(r) for r in reqs}
+        assert declared == wheel_reqs, (dist, fix)
+        points = dict(project.get("entry-points", {}))
+        if "scripts" in project:
+            points["console_scripts"] = project["scripts"]
+        assert points == meta["entry_points"], (dist, fix)
+
+
+def test_optional_integrations_are_extras_only() -> None:
+    """deepspeed, lm-eval, wandb, tensorboard, matplotlib and mpi4py are never plain
+    requirements: a package that works without them offers them as an extra."""
+    optional = ("deepspeed", "lm-eval", "lm_eval", "wandb", "tensorboard", "matplotlib",
+                "mpi4py")
+    for dist, wheel in built_wheels().items():
+        plain = [r for r in metadata(wheel)["Requires-Dist"] if "extra ==" not in r]
+        assert not [r for r in plain if r.startswith(optional)], (dist, plain)
+    extras = metadata(built_wheels()["mt_zero"])["Requires-Dist"]
+    assert any(r.startswith("deepspeed") and "extra == 'deepspeed'" in r for r in extras), extras
+
+
+def test_mt_data_installs_from_its_folder_and_runs_its_readme_example(tmp_path: Path) -> None:
+    """`pip install -e packages/mt-data` in a fresh virtualenv (no Pants, no torch pulled),
+    then the README's first example, from raw text to samples."""
     python = make_venv(tmp_path / "venv")
-    pip_install(python, str(wheels["mt_data"]))
-    done = run(python, "import mt_data, importlib.util; "
-                       "print(importlib.util.find_spec('torch') is None)")
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "True", "installing mt-data pulled torch"
+    pip_install(python, "-e", str(ROOT / "packages" / "mt-data"))
+    readme = (ROOT / "packages" / "mt-data" / "README.md").read_text()
+    example = re.search(r"## Install and a first dataset.*?```python\n(.*?)```", readme,
+                        re.S).group(1)
+    work = tmp_path / "work"
+    work.mkdir()
+    done = subprocess.run([str(python), "-c", example], cwd=work, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert re.match(r"\d+ documents, \d+ samples; first: \[", done.stdout), done.stdout
+    where = run(python, "import mt_data, importlib.util; print(importlib.util.find_spec("
+                        "'torch') is None, mt_data.__file__)")
+    assert where.stdout.split()[0] == "True", "installing mt-data pulled torch"
+    assert where.stdout.split()[1].startswith(str(ROOT)), where.stdout  # editable: the source
 
 
 def test_all_wheels_install_and_mt_runs(tmp_path: Path) -> None:
@@ -101,4 +166,13 @@ def test_all_wheels_install_and_mt_runs(tmp_path: Path) -> None:
     assert "(source)" not in done.stdout and "not installed" not in done.stdout, done.stdout
     helped = subprocess.run([str(mt), "--help"], capture_output=True, text=True, timeout=300)
     assert helped.returncode == 0, helped.stderr
+    assert "convert" in helped.stdout  # mounted from mt-convert's entry point
+    # No wheel pulls an optional integration, and `mt convert --help` (the plug-in) starts
+    # without torch as `mt --help` does.
+    done = run(python, "import importlib.util as u; print([m for m in ('deepspeed', 'lm_eval', "
+                       "'wandb', 'tensorboard', 'matplotlib', 'mpi4py') if u.find_spec(m)])")
+    assert done.stdout.strip() == "[]", done.stdout + done.stderr
+    done = run(python, "import sys; sys.modules['torch'] = None; from mt_pretrain.cli.app "
+                       "import main; sys.argv = ['mt', 'convert', '--help']; main()")
+    assert done.returncode == 0 and "Usage:" in done.stdout, done.stdout + done.stderr
     assert sys.version_info >= (3, 10)

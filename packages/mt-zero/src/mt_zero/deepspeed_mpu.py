@@ -108,11 +108,10 @@ class GroupsMpu:
 def pipe_topology(topology: Topology) -> Any:
     """DeepSpeed's ``PipeModelDataParallelTopology`` with mt's rank order (pipe, data, model:
     model = TP fastest)."""
-    from deepspeed.runtime.pipe.topology import (  # pants: no-infer-dep (optional)
-        PipeModelDataParallelTopology,
-    )
+    # One line: Pants reads the pragma on the line an import statement ends.
+    from deepspeed.runtime.pipe import topology  # pants: no-infer-dep (optional)
 
-    ds = PipeModelDataParallelTopology(num_pp=topology.pp, num_mp=topology.tp,
+    ds = topology.PipeModelDataParallelTopology(num_pp=topology.pp, num_mp=topology.tp,
                                        num_dp=topology.dp)
     for rank in range(topology.world_size):
         c, d = topology.coord(rank), ds.get_coord(rank)

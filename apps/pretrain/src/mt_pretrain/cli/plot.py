@@ -13,10 +13,13 @@ __all__ = ["plot_metrics"]
 def plot_metrics(paths: Sequence[str | Path], output: str | Path, key: str = "loss",
                  x: str = "step", log_y: bool = False) -> Path:
     """Plot ``key`` against ``x`` for every metrics file (plus ``val_loss`` if present)."""
-    import matplotlib
-
+    try:
+        import matplotlib  # pants: no-infer-dep (optional: mt-pretrain[plot])
+    except ImportError:
+        raise ValueError("mt plot needs matplotlib, which is not installed: "
+                         "pip install 'mt-pretrain[plot]'") from None
     matplotlib.use("Agg")  # files only; never needs a display
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # pants: no-infer-dep
 
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
     drawn = 0
