@@ -26,8 +26,8 @@ from mt_data import DataLoaderState
 from mt_pretrain.config.load import load_config
 from mt_pretrain.config.resolve import resolve
 from mt_pretrain.config.schema import ConfigError
+from mt_pretrain.data.inputs import ensure_data, make_loaders, to_batch
 from mt_pretrain.launch import launch
-from mt_pretrain.run.data import ensure_data, make_loaders, to_batch
 
 transformers = pytest.importorskip("transformers")
 

@@ -17,8 +17,8 @@ from typer.testing import CliRunner
 from mt_convert import ConvertError, convert_checkpoint, load_state_dict, open_checkpoint
 from mt_convert.cli import app
 from mt_pretrain.config.load import load_config
+from mt_pretrain.engines.checkpoint import consolidated_model
 from mt_pretrain.launch import launch
-from mt_pretrain.run.checkpoint import consolidated_model
 
 COMMON: dict[str, Any] = {
     "model": "tiny", "seq_len": 32, "dropout": 0.0, "micro_batch_size": 2,

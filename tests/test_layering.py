@@ -6,7 +6,8 @@
   imports mt-model and the parallel packages whose constants and simulator it uses; mt-eval
   imports only mt-data;
 - mt-dist imports no mt package;
-- nothing imports an app (mt_pretrain, mt_convert) but the app itself.
+- nothing imports an app (mt_pretrain, mt_convert) but the app itself;
+- inside mt_pretrain, each subpackage imports only those below it (:data:`PRETRAIN_STACK`).
 """
 
 from __future__ import annotations
@@ -105,3 +106,43 @@ def test_no_two_packages_export_one_name() -> None:
     shared = {name: mods for name, mods in owners.items()
               if len(mods) > 1 and name != "__version__"}
     assert len(owners) > 100 and not shared, shared
+
+
+#: mt_pretrain's subpackages (and top-level modules), bottom to top: each imports only the
+#: ones before it, function-local imports included. config is pure data and the engine
+#: registry; data is what a run reads; engines run the model and write its checkpoints;
+#: evaluation scores through an engine; run is one rank's training loop (it scores tasks
+#: during training); launch starts ranks; contract (the layout matrix) launches runs; the
+#: command line sits on everything.
+PRETRAIN_STACK = ["config", "data", "engines", "evaluation", "run", "launch", "contract", "cli",
+                  "__main__"]
+
+
+def _part(path: Path, tree: Path) -> str:
+    rel = path.relative_to(tree)
+    return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+
+
+def test_mt_pretrain_is_a_stack_without_cycles() -> None:
+    tree = source_trees()["mt_pretrain"]
+    parts = {_part(p, tree) for p in tree.rglob("*.py")} - {"__init__"}
+    assert parts == set(PRETRAIN_STACK), f"place {sorted(parts - set(PRETRAIN_STACK))} " \
+        "in PRETRAIN_STACK"
+    violations = []
+    for path in sorted(tree.rglob("*.py")):
+        mine = _part(path, tree)
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                continue
+            for name in names:
+                bits = name.split(".")
+                if bits[0] != "mt_pretrain" or len(bits) < 2:
+                    continue
+                if PRETRAIN_STACK.index(bits[1]) > PRETRAIN_STACK.index(mine):
+                    violations.append(f"{path.relative_to(ROOT)}:{node.lineno}: {mine} imports "
+                                      f"{bits[1]}, which sits above it")
+    assert not violations, "\n".join(violations)

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from conftest import run_pretrain
 
-from mt_pretrain.run.checkpoint import consolidated_model
+from mt_pretrain.engines.checkpoint import consolidated_model
 from mt_pretrain.run.metrics import read_metrics
 
 STEPS, HALF = 12, 6

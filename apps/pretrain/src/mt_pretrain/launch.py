@@ -26,10 +26,10 @@ from mt_dist.supervisor import LocalRanks, Outcome
 from mt_eval import TaskError, TaskResult, load_task
 from mt_pretrain.config.resolve import resolve, sharding_styles
 from mt_pretrain.config.schema import ConfigError, PretrainConfig
+from mt_pretrain.data.inputs import check_vocab, default_cache_dir, ensure_data
+from mt_pretrain.engines.checkpoint import CheckpointError
 from mt_pretrain.evaluation.model import as_pretrain_checkpoint
 from mt_pretrain.evaluation.rank import EvalSpec, eval_rank
-from mt_pretrain.run.checkpoint import CheckpointError
-from mt_pretrain.run.data import check_vocab, default_cache_dir, ensure_data
 from mt_pretrain.run.folder import claim_run_folder, run_folder_lock
 from mt_pretrain.run.rank import RunSummary, run_rank
 from mt_pretrain.run.train import NonFiniteLossError

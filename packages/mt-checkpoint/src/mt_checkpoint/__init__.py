@@ -29,6 +29,7 @@ from mt_checkpoint.format import (
     has_checkpoints,
     load_rank,
     publish_step,
+    remove_checkpoints,
     save_rank,
     verify_rank_file,
     write_meta,
@@ -53,6 +54,7 @@ from mt_checkpoint.names import (
     CheckpointError,
     rank_file,
     rank_seed,
+    sidecar_rank_file,
     step_dir,
 )
 from mt_checkpoint.reshard import canonical_optimizer, cut, local_optimizer, merge_model
@@ -87,7 +89,9 @@ __all__ = [
     "rank_seed",
     "read_manifest",
     "read_meta",
+    "remove_checkpoints",
     "save_rank",
+    "sidecar_rank_file",
     "step_dir",
     "sum_files",
     "verify_files",

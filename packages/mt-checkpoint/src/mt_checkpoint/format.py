@@ -213,6 +213,14 @@ def clean_stale(root: Path) -> None:
         shutil.rmtree(stale, ignore_errors=True)
 
 
+def remove_checkpoints(root: Path) -> None:
+    """Delete every checkpoint under ``root``: its step folders (complete, or left by a killed
+    save) and ``latest``, whichever engine wrote them; other files stay."""
+    for entry in [*root.glob("step-*"), *root.glob(".step-*")]:
+        shutil.rmtree(entry, ignore_errors=True)
+    (root / LATEST).unlink(missing_ok=True)
+
+
 def publish_step(root: Path, tmp: Path, meta: CheckpointMeta, keep_last: int,
                  phase: Callable[[str], None] | None = None) -> Path:
     """Publish the step written into ``tmp`` (every rank file complete) as

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 __all__ = ["DATA_ORDER", "FORMAT", "LATEST", "MANIFEST", "META", "RANK_FORMAT",
-           "CheckpointError", "rank_file", "rank_seed", "step_dir"]
+           "CheckpointError", "rank_file", "rank_seed", "sidecar_rank_file", "step_dir"]
 
 FORMAT = "mt-pretrain/1"
 RANK_FORMAT = "mt-pretrain-rank/1"
@@ -23,6 +23,12 @@ class CheckpointError(RuntimeError):
 def rank_file(rank: int) -> str:
     """File name of ``rank``'s shard."""
     return f"rank-{rank:05d}.pt"
+
+
+def sidecar_rank_file(rank: int) -> str:
+    """File name of ``rank``'s data position and RNG states in a checkpoint folder another
+    library writes (DeepSpeed's engine; mt's own rank files hold them)."""
+    return f"mt-rank-{rank:05d}.pt"
 
 
 def step_dir(step: int) -> str:

@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from mt_eval import TaskError, load_task
+from mt_pretrain.config.engines import unsupported
 from mt_pretrain.config.fields import field_docs, flat_fields
 from mt_pretrain.config.resolve import resolve
 from mt_pretrain.config.schema import SECTIONS, ConfigError, DataArgs, PretrainConfig
-from mt_pretrain.engines.support import unsupported
 
 __all__ = ["SHIPPED", "blend_text", "build_config", "dataset_paths", "field_docs",
            "flat_fields", "load_config", "replace_config"]  # the field helpers: config.fields

@@ -23,16 +23,12 @@ from mt_pipeline import PartitionError, PipelineConfig, PipelinePlan, ScheduleEr
 from mt_plan.estimate import peak_in_flight, stage_memory
 from mt_plan.gpus import GPUSpec
 from mt_plan.layout import LayoutError, ParallelLayout
+from mt_pretrain.config.engines import engine_of, unsupported
 from mt_pretrain.config.schema import (
     DEFAULT_MODEL,
     DEFAULT_TRAIN_STEPS,
     ConfigError,
     PretrainConfig,
-)
-from mt_pretrain.engines.support import (
-    CHECKPOINT_HAS_MODEL,
-    architecture_unsupported,
-    unsupported,
 )
 from mt_tensor_parallel import check_divisibility, param_styles
 
@@ -108,7 +104,7 @@ def model_of(config: PretrainConfig) -> tuple[GPTConfig, int]:
     """(the model to build, the training sequence length): from the flags, or with --load
     from the checkpoint (see :meth:`~mt_pretrain.config.schema.ModelArgs.on_checkpoint`)."""
     load = config.checkpoint.load
-    if load and CHECKPOINT_HAS_MODEL[config.parallel.engine] and not fresh_start(
+    if load and engine_of(config).checkpoint_has_model and not fresh_start(
             load, config.checkpoint.save_dir):
         folder = find_checkpoint(load)
         saved = saved_model(read_meta(folder).model, folder)
@@ -125,7 +121,7 @@ def resolve(config: PretrainConfig, world_size: int) -> RunPlan:
         raise ConfigError("invalid configuration: " + "; ".join(refused))
     model, seq_len = model_of(config)
     gpt = model.replace(seq_len=seq_len)
-    refused = architecture_unsupported(gpt, config)
+    refused = unsupported(config, gpt)  # the options passed above: the architecture
     if refused:
         raise ConfigError("invalid configuration: " + "; ".join(refused))
     problems: list[str] = []

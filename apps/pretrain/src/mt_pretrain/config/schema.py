@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from mt_pipeline import SCHEDULES as PIPELINE_SCHEDULES
+from mt_pretrain.config.engines import ENGINES
 
 __all__ = [
     "DEFAULT_TRAIN_STEPS",
@@ -38,7 +39,6 @@ DEFAULT_TRAIN_STEPS = 300
 DEFAULT_MODEL = "tiny"
 #: The model fields that make its shape (what a checkpoint and a preset must agree on).
 ARCHITECTURE = ("n_layers", "hidden", "n_heads", "vocab_size", "ffn_hidden")
-ENGINES = ("mt", "deepspeed")
 #: The shortest --timeout: ranks must first find each other (a TCP rendezvous) within it.
 MIN_TIMEOUT_S = 1.0
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -181,7 +181,8 @@ class ParallelArgs:
     engine: str = "mt"
     """Training engine: mt (this toolkit) or deepspeed (DeepSpeed's engine around mt's model
     and TP layers: ZeRO 0-3 with --pp 1, ZeRO 0/1 with pipelines through DeepSpeed's
-    PipelineModule and its 1F1B schedule; fp32 or bf16; needs `pip install deepspeed`)."""
+    PipelineModule and its 1F1B schedule; fp32 or bf16; needs `pip install deepspeed`). Each
+    engine and what it refuses: the registry mt_pretrain.config.engines."""
     precision: str = "fp32"
     """Parameter and compute precision: fp32, bf16 or fp16 (fp32 master weights and
     optimizer state; fp16 uses dynamic loss scaling)."""
@@ -207,7 +208,7 @@ class ParallelArgs:
             problems.append(f"--virtual-stages {self.virtual_stages} needs --schedule "
                             f"interleaved (got {self.schedule!r})")
         if self.engine not in ENGINES:
-            problems.append(f"--engine must be one of {ENGINES}, got {self.engine!r}")
+            problems.append(f"--engine must be one of {tuple(ENGINES)}, got {self.engine!r}")
         if self.precision not in PRECISIONS:
             problems.append(f"--precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.device not in ("auto", "cpu", "cuda"):

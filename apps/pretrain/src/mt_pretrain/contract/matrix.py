@@ -29,6 +29,8 @@ from functools import cache
 from typing import Any
 
 from mt_plan.layout import ParallelLayout
+from mt_pretrain.config.engines import ENGINES, REFERENCE
+from mt_pretrain.config.schema import PRECISIONS
 
 __all__ = ["COMMON", "LLAMA", "LLAMA_CI", "Case", "candidates", "ci_matrix", "full_matrix",
            "llama_rows", "matrix_layout", "pairwise_cover", "valid"]
@@ -50,7 +52,7 @@ class Case:
 
     layout: ParallelLayout
     dropout: float = 0.0
-    engine: str = "mt"
+    engine: str = REFERENCE
     model: str = "tiny"
     """The preset trained: the GPT-2 ``tiny``, or ``llama-test`` (the Llama row set)."""
 
@@ -78,8 +80,8 @@ class Case:
             parts.append(lay.precision)
         if self.dropout:
             parts.append("drop")
-        if self.engine != "mt":
-            parts.append("ds")
+        if ENGINES[self.engine].tag:
+            parts.append(ENGINES[self.engine].tag)
         if self.model != "tiny":
             parts.append(self.model.split("-")[0])
         return " ".join(parts)
@@ -164,8 +166,8 @@ def candidates() -> list[Case]:
                 (0, 1, 2, 3) if dp > 1 else (0,),
                 ("gpipe", "1f1b", "interleaved") if pp > 1 else ("1f1b",),
                 (False, True) if tp > 1 else (False,), (False, True),
-                ("fp32", "bf16", "fp16"), (0.0, DROPOUT), ("mt", "deepspeed")):
-            if engine == "deepspeed" and dropout:
+                PRECISIONS, (0.0, DROPOUT), ENGINES):
+            if dropout and not ENGINES[engine].keyed_dropout:
                 continue
             layout = matrix_layout(tp, pp, dp, zero, schedule, sp, ac, precision)
             case = Case(layout, dropout, engine)
@@ -179,7 +181,7 @@ def _cost(case: Case) -> float:
     collectives in every layer, fp16 matmuls have no fast CPU kernel, DeepSpeed starts slowly)."""
     lay = case.layout
     return (0.3 * case.nproc + 1.5 * (lay.tp - 1) + 8.0 * (lay.precision == "fp16")
-            + 4.0 * (case.engine == "deepspeed") + 0.2 * case.checkpointing)
+            + ENGINES[case.engine].start_seconds + 0.2 * case.checkpointing)
 
 
 def pairwise_cover(cases: Iterable[Case] | None = None) -> list[Case]:
@@ -204,7 +206,7 @@ def full_matrix() -> list[Case]:
     dropout with checkpointing, DeepSpeed) on every grid it applies to, the pairwise
     cover, and the Llama row set; in that order, without repeats."""
     pool = candidates()
-    plain = [c for c in pool if c.dropout == 0 and c.engine == "mt" and
+    plain = [c for c in pool if c.dropout == 0 and c.engine == REFERENCE and
              c.layout.precision == "fp32" and not c.checkpointing and
              not c.layout.sequence_parallel]
     base = {}
@@ -216,7 +218,8 @@ def full_matrix() -> list[Case]:
     features: list[dict[str, Any]] = [
         {"sequence_parallel": True}, {"checkpointing": True}, {"precision": "bf16"},
         {"precision": "fp16"}, {"dropout": DROPOUT},
-        {"dropout": DROPOUT, "checkpointing": True}, {"engine": "deepspeed"}]
+        {"dropout": DROPOUT, "checkpointing": True},
+        *({"engine": name} for name in ENGINES if name != REFERENCE)]
     variants = []
     for case in base.values():
         for feature in features:
@@ -237,7 +240,7 @@ def llama_rows(pool: Iterable[Case] | None = None) -> list[Case]:
     out = []
     for case in (pool if pool is not None else candidates()):
         lay = case.layout
-        if (case.dropout == 0 and case.engine == "mt" and lay.precision == "fp32"
+        if (case.dropout == 0 and case.engine == REFERENCE and lay.precision == "fp32"
                 and not case.checkpointing and lay.schedule == "1f1b"
                 and lay.zero_stage == (1 if lay.dp > 1 else 0)
                 and lay.sequence_parallel == (lay.tp > 1)):

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from mt_model import gradient_free_slices
+from mt_pretrain.config.engines import ENGINES
 from mt_pretrain.contract.matrix import COMMON, Case
 
 __all__ = ["FP32", "GROUPINGS", "ISA_FLAGS", "Diff", "MatrixRunner", "Outcome", "Tolerance",
@@ -68,7 +69,7 @@ GROUPINGS = (2, 4, 8)
 #: - DeepSpeed's engine: it reduces 16-bit gradients its own way: 6 (4.7 at PP 2 x DP 4);
 #: - tensor parallelism: each row-parallel all-reduce rounds partial sums to 16 bits once
 #:   more per layer, t partial sums at TP t: 8 (6.3, fp16 grad norm at TP 4).
-FLOOR_FACTORS = {"plain": 3.0, "deepspeed": 6.0, "tp": 8.0}
+FLOOR_FACTORS = {"plain": 3.0, "own_reduction": 6.0, "tp": 8.0}
 
 
 #: fp32 weights of the Llama rows: the one-process floor of llama-test (10 steps, worst over
@@ -89,7 +90,8 @@ def tolerance_for(case: Case, floor: Tolerance | None = None) -> Tolerance:
         return FP32
     if floor is None:
         raise ValueError(f"{case.name}: a {precision} case needs its measured noise floor")
-    kind = "tp" if case.layout.tp > 1 else "deepspeed" if case.engine != "mt" else "plain"
+    kind = "tp" if case.layout.tp > 1 else "own_reduction" if \
+        ENGINES[case.engine].own_reduction else "plain"
     return floor.scaled(FLOOR_FACTORS[kind])
 
 

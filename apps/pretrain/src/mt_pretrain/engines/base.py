@@ -5,7 +5,7 @@ owns this rank's model stage, its optimizer and everything that depends on how t
 run: a step's forward and backward passes (pipeline schedule or gradient accumulation), the
 optimizer step, the parameters in evaluation, the full weights, checkpoints. The trainer and
 the run loop only call these methods; they know no engine by name. What an engine does not
-support is refused at config time by :mod:`mt_pretrain.engines.support`.
+support is refused at config time by the registry, :mod:`mt_pretrain.config.engines`.
 
 Implementations: :class:`mt_pretrain.engines.mt.MTEngine` (mt-pipeline + mt-zero) and
 :class:`mt_pretrain.engines.deepspeed_engine.DeepSpeedEngine` (DeepSpeed's engines around

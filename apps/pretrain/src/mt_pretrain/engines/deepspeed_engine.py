@@ -36,9 +36,12 @@ import torch.distributed as dist
 from torch import nn
 
 from mt_checkpoint import (
+    LATEST,
     CheckpointError,
     folder_files,
     read_manifest,
+    sidecar_rank_file,
+    step_dir,
     sum_files,
     verify_files,
     write_manifest,
@@ -47,10 +50,10 @@ from mt_data import DataLoaderState
 from mt_dist import ParallelGroups
 from mt_pretrain.config.resolve import RunPlan, sharding_styles
 from mt_pretrain.config.schema import PretrainConfig
+from mt_pretrain.data.inputs import default_cache_dir, to_batch
 from mt_pretrain.engines.base import Engine, Saver
 from mt_pretrain.engines.build import Built, build_model_stage, seed_everything
 from mt_pretrain.engines.deepspeed_pipe import build_pipeline_module, micro_batches
-from mt_pretrain.run.data import default_cache_dir, to_batch
 from mt_zero import StepResult, ZeroConfig, decay_param_groups
 from mt_zero.deepspeed_engine import deepspeed_config, deepspeed_environ, initialize_deepspeed
 from mt_zero.deepspeed_mpu import GroupsMpu
@@ -225,7 +228,7 @@ def _initialize(config: PretrainConfig, plan: RunPlan, stage: nn.Module,
 
 
 def _rank_file(folder: Path, rank: int) -> Path:
-    return folder / f"mt-rank-{rank:05d}.pt"
+    return folder / sidecar_rank_file(rank)
 
 
 def _find_checkpoint(path: str | Path) -> Path:
@@ -233,7 +236,7 @@ def _find_checkpoint(path: str | Path) -> Path:
     path = Path(path)
     if _rank_file(path, 0).is_file():
         return path
-    latest = path / "latest"
+    latest = path / LATEST  # DeepSpeed's pointer file has mt's name
     if latest.is_file():
         return path / latest.read_text(encoding="utf-8").strip()
     raise FileNotFoundError(f"no DeepSpeed-engine checkpoint at {path} (neither "
@@ -253,7 +256,7 @@ class DeepSpeedCheckpointer:
 
     def save(self, step: int, data_state: DataLoaderState) -> Path:
         """Write the checkpoint of ``step`` (collective); returns its folder."""
-        tag = f"step-{step:08d}"
+        tag = step_dir(step)
         folder = self.root / tag
         topo = self.groups.topology
         mine = {"step": step, "data": data_state.to_dict(),
@@ -261,7 +264,7 @@ class DeepSpeedCheckpointer:
                 "rng": {"torch": torch.get_rng_state(),
                         "tracker": self.tracker.state_dict() if self.tracker else {}}}
         folder.mkdir(parents=True, exist_ok=True)
-        tmp = folder / f".mt-rank-{self.groups.rank:05d}.tmp"
+        tmp = folder / f".{sidecar_rank_file(self.groups.rank)}.tmp"
         torch.save(mine, tmp)
         tmp.replace(_rank_file(folder, self.groups.rank))
         # DeepSpeed writes `latest` (rank 0) after its shards: our files come first.

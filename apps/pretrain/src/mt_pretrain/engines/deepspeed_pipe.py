@@ -31,7 +31,7 @@ from torch import nn
 from mt_dist import ParallelGroups
 from mt_pipeline import ModelLayout, PipelineStage
 from mt_pretrain.config.resolve import RunPlan
-from mt_pretrain.run.data import to_batch
+from mt_pretrain.data.inputs import to_batch
 from mt_zero.deepspeed_mpu import grid_mismatches, pipe_topology
 
 __all__ = ["build_pipeline_module", "layer_parts", "micro_batches"]

@@ -22,10 +22,10 @@ from mt_dist import ParallelGroups
 from mt_pipeline import PipelineExecutor, StageComm
 from mt_pretrain.config.resolve import RunPlan, activation_shape
 from mt_pretrain.config.schema import PretrainConfig
+from mt_pretrain.data.inputs import to_batch
 from mt_pretrain.engines.base import Engine, Saver
 from mt_pretrain.engines.build import Built, build_model_stage, make_optimizer, seed_everything
-from mt_pretrain.run.checkpoint import Checkpointer, load
-from mt_pretrain.run.data import to_batch
+from mt_pretrain.engines.checkpoint import Checkpointer, load
 from mt_zero import StepResult, ZeroOptimizer
 from mt_zero.precision import compute_dtype
 

@@ -21,8 +21,8 @@ from mt_checkpoint import CheckpointError, find_checkpoint, read_meta
 from mt_model import GPTConfig
 from mt_pretrain.config.resolve import saved_model
 from mt_pretrain.config.schema import DataArgs
-from mt_pretrain.run.checkpoint import consolidated_model
-from mt_pretrain.run.data import run_tokenizer
+from mt_pretrain.data.inputs import run_tokenizer
+from mt_pretrain.engines.checkpoint import consolidated_model
 
 __all__ = ["EvalModel", "as_pretrain_checkpoint", "load_eval_model"]
 

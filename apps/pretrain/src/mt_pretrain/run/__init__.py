@@ -1,2 +1,2 @@
-"""One rank of a run: set-up (`rank`), data, the training loop, validation, checkpoints,
-metrics, progress, the final sample, the run folder's protection, fault injection."""
+"""One rank of a run: set-up (`rank`), the training loop (`train`), validation, metrics,
+progress, the final sample, and the run folder's protection."""

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from mt_data import DPDataLoader
 from mt_dist import ParallelGroups
 from mt_pipeline import PipelineStage, StageComm, forward_losses
-from mt_pretrain.run.data import to_batch
+from mt_pretrain.data.inputs import to_batch
 
 __all__ = ["evaluate", "forward_loss"]
 

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from mt_checkpoint import LATEST, has_checkpoints
+from mt_checkpoint import has_checkpoints, remove_checkpoints
 from mt_pretrain.config.schema import CheckpointArgs, ConfigError
 
 __all__ = ["LOCK_FILE", "claim_run_folder", "run_folder_lock"]
@@ -93,9 +93,7 @@ def claim_run_folder(ckpt: CheckpointArgs) -> None:
                           f"continue it with {resume}, start over with --overwrite (deletes "
                           "them), or choose another --out-dir")
     if ckpt.save_dir is not None and ckpt.save_dir.is_dir():
-        for entry in [*ckpt.save_dir.glob("step-*"), *ckpt.save_dir.glob(".step-*")]:
-            shutil.rmtree(entry, ignore_errors=True)
-        (ckpt.save_dir / LATEST).unlink(missing_ok=True)
+        remove_checkpoints(ckpt.save_dir)
     if ckpt.metrics_path is not None:
         ckpt.metrics_path.unlink(missing_ok=True)
     shutil.rmtree(Path(ckpt.out_dir) / "tensorboard", ignore_errors=True)

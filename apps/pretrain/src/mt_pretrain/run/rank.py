@@ -30,12 +30,12 @@ from mt_dist import (
     local_device,
 )
 from mt_model import count_parameters
+from mt_pretrain.config.engines import engine_of
 from mt_pretrain.config.resolve import RunPlan, fullest_stage_memory, resolve
 from mt_pretrain.config.schema import CheckpointArgs, ConfigError, PretrainConfig, TrainArgs
+from mt_pretrain.data.inputs import ensure_data, make_loaders, tokenizer_for
 from mt_pretrain.engines.base import Engine
-from mt_pretrain.engines.mt import MTEngine
 from mt_pretrain.evaluation.training import task_scorer
-from mt_pretrain.run.data import ensure_data, make_loaders, tokenizer_for
 from mt_pretrain.run.folder import claim_run_folder, run_folder_lock
 from mt_pretrain.run.memory import MemoryPeaks, gather_memory
 from mt_pretrain.run.metrics import MetricsWriter, WandbTarget
@@ -261,13 +261,8 @@ def _train(config: PretrainConfig, plan: RunPlan, groups: ParallelGroups, device
 
 def make_engine(config: PretrainConfig, plan: RunPlan, groups: ParallelGroups,
                 device: torch.device) -> Engine:
-    """The engine ``--engine`` names, built for this rank: the one place that chooses."""
-    if config.parallel.engine == "deepspeed":
-        # Optional dependency; DeepSpeed reads its environment at import (set inside).
-        from mt_pretrain.engines.deepspeed_engine import DeepSpeedEngine
-
-        return DeepSpeedEngine.create(config, plan, groups, device)
-    return MTEngine.create(config, plan, groups, device)
+    """The engine ``--engine`` names (its registry entry), built for this rank."""
+    return engine_of(config).load().create(config, plan, groups, device)
 
 
 def _sample(train: TrainArgs, engine: Engine, groups: ParallelGroups, plan: RunPlan,

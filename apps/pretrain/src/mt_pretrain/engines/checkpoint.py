@@ -38,9 +38,9 @@ from mt_dist import ParallelGroups
 from mt_model import GPTConfig, parameter_stages
 from mt_pretrain.config.resolve import RunPlan
 from mt_pretrain.config.schema import ConfigError, PretrainConfig, TrainArgs
+from mt_pretrain.data.inputs import run_tokenizer
 from mt_pretrain.engines.build import Built
-from mt_pretrain.run.data import run_tokenizer
-from mt_pretrain.run.failpoints import failpoint
+from mt_pretrain.engines.failpoints import failpoint
 from mt_zero import ZeroOptimizer, consolidate, load_consolidated, optimizer_shard_state
 
 __all__ = ["CheckpointError", "Checkpointer", "consolidated_model", "find_checkpoint", "load"]
