@@ -10,7 +10,7 @@ timed, alternately and ``--repeats`` times each on the same disk:
 - merge: the TP 2 x PP 2 checkpoint back to consolidated;
 - crc32c: one ``crc32c.crc32c`` pass over the source file, the checksum conversions record
   (a conversion verifies the checksum of every byte it reads and records one for every
-  byte it writes; for most tensors one pass serves both, see ``mt_convert.crc``).
+  byte it writes; for most tensors one pass serves both, see ``mt_formats.crc``).
 
 Speeds are source bytes / best time. Peak RSS is ``resource.getrusage`` of this process
 (it includes the page-cache pages of memory-mapped source files it touched), once after the
@@ -34,7 +34,7 @@ from pathlib import Path
 import crc32c
 import torch
 
-from mt_convert import TensorSpec, canonical_shapes, convert_checkpoint, make_writer
+from mt_formats import TensorSpec, canonical_shapes, convert_checkpoint, make_writer
 from mt_model import GPTConfig
 
 

@@ -35,8 +35,6 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from mt_convert import save_state_dict  # noqa: E402
-from mt_convert.hf_tokenizer import write_hf_tokenizer  # noqa: E402
 from mt_data import load_tokenizer  # noqa: E402
 from mt_dist import (  # noqa: E402  # noqa: E402
     LaunchInfo,
@@ -47,6 +45,8 @@ from mt_dist import (  # noqa: E402  # noqa: E402
     init_distributed,
 )
 from mt_eval import builtin_task, evaluate, load_task  # noqa: E402
+from mt_formats import save_state_dict  # noqa: E402
+from mt_formats.hf_tokenizer import write_hf_tokenizer  # noqa: E402
 from mt_model import GPT, GPTConfig  # noqa: E402
 from mt_pipeline import PipelineConfig, plan_pipeline  # noqa: E402
 from mt_pretrain.engines.build import materialize_stage  # noqa: E402

@@ -78,7 +78,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mt_convert.hf_config import hf_config_from_gpt, hf_name
+from mt_formats.hf_config import hf_config_from_gpt, hf_name
 from mt_model import (
     GPT,
     PRESETS,

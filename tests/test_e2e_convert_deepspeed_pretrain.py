@@ -15,8 +15,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from mt_convert import load_model
 from mt_convert.cli import app
+from mt_formats import load_model
 from mt_model import GPT
 from mt_pretrain.config.load import load_config
 from mt_pretrain.launch import launch

@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 from typer.testing import CliRunner
 
-from mt_convert import load_state_dict
 from mt_convert.cli import app
 from mt_data import DataLoaderState
+from mt_formats import load_state_dict
 from mt_pretrain.config.load import load_config
 from mt_pretrain.config.resolve import resolve
 from mt_pretrain.config.schema import ConfigError

@@ -17,8 +17,8 @@ import torch
 import transformers
 from typer.testing import CliRunner
 
-from mt_convert import load_model
 from mt_convert.cli import app
+from mt_formats import load_model
 
 
 def _convert(*args: str) -> None:
@@ -56,8 +56,8 @@ def test_llama_round_trip_through_tp2_pp2(tmp_path: Path, tied: bool) -> None:
 
 
 def test_llama_settings_mt_cannot_reproduce_are_refused_by_name(tmp_path: Path) -> None:
-    from mt_convert.errors import ConvertError
-    from mt_convert.hf_llama import gpt_config_from_llama
+    from mt_formats.errors import ConvertError
+    from mt_formats.hf_llama import gpt_config_from_llama
 
     base = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
             "num_hidden_layers": 2, "intermediate_size": 176, "vocab_size": 1003}

@@ -14,11 +14,22 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from mt_convert import ConvertError, convert_checkpoint, load_state_dict, open_checkpoint
+from mt_checkpoint import find_checkpoint, load_rank, merge_model, read_meta
 from mt_convert.cli import app
+from mt_formats import ConvertError, convert_checkpoint, load_state_dict, open_checkpoint
 from mt_pretrain.config.load import load_config
-from mt_pretrain.engines.checkpoint import consolidated_model
 from mt_pretrain.launch import launch
+
+
+def consolidated_model(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The oracle, independent of mt-formats' reader: every (stage, TP slice) of DP replica 0
+    read with mt-checkpoint and merged by its own resharding code."""
+    folder = find_checkpoint(path)
+    meta = read_meta(folder)
+    parts = {(pp, tp): load_rank(folder, meta.layout.rank(pp, 0, tp))["model"]
+             for pp in range(meta.layout.pp) for tp in range(meta.layout.tp)}
+    return dict(meta.model), merge_model(parts, dict(meta.styles), meta.model["vocab_size"])
+
 
 COMMON: dict[str, Any] = {
     "model": "tiny", "seq_len": 32, "dropout": 0.0, "micro_batch_size": 2,

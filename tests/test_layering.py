@@ -4,7 +4,8 @@
 - the parallel packages (mt-tensor-parallel, mt-pipeline, mt-zero) import only mt-dist;
 - mt-checkpoint imports mt-dist, mt-model and the parallel packages it reshards for; mt-plan
   imports mt-model and the parallel packages whose constants and simulator it uses; mt-eval
-  imports only mt-data;
+  imports only mt-data; mt-formats (every checkpoint format) sits on mt-checkpoint and what
+  it needs;
 - mt-dist imports no mt package;
 - nothing imports an app (mt_pretrain, mt_convert) but the app itself;
 - inside mt_pretrain, each subpackage imports only those below it (:data:`PRETRAIN_STACK`).
@@ -34,10 +35,14 @@ ALLOWED: dict[str, set[str]] = {
     # Evaluation knows tasks, prompts and metrics, no model: it builds its built-in tasks
     # from mt-data's corpus.
     "mt_eval": {"mt_data"},
-    "mt_pretrain": {"mt_dist", "mt_model", "mt_data", "mt_tensor_parallel", "mt_pipeline",
-                    "mt_zero", "mt_checkpoint", "mt_plan", "mt_eval"},
-    "mt_convert": {"mt_dist", "mt_model", "mt_data", "mt_tensor_parallel", "mt_pipeline",
+    # The format library: every checkpoint format mt reads or writes, over the packages that
+    # define the model, its slicing and the training checkpoint.
+    "mt_formats": {"mt_dist", "mt_model", "mt_data", "mt_tensor_parallel", "mt_pipeline",
                    "mt_zero", "mt_checkpoint"},
+    "mt_pretrain": {"mt_dist", "mt_model", "mt_data", "mt_tensor_parallel", "mt_pipeline",
+                    "mt_zero", "mt_checkpoint", "mt_plan", "mt_eval", "mt_formats"},
+    # The command line over the format library.
+    "mt_convert": {"mt_formats"},
 }
 
 

@@ -1,6 +1,6 @@
 """The wheels of `pants package ::` install with plain pip into fresh virtualenvs.
 
-Run through Pants (`./pants test tests:wheels`), which builds the eleven wheels into the sandbox.
+Run through Pants (`./pants test tests:wheels`), which builds the twelve wheels into the sandbox.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 DISTRIBUTIONS = ["mt_dist", "mt_model", "mt_data", "mt_tensor_parallel", "mt_pipeline", "mt_zero",
-                 "mt_checkpoint", "mt_plan", "mt_eval", "mt_pretrain", "mt_convert"]
+                 "mt_checkpoint", "mt_plan", "mt_eval", "mt_formats", "mt_pretrain", "mt_convert"]
 CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
 LOCAL_WHEELS = Path("/opt/wheels")  # where this kind of machine keeps the CPU build of torch
 ROOT = Path.cwd()  # the repository root (Pants' sandbox, or a checkout)

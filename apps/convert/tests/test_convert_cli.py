@@ -12,8 +12,8 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from mt_convert import load_state_dict, save_model
 from mt_convert.cli import app
+from mt_formats import load_state_dict, save_model
 from mt_model import GPT, preset
 
 runner = CliRunner()

@@ -24,9 +24,9 @@ import torch
 import torch.distributed as dist
 from typer.testing import CliRunner
 
-from mt_convert import ConvertError, convert_checkpoint, load_model, open_checkpoint
 from mt_convert.cli import app
 from mt_dist.testing import run_distributed
+from mt_formats import ConvertError, convert_checkpoint, load_model, open_checkpoint
 from mt_model import GPT, preset
 from mt_zero import ZeroConfig, decay_param_groups
 from mt_zero.deepspeed_engine import deepspeed_config, deepspeed_environ, initialize_deepspeed

@@ -15,8 +15,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from mt_convert import ConvertError, convert_checkpoint, load_state_dict
 from mt_convert.cli import app
+from mt_formats import ConvertError, convert_checkpoint, load_state_dict
 from mt_model import GPT, preset
 from mt_tensor_parallel import GPT_PLAN, param_styles
 from mt_zero import (

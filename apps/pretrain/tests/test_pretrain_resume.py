@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from conftest import run_pretrain
 
-from mt_pretrain.engines.checkpoint import consolidated_model
+from mt_formats import load_state_dict
 from mt_pretrain.run.metrics import read_metrics
 
 STEPS, HALF = 12, 6
@@ -63,8 +63,8 @@ def test_pretrain_resume_at_another_layout(full_run: tuple[Path, Path, Any], tmp
 
 def test_pretrain_checkpoint_consolidates(full_run: tuple[Path, Path, Any]) -> None:
     out, _, _ = full_run
-    model, weights = consolidated_model(out / "checkpoints")  # follows `latest`
-    assert model["vocab_size"] == 1000 and model["seq_len"] == 32
+    model, weights = load_state_dict(out / "checkpoints")  # follows `latest`
+    assert model.vocab_size == 1000 and model.seq_len == 32
     assert weights["embed.tokens.weight"].shape == (1000, 64)
     assert len([n for n in weights if n.startswith("blocks.3.")]) == 12
 

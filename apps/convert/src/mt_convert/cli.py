@@ -1,4 +1,4 @@
-"""``mt convert SRC DST``: the command line of mt_convert.
+"""``mt convert SRC DST``: the command line of mt_formats.
 
 ``app`` is a Typer app whose callback is the command itself, so it works both standalone
 (``python -m mt_convert SRC DST``) and mounted by the root ``mt`` CLI through the
@@ -23,7 +23,7 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
-from mt_convert.errors import ConvertError, WriteFailed
+from mt_formats.errors import ConvertError, WriteFailed
 
 __all__ = ["app", "main"]
 
@@ -54,7 +54,7 @@ Layout = tuple[int | None, int | None, int | None]
 
 def _dry_run(src: Path, dst: Path, to: str, from_format: str | None, layout: Layout,
              console: Console, model: str | None = None) -> None:
-    from mt_convert.convert import make_writer, open_checkpoint, plan_conversion
+    from mt_formats.convert import make_writer, open_checkpoint, plan_conversion
 
     with open_checkpoint(src, from_format, model) as reader:
         specs = {name: reader.spec(name) for name in reader.names()}
@@ -74,7 +74,7 @@ def _dry_run(src: Path, dst: Path, to: str, from_format: str | None, layout: Lay
 def _convert(src: Path, dst: Path, to: str, from_format: str | None, layout: Layout,
              force: bool, console: Console, model: str | None = None,
              optimizer: dict[str, Any] | None = None, tokenizer: str | None = None) -> None:
-    from mt_convert.convert import convert_checkpoint
+    from mt_formats.convert import convert_checkpoint
 
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn(), TextColumn("{task.fields[tensor]}"))
@@ -152,8 +152,8 @@ def convert(
     source = from_format.value if from_format is not None else None
     console = Console(stderr=True)
     # Imported here: the format library needs torch (seconds), `mt --help` does not.
-    from mt_convert.convert import detect_format
-    from mt_convert.pretrain_relayout import PretrainTarget, describe_pretrain
+    from mt_formats.convert import detect_format
+    from mt_formats.pretrain_relayout import PretrainTarget, describe_pretrain
 
     try:
         if to is None and (sharded or dp is not None or zero_stage is not None) and (

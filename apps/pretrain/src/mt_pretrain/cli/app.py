@@ -36,6 +36,7 @@ DISTRIBUTIONS: dict[str, str] = {
     "mt-eval": "mt_eval",
     "mt-data": "mt_data",
     "mt-model": "mt_model",
+    "mt-formats": "mt_formats",
     "mt-pretrain": "mt_pretrain",
     "mt-convert": "mt_convert",
 }

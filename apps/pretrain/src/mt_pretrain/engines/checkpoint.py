@@ -27,7 +27,6 @@ from mt_checkpoint import (
     find_checkpoint,
     load_rank,
     local_optimizer,
-    merge_model,
     publish_step,
     read_meta,
     save_rank,
@@ -43,7 +42,7 @@ from mt_pretrain.engines.build import Built
 from mt_pretrain.engines.failpoints import failpoint
 from mt_zero import ZeroOptimizer, consolidate, load_consolidated, optimizer_shard_state
 
-__all__ = ["CheckpointError", "Checkpointer", "consolidated_model", "find_checkpoint", "load"]
+__all__ = ["CheckpointError", "Checkpointer", "find_checkpoint", "load"]
 
 # Fields that may differ between the saved and the resuming model (regularisation only).
 _MAY_DIFFER = {"dropout", "attention_dropout"}
@@ -201,16 +200,3 @@ def load(path: str | Path, train: TrainArgs, plan: RunPlan, groups: ParallelGrou
                       f"{consumed:,} of the new order, so the samples "
                       "it sees next are not those the old run would have seen", stacklevel=2)
     return meta.step, DataLoaderState.from_dict(meta.data)
-
-
-def consolidated_model(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """(model config dict, unsharded fp32 weights) of a checkpoint, read on one process."""
-    folder = find_checkpoint(path)
-    meta = read_meta(folder)
-    layout = meta.layout
-    parts = {}
-    for pp in range(layout.pp):
-        for tp in range(layout.tp):
-            parts[(pp, tp)] = load_rank(folder, layout.rank(pp, 0, tp))["model"]
-    weights = merge_model(parts, dict(meta.styles), meta.model["vocab_size"])
-    return dict(meta.model), weights

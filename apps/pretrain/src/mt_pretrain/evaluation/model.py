@@ -1,13 +1,11 @@
 """What `mt eval` evaluates: the model config, its full weights and its tokenizer, read from
 an `mt pretrain` checkpoint (the folder, its ``latest``, or one step), or from any folder
 `mt convert` reads (a Hugging Face GPT-2 folder, an mt consolidated or sharded folder, a
-Megatron-LM checkpoint), converted once into a temporary `mt pretrain` checkpoint by `mt
-convert` itself (a subprocess: the apps do not import each other)."""
+Megatron-LM checkpoint), converted once into a temporary `mt pretrain` checkpoint by
+mt-formats, the library under `mt convert`, in process."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,11 +16,10 @@ from typing import Any
 import torch
 
 from mt_checkpoint import CheckpointError, find_checkpoint, read_meta
+from mt_formats import ConvertError, convert_checkpoint, load_state_dict
 from mt_model import GPTConfig
-from mt_pretrain.config.resolve import saved_model
 from mt_pretrain.config.schema import DataArgs
 from mt_pretrain.data.inputs import run_tokenizer
-from mt_pretrain.engines.checkpoint import consolidated_model
 
 __all__ = ["EvalModel", "as_pretrain_checkpoint", "load_eval_model"]
 
@@ -58,8 +55,8 @@ def _folder_tokenizer(folder: Path) -> str | None:
 def as_pretrain_checkpoint(path: str, tokenizer: str | None
                            ) -> Iterator[tuple[str, str | None]]:
     """(an `mt pretrain` checkpoint, tokenizer) for ``path``: itself, or a temporary
-    conversion of another format by `mt convert` (deleted on exit), with the tokenizer the
-    folder carries unless ``tokenizer`` is given."""
+    conversion of another format by mt-formats, in this process (deleted on exit), with the
+    tokenizer the folder carries unless ``tokenizer`` is given."""
     try:
         find_checkpoint(path)
         yield path, tokenizer
@@ -69,13 +66,11 @@ def as_pretrain_checkpoint(path: str, tokenizer: str | None
             raise
     with tempfile.TemporaryDirectory(prefix="mt-eval-") as tmp:
         target = Path(tmp) / "checkpoint"
-        done = subprocess.run([sys.executable, "-m", "mt_convert", path, str(target), "--to",
-                               "pretrain"], capture_output=True, text=True, check=False)
-        if done.returncode != 0:
-            lines = (done.stderr or done.stdout).strip().splitlines() or ["(no output)"]
-            reason = lines[-1].removeprefix("error: ")
+        try:
+            convert_checkpoint(path, target, to="pretrain")
+        except ConvertError as err:
             raise CheckpointError(f"{path}: neither an mt pretrain checkpoint nor a folder mt "
-                                  f"convert reads ({reason})")
+                                  f"convert reads ({err})") from None
         yield str(target), tokenizer or _folder_tokenizer(Path(path))
 
 
@@ -83,8 +78,10 @@ def load_eval_model(path: str | Path, tokenizer: str | None = None) -> EvalModel
     """Config, full weights and tokenizer of the checkpoint at ``path``."""
     folder = find_checkpoint(path)
     meta = read_meta(folder)
-    model, weights = consolidated_model(folder)
-    config = saved_model(model, folder)
+    try:  # mt-formats: the one reader of pretrain checkpoints (checksums checked)
+        config, weights = load_state_dict(folder, "pretrain")
+    except ConvertError as err:
+        raise CheckpointError(str(err)) from None
     name = tokenizer or meta.tokenizer or _configured_tokenizer(meta.config, config.vocab_size)
     if name is None:
         raise CheckpointError(f"{folder}: the tokenizer the run trained with is not recorded "

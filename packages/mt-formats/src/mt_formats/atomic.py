@@ -1,0 +1,73 @@
+"""Atomic output directories: a conversion either produces the whole destination or nothing.
+
+Everything is written into a hidden temporary directory next to the destination (same
+filesystem, so the final ``rename`` is atomic) and renamed into place only when the body
+of the ``with`` block finishes without an exception. On any failure, including Ctrl-C,
+the temporary directory is removed and an existing destination is left untouched.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from mt_formats.errors import ConvertError
+
+__all__ = ["atomic_directory"]
+
+
+def _fsync_dir(path: Path) -> None:
+    # Make the rename itself durable; not every platform can open a directory.
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _chmod_by_umask(path: Path) -> None:
+    """Give a folder the mode ``mkdir`` would have given it under this process's umask."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o777 & ~umask)
+
+
+@contextmanager
+def atomic_directory(destination: Path, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a fresh temporary directory that becomes ``destination`` on success.
+
+    Raises :class:`ConvertError` up front if ``destination`` exists and ``overwrite`` is
+    false. With ``overwrite``, the old destination is moved aside and deleted only after
+    the new one is in place.
+    """
+    destination = Path(destination)
+    if destination.exists() and not overwrite:
+        raise ConvertError(f"{destination}: destination already exists (use --force to "
+                           "replace it)")
+    parent = destination.parent if str(destination.parent) else Path(".")
+    parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}.partial-", dir=parent))
+    _chmod_by_umask(staging)  # mkdtemp's 0700 would hide the result from a shared group
+    try:
+        yield staging
+        _fsync_dir(staging)
+        if destination.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{destination.name}.old-", dir=parent))
+            os.replace(destination, old / "previous")
+            os.replace(staging, destination)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(staging, destination)
+        _fsync_dir(parent)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise

@@ -1,0 +1,338 @@
+"""Conversions between checkpoint formats, and saving / loading models in them.
+
+Formats: ``"consolidated"`` (one full safetensors file, :mod:`mt_formats.consolidated`),
+``"hf"`` (Hugging Face GPT-2, :mod:`mt_formats.hf`), ``"tp"`` (one file per pipeline stage
+x tensor-parallel rank, :mod:`mt_formats.sharded`), ``"megatron"`` (Megatron-LM style
+``iter_XXXXXXX/mp_rank_XX[_YYY]``, :mod:`mt_formats.megatron`), ``"pretrain"`` (``mt
+pretrain`` checkpoints, :mod:`mt_formats.pretrain`, written by
+:mod:`mt_formats.pretrain_from_weights`) and, read only, ``"deepspeed"`` (DeepSpeed universal
+checkpoints, :mod:`mt_formats.deepspeed_universal`). Every conversion
+streams canonical tensors one at a time from a reader to a writer inside an atomic staging
+directory."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mt_formats.atomic import atomic_directory
+from mt_formats.consolidated import CONSOLIDATED_FORMAT, ConsolidatedReader, ConsolidatedWriter
+from mt_formats.deepspeed_universal import DeepSpeedUniversalReader, is_deepspeed_checkpoint
+from mt_formats.errors import ConvertError, WriteFailed, gpt2_only
+from mt_formats.hf import HFWriter, open_hf
+from mt_formats.hf_llama import LlamaWriter, is_llama
+from mt_formats.layout import (
+    CheckpointReader,
+    CheckpointWriter,
+    Deferred,
+    Pieces,
+    ProgressFn,
+    TensorRef,
+    canonical_shapes,
+)
+from mt_formats.manifest import CONFIG_FILE, read_json
+from mt_formats.megatron import LATEST_FILE, MegatronReader, MegatronWriter
+from mt_formats.pretrain import PretrainReader, is_pretrain_checkpoint
+from mt_formats.pretrain_from_weights import PretrainWriter
+from mt_formats.pretrain_relayout import PretrainTarget, convert_pretrain
+from mt_formats.sharded import SHARDED_FORMAT, ShardedReader, ShardedWriter
+from mt_formats.tensors import TensorSpec, check_names
+from mt_model import GPT, GPTConfig
+from mt_tensor_parallel import DEFAULT_PAD_MULTIPLE
+
+__all__ = [
+    "FORMATS",
+    "ConversionResult",
+    "MappingEntry",
+    "convert_checkpoint",
+    "detect_format",
+    "load_model",
+    "load_state_dict",
+    "make_writer",
+    "open_checkpoint",
+    "plan_conversion",
+    "save_model",
+    "save_state_dict",
+]
+
+FORMATS: tuple[str, ...] = ("consolidated", "hf", "tp", "megatron", "pretrain", "deepspeed")
+_READERS: dict[str, Callable[[Path], CheckpointReader]] = {
+    "consolidated": ConsolidatedReader,
+    "hf": open_hf,
+    "tp": ShardedReader,
+    "megatron": MegatronReader,
+    "pretrain": PretrainReader,
+    "deepspeed": DeepSpeedUniversalReader,
+}
+_WRITABLE = ("consolidated", "hf", "tp", "megatron", "pretrain")
+
+
+def detect_format(path: Path) -> str:
+    """``"consolidated"``, ``"tp"`` or ``"hf"`` from ``path/config.json``; ``"megatron"``
+    (``latest_checkpointed_iteration.txt``) or ``"pretrain"`` (``mt pretrain``'s
+    ``meta.json`` or ``latest``)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ConvertError(f"{path}: checkpoint directory not found")
+    if (path / LATEST_FILE).is_file():
+        return "megatron"
+    if is_deepspeed_checkpoint(path):  # before pretrain: both may have `latest`
+        return "deepspeed"
+    if is_pretrain_checkpoint(path):
+        return "pretrain"
+    data = read_json(path / CONFIG_FILE)
+    if data.get("format") == CONSOLIDATED_FORMAT:
+        return "consolidated"
+    if data.get("format") == SHARDED_FORMAT:
+        return "tp"
+    if "model_type" in data:
+        return "hf"
+    raise ConvertError(f"{path / CONFIG_FILE}: not an mt or Hugging Face checkpoint config "
+                       "(no 'format' or 'model_type' key)")
+
+
+def _check_format(fmt: str) -> None:
+    if fmt not in FORMATS:
+        raise ConvertError(f"unknown checkpoint format {fmt!r}; known: {list(FORMATS)}")
+
+
+def open_checkpoint(path: Path, fmt: str | None = None,
+                    model: GPTConfig | str | None = None) -> CheckpointReader:
+    """Open (and structurally validate) the checkpoint at ``path``; ``fmt`` None detects."""
+    fmt = detect_format(path) if fmt is None else fmt
+    _check_format(fmt)
+    if not Path(path).is_dir():
+        raise ConvertError(f"{path}: checkpoint directory not found")
+    if model is not None:  # only DeepSpeed checkpoints lack a model config
+        if fmt != "deepspeed":
+            raise ConvertError(f"--model only applies to deepspeed sources, not {fmt!r}")
+        return DeepSpeedUniversalReader(Path(path), model)
+    return _READERS[fmt](Path(path))
+
+
+def make_writer(fmt: str, config: GPTConfig, specs: Mapping[str, TensorSpec],
+                tp: int | None = None, pp: int | None = None,
+                pad_multiple: int | None = None) -> CheckpointWriter:
+    """A writer for ``fmt``. ``tp`` / ``pp`` / ``pad_multiple`` apply to the sharded
+    ``"tp"`` format (which needs ``tp`` or ``pp``) and ``"megatron"``; unset ones default
+    to 1, 1 and 128."""
+    _check_format(fmt)
+    if fmt not in _WRITABLE:
+        raise ConvertError(f"cannot write the {fmt!r} format; writable: {list(_WRITABLE)}")
+    if fmt == "megatron" or (fmt == "hf" and not is_llama(config)):
+        gpt2_only(config, f"writing the {fmt!r} format")
+    pad = DEFAULT_PAD_MULTIPLE if pad_multiple is None else pad_multiple
+    if fmt == "tp":
+        if tp is None and pp is None:
+            raise ConvertError("the tp format needs a tensor- or pipeline-parallel degree "
+                               "(--tp N and/or --pp N)")
+        return ShardedWriter(config, dict(specs), tp or 1, pp or 1, pad)
+    if fmt == "megatron":
+        return MegatronWriter(config, dict(specs), tp or 1, pp or 1, pad)
+    layout = {"--tp": tp, "--pp": pp, "--pad-multiple": pad_multiple}
+    for option, value in layout.items():
+        if value is not None:
+            raise ConvertError(f"{option} {value} only applies to the tp and megatron "
+                               f"formats, not {fmt!r}")
+    if fmt == "pretrain":
+        return PretrainWriter(config, dict(specs))
+    if fmt == "consolidated":
+        return ConsolidatedWriter(config, dict(specs))
+    return (HFWriter if config.architecture == "gpt2" else LlamaWriter)(config, dict(specs))
+
+
+@dataclass(frozen=True)
+class MappingEntry:
+    """One canonical tensor of a conversion: where it is read from and written to."""
+
+    name: str
+    sources: tuple[TensorRef, ...]
+    targets: tuple[TensorRef, ...]
+
+
+@dataclass(frozen=True)
+class ConversionResult:
+    """What a conversion did."""
+
+    source_format: str
+    target_format: str
+    destination: Path
+    tensors: int
+    bytes: int
+    seconds: float
+
+
+def _specs(reader: CheckpointReader) -> dict[str, TensorSpec]:
+    return {name: reader.spec(name) for name in reader.names()}
+
+
+def plan_conversion(reader: CheckpointReader, writer: CheckpointWriter) -> list[MappingEntry]:
+    """The source -> target tensor mapping (headers only; what ``--dry-run`` prints)."""
+    return [MappingEntry(name, tuple(reader.sources(name)), tuple(writer.targets(name)))
+            for name in reader.names()]
+
+
+def _stream(names: list[str], get: Callable[[str], _Read]) -> Iterator[tuple[str, _Read]]:
+    """``(name, get(name))`` in order, reading (and checksum-verifying) the next tensor in a
+    background thread while the caller writes the current one: hashing and file I/O
+    release the GIL, so reading and writing overlap. At most two tensors are alive."""
+    if not names:
+        return
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="mt-convert-read") as pool:
+        pending: Future[_Read] = pool.submit(get, names[0])
+        try:
+            for index, name in enumerate(names):
+                tensor = pending.result()
+                if index + 1 < len(names):
+                    pending = pool.submit(get, names[index + 1])
+                yield name, tensor
+                del tensor
+        finally:
+            pending.cancel()
+
+
+_Read = tuple[torch.Tensor, Deferred | None] | Pieces
+
+
+def _write(writer: CheckpointWriter, names: list[str], get: Callable[[str], _Read],
+           destination: Path, overwrite: bool, progress: ProgressFn | None) -> int:
+    """Stream every tensor through ``writer`` into an atomic ``destination``; bytes moved.
+    ``get`` returns a tensor and, if it was read unverified, its verification: called
+    after the write with the checksum the writer computed, so verified bytes are hashed
+    once when the writer could. Operating-system failures (disk full, permissions) become
+    a :class:`ConvertError`."""
+    total_bytes = 0
+    try:
+        with atomic_directory(destination, overwrite) as staging:
+            writer.open(staging)
+            try:
+                for done, (name, item) in enumerate(_stream(names, get), 1):
+                    if isinstance(item, Pieces):  # byte ranges of the source files
+                        item.verify(writer.write_pieces(name, item))
+                        total_bytes += item.spec.nbytes
+                        if progress is not None:
+                            progress(name, done, len(names))
+                        continue
+                    tensor, verify = item
+                    if verify is None:
+                        writer.write(name, tensor)
+                    else:  # a failure discards everything written
+                        spanned = verify.span is not None and verify.span.length == (
+                            tensor.numel() * tensor.element_size())
+                        verify.verify(writer.write_from(name, tensor, verify.span) if spanned
+                                      else writer.write(name, tensor))
+                    total_bytes += tensor.numel() * tensor.element_size()
+                    del tensor  # keep peak memory near two tensors (plus shards)
+                    if progress is not None:
+                        progress(name, done, len(names))
+                writer.finish()
+            except BaseException:
+                writer.abort()
+                raise
+    except OSError as err:
+        raise WriteFailed(f"{destination}: writing failed, nothing was written: "
+                           f"{err}") from err
+    return total_bytes
+
+
+def convert_checkpoint(source: Path, destination: Path, *, to: str = "consolidated",
+                       from_format: str | None = None, tp: int | None = None,
+                       pp: int | None = None, pad_multiple: int | None = None,
+                       overwrite: bool = False, progress: ProgressFn | None = None,
+                       model: GPTConfig | str | None = None, dp: int | None = None,
+                       zero_stage: int | None = None, drop_optimizer: bool = False,
+                       tokenizer: str | None = None) -> ConversionResult:
+    """Convert the checkpoint at ``source`` into format ``to`` at ``destination``.
+
+    Streams tensor by tensor; ``destination`` appears only when everything succeeded (an
+    existing one is replaced only with ``overwrite``). ``to="pretrain"`` from an ``mt
+    pretrain`` checkpoint writes a step folder at layout ``tp`` x ``pp`` x ``dp`` with
+    ZeRO stage ``zero_stage`` (unset ones keep the source's), optimizer state included
+    unless ``drop_optimizer``; from other formats it writes weights only (a fresh
+    optimizer, see :mod:`mt_formats.pretrain_from_weights`). ``tokenizer`` (default: the
+    one the source records) is written beside Hugging Face weights. Raises
+    :class:`ConvertError`.
+    """
+    source, destination = Path(source), Path(destination)
+    src, dst = source.resolve(), destination.resolve()
+    if dst == src or dst in src.parents or src in dst.parents:
+        how = "is" if dst == src else "holds" if dst in src.parents else "lies inside"
+        raise ConvertError(f"{destination}: the destination {how} the source checkpoint "
+                           f"{source}; choose a destination outside it")
+    if destination.exists() and not overwrite:  # fail before reading anything
+        raise ConvertError(f"{destination}: destination already exists (use --force to "
+                           "replace it)")
+    if to == "pretrain" and (from_format or detect_format(source)) == "pretrain":
+        return _to_pretrain(source, destination, pad_multiple, overwrite, progress,
+                            PretrainTarget(tp, pp, dp, zero_stage, drop_optimizer))
+    if dp is not None or zero_stage is not None:
+        raise ConvertError("--dp and --zero-stage only apply from an mt pretrain checkpoint "
+                           f"to the pretrain format, not to {to!r}")
+    if to not in _WRITABLE:  # fail before reading anything
+        raise ConvertError(f"cannot write the {to!r} format; writable: {list(_WRITABLE)}")
+    start = time.perf_counter()
+    with open_checkpoint(source, from_format, model) as reader:
+        writer = make_writer(to, reader.config, _specs(reader), tp, pp, pad_multiple)
+        writer.tokenizer = tokenizer or reader.tokenizer
+        get: Callable[[str], _Read] = reader.read_deferred
+        if writer.accepts_pieces:  # tensors stored as-is go file to file
+            get = lambda name: reader.read_pieces(name) or reader.read_deferred(name)  # noqa: E731
+        moved = _write(writer, reader.names(), get, destination, overwrite, progress)
+        return ConversionResult(reader.format, writer.format, destination,
+                                len(reader.names()), moved, time.perf_counter() - start)
+
+
+def _to_pretrain(source: Path, destination: Path, pad_multiple: int | None, overwrite: bool,
+                 progress: ProgressFn | None, target: PretrainTarget) -> ConversionResult:
+    """pretrain -> pretrain at another layout, optimizer state carried (or dropped)."""
+    if pad_multiple is not None:
+        raise ConvertError("--pad-multiple does not apply to the pretrain format (mt "
+                           "pretrain pads the vocabulary itself)")
+    start = time.perf_counter()
+    fmt, count, moved = convert_pretrain(source, destination, target, overwrite, progress)
+    return ConversionResult(fmt, "pretrain", destination, count, moved,
+                            time.perf_counter() - start)
+
+
+def save_state_dict(state_dict: Mapping[str, torch.Tensor], config: GPTConfig,
+                    destination: Path, *, to: str = "consolidated", tp: int | None = None,
+                    pp: int | None = None, pad_multiple: int | None = None,
+                    overwrite: bool = False, progress: ProgressFn | None = None) -> Path:
+    """Save an unsharded ``mt_model.GPT`` state dict in format ``to`` (atomically)."""
+    shapes = canonical_shapes(config)
+    check_names(Path(destination), list(state_dict), list(shapes))
+    for name, shape in shapes.items():
+        if tuple(state_dict[name].shape) != shape:
+            raise ConvertError(f"tensor {name!r} has shape {list(state_dict[name].shape)}, "
+                               f"the config needs {list(shape)}")
+    specs = {name: TensorSpec.of(state_dict[name]) for name in shapes}
+    writer = make_writer(to, config, specs, tp, pp, pad_multiple)
+    _write(writer, list(shapes), lambda n: (state_dict[n].detach(), None), Path(destination),
+           overwrite, progress)
+    return Path(destination)
+
+
+def save_model(model: GPT, destination: Path, **options: object) -> Path:
+    """Save an unsharded ``mt_model.GPT``; options as :func:`save_state_dict`."""
+    return save_state_dict(model.state_dict(), model.config, destination, **options)
+
+
+def load_state_dict(source: Path, fmt: str | None = None
+                    ) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
+    """The config and full canonical state dict of any supported checkpoint (verified)."""
+    with open_checkpoint(source, fmt) as reader:
+        return reader.config, {name: reader.read(name) for name in reader.names()}
+
+
+def load_model(source: Path, fmt: str | None = None) -> GPT:
+    """An ``mt_model.GPT`` with the weights of any supported checkpoint, in the dtype of
+    its token embedding."""
+    config, state = load_state_dict(source, fmt)
+    model = GPT(config, seed=None).to(state["embed.tokens.weight"].dtype)
+    model.load_state_dict(state, strict=True)
+    return model

@@ -1,0 +1,252 @@
+"""Reading DeepSpeed *universal* checkpoints of mt's GPT as a conversion source.
+
+``python -m deepspeed.checkpoint.ds_to_universal --input_folder CKPT/global_stepN
+--output_folder OUT --inject_missing_state`` turns a DeepSpeed checkpoint of any ZeRO stage
+and DP size into one folder per parameter: ``OUT/zero/<param name>/fp32.pt`` holds
+``{"param": full fp32 tensor, "cat_dim": ...}`` (the fp32 master weights), beside
+``exp_avg.pt`` / ``exp_avg_sq.pt`` (Adam's moments, same layout) and ``step.pt``; the
+engine's ``mp_rank_00_model_states.pt`` is copied next to ``zero/``. mt trains through
+DeepSpeed with tp = pp = 1 (``mt_zero.deepspeed_engine``), so the parameter names are
+``mt_model.GPT``'s own (``embed.tokens.weight``, ``blocks.0.attn.qkv.weight``, ...); a
+``module.`` prefix (a wrapped model) is accepted too.
+
+DeepSpeed does not record the model's configuration. The sizes (layers, hidden, ffn,
+vocabulary, sequence length) are read from the tensors; the rest (attention heads above
+all) comes, in this order, from the ``model`` argument (a ``GPTConfig``, a preset name or a
+JSON file of ``GPTConfig`` fields, ``mt convert --model``), an ``"mt_model"`` entry of the
+model-states file's client state, or an mt ``config.json`` in the folder.
+
+Every file is read with ``torch.load(weights_only=True, mmap=True)``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mt_formats.errors import ConvertError
+from mt_formats.layout import CheckpointReader, TensorRef, canonical_shapes, follow_pointer
+from mt_formats.tensors import TensorSpec
+from mt_formats.torch_io import load_weights_only
+from mt_model import GPTConfig, preset
+
+__all__ = [
+    "DEEPSPEED_FORMAT",
+    "DeepSpeedUniversalReader",
+    "is_deepspeed_checkpoint",
+    "universal_folder",
+]
+
+DEEPSPEED_FORMAT = "deepspeed"
+ZERO_DIR = "zero"
+FP32_FILE = "fp32.pt"
+LATEST_UNIVERSAL = "latest_universal"
+MODEL_STATES = "mp_rank_*_model_states.pt"
+_PREFIX = "module."
+_CONVERT_HINT = ("convert it first: python -m deepspeed.checkpoint.ds_to_universal "
+                 "--input_folder {src} --output_folder OUT --inject_missing_state")
+
+
+def _native_step(path: Path) -> Path | None:
+    """The DeepSpeed (non-universal) step folder ``path`` designates, if any: itself, or
+    the one DeepSpeed's ``latest`` tag file names."""
+    if any(path.glob(MODEL_STATES)):
+        return path
+    latest = path / "latest"
+    if latest.is_file():
+        tag = latest.read_text(encoding="utf-8").strip()
+        if tag and any((path / tag).glob(MODEL_STATES)):
+            return path / tag
+    return None
+
+
+def is_deepspeed_checkpoint(path: Path) -> bool:
+    """Whether ``path`` is a DeepSpeed universal folder (``zero/``), a folder whose
+    ``latest_universal`` names one, or a native DeepSpeed checkpoint (which is refused
+    later with the ``ds_to_universal`` command to run)."""
+    return ((path / ZERO_DIR).is_dir() or (path / LATEST_UNIVERSAL).is_file()
+            or _native_step(path) is not None)
+
+
+def universal_folder(path: Path) -> Path:
+    """The universal checkpoint folder ``path`` designates (itself or ``latest_universal``'s
+    target); a native DeepSpeed checkpoint is an error saying how to convert it."""
+    folder = follow_pointer(path, ZERO_DIR, LATEST_UNIVERSAL, "universal checkpoint")
+    if folder is not None:
+        return folder
+    native = _native_step(path)
+    if native is not None:
+        raise ConvertError(f"{native}: a DeepSpeed checkpoint in its native (per-rank) "
+                           "layout, not a universal one; " + _CONVERT_HINT.format(src=native))
+    raise ConvertError(f"{path}: not a DeepSpeed universal checkpoint (no {ZERO_DIR}/ folder)")
+
+
+def _load_param(path: Path, name: str) -> torch.Tensor:
+    """The ``"param"`` tensor of a universal ``<state>.pt`` file of parameter ``name``."""
+    data = load_weights_only(path, missing=f"file not found (tensor {name!r})")
+    tensor = data.get("param") if isinstance(data, dict) else None
+    if not isinstance(tensor, torch.Tensor):
+        got = sorted(map(str, data)) if isinstance(data, dict) else type(data).__name__
+        raise ConvertError(f"{path}: tensor {name!r}: expected a dict with a 'param' tensor, "
+                           f"got {got}")
+    if not tensor.is_floating_point():
+        raise ConvertError(f"{path}: tensor {name!r} has dtype {tensor.dtype}, expected a "
+                           "floating-point tensor")
+    return tensor
+
+
+def _infer_sizes(shapes: Mapping[str, tuple[int, ...]], root: Path) -> dict[str, int]:
+    """Layers, hidden, ffn, vocabulary and sequence length from the parameter shapes."""
+    try:
+        vocab, hidden = shapes["embed.tokens.weight"]
+        seq_len, _ = shapes["embed.positions.weight"]
+        ffn, _ = shapes["blocks.0.mlp.fc.weight"]
+    except (KeyError, ValueError) as err:
+        raise ConvertError(f"{root / ZERO_DIR}: not mt's GPT: cannot read the model sizes "
+                           f"({err!r}; parameters: {sorted(shapes)[:8]} ...)") from None
+    layers = {int(m.group(1)) for n in shapes if (m := re.match(r"blocks\.(\d+)\.", n))}
+    if layers != set(range(len(layers))):
+        raise ConvertError(f"{root / ZERO_DIR}: block numbers {sorted(layers)} are not "
+                           f"0..{len(layers) - 1}")
+    return {"n_layers": len(layers), "hidden": hidden, "ffn_hidden": ffn,
+            "vocab_size": vocab, "seq_len": seq_len}
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ConvertError(f"{path}: not valid JSON: {err}") from None
+
+
+def _config_source(model: GPTConfig | str | Mapping[str, Any] | None, root: Path,
+                   client: Mapping[str, Any]) -> tuple[dict[str, Any] | None, str]:
+    """GPTConfig fields from the first available source, and where they came from."""
+    if isinstance(model, GPTConfig):
+        return model.to_dict(), "the given config"
+    if isinstance(model, Mapping):
+        return dict(model), "the given config"
+    if isinstance(model, str):
+        path = Path(model)
+        if path.is_file():
+            data = _read_json(path)
+            if isinstance(data, dict) and isinstance(data.get("model"), dict):
+                data = data["model"]  # an mt config.json or meta.json
+            if not isinstance(data, dict):
+                raise ConvertError(f"{path}: expected a JSON object of GPTConfig fields")
+            return data, str(path)
+        try:
+            return preset(model).to_dict(), f"preset {model!r}"
+        except (KeyError, ValueError) as err:
+            raise ConvertError(f"--model {model!r}: neither a JSON file nor a model preset "
+                               f"({err})") from None
+    if isinstance(client.get("mt_model"), dict):
+        return dict(client["mt_model"]), "the model-states file's mt_model entry"
+    config_json = root / "config.json"
+    if config_json.is_file():
+        data = _read_json(config_json)
+        if isinstance(data, dict) and isinstance(data.get("model"), dict):
+            return dict(data["model"]), str(config_json)
+    return None, ""
+
+
+def resolve_config(model: GPTConfig | str | Mapping[str, Any] | None, root: Path,
+                   shapes: Mapping[str, tuple[int, ...]],
+                   client: Mapping[str, Any]) -> GPTConfig:
+    """The GPTConfig of a universal checkpoint: sizes from ``shapes``, the rest (heads,
+    norms, activation, init) from the first config source (see the module docstring)."""
+    sizes = _infer_sizes(shapes, root)
+    fields, origin = _config_source(model, root, client)
+    if fields is None:
+        found = ", ".join(f"{k} {v}" for k, v in sizes.items())
+        raise ConvertError(f"{root}: a DeepSpeed checkpoint does not record the model config "
+                           f"(read from the tensors: {found}; the number of attention heads "
+                           "is not); give it with --model PRESET or --model CONFIG.json "
+                           "(GPTConfig fields, e.g. an mt config.json)")
+    try:
+        return GPTConfig.from_dict({**fields, **sizes})
+    except (TypeError, ValueError, KeyError) as err:
+        raise ConvertError(f"{root}: the config from {origin} does not fit the checkpoint's "
+                           f"sizes {sizes}: {err}") from None
+
+
+def _client_state(root: Path) -> dict[str, Any]:
+    """The engine's model-states file (copied beside ``zero/``), when present."""
+    files = sorted(root.glob(MODEL_STATES))
+    if not files:
+        return {}
+    data = load_weights_only(files[0])
+    return data if isinstance(data, dict) else {}
+
+
+class DeepSpeedUniversalReader(CheckpointReader):
+    """The fp32 master weights of a DeepSpeed universal checkpoint of mt's GPT.
+
+    ``model`` supplies what the tensors cannot (see the module docstring). Opening checks
+    every parameter folder against the model (missing, unexpected, shape) through
+    memory-mapped loads; :meth:`read` returns the full tensor; :meth:`read_state` reads
+    ``exp_avg`` / ``exp_avg_sq`` / ``step`` the same way."""
+
+    format = DEEPSPEED_FORMAT
+
+    def __init__(self, root: Path,
+                 model: GPTConfig | str | Mapping[str, Any] | None = None) -> None:
+        self.root = universal_folder(Path(root))
+        zero = self.root / ZERO_DIR
+        folders = sorted(p.name for p in zero.iterdir() if p.is_dir())
+        self._stored = {name.removeprefix(_PREFIX): name for name in folders}
+        self._params = {name: _load_param(zero / stored / FP32_FILE, name)
+                        for name, stored in self._stored.items()}
+        shapes = {name: tuple(t.shape) for name, t in self._params.items()}
+        self.config = resolve_config(model, self.root, shapes, _client_state(self.root))
+        self._shapes = canonical_shapes(self.config)
+        missing = sorted(set(self._shapes) - set(self._params))
+        extra = sorted(set(self._params) - set(self._shapes))
+        if missing or extra:
+            raise ConvertError(f"{zero}: parameters do not match mt's GPT: missing {missing}, "
+                               f"unexpected {extra}")
+        for name, shape in self._shapes.items():
+            if shapes[name] != shape:
+                raise ConvertError(f"{self._file(name)}: tensor {name!r} has shape "
+                                   f"{list(shapes[name])}, the model config needs "
+                                   f"{list(shape)}")
+
+    def _file(self, name: str, state: str = "fp32") -> Path:
+        return self.root / ZERO_DIR / self._stored[name] / f"{state}.pt"
+
+    def names(self) -> list[str]:
+        return list(self._shapes)
+
+    def spec(self, name: str) -> TensorSpec:
+        return TensorSpec(self._shapes[name], self._params[name].dtype)
+
+    def sources(self, name: str) -> list[TensorRef]:
+        file = self._file(name).relative_to(self.root).as_posix()
+        return [TensorRef(file, "param", self.spec(name))]
+
+    def read(self, name: str) -> torch.Tensor:
+        return self._params[name].contiguous()
+
+    def read_state(self, name: str, key: str) -> torch.Tensor:
+        """Optimizer state ``key`` (``exp_avg``, ``exp_avg_sq``: full tensors shaped like
+        the parameter; ``step``: a scalar) of parameter ``name``."""
+        path = self._file(name, key)
+        if key == "step":
+            value = load_weights_only(path, missing=f"file not found (tensor {name!r})")
+            if not isinstance(value, (torch.Tensor, int, float)):
+                raise ConvertError(f"{path}: tensor {name!r}: expected a step number, got "
+                                   f"{type(value).__name__}")
+            return torch.as_tensor(value)
+        tensor = _load_param(path, name)
+        if tuple(tensor.shape) != self._shapes[name]:
+            raise ConvertError(f"{path}: tensor {name!r} has shape {list(tensor.shape)}, "
+                               f"the parameter has {list(self._shapes[name])}")
+        return tensor.contiguous()
+
+    def close(self) -> None:
+        self._params.clear()

@@ -1,0 +1,198 @@
+"""The common language of every format: canonical tensors, references into files, and the
+reader / writer interfaces.
+
+A conversion never holds a whole model. Every format's reader presents the checkpoint as
+the *canonical* mt tensors (full, unsharded, named as in ``mt_model.GPT``'s state dict,
+tied embedding once) one at a time; every writer takes canonical tensors one at a time and
+stores them in its own layout (transposed, sliced, renamed). Converting A -> B is then a
+loop over canonical names, so peak memory stays near the largest tensor.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mt_formats.errors import ConvertError
+from mt_formats.spans import FileSpan
+from mt_formats.tensors import TensorSpec
+from mt_model import GPT, GPTConfig
+
+__all__ = [
+    "CheckpointReader",
+    "CheckpointWriter",
+    "Deferred",
+    "Pieces",
+    "ProgressFn",
+    "TensorRef",
+    "canonical_shapes",
+]
+
+ProgressFn = Callable[[str, int, int], None]
+"""Called after each canonical tensor as ``(name, done, total)``."""
+VerifyFn = Callable[[str | None], None]
+"""Verifies a tensor read unverified, given its checksum if known (see read_deferred)."""
+
+
+@dataclass(frozen=True)
+class Deferred:
+    """A tensor read without verification (:meth:`CheckpointReader.read_deferred`):
+    ``verify`` checks it given its checksum (or None: it hashes), ``span`` is where its raw
+    bytes are stored, when they are stored as-is (writers may copy from there)."""
+
+    verify: VerifyFn
+    span: FileSpan | None = None
+
+
+@dataclass(frozen=True)
+class Pieces:
+    """A canonical tensor whose raw bytes are the concatenation of byte ranges of stored
+    files (:meth:`CheckpointReader.read_pieces`), read unverified: a writer that stores it
+    as-is copies the ranges in the kernel (:meth:`CheckpointWriter.write_pieces`) and
+    hands ``verify`` each range's CRC (of :data:`mt_formats.crc.CHECKSUM_ALGORITHM`), from
+    which it checks the source files' checksums (raises ConvertError)."""
+
+    spec: TensorSpec
+    spans: tuple[FileSpan, ...]
+    verify: Callable[[list[int]], None]
+
+
+def canonical_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
+    """Name -> full shape of every tensor of ``mt_model.GPT(config)``'s state dict, in
+    module order. Built on the meta device, so it costs no memory even for 530B."""
+    with torch.device("meta"):
+        model = GPT(config, seed=None)
+    return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """Where one stored tensor lives: ``file`` (relative to the checkpoint directory),
+    ``key`` inside it, its spec, and how it relates to the canonical tensor
+    (``transform``, e.g. ``"transpose"`` or ``"tp 1/2 column_qkv"``; empty for as-is)."""
+
+    file: str
+    key: str
+    spec: TensorSpec
+    transform: str = ""
+
+    def describe(self) -> str:
+        """One line for a dry run: ``file:key [shape] DTYPE (transform)``."""
+        extra = f" ({self.transform})" if self.transform else ""
+        return f"{self.file}:{self.key} {self.spec.describe()}{extra}"
+
+
+class CheckpointReader(ABC):
+    """A checkpoint seen as canonical mt tensors. Opening validates structure (config,
+    tensor names and shapes) without reading tensor data; :meth:`read` verifies checksums.
+    """
+
+    format: str
+    root: Path
+    config: GPTConfig
+    tokenizer: str | None = None
+    """The tokenizer the model was trained with (as ``mt_data.load_tokenizer`` takes it),
+    when the checkpoint says."""
+
+    @abstractmethod
+    def names(self) -> list[str]:
+        """Canonical tensor names, in module order."""
+
+    @abstractmethod
+    def spec(self, name: str) -> TensorSpec:
+        """Full (unsharded) shape and stored dtype of canonical tensor ``name``."""
+
+    @abstractmethod
+    def sources(self, name: str) -> list[TensorRef]:
+        """The stored tensors that make up canonical tensor ``name``."""
+
+    @abstractmethod
+    def read(self, name: str) -> torch.Tensor:
+        """The full canonical tensor ``name`` (checksums verified)."""
+
+    def read_deferred(self, name: str) -> tuple[torch.Tensor, Deferred | None]:
+        """Like :meth:`read`, but a reader may leave the checksum verification to the
+        caller (a :class:`Deferred`; None: already verified), who hashes the bytes anyway
+        while writing them."""
+        return self.read(name), None
+
+    def read_pieces(self, name: str) -> Pieces | None:
+        """``name`` as byte ranges of the stored files, unverified (see :class:`Pieces`),
+        or None where its bytes are not stored as-is (the caller then uses :meth:`read`)."""
+        return None
+
+    def close(self) -> None:  # noqa: B027 - optional hook, no-op by default
+        """Release open files."""
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class CheckpointWriter(ABC):
+    """Stores canonical tensors in one format. Constructing it only plans the layout
+    (:meth:`targets` works without touching disk, for dry runs); :meth:`open` creates the
+    files inside a directory, :meth:`write` takes each canonical tensor once (any order)
+    and :meth:`finish` completes files and metadata."""
+
+    format: str
+
+    def __init__(self, config: GPTConfig, specs: dict[str, TensorSpec]) -> None:
+        self.config = config
+        self.specs = dict(specs)
+        self.tokenizer: str | None = None
+        """The tokenizer to store beside the weights (formats that carry one)."""
+
+    @abstractmethod
+    def targets(self, name: str) -> list[TensorRef]:
+        """The stored tensors canonical tensor ``name`` becomes."""
+
+    @abstractmethod
+    def open(self, directory: Path) -> None:
+        """Start writing into ``directory`` (normally an atomic staging directory)."""
+
+    @abstractmethod
+    def write(self, name: str, tensor: torch.Tensor) -> str | None:
+        """Store the full canonical tensor ``name``; may return the checksum of its bytes
+        (``"crc32:..."``) when writing computed it along the way."""
+
+    def write_from(self, name: str, tensor: torch.Tensor, span: FileSpan) -> str | None:
+        """:meth:`write`, where ``tensor``'s raw bytes are also ``span`` of an open file
+        (writers may copy from there instead of from memory)."""
+        return self.write(name, tensor)
+
+    accepts_pieces: bool = False
+    """Whether :meth:`write_pieces` stores a tensor given as byte ranges of files."""
+
+    def write_pieces(self, name: str, pieces: Pieces) -> list[int]:
+        """Store ``name`` from ``pieces.spans`` as-is (only where :attr:`accepts_pieces`);
+        returns each span's CRC (:data:`mt_formats.crc.CHECKSUM_ALGORITHM`)."""
+        raise NotImplementedError(f"{type(self).__name__} does not write byte ranges")
+
+    @abstractmethod
+    def finish(self) -> None:
+        """Complete every file (checksums, config); fails if a tensor was not written."""
+
+    def abort(self) -> None:  # noqa: B027 - optional hook, no-op by default
+        """Close open files after a failure (the staging directory is discarded)."""
+
+
+def follow_pointer(path: Path, marker: str, pointer: str, kind: str) -> Path | None:
+    """The checkpoint folder ``path`` designates: itself when it holds ``marker``, else the
+    folder its ``pointer`` file (e.g. ``latest``) names, which must hold ``marker``; None when
+    ``path`` has neither. ``kind`` names the format in the error for a dangling pointer."""
+    if (path / marker).exists():
+        return path
+    if not (path / pointer).is_file():
+        return None
+    target = path / (path / pointer).read_text(encoding="utf-8").strip()
+    if not (target / marker).exists():
+        raise ConvertError(f"{path / pointer}: names {target.name}, which has no {marker} "
+                           f"(incomplete {kind})")
+    return target

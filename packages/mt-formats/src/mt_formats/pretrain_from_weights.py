@@ -1,0 +1,87 @@
+"""``--to pretrain`` from weights only (hf, consolidated, tp, megatron, deepspeed sources): a
+fresh ``mt pretrain`` checkpoint that ``mt pretrain --load`` starts from. (From an ``mt
+pretrain`` source, :mod:`mt_formats.pretrain_relayout` reshards it, optimizer state
+included.)
+
+The destination is one step folder of the simplest layout (tp = pp = dp = 1, ZeRO 0, step
+0): the meta file and one rank file (mt-checkpoint's names). ``mt pretrain --load`` reshards
+it to the run's own (TP, PP, DP, ZeRO) layout, so one file serves every layout. The rank
+file holds the fp32 weights under ``"model"`` (what
+:class:`~mt_formats.pretrain.PretrainReader` reads) and, under ``"optimizer"``, the same
+weights as a one-rank mt-zero optimizer shard of an AdamW that has not stepped
+(``mt_zero.initial_state``: fp32 masters, no Adam moments yet, as for a new run); the run
+sets its own learning rate, weight decay, betas and eps. The data position is 0: training
+starts at step 1 of the run's data.
+
+``torch.save`` needs the whole file, so the writer buffers the tensors until
+:meth:`~PretrainWriter.finish`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from mt_checkpoint import (
+    CheckpointMeta,
+    SavedLayout,
+    fresh_rng,
+    rank_file,
+    save_rank,
+    write_meta,
+)
+from mt_formats.errors import ConvertError
+from mt_formats.layout import CheckpointWriter, TensorRef
+from mt_formats.tensors import TensorSpec
+from mt_model import GPTConfig
+from mt_tensor_parallel import decoder_plan, param_styles
+from mt_zero import initial_state, split_consolidated
+
+__all__ = ["PretrainWriter"]
+
+RANK_FILE = rank_file(0)  # the one rank of the tp = pp = dp = 1 step folder
+
+
+class PretrainWriter(CheckpointWriter):
+    """An ``mt pretrain`` step folder (tp = pp = dp = 1, step 0) from canonical tensors."""
+
+    format = "pretrain"
+
+    def __init__(self, config: GPTConfig, specs: dict[str, TensorSpec]) -> None:
+        super().__init__(config, specs)
+        self._directory: Path | None = None
+        self._tensors: dict[str, torch.Tensor] = {}
+
+    def targets(self, name: str) -> list[TensorRef]:
+        spec = TensorSpec(self.specs[name].shape, torch.float32)
+        return [TensorRef(RANK_FILE, f"model/{name}", spec),
+                TensorRef(RANK_FILE, f"optimizer/master/{name}", spec, "flattened")]
+
+    def open(self, directory: Path) -> None:
+        self._directory = Path(directory)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        if name not in self.specs:
+            raise ConvertError(f"{RANK_FILE}: unexpected tensor {name!r}")
+        self._tensors[name] = tensor.detach().to(torch.float32).contiguous().clone()
+
+    def finish(self) -> None:
+        if self._directory is None:
+            raise ConvertError("PretrainWriter.finish() before open()")
+        missing = [name for name in self.specs if name not in self._tensors]
+        if missing:
+            raise ConvertError(f"{self._directory / RANK_FILE}: tensors never written: "
+                               f"{missing}")
+        shapes = {name: tuple(spec.shape) for name, spec in self.specs.items()}
+        weights = {name: self._tensors[name] for name in self.specs}
+        optimizer = split_consolidated(initial_state(weights), 1, 0)[0]
+        save_rank(self._directory, 0, (0, 0, 0), weights, optimizer, fresh_rng(0, 0, 0))
+        meta = CheckpointMeta(step=0, layout=SavedLayout(1, 1, 1), model=self.config.to_dict(),
+                              styles=param_styles(shapes, decoder_plan(self.config, 1)),
+                              stage_params={0: list(self.specs)}, source="mt convert")
+        write_meta(self._directory, meta)
+        self._tensors.clear()
+
+    def abort(self) -> None:
+        self._tensors.clear()

@@ -1,0 +1,162 @@
+"""Sharded tensors as views and byte ranges, both ways, so that shards are neither sliced
+into copies nor joined in memory.
+
+Splitting (:func:`shard_parts`): each rank's shard as views of the canonical tensor (and a
+count of zero padding bytes), which the writer writes without a copy, or copies in the
+kernel from the source file where they are byte ranges of it (:func:`in_file`). When the
+views tile the tensor (every style but row-parallel), the source tensor's CRC follows from
+the pieces' (:func:`source_crc`), so verifying what was read needs no pass of its own.
+
+Merging (:func:`merge_pieces`): for every style but row-parallel (tp > 1), merging TP shards
+(``merge_shards``) only concatenates byte ranges of the shards: whole shards (column), each
+shard's q, k and v blocks (fused qkv), each shard without its trailing padding rows
+(vocabulary), rank 0's copy (replicated). A writer that stores the canonical tensor as-is
+(consolidated) then copies those ranges in the kernel, hashing them from a reused buffer,
+and never maps, joins or writes the tensor from memory. The ranges' CRCs give back each
+shard's CRC (:func:`mt_formats.crc.join_crcs`; bytes outside every range, i.e. vocabulary
+padding and the copies of replicated and tied tensors, are hashed on their own), which is
+checked against the shard file's checksums. Copies must agree: replicated TP shards with
+rank 0's, the last stage's tied embedding with the first stage's, compared by their verified
+CRCs (a difference goes unnoticed with probability 2^-32, the strength of the checksums).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from mt_formats.crc import CHECKSUM_ALGORITHM, crc_combine, crc_kind, join_crcs
+from mt_formats.safetensors_io import Part
+from mt_formats.spans import FileSpan
+from mt_formats.tensors import TensorSpec
+from mt_tensor_parallel import padded_vocab_size, shard_tensor, vocab_range
+
+__all__ = ["Piece", "in_file", "merge_pieces", "shard_crcs", "shard_parts", "source_crc", "tiles"]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Bytes ``[offset, offset + span.length)`` of TP rank ``rank``'s shard, at ``span``."""
+
+    rank: int
+    offset: int
+    span: FileSpan
+
+
+#: Fused styles and their number of blocks (mt_tensor_parallel.sharding).
+_FUSED = {"column_qkv": 3, "column_pair": 2}
+
+
+def merge_pieces(style: str, spans: Sequence[FileSpan], specs: Sequence[TensorSpec],
+                 vocab_size: int) -> list[Piece] | None:
+    """The byte ranges, in order, whose concatenation is ``merge_shards(style, shards,
+    vocab_size=...)`` of the shards stored at ``spans`` (one per TP rank), or None where
+    merging is not a concatenation (row-parallel slices of more than one rank)."""
+    tp = len(spans)
+    if style == "replicate" or tp == 1 and style != "vocab":
+        return [Piece(0, 0, spans[0])]
+    if style == "column":
+        return [Piece(rank, 0, span) for rank, span in enumerate(spans)]
+    if style in _FUSED:  # [q; k; v] or a pair: every rank's slice of each block in turn
+        n = _FUSED[style]
+        if any(span.length % n for span in spans):
+            return None
+        return [Piece(rank, c * span.length // n,
+                      FileSpan(span.fd, span.offset + c * span.length // n, span.length // n))
+                for c in range(n) for rank, span in enumerate(spans)]
+    if style == "vocab":
+        pieces, start = [], 0
+        for rank, (span, spec) in enumerate(zip(spans, specs)):
+            rows = spec.shape[0] if spec.shape else 0
+            real = max(0, min(rows, vocab_size - start))
+            if real and rows:
+                pieces.append(Piece(rank, 0, FileSpan(span.fd, span.offset,
+                                                      span.length // rows * real)))
+            start += rows
+        return pieces
+    return None
+
+
+def shard_crcs(pieces: Sequence[Piece], crcs: Sequence[int], spans: Sequence[FileSpan],
+               hash_span: Callable[[FileSpan], int]) -> list[int]:
+    """Each shard's CRC (:data:`CHECKSUM_ALGORITHM`) from its pieces' ``crcs``; the bytes of
+    a shard after its last piece (padding, or a whole copy) are hashed with
+    ``hash_span(FileSpan) -> int``."""
+    kind = crc_kind(CHECKSUM_ALGORITHM)
+    assert kind is not None
+    out = []
+    for rank, span in enumerate(spans):
+        mine = [(p.offset, p.span.length, crc) for p, crc in zip(pieces, crcs) if p.rank == rank]
+        covered = sum(length for _, length, _ in set(mine))
+        crc = join_crcs(mine, covered)
+        assert crc is not None, "pieces of a shard start at 0 and are contiguous"
+        if covered < span.length:
+            rest = FileSpan(span.fd, span.offset + covered, span.length - covered)
+            crc = crc_combine(crc, hash_span(rest), rest.length) if covered else hash_span(rest)
+        out.append(crc)
+    return out
+
+
+def shard_parts(style: str, tensor: torch.Tensor, rank: int, tp: int, pad_multiple: int
+                ) -> list[Part]:
+    """Rank ``rank``'s shard of ``tensor`` as views (and a count of zero padding bytes)
+    whose bytes, joined, are exactly those of ``mt_tensor_parallel.shard_tensor`` (the
+    tests check it): writing them needs no copy of the shard."""
+    if tp == 1 and style != "vocab" or style == "replicate":
+        return [tensor]
+    if style == "vocab":
+        padded = padded_vocab_size(tensor.shape[0], tp, pad_multiple)
+        start, end = vocab_range(padded, rank, tp)
+        real = min(end, tensor.shape[0])
+        row = tensor[0].numel() * tensor.element_size() if tensor.dim() else 0
+        return [tensor[start:max(real, start)], (end - max(real, start)) * row]
+    if style in _FUSED and tensor.shape[0] % (_FUSED[style] * tp) == 0:
+        n = _FUSED[style]  # [q; k; v] or a pair: this rank's slice of each block
+        blocks = tensor.reshape(n, tensor.shape[0] // n, *tensor.shape[1:])
+        return [blocks[c].narrow(0, rank * blocks.shape[1] // tp, blocks.shape[1] // tp)
+                for c in range(n)]
+    dim = 0 if style == "column" else tensor.dim() - 1
+    if style not in ("column", "row") or tensor.shape[dim] % tp:
+        # Unknown styles and divisibility errors: let the reference raise its message.
+        return [shard_tensor(style, tensor, rank, tp, pad_multiple=pad_multiple)]
+    piece = tensor.shape[dim] // tp
+    return [tensor.narrow(dim, rank * piece, piece)]
+
+
+def in_file(part: Part, tensor: torch.Tensor, span: FileSpan) -> Part:
+    """A contiguous view of ``tensor`` (stored as-is at ``span``) as a byte range of the
+    file; anything else unchanged."""
+    if not isinstance(part, torch.Tensor) or not part.is_contiguous() or not (
+            tensor.is_contiguous()):
+        return part
+    start = (part.storage_offset() - tensor.storage_offset()) * part.element_size()
+    return FileSpan(span.fd, span.offset + start, part.numel() * part.element_size())
+
+
+def tiles(tensor: torch.Tensor, parts: list[list[Part]]) -> bool:
+    """Whether the parts are contiguous views of a contiguous ``tensor`` (or padding), so
+    :func:`source_crc` can assemble its CRC from theirs."""
+    return tensor.is_contiguous() and all(
+        isinstance(part, int) or part.is_contiguous() for rank_parts in parts
+        for part in rank_parts)
+
+
+def source_crc(tensor: torch.Tensor, parts: list[list[Part]], crcs: list[list[int]]
+                ) -> str | None:
+    """The CRC (:data:`CHECKSUM_ALGORITHM`) of ``tensor`` from those of its shards' parts,
+    when they are contiguous views tiling it (None otherwise, e.g. row slices)."""
+    if not tensor.is_contiguous() or any(len(p) != len(c) for p, c in zip(parts, crcs)):
+        return None
+    pieces, base = [], tensor.storage_offset()
+    for rank_parts, rank_crcs in zip(parts, crcs):
+        for part, crc in zip(rank_parts, rank_crcs):
+            if isinstance(part, int):
+                continue  # padding: not in the source
+            if not part.is_contiguous():
+                return None
+            pieces.append(((part.storage_offset() - base) * part.element_size(),
+                           part.numel() * part.element_size(), crc))
+    crc = join_crcs(pieces, tensor.numel() * tensor.element_size())
+    return None if crc is None else f"{CHECKSUM_ALGORITHM}:{crc:08x}"

@@ -1,0 +1,26 @@
+"""Weights-only reading of torch pickle files, with errors that name the file."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mt_formats.errors import ConvertError
+
+
+def load_weights_only(path: Path, missing: str = "file not found") -> Any:
+    """``torch.load`` memory-mapped with ``weights_only=True``: tensors and plain containers
+    only; anything else, a malformed or truncated file raises a ConvertError naming ``path``."""
+    if not path.is_file():
+        raise ConvertError(f"{path}: {missing}")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as err:
+        raise ConvertError(f"{path}: holds objects other than tensors and plain containers; "
+                           f"refusing to unpickle it ({str(err).splitlines()[0]})") from None
+    except (RuntimeError, OSError, EOFError, ValueError) as err:
+        raise ConvertError(f"{path}: not a readable torch checkpoint (malformed or "
+                           f"truncated): {err}") from None
