@@ -85,14 +85,6 @@ class ErrorLog:
             self.errors.append(error)
         raise TextKeyError(error)
 
-    def merge(self, other: ErrorLog) -> None:
-        """Add another log's counts, kept errors and text-key tallies."""
-        self.counts.update(other.counts)
-        self.errors.extend(other.errors[: max(0, self.keep - len(self.errors))])
-        for name, fields in other.keyless.items():
-            self.keyless[name] = sorted(set(self.keyless.get(name, [])) | set(fields))
-        self.keyed |= other.keyed
-
     @property
     def total(self) -> int:
         """Number of bad inputs seen."""

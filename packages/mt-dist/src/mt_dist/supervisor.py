@@ -163,10 +163,6 @@ class LocalRanks:
             if r.proc.is_alive():
                 os.kill(r.proc.pid, signum)
 
-    @property
-    def pids(self) -> list[int]:
-        return [r.proc.pid for r in self._ranks]
-
     def collect(self, timeout: float | None, grace_s: float) -> Outcome:
         """Wait for every report, at most ``timeout`` seconds (None: no limit); after the
         first failure, at most ``grace_s`` more."""
