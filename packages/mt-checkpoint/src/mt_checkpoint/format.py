@@ -17,6 +17,7 @@ Every file is checked against its checksum when read (:mod:`mt_checkpoint.checks
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import warnings
@@ -45,10 +46,15 @@ __all__ = ["clean_stale", "find_checkpoint", "fresh_rng", "fresh_start", "fsync_
 
 
 def fsync_dir(path: Path) -> None:
-    """Make a folder's entries (renames, new files) durable."""
+    """Make a folder's entries (renames, new files) durable: mt's one helper for it (the
+    training checkpoint and every format of mt-formats). A filesystem that cannot sync a
+    folder (EINVAL / ENOTSUP: some network filesystems) is left to its own guarantees."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
+    except OSError as err:
+        if err.errno not in (errno.EINVAL, errno.ENOTSUP):
+            raise
     finally:
         os.close(fd)
 

@@ -15,23 +15,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from mt_checkpoint import fsync_dir
 from mt_formats.errors import ConvertError
 
 __all__ = ["atomic_directory"]
-
-
-def _fsync_dir(path: Path) -> None:
-    # Make the rename itself durable; not every platform can open a directory.
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _chmod_by_umask(path: Path) -> None:
@@ -59,7 +46,7 @@ def atomic_directory(destination: Path, overwrite: bool = False) -> Iterator[Pat
     _chmod_by_umask(staging)  # mkdtemp's 0700 would hide the result from a shared group
     try:
         yield staging
-        _fsync_dir(staging)
+        fsync_dir(staging)
         if destination.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{destination.name}.old-", dir=parent))
             os.replace(destination, old / "previous")
@@ -67,7 +54,7 @@ def atomic_directory(destination: Path, overwrite: bool = False) -> Iterator[Pat
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(staging, destination)
-        _fsync_dir(parent)
+        fsync_dir(parent)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
