@@ -4,7 +4,9 @@ Compared in the same run, on the same input, with the same GPT-2 fast tokenizer 
 tokenizers) and ``--workers`` processes on every side:
   mt-data ``prepare`` three ways: tokenize only (filters and dedup off); the default filters
       (mt-basic) + exact and fuzzy dedup; the Gopher rule sets (``gopher-quality,
-      gopher-repetition``, datatrove's rules) + exact and fuzzy dedup;
+      gopher-repetition``, datatrove's rules) + exact and fuzzy dedup; and the second again
+      as a user runs it, ``mt data prepare`` in a fresh process (its imports timed; it must
+      fork its workers as the library does: within 10%);
   (a) HF ``datasets``: ``load_dataset("json")`` + batched ``map`` with as many processes;
   (b) a Megatron-style path: a multiprocessing pool encoding one document per task (as
       Megatron's ``preprocess_data.py``) feeding megatron-core's ``IndexedDatasetBuilder``
@@ -58,6 +60,7 @@ import json
 import os
 import resource
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -129,6 +132,9 @@ MT_MODES = {  # row name -> run_mt mode
     "mt-data prepare (filters + dedup)": "basic",
     "mt-data prepare (gopher rule sets + dedup)": "gopher",
 }
+#: `mt data prepare` run as a user runs it: the `mt` command in a fresh process, its imports on
+#: the clock; its defaults are the "filters + dedup" row's settings.
+CLI = "mt data prepare, the command (filters + dedup)"
 MEGATRON = "Megatron-style pool + IndexedDatasetBuilder"
 MEGATRON_WARM = "Megatron-style, torch + megatron pre-imported"
 GOPHER = "gopher-quality,gopher-repetition"
@@ -153,6 +159,17 @@ def run_mt(paths: list[Path], out: Path, workers: int, mode: str) -> int:
     print(f"  {mode}: {summary['documents_in']:,} documents in, {summary['documents_out']:,} "
           f"out, {summary['tokens_out']:,} tokens; seconds {summary['seconds']}", flush=True)
     return int(summary["tokens_out"])
+
+
+def run_cli(paths: list[Path], out: Path, workers: int) -> int:
+    """`mt data prepare` through the command line (python -m mt_pretrain data prepare)."""
+    done = subprocess.run([sys.executable, "-m", "mt_pretrain", "data", "prepare",
+                           *map(str, paths), "--output", str(out), "--tokenizer", "gpt2",
+                           "--workers", str(workers), "--overwrite"],
+                          capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"{CLI} failed:\n{done.stdout}\n{done.stderr}")
+    return int(json.loads((out / "index.json").read_text())["stats"]["tokens_out"])
 
 
 def run_hf_datasets(paths: list[Path], cache: Path, workers: int) -> int:
@@ -207,6 +224,8 @@ def run_row(name: str, paths: list[Path], tmp: Path, workers: int, repeat: int) 
     if name in MT_MODES:
         mode = MT_MODES[name]
         return run_mt(paths, tmp / f"mt-{mode}", workers, mode)
+    if name == CLI:
+        return run_cli(paths, tmp / "mt-cli", workers)
     if name == "HF datasets map":
         return run_hf_datasets(paths, tmp / f"hf-{repeat}", workers)
     if name == MEGATRON:
@@ -489,7 +508,7 @@ def main() -> None:
         # Best of --repeats per row (least disturbed by other jobs), rows in alternating order.
         # Every run is a fresh process (no tokenizer or word cache kept from an earlier run;
         # timed there after its imports) writing to fresh folders and datasets cache.
-        names = [*MT_MODES, "HF datasets map", MEGATRON, MEGATRON_WARM]
+        names = [*MT_MODES, CLI, "HF datasets map", MEGATRON, MEGATRON_WARM]
         rows: dict[str, tuple[float, float, int]] = {}
         for r in range(args.repeats):
             for name in (names if r % 2 == 0 else names[::-1]):
@@ -509,6 +528,12 @@ def main() -> None:
                   f"{tokens:>12,}{seconds:>8.2f}{cpu:>8.2f}{nbytes / 1e6 / cpu:>10.2f}")
         print("(MB/s: input text MB per wall second, whatever the rows keep; CPU s: this "
               "process and its finished children)")
+        basic = rows["mt-data prepare (filters + dedup)"]
+        if rows[CLI][2] != basic[2]:
+            raise SystemExit(f"tokens differ: the command {rows[CLI][2]:,}, in process "
+                             f"{basic[2]:,}")
+        print(f"the command vs in process (filters + dedup): wall {rows[CLI][0] / basic[0]:.2f}x"
+              f", CPU {rows[CLI][1] / basic[1]:.2f}x (the command's imports included)")
         for ours in MT_MODES:
             for name in ("HF datasets map", MEGATRON, MEGATRON_WARM):
                 print(f"{ours} vs {name}: wall {rows[name][0] / rows[ours][0]:.2f}x, "
