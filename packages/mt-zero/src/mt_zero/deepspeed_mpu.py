@@ -108,11 +108,11 @@ class GroupsMpu:
 def pipe_topology(topology: Topology) -> Any:
     """DeepSpeed's ``PipeModelDataParallelTopology`` with mt's rank order (pipe, data, model:
     model = TP fastest)."""
-    # One line: Pants reads the pragma on the line an import statement ends.
-    from deepspeed.runtime.pipe import topology  # pants: no-infer-dep (optional)
+    # One line (optional dependency): Pants reads the pragma where an import ends.
+    from deepspeed.runtime.pipe import topology as ds_topology  # pants: no-infer-dep
 
-    ds = topology.PipeModelDataParallelTopology(num_pp=topology.pp, num_mp=topology.tp,
-                                       num_dp=topology.dp)
+    ds = ds_topology.PipeModelDataParallelTopology(num_pp=topology.pp, num_mp=topology.tp,
+                                                   num_dp=topology.dp)
     for rank in range(topology.world_size):
         c, d = topology.coord(rank), ds.get_coord(rank)
         if (c.pp, c.dp, c.tp) != (d.pipe, d.data, d.model):
