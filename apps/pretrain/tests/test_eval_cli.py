@@ -75,3 +75,11 @@ def test_bad_input_is_one_line(checkpoint: Path, tmp_path: Path) -> None:
     code, text = _eval(str(checkpoint), "--task", "mt-cloze", "--output", str(folder))
     assert code == 2 and f"--output {folder} is a folder" in text, text
     assert not list(tmp_path.glob(".*.tmp")) and not list(folder.iterdir())
+    # The results written over the task file (was: exit 0, the task file replaced); --shots
+    # -1 (was: "--shots must be positive, got 0").
+    task.write_text('{"text": "one two three four"}\n')
+    code, text = _eval(str(checkpoint), "--task", str(task), "--output", str(task))
+    assert code == 2 and f"--output {task} is the input {task}" in " ".join(text.split())
+    assert task.read_text() == '{"text": "one two three four"}\n'
+    code, text = _eval(str(checkpoint), "--task", "mt-cloze", "--shots", "-1")
+    assert code == 2 and "--shots must be 0 or more, got -1" in text, text

@@ -284,6 +284,40 @@ def test_a_second_interrupt_stops_at_once(cache: Path, tmp_path: Path) -> None:
     assert not any(Path(f"/proc/{pid}").exists() for pid in ranks)
 
 
+def test_a_second_interrupt_stops_one_process_inside_a_long_native_operation(
+        cache: Path, tmp_path: Path) -> None:
+    """One process, stalled in one native operation of about 25 s (the train.stall
+    failpoint: as the attention of a very long sequence), during which Python runs no signal
+    handler: the second SIGTERM still stops it within seconds, exit 130 (was: both ignored
+    until the operation ended, minutes at 32k tokens)."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mt_pretrain", "pretrain", "--seq-len", "32", "--train-steps",
+         "3", "--global-batch-size", "8", "--no-progress", "--out-dir", str(out),
+         "--cache-dir", str(cache), "--eval-interval", "0", "--sample-tokens", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "MT_FAILPOINT": "train.stall"})
+    try:
+        assert proc.stderr is not None
+        line = proc.stderr.readline()
+        while line and not line.startswith("failpoint: stalling"):
+            line = proc.stderr.readline()
+        assert line, proc.communicate()
+        time.sleep(0.5)
+        os.kill(proc.pid, signal.SIGTERM)
+        time.sleep(1.5)  # past the 1 s echo window: a second interrupt
+        os.kill(proc.pid, signal.SIGTERM)
+        second = time.monotonic()
+        _, stderr = proc.communicate(timeout=20)
+        stopped_after = time.monotonic() - second
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, stderr
+    assert "interrupted twice (signal 15) inside a long operation: stopped at once" in stderr
+    assert stopped_after < 10, stopped_after  # the operation alone takes about 25 s
+
+
 def test_ctrl_c_in_a_terminal_saves_once_and_exits_0(cache: Path, tmp_path: Path) -> None:
     """Ctrl-C in a terminal signals the whole foreground process group: the --nproc parent
     and (were they in it) every rank. One key press is one interrupt: the ranks save after

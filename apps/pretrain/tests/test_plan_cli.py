@@ -100,6 +100,18 @@ def test_bad_inputs_name_the_value(tmp_path: Path) -> None:
     result = _plan("--config", str(config), "--gpus", "2", "--tp", "2", "--json")
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["tp"] == 2
+    # Not UTF-8 (was: a UnicodeDecodeError traceback); --calibrate onto the --config file
+    # (was: the config replaced by the measured rates).
+    garbage = tmp_path / "garbage.yaml"
+    garbage.write_bytes(bytes(range(128, 256)) * 4)
+    result = _plan("--config", str(garbage))
+    assert result.exit_code == 2 and "is not UTF-8 text (byte 0x80 at offset 0)" in \
+        result.output, result.output
+    before = config.read_bytes()
+    result = _plan("--config", str(config), "--calibrate", str(config))
+    assert result.exit_code == 2, result.output
+    assert f"--calibrate {config} is the input {config}" in " ".join(result.output.split())
+    assert config.read_bytes() == before
 
 
 def test_calibrate_measures_this_machine_and_is_reused(tmp_path: Path) -> None:

@@ -55,3 +55,45 @@ def test_help_on_80_columns_keeps_every_flag_whole() -> None:
             assert flag in result.output, (command, flag)
     wide = CliRunner().invoke(app, ["pretrain", "--help"], env={"COLUMNS": "200"})
     assert "╭─ Parallelism" in wide.output  # rich panels where there is room
+
+
+def test_plot_names_the_line_of_a_bad_value(tmp_path: Path) -> None:
+    """A metrics line whose step or loss is not a number, a loss that --log-y cannot draw, a
+    file that is not text: one line naming the file (and line), exit 2 (was: the values
+    dropped without a word, or a UnicodeDecodeError naming no file)."""
+    odd = tmp_path / "odd.jsonl"
+    odd.write_text('{"step": 1, "loss": 2.0}\n{"step": "x", "loss": 1.5}\n')
+    negative = tmp_path / "neg.jsonl"
+    negative.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": -1.0}\n')
+    garbage = tmp_path / "garbage.jsonl"
+    garbage.write_bytes(bytes(range(160, 256)))
+    for args, words in (([str(odd)], f"{odd}:2: step is 'x', not a number"),
+                        ([str(negative), "--log-y"], f"{negative}:2: loss -1.0 cannot be drawn "
+                                                     "on --log-y"),
+                        ([str(garbage)], f"{garbage}: not a metrics file (not UTF-8 text")):
+        result = CliRunner().invoke(app, ["plot", *args, "-o", str(tmp_path / "p.png")])
+        assert result.exit_code == 2, result.output
+        assert words in " ".join(result.output.split()), result.output
+    assert not (tmp_path / "p.png").exists()
+
+
+def test_warnings_are_one_line_once_and_a_finished_run_says_so(tmp_path: Path) -> None:
+    """A `latest` naming a folder that is not there: the fallback warning once, as one
+    `warning:` line (was: three Python warnings with source lines); resuming a run already
+    at its last step says there is nothing to train (was: exit 0, nothing said)."""
+    run = [sys.executable, "-m", "mt_pretrain", "pretrain", "--train-steps", "2", "--seq-len",
+           "32", "--global-batch-size", "4", "--eval-interval", "0", "--sample-tokens", "0",
+           "--no-progress", "--out-dir", str(tmp_path / "run"), "--cache-dir",
+           str(tmp_path / "cache")]
+    first = subprocess.run(run, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stdout + first.stderr
+    checkpoints = tmp_path / "run" / "checkpoints"
+    (checkpoints / "latest").write_text("step-00000009\n")
+    again = subprocess.run([*run, "--load", str(checkpoints)], capture_output=True, text=True,
+                           timeout=300)
+    assert again.returncode == 0, again.stdout + again.stderr
+    warned = [line for line in again.stderr.splitlines() if "loading step-00000002" in line]
+    assert len(warned) == 1 and warned[0].startswith("warning: "), again.stderr
+    assert "UserWarning" not in again.stderr
+    assert "nothing to train: " in again.stdout and "is at step 2, the run ends at step 2" in \
+        again.stdout, again.stdout

@@ -81,6 +81,17 @@ def test_yaml_sections_flat_keys_and_cli_overrides(tmp_path: Path) -> None:
     ({"nproc": 8, "compile": True, "activation_checkpointing": True, "dropout": 0.1},
      r"--compile with --activation-checkpointing and dropout 0.1 is not supported.*leave out "
      r"--compile"),
+    # The hostile-user sweep of session 8 (was: accepted silently, or a failure later).
+    ({"nproc": 1, "train_steps": 2, "global_batch_size": 4, "seq_len": 32,
+      "warmup_tokens": 999999999},
+     r"--warmup-tokens 999,999,999 is longer than the decay: 256 tokens \(the whole run's "
+     r"tokens \(2 steps\)\); the learning rate would never reach --lr"),
+    ({"adam_eps": 0.0}, r"--adam-eps must be > 0 \(Adam divides by sqrt\(v\) \+ eps\), got 0"),
+    ({"quiet": True, "log_level": "debug"},
+     r"--quiet is --log-level warning; give one of them, not --quiet with --log-level debug"),
+    ({"nproc": 1, "micro_batch_size": 1, "global_batch_size": 80_000_000_000},
+     r"global batch size 80,000,000,000 is 80,000,000,000 micro-batches of 1 on each of dp 1 "
+     r"replicas per step; at most 100,000"),
 ])
 def test_bad_configs_name_the_numbers(overrides: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
@@ -250,3 +261,22 @@ def test_too_few_processes_for_the_layout_says_what_to_pass() -> None:
                        r"with 1 process pass --tp and --pp whose product divides 1, e.g. "
                        r"--tp 1 --pp 1"):
         load_config("demo-3d", {"nproc": 1})
+
+
+def test_paths_the_flags_name_are_checked_before_anything_starts(tmp_path: Path) -> None:
+    """--metrics naming a folder, --cache-dir naming a file, --tokenizer naming no file or
+    given with --data (where the dataset's own tokenizer applies): one line each, before any
+    rank starts (was: OS errors from a rank after start-up, or the flag silently ignored)."""
+    (tmp_path / "mdir").mkdir()
+    (tmp_path / "afile").write_text("x")
+    data = tmp_path / "data"
+    data.mkdir()
+    for overrides, message in (
+            ({"metrics": str(tmp_path / "mdir")}, "--metrics .*mdir is a folder; name the JSONL"),
+            ({"cache_dir": str(tmp_path / "afile")}, "--cache-dir .*afile is a file; name a "
+                                                     "folder"),
+            ({"tokenizer": str(tmp_path / "no-such-tok.json")}, "--tokenizer: no tokenizer at"),
+            ({"tokenizer": "gpt2", "data": str(data)},
+             "--tokenizer gpt2 applies to the embedded corpus only")):
+        with pytest.raises(ConfigError, match=message):
+            load_config(None, overrides)

@@ -143,6 +143,16 @@ def test_damaged_files_are_one_line_and_latest_falls_back(tmp_path: Path) -> Non
         read_meta(step4)
     with pytest.raises(CheckpointError, match=r"no checkpoint at .*nowhere: no such folder"):
         find_checkpoint(tmp_path / "nowhere")
+    # A file given as the checkpoint (was: "no such folder"); a `latest` that is empty or
+    # names a path outside the folder (was: /etc followed, "latest names checkpoints").
+    with pytest.raises(CheckpointError, match=r"rank-00001.pt: a file, not a checkpoint "
+                                              r"folder"):
+        find_checkpoint(step4 / rank_file(1))
+    for text, why in (("", "latest is empty"), ("/etc", "latest is damaged \\(it names "
+                                                         "'/etc', not a step folder of")):
+        (tmp_path / "latest").write_text(text)
+        with pytest.warns(UserWarning, match=why + r".*loading step-00000002"):
+            assert find_checkpoint(tmp_path) == tmp_path / step_dir(2)
 
 
 def test_a_chain_may_load_its_own_empty_folder(tmp_path: Path) -> None:

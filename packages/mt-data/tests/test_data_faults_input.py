@@ -314,7 +314,7 @@ def test_overwrite_never_deletes_an_input(docs, tmp_path: Path) -> None:
                                      *FAST], env={"COLUMNS": "300"})
         assert result.exit_code == 2, result.output
         assert f"--output {output} {how} the input" in result.output, result.output
-        assert "--overwrite would delete it" in result.output
+        assert "writing there would destroy what this command reads" in result.output
         assert {p: p.read_bytes() for p in raw.iterdir() if p.is_file()} == before
     # A tokenizer given as a path is an input too.
     tok = tmp_path / "tok"
@@ -326,6 +326,18 @@ def test_overwrite_never_deletes_an_input(docs, tmp_path: Path) -> None:
                            env={"COLUMNS": "300"})
     assert result.exit_code == 2 and "holds the input" in result.output, result.output
     assert (tok / "tokenizer.json").read_bytes() == saved
+    # Without --overwrite too: the output is an input file (was: "Not a directory").
+    result = runner.invoke(app, ["prepare", str(raw / "a.jsonl"), "-o", str(raw / "a.jsonl"),
+                                 *FAST], env={"COLUMNS": "300"})
+    assert result.exit_code == 2 and "is the input" in result.output, result.output
+    # train-tokenizer writing over its own corpus (was: the corpus replaced by the JSON) or
+    # onto a folder (was: "Is a directory" and a .tmp left).
+    for output, words in ((raw / "a.jsonl", "is the input"), (tok, "is a folder")):
+        result = runner.invoke(app, ["train-tokenizer", str(raw / "a.jsonl"), "--vocab-size",
+                                     "300", "--output", str(output)], env={"COLUMNS": "300"})
+        assert result.exit_code == 2 and words in result.output, result.output
+    assert {p: p.read_bytes() for p in raw.iterdir() if p.is_file()} == before
+    assert sorted(p.name for p in tok.iterdir()) == ["tokenizer.json"]
 
 
 def test_a_lone_surrogate_is_a_bad_line_naming_file_and_line(docs, tmp_path: Path) -> None:
@@ -367,3 +379,65 @@ def test_a_full_disk_names_the_output(docs, tmp_path: Path) -> None:
                           preexec_fn=limit, env={**os.environ, "COLUMNS": "300"})
     assert done.returncode == 2, done.stdout + done.stderr
     assert f"error: {out}: writing failed: File too large" in done.stdout + done.stderr
+
+
+def _one_line_error(args: list[str]) -> str:
+    """The ``error:`` line of a command that must exit 2 (no traceback)."""
+    result = runner.invoke(app, args, env={"COLUMNS": "300"})
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    return " ".join(result.output.split())
+
+
+def test_bad_inputs_and_options_found_by_the_hostile_sweep(docs, tmp_path: Path) -> None:
+    """Session 8's sweep, each once: a missing input is not a failed write; an input of an
+    unknown kind is named; filter thresholds out of range are refused (was: accepted);
+    `inspect` of a document that does not exist or negative --chars (was: silent); an
+    index.json without its fields or of another version (was: KeyError tracebacks)."""
+    raw = tmp_path / "raw.jsonl"
+    raw.write_bytes(_lines(docs, 40))
+    out = str(tmp_path / "out")
+    text = _one_line_error(["prepare", str(tmp_path / "no-such.jsonl"), "-o", out, *FAST])
+    assert "input" in text and "no-such.jsonl does not exist" in text
+    assert "writing failed" not in text
+    noext = tmp_path / "raw-noext"
+    noext.write_bytes(gzip.compress(_lines(docs, 40)))
+    text = _one_line_error(["prepare", str(noext), "-o", out, *FAST])
+    assert f"{noext} end in no known extension (.jsonl, .json" in text
+    text = _one_line_error(["prepare", str(raw), "-o", out, "--min-words", "-5", *FAST])
+    assert "min_words must be >= 0, got -5" in text
+    text = _one_line_error(["prepare", str(raw), "-o", out, "--max-repeated-lines", "7",
+                            *FAST])
+    assert "max_repeated_line_fraction is a fraction: it must be in [0, 1], got 7" in text
+    ok = runner.invoke(app, ["prepare", str(raw), "-o", out, *FAST], env={"COLUMNS": "300"})
+    assert ok.exit_code == 0, ok.output
+    documents = len(TokenDataset(out))
+    for args, words in ((["--document", "99999"], f"--document 99999: {out} holds documents "
+                                                  f"0 to {documents - 1}"),
+                        (["--document", "-1"], "--document -1:"),
+                        (["--chars", "-5"], "--chars must be 0 or more, got -5")):
+        assert words in _one_line_error(["inspect", out, *args])
+    index = json.loads((Path(out) / "index.json").read_text())
+    for change, words in (({"dtype": None}, "field 'dtype' missing or not a str"),
+                          ({"version": 99}, "index version 99, this mt-data reads version 1"),
+                          ({"shards": [{}]}, "shard 0 lacks file, sha256")):
+        broken = tmp_path / f"broken-{len(words)}"
+        broken.mkdir()
+        (broken / "index.json").write_text(json.dumps({**index, **change}))
+        assert words in _one_line_error(["inspect", str(broken)])
+
+
+def test_two_prepares_into_one_folder(docs, tmp_path: Path) -> None:
+    """The second is refused at once while the first holds the folder (was: it failed later
+    on a work file the first removed); a lock left by a killed process blocks nothing."""
+    from mt_data.pipeline import _output_lock
+
+    raw = tmp_path / "raw.jsonl"
+    raw.write_bytes(_lines(docs, 40))
+    out = tmp_path / "out"
+    out.mkdir()
+    with _output_lock(out):
+        text = _one_line_error(["prepare", str(raw), "-o", str(out), *FAST])
+        assert f"{out} is being prepared by another process: wait for it to end" in text
+    ok = runner.invoke(app, ["prepare", str(raw), "-o", str(out), *FAST], env={"COLUMNS": "300"})
+    assert ok.exit_code == 0, ok.output

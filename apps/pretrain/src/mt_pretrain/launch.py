@@ -33,6 +33,7 @@ from mt_pretrain.evaluation.rank import EvalSpec, eval_rank
 from mt_pretrain.run.folder import claim_run_folder, run_folder_lock
 from mt_pretrain.run.rank import RunSummary, run_rank
 from mt_pretrain.run.train import NonFiniteLossError
+from mt_pretrain.run.warnings_line import one_line_warnings
 
 __all__ = ["Interrupted", "LaunchFailed", "launch", "launch_eval", "spawn", "supervise"]
 
@@ -117,6 +118,7 @@ def _eval_rank(rank: int, spec: EvalSpec, nproc: int, port: int,
 def _rank(rank: int, config: PretrainConfig, nproc: int, port: int, cache: Path,
           threads: int, keep_weights: bool) -> RunSummary | None:
     torch.set_num_threads(threads)
+    one_line_warnings()  # a spawned rank speaks as the command does
     info = LaunchInfo(rank, nproc, rank, nproc, "127.0.0.1", port, "single")
     return run_rank(config, info, cache, keep_weights)
 

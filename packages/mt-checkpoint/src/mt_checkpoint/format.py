@@ -104,22 +104,28 @@ def find_checkpoint(path: str | Path) -> Path:
     path = Path(path)
     if (path / META).is_file():
         return path
+    if path.exists() and not path.is_dir():
+        raise CheckpointError(f"no checkpoint at {path}: a file, not a checkpoint folder (a "
+                              f"run's checkpoint folder, or one of its step folders)")
     if not path.is_dir():
         raise CheckpointError(f"no checkpoint at {path}: no such folder")
     pointer = path / LATEST
-    named = None
+    named, why = None, f"{path} has no {LATEST}"
     if pointer.is_file():
-        named = path / pointer.read_text(encoding="utf-8").strip()
-        if _problem(named) is None:
-            return named
+        name = pointer.read_text(encoding="utf-8", errors="replace").strip()
+        if not name or Path(name).name != name or name in (".", ".."):
+            why = (f"{pointer} is empty" if not name else
+                   f"{pointer} is damaged (it names {name!r}, not a step folder of {path})")
+        else:
+            named = path / name
+            if _problem(named) is None:
+                return named
+            why = f"{pointer} names {name}, which is {_problem(named)}"
     fallback, skipped = _newest_complete(path)
     if fallback is None:
-        what = f"{pointer} names {named.name}, which is {_problem(named)}" if named else (
-            f"neither {META} nor {LATEST} found")
+        what = why if pointer.is_file() else f"neither {META} nor {LATEST} found"
         raise CheckpointError(f"no complete checkpoint at {path}: {what}"
                               + (f"; skipped {', '.join(skipped)}" if skipped else ""))
-    why = (f"{pointer} names {named.name}, which is {_problem(named)}" if named is not None
-           else f"{path} has no {LATEST}")
     warnings.warn(f"{why}: loading {fallback.name}, the newest complete checkpoint"
                   + (f" (skipped {', '.join(skipped)})" if skipped else ""), stacklevel=2)
     return fallback

@@ -31,6 +31,7 @@ from mt_data.ingest import (
 )
 from mt_data.loader import BatchSchedule, DataLoaderState, DPDataLoader
 from mt_data.megatron import MegatronReader, export_megatron, import_megatron, read_index
+from mt_data.paths import output_clash
 from mt_data.pipeline import NoDocumentsError, PrepareConfig, PrepareError, prepare, prepare_demo
 from mt_data.quality import RULE_SETS, apply_rule_sets, parse_rule_sets
 from mt_data.shards import ShardSetWriter, TokenDataset
@@ -49,7 +50,8 @@ __all__ = [
     "build_sample_index", "content_hashes", "corpus_path", "corpus_texts",
     "decontaminate_batch", "export_megatron", "filter_batch", "fuzzy_dedup",
     "fuzzy_dedup_bounded", "gpt2",
-    "import_megatron", "iter_corpus", "iter_documents", "load_tokenizer", "parse_blend",
+    "import_megatron", "iter_corpus", "iter_documents", "load_tokenizer", "output_clash",
+    "parse_blend",
     "parse_rule_sets",
     "prepare", "prepare_demo", "read_index", "split_documents", "train_tokenizer",
 ]

@@ -36,6 +36,7 @@ from mt_data.errors import DataError
 from mt_data.filters import FilterConfig
 from mt_data.ingest import ErrorLog, IngestConfig, iter_documents
 from mt_data.megatron import export_megatron, import_megatron
+from mt_data.paths import output_clash
 from mt_data.pipeline import PrepareConfig, prepare, read_dropped, select_dropped, summary_rows
 from mt_data.quality import parse_rule_sets
 from mt_data.shards import TokenDataset
@@ -151,7 +152,8 @@ def _errors(writing: Path | None = None) -> Iterator[None]:
     try:
         yield
     except (DataError, ValueError, OSError) as exc:
-        if isinstance(exc, OSError) and exc.filename is None and writing is not None:
+        if isinstance(exc, OSError) and not isinstance(exc, DataError) and \
+                exc.filename is None and writing is not None:
             _fail(f"{writing}: writing failed: {exc.strerror or exc}")
         _fail(str(exc))
 
@@ -252,6 +254,11 @@ def train_tokenizer_cmd(
     min_frequency: Annotated[int, typer.Option(help="Minimum pair frequency to merge.")] = 2,
 ) -> None:
     """Train a GPT-2 style byte-level BPE tokenizer (EOD token <|endoftext|> = id 0)."""
+    clash = output_clash("--output", output, inputs)
+    if clash:
+        _fail(clash)
+    if output.is_dir():
+        _fail(f"--output {output} is a folder; name the tokenizer.json to write")
     log = ErrorLog("skip")
     docs, nbytes = 0, 0
     start = time.perf_counter()
@@ -335,8 +342,13 @@ def inspect_cmd(
              "decoded document.")] = None,
 ) -> None:
     """Print documents, tokens, sources and a decoded sample of a prepared dataset."""
+    if chars < 0:
+        _fail(f"--chars must be 0 or more, got {chars}")
     with _errors():
         ds = TokenDataset(data)
+    if not 0 <= document < max(len(ds), 1):  # was: the summary alone, nothing said
+        _fail(f"--document {document}: {data} holds documents 0 to {len(ds) - 1}")
+    with _errors():
         max_id = ds.max_token_id
         chosen = select_dropped(read_dropped(data), dropped) if dropped is not None else None
     rows = [("documents", f"{len(ds):,}"), ("tokens", f"{ds.num_tokens:,}"),

@@ -48,11 +48,15 @@ class FilterConfig:
                 raise ValueError(
                     f"need 0 <= min_chars ({self.min_chars}) <= max_chars ({self.max_chars})"
                 )
-        for name in ("max_symbol_ratio", "min_alpha_word_fraction", "max_repeated_line_fraction",
+        for name in ("min_chars", "max_chars", "min_words", "max_symbol_ratio",
                      "max_html_tag_ratio"):
             value = getattr(self, name)
-            if value is not None and value < 0:
+            if value is not None and not 0 <= value < float("inf"):
                 raise ValueError(f"{name} must be >= 0, got {value}")
+        for name in ("min_alpha_word_fraction", "max_repeated_line_fraction"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= 1:  # was: 7 accepted (keeps all)
+                raise ValueError(f"{name} is a fraction: it must be in [0, 1], got {value}")
 
     @classmethod
     def disabled(cls) -> FilterConfig:

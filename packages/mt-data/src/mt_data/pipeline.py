@@ -14,16 +14,17 @@ resumes where it stopped (at the chunk/shard level).
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
-from contextlib import ExitStack, suppress
+from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from multiprocessing import get_all_start_methods, get_context
@@ -34,9 +35,13 @@ from typing import Any, Protocol
 import numpy as np
 import pyarrow as pa
 
+from mt_data.compressed import COMPRESSED
 from mt_data.errors import DataError
 from mt_data.filters import FILTERS
 from mt_data.ingest import (
+    JSON_EXTS,
+    PARQUET_EXTS,
+    TEXT_EXTS,
     TextKeyError,
     WorkItem,
     check_text_key,
@@ -44,6 +49,7 @@ from mt_data.ingest import (
     parallel_split_bytes,
     plan_work,
 )
+from mt_data.paths import output_clash
 from mt_data.shards import (
     INDEX_FILE,
     ShardInfo,
@@ -130,23 +136,24 @@ def _fingerprint(inputs: list[Path], config: PrepareConfig) -> dict[str, Any]:
 
 def _refuse_to_delete_inputs(output: Path, inputs: Sequence[str | Path],
                              config: PrepareConfig) -> None:
-    """``--overwrite`` deletes ``output``: never when it is, holds or lies inside something
-    the run reads (the inputs, the decontamination sets, a tokenizer given as a path)."""
+    """``output`` is never, holds or lies inside something the run reads (the inputs, the
+    decontamination sets, a tokenizer given as a path): ``--overwrite`` would delete it, and
+    a plain run would write into it."""
     read = [*inputs, *config.clean.eval_paths]
     if Path(config.tokenizer).exists():
         read.append(config.tokenizer)
-    out = output.resolve()
-    for path in read:
-        path = Path(path).resolve()
-        if path == out or out in path.parents or path in out.parents:
-            how = ("is" if path == out else "holds" if out in path.parents else "lies inside")
-            raise PrepareError(f"--output {output} {how} the input {path}: --overwrite would "
-                               "delete it; choose another --output")
+    clash = output_clash("--output", output, read)
+    if clash:
+        raise PrepareError(clash)
 
 
 def _check_output(output: Path, fingerprint: dict[str, Any], overwrite: bool) -> None:
-    if overwrite and output.exists():
-        shutil.rmtree(output)
+    if overwrite:  # its contents: the folder itself (and its lock) stays
+        for entry in output.iterdir():
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
     work = output / "work"
     work.mkdir(parents=True, exist_ok=True)
     mark = work / "config.json"
@@ -355,8 +362,44 @@ def prepare(inputs: Sequence[str | Path], output: str | Path,
     output = Path(output)
     files = expand_inputs(inputs)
     fingerprint = _fingerprint(files, config)
-    if config.overwrite and output.exists():
-        _refuse_to_delete_inputs(output, [*inputs, *files], config)
+    _refuse_to_delete_inputs(output, [*inputs, *files], config)  # with or without --overwrite
+    if output.exists() and not output.is_dir():
+        raise PrepareError(f"--output {output} is a file; name a folder for the dataset")
+    items, unknown = plan_work(files, split_bytes=parallel_split_bytes(
+        files, config.clean.ingest.split_bytes))
+    if not items:
+        named = ", ".join(str(p) for p in unknown[:3]) + (" ..." if len(unknown) > 3 else "")
+        known = ", ".join(JSON_EXTS + PARQUET_EXTS + TEXT_EXTS)
+        why = (f": {named} end in no known extension ({known}; compressed: "
+               f"{', '.join(COMPRESSED)})") if unknown else ""
+        raise PrepareError(f"no readable input files among the {len(files)} found in "
+                           f"{', '.join(map(str, inputs))}{why}")
+    output.mkdir(parents=True, exist_ok=True)
+    with _output_lock(output):
+        return _prepare_locked(inputs, files, items, unknown, output, fingerprint, config,
+                               progress)
+
+
+@contextmanager
+def _output_lock(output: Path) -> Iterator[None]:
+    """Hold an exclusive lock on the output folder itself while preparing into it: a second
+    `prepare` into the same folder is refused at once (was: it failed later on a file the
+    first had removed). The kernel drops the lock when its holder ends, killed or not."""
+    fd = os.open(output, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise PrepareError(f"{output} is being prepared by another process: wait for it "
+                               "to end, or choose another --output") from None
+        yield
+    finally:
+        os.close(fd)
+
+
+def _prepare_locked(inputs: Sequence[str | Path], files: list[Path], items: list[WorkItem],
+                    unknown: list[Path], output: Path, fingerprint: dict[str, Any],
+                    config: PrepareConfig, progress: ProgressHook) -> dict[str, Any]:
     if (output / INDEX_FILE).exists() and not config.overwrite:
         index = json.loads((output / INDEX_FILE).read_text())
         if index.get("stats", {}).get("fingerprint") == json.loads(json.dumps(fingerprint)):
@@ -364,10 +407,6 @@ def prepare(inputs: Sequence[str | Path], output: str | Path,
         raise PrepareError(f"{output} already holds a prepared dataset; pass --overwrite")
     _check_output(output, fingerprint, config.overwrite)
     work = output / "work"
-    items, unknown = plan_work(files, split_bytes=parallel_split_bytes(
-        files, config.clean.ingest.split_bytes))
-    if not items:
-        raise PrepareError(f"no readable input files among {len(files)} found in {list(inputs)}")
     load_eval_index(config.clean, work)  # once, before the workers need it
     workers = config.workers or (os.cpu_count() or 1)
     try:

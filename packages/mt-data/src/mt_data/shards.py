@@ -233,6 +233,31 @@ class ShardSetWriter:
         return index
 
 
+#: The fields of index.json a reader needs, with their JSON types (was: a KeyError).
+_INDEX_FIELDS = {"version": int, "documents": int, "tokens": int, "dtype": str,
+                 "tokenizer": dict, "sources": dict, "shards": list}
+_SHARD_FIELDS = {"file": str, "sha256": str, "documents": int, "tokens": int}
+
+
+def _check_index(index: dict[str, Any], path: Path) -> None:
+    """A damaged or foreign index.json is one line naming the file and the field."""
+    for name, kind in _INDEX_FIELDS.items():
+        if not isinstance(index.get(name), kind) or isinstance(index.get(name), bool):
+            raise DatasetError(f"{path}: field {name!r} missing or not a {kind.__name__} "
+                               "(damaged? prepare the dataset again)")
+    if index["version"] != VERSION:
+        raise DatasetError(f"{path}: index version {index['version']}, this mt-data reads "
+                           f"version {VERSION}")
+    if index["dtype"] not in ("uint16", "uint32"):
+        raise DatasetError(f"{path}: dtype {index['dtype']!r} is not a token dtype")
+    for k, shard in enumerate(index["shards"]):
+        bad = [n for n, kind in _SHARD_FIELDS.items()
+               if not isinstance(shard, dict) or not isinstance(shard.get(n), kind)]
+        if bad:
+            raise DatasetError(f"{path}: shard {k} lacks {', '.join(bad)} (damaged? prepare "
+                               "the dataset again)")
+
+
 class TokenDataset:
     """Read-only, memory-mapped view of a prepared dataset folder (``index.json`` + shards).
 
@@ -252,6 +277,7 @@ class TokenDataset:
             raise DatasetError(f"{index_path}: not valid JSON ({exc})") from None
         if not isinstance(self.index, dict) or self.index.get("format") != FORMAT:
             raise DatasetError(f"{index_path} is not an {FORMAT} index")
+        _check_index(self.index, index_path)
         self.dtype = np.dtype(self.index["dtype"])
         self._values: list[np.ndarray] = []
         self._batches: list[pa.RecordBatch] = []

@@ -57,6 +57,7 @@ def eval_command(
         "--log-samples", help="Add every document's log-likelihoods to the JSON.")] = False,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
 ) -> None:
+    from mt_data import output_clash
     from mt_eval import results_json, results_table, write_json
     from mt_pretrain.evaluation.rank import EvalSpec
     from mt_pretrain.launch import launch_eval
@@ -64,14 +65,18 @@ def eval_command(
     console = Console(stderr=True)
     problems = [f"--{name} must be positive, got {value}" for name, value in
                 (("batch-size", batch_size), ("tp", tp), ("pp", pp), ("nproc", nproc),
-                 ("limit", limit if limit is not None else 1),
-                 ("shots", shots + 1 if shots is not None else 1)) if value < 1]
+                 ("limit", limit if limit is not None else 1)) if value < 1]
+    if shots is not None and shots < 0:
+        problems.append(f"--shots must be 0 or more, got {shots}")
     if device not in ("auto", "cpu", "cuda"):
         problems.append(f"--device must be auto, cpu or cuda, got {device!r}")
     if precision not in ("fp32", "bf16", "fp16"):
         problems.append(f"--precision must be fp32, bf16 or fp16, got {precision!r}")
     if output is not None and output.is_dir():  # found now, not after the evaluation
         problems.append(f"--output {output} is a folder; name the JSON file to write")
+    elif output is not None and (clash := output_clash(
+            "--output", output, [checkpoint, *(t for t in task if Path(t).exists())])):
+        problems.append(clash)  # was: a task file replaced by the results
     if problems:
         console.print(f"[bold red]error:[/] {escape('; '.join(problems))}", highlight=False,
                       soft_wrap=True)

@@ -68,16 +68,15 @@ def _model(name: str | None, config: Path | None) -> Any:
             return preset(name)
         if not config.is_file():
             raise _fail(f"config file {config} not found")
-        import yaml
+        from mt_pretrain.config.load import load_config, read_yaml
+        from mt_pretrain.config.schema import ConfigError
 
-        data = yaml.safe_load(config.read_text(encoding="utf-8"))
-        if isinstance(data, dict) and "model" in data:  # an `mt pretrain` YAML
-            from mt_pretrain.config.load import load_config
-            from mt_pretrain.config.schema import ConfigError
-            try:
+        try:
+            data = read_yaml(config)
+            if isinstance(data, dict) and "model" in data:  # an `mt pretrain` YAML
                 return load_config(config).model.gpt_config()
-            except ConfigError as err:
-                raise _fail(str(err)) from None
+        except ConfigError as err:  # not UTF-8, not YAML (was: a traceback), bad fields
+            raise _fail(str(err)) from None
         if not isinstance(data, dict):
             raise _fail(f"{config}: expected a mapping of GPTConfig fields")
         return GPTConfig.from_dict(data)
@@ -250,6 +249,13 @@ def plan(
              "with them. Later runs reuse it as --gpu FILE.")] = None,
 ) -> None:
     """Plan a run: memory, FLOPs, bubble, communication, iteration time (see --help)."""
+    if calibrate is not None:
+        from mt_data import output_clash
+
+        clash = output_clash("--calibrate", calibrate, [p for p in (config, gpu) if p and
+                                                        Path(p).exists()])
+        if clash:  # was: the --config file replaced by the measured rates
+            raise _fail(clash)
     gpt = _model(model, config)
     try:
         spec = load_gpu(gpu or (_local_gpu() if calibrate is not None else "a100-80gb"))

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Sequence
 from pathlib import Path
-
-from mt_pretrain.run.metrics import read_metrics
+from typing import Any
 
 __all__ = ["plot_metrics"]
 
@@ -24,14 +25,13 @@ def plot_metrics(paths: Sequence[str | Path], output: str | Path, key: str = "lo
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
     drawn = 0
     for path in paths:
-        records = read_metrics(path)
         label = Path(path).parent.name or Path(path).stem
-        points = [(r[x], r[key]) for r in records if r.get(key) is not None and x in r]
+        points = _points(Path(path), key, x, log_y)
         if points:
             ax.plot(*zip(*points), label=f"{label} {key}", linewidth=1.2)
             drawn += 1
         if key == "loss":
-            val = [(r[x], r["val_loss"]) for r in records if r.get("val_loss") is not None]
+            val = _points(Path(path), "val_loss", x, log_y)
             if val:
                 ax.plot(*zip(*val), "o--", label=f"{label} val_loss", markersize=4)
     if not drawn:
@@ -49,3 +49,37 @@ def plot_metrics(paths: Sequence[str | Path], output: str | Path, key: str = "lo
     fig.savefig(output)
     plt.close(fig)
     return output
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and \
+        math.isfinite(value)
+
+
+def _points(path: Path, key: str, x: str, log_y: bool) -> list[tuple[float, float]]:
+    """(x, key) of every line of a metrics file that has both; a value that is not a number,
+    or not positive under --log-y, is a ValueError naming the file and line (mt writes a
+    non-finite value as null: such lines are left out, as the run's metrics say)."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path}: not a metrics file (not UTF-8 text: byte "
+                         f"{err.object[err.start]:#04x} at offset {err.start})") from None
+    points = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{number}: not a JSON line ({err.msg})") from None
+        if not isinstance(record, dict) or record.get(key) is None or record.get(x) is None:
+            continue
+        for name in (x, key):
+            if not _number(record[name]):
+                raise ValueError(f"{path}:{number}: {name} is {record[name]!r}, not a number")
+        if log_y and record[key] <= 0:
+            raise ValueError(f"{path}:{number}: {key} {record[key]} cannot be drawn on --log-y "
+                             "(not positive)")
+        points.append((record[x], record[key]))
+    return points

@@ -48,6 +48,9 @@ def pretrain_main(config_path: Path | None, overrides: dict[str, Any],
     data), 130 when interrupted twice."""
     environ = os.environ if environ is None else environ
     console = Console(stderr=True)
+    from mt_pretrain.run.warnings_line import one_line_warnings
+
+    one_line_warnings()
     lead = _lead_process(environ)
     if not lead:  # under a launcher: rank 0 says what every rank would say alike
         console.quiet = True

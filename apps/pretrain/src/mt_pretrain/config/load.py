@@ -18,8 +18,9 @@ from mt_pretrain.config.fields import field_docs, flat_fields
 from mt_pretrain.config.resolve import resolve
 from mt_pretrain.config.schema import SECTIONS, ConfigError, DataArgs, PretrainConfig
 
+# field_docs and flat_fields live in config.fields (pure); re-exported here.
 __all__ = ["SHIPPED", "blend_text", "build_config", "dataset_paths", "field_docs",
-           "flat_fields", "load_config", "replace_config"]  # the field helpers: config.fields
+           "flat_fields", "load_config", "read_yaml", "replace_config"]
 
 #: Configs shipped with mt pretrain, usable by name: ``--config demo-3d``.
 SHIPPED = Path(__file__).parent.parent / "configs"
@@ -118,6 +119,7 @@ def build_config(nested: Mapping[str, Any], flat: Mapping[str, Any],
             importlib.util.find_spec("wandb") is None:
         raise ConfigError("--wandb-project needs the wandb package, which is not installed: "
                           "pip install 'mt-pretrain[wandb]' (or leave out --wandb-project)")
+    _check_paths(config)
     _check_blend(config.data)
     missing = [str(p) for p in dataset_paths(config.data) if not p.is_dir()]
     if missing:
@@ -146,36 +148,41 @@ def load_config(path: str | Path | None = None,
     field names)."""
     nested: Mapping[str, Any] = {}
     if path is not None:
-        import yaml
-
         path = Path(path)
         if not path.is_file() and (SHIPPED / f"{path.name.removesuffix('.yaml')}.yaml").is_file():
             path = SHIPPED / f"{path.name.removesuffix('.yaml')}.yaml"
         if not path.is_file():
             names = sorted(p.stem for p in SHIPPED.glob("*.yaml"))
             raise ConfigError(f"config file {path} not found (shipped configs: {names})")
-        if path.suffix.lower() in (".toml", ".ini", ".cfg"):
-            raise ConfigError(f"{path}: config files are YAML (section: then indented "
-                              f"key: value lines), not {path.suffix[1:].upper()}")
-        try:
-            loaded = yaml.load(path.read_text(encoding="utf-8"), Loader=_unique_keys_loader())
-        except ConfigError as err:  # a key given twice
-            raise ConfigError(f"{path} {err}") from None
-        except UnicodeDecodeError as err:
-            raise ConfigError(f"{path} is not UTF-8 text (byte {err.object[err.start]:#04x} "
-                              f"at offset {err.start})") from None
-        except yaml.YAMLError as err:
-            mark = getattr(err, "problem_mark", None)
-            where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-            problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-            raise ConfigError(f"{path}{where}: YAML syntax error: {problem}") from None
-        if loaded is None:
-            loaded = {}
+        loaded = read_yaml(path)
         if not isinstance(loaded, Mapping):
             raise ConfigError(f"{path}: expected a mapping at the top level, got "
                               f"{type(loaded).__name__}")
         nested = loaded
     return build_config(nested, dict(overrides or {}), str(path) if path else None)
+
+
+def read_yaml(path: Path) -> Any:
+    """The YAML document in ``path`` ({} when empty); a file that is TOML, not UTF-8, not
+    YAML, or gives a key twice is a :class:`ConfigError` naming the file (and line)."""
+    import yaml
+
+    if path.suffix.lower() in (".toml", ".ini", ".cfg"):
+        raise ConfigError(f"{path}: config files are YAML (section: then indented "
+                          f"key: value lines), not {path.suffix[1:].upper()}")
+    try:
+        loaded = yaml.load(path.read_text(encoding="utf-8"), Loader=_unique_keys_loader())
+    except ConfigError as err:  # a key given twice
+        raise ConfigError(f"{path} {err}") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path} is not UTF-8 text (byte {err.object[err.start]:#04x} "
+                          f"at offset {err.start})") from None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ConfigError(f"{path}{where}: YAML syntax error: {problem}") from None
+    return {} if loaded is None else loaded
 
 
 @cache
@@ -197,6 +204,32 @@ def _unique_keys_loader() -> type:
             return super().construct_mapping(node, deep)
 
     return UniqueKeys
+
+
+def _check_paths(config: PretrainConfig) -> None:
+    """Files and folders the flags name, checked before anything starts (was: an OS error
+    from a rank, or the flag silently ignored)."""
+    data, ckpt = config.data, config.checkpoint
+    metrics = ckpt.metrics_path
+    if metrics is not None and metrics.is_dir():
+        raise ConfigError(f"--metrics {metrics} is a folder; name the JSONL file to write "
+                          "(or 'none')")
+    if data.cache_dir is not None and Path(data.cache_dir).exists() and \
+            not Path(data.cache_dir).is_dir():
+        raise ConfigError(f"--cache-dir {data.cache_dir} is a file; name a folder")
+    if data.tokenizer is None:
+        return
+    if data.data is not None:
+        raise ConfigError(f"--tokenizer {data.tokenizer} applies to the embedded corpus only: "
+                          "a prepared dataset (--data) keeps the tokenizer it was prepared "
+                          "with; leave out --tokenizer")
+    if data.tokenizer not in ("gpt2", "tokenizer-1k"):
+        from mt_data import DataError, load_tokenizer
+
+        try:
+            load_tokenizer(data.tokenizer)
+        except (DataError, OSError, ValueError) as err:
+            raise ConfigError(f"--tokenizer: {err}") from None
 
 
 def blend_text(data: DataArgs) -> str:

@@ -113,6 +113,10 @@ def model_of(config: PretrainConfig) -> tuple[GPTConfig, int]:
     return gpt, gpt.seq_len
 
 
+#: Micro-batches one step may take per replica (MT-NLG: 1,920 / 8 replicas = 240).
+MAX_MICRO_BATCHES = 100_000
+
+
 def resolve(config: PretrainConfig, world_size: int) -> RunPlan:
     """Check the config against ``world_size`` and derive the run plan."""
     par, train = config.parallel, config.train
@@ -166,6 +170,11 @@ def resolve(config: PretrainConfig, world_size: int) -> RunPlan:
     if problems:
         raise ConfigError("invalid layout: " + "; ".join(problems))
     m = train.global_batch_size // per_step
+    if m > MAX_MICRO_BATCHES:  # was: a dry run simulating 1e10 micro-batches for minutes
+        raise ConfigError(f"invalid layout: global batch size {train.global_batch_size:,} is "
+                          f"{m:,} micro-batches of {micro} on each of dp {dp} replicas per "
+                          f"step; at most {MAX_MICRO_BATCHES:,} (a larger --micro-batch-size "
+                          "or --dp, or a smaller --global-batch-size)")
     v = par.virtual_stages if par.pp > 1 else 1
     schedule = par.schedule if par.pp > 1 else "1f1b"
     try:
@@ -181,6 +190,13 @@ def resolve(config: PretrainConfig, world_size: int) -> RunPlan:
     except (PartitionError, ScheduleError) as err:
         raise ConfigError(f"invalid pipeline: {err}") from None
     steps, samples = _steps_and_samples(config, rampup, gpt.seq_len)
+    decay = train.decay_tokens if train.decay_tokens is not None else samples * gpt.seq_len
+    if train.warmup_tokens is not None and train.warmup_tokens > decay:  # was: cut silently
+        where = ("--decay-tokens" if train.decay_tokens is not None else
+                 f"the whole run's tokens ({steps:,} steps)")
+        raise ConfigError(f"--warmup-tokens {train.warmup_tokens:,} is longer than the decay: "
+                          f"{decay:,} tokens ({where}); the learning rate would never reach "
+                          "--lr. Use a shorter warmup, or a longer --decay-tokens")
     try:
         layout = ParallelLayout(topology.tp, topology.pp, topology.dp, train.global_batch_size,
                                 micro, par.zero_stage, schedule, v, par.sequence_parallel,

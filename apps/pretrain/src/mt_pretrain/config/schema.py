@@ -311,13 +311,16 @@ class TrainArgs:
             problems.append(f"give --train-steps ({self.train_steps}) or --train-tokens "
                             f"({self.train_tokens}), not both")
         if not (self.lr > 0 and math.isfinite(self.lr)):
-            problems.append(f"--lr must be > 0, got {self.lr}")
+            problems.append(f"--lr must be a finite number > 0, got {self.lr}")
         if self.min_lr is not None and not 0 <= self.min_lr <= self.lr:
             problems.append(f"--min-lr {self.min_lr} must be in [0, lr {self.lr}]")
-        for name in ("weight_decay", "clip_grad", "adam_eps"):
-            if getattr(self, name) < 0:
+        for name in ("weight_decay", "clip_grad"):
+            if not 0 <= getattr(self, name) < math.inf:
                 problems.append(f"--{name.replace('_', '-')} must be >= 0, got "
                                 f"{getattr(self, name)}")
+        if not 0 < self.adam_eps < math.inf:  # 0: a parameter whose gradient is 0 gets 0/0
+            problems.append(f"--adam-eps must be > 0 (Adam divides by sqrt(v) + eps), got "
+                            f"{self.adam_eps}")
         for name in ("adam_beta1", "adam_beta2"):
             if not 0 <= getattr(self, name) < 1:
                 problems.append(f"--{name.replace('_', '-')} must be in [0, 1)")
@@ -433,6 +436,9 @@ class CheckpointArgs:
     def __post_init__(self) -> None:
         problems: list[str] = []
         _positive(problems, self, "keep_last", "log_interval")
+        if self.quiet and self.log_level != "info":
+            problems.append(f"--quiet is --log-level warning; give one of them, not --quiet "
+                            f"with --log-level {self.log_level}")
         if self.log_level not in LOG_LEVELS:
             problems.append(f"--log-level must be one of {', '.join(LOG_LEVELS)}, "
                             f"got {self.log_level!r}")
@@ -447,8 +453,7 @@ class CheckpointArgs:
     @property
     def level(self) -> str:
         """The effective log level (--quiet is --log-level warning)."""
-        return "warning" if self.quiet and self.log_level in ("info", "debug") else \
-            self.log_level
+        return "warning" if self.quiet else self.log_level
 
     def says(self, level: str) -> bool:
         """Whether lines of ``level`` are printed at this run's log level."""

@@ -3,7 +3,9 @@
 ``MT_FAILPOINT=checkpoint.pointer`` (or ``name@rank`` for one rank only) makes
 :func:`failpoint` SIGKILL the calling process when it reaches that point: no cleanup, no
 ``finally``, exactly like a power cut or an OOM kill. Tests use it to prove that a kill at
-every phase of a checkpoint save leaves a resumable state. Unset, it costs one dict lookup.
+every phase of a checkpoint save leaves a resumable state. A stall point (``train.stall``)
+instead runs one native operation of about half a minute, during which Python runs no signal
+handler, as the attention of a very long sequence does. Unset, it costs one dict lookup.
 Besides launch.py and the CLI, this is the only module that reads the environment.
 """
 
@@ -11,12 +13,15 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 
-__all__ = ["POINTS", "failpoint"]
+__all__ = ["POINTS", "STALLS", "failpoint"]
 
 #: The points, in the order a checkpoint save passes them.
 POINTS = ("checkpoint.write", "checkpoint.meta", "checkpoint.replace", "checkpoint.rename",
           "checkpoint.pointer", "checkpoint.prune")
+#: Points that stall in native code instead of killing (before each training step).
+STALLS = ("train.stall",)
 
 
 def failpoint(name: str, rank: int) -> None:
@@ -26,4 +31,16 @@ def failpoint(name: str, rank: int) -> None:
         return
     point, _, only = wanted.partition("@")
     if point == name and (not only or int(only) == rank):
-        os.kill(os.getpid(), signal.SIGKILL)
+        if name in STALLS:
+            _native_stall()
+        else:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _native_stall() -> None:
+    """One float64 matmul of 8192 x 8192 (about 25 s on one core of a 2-core EPYC)."""
+    import torch
+
+    print("failpoint: stalling in a native operation", file=sys.stderr, flush=True)
+    a = torch.ones(8192, 8192, dtype=torch.float64)
+    torch.mm(a, a)

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
+import sys
+import threading
 import time
 import warnings
 from collections.abc import Iterator
@@ -108,10 +111,55 @@ def _stop_on_signals(flag: StopFlag) -> Iterator[None]:
 
     previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        yield
+        with _stop_native_code_at_the_second_signal():
+            yield
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
+
+
+#: Seconds the main thread has to act on a second interrupt before the process stops anyway.
+NATIVE_GRACE_S = 3.0
+
+
+@contextmanager
+def _stop_native_code_at_the_second_signal() -> Iterator[None]:
+    """Python runs a signal handler only between bytecodes: during one long native op (the
+    attention of a long sequence: minutes) the handler above waits, and so would a second
+    Ctrl-C. The C-level handler still writes each signal's number to a wake-up socket; a
+    thread reading it ends the process (exit 130) when a second interrupt, past the echo
+    window, is not acted on within NATIVE_GRACE_S."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    reader, writer = socket.socketpair()
+    writer.setblocking(False)
+    old_fd = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+
+    def watch() -> None:
+        first = None
+        while data := reader.recv(1):
+            if data[0] not in (signal.SIGTERM, signal.SIGINT):
+                continue
+            now = time.monotonic()
+            if first is None:
+                first = now
+            elif now - first > ECHO_S:
+                time.sleep(NATIVE_GRACE_S)  # the main thread, if free, has exited by now
+                print(f"interrupted twice (signal {data[0]}) inside a long operation: "
+                      "stopped at once; the last complete checkpoint stays",
+                      file=sys.stderr, flush=True)
+                os._exit(130)
+
+    thread = threading.Thread(target=watch, name="mt-second-signal", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        signal.set_wakeup_fd(old_fd)
+        writer.close()  # the thread's recv returns b"": it ends
+        thread.join(timeout=1.0)
+        reader.close()
 
 
 def run_rank(config: PretrainConfig, info: LaunchInfo, cache_dir: Path,
@@ -188,6 +236,10 @@ def _train(config: PretrainConfig, plan: RunPlan, groups: ParallelGroups, device
                        f"x dp {topo.dp} on {device.type}")
     if rank0 and start_step:
         reporter.print(f"resumed from {ckpt.load} at step {start_step}")
+    if rank0 and start_step >= plan.train_steps:  # was: exit 0 and nothing said
+        print(f"nothing to train: {ckpt.load} is at step {start_step}, the run ends at step "
+              f"{plan.train_steps} (raise --train-steps / --train-tokens to train on)",
+              flush=True)
     elif rank0 and ckpt.load and not resuming:
         reporter.print(f"no checkpoint in {ckpt.load} yet: starting at step 0")
     tb_dir = Path(ckpt.out_dir) / "tensorboard" if ckpt.tensorboard else None

@@ -25,6 +25,7 @@ from mt_plan.mfu import measure_peak_flops, model_flops_utilization
 from mt_pretrain.config.resolve import RunPlan, activation_shape
 from mt_pretrain.config.schema import CheckpointArgs, TrainArgs
 from mt_pretrain.engines.base import Engine
+from mt_pretrain.engines.failpoints import failpoint
 from mt_pretrain.run.evaluate import evaluate
 from mt_pretrain.run.memory import gather_memory
 from mt_zero import LRSchedule
@@ -125,6 +126,7 @@ class Trainer:
         stats: list[StepStats] = []
         interval, eval_interval = self.ckpt.save_interval, self.train.eval_interval
         while self.loader.state.step < self.plan.train_steps:
+            failpoint("train.stall", self.groups.rank)
             record = self.step()
             step = record.step
             self._longest_step = max(self._longest_step, record.step_time)
