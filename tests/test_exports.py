@@ -20,7 +20,7 @@ def _declared(path: Path) -> list[str] | None:
 
 def test_every_exported_name_exists_once() -> None:
     checked, problems = 0, []
-    for tree in sorted(ROOT.glob("packages/*/src/mt_*")) + sorted(ROOT.glob("apps/*/src/mt_*")):
+    for tree in _packages():
         for path in sorted(tree.rglob("*.py")):
             parts = path.relative_to(tree.parent).with_suffix("").parts
             if parts[-1] == "__main__" or (names := _declared(path)) is None:
@@ -33,3 +33,11 @@ def test_every_exported_name_exists_once() -> None:
                 problems.append(f"{module.__name__}: a name twice in __all__")
             checked += 1
     assert checked > 100 and not problems, problems
+
+
+def _packages() -> list[Path]:
+    """Every package folder (one with __init__.py: not an egg-info an editable install left)
+    under packages/*/src and apps/*/src."""
+    return [init.parent for pattern in ("packages/*/src/mt_*/__init__.py",
+                                        "apps/*/src/mt_*/__init__.py")
+            for init in sorted(ROOT.glob(pattern))]

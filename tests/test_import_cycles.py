@@ -19,7 +19,7 @@ ROOT = Path.cwd()
 def modules() -> dict[str, Path]:
     """Dotted module name -> file, for every mt source tree."""
     found = {}
-    for tree in sorted(ROOT.glob("packages/*/src/mt_*")) + sorted(ROOT.glob("apps/*/src/mt_*")):
+    for tree in _packages():
         for path in tree.rglob("*.py"):
             parts = path.relative_to(tree.parent).with_suffix("").parts
             name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
@@ -116,3 +116,11 @@ def test_no_import_cycles() -> None:
     found = cycles(import_graph(mods))
     assert not found, "import cycles (function-local imports included): " + "; ".join(
         " <-> ".join(c) for c in found)
+
+
+def _packages() -> list[Path]:
+    """Every package folder (one with __init__.py: not an egg-info an editable install left)
+    under packages/*/src and apps/*/src."""
+    return [init.parent for pattern in ("packages/*/src/mt_*/__init__.py",
+                                        "apps/*/src/mt_*/__init__.py")
+            for init in sorted(ROOT.glob(pattern))]

@@ -62,7 +62,7 @@ def mt_imports(path: Path) -> set[tuple[str, int]]:
 
 def source_trees() -> dict[str, Path]:
     trees = {}
-    for src in sorted(ROOT.glob("packages/*/src/mt_*")) + sorted(ROOT.glob("apps/*/src/mt_*")):
+    for src in _packages():
         if src.is_dir():
             trees[src.name] = src
     return trees
@@ -151,3 +151,11 @@ def test_mt_pretrain_is_a_stack_without_cycles() -> None:
                     violations.append(f"{path.relative_to(ROOT)}:{node.lineno}: {mine} imports "
                                       f"{bits[1]}, which sits above it")
     assert not violations, "\n".join(violations)
+
+
+def _packages() -> list[Path]:
+    """Every package folder (one with __init__.py: not an egg-info an editable install left)
+    under packages/*/src and apps/*/src."""
+    return [init.parent for pattern in ("packages/*/src/mt_*/__init__.py",
+                                        "apps/*/src/mt_*/__init__.py")
+            for init in sorted(ROOT.glob(pattern))]

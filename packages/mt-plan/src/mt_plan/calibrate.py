@@ -32,6 +32,7 @@ from typing import Any
 from mt_model import GPTConfig
 from mt_plan.estimate import attention_flops
 from mt_plan.gpus import GPUSpec
+from mt_zero.precision import compute_dtype
 
 __all__ = ["block_linear_shapes", "calibrated", "measure", "write_calibration"]
 
@@ -78,7 +79,7 @@ def measure(gpt: GPTConfig, micro_batch: int, tp: int = 1, precision: str = "bf1
     import torch
 
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
+    dtype = compute_dtype(precision)
     gen = torch.Generator(device=dev).manual_seed(0)
 
     def rand(*shape: int) -> torch.Tensor:

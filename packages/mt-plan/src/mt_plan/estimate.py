@@ -37,6 +37,7 @@ from mt_model import (
 from mt_pipeline import get_schedule, simulate
 from mt_plan.gpus import GPUS, GPUSpec
 from mt_plan.layout import RECOMPUTE, LayoutError, ParallelLayout, stage_layers
+from mt_zero.precision import PRECISIONS
 
 __all__ = ["EFFICIENCY", "MTNLG_GPU", "MTNLG_PUBLISHED", "Estimate", "LayoutError",
            "ParallelLayout", "activation_bytes_per_layer", "attention_flops",
@@ -54,7 +55,6 @@ MTNLG_PUBLISHED: tuple[tuple[int, float, float], ...] = (
 #: attention scores (no fused attention).
 MTNLG_GPU = replace(GPUS["a100-80gb"], name="a100-80gb (Megatron 2021)", fused_attention=False)
 
-_WIDTH = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
 
@@ -78,7 +78,7 @@ def zero_bytes(psi: float, dp: int, stage: int, precision: str = "bf16") -> dict
     """
     if stage not in (0, 1, 2, 3) or dp < 1 or psi < 0:
         raise LayoutError(f"need psi {psi} >= 0, dp {dp} >= 1, ZeRO stage {stage} in 0..3")
-    width = _WIDTH[precision]
+    width = PRECISIONS[precision].bytes
     k = 8 if precision == "fp32" else 12
     weights = width * psi / (dp if stage >= 3 else 1)
     grads = width * psi / (dp if stage >= 2 else 1)
@@ -118,7 +118,7 @@ def activation_bytes_per_layer(gpt: GPTConfig, micro_batch: int, tp: int,
         per_layer = sbh / tp * (replicated + sharded + attention)
     else:
         per_layer = sbh * (replicated + sharded / tp + attention / tp)
-    return per_layer * _WIDTH[precision] / 2
+    return per_layer * PRECISIONS[precision].bytes / 2
 
 
 def _layer_activations(gpt: GPTConfig, layout: ParallelLayout, gpu: GPUSpec,
@@ -256,7 +256,8 @@ def _temporaries(gpt: GPTConfig, layout: ParallelLayout, gpu: GPUSpec, stage: in
                  params: float) -> dict[str, float]:
     """Short-lived bytes of the two phases that can set a stage's peak (beyond the stored
     activations, which only the backward phase adds to)."""
-    b, t, d, width = layout.micro_batch, layout.tp, layout.dp, _WIDTH[layout.precision]
+    b, t, d = layout.micro_batch, layout.tp, layout.dp
+    width = PRECISIONS[layout.precision].bytes
     last, first = stage == layout.pp - 1, stage == 0
     # Backward: the loss keeps fp32 logits / log-softmax, their gradient and the gradient of
     # the logits (three [b, s, V/t] fp32 buffers at the start of backward); autograd creates
@@ -336,7 +337,7 @@ def attention_flops(gpt: GPTConfig, micro_batch: int, fused: bool) -> tuple[floa
 def _times(gpt: GPTConfig, layout: ParallelLayout, gpu: GPUSpec, efficiency: float) -> dict:
     """Per-stage chunk forward / backward seconds, P2P, TP and DP communication."""
     s, b, h, t = gpt.seq_len, layout.micro_batch, gpt.hidden, layout.tp
-    width = _WIDTH[layout.precision]
+    width = PRECISIONS[layout.precision].bytes
     lat = gpu.link_latency_s
     # Matmul rates of the t GPUs of a tensor-parallel group (measured or planned).
     gemm_f, gemm_b, attn_f, attn_b = (t * r for r in gpu.rates(efficiency))

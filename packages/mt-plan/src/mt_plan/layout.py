@@ -14,13 +14,13 @@ from dataclasses import dataclass
 from mt_model import GPTConfig
 from mt_pipeline import SCHEDULES as PIPELINE_SCHEDULES
 from mt_pipeline import PartitionError, uniform_partition
+from mt_zero.precision import PRECISIONS
 
 __all__ = ["RECOMPUTE", "SCHEDULES", "LayoutError", "ParallelLayout", "enumerate_layouts",
            "stage_layers"]
 
 RECOMPUTE = ("full", "selective", "none")
 SCHEDULES = tuple(PIPELINE_SCHEDULES)  # mt-pipeline's: gpipe, 1f1b, interleaved
-PRECISIONS = ("bf16", "fp16", "fp32")
 
 
 class LayoutError(ValueError):
@@ -72,7 +72,8 @@ class ParallelLayout:
         if self.recompute not in RECOMPUTE:
             problems.append(f"recompute {self.recompute!r} is not one of {RECOMPUTE}")
         if self.precision not in PRECISIONS:
-            problems.append(f"precision {self.precision!r} is not one of {PRECISIONS}")
+            problems.append(f"precision {self.precision!r} is not one of "
+                            f"{', '.join(PRECISIONS)}")
         per_step = self.micro_batch * self.dp
         if self.global_batch % per_step:
             problems.append(f"global batch {self.global_batch} is not divisible by micro-batch "

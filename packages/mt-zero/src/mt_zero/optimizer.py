@@ -174,7 +174,8 @@ class ZeroOptimizer:
             self.buckets, self.gatherer.on_backward_done if self.gatherer else None)
         self._norm_groups = ([dp_group] if config.stage >= 1 else []) + list(norm_groups)
         self.scaler: LossScaler | None = (
-            LossScaler(config.loss_scaler) if config.precision == "fp16" else None)
+            LossScaler(config.loss_scaler) if PRECISIONS[config.precision].loss_scaling
+            else None)
 
     # ------------------------------------------------------------------------ construction
     def _build_buckets(

@@ -1,29 +1,56 @@
-"""Mixed-precision settings and the dynamic loss scaler (as small pure state machines)."""
+"""Mixed precision: the compute precisions and their traits (the one place they are spelled),
+and the dynamic loss scaler (as small pure state machines). Pure: torch is imported only to
+hand out a dtype."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-__all__ = ["PRECISIONS", "LossScaler", "LossScalerConfig", "compute_dtype"]
+__all__ = ["PRECISIONS", "LossScaler", "LossScalerConfig", "Precision", "compute_dtype",
+           "precision_of"]
 
-#: Names accepted for the compute precision of the model parameters.
-PRECISIONS: dict[str, torch.dtype] = {
-    "fp32": torch.float32,
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-}
+
+@dataclass(frozen=True)
+class Precision:
+    """A compute precision of the model parameters (master weights and optimizer state are
+    fp32 whatever it is)."""
+
+    name: str
+    """What --precision calls it."""
+    bytes: int
+    """Bytes of one parameter, gradient or activation element."""
+    torch_dtype: str
+    """Its torch dtype, ``torch.<torch_dtype>``."""
+    loss_scaling: bool
+    """Gradients need dynamic loss scaling (fp16's narrow exponent range)."""
+
+
+#: Every compute precision, by name: fp32 (the reference), then the 16-bit ones.
+PRECISIONS: dict[str, Precision] = {p.name: p for p in (
+    Precision("fp32", 4, "float32", loss_scaling=False),
+    Precision("bf16", 2, "bfloat16", loss_scaling=False),
+    Precision("fp16", 2, "float16", loss_scaling=True),
+)}
+
+
+def precision_of(name: str) -> Precision:
+    """The precision called ``name``; a ValueError naming the ones there are otherwise."""
+    try:
+        return PRECISIONS[name]
+    except KeyError:
+        raise ValueError(f"unknown precision {name!r}; expected one of "
+                         f"{', '.join(PRECISIONS)}") from None
 
 
 def compute_dtype(precision: str) -> torch.dtype:
     """The torch dtype for a precision name (``fp32``, ``bf16`` or ``fp16``)."""
-    try:
-        return PRECISIONS[precision]
-    except KeyError:
-        raise ValueError(
-            f"unknown precision {precision!r}; expected one of {sorted(PRECISIONS)}"
-        ) from None
+    import torch
+
+    return getattr(torch, precision_of(precision).torch_dtype)
 
 
 @dataclass(frozen=True)

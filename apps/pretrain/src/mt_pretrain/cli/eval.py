@@ -61,6 +61,7 @@ def eval_command(
     from mt_eval import results_json, results_table, write_json
     from mt_pretrain.evaluation.rank import EvalSpec
     from mt_pretrain.launch import launch_eval
+    from mt_zero.precision import PRECISIONS
 
     console = Console(stderr=True)
     problems = [f"--{name} must be positive, got {value}" for name, value in
@@ -70,8 +71,9 @@ def eval_command(
         problems.append(f"--shots must be 0 or more, got {shots}")
     if device not in ("auto", "cpu", "cuda"):
         problems.append(f"--device must be auto, cpu or cuda, got {device!r}")
-    if precision not in ("fp32", "bf16", "fp16"):
-        problems.append(f"--precision must be fp32, bf16 or fp16, got {precision!r}")
+    if precision not in PRECISIONS:
+        problems.append(f"--precision must be one of {', '.join(PRECISIONS)}, got "
+                        f"{precision!r}")
     if output is not None and output.is_dir():  # found now, not after the evaluation
         problems.append(f"--output {output} is a folder; name the JSON file to write")
     elif output is not None and (clash := output_clash(

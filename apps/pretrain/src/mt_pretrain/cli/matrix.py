@@ -10,6 +10,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from mt_zero.precision import PRECISIONS
+
 __all__ = ["matrix", "markdown_table"]
 
 _HELP = (
@@ -60,7 +62,7 @@ def _floor(steps: int, console: Console) -> None:
     from mt_pretrain.contract.runner import cpu_isa, noise_floor
 
     console.print(f"measured on: {cpu_isa()}", highlight=False)
-    for precision in ("bf16", "fp16"):
+    for precision in (p.name for p in PRECISIONS.values() if p.bytes == 2):  # 16-bit
         for name, d in noise_floor(precision, steps).items():
             console.print(f"{precision} {name:>8}: loss {d.loss:.2e}  grad norm "
                           f"{d.grad_norm:.2e}  params {d.params:.2e}", highlight=False)

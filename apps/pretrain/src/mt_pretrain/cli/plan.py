@@ -16,6 +16,7 @@ import typer
 from mt_plan.estimate import EFFICIENCY, Estimate, estimate
 from mt_plan.gpus import GPUS, GPUSpec, GPUSpecError, load_gpu
 from mt_plan.layout import RECOMPUTE, SCHEDULES, LayoutError, ParallelLayout, enumerate_layouts
+from mt_zero.precision import PRECISIONS
 
 __all__ = ["JSON_KEYS", "plan"]
 
@@ -189,7 +190,7 @@ def _calibrate(gpt: Any, base: GPUSpec, explicit: str | None, path: Path, micro_
 
     from mt_plan.calibrate import calibrated, measure, write_calibration
 
-    if micro_batch < 1 or tp < 1 or precision not in ("bf16", "fp16", "fp32"):
+    if micro_batch < 1 or tp < 1 or precision not in PRECISIONS:
         raise _fail(f"--calibrate needs --micro-batch-size {micro_batch} >= 1, --tp {tp} >= 1 "
                     f"and --precision bf16, fp16 or fp32 (got {precision!r})")
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -237,7 +238,7 @@ def plan(
     sequence_parallel: Annotated[bool, typer.Option(
         "--sequence-parallel", help="Sequence parallelism (Korthikanti et al.).")] = False,
     recompute: Annotated[str, typer.Option(help=f"Activation recompute {RECOMPUTE}.")] = "full",
-    precision: Annotated[str, typer.Option(help="bf16, fp16 or fp32.")] = "bf16",
+    precision: Annotated[str, typer.Option(help=", ".join(PRECISIONS) + ".")] = "bf16",
     search: Annotated[bool, typer.Option(
         "--search", help="Search layouts on --gpus GPUs instead of --tp/--pp.")] = False,
     top: Annotated[int, typer.Option(help="Rows of --search output.")] = 10,

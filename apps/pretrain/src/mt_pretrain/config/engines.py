@@ -15,6 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from mt_zero.precision import PRECISIONS
+
 if TYPE_CHECKING:
     from mt_model import GPTConfig
     from mt_pretrain.config.schema import PretrainConfig
@@ -67,9 +69,9 @@ def _deepspeed_refuses(config: PretrainConfig) -> list[str]:
                         "DeepSpeed reports no gradient norm there, clips per pipeline stage, "
                         "and its bf16 path is 0.3% off at step 2 on 2 ranks; use "
                         "--zero-stage 1 (the same memory with one data-parallel rank)")
-    if par.precision == "fp16":
-        problems.append("--engine deepspeed supports --precision fp32 or bf16, got fp16; "
-                        "use --engine mt for fp16 with loss scaling")
+    if PRECISIONS[par.precision].loss_scaling:
+        problems.append(f"--engine deepspeed runs no loss scaling, which --precision "
+                        f"{par.precision} needs; use --engine mt for {par.precision}")
     if par.activation_checkpointing:
         problems.append("--activation-checkpointing is not supported with --engine deepspeed "
                         "(the engine runs the plain forward); use --engine mt")

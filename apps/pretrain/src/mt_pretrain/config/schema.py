@@ -21,6 +21,7 @@ from typing import Any
 
 from mt_pipeline import SCHEDULES as PIPELINE_SCHEDULES
 from mt_pretrain.config.engines import ENGINES
+from mt_zero.precision import PRECISIONS as ZERO_PRECISIONS
 
 __all__ = [
     "DEFAULT_TRAIN_STEPS",
@@ -41,7 +42,7 @@ DEFAULT_MODEL = "tiny"
 ARCHITECTURE = ("n_layers", "hidden", "n_heads", "vocab_size", "ffn_hidden")
 #: The shortest --timeout: ranks must first find each other (a TCP rendezvous) within it.
 MIN_TIMEOUT_S = 1.0
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = tuple(ZERO_PRECISIONS)  # mt-zero's registry: fp32, bf16, fp16
 LOG_LEVELS = ("debug", "info", "warning", "error")
 SCHEDULES = tuple(PIPELINE_SCHEDULES)  # mt-pipeline's: gpipe, 1f1b, interleaved
 

@@ -27,7 +27,7 @@ from mt_pretrain.engines.base import Engine, Saver
 from mt_pretrain.engines.build import Built, build_model_stage, make_optimizer, seed_everything
 from mt_pretrain.engines.checkpoint import Checkpointer, load
 from mt_zero import StepResult, ZeroOptimizer
-from mt_zero.precision import compute_dtype
+from mt_zero.precision import compute_dtype, precision_of
 
 __all__ = ["MTEngine"]
 
@@ -76,7 +76,8 @@ class MTEngine(Engine):
         stage = built.stage
         # fp16 through the pipeline executor: the loss module itself applies the loss scale
         # (on the last stage); the loss every stage receives is then scaled too.
-        self._scale_in_loss = config.parallel.precision == "fp16" and plan.topology.pp > 1
+        self._scale_in_loss = precision_of(config.parallel.precision).loss_scaling and \
+            plan.topology.pp > 1
         self._scaled: _ScaledLoss | None = None
         if self._scale_in_loss and stage.plan.has_head:
             self._scaled = _ScaledLoss(stage.get_submodule(stage.layout.loss))
