@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from mt_formats.errors import ConvertError, WriteFailed
 
 if TYPE_CHECKING:  # imported on first use (see __getattr__); named here for tools
+    from mt_formats.canonical import CheckpointReader, CheckpointWriter, TensorRef, canonical_shapes
     from mt_formats.convert import (
         FORMATS,
         ConversionResult,
@@ -33,7 +34,6 @@ if TYPE_CHECKING:  # imported on first use (see __getattr__); named here for too
         save_model,
         save_state_dict,
     )
-    from mt_formats.layout import CheckpointReader, CheckpointWriter, TensorRef, canonical_shapes
     from mt_formats.safetensors_io import SafetensorsReader, SafetensorsWriter
     from mt_formats.tensors import TensorSpec
 
@@ -71,7 +71,7 @@ _LAZY = {name: module for module, names in {
         "FORMATS", "ConversionResult", "MappingEntry", "convert_checkpoint", "detect_format",
         "load_model", "load_state_dict", "make_writer", "open_checkpoint", "plan_conversion",
         "save_model", "save_state_dict"),
-    "mt_formats.layout": ("CheckpointReader", "CheckpointWriter", "TensorRef",
+    "mt_formats.canonical": ("CheckpointReader", "CheckpointWriter", "TensorRef",
                           "canonical_shapes"),
     "mt_formats.safetensors_io": ("SafetensorsReader", "SafetensorsWriter"),
     "mt_formats.tensors": ("TensorSpec",),

@@ -12,8 +12,7 @@ from pathlib import Path
 
 import torch
 
-from mt_formats.errors import ConvertError
-from mt_formats.layout import (
+from mt_formats.canonical import (
     CheckpointReader,
     CheckpointWriter,
     Deferred,
@@ -21,6 +20,7 @@ from mt_formats.layout import (
     TensorRef,
     canonical_shapes,
 )
+from mt_formats.errors import ConvertError
 from mt_formats.manifest import FileEntries, open_checked, read_manifest, write_manifest
 from mt_formats.safetensors_io import SafetensorsWriter
 from mt_formats.tensors import TensorSpec

@@ -21,12 +21,7 @@ from pathlib import Path
 import torch
 
 from mt_formats.atomic import atomic_directory
-from mt_formats.consolidated import CONSOLIDATED_FORMAT, ConsolidatedReader, ConsolidatedWriter
-from mt_formats.deepspeed_universal import DeepSpeedUniversalReader, is_deepspeed_checkpoint
-from mt_formats.errors import ConvertError, WriteFailed, gpt2_only
-from mt_formats.hf import HFWriter, open_hf
-from mt_formats.hf_llama import LlamaWriter, is_llama
-from mt_formats.layout import (
+from mt_formats.canonical import (
     CheckpointReader,
     CheckpointWriter,
     Deferred,
@@ -35,6 +30,11 @@ from mt_formats.layout import (
     TensorRef,
     canonical_shapes,
 )
+from mt_formats.consolidated import CONSOLIDATED_FORMAT, ConsolidatedReader, ConsolidatedWriter
+from mt_formats.deepspeed_universal import DeepSpeedUniversalReader, is_deepspeed_checkpoint
+from mt_formats.errors import ConvertError, WriteFailed, gpt2_only
+from mt_formats.hf import HFWriter, open_hf
+from mt_formats.hf_llama import LlamaWriter, is_llama
 from mt_formats.manifest import CONFIG_FILE, read_json
 from mt_formats.megatron import LATEST_FILE, MegatronReader, MegatronWriter
 from mt_formats.pretrain import PretrainReader, is_pretrain_checkpoint

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import torch
 
+from mt_formats.canonical import CheckpointReader, CheckpointWriter, TensorRef, canonical_shapes
 from mt_formats.errors import ConvertError
 from mt_formats.hf_config import HF_IGNORED, gpt_config_from_hf, hf_config_from_gpt, hf_name
 from mt_formats.hf_llama import LlamaReader
 from mt_formats.hf_tokenizer import write_hf_config
-from mt_formats.layout import CheckpointReader, CheckpointWriter, TensorRef, canonical_shapes
 from mt_formats.manifest import read_json
 from mt_formats.safetensors_io import SafetensorsReader, SafetensorsWriter
 from mt_formats.tensors import TensorSpec, check_names

@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
+from mt_formats.canonical import CheckpointReader, CheckpointWriter, TensorRef, canonical_shapes
 from mt_formats.errors import ConvertError
 from mt_formats.hf_tokenizer import write_hf_config
-from mt_formats.layout import CheckpointReader, CheckpointWriter, TensorRef, canonical_shapes
 from mt_formats.safetensors_io import SafetensorsWriter
 from mt_formats.tensors import TensorSpec, check_names
 from mt_model import GPTConfig

@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
+from mt_formats.canonical import CheckpointReader, CheckpointWriter, TensorRef, canonical_shapes
 from mt_formats.errors import ConvertError
-from mt_formats.layout import CheckpointReader, CheckpointWriter, TensorRef, canonical_shapes
 from mt_formats.sharded import stage_layers, stages_of
 from mt_formats.tensors import TensorSpec, tensor_sha256
 from mt_formats.torch_io import load_weights_only

@@ -25,8 +25,8 @@ from mt_checkpoint import (
     read_meta,
     verify_rank_file,
 )
+from mt_formats.canonical import CheckpointReader, TensorRef, canonical_shapes, follow_pointer
 from mt_formats.errors import ConvertError
-from mt_formats.layout import CheckpointReader, TensorRef, canonical_shapes, follow_pointer
 from mt_formats.tensors import TensorSpec
 from mt_formats.torch_io import load_weights_only
 from mt_model import GPTConfig

@@ -31,8 +31,8 @@ from mt_checkpoint import (
     save_rank,
     write_meta,
 )
+from mt_formats.canonical import CheckpointWriter, TensorRef
 from mt_formats.errors import ConvertError
-from mt_formats.layout import CheckpointWriter, TensorRef
 from mt_formats.tensors import TensorSpec
 from mt_model import GPTConfig
 from mt_tensor_parallel import decoder_plan, param_styles

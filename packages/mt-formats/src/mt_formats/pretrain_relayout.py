@@ -43,8 +43,8 @@ from mt_checkpoint import (
     write_meta,
 )
 from mt_formats.atomic import atomic_directory
+from mt_formats.canonical import ProgressFn, canonical_shapes
 from mt_formats.errors import ConvertError, WriteFailed
-from mt_formats.layout import ProgressFn, canonical_shapes
 from mt_formats.pretrain import PretrainReader, load_rank_file
 from mt_formats.sharded import _check_tp, stage_layers, stages_of
 from mt_tensor_parallel import decoder_plan, param_styles

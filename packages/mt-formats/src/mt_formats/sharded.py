@@ -27,15 +27,15 @@ from typing import Any
 
 import torch
 
-from mt_formats.crc import CHECKSUM_ALGORITHM, crc_kind, digest
-from mt_formats.errors import ConvertError
-from mt_formats.layout import (
+from mt_formats.canonical import (
     CheckpointReader,
     CheckpointWriter,
     Pieces,
     TensorRef,
     canonical_shapes,
 )
+from mt_formats.crc import CHECKSUM_ALGORITHM, crc_kind, digest
+from mt_formats.errors import ConvertError
 from mt_formats.manifest import FileEntries, open_checked, read_manifest, write_manifest
 from mt_formats.safetensors_io import SafetensorsReader, SafetensorsWriter
 from mt_formats.shard_pieces import (
