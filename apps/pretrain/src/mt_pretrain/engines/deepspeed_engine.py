@@ -80,7 +80,7 @@ class DeepSpeedEngine(Engine):
         engine calls the layers itself) inside DeepSpeed."""
         seed_everything(config.train.seed, groups)
         built = build_model_stage(plan, groups, config.train.seed,
-                                  config.parallel.sequence_parallel, device)
+                                  plan.layout.sequence_parallel, device)
         built.stage.train()
         ds, client = _initialize(config, plan, built.stage, groups)
         return cls(built, ds, client, config, plan, groups)
@@ -128,7 +128,7 @@ class DeepSpeedEngine(Engine):
         if self.pipelined:  # this stage's, under mt's names
             return _fp32_weights(self.built.stage.named_parameters(), stage3=False)
         return _fp32_weights(self.ds.module.named_parameters(),
-                             self.config.parallel.zero_stage == 3)
+                             self.plan.layout.zero_stage == 3)
 
     def saver(self, root: Path, keep_last: int) -> Saver:
         return DeepSpeedCheckpointer(root, self.ds, self.groups, self.built.tracker)
@@ -190,24 +190,25 @@ def _initialize(config: PretrainConfig, plan: RunPlan, stage: nn.Module,
     a ``PipelineModule`` around the stage when pp > 1, else the stage with mt's groups as
     DeepSpeed's ``mpu``."""
     _set_environment(groups)
-    train, par = config.train, config.parallel
+    train, layout = config.train, plan.layout  # the run's one layout
     client = torch.optim.AdamW(decay_param_groups(stage.named_parameters(), train.weight_decay),
                                lr=train.lr, betas=(train.adam_beta1, train.adam_beta2),
                                eps=train.adam_eps)
-    dp = plan.topology.dp
-    zero = ZeroConfig(stage=par.zero_stage, precision=par.precision, clip_grad=train.clip_grad)
-    accumulation = max(1, train.global_batch_size // (train.micro_batch_size * dp))
-    ds_config = deepspeed_config(zero, train.micro_batch_size, accumulation, dp)
+    dp = layout.dp
+    zero = ZeroConfig(stage=layout.zero_stage, precision=layout.precision,
+                      clip_grad=train.clip_grad)
+    accumulation = max(1, layout.global_batch // (layout.micro_batch * dp))
+    ds_config = deepspeed_config(zero, layout.micro_batch, accumulation, dp)
     backend = "nccl" if groups.device.type == "cuda" else "gloo"
-    styles = sharding_styles(plan.gpt, plan.topology.tp)
-    if plan.topology.pp > 1:
+    styles = sharding_styles(plan.gpt, layout.tp)
+    if layout.pp > 1:
         import deepspeed  # pants: no-infer-dep (optional engine)
 
         deepspeed.init_distributed(dist_backend=backend)
         # DeepSpeed sends 1/tp of each activation and all-gathers it over TP after the
         # hop, assuming activations are replicated over TP; with sequence parallelism each
         # TP rank holds its own sequence slice, so send them whole.
-        whole = not par.sequence_parallel
+        whole = not layout.sequence_parallel
         ds_config["pipeline"] = {"pipe_partitioned": whole, "grad_partitioned": whole}
         module = build_pipeline_module(stage, plan, groups, styles)  # type: ignore
         return initialize_deepspeed(module, client, ds_config, dist_backend=backend), client
@@ -216,14 +217,14 @@ def _initialize(config: PretrainConfig, plan: RunPlan, stage: nn.Module,
         param.model_parallel = styles.get(name, "replicate") != "replicate"  # type: ignore
     engine = initialize_deepspeed(stage, client, ds_config, dist_backend=backend,
                                   mpu=GroupsMpu(groups))
-    layout = getattr(stage, "layout", None)
-    if par.zero_stage == 3 and layout is not None and layout.head and layout.tied_weight:
+    names = getattr(stage, "layout", None)  # the stage's module names
+    if layout.zero_stage == 3 and names is not None and names.head and names.tied_weight:
         # The head uses the embedding's weight outside the embedding module: ZeRO-3 must
         # gather it around the head too (in evaluation as well as in training).
         import deepspeed  # pants: no-infer-dep (optional engine)
 
-        deepspeed.zero.register_external_parameter(stage.get_submodule(layout.head),
-                                                   stage.get_parameter(layout.tied_weight))
+        deepspeed.zero.register_external_parameter(stage.get_submodule(names.head),
+                                                   stage.get_parameter(names.tied_weight))
     return engine, client
 
 

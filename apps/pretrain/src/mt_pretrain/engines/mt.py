@@ -70,19 +70,19 @@ class MTEngine(Engine):
                  plan: RunPlan, groups: ParallelGroups) -> None:
         super().__init__(built)
         self.optimizer, self.config, self.plan, self.groups = optimizer, config, plan, groups
-        self.dtype = compute_dtype(config.parallel.precision)
+        layout = plan.layout  # the run's one layout (resolved and checked once)
+        self.dtype = compute_dtype(layout.precision)
         self.shape = activation_shape(plan)
         self._executors: dict[int, PipelineExecutor] = {}
         stage = built.stage
         # fp16 through the pipeline executor: the loss module itself applies the loss scale
         # (on the last stage); the loss every stage receives is then scaled too.
-        self._scale_in_loss = precision_of(config.parallel.precision).loss_scaling and \
-            plan.topology.pp > 1
+        self._scale_in_loss = precision_of(layout.precision).loss_scaling and layout.pp > 1
         self._scaled: _ScaledLoss | None = None
         if self._scale_in_loss and stage.plan.has_head:
             self._scaled = _ScaledLoss(stage.get_submodule(stage.layout.loss))
             stage.set_submodule(stage.layout.loss, self._scaled)
-        self._call_module = config.parallel.zero_stage == 3
+        self._call_module = layout.zero_stage == 3
         if config.parallel.compile:
             compile_cache_per_capability()
         # pp == 1: the same (optionally compiled) forward + loss the executor runs.
@@ -97,7 +97,7 @@ class MTEngine(Engine):
         dropout = plan.gpt.dropout > 0 or plan.gpt.attention_dropout > 0
         # Compiled code draws dropout masks from inductor's generator: not keyed.
         built = build_model_stage(plan, groups, config.train.seed,
-                                  config.parallel.sequence_parallel, device,
+                                  plan.layout.sequence_parallel, device,
                                   keyed_dropout=dropout and not config.parallel.compile)
         built.stage.train()
         optimizer = make_optimizer(config.train, plan.layout, built.stage, groups, built.styles)
@@ -136,7 +136,7 @@ class MTEngine(Engine):
     def _accumulate_loss(self, micro: Sequence[np.ndarray], keys: list[int] | None) -> float:
         """pp == 1: plain gradient accumulation; DP reduction overlaps the last backward."""
         opt, stage = self.optimizer, self.built.stage
-        checkpoint = self.config.parallel.activation_checkpointing
+        checkpoint = self.plan.layout.recompute == "full"
         device = self.groups.device
         m, total = len(micro), 0.0
         for i, array in enumerate(micro):
