@@ -236,12 +236,13 @@ def _train(config: PretrainConfig, plan: RunPlan, groups: ParallelGroups, device
                        f"x dp {topo.dp} on {device.type}")
     if rank0 and start_step:
         reporter.print(f"resumed from {ckpt.load} at step {start_step}")
-    if rank0 and start_step >= plan.train_steps:  # was: exit 0 and nothing said
+    elif rank0 and ckpt.load and not resuming:
+        reporter.print(f"no checkpoint in {ckpt.load} yet: starting at step 0")
+    if rank0 and start_step >= plan.train_steps and ckpt.says("warning"):
+        # A warning's weight (was: exit 0 and nothing said): shown unless --log-level error.
         print(f"nothing to train: {ckpt.load} is at step {start_step}, the run ends at step "
               f"{plan.train_steps} (raise --train-steps / --train-tokens to train on)",
               flush=True)
-    elif rank0 and ckpt.load and not resuming:
-        reporter.print(f"no checkpoint in {ckpt.load} yet: starting at step 0")
     tb_dir = Path(ckpt.out_dir) / "tensorboard" if ckpt.tensorboard else None
     wandb = WandbTarget(ckpt.wandb_project, ckpt.wandb_name or Path(ckpt.out_dir).resolve().name,
                         Path(ckpt.out_dir), asdict(config)) if ckpt.wandb_project else None
