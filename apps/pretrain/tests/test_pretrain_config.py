@@ -280,3 +280,8 @@ def test_paths_the_flags_name_are_checked_before_anything_starts(tmp_path: Path)
              "--tokenizer gpt2 applies to the embedded corpus only")):
         with pytest.raises(ConfigError, match=message):
             load_config(None, overrides)
+    # A command line that names the dataset's own tokenizer ran before and still runs.
+    (data / "index.json").write_text('{"tokenizer": {"name": "gpt2"}}')
+    assert load_config(None, {"tokenizer": "gpt2", "data": str(data)}).data.tokenizer == "gpt2"
+    with pytest.raises(ConfigError, match=r"prepared with \(gpt2\); leave out --tokenizer"):
+        load_config(None, {"tokenizer": "tokenizer-1k", "data": str(data)})

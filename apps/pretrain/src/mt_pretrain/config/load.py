@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import fields
@@ -220,9 +221,13 @@ def _check_paths(config: PretrainConfig) -> None:
     if data.tokenizer is None:
         return
     if data.data is not None:
-        raise ConfigError(f"--tokenizer {data.tokenizer} applies to the embedded corpus only: "
-                          "a prepared dataset (--data) keeps the tokenizer it was prepared "
-                          "with; leave out --tokenizer")
+        used = sorted(set(_prepared_with(dataset_paths(data))))
+        if used != [data.tokenizer]:  # naming the dataset's own one still runs, as it did
+            raise ConfigError(f"--tokenizer {data.tokenizer} applies to the embedded corpus "
+                              f"only: a prepared dataset (--data) keeps the tokenizer it was "
+                              f"prepared with ({', '.join(used) or 'unknown'}); leave out "
+                              "--tokenizer")
+        return
     if data.tokenizer not in ("gpt2", "tokenizer-1k"):
         from mt_data import DataError, load_tokenizer
 
@@ -230,6 +235,17 @@ def _check_paths(config: PretrainConfig) -> None:
             load_tokenizer(data.tokenizer)
         except (DataError, OSError, ValueError) as err:
             raise ConfigError(f"--tokenizer: {err}") from None
+
+
+def _prepared_with(paths: list[Path]) -> list[str]:
+    """The tokenizer names the index.json of each readable dataset folder records."""
+    names = []
+    for path in paths:
+        try:
+            names.append(str(json.loads((path / "index.json").read_text())["tokenizer"]["name"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # a missing or damaged dataset is reported by the checks that follow
+    return names
 
 
 def blend_text(data: DataArgs) -> str:
