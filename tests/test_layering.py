@@ -31,7 +31,7 @@ ALLOWED: dict[str, set[str]] = {
     # The checkpoint format and resharding, and the planner: above the parallel packages,
     # below the apps.
     "mt_checkpoint": {"mt_dist", "mt_model", "mt_tensor_parallel", "mt_zero"},
-    "mt_plan": {"mt_model", "mt_pipeline", "mt_tensor_parallel", "mt_zero"},
+    "mt_plan": {"mt_dist", "mt_model", "mt_pipeline", "mt_tensor_parallel", "mt_zero"},
     # Evaluation knows tasks, prompts and metrics, no model: it builds its built-in tasks
     # from mt-data's corpus.
     "mt_eval": {"mt_data"},

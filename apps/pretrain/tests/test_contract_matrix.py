@@ -13,7 +13,10 @@ from pathlib import Path
 
 from contract_shards import SHARDS
 
+from mt_pretrain.config.load import load_config
+from mt_pretrain.config.resolve import resolve
 from mt_pretrain.contract.matrix import (
+    COMMON,
     LLAMA_CI,
     Case,
     candidates,
@@ -68,3 +71,12 @@ def test_the_shards_hold_every_ci_case_once() -> None:
     here = Path(__file__).parent
     for name in SHARDS:  # each shard has its test file (a Pants target of its own)
         assert (here / f"test_contract_{name.replace('-', '_')}.py").is_file(), name
+
+
+def test_the_config_builds_each_case_layout_back() -> None:
+    """The one translation, both ways: a case's layout becomes flags
+    (:func:`~mt_pretrain.config.schema.layout_flags`), and the resolved run of those flags has
+    exactly that layout again, for every case of the full matrix."""
+    for case in full_matrix():
+        config = load_config(None, {**COMMON, **case.options(), "train_steps": 1})
+        assert resolve(config, case.nproc).layout == case.layout, case.name

@@ -88,7 +88,7 @@ def test_bad_inputs_name_the_value(tmp_path: Path) -> None:
         (["--model", "tiny", "--gpus", "6", "--tp", "4"], "--gpus 6 is not divisible"),
         (["--model", "tiny", "--recompute", "half"], "recompute 'half'"),
         (["--model", "tiny", "--gpus", "4", "--global-batch-size", "6"],
-         "global batch 6 is not divisible by micro-batch 1 x dp 4 = 4"),
+         "global batch size 6 is not divisible by micro-batch size 1 x dp 4 = 4"),
         ([], "exactly one of --model"),
     ]
     for args, message in cases:

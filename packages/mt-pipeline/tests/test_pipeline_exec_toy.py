@@ -235,7 +235,7 @@ def test_exec_bad_configurations_fail_before_communication() -> None:
         plan_pipeline(PipelineConfig("interleaved", 3, 2), 8, 2)
     with pytest.raises(ScheduleError, match=r"num_micro_batches \(1\).*num_stages \(4\)"):
         plan_pipeline(PipelineConfig("interleaved", 1, 2), 8, 4)
-    with pytest.raises(ScheduleError, match="virtual_stages=2"):
+    with pytest.raises(ScheduleError, match="one chunk per stage, got virtual_stages 2"):
         PipelineConfig("1f1b", 4, 2)
     # The executor validates (p, m, v) from its own arguments, with no process group at all.
     plan = plan_pipeline(PipelineConfig("interleaved", 4, 2), 8, 2)

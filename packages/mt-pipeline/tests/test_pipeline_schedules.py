@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 
 from mt_pipeline import (
+    DEFAULT_SCHEDULE,
     SCHEDULES,
     Backward,
     Exchange,
@@ -20,10 +22,12 @@ from mt_pipeline import (
     SendActivation,
     SendGrad,
     __version__,
+    chunked_schedules,
     get_schedule,
     gpipe,
     interleaved_1f1b,
     one_f_one_b,
+    simulate,
 )
 
 
@@ -147,7 +151,24 @@ def test_dispatcher() -> None:
     assert get_schedule("interleaved", 2, 4, 3) == interleaved_1f1b(2, 4, 3)
     with pytest.raises(ScheduleError, match="unknown schedule 'zb'"):
         get_schedule("zb", 2, 2)
-    with pytest.raises(ScheduleError, match="virtual_stages=2"):
+    with pytest.raises(ScheduleError, match="one chunk per stage, got virtual_stages 2"):
         get_schedule("1f1b", 2, 4, virtual_stages=2)
     with pytest.raises(TypeError):
         SCHEDULES["mine"] = gpipe  # type: ignore[index]
+
+
+def test_traits_agree_with_the_builders_and_the_simulator() -> None:
+    """Every schedule's traits are what its builder does: ``problems`` is empty exactly when
+    the builder accepts (p, m, v), and ``peak`` is the simulator's count of chunk forwards
+    alive, for every small (p, m, v)."""
+    for spec in SCHEDULES.values():
+        for p, m, v in itertools.product((1, 2, 3, 4), (1, 2, 3, 4, 6, 8), (1, 2, 3)):
+            try:
+                schedule = get_schedule(spec.name, p, m, v)
+            except ScheduleError:
+                assert spec.problems(p, m, v), (spec.name, p, m, v)
+                continue
+            assert spec.problems(p, m, v) == [], (spec.name, p, m, v)
+            assert spec.peak(p, m, v) == list(simulate(schedule).peak_in_flight), \
+                (spec.name, p, m, v)
+    assert DEFAULT_SCHEDULE in SCHEDULES and chunked_schedules() == ["interleaved"]

@@ -29,6 +29,13 @@ class SavedLayout:
     def __post_init__(self) -> None:
         Topology(tp=self.tp, pp=self.pp, dp=self.dp)  # validates the degrees
 
+    @classmethod
+    def of(cls, layout: Any) -> SavedLayout:
+        """The saved part of a run's layout: anything with ``tp``, ``pp``, ``dp``,
+        ``virtual_stages``, ``zero_stage`` and ``precision`` (mt-plan's ``ParallelLayout``)."""
+        return cls(layout.tp, layout.pp, layout.dp, layout.virtual_stages, layout.zero_stage,
+                   layout.precision)
+
     @property
     def world_size(self) -> int:
         """Ranks (and rank files) of the checkpoint."""

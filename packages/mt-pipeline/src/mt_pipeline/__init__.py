@@ -29,6 +29,7 @@ from mt_pipeline.partition import (
     uniform_partition,
 )
 from mt_pipeline.schedules import (
+    DEFAULT_SCHEDULE,
     SCHEDULES,
     Backward,
     Exchange,
@@ -42,8 +43,10 @@ from mt_pipeline.schedules import (
     ReduceTiedGrads,
     Schedule,
     ScheduleError,
+    ScheduleSpec,
     SendActivation,
     SendGrad,
+    chunked_schedules,
     get_schedule,
     gpipe,
     interleaved_1f1b,
@@ -86,6 +89,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "DEFAULT_SCHEDULE",
     "SCHEDULES",
     "Backward",
     "DeadlockError",
@@ -109,6 +113,7 @@ __all__ = [
     "ReduceTiedGrads",
     "Schedule",
     "ScheduleError",
+    "ScheduleSpec",
     "SendActivation",
     "SendGrad",
     "SimulationResult",
@@ -118,6 +123,7 @@ __all__ = [
     "__version__",
     "balanced_partition",
     "build_stage",
+    "chunked_schedules",
     "check_dataflow",
     "check_matching",
     "event_name",

@@ -6,7 +6,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mt_pipeline.partition import PartitionError, PipelinePlan, partition_layers
-from mt_pipeline.schedules import SCHEDULES, Schedule, ScheduleError, get_schedule
+from mt_pipeline.schedules import (
+    DEFAULT_SCHEDULE,
+    SCHEDULES,
+    Schedule,
+    ScheduleError,
+    get_schedule,
+)
 
 __all__ = ["PipelineConfig", "plan_pipeline"]
 
@@ -16,16 +22,18 @@ class PipelineConfig:
     """How a pipeline runs one training step.
 
     Attributes:
-        schedule: "gpipe", "1f1b" or "interleaved".
+        schedule: a key of :data:`~mt_pipeline.schedules.SCHEDULES` (gpipe, 1f1b,
+            interleaved).
         num_micro_batches: micro-batches per step (gradients accumulate over them).
-        virtual_stages: model chunks per stage; >= 2 for "interleaved", 1 otherwise.
+        virtual_stages: model chunks per stage; >= 2 for a chunked schedule (interleaved),
+            1 otherwise.
         activation_checkpointing: recompute every layer's activations in backward.
         compile: run each chunk's forward (with the loss on the last chunk) through
             ``torch.compile``: elementwise work, LayerNorms and the loss fuse into fewer
             kernels. The first step of each chunk pays the compilation.
     """
 
-    schedule: str = "1f1b"
+    schedule: str = DEFAULT_SCHEDULE
     num_micro_batches: int = 1
     virtual_stages: int = 1
     activation_checkpointing: bool = False
@@ -40,15 +48,9 @@ class PipelineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ScheduleError(f"{name} must be a positive int, got {value!r}")
-        if self.schedule == "interleaved" and self.virtual_stages < 2:
-            raise ScheduleError(
-                f"schedule 'interleaved' needs virtual_stages >= 2, got {self.virtual_stages}"
-            )
-        if self.schedule != "interleaved" and self.virtual_stages != 1:
-            raise ScheduleError(
-                f"schedule {self.schedule!r} runs one chunk per stage, got "
-                f"virtual_stages={self.virtual_stages}; use 'interleaved'"
-            )
+        problem = SCHEDULES[self.schedule].chunk_problem(self.virtual_stages)
+        if problem:
+            raise ScheduleError(problem)
 
     def schedule_for(self, num_stages: int) -> Schedule:
         """The instruction lists of all ``num_stages`` stages; raises

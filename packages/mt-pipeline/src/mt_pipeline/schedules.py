@@ -52,7 +52,10 @@ __all__ = [
     "ScheduleError",
     "SendActivation",
     "SendGrad",
+    "DEFAULT_SCHEDULE",
     "SCHEDULES",
+    "ScheduleSpec",
+    "chunked_schedules",
     "get_schedule",
     "gpipe",
     "interleaved_1f1b",
@@ -307,23 +310,87 @@ def interleaved_1f1b(num_stages: int, num_micro_batches: int, virtual_stages: in
     return [_lower(_interleaved_groups(p, m, v, s), s, p, v) for s in range(p)]
 
 
-# Read-only: the set of schedule names is fixed, not a registry to mutate at run time.
-SCHEDULES: Mapping[str, Callable[..., Schedule]] = MappingProxyType(
-    {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_1f1b}
-)
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """One pipeline schedule and its traits: the one place a schedule is defined.
+
+    Everything that depends on the schedule asks its spec (the config checks, the memory
+    planner, the layout matrix), so adding a schedule is one entry here.
+    """
+
+    name: str
+    """What ``--schedule`` calls it."""
+    build: Callable[..., Schedule]
+    """``build(num_stages, num_micro_batches[, virtual_stages])``: the instruction lists."""
+    chunked: bool
+    """Each stage holds several model chunks (``virtual_stages >= 2``); otherwise exactly one."""
+    micro_batches_per_stage: bool
+    """The micro-batch count must be a multiple of the stage count."""
+    peak: Callable[[int, int, int], list[int]]
+    """``peak(p, m, v)``: the most chunk forwards alive per stage (closed form; the simulator
+    counts the same from the instruction lists, a test checks)."""
+
+    def chunk_problem(self, virtual_stages: int) -> str | None:
+        """Why the schedule cannot hold ``virtual_stages`` chunks per stage; None: it can."""
+        v = virtual_stages
+        if self.chunked and v < 2:
+            return f"schedule {self.name!r} needs virtual_stages >= 2, got {v}"
+        if not self.chunked and v != 1:
+            return (f"schedule {self.name!r} runs one chunk per stage, got virtual_stages {v}; "
+                    f"use a chunked schedule ({', '.join(chunked_schedules())})")
+        return None
+
+    def problems(self, num_stages: int, num_micro_batches: int,
+                 virtual_stages: int = 1) -> list[str]:
+        """Why the schedule cannot run on (p, m, v), every number named; empty: it can."""
+        p, m = num_stages, num_micro_batches
+        out = [msg for msg in (self.chunk_problem(virtual_stages),) if msg]
+        if self.micro_batches_per_stage and (p < 2 or m % p):
+            out.append(f"schedule {self.name!r} needs pp {p} >= 2 and micro-batches {m} "
+                       f"divisible by pp {p}")
+        return out
+
+
+def _gpipe_peak(p: int, m: int, v: int) -> list[int]:
+    return [m * v] * p
+
+
+def _one_f_one_b_peak(p: int, m: int, v: int) -> list[int]:
+    return [min(m, p - i) for i in range(p)]
+
+
+def _interleaved_peak(p: int, m: int, v: int) -> list[int]:
+    return [min(m * v, 2 * (p - i - 1) + (v - 1) * p + 1) for i in range(p)]
+
+
+# Read-only: the set of schedules is fixed, not a registry to mutate at run time.
+SCHEDULES: Mapping[str, ScheduleSpec] = MappingProxyType({spec.name: spec for spec in (
+    ScheduleSpec("gpipe", gpipe, chunked=False, micro_batches_per_stage=False,
+                 peak=_gpipe_peak),
+    ScheduleSpec("1f1b", one_f_one_b, chunked=False, micro_batches_per_stage=False,
+                 peak=_one_f_one_b_peak),
+    ScheduleSpec("interleaved", interleaved_1f1b, chunked=True, micro_batches_per_stage=True,
+                 peak=_interleaved_peak),
+)})
+#: The schedule of a run that names none, and of every one-stage run.
+DEFAULT_SCHEDULE = "1f1b"
+
+
+def chunked_schedules() -> list[str]:
+    """The schedules that hold several model chunks per stage."""
+    return [name for name, spec in SCHEDULES.items() if spec.chunked]
 
 
 def get_schedule(
     name: str, num_stages: int, num_micro_batches: int, virtual_stages: int = 1
 ) -> Schedule:
-    """Build the schedule called ``name`` ("gpipe", "1f1b" or "interleaved")."""
+    """Build the schedule called ``name`` (a key of :data:`SCHEDULES`)."""
     if name not in SCHEDULES:
         raise ScheduleError(f"unknown schedule {name!r}; choose one of {sorted(SCHEDULES)}")
-    if name == "interleaved":
-        return interleaved_1f1b(num_stages, num_micro_batches, virtual_stages)
-    if virtual_stages != 1:
-        raise ScheduleError(
-            f"schedule {name!r} runs one chunk per stage, got virtual_stages={virtual_stages}; "
-            "use 'interleaved'"
-        )
-    return SCHEDULES[name](num_stages, num_micro_batches)
+    spec = SCHEDULES[name]
+    if spec.chunked:
+        return spec.build(num_stages, num_micro_batches, virtual_stages)
+    problem = spec.chunk_problem(virtual_stages)
+    if problem:
+        raise ScheduleError(problem)
+    return spec.build(num_stages, num_micro_batches)

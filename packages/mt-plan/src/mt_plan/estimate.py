@@ -34,7 +34,7 @@ from mt_model import (
     count_parameters,
     model_flops_per_iteration,
 )
-from mt_pipeline import get_schedule, simulate
+from mt_pipeline import SCHEDULES, get_schedule, simulate
 from mt_plan.gpus import GPUS, GPUSpec
 from mt_plan.layout import RECOMPUTE, LayoutError, ParallelLayout, stage_layers
 from mt_zero.precision import PRECISIONS
@@ -232,13 +232,9 @@ def _stage_params(gpt: GPTConfig, layout: ParallelLayout) -> list[int]:
 
 
 def peak_in_flight(layout: ParallelLayout) -> list[int]:
-    """Closed-form peak of chunk forwards alive per stage (no simulation)."""
-    p, m, v = layout.pp, layout.num_micro_batches, layout.virtual_stages
-    if layout.schedule == "gpipe":
-        return [m * v] * p
-    if layout.schedule == "1f1b":
-        return [min(m, p - i) for i in range(p)]
-    return [min(m * v, 2 * (p - i - 1) + (v - 1) * p + 1) for i in range(p)]
+    """Closed-form peak of chunk forwards alive per stage (the schedule's own trait)."""
+    return SCHEDULES[layout.schedule].peak(layout.pp, layout.num_micro_batches,
+                                           layout.virtual_stages)
 
 
 def _largest_param(gpt: GPTConfig, layout: ParallelLayout, stage: int) -> float:

@@ -1,26 +1,57 @@
 """A parallel training layout (pure): TP x PP x DP, batches, ZeRO, schedule, recompute.
 
-:class:`ParallelLayout` validates its own numbers; :meth:`ParallelLayout.check` validates it
-against a model; :func:`enumerate_layouts` lists the valid layouts of a GPU count for
-``mt plan --search``. The one layout type of mt: the planner, the dry run and the layout
-matrix describe a run with it.
+:class:`ParallelLayout` is the one layout type of mt: built and validated once (its own
+numbers at construction, against a model by :meth:`ParallelLayout.check`), then passed to
+whatever needs it. The inputs of the parallel packages, which each install alone, are views
+of it, never built from a config by hand: :attr:`~ParallelLayout.topology` (mt-dist's rank
+grid), :meth:`~ParallelLayout.pipeline_config` (mt-pipeline) and
+:meth:`~ParallelLayout.zero_config` (mt-zero). :func:`enumerate_layouts` lists the valid layouts
+of a GPU count for ``mt plan --search``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from mt_model import GPTConfig
+from mt_pipeline import DEFAULT_SCHEDULE, PartitionError, PipelineConfig, uniform_partition
 from mt_pipeline import SCHEDULES as PIPELINE_SCHEDULES
-from mt_pipeline import PartitionError, uniform_partition
 from mt_zero.precision import PRECISIONS
 
-__all__ = ["RECOMPUTE", "SCHEDULES", "LayoutError", "ParallelLayout", "enumerate_layouts",
-           "stage_layers"]
+if TYPE_CHECKING:  # mt-dist, mt-tensor-parallel and mt-zero import torch: done when used
+    from mt_dist import Topology
+    from mt_zero import ZeroConfig
+
+__all__ = ["RECOMPUTE", "SCHEDULES", "ZERO_STAGES", "LayoutError", "ParallelLayout",
+           "enumerate_layouts", "option_problems", "stage_layers"]
 
 RECOMPUTE = ("full", "selective", "none")
-SCHEDULES = tuple(PIPELINE_SCHEDULES)  # mt-pipeline's: gpipe, 1f1b, interleaved
+SCHEDULES = tuple(PIPELINE_SCHEDULES)  # mt-pipeline's registry: gpipe, 1f1b, interleaved
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+def option_problems(*, zero_stage: Any, schedule: Any, virtual_stages: Any, recompute: Any,
+                    precision: Any) -> list[str]:
+    """Why these named options cannot form a layout (each naming its value); empty: they can.
+
+    The one check of the options, for :class:`ParallelLayout` and for a config read before
+    the world size (hence the batch split) is known.
+    """
+    problems = []
+    if zero_stage not in ZERO_STAGES:
+        problems.append(f"zero stage {zero_stage!r} is not 0, 1, 2 or 3")
+    if schedule not in PIPELINE_SCHEDULES:
+        problems.append(f"schedule {schedule!r} is not one of {', '.join(SCHEDULES)}")
+    else:
+        problems += [p for p in (PIPELINE_SCHEDULES[schedule].chunk_problem(virtual_stages),)
+                     if p]
+    if recompute not in RECOMPUTE:
+        problems.append(f"recompute {recompute!r} is not one of {', '.join(RECOMPUTE)}")
+    if precision not in PRECISIONS:
+        problems.append(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
+    return problems
 
 
 class LayoutError(ValueError):
@@ -38,8 +69,9 @@ class ParallelLayout:
         global_batch: sequences per optimizer step.
         micro_batch: sequences per micro-batch.
         zero_stage: ZeRO stage 0-3 over the DP group.
-        schedule: pipeline schedule: gpipe, 1f1b or interleaved.
-        virtual_stages: model chunks per stage (interleaved only).
+        schedule: pipeline schedule, a key of mt-pipeline's ``SCHEDULES`` (gpipe, 1f1b,
+            interleaved).
+        virtual_stages: model chunks per stage (>= 2 with a chunked schedule, else 1).
         sequence_parallel: shard LayerNorm / dropout activations over TP (Korthikanti).
         recompute: activation recomputation: full, selective or none.
         precision: bf16, fp16 (mixed precision, fp32 master weights) or fp32.
@@ -51,7 +83,7 @@ class ParallelLayout:
     global_batch: int
     micro_batch: int = 1
     zero_stage: int = 1
-    schedule: str = "1f1b"
+    schedule: str = DEFAULT_SCHEDULE
     virtual_stages: int = 1
     sequence_parallel: bool = False
     recompute: str = "full"
@@ -64,28 +96,16 @@ class ParallelLayout:
                if isinstance(v, bool) or not isinstance(v, int) or v < 1]
         if bad:
             raise LayoutError(f"must be positive integers: {', '.join(bad)}")
-        problems = []
-        if self.zero_stage not in (0, 1, 2, 3):
-            problems.append(f"zero stage {self.zero_stage!r} is not 0, 1, 2 or 3")
-        if self.schedule not in SCHEDULES:
-            problems.append(f"schedule {self.schedule!r} is not one of {SCHEDULES}")
-        if self.recompute not in RECOMPUTE:
-            problems.append(f"recompute {self.recompute!r} is not one of {RECOMPUTE}")
-        if self.precision not in PRECISIONS:
-            problems.append(f"precision {self.precision!r} is not one of "
-                            f"{', '.join(PRECISIONS)}")
+        problems = option_problems(zero_stage=self.zero_stage, schedule=self.schedule,
+                                   virtual_stages=self.virtual_stages, recompute=self.recompute,
+                                   precision=self.precision)
         per_step = self.micro_batch * self.dp
         if self.global_batch % per_step:
-            problems.append(f"global batch {self.global_batch} is not divisible by micro-batch "
-                            f"{self.micro_batch} x dp {self.dp} = {per_step}")
-        if self.virtual_stages > 1 and self.schedule != "interleaved":
-            problems.append(f"virtual stages {self.virtual_stages} need the interleaved "
-                            f"schedule, not {self.schedule!r}")
-        elif self.schedule == "interleaved" and not problems:
-            m = self.num_micro_batches
-            if self.pp < 2 or m % self.pp:
-                problems.append(f"the interleaved schedule needs pp {self.pp} >= 2 and "
-                                f"micro-batches {m} divisible by pp {self.pp}")
+            problems.append(f"global batch size {self.global_batch} is not divisible by "
+                            f"micro-batch size {self.micro_batch} x dp {self.dp} = {per_step}")
+        elif not problems and PIPELINE_SCHEDULES[self.schedule].micro_batches_per_stage:
+            problems += PIPELINE_SCHEDULES[self.schedule].problems(
+                self.pp, self.num_micro_batches, self.virtual_stages)
         if problems:
             raise LayoutError("invalid layout: " + "; ".join(problems))
 
@@ -99,16 +119,38 @@ class ParallelLayout:
         """Micro-batches per pipeline and step: global batch / (micro-batch x dp)."""
         return self.global_batch // (self.micro_batch * self.dp)
 
+    @property
+    def topology(self) -> Topology:
+        """mt-dist's rank grid of this layout (rank order, groups)."""
+        from mt_dist import Topology
+
+        return Topology(tp=self.tp, pp=self.pp, dp=self.dp)
+
+    def pipeline_config(self, compile: bool = False) -> PipelineConfig:
+        """mt-pipeline's input: the schedule at this layout's micro-batches per pipeline."""
+        return PipelineConfig(self.schedule, self.num_micro_batches, self.virtual_stages,
+                              activation_checkpointing=self.recompute == "full",
+                              compile=compile)
+
+    def zero_config(self, **options: Any) -> ZeroConfig:
+        """mt-zero's input: this layout's ZeRO stage and precision, with ``options`` (the
+        bucket size, gradient clipping, loss scaling) that are not the layout's."""
+        from mt_zero import ZeroConfig
+
+        return ZeroConfig(stage=self.zero_stage, precision=self.precision, **options)
+
     def check(self, gpt: GPTConfig) -> None:
         """Raise :class:`LayoutError` naming the numbers when ``gpt`` cannot be split so."""
+        from mt_tensor_parallel import check_divisibility
+
         problems = []
-        for what, size in (("n_heads", gpt.n_heads), ("hidden", gpt.hidden),
-                           ("ffn_hidden", gpt.ffn_hidden)):
-            if size % self.tp:
-                problems.append(f"{what} {size} is not divisible by tp {self.tp}")
-        if self.sequence_parallel and gpt.seq_len % self.tp:
-            problems.append(f"seq_len {gpt.seq_len} is not divisible by tp {self.tp} "
-                            "(sequence parallelism)")
+        try:
+            check_divisibility(tp=self.tp, n_heads=gpt.n_heads, hidden=gpt.hidden,
+                               ffn_hidden=gpt.ffn_hidden, seq_len=gpt.seq_len,
+                               sequence_parallel=self.sequence_parallel,
+                               n_kv_heads=gpt.n_kv_heads)
+        except ValueError as err:
+            problems.append(str(err))
         chunks = self.pp * self.virtual_stages
         if gpt.n_layers % chunks:
             problems.append(f"n_layers {gpt.n_layers} is not divisible by pp {self.pp} x "
@@ -130,7 +172,7 @@ def _divisors(n: int) -> list[int]:
 
 
 def enumerate_layouts(gpt: GPTConfig, gpus: int, global_batch: int, gpus_per_node: int = 8,
-                      zero_stage: int = 1, schedule: str = "1f1b",
+                      zero_stage: int = 1, schedule: str = DEFAULT_SCHEDULE,
                       micro_batches: tuple[int, ...] = (1, 2, 4, 8)) -> Iterator[ParallelLayout]:
     """Every valid layout on exactly ``gpus`` GPUs: TP within a node (dividing the heads),
     PP dividing the layers, micro-batch in ``micro_batches``, all three recompute modes,
@@ -141,7 +183,7 @@ def enumerate_layouts(gpt: GPTConfig, gpus: int, global_batch: int, gpus_per_nod
             for b in micro_batches:
                 for recompute in RECOMPUTE:
                     try:
-                        sched = schedule if pp > 1 else "1f1b"
+                        sched = schedule if pp > 1 else DEFAULT_SCHEDULE
                         layout = ParallelLayout(tp, pp, dp, global_batch, b, zero_stage, sched,
                                         sequence_parallel=tp > 1 and gpt.seq_len % tp == 0,
                                         recompute=recompute)

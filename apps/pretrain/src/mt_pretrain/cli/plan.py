@@ -13,6 +13,7 @@ from typing import Annotated, Any
 
 import typer
 
+from mt_pipeline import DEFAULT_SCHEDULE, chunked_schedules
 from mt_plan.estimate import EFFICIENCY, Estimate, estimate
 from mt_plan.gpus import GPUS, GPUSpec, GPUSpecError, load_gpu
 from mt_plan.layout import RECOMPUTE, SCHEDULES, LayoutError, ParallelLayout, enumerate_layouts
@@ -233,8 +234,10 @@ def plan(
     global_batch_size: Annotated[int, typer.Option(help="Sequences per step.")] = 32,
     micro_batch_size: Annotated[int, typer.Option(help="Sequences per micro-batch.")] = 1,
     zero_stage: Annotated[int, typer.Option(help="ZeRO stage 0-3.")] = 1,
-    schedule: Annotated[str, typer.Option(help=f"Pipeline schedule {SCHEDULES}.")] = "1f1b",
-    virtual_stages: Annotated[int, typer.Option(help="Chunks per stage (interleaved).")] = 1,
+    schedule: Annotated[str, typer.Option(
+        help=f"Pipeline schedule {SCHEDULES}.")] = DEFAULT_SCHEDULE,
+    virtual_stages: Annotated[int, typer.Option(
+        help=f"Chunks per stage (>= 2 with {', '.join(chunked_schedules())}).")] = 1,
     sequence_parallel: Annotated[bool, typer.Option(
         "--sequence-parallel", help="Sequence parallelism (Korthikanti et al.).")] = False,
     recompute: Annotated[str, typer.Option(help=f"Activation recompute {RECOMPUTE}.")] = "full",

@@ -19,7 +19,14 @@ from mt_model import (
     count_parameters,
     model_flops_per_token_training,
 )
-from mt_pipeline import PartitionError, PipelineConfig, PipelinePlan, ScheduleError, plan_pipeline
+from mt_pipeline import (
+    SCHEDULES,
+    PartitionError,
+    PipelineConfig,
+    PipelinePlan,
+    ScheduleError,
+    plan_pipeline,
+)
 from mt_plan.estimate import peak_in_flight, stage_memory
 from mt_plan.gpus import GPUSpec
 from mt_plan.layout import LayoutError, ParallelLayout
@@ -30,7 +37,7 @@ from mt_pretrain.config.schema import (
     ConfigError,
     PretrainConfig,
 )
-from mt_tensor_parallel import check_divisibility, param_styles
+from mt_tensor_parallel import param_styles
 
 __all__ = ["RunPlan", "activation_shape", "describe", "memory_estimate", "model_of", "resolve",
            "runtime_spec"]
@@ -41,9 +48,11 @@ class RunPlan:
     """Everything derived from the config and the world size.
 
     Attributes:
-        topology: the (tp, pp, dp) grid.
+        layout: the run's one parallel layout (degrees, batch sizes, ZeRO stage, schedule,
+            sequence parallelism, recomputation, precision), validated against the model;
+            :attr:`topology` and :attr:`pipeline` are its views.
         gpt: the model as trained: its ``seq_len`` is the training sequence length.
-        pipeline: schedule config at the full global batch (micro-batches per pipeline).
+        pipeline: mt-pipeline's config of the layout (with the run's --compile).
         stages: layers of every pipeline stage.
         rampup: (start, increment, samples) for mt_data.BatchSchedule, or None.
         train_steps: optimizer steps of the whole run.
@@ -51,11 +60,9 @@ class RunPlan:
         model: the model as built and saved: the same as ``gpt`` but for ``seq_len``, the
             rows of its position table, which a run resumed from a checkpoint may use only
             in part.
-        layout: the run as mt-plan describes a layout (degrees, batch sizes, ZeRO stage,
-            schedule, sequence parallelism, recomputation, precision).
     """
 
-    topology: Topology
+    layout: ParallelLayout
     gpt: GPTConfig
     pipeline: PipelineConfig
     stages: PipelinePlan
@@ -63,7 +70,11 @@ class RunPlan:
     train_steps: int
     train_samples: int
     model: GPTConfig
-    layout: ParallelLayout
+
+    @property
+    def topology(self) -> Topology:
+        """The layout's (tp, pp, dp) rank grid."""
+        return self.layout.topology
 
 
 def _batch_schedule(config: PretrainConfig, rampup: tuple[int, int, int] | None) -> Any:
@@ -128,13 +139,13 @@ def resolve(config: PretrainConfig, world_size: int) -> RunPlan:
     refused = unsupported(config, gpt)  # the options passed above: the architecture
     if refused:
         raise ConfigError("invalid configuration: " + "; ".join(refused))
-    problems: list[str] = []
     try:
         if par.dp is not None and par.tp * par.pp * par.dp != world_size:
             raise TopologyError(
                 f"tp {par.tp} x pp {par.pp} x dp {par.dp} = {par.tp * par.pp * par.dp} "
                 f"processes, but the world size is {world_size}")
-        topology = Topology.from_world(world_size, tp=par.tp, pp=par.pp)
+        layout = par.layout(world_size, train.global_batch_size, train.micro_batch_size)
+        layout.check(gpt)
     except TopologyError as err:
         hint = ""
         if world_size % (par.tp * par.pp):
@@ -143,50 +154,41 @@ def resolve(config: PretrainConfig, world_size: int) -> RunPlan:
             hint = (f"; with {world_size} process{'es' if world_size > 1 else ''} pass --tp "
                     f"and --pp whose product divides {world_size}, e.g. --tp {tp} --pp {pp}")
         raise ConfigError(f"invalid layout: {err}{hint}") from None
-    try:
-        check_divisibility(tp=par.tp, n_heads=gpt.n_heads, hidden=gpt.hidden,
-                           ffn_hidden=gpt.ffn_hidden, seq_len=gpt.seq_len,
-                           sequence_parallel=par.sequence_parallel, n_kv_heads=gpt.n_kv_heads)
-    except ValueError as err:
-        problems.append(str(err))
+    except LayoutError as err:
+        raise ConfigError(str(err)) from None
+    problems: list[str] = []
     if par.compile and par.activation_checkpointing and (gpt.dropout or gpt.attention_dropout):
         problems.append(f"--compile with --activation-checkpointing and dropout {gpt.dropout} "
                         "is not supported: compiled code draws its own dropout masks, which "
                         "recomputation is not shown to replay; leave out --compile (eager "
                         "runs key the masks by micro-batch and layer, so recomputation "
                         "replays them exactly) or use --dropout 0")
-    dp, micro = topology.dp, train.micro_batch_size
-    per_step = micro * dp
-    sizes = {"global batch size": train.global_batch_size}
+    per_step = layout.micro_batch * layout.dp
     rampup = None
     if train.rampup is not None:
         start, inc, tokens = train.rampup
-        sizes.update({"ramp-up start": start, "ramp-up increment": inc})
         rampup = (start, inc, tokens // gpt.seq_len)
-    for what, size in sizes.items():
-        if size % per_step:
-            problems.append(f"{what} {size} is not divisible by micro-batch size {micro} x "
-                            f"dp {dp} = {per_step}")
+        for what, size in {"ramp-up start": start, "ramp-up increment": inc}.items():
+            if size % per_step:
+                problems.append(f"{what} {size} is not divisible by micro-batch size "
+                                f"{layout.micro_batch} x dp {layout.dp} = {per_step}")
     if problems:
         raise ConfigError("invalid layout: " + "; ".join(problems))
-    m = train.global_batch_size // per_step
+    m = layout.num_micro_batches
     if m > MAX_MICRO_BATCHES:  # was: a dry run simulating 1e10 micro-batches for minutes
-        raise ConfigError(f"invalid layout: global batch size {train.global_batch_size:,} is "
-                          f"{m:,} micro-batches of {micro} on each of dp {dp} replicas per "
-                          f"step; at most {MAX_MICRO_BATCHES:,} (a larger --micro-batch-size "
-                          "or --dp, or a smaller --global-batch-size)")
-    v = par.virtual_stages if par.pp > 1 else 1
-    schedule = par.schedule if par.pp > 1 else "1f1b"
+        raise ConfigError(f"invalid layout: global batch size {layout.global_batch:,} is "
+                          f"{m:,} micro-batches of {layout.micro_batch} on each of dp "
+                          f"{layout.dp} replicas per step; at most {MAX_MICRO_BATCHES:,} (a "
+                          "larger --micro-batch-size or --dp, or a smaller --global-batch-size)")
+    pipeline = layout.pipeline_config(compile=par.compile)
     try:
-        pipeline = PipelineConfig(schedule, m, v, par.activation_checkpointing, par.compile)
-        stages = plan_pipeline(pipeline, gpt.n_layers, par.pp)
-        if rampup is not None and schedule == "interleaved":
-            # gpipe / 1f1b take any micro-batch count; interleaving needs multiples of pp.
+        stages = plan_pipeline(pipeline, gpt.n_layers, layout.pp)
+        if rampup is not None:  # every ramp-up batch must suit the schedule too
             for size in range(rampup[0], train.global_batch_size, rampup[1]):
-                if (size // per_step) % par.pp:
-                    raise ScheduleError(
-                        f"ramp-up batch {size} gives {size // per_step} micro-batches, not a "
-                        f"multiple of pp {par.pp} as the interleaved schedule needs")
+                refused = SCHEDULES[layout.schedule].problems(
+                    layout.pp, size // per_step, layout.virtual_stages)
+                if refused:
+                    raise ScheduleError(f"ramp-up batch {size}: " + "; ".join(refused))
     except (PartitionError, ScheduleError) as err:
         raise ConfigError(f"invalid pipeline: {err}") from None
     steps, samples = _steps_and_samples(config, rampup, gpt.seq_len)
@@ -197,14 +199,7 @@ def resolve(config: PretrainConfig, world_size: int) -> RunPlan:
         raise ConfigError(f"--warmup-tokens {train.warmup_tokens:,} is longer than the decay: "
                           f"{decay:,} tokens ({where}); the learning rate would never reach "
                           "--lr. Use a shorter warmup, or a longer --decay-tokens")
-    try:
-        layout = ParallelLayout(topology.tp, topology.pp, topology.dp, train.global_batch_size,
-                                micro, par.zero_stage, schedule, v, par.sequence_parallel,
-                                "full" if par.activation_checkpointing else "none",
-                                par.precision)
-    except LayoutError as err:
-        raise ConfigError(str(err)) from None
-    return RunPlan(topology, gpt, pipeline, stages, rampup, steps, samples, model, layout)
+    return RunPlan(layout, gpt, pipeline, stages, rampup, steps, samples, model)
 
 
 def activation_shape(plan: RunPlan) -> tuple[int, int, int]:
@@ -280,19 +275,19 @@ def measured_memory_note(device: str) -> str:
 
 def describe(config: PretrainConfig, plan: RunPlan, max_ranks: int = 32) -> str:
     """The dry-run report: layout, ranks, groups, stages, parameters, memory, schedule."""
-    topo, gpt, pipe = plan.topology, plan.gpt, plan.pipeline
-    par, train = config.parallel, config.train
+    lay, topo, gpt, pipe = plan.layout, plan.topology, plan.gpt, plan.pipeline
+    par = config.parallel
     lines = [
         f"model      {_model_name(config)}: {gpt.n_layers} layers, hidden {gpt.hidden}, "
         f"{gpt.n_heads} heads, vocab {gpt.vocab_size}, seq {gpt.seq_len}"
         + (f" (of {plan.model.seq_len} positions)" if plan.model.seq_len != gpt.seq_len
            else "") + f": {count_parameters(plan.model):,} parameters",
         f"layout     tp {topo.tp} x pp {topo.pp} x dp {topo.dp} = {topo.world_size} ranks; "
-        f"ZeRO stage {par.zero_stage}, {par.precision}, engine {par.engine}"
-        + (", sequence parallel" if par.sequence_parallel else "")
-        + (", activation checkpointing" if par.activation_checkpointing else "")
-        + (", compiled" if par.compile else ""),
-        f"batch      global {train.global_batch_size} = micro {train.micro_batch_size} x "
+        f"ZeRO stage {lay.zero_stage}, {lay.precision}, engine {par.engine}"
+        + (", sequence parallel" if lay.sequence_parallel else "")
+        + (", activation checkpointing" if lay.recompute == "full" else "")
+        + (", compiled" if pipe.compile else ""),
+        f"batch      global {lay.global_batch} = micro {lay.micro_batch} x "
         f"dp {topo.dp} x {pipe.num_micro_batches} micro-batches"
         + (f"; ramp-up {plan.rampup[0]} +{plan.rampup[1]} over {plan.rampup[2]:,} samples"
            if plan.rampup else ""),

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mt_pipeline import SCHEDULES as PIPELINE_SCHEDULES
+from mt_pipeline import DEFAULT_SCHEDULE
+from mt_plan.layout import SCHEDULES, ParallelLayout, option_problems
 from mt_pretrain.config.engines import ENGINES
 from mt_zero.precision import PRECISIONS as ZERO_PRECISIONS
 
@@ -33,6 +34,7 @@ __all__ = [
     "ParallelArgs",
     "PretrainConfig",
     "TrainArgs",
+    "layout_flags",
 ]
 
 
@@ -44,7 +46,6 @@ ARCHITECTURE = ("n_layers", "hidden", "n_heads", "vocab_size", "ffn_hidden")
 MIN_TIMEOUT_S = 1.0
 PRECISIONS = tuple(ZERO_PRECISIONS)  # mt-zero's registry: fp32, bf16, fp16
 LOG_LEVELS = ("debug", "info", "warning", "error")
-SCHEDULES = tuple(PIPELINE_SCHEDULES)  # mt-pipeline's: gpipe, 1f1b, interleaved
 
 
 class ConfigError(ValueError):
@@ -167,7 +168,7 @@ class ParallelArgs:
     zero_stage: int = 1
     """ZeRO stage: 0 plain data parallel, 1 shard optimizer state, 2 + gradients,
     3 + parameters."""
-    schedule: str = "1f1b"
+    schedule: str = DEFAULT_SCHEDULE
     """Pipeline schedule: gpipe, 1f1b or interleaved (ignored with --pp 1)."""
     virtual_stages: int = 1
     """Model chunks per pipeline stage (>= 2 with the interleaved schedule)."""
@@ -198,20 +199,12 @@ class ParallelArgs:
         problems: list[str] = []
         _positive(problems, self, "tp", "pp", "virtual_stages")
         _positive(problems, self, "nproc", "dp", allow_none=True)
-        if self.zero_stage not in (0, 1, 2, 3):
-            problems.append(f"--zero-stage must be 0, 1, 2 or 3, got {self.zero_stage}")
-        if self.schedule not in SCHEDULES:
-            problems.append(f"--schedule must be one of {SCHEDULES}, got {self.schedule!r}")
-        elif self.pp > 1 and self.schedule == "interleaved" and self.virtual_stages < 2:
-            problems.append(f"--schedule interleaved needs --virtual-stages >= 2, got "
-                            f"{self.virtual_stages}")
-        elif self.pp > 1 and self.schedule != "interleaved" and self.virtual_stages != 1:
-            problems.append(f"--virtual-stages {self.virtual_stages} needs --schedule "
-                            f"interleaved (got {self.schedule!r})")
+        schedule, virtual_stages = self.pipeline_options()
+        problems += option_problems(zero_stage=self.zero_stage, schedule=schedule,
+                                    virtual_stages=virtual_stages,
+                                    recompute=self.recompute, precision=self.precision)
         if self.engine not in ENGINES:
             problems.append(f"--engine must be one of {tuple(ENGINES)}, got {self.engine!r}")
-        if self.precision not in PRECISIONS:
-            problems.append(f"--precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             problems.append(f"--device must be auto, cpu or cuda, got {self.device!r}")
         if not self.timeout >= MIN_TIMEOUT_S:
@@ -228,6 +221,45 @@ class ParallelArgs:
                             "sharding across pipeline micro-batches is not supported; use "
                             "--zero-stage 0 or 1 with pipeline parallelism")
         _raise(problems, "parallel arguments")
+
+    @property
+    def recompute(self) -> str:
+        """The layout's recomputation: full with --activation-checkpointing, else none."""
+        return "full" if self.activation_checkpointing else "none"
+
+    def pipeline_options(self) -> tuple[str, int]:
+        """(schedule, chunks per stage) as the layout takes them: a one-stage run ignores
+        both (the default schedule, one chunk) unless the schedule names none."""
+        if self.pp > 1 or self.schedule not in SCHEDULES:
+            return self.schedule, self.virtual_stages
+        return DEFAULT_SCHEDULE, 1
+
+    def layout(self, world_size: int, global_batch: int, micro_batch: int) -> ParallelLayout:
+        """The run's one :class:`~mt_plan.layout.ParallelLayout` on ``world_size`` processes
+        (raises :class:`~mt_plan.layout.LayoutError` or mt-dist's ``TopologyError``, naming
+        the numbers); :func:`layout_flags` is its inverse."""
+        from mt_dist import Topology  # torch: not for a config that is only read
+
+        topology = Topology.from_world(world_size, tp=self.tp, pp=self.pp)
+        schedule, virtual_stages = self.pipeline_options()
+        return ParallelLayout(topology.tp, topology.pp, topology.dp, global_batch, micro_batch,
+                              self.zero_stage, schedule, virtual_stages,
+                              self.sequence_parallel, self.recompute, self.precision)
+
+
+def layout_flags(layout: ParallelLayout) -> dict[str, Any]:
+    """The flat config fields that give ``layout`` (the inverse of
+    :meth:`ParallelArgs.layout`; the contract matrix runs its cases through it)."""
+    if layout.recompute not in ("full", "none"):
+        raise ConfigError(f"recompute {layout.recompute!r}: `mt pretrain` recomputes full "
+                          "layers or none")
+    return {"nproc": layout.world_size, "tp": layout.tp, "pp": layout.pp, "dp": layout.dp,
+            "global_batch_size": layout.global_batch, "micro_batch_size": layout.micro_batch,
+            "zero_stage": layout.zero_stage, "schedule": layout.schedule,
+            "virtual_stages": layout.virtual_stages,
+            "sequence_parallel": layout.sequence_parallel,
+            "activation_checkpointing": layout.recompute == "full",
+            "precision": layout.precision}
 
 
 @dataclass(frozen=True)

@@ -28,9 +28,10 @@ from dataclasses import dataclass, replace
 from functools import cache
 from typing import Any
 
+from mt_pipeline import DEFAULT_SCHEDULE, SCHEDULES
 from mt_plan.layout import ParallelLayout
 from mt_pretrain.config.engines import ENGINES, REFERENCE
-from mt_pretrain.config.schema import PRECISIONS
+from mt_pretrain.config.schema import PRECISIONS, layout_flags
 
 __all__ = ["COMMON", "LLAMA", "LLAMA_CI", "Case", "candidates", "ci_matrix", "full_matrix",
            "llama_rows", "matrix_layout", "pairwise_cover", "valid"]
@@ -87,15 +88,10 @@ class Case:
         return " ".join(parts)
 
     def options(self) -> dict[str, Any]:
-        """The `mt pretrain` flags of this case (on top of :data:`COMMON`)."""
-        lay = self.layout
-        return {
-            "nproc": self.nproc, "tp": lay.tp, "pp": lay.pp, "dp": lay.dp,
-            "zero_stage": lay.zero_stage, "schedule": lay.schedule,
-            "virtual_stages": lay.virtual_stages, "sequence_parallel": lay.sequence_parallel,
-            "activation_checkpointing": self.checkpointing, "precision": lay.precision,
-            "dropout": self.dropout, "engine": self.engine, "model": self.model,
-        }
+        """The `mt pretrain` flags of this case (on top of :data:`COMMON`): the layout's
+        through the config's own inverse (:func:`~mt_pretrain.config.schema.layout_flags`)."""
+        return {**layout_flags(self.layout), "dropout": self.dropout, "engine": self.engine,
+                "model": self.model}
 
     def reference(self) -> Case:
         """The run this case must equal (see the module docstring)."""
@@ -126,11 +122,11 @@ class Case:
 
 
 def matrix_layout(tp: int = 1, pp: int = 1, dp: int = 1, zero_stage: int = 0,
-                  schedule: str = "1f1b", sequence_parallel: bool = False,
+                  schedule: str = DEFAULT_SCHEDULE, sequence_parallel: bool = False,
                   checkpointing: bool = False, precision: str = "fp32") -> ParallelLayout:
-    """A layout at the matrix's batch sizes (interleaving with 2 chunks per stage)."""
+    """A layout at the matrix's batch sizes (a chunked schedule with 2 chunks per stage)."""
     return ParallelLayout(tp, pp, dp, GLOBAL_BATCH, MICRO_BATCH, zero_stage, schedule,
-                  2 if schedule == "interleaved" else 1, sequence_parallel,
+                  2 if SCHEDULES[schedule].chunked else 1, sequence_parallel,
                   "full" if checkpointing else "none", precision)
 
 
@@ -164,7 +160,7 @@ def candidates() -> list[Case]:
     for tp, pp, dp in _grids():
         for zero, schedule, sp, ac, precision, dropout, engine in itertools.product(
                 (0, 1, 2, 3) if dp > 1 else (0,),
-                ("gpipe", "1f1b", "interleaved") if pp > 1 else ("1f1b",),
+                tuple(SCHEDULES) if pp > 1 else (DEFAULT_SCHEDULE,),
                 (False, True) if tp > 1 else (False,), (False, True),
                 PRECISIONS, (0.0, DROPOUT), ENGINES):
             if dropout and not ENGINES[engine].keyed_dropout:
@@ -213,7 +209,7 @@ def full_matrix() -> list[Case]:
     for c in plain:  # one base layout per grid: ZeRO-1 with DP, the 1F1B schedule
         lay = c.layout
         key = (lay.tp, lay.pp, lay.dp)
-        if lay.zero_stage == (1 if lay.dp > 1 else 0) and lay.schedule == "1f1b":
+        if lay.zero_stage == (1 if lay.dp > 1 else 0) and lay.schedule == DEFAULT_SCHEDULE:
             base[key] = c
     features: list[dict[str, Any]] = [
         {"sequence_parallel": True}, {"checkpointing": True}, {"precision": "bf16"},
@@ -241,7 +237,7 @@ def llama_rows(pool: Iterable[Case] | None = None) -> list[Case]:
     for case in (pool if pool is not None else candidates()):
         lay = case.layout
         if (case.dropout == 0 and case.engine == REFERENCE and lay.precision == "fp32"
-                and not case.checkpointing and lay.schedule == "1f1b"
+                and not case.checkpointing and lay.schedule == DEFAULT_SCHEDULE
                 and lay.zero_stage == (1 if lay.dp > 1 else 0)
                 and lay.sequence_parallel == (lay.tp > 1)):
             out.append(replace(case, model=LLAMA))

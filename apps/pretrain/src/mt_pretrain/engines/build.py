@@ -28,7 +28,7 @@ from mt_tensor_parallel import (
     decoder_plan,
     shard_tensor,
 )
-from mt_zero import ZeroConfig, ZeroOptimizer, counts_once, decay_param_groups
+from mt_zero import ZeroOptimizer, counts_once, decay_param_groups
 
 __all__ = ["Built", "build_model_stage", "make_optimizer", "materialize_stage",
            "seed_everything"]
@@ -131,8 +131,7 @@ def make_optimizer(train: TrainArgs, layout: ParallelLayout, stage: PipelineStag
         if layout.zero_stage == 3 else None
     return ZeroOptimizer(
         stage, factory, dp_group=groups.dp, units=units,
-        config=ZeroConfig(stage=layout.zero_stage, precision=layout.precision,
-                          clip_grad=train.clip_grad),
+        config=layout.zero_config(clip_grad=train.clip_grad),
         param_groups=decay_param_groups(stage.named_parameters(), train.weight_decay),
         norm_groups=[groups.tp, groups.pp],
         count_in_norm=counted,

@@ -101,11 +101,9 @@ class Checkpointer:
         return final
 
     def _meta(self, step: int, data_state: DataLoaderState) -> CheckpointMeta:
-        topo, parallel = self.plan.topology, self.config.parallel
-        layout = SavedLayout(topo.tp, topo.pp, topo.dp, self.plan.pipeline.virtual_stages,
-                             parallel.zero_stage, parallel.precision)
         return CheckpointMeta(
-            step=step, layout=layout, model=self.plan.model.to_dict(), styles=self.built.styles,
+            step=step, layout=SavedLayout.of(self.plan.layout), model=self.plan.model.to_dict(),
+            styles=self.built.styles,
             stage_params=all_stage_names(self.plan, list(self.built.full_shapes)),
             consumed_samples=data_state.consumed_samples, data_step=data_state.step,
             tokens=data_state.consumed_samples * self.plan.gpt.seq_len,

@@ -54,7 +54,7 @@ from mt_pretrain.data.inputs import default_cache_dir, to_batch
 from mt_pretrain.engines.base import Engine, Saver
 from mt_pretrain.engines.build import Built, build_model_stage, seed_everything
 from mt_pretrain.engines.deepspeed_pipe import build_pipeline_module, micro_batches
-from mt_zero import StepResult, ZeroConfig, decay_param_groups
+from mt_zero import StepResult, decay_param_groups
 from mt_zero.deepspeed_engine import deepspeed_config, deepspeed_environ, initialize_deepspeed
 from mt_zero.deepspeed_mpu import GroupsMpu
 
@@ -195,8 +195,7 @@ def _initialize(config: PretrainConfig, plan: RunPlan, stage: nn.Module,
                                lr=train.lr, betas=(train.adam_beta1, train.adam_beta2),
                                eps=train.adam_eps)
     dp = layout.dp
-    zero = ZeroConfig(stage=layout.zero_stage, precision=layout.precision,
-                      clip_grad=train.clip_grad)
+    zero = layout.zero_config(clip_grad=train.clip_grad)
     accumulation = max(1, layout.global_batch // (layout.micro_batch * dp))
     ds_config = deepspeed_config(zero, layout.micro_batch, accumulation, dp)
     backend = "nccl" if groups.device.type == "cuda" else "gloo"
