@@ -89,30 +89,42 @@ def launch(config: PretrainConfig, environ: Mapping[str, str] | None = None,
 
 
 def launch_eval(spec: EvalSpec, environ: Mapping[str, str] | None = None,
-                timeout: float | None = None) -> list[TaskResult] | None:
+                timeout: float | None = None) -> list[TaskResult] | dict | None:
     """Run `mt eval` ``spec``: as one rank under a launcher, else on ``spec.nproc`` local
-    processes. Returns rank 0's results (None on other ranks under a launcher)."""
+    processes. Returns rank 0's results (mt-eval's task results, or lm-eval's results dict
+    with the harness engine; None on other ranks under a launcher)."""
     environ = os.environ if environ is None else environ
     info = discover(environ)
-    for task in spec.tasks:  # fail here, before starting anything
-        load_task(task)
+    if spec.engine == "mt":
+        for task in spec.tasks:  # fail here, before starting anything
+            load_task(task)
     # Another format is converted once here (under a launcher: once per rank).
     with as_pretrain_checkpoint(spec.checkpoint, spec.tokenizer) as (checkpoint, tokenizer):
         spec = replace(spec, checkpoint=checkpoint, tokenizer=tokenizer)
         if info.launcher != "single":
-            return eval_rank(spec, info)
+            return _engine_rank(spec, info)
         if spec.nproc == 1:
-            return eval_rank(spec, LaunchInfo(0, 1, 0, 1, "127.0.0.1",
-                                              free_port("127.0.0.1"), "single"))
+            return _engine_rank(spec, LaunchInfo(0, 1, 0, 1, "127.0.0.1",
+                                                 free_port("127.0.0.1"), "single"))
         threads = max(1, (os.cpu_count() or 1) // spec.nproc)
         return supervise(_eval_rank, spec.nproc,
                          (spec, spec.nproc, free_port("127.0.0.1"), threads), timeout)
 
 
+def _engine_rank(spec: EvalSpec, info: LaunchInfo) -> list[TaskResult] | dict | None:
+    """One rank of ``spec``'s task engine: mt-eval's, or lm-evaluation-harness."""
+    if spec.engine == "harness":
+        from mt_pretrain.evaluation.harness import harness_rank  # lm-eval: the harness extra
+
+        return harness_rank(spec, info)
+    return eval_rank(spec, info)
+
+
 def _eval_rank(rank: int, spec: EvalSpec, nproc: int, port: int,
-               threads: int) -> list[TaskResult] | None:
+               threads: int) -> list[TaskResult] | dict | None:
     torch.set_num_threads(threads)
-    return eval_rank(spec, LaunchInfo(rank, nproc, rank, nproc, "127.0.0.1", port, "single"))
+    return _engine_rank(spec, LaunchInfo(rank, nproc, rank, nproc, "127.0.0.1", port,
+                                         "single"))
 
 
 def _rank(rank: int, config: PretrainConfig, nproc: int, port: int, cache: Path,

@@ -15,17 +15,22 @@ __all__ = ["eval_command"]
 _HELP = (
     "Evaluate a checkpoint zero- or few-shot, the way lm-evaluation-harness scores models.\n\n"
     "CHECKPOINT is an mt pretrain checkpoint folder (its latest step, or one step folder), "
-    "or any folder mt convert reads (a Hugging Face GPT-2 folder, an mt consolidated or "
-    "sharded folder, a Megatron-LM checkpoint; converted once to a temporary folder); the "
-    "tokenizer is the one it trained with or the one the folder carries (or --tokenizer). "
-    "TASK is a built-in task "
-    "(mt-cloze, mt-choice, mt-perplexity: made from the embedded corpus' held-out "
-    "documents), a .jsonl file (rows {context, choices, label}: multiple choice; rows {text}: "
-    "last-word cloze) or an lm-eval task .yaml (dataset_path: json; output_type "
-    "multiple_choice, loglikelihood or loglikelihood_rolling). Few-shot examples are drawn as "
-    "lm-eval draws them (same seed, same examples). --nproc N evaluates on N local processes "
-    "at --tp x --pp (data parallelism takes the rest); under torchrun, mpirun or srun each "
-    "process is one rank."
+    "or any folder mt convert reads (a Hugging Face GPT-2 or Llama folder, an mt "
+    "consolidated or sharded folder, a Megatron-LM checkpoint; converted once, in process); "
+    "the tokenizer is the one it trained with or the one the folder carries (or "
+    "--tokenizer).\n\n"
+    "With lm-evaluation-harness installed (pip install 'mt-pretrain[harness]'), TASK is any "
+    "lm-eval task, group or tag name, or a task YAML: lm-eval runs its own task code (Python "
+    "hooks, multiple-input tasks, filters, its metrics and results JSON) and mt scores its "
+    "log-likelihood requests; --data-dir points named tasks at local copies of their data "
+    "(no hub). mt's own engine (--engine mt, and whenever the harness is not installed) runs "
+    "the built-in tasks (mt-cloze, mt-choice, mt-perplexity: from the embedded corpus' "
+    "held-out documents), .jsonl files (rows {context, choices, label}: multiple choice; "
+    "rows {text}: last-word cloze) and lm-eval YAMLs of the log-likelihood kinds "
+    "(dataset_path: json). Both draw few-shot examples as lm-eval does (same seed, same "
+    "examples).\n\n"
+    "--nproc N evaluates on N local processes at --tp x --pp (data parallelism takes the "
+    "rest); under torchrun, mpirun or srun each process is one rank."
 )
 
 
@@ -56,6 +61,18 @@ def eval_command(
     log_samples: Annotated[bool, typer.Option(
         "--log-samples", help="Add every document's log-likelihoods to the JSON.")] = False,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
+    engine: Annotated[str, typer.Option(
+        help="Task engine: harness (lm-evaluation-harness's own task code; needs "
+        "`pip install 'mt-pretrain[harness]'`), mt (mt-eval's, for its built-in tasks, JSONL "
+        "files and the log-likelihood YAMLs), or auto: the harness when it is installed and "
+        "no task is an mt built-in or a .jsonl file.")] = "auto",
+    include_path: Annotated[Path | None, typer.Option(
+        help="A folder of lm-eval task YAMLs to add (the harness engine).")] = None,
+    data_dir: Annotated[Path | None, typer.Option(
+        help="Local copies of the tasks' datasets, no hub needed (the harness engine): "
+        "DATA_DIR/<dataset_path>/<dataset_name>/<split>.jsonl (or .json, .parquet), rows in "
+        "the dataset's own schema, e.g. DATA_DIR/aps/super_glue/boolq/validation.jsonl.")
+    ] = None,
 ) -> None:
     from mt_data import output_clash
     from mt_eval import results_json, results_table, write_json
@@ -79,12 +96,16 @@ def eval_command(
     elif output is not None and (clash := output_clash(
             "--output", output, [checkpoint, *(t for t in task if Path(t).exists())])):
         problems.append(clash)  # was: a task file replaced by the results
+    chosen, problem = _engine(engine, task, include_path, data_dir)
+    problems += [problem] if problem else []
     if problems:
         console.print(f"[bold red]error:[/] {escape('; '.join(problems))}", highlight=False,
                       soft_wrap=True)
         raise typer.Exit(2)
     spec = EvalSpec(checkpoint, tuple(task), shots, fewshot_seed, batch_size, limit, tp, pp,
-                    nproc, device, precision, tokenizer, progress)
+                    nproc, device, precision, tokenizer, progress, engine=chosen,
+                    include_path=str(include_path) if include_path else None,
+                    data_dir=str(data_dir) if data_dir else None, log_samples=log_samples)
     try:
         results = launch_eval(spec)
     except Exception as err:  # noqa: BLE001 - every failure is reported as one line
@@ -98,6 +119,9 @@ def eval_command(
         raise typer.Exit(2 if isinstance(err, _EXPECTED) else 1) from None
     if results is None:  # a rank other than 0 under a launcher
         return
+    if chosen == "harness":
+        _report_harness(results, output, console)
+        return
     Console().print(results_table(results))
     if output is not None:
         config = {"checkpoint": checkpoint, "tasks": list(task), "shots": shots,
@@ -105,4 +129,50 @@ def eval_command(
                   "tp": tp, "pp": pp, "nproc": nproc, "precision": precision,
                   "tokenizer": tokenizer}
         write_json(output, results_json(results, config, samples=log_samples))
+        console.print(f"wrote {output}", highlight=False, soft_wrap=True)
+
+
+def _harness_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("lm_eval") is not None
+
+
+def _engine(asked: str, tasks: list[str], include_path: Path | None,
+            data_dir: Path | None) -> tuple[str, str | None]:
+    """(the task engine to run, or a problem naming the option at fault)."""
+    from mt_eval import BUILTIN
+
+    if asked not in ("auto", "mt", "harness"):
+        return "mt", f"--engine must be auto, mt or harness, got {asked!r}"
+    own = [t for t in tasks if t in BUILTIN or t.endswith(".jsonl")]
+    harness = asked == "harness" or (asked == "auto" and not own and _harness_installed())
+    if harness and not _harness_installed():
+        return "mt", ("--engine harness needs lm-evaluation-harness: pip install "
+                      "'mt-pretrain[harness]'")
+    if harness and own:
+        return "mt", (f"--task {', '.join(own)}: mt's own tasks run with --engine mt, not "
+                      "through lm-evaluation-harness")
+    if not harness and (include_path or data_dir):
+        option = "--include-path" if include_path else "--data-dir"
+        why = ("lm-evaluation-harness is not installed (pip install 'mt-pretrain[harness]')"
+               if not _harness_installed() else "--engine mt runs mt's own tasks")
+        return "mt", f"{option} is for lm-eval's tasks (the harness engine), but {why}"
+    for folder, option in ((include_path, "--include-path"), (data_dir, "--data-dir")):
+        if folder is not None and not folder.is_dir():
+            return "mt", f"{option} {folder}: no such folder"
+    return ("harness" if harness else "mt"), None
+
+
+def _report_harness(results: dict, output: Path | None, console: Console) -> None:
+    """lm-eval's table on stdout and, with --output, its results JSON."""
+    import json
+
+    from lm_eval.utils import handle_non_serializable, make_table  # pants: no-infer-dep
+
+    print(make_table(results))
+    if output is not None:
+        from mt_eval import write_json
+
+        write_json(output, json.loads(json.dumps(results, default=handle_non_serializable)))
         console.print(f"wrote {output}", highlight=False, soft_wrap=True)

@@ -128,7 +128,7 @@ class ScoringSession:
         folder, while the weights are read."""
         info = discover(os.environ)
         if info.launcher == "single":
-            info = replace(info, port=free_port(info.master_addr))
+            info = replace(info, master_port=free_port(info.master_addr))
         with as_pretrain_checkpoint(checkpoint, tokenizer) as (path, tok):
             spec = EvalSpec(path, (), tp=tp, pp=pp, nproc=info.world_size, device=device,
                             precision=precision, tokenizer=tok, progress=False,

@@ -1,0 +1,248 @@
+"""mt as a model of lm-evaluation-harness: lm-eval's own tasks (Python hooks, multiple-input
+tasks, filters, ``process_results``, its metrics and results JSON) scored by mt at any
+TP x PP x DP layout.
+
+:class:`MTLM` is registered in lm-eval's model registry as ``mt``. Every process of the
+layout runs the harness the same way (lm-eval builds the same requests on each, in the same
+order); the requests reach mt's stage scorer on every rank, whose data-parallel replicas share
+the batches out and all-reduce the scores, so each process holds every score. The model
+therefore tells lm-eval it is rank 0 of 1 (lm-eval's convention for tensor-parallel
+launchers: it writes results where its rank and ``LOCAL_RANK`` are 0), and lm-eval never
+shards documents itself.
+
+Two ways in: ``mt eval CHECKPOINT --task NAME`` (local processes, or one rank under a
+launcher), and lm-eval's own command line with mt registered,
+``python -m mt_pretrain.lm_eval --model mt --model_args checkpoint=DIR,tp=2,pp=2 ...``
+(under ``torchrun --nproc_per_node N`` for N processes).
+"""
+
+from __future__ import annotations
+
+import atexit
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+# lm-eval registers its own models only while its registry is empty: first theirs, then mt.
+import lm_eval.models  # noqa: F401  # pants: no-infer-dep (the harness extra)
+from lm_eval.api.model import LM  # pants: no-infer-dep
+from lm_eval.api.registry import register_model  # pants: no-infer-dep
+
+from mt_dist import LaunchInfo
+from mt_eval import Request, TaskError, batches_by_length, encode_pair, rolling_windows
+from mt_pretrain.evaluation.session import EvalSpec, ScoringSession
+
+__all__ = ["MTLM", "harness_rank", "local_task"]
+
+#: Where lm-eval reads a task's documents, by split: its config keys.
+_SPLITS = ("test_split", "validation_split", "training_split", "fewshot_split")
+_FORMATS = {"jsonl": "json", "json": "json", "parquet": "parquet"}
+
+
+def _instances_progress(show: bool, total: int, what: str) -> Callable[[int], None]:
+    """An ``advance(n)`` for the scorer: lm-eval's tqdm-style count on rank 0, or nothing."""
+    if not show:
+        return lambda _n: None
+    from tqdm import tqdm  # lm-eval's own progress bars  # pants: no-infer-dep
+
+    bar = tqdm(total=total, desc=f"mt: {what}")
+
+    def advance(n: int) -> None:
+        bar.update(min(n, total - bar.n))
+        if bar.n >= total:
+            bar.close()
+
+    return advance
+
+
+def _device(asked: str | None) -> str:
+    """mt's device for lm-eval's ``--device`` (its default is cuda:0 on any machine): cpu
+    when asked, else cuda when there is one (each rank its LOCAL_RANK's GPU)."""
+    return "cpu" if asked == "cpu" else "auto"
+
+
+@register_model("mt")
+class MTLM(LM):
+    """An mt checkpoint (any format mt reads) as an lm-eval model.
+
+    Args (``--model_args`` keys):
+        checkpoint: an mt pretrain checkpoint folder, or any folder mt convert reads.
+        tp, pp: the layout (dp is the processes left: world size / (tp x pp)).
+        precision: fp32, bf16 or fp16 weights.
+        tokenizer: instead of the checkpoint's.
+        batch_size: distinct inputs per forward pass ("auto": 16).
+        device: lm-eval's --device: cpu, else a GPU when there is one.
+    """
+
+    def __init__(self, checkpoint: str | None = None, tp: int = 1, pp: int = 1,
+                 precision: str = "fp32", tokenizer: str | None = None,
+                 batch_size: int | str = 16, device: str | None = None,
+                 session: ScoringSession | None = None, **_unused: Any) -> None:
+        super().__init__()
+        if session is None:
+            if checkpoint is None:
+                raise ValueError("--model_args needs checkpoint=DIR (an mt checkpoint, or a "
+                                 "folder mt convert reads)")
+            session = ScoringSession.open_here(checkpoint, tp=int(tp), pp=int(pp),
+                                               precision=precision, tokenizer=tokenizer,
+                                               device=_device(device))
+            atexit.register(session.close)  # lm-eval's command line keeps the model to the end
+        self.session = session
+        self.batch_size = 16 if str(batch_size).startswith("auto") else int(batch_size)
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be positive, got {batch_size}")
+
+    # lm-eval shards documents by (rank, world_size); mt shares out batches itself.
+    @property
+    def rank(self) -> int:
+        return 0
+
+    @property
+    def world_size(self) -> int:
+        return 1
+
+    @property
+    def tokenizer_name(self) -> str:
+        return self.session.tokenizer_name
+
+    def _score(self, requests: list[Request], what: str) -> dict[tuple[int, int], tuple]:
+        batches = batches_by_length(requests, self.batch_size)
+        advance = _instances_progress(self.session.is_main, len(requests), what)
+        scores = self.session.scorer(batches, advance)
+        return {(r.doc_id, r.index): s for batch, scored in zip(batches, scores, strict=True)
+                for r, s in zip(batch, scored, strict=True)}
+
+    def loglikelihood(self, requests: list[Any], disable_tqdm: bool = False
+                      ) -> list[tuple[float, bool]]:
+        """(log-likelihood of the continuation, whether it is the greedy one) per request,
+        tokenised as lm-eval's HF backend tokenises (:func:`mt_eval.encode_pair`)."""
+        s = self.session
+        ours = []
+        for i, instance in enumerate(requests):
+            context, continuation = instance.args[:2]
+            ctx, cont = encode_pair(s.encode, s.prefix, context, continuation)
+            if len(cont) > s.max_length:
+                raise TaskError(f"request {i}: the continuation has {len(cont)} tokens, more "
+                                f"than the model's {s.max_length} positions")
+            ours.append(Request(i, 0, tuple((ctx + cont)[-(s.max_length + 1):]), len(cont)))
+        scores = self._score(ours, "loglikelihood")
+        out = []
+        for i, instance in enumerate(requests):
+            ll, greedy = scores[(i, 0)]
+            self.cache_hook.add_partial("loglikelihood", instance.args, (ll, greedy))
+            out.append((ll, greedy))
+        return out
+
+    def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False
+                              ) -> list[float]:
+        """The whole text's log-likelihood in disjoint windows of the model's length (lm-eval's
+        rolling windows, :func:`mt_eval.rolling_windows`)."""
+        s = self.session
+        ours, windows = [], []
+        for i, instance in enumerate(requests):
+            parts = rolling_windows(s.encode(instance.args[0]), s.prefix, s.max_length)
+            windows.append(len(parts))
+            ours += [Request(i, w, tuple(ctx + pred), len(pred))
+                     for w, (ctx, pred) in enumerate(parts)]
+        scores = self._score(ours, "loglikelihood_rolling")
+        out = []
+        for i, instance in enumerate(requests):
+            total = sum(scores[(i, w)][0] for w in range(windows[i]))
+            self.cache_hook.add_partial("loglikelihood_rolling", instance.args, total)
+            out.append(total)
+        return out
+
+    def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
+        raise NotImplementedError(
+            "generate_until: mt does not generate text yet (`mt generate` is the next "
+            "step); evaluate log-likelihood tasks (multiple_choice, loglikelihood, "
+            "loglikelihood_rolling)")
+
+
+def _needed_splits(config: dict[str, Any], shots: int) -> set[str]:
+    """The splits lm-eval reads: the evaluated one (test, else validation) and, with
+    examples, where they come from (the few-shot split, else training, else validation)."""
+    evaluated = config.get("test_split") or config.get("validation_split")
+    needed = {evaluated} if evaluated else set()
+    if shots:
+        source = (config.get("fewshot_split") or config.get("training_split")
+                  or config.get("validation_split"))
+        needed.add(source)
+    return {s for s in needed if s}
+
+
+def local_task(name: str, data_dir: str | Path, manager: Any, shots: int = 0
+               ) -> dict[str, Any]:
+    """lm-eval task ``name`` (or a task YAML file) reading its documents from local copies:
+    ``DATA_DIR/<dataset_path>/<dataset_name>/<split>.jsonl`` (or ``.json``, ``.parquet``),
+    rows in the dataset's own schema, e.g. ``DATA/aps/super_glue/boolq/validation.jsonl``
+    for ``boolq``. Raises :class:`~mt_eval.TaskError` naming the file expected."""
+    from lm_eval.tasks._index import Kind, TaskIndex  # pants: no-infer-dep
+    from lm_eval.tasks._yaml_loader import load_yaml  # pants: no-infer-dep
+
+    entry = manager.task_index.get(name) or TaskIndex.entry_from_path(Path(name))
+    if entry is None:
+        raise TaskError(f"task {name}: not an lm-eval task name nor a task YAML file "
+                        "(`lm_eval ls tasks` lists the names; --include-path adds a folder)")
+    if entry.kind not in (Kind.TASK,) or entry.yaml_path is None:
+        raise TaskError(f"task {name}: an lm-eval {entry.kind.name.lower()}, not one task; "
+                        "with --data-dir name its tasks one by one")
+    config = load_yaml(entry.yaml_path, resolve_func=False)
+    if not config.get("dataset_path"):
+        raise TaskError(f"task {name} ({entry.yaml_path}): no dataset_path to find a local "
+                        "copy of")
+    folder = Path(data_dir) / config["dataset_path"] / (config.get("dataset_name") or "")
+    files, missing, overrides = {}, [], {}
+    needed = _needed_splits(config, shots)
+    for key in _SPLITS:
+        split = config.get(key)
+        if not split or split in files:
+            continue
+        found = [folder / f"{split}.{ext}" for ext in _FORMATS
+                 if (folder / f"{split}.{ext}").is_file()]
+        if found:
+            files[split] = found[0]
+        elif split in needed:
+            missing.append(str(folder / f"{split}.jsonl"))
+        else:
+            overrides[key] = None  # a split this evaluation does not read
+    if missing:
+        raise TaskError(f"task {name}: no local copy of {', '.join(missing)} (or .json, "
+                        f".parquet beside it): rows in {config['dataset_path']}'s own schema")
+    builders = {_FORMATS[path.suffix[1:]] for path in files.values()}
+    if len(builders) > 1:
+        raise TaskError(f"task {name}: its splits in {folder} mix JSON and Parquet files; "
+                        "give them all in one format")
+    # The whole config (hooks resolved, as lm-eval loads it) with the data source replaced.
+    full = load_yaml(entry.yaml_path, resolve_func=True)
+    return {**full, **overrides, "dataset_path": builders.pop(), "dataset_name": None,
+            "dataset_kwargs": {"data_files": {k: str(v) for k, v in files.items()}}}
+
+
+def harness_rank(spec: EvalSpec, info: LaunchInfo) -> dict[str, Any] | None:
+    """Evaluate ``spec.tasks`` with lm-eval as rank ``info.rank`` (every rank runs the
+    harness; mt's scorer shares the batches out); lm-eval's results on rank 0, else None."""
+    import lm_eval  # pants: no-infer-dep
+    from lm_eval.tasks import TaskManager  # pants: no-infer-dep
+
+    manager = TaskManager(include_path=spec.include_path)
+    tasks: Sequence[Any] = list(spec.tasks)
+    unknown = [t for t in tasks if t not in manager.task_index and not Path(t).is_file()]
+    if unknown:
+        raise TaskError(f"--task {', '.join(unknown)}: not an lm-eval task, group or tag name "
+                        "nor a task YAML file (`lm_eval ls tasks` lists the names; "
+                        "--include-path adds a folder of task YAMLs)")
+    if spec.data_dir is not None:
+        tasks = [local_task(name, spec.data_dir, manager, spec.shots or 0) for name in tasks]
+    session = ScoringSession(spec, info)
+    completed = False
+    try:
+        model = MTLM(session=session, batch_size=spec.batch_size)
+        results = lm_eval.simple_evaluate(
+            model=model, tasks=list(tasks), num_fewshot=spec.shots, limit=spec.limit,
+            fewshot_random_seed=spec.fewshot_seed, log_samples=spec.log_samples,
+            task_manager=manager)
+        completed = True
+        return results if session.is_main else None
+    finally:
+        session.close(completed)
