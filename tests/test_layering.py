@@ -118,9 +118,9 @@ def test_no_two_packages_export_one_name() -> None:
 #: registry; data is what a run reads; engines run the model and write its checkpoints;
 #: evaluation scores through an engine; run is one rank's training loop (it scores tasks
 #: during training); launch starts ranks; contract (the layout matrix) launches runs; the
-#: command line sits on everything.
+#: command line sits on everything (lm_eval: lm-eval's command line with mt registered).
 PRETRAIN_STACK = ["config", "data", "engines", "evaluation", "run", "launch", "contract", "cli",
-                  "__main__"]
+                  "lm_eval", "__main__"]
 
 
 def _part(path: Path, tree: Path) -> str:

@@ -68,8 +68,14 @@ def test_bad_input_is_one_line(checkpoint: Path, tmp_path: Path) -> None:
     assert code == 2 and "invalid layout" in text and "3" in text, text
     code, text = _eval(str(checkpoint), "--task", "mt-cloze", "--batch-size", "0")
     assert code == 2 and "--batch-size must be positive, got 0" in text, text
-    code, text = _eval(str(checkpoint), "--task", "no-such-task")
+    code, text = _eval(str(checkpoint), "--task", "no-such-task", "--engine", "mt")
     assert code == 2 and "unknown task 'no-such-task'" in text, text
+    code, text = _eval(str(checkpoint), "--task", "no-such-task")  # lm-eval is installed
+    assert code == 2 and "--task no-such-task: not an lm-eval task" in text, text
+    code, text = _eval(str(checkpoint), "--task", "mt-cloze", "--engine", "harness")
+    assert code == 2 and "--task mt-cloze: mt's own tasks run with --engine mt" in text, text
+    code, text = _eval(str(checkpoint), "--task", "boolq", "--data-dir", str(missing))
+    assert code == 2 and f"--data-dir {missing}: no such folder" in text, text
     folder = tmp_path / "results"
     folder.mkdir()
     code, text = _eval(str(checkpoint), "--task", "mt-cloze", "--output", str(folder))
