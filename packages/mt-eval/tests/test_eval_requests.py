@@ -54,6 +54,38 @@ def test_prompts_equal_lm_eval(lm_tasks: dict, task_dir: Path, shots: int) -> No
             assert inst.arguments == expected, (name, inst.doc_id, inst.idx)
 
 
+@pytest.mark.parametrize("shots", [1, 2, 5])
+def test_a_task_without_test_split_draws_as_lm_eval(tmp_path: Path, shots: int) -> None:
+    """BoolQ's shape: training and validation splits, no test split, no fewshot_split. lm-eval
+    then draws n + 1 training examples per document and drops the evaluated one if drawn (it
+    was: mt drew n, so every prompt after the first differed). The training split holds the
+    validation documents too, so that the drop happens; ``dataset_name: null`` is read."""
+    rows = builtin_task("mt-choice").docs[:14]
+    for split, part in (("train", rows), ("validation", rows[:8])):
+        (tmp_path / f"{split}.jsonl").write_text(
+            "".join(json.dumps(r) + "\n" for r in part), encoding="utf-8")
+    (tmp_path / "t_boolq_like.yaml").write_text(
+        f"task: t_boolq_like\ndataset_path: json\ndataset_name: null\ndataset_kwargs:\n"
+        f"  data_files:\n    train: {tmp_path / 'train.jsonl'}\n"
+        f"    validation: {tmp_path / 'validation.jsonl'}\ntraining_split: train\n"
+        "validation_split: validation\noutput_type: multiple_choice\ndoc_to_text: context\n"
+        "doc_to_choice: choices\ndoc_to_target: label\n", encoding="utf-8")
+    manager = lm_eval_tasks.TaskManager(include_path=str(tmp_path))
+    theirs = manager.load(["t_boolq_like"])["tasks"]["t_boolq_like"]
+    theirs.set_config(key="num_fewshot", value=shots)
+    theirs.set_fewshot_seed(1234)
+    theirs.build_all_requests(limit=None, rank=0, world_size=1)
+    ours = load_task(str(tmp_path / "t_boolq_like.yaml"))
+    examples = fewshot_sample(ours, shots, 1234)
+    assert ours.exclude_self and len(ours.docs) == 8
+    prompts = {(i.doc_id, i.idx): i.arguments[0] for i in theirs.instances}
+    assert len(prompts) == sum(len(continuations(ours, d)) for d in range(8))
+    for (doc_id, _), prompt in prompts.items():
+        assert prompt == context(ours, doc_id, examples[doc_id]), (shots, doc_id)
+        # the evaluated document is never its own example
+        assert ours.docs[doc_id] not in examples[doc_id]
+
+
 class _LM(TemplateLM):
     """lm-eval's own context/continuation split over a given tokenizer."""
 

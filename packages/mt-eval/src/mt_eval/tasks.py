@@ -9,7 +9,9 @@ A task is named on the command line (:func:`mt_eval.load_task`) as a built-in na
   ``training_split`` / ``fewshot_split``, ``output_type`` (``multiple_choice``,
   ``loglikelihood``, ``loglikelihood_rolling``), ``doc_to_text``, ``doc_to_choice``,
   ``doc_to_target``, ``target_delimiter``, ``fewshot_delimiter``, ``description``,
-  ``num_fewshot``, ``metric_list``. Other keys are refused by name.
+  ``num_fewshot``, ``metric_list``, ``dataset_name: null``. Other keys (Python hooks,
+  ``include:``, filters, ``generate_until``...) are refused by name, with the way to run them:
+  lm-evaluation-harness itself (``mt eval --engine harness``).
 - JSONL: rows ``{"context", "choices", "label"}`` are multiple choice; rows ``{"text"}`` are
   last-word cloze (LAMBADA style: the context is the text but its last word, the target that
   word with its space; accuracy is whether the target is the greedy continuation). Few-shot
@@ -17,8 +19,9 @@ A task is named on the command line (:func:`mt_eval.load_task`) as a built-in na
 
 Which documents are evaluated and which serve as examples follows lm-eval: the test split,
 else the validation split; examples from ``fewshot_split``, else the training split, else
-the validation split, else the test split (the document itself is left out only when the
-examples come from the evaluated split by ``fewshot_split``).
+the validation split, else the test split. lm-eval's draw: when ``fewshot_split`` equals
+``test_split`` (both unset included: a task with training and validation splits only),
+n + 1 examples are drawn and the evaluated document dropped from them, otherwise n.
 """
 
 from __future__ import annotations
@@ -166,10 +169,14 @@ def yaml_task(path: Path) -> Task:
         raise TaskError(f"{path}: not YAML ({err})") from None
     if not isinstance(config, dict):
         raise TaskError(f"{path}: a task file must be a YAML mapping")
-    unknown = sorted(set(config) - _KEYS)
+    unknown = sorted(set(config) - _KEYS - {"dataset_name"})
+    if config.get("dataset_name") is not None:
+        unknown.insert(0, "dataset_name")
     if unknown:
-        raise TaskError(f"{path}: key {unknown[0]!r} is not supported by mt eval (it reads "
-                        f"{', '.join(sorted(_KEYS))})")
+        raise TaskError(f"{path}: {unknown[0]!r} is not supported by mt's own engine (it "
+                        f"reads {', '.join(sorted(_KEYS))}; dataset_name only as null); "
+                        "lm-evaluation-harness runs every feature of its task files: mt eval "
+                        "--engine harness (pip install 'mt-pretrain[harness]')")
     if config.get("dataset_path") != "json":
         raise TaskError(f"{path}: dataset_path must be 'json' (local JSON/JSONL files), got "
                         f"{config.get('dataset_path')!r}")
@@ -201,8 +208,10 @@ def yaml_task(path: Path) -> Task:
         raise TaskError(f"{path}: name the evaluated split with test_split or "
                         "validation_split")
     fewshot = split_of("fewshot_split")
-    exclude_self = fewshot is not None and config.get("fewshot_split") == config.get(
-        "test_split")
+    # lm-eval's rule: whenever the few-shot split "is" the test split (both unnamed too, as
+    # in a task with validation and training splits only), n + 1 examples are drawn and the
+    # evaluated document dropped from them.
+    exclude_self = config.get("fewshot_split") == config.get("test_split")
     if fewshot is None:
         fewshot = next(s for s in (train, valid, test) if s is not None)
     kind = config.get("output_type", "generate_until")
