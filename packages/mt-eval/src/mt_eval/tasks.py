@@ -166,6 +166,10 @@ def yaml_task(path: Path) -> Task:
     except OSError as err:
         raise TaskError(f"{path}: cannot read ({err.strerror})") from None
     except yaml.YAMLError as err:
+        if "!function" in str(err):
+            raise TaskError(f"{path}: lm-eval's Python hooks (!function) are not run by mt's "
+                            "own engine; lm-evaluation-harness runs them: mt eval --engine "
+                            "harness (pip install 'mt-pretrain[harness]')") from None
         raise TaskError(f"{path}: not YAML ({err})") from None
     if not isinstance(config, dict):
         raise TaskError(f"{path}: a task file must be a YAML mapping")
