@@ -1,4 +1,5 @@
-"""Requests per second of `mt eval` against lm-evaluation-harness's HF backend.
+"""Requests per second of `mt eval` (its own engine, and through lm-evaluation-harness)
+against lm-evaluation-harness's HF backend.
 
 One random GPT with the GPT-2 vocabulary is written twice with the `mt convert` writers: as
 an mt pretrain checkpoint (what `mt eval` reads) and as a Hugging Face folder with its
@@ -8,11 +9,15 @@ zero-shot, fp32, at the same batch size, on one process, alternating ``--repeats
 
 - **mt**: ``mt_eval.evaluate`` with ``mt pretrain``'s stage scorer (prompts, tokenization,
   length-sorted batches, the forward pass, per-token log-probabilities), model loaded once;
+- **mt-harness**: mt as lm-eval's model (``MTLM.loglikelihood``, what ``mt eval --engine
+  harness`` and ``python -m mt_pretrain.lm_eval --model mt`` run) on lm-eval's own requests of
+  the task, the very list the lm-eval side scores;
 - **lm-eval**: ``HFLM.loglikelihood`` on the task's requests (tokenization, its length-
   sorted batches, the forward pass, log-softmax), ``GPT2LMHeadModel`` with sdpa attention,
   model loaded once and its requests built once (not timed).
 
-Both compute the same numbers (tests/test_e2e_eval.py proves per-item equality); the best
+All compute the same numbers (tests/test_e2e_eval.py and tests/test_e2e_harness.py prove
+per-item equality); the best
 and median of each side are printed with the load average. Pinned peers: lm-eval and
 transformers come from infra/python/constraints.txt; a missing one is an error, not a skip.
 
@@ -35,23 +40,12 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from mt_data import load_tokenizer  # noqa: E402
-from mt_dist import (  # noqa: E402  # noqa: E402
-    LaunchInfo,
-    Topology,
-    build_groups,
-    finalize_distributed,
-    free_port,
-    init_distributed,
-)
+from mt_dist import LaunchInfo, free_port  # noqa: E402
 from mt_eval import builtin_task, evaluate, load_task  # noqa: E402
 from mt_formats import save_state_dict  # noqa: E402
 from mt_formats.hf_tokenizer import write_hf_tokenizer  # noqa: E402
 from mt_model import GPT, GPTConfig  # noqa: E402
-from mt_pipeline import PipelineConfig, plan_pipeline  # noqa: E402
-from mt_pretrain.engines.build import materialize_stage  # noqa: E402
-from mt_pretrain.evaluation.model import load_eval_model  # noqa: E402
-from mt_pretrain.evaluation.scorer import StageScorer  # noqa: E402
+from mt_pretrain.evaluation.session import EvalSpec, ScoringSession  # noqa: E402
 
 SHAPES = {
     # name: (layers, hidden, heads, positions)
@@ -82,36 +76,53 @@ def write_task(root: Path, docs: int) -> Path:
     return path
 
 
-def mt_side(checkpoint: Path, task_file: Path, batch: int):  # noqa: ANN201
-    model = load_eval_model(checkpoint)
-    gpt = model.config
-    info = LaunchInfo(0, 1, 0, 1, "127.0.0.1", free_port("127.0.0.1"), "single")
-    init_distributed(info, "cpu")
-    groups = build_groups(Topology.from_world(1, tp=1, pp=1), "cpu")
-    stage_plan = plan_pipeline(PipelineConfig("1f1b", 1), gpt.n_layers, 1).stages[0]
-    built = materialize_stage(gpt, stage_plan, groups, 1, lambda n, _s: model.weights[n], 0,
-                              False, torch.device("cpu"))
-    scorer = StageScorer(built.stage, groups, gpt.vocab_size, gpt.seq_len, torch.float32,
-                         gpt.hidden)
-    tokenizer, task = load_tokenizer(model.tokenizer), load_task(str(task_file))
+def mt_session(checkpoint: Path, batch: int) -> ScoringSession:
+    """mt's model on this one process, as `mt eval` opens it."""
+    spec = EvalSpec(str(checkpoint), (), batch_size=batch, device="cpu", progress=False)
+    return ScoringSession(spec, LaunchInfo(0, 1, 0, 1, "127.0.0.1", free_port("127.0.0.1"),
+                                           "single"))
+
+
+def mt_side(session: ScoringSession, task_file: Path, batch: int):  # noqa: ANN201
+    task = load_task(str(task_file))
 
     def run() -> int:
-        results = evaluate([task], tokenizer.encode, tokenizer.eod_id, scorer, batch_size=batch)
+        results = evaluate([task], session.encode, session.prefix, session.scorer,
+                           batch_size=batch)
         return sum(len(s["loglikelihoods"]) for s in results[0].samples)
+
+    return run
+
+
+def lm_eval_requests(task_file: Path) -> list:
+    """lm-eval's own requests of the task (built once, not timed)."""
+    from lm_eval.tasks import TaskManager
+
+    task = TaskManager(include_path=str(task_file.parent)).load(["bench_choice"])["tasks"][
+        "bench_choice"]
+    task.set_config(key="num_fewshot", value=0)
+    task.build_all_requests(limit=None, rank=0, world_size=1)
+    return list(task.instances)
+
+
+def harness_side(session: ScoringSession, task_file: Path, batch: int):  # noqa: ANN201
+    """mt as lm-eval's model (`mt eval --engine harness`): the same requests as HFLM's."""
+    from mt_pretrain.evaluation.harness import MTLM
+
+    lm, requests = MTLM(session=session, batch_size=batch), lm_eval_requests(task_file)
+
+    def run() -> int:
+        lm.loglikelihood(requests, disable_tqdm=True)
+        return len(requests)
 
     return run
 
 
 def lm_eval_side(hf: Path, task_file: Path, batch: int):  # noqa: ANN201
     from lm_eval.models.huggingface import HFLM
-    from lm_eval.tasks import TaskManager
 
     lm = HFLM(pretrained=str(hf), dtype="float32", batch_size=batch, device="cpu")
-    task = TaskManager(include_path=str(task_file.parent)).load(["bench_choice"])["tasks"][
-        "bench_choice"]
-    task.set_config(key="num_fewshot", value=0)
-    task.build_all_requests(limit=None, rank=0, world_size=1)
-    requests = list(task.instances)
+    requests = lm_eval_requests(task_file)
 
     def run() -> int:
         lm.loglikelihood(requests, disable_tqdm=True)
@@ -135,7 +146,9 @@ def main() -> None:
             root = Path(tmp)
             mt_ckpt, hf = write_models(root, SHAPES[name])
             task_file = write_task(root, args.docs)
-            sides = {"mt": mt_side(mt_ckpt, task_file, args.batch_size),
+            session = mt_session(mt_ckpt, args.batch_size)
+            sides = {"mt": mt_side(session, task_file, args.batch_size),
+                     "mt-harness": harness_side(session, task_file, args.batch_size),
                      "lm-eval": lm_eval_side(hf, task_file, args.batch_size)}
             for run in sides.values():
                 run()  # warm-up
@@ -147,12 +160,13 @@ def main() -> None:
                     start = time.perf_counter()
                     count[side] = sides[side]()
                     times[side].append(time.perf_counter() - start)
-            finalize_distributed(completed=True)
+            session.close()
             rates = {s: count[s] / min(t) for s, t in times.items()}
             for side, t in times.items():
-                print(f"{name:>15} {side:>8}: {count[side]} requests, best {min(t):.2f} s, "
+                print(f"{name:>15} {side:>10}: {count[side]} requests, best {min(t):.2f} s, "
                       f"median {statistics.median(t):.2f} s, {rates[side]:,.0f} requests/s")
-            print(f"{name:>15} mt / lm-eval: {rates['mt'] / rates['lm-eval']:.2f}x")
+            print(f"{name:>15} mt / lm-eval: {rates['mt'] / rates['lm-eval']:.2f}x; "
+                  f"mt-harness / lm-eval: {rates['mt-harness'] / rates['lm-eval']:.2f}x")
     print(f"load average after: {os.getloadavg()[0]:.1f}")
 
 
