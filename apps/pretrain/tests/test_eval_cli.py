@@ -44,14 +44,22 @@ def test_results_table_and_json(checkpoint: Path, tmp_path: Path) -> None:
     assert code == 0, text
     assert "mt-choice" in text and "acc_norm" in text and f"wrote {out}" in text
     data = json.loads(out.read_text())
+    # lm-evaluation-harness's schema: what reads lm-eval's results reads mt's.
     choice = data["results"]["mt-choice"]
-    assert choice["documents"] == 5 and choice["num_fewshot"] == 1
-    assert 0 <= choice["acc"] <= 1 and choice["acc_stderr"] is not None
+    assert choice["sample_len"] == 5 and data["n-shot"]["mt-choice"] == 1
+    assert 0 <= choice["acc,none"] <= 1 and isinstance(choice["acc_stderr,none"], float)
+    assert data["n-samples"]["mt-choice"]["effective"] == 5
+    assert data["higher_is_better"]["mt-cloze"]["perplexity"] is False
     assert data["config"]["tasks"] == ["mt-choice", "mt-cloze"]
     samples = data["samples"]["mt-choice"]
     assert [s["doc_id"] for s in samples] == list(range(5))
     assert all(len(s["loglikelihoods"]) == 4 and all(x < 0 for x in s["loglikelihoods"])
                for s in samples)
+    assert samples[0]["resps"][0][0][0] == samples[0]["loglikelihoods"][0]
+    from lm_eval.utils import make_table
+
+    table = make_table(data)  # lm-eval's own reader of its results
+    assert "mt-choice" in table and "acc_norm" in table and f"{choice['acc,none']:.4f}" in table
     assert not list(out.parent.glob(".*.tmp")), "the JSON is written atomically"
 
 

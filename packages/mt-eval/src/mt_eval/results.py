@@ -1,6 +1,9 @@
-"""Results as a person reads them (a rich table) and as programs read them (JSON, written
-atomically): ``{"results": {task: {metric: value, metric_stderr: value}}, "config": {...},
-"samples": {task: [...]}}`` (samples only when asked)."""
+"""Results as a person reads them (a rich table) and as programs read them: lm-evaluation-
+harness's results JSON (written atomically), so that what reads lm-eval's results (its
+``make_table``, leaderboards, plotting scripts) reads mt's:
+``{"results": {task: {"alias", "acc,none", "acc_stderr,none", ...}}, "configs", "versions",
+"n-shot", "higher_is_better", "n-samples", "config", "samples"}`` (samples only when asked,
+each with lm-eval's ``resps`` beside mt's ``loglikelihoods`` and ``is_greedy``)."""
 
 from __future__ import annotations
 
@@ -15,22 +18,51 @@ from rich.table import Table
 
 from mt_eval.runner import TaskResult
 
-__all__ = ["results_json", "results_table", "write_json"]
+__all__ = ["HIGHER_IS_BETTER", "results_json", "results_table", "write_json"]
+
+#: Whether a larger value is better, per metric (lm-eval's ``higher_is_better``).
+HIGHER_IS_BETTER = {"acc": True, "acc_norm": True, "perplexity": False,
+                    "word_perplexity": False, "byte_perplexity": False,
+                    "bits_per_byte": False}
+FILTER = "none"  # lm-eval's metric key suffix: mt applies no filter
+
+
+def _version(result: TaskResult) -> Any:
+    metadata = result.config.get("metadata")
+    return metadata.get("version") if isinstance(metadata, dict) else None
+
+
+def _sample(sample: dict[str, Any]) -> dict[str, Any]:
+    """lm-eval's per-document record (``resps``: [[log-likelihood, is_greedy]] per request)
+    with mt's keys kept."""
+    pairs = [[ll, greedy] for ll, greedy in zip(sample["loglikelihoods"], sample["is_greedy"],
+                                               strict=True)]
+    return {**sample, "resps": [[p] for p in pairs], "filtered_resps": pairs}
 
 
 def results_json(results: Sequence[TaskResult], config: dict[str, Any],
                  samples: bool = False) -> dict[str, Any]:
-    """The JSON document of an evaluation."""
-    data: dict[str, Any] = {"results": {}, "config": config}
+    """The JSON document of an evaluation, in lm-evaluation-harness's schema."""
+    data: dict[str, Any] = {"results": {}, "group_subtasks": {}, "configs": {},
+                            "versions": {}, "n-shot": {}, "higher_is_better": {},
+                            "n-samples": {}, "config": config}
     for result in results:
-        entry: dict[str, Any] = {"output_type": result.output_type, "num_fewshot": result.shots,
-                                 "documents": result.documents}
+        name = result.name
+        entry: dict[str, Any] = {"alias": name, "sample_len": result.documents}
         for metric, value in result.metrics.items():
-            entry[metric] = value
-            entry[f"{metric}_stderr"] = result.stderr.get(metric)
-        data["results"][result.name] = entry
+            error = result.stderr.get(metric)
+            entry[f"{metric},{FILTER}"] = value
+            entry[f"{metric}_stderr,{FILTER}"] = "N/A" if error is None else error
+        data["results"][name] = entry
+        data["configs"][name] = result.config
+        data["versions"][name] = _version(result)
+        data["n-shot"][name] = result.shots
+        data["higher_is_better"][name] = {m: HIGHER_IS_BETTER.get(m, True)
+                                          for m in result.metrics}
+        data["n-samples"][name] = {"original": result.available or result.documents,
+                                   "effective": result.documents}
     if samples:
-        data["samples"] = {r.name: r.samples for r in results}
+        data["samples"] = {r.name: [_sample(s) for s in r.samples] for r in results}
     return data
 
 

@@ -45,6 +45,10 @@ class TaskResult:
     metrics: dict[str, float]
     stderr: dict[str, float | None]
     samples: list[dict[str, Any]] = field(default_factory=list)
+    available: int = 0
+    """Documents the task holds (``documents`` of them were evaluated: ``--limit``)."""
+    config: dict[str, Any] = field(default_factory=dict)
+    """The task as configured (its YAML's keys, or what a built-in or JSONL task is)."""
 
 
 def batches_by_length(requests: Sequence[Request], batch_size: int) -> list[list[Request]]:
@@ -75,8 +79,8 @@ def _task_result(task: Task, shots: int, requests: list[Request],
     for doc_id in sorted(per_doc):
         results = [score for _, score in sorted(per_doc[doc_id])]
         lls, greedy = [ll for ll, _ in results], [g for _, g in results]
-        sample: dict[str, Any] = {"doc_id": doc_id, "loglikelihoods": lls,
-                                  "is_greedy": greedy}
+        sample: dict[str, Any] = {"doc_id": doc_id, "doc": task.docs[doc_id],
+                                  "loglikelihoods": lls, "is_greedy": greedy}
         if task.output_type == "multiple_choice":
             choices = render_choices(task.doc_to_choice, task.docs[doc_id],
                                      f"{task.source}: document {doc_id}")
@@ -92,7 +96,11 @@ def _task_result(task: Task, shots: int, requests: list[Request],
                           "bytes": len(text.encode("utf-8"))})
         samples.append(sample)
     values, errors = aggregate(task.output_type, items, task.metrics)
-    return TaskResult(task.name, task.output_type, shots, len(items), values, errors, samples)
+    config = dict(task.config) or {"task": task.name, "output_type": task.output_type,
+                                   "source": task.source, "metric_list": [
+                                       {"metric": m} for m in task.metrics]}
+    return TaskResult(task.name, task.output_type, shots, len(items), values, errors, samples,
+                      available=len(task.docs), config={**config, "num_fewshot": shots})
 
 
 def evaluate(tasks: Sequence[Task], encode: Callable[[str], list[int]], prefix: int,
