@@ -176,3 +176,26 @@ def test_pretrain_eval_task_equals_mt_eval(tmp_path: Path) -> None:
         for metric, value in result.metrics.items():
             assert scored[4][f"{result.name}/{metric}"] == pytest.approx(value, rel=1e-6), (
                 result.name, metric)
+
+
+def test_both_engines_score_alike(setup: dict[str, Path]) -> None:
+    """The same task files through mt's own engine and through lm-evaluation-harness (mt as
+    its model): the same prompts, so the same per-item log-likelihoods and metrics."""
+    names = list(TASKS)
+    ours = _mt(setup, names, 2)
+    spec = EvalSpec(str(setup["ckpt"]), tuple(str(setup["tasks"] / f"{n}.yaml") for n in names),
+                    shots=2, batch_size=8, progress=False, engine="harness", log_samples=True)
+    harness = _single_threaded(launch_eval, spec, {}, 600)
+    for name in names:
+        task = f"t_{name}"
+        mine = {s["doc_id"]: s for s in ours[task].samples}
+        for sample in harness["samples"][task]:
+            lls = [r[0] if name == "ppl" else r[0][0] for r in sample["resps"]]
+            got = mine[sample["doc_id"]]["loglikelihoods"]
+            assert got == pytest.approx(lls, abs=TOL, rel=0), (task, sample["doc_id"])
+        for metric, value in ours[task].metrics.items():
+            theirs = harness["results"][task][f"{metric},none"]
+            if metric in ("acc", "acc_norm"):
+                assert value == theirs, (task, metric)
+            else:
+                assert value == pytest.approx(theirs, rel=1e-6), (task, metric)
