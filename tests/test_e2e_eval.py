@@ -13,13 +13,10 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
 
 import pytest
-import torch
-from typer.testing import CliRunner
+from e2e_models import single_threaded, trained_gpt2_vocab
 
-from mt_convert.cli import app as convert_app
 from mt_eval import builtin_task
 from mt_pretrain.config.load import load_config
 from mt_pretrain.evaluation.rank import EvalSpec
@@ -39,27 +36,10 @@ TASKS = {
 }
 
 
-def _single_threaded(fn: Any, *args: Any) -> Any:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return fn(*args)
-    finally:
-        torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("eval")
-    config = load_config(None, {
-        "model": "tiny", "vocab_size": 50257, "tokenizer": "gpt2", "nproc": 1,
-        "micro_batch_size": 4, "global_batch_size": 8, "train_steps": 12, "eval_interval": 0,
-        "sample_tokens": 0, "progress": False, "log_interval": 100, "timeout": 300.0,
-        "out_dir": str(root / "run"), "cache_dir": str(root / "cache")})
-    summary = _single_threaded(launch, config, {}, 600)
-    ckpt = Path(summary.checkpoint)
-    result = CliRunner().invoke(convert_app, [str(ckpt), str(root / "hf"), "--to", "hf"])
-    assert result.exit_code == 0, result.output
+    ckpt, _hf = trained_gpt2_vocab(root)
     assert (root / "hf" / "tokenizer.json").exists(), "the export must carry its tokenizer"
     # ... that transformers loads unaided: GPT-2's ids, and a text-generation pipeline.
     import transformers
@@ -91,7 +71,7 @@ def _mt(setup: dict[str, Path], names: list[str], shots: int, source: str = "ckp
         **layout: int) -> dict:
     spec = EvalSpec(str(setup[source]), tuple(str(setup["tasks"] / f"{n}.yaml") for n in names),
                     shots=shots, batch_size=8, progress=False, **layout)
-    results = _single_threaded(launch_eval, spec, {}, 600)
+    results = single_threaded(launch_eval, spec, {}, 600)
     return {r.name: r for r in results}
 
 
@@ -99,7 +79,7 @@ def _lm_eval(setup: dict[str, Path], names: list[str], shots: int) -> dict:
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    out = _single_threaded(lambda: lm_eval.simple_evaluate(
+    out = single_threaded(lambda: lm_eval.simple_evaluate(
         model="hf", model_args=f"pretrained={setup['hf']},dtype=float32",
         tasks=[f"t_{n}" for n in names], num_fewshot=shots, batch_size=8, device="cpu",
         log_samples=True, task_manager=TaskManager(include_path=str(setup["tasks"])),
@@ -166,13 +146,13 @@ def test_pretrain_eval_task_equals_mt_eval(tmp_path: Path) -> None:
         "progress": False, "log_interval": 100, "timeout": 300.0,
         "eval_task": ",".join(tasks), "eval_task_interval": 2, "eval_task_limit": 6,
         "out_dir": str(tmp_path / "run"), "cache_dir": str(tmp_path / "cache")})
-    summary = _single_threaded(launch, config, {}, 600)
+    summary = single_threaded(launch, config, {}, 600)
     lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
     scored = {line["step"]: {k[5:]: v for k, v in line.items() if k.startswith("eval/")}
               for line in lines}
     assert [step for step, m in scored.items() if m] == [2, 4]
     spec = EvalSpec(summary.checkpoint, tasks, limit=6, progress=False)
-    for result in _single_threaded(launch_eval, spec, {}, 600):
+    for result in single_threaded(launch_eval, spec, {}, 600):
         for metric, value in result.metrics.items():
             assert scored[4][f"{result.name}/{metric}"] == pytest.approx(value, rel=1e-6), (
                 result.name, metric)
@@ -185,7 +165,7 @@ def test_both_engines_score_alike(setup: dict[str, Path]) -> None:
     ours = _mt(setup, names, 2)
     spec = EvalSpec(str(setup["ckpt"]), tuple(str(setup["tasks"] / f"{n}.yaml") for n in names),
                     shots=2, batch_size=8, progress=False, engine="harness", log_samples=True)
-    harness = _single_threaded(launch_eval, spec, {}, 600)
+    harness = single_threaded(launch_eval, spec, {}, 600)
     for name in names:
         task = f"t_{name}"
         mine = {s["doc_id"]: s for s in ours[task].samples}

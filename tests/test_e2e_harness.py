@@ -21,15 +21,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
+from e2e_models import single_threaded, trained_gpt2_vocab
 from typer.testing import CliRunner
 
-from mt_convert.cli import app as convert_app
 from mt_eval import builtin_task
 from mt_pretrain.cli.app import app
-from mt_pretrain.config.load import load_config
 from mt_pretrain.evaluation.rank import EvalSpec
-from mt_pretrain.launch import launch, launch_eval
+from mt_pretrain.launch import launch_eval
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -37,15 +35,6 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 TOL = 1e-4
 TASKS = ("lambada_openai", "boolq", "race", "piqa", "hellaswag", "winogrande", "anli_r1", "wic")
 DOCS = 6  # evaluated documents per task (and as many few-shot candidates)
-
-
-def _single_threaded(fn: Any, *args: Any, **kwargs: Any) -> Any:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return fn(*args, **kwargs)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _sentences() -> list[list[str]]:
@@ -121,15 +110,7 @@ LAYOUT = {
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("harness")
-    config = load_config(None, {
-        "model": "tiny", "vocab_size": 50257, "tokenizer": "gpt2", "nproc": 1,
-        "micro_batch_size": 4, "global_batch_size": 8, "train_steps": 12, "eval_interval": 0,
-        "sample_tokens": 0, "progress": False, "log_interval": 100, "timeout": 300.0,
-        "out_dir": str(root / "run"), "cache_dir": str(root / "cache")})
-    summary = _single_threaded(launch, config, {}, 600)
-    result = CliRunner().invoke(convert_app, [summary.checkpoint, str(root / "hf"), "--to",
-                                              "hf"])
-    assert result.exit_code == 0, result.output
+    ckpt, hf = trained_gpt2_vocab(root)
     data = root / "data"
     for task, (folder, splits) in LAYOUT.items():
         (data / folder).mkdir(parents=True)
@@ -138,13 +119,13 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             (data / folder / f"{split}.jsonl").write_text(
                 "".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     assert ast.literal_eval(_rows("race", 1, 0)[0]["problems"])[0]["options"]  # real schema
-    return {"root": root, "ckpt": Path(summary.checkpoint), "hf": root / "hf", "data": data}
+    return {"root": root, "ckpt": ckpt, "hf": hf, "data": data}
 
 
 def _mt(setup: dict[str, Path], shots: int, **layout: Any) -> dict:
     spec = EvalSpec(str(setup["ckpt"]), TASKS, shots=shots, batch_size=8, progress=False,
                     engine="harness", data_dir=str(setup["data"]), log_samples=True, **layout)
-    return _single_threaded(launch_eval, spec, {}, 900)
+    return single_threaded(launch_eval, spec, {}, 900)
 
 
 def _hf(setup: dict[str, Path], shots: int) -> dict:
@@ -155,7 +136,7 @@ def _hf(setup: dict[str, Path], shots: int) -> dict:
 
     manager = TaskManager()
     tasks = [local_task(t, setup["data"], manager, shots) for t in TASKS]
-    return _single_threaded(
+    return single_threaded(
         lm_eval.simple_evaluate, model="hf",
         model_args=f"pretrained={setup['hf']},dtype=float32", tasks=tasks, num_fewshot=shots,
         batch_size=8, device="cpu", log_samples=True, task_manager=manager,

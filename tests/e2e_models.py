@@ -1,0 +1,43 @@
+"""The model the evaluation tests score (a helper module of tests/, not a test): a tiny GPT
+with the GPT-2 vocabulary trained briefly by `mt pretrain`, and its `mt convert --to hf`
+export (weights, config and the tokenizer it trained with)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+from typer.testing import CliRunner
+
+from mt_convert.cli import app as convert_app
+from mt_pretrain.config.load import load_config
+from mt_pretrain.launch import launch
+
+T = TypeVar("T")
+
+
+def single_threaded(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``fn(*args, **kwargs)`` with torch on one thread (the ranks it starts use one each)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def trained_gpt2_vocab(root: Path) -> tuple[Path, Path]:
+    """(the checkpoint of 12 steps of `mt pretrain --model tiny --vocab-size 50257`, its
+    Hugging Face export with the tokenizer) under ``root``."""
+    config = load_config(None, {
+        "model": "tiny", "vocab_size": 50257, "tokenizer": "gpt2", "nproc": 1,
+        "micro_batch_size": 4, "global_batch_size": 8, "train_steps": 12, "eval_interval": 0,
+        "sample_tokens": 0, "progress": False, "log_interval": 100, "timeout": 300.0,
+        "out_dir": str(root / "run"), "cache_dir": str(root / "cache")})
+    summary = single_threaded(launch, config, {}, 600)
+    result = CliRunner().invoke(convert_app, [summary.checkpoint, str(root / "hf"), "--to",
+                                              "hf"])
+    assert result.exit_code == 0, result.output
+    return Path(summary.checkpoint), root / "hf"
