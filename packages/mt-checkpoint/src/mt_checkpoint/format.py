@@ -46,9 +46,11 @@ __all__ = ["clean_stale", "find_checkpoint", "fresh_rng", "fresh_start", "fsync_
 
 
 def fsync_dir(path: Path) -> None:
-    """Make a folder's entries (renames, new files) durable: mt's one helper for it (the
-    training checkpoint and every format of mt-formats). A filesystem that cannot sync a
-    folder (EINVAL / ENOTSUP: some network filesystems) is left to its own guarantees."""
+    """Make a folder's entries (renames, new files) durable: the training stack's one helper
+    for it (the training checkpoint and every format of mt-formats; the torch-free mt-data,
+    which shares no package with this stack, applies the same rule in its ``shards``). A
+    filesystem that cannot sync a folder (EINVAL / ENOTSUP: some network filesystems) is
+    left to its own guarantees."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

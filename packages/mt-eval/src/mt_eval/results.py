@@ -7,15 +7,14 @@ each with lm-eval's ``resps`` beside mt's ``loglikelihoods`` and ``is_greedy``).
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from rich.table import Table
 
+from mt_data.shards import atomic_write_json
 from mt_eval.runner import TaskResult
 
 __all__ = ["HIGHER_IS_BETTER", "results_json", "results_table", "write_json"]
@@ -67,16 +66,11 @@ def results_json(results: Sequence[TaskResult], config: dict[str, Any],
 
 
 def write_json(path: str | Path, data: dict[str, Any]) -> Path:
-    """Write ``data`` to ``path`` atomically (a temporary file in the folder, then rename)."""
+    """Write ``data`` to ``path`` atomically and durably (mt-data's writer: a temporary file,
+    fsync, rename, fsync of the folder), creating the folder."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write_json(path, data)
     return path
 
 
