@@ -66,10 +66,6 @@ class CheckpointMeta:
         """The run's seed (0 when the config does not say)."""
         return int((self.config.get("train") or {}).get("seed", 0) or 0)
 
-    def stages_holding(self, names: set[str]) -> list[int]:
-        """The pipeline stages that hold any of ``names``."""
-        return sorted(s for s, held in self.stage_params.items() if names & set(held))
-
     def relaid(self, layout: SavedLayout, stage_params: Mapping[int, Sequence[str]]
                ) -> CheckpointMeta:
         """This checkpoint at another layout; the run config's ``parallel`` section (when
