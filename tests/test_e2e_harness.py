@@ -81,7 +81,13 @@ def _rows(task: str, n: int, offset: int) -> list[dict[str, Any]]:
             rows.append({"sentence": " ".join(w[:4]) + " _ " + " ".join(w[4:10]),
                          "option1": pick(i + 1)[0], "option2": pick(i + 2)[0],
                          "answer": str(1 + (i + offset) % 2)})
-        elif task == "anli_r1":
+        elif task == "hans":
+            rows.append({"premise": text(i), "hypothesis": " ".join(pick(i + 1)[:7]),
+                         "label": (i + offset) % 2, "parse_premise": "", "parse_hypothesis": "",
+                         "binary_parse_premise": "", "binary_parse_hypothesis": "",
+                         "heuristic": "lexical_overlap", "subcase": "ln_subject/object_swap",
+                         "template": f"temp{i % 3}"})
+        elif task.startswith("anli_r"):
             rows.append({"uid": f"u{offset}-{i}", "premise": text(i), "hypothesis":
                          " ".join(pick(i + 1)[:8]), "label": (i + offset) % 3, "reason": ""})
         elif task == "wic":
@@ -105,6 +111,24 @@ LAYOUT = {
     "anli_r1": ("facebook/anli", ("train_r1", "test_r1")),
     "wic": ("aps/super_glue/wic", ("train", "validation")),
 }
+#: The rest of MT-NLG's tasks (`mt eval --suite mt-nlg`).
+SUITE_LAYOUT = {
+    **LAYOUT,
+    "anli_r2": ("facebook/anli", ("train_r2", "test_r2")),
+    "anli_r3": ("facebook/anli", ("train_r3", "test_r3")),
+    "hans": ("jhu-cogsci/hans", ("train", "validation")),
+}
+
+
+def _write_data(data: Path, layout: dict[str, tuple[str, tuple[str, ...]]],
+                rows: Any) -> None:
+    """Every task's splits under ``data`` (``rows(split)``: how many rows a split gets)."""
+    for task, (folder, splits) in layout.items():
+        (data / folder).mkdir(parents=True, exist_ok=True)
+        for k, split in enumerate(splits):
+            part = _rows(task, rows(split), offset=10 * k + 1 if "train" in split else 0)
+            (data / folder / f"{split}.jsonl").write_text(
+                "".join(json.dumps(r) + "\n" for r in part), encoding="utf-8")
 
 
 @pytest.fixture(scope="module")
@@ -112,12 +136,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("harness")
     ckpt, hf = trained_gpt2_vocab(root)
     data = root / "data"
-    for task, (folder, splits) in LAYOUT.items():
-        (data / folder).mkdir(parents=True)
-        for k, split in enumerate(splits):
-            rows = _rows(task, DOCS, offset=10 * k + 1 if "train" in split else 0)
-            (data / folder / f"{split}.jsonl").write_text(
-                "".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    _write_data(data, LAYOUT, lambda _split: DOCS)
     assert ast.literal_eval(_rows("race", 1, 0)[0]["problems"])[0]["options"]  # real schema
     return {"root": root, "ckpt": ckpt, "hf": hf, "data": data}
 
@@ -215,3 +234,33 @@ def test_a_missing_local_file_is_named(setup: dict[str, Path], tmp_path: Path) -
     assert result.exit_code == 2, result.output
     expected = tmp_path / "baber" / "piqa" / "validation.jsonl"
     assert f"task piqa: no local copy of {expected}" in " ".join(result.output.split())
+
+
+def test_the_mt_nlg_suite(setup: dict[str, Path], tmp_path: Path) -> None:
+    """`mt eval --suite mt-nlg`: MT-NLG's eleven tasks (HANS from mt's own task file) at zero,
+    one and few shots (the suite's counts), one command: lm-eval's results JSON per setting,
+    the paper-like table and its plot."""
+    from mt_pretrain.evaluation.suites import SUITES
+
+    suite = SUITES["mt-nlg"]
+    assert set(suite.tasks) == set(SUITE_LAYOUT)
+    data = tmp_path / "data"  # enough documents for 50 examples (+ the one left out)
+    _write_data(data, SUITE_LAYOUT, lambda split: 52 if "train" in split else 17)
+    out = tmp_path / "report"
+    result = CliRunner().invoke(app, ["eval", str(setup["ckpt"]), "--suite", "mt-nlg",
+                                      "--data-dir", str(data), "--limit", "2", "--no-progress",
+                                      "--output", str(out)])
+    assert result.exit_code == 0, result.output
+    for setting, shots in suite.settings().items():
+        written = json.loads((out / f"results_{setting}.json").read_text())
+        assert written["n-shot"] == shots, setting
+        assert set(written["results"]) == set(suite.tasks)
+        assert all(0 <= r["acc,none"] <= 1 for r in written["results"].values())
+    table = (out / "table.md").read_text()
+    rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line]
+    assert rows[0] == "| task | 0-shot | 1-shot | few-shot |" and len(rows) == 12
+    assert "| winogrande |" in table and "(50) |" in table and "| hans |" in table
+    assert (out / "table.png").read_bytes()[:4] == b"\x89PNG"
+    bad = CliRunner().invoke(app, ["eval", str(setup["ckpt"]), "--suite", "mt-nlg",
+                                   "--shots", "3"])
+    assert bad.exit_code == 2 and "--shots with --suite" in bad.output

@@ -37,8 +37,13 @@ _HELP = (
 def eval_command(
     checkpoint: Annotated[str, typer.Argument(
         help="mt pretrain checkpoint, or a folder mt convert reads (e.g. Hugging Face).")],
-    task: Annotated[list[str], typer.Option(
-        "--task", "-t", help="Task to evaluate (repeatable).")],
+    task: Annotated[list[str] | None, typer.Option(
+        "--task", "-t", help="Task to evaluate (repeatable).")] = None,
+    suite: Annotated[str | None, typer.Option(
+        help="A suite instead of tasks: mt-nlg (MT-NLG's evaluation: LAMBADA, BoolQ, RACE-h, "
+        "PiQA, HellaSwag, WinoGrande, ANLI R1-R3, HANS, WiC at zero, one and few shots, "
+        "through lm-evaluation-harness). --output is then a folder: lm-eval's results JSON of "
+        "each setting, table.md laid out like the paper's and table.png.")] = None,
     shots: Annotated[int | None, typer.Option(
         "--shots", help="Few-shot examples per prompt (default: the task's num_fewshot, "
         "else 0).")] = None,
@@ -77,10 +82,12 @@ def eval_command(
     from mt_data import output_clash
     from mt_eval import results_json, results_table, write_json
     from mt_pretrain.evaluation.rank import EvalSpec
+    from mt_pretrain.evaluation.suites import SUITES
     from mt_pretrain.launch import launch_eval
     from mt_zero.precision import PRECISIONS
 
     console = Console(stderr=True)
+    task = list(task or [])
     problems = [f"--{name} must be positive, got {value}" for name, value in
                 (("batch-size", batch_size), ("tp", tp), ("pp", pp), ("nproc", nproc),
                  ("limit", limit if limit is not None else 1)) if value < 1]
@@ -91,11 +98,25 @@ def eval_command(
     if precision not in PRECISIONS:
         problems.append(f"--precision must be one of {', '.join(PRECISIONS)}, got "
                         f"{precision!r}")
-    if output is not None and output.is_dir():  # found now, not after the evaluation
+    if output is not None and output.is_dir() and suite is None:  # found now, not later
         problems.append(f"--output {output} is a folder; name the JSON file to write")
     elif output is not None and (clash := output_clash(
-            "--output", output, [checkpoint, *(t for t in task if Path(t).exists())])):
+            "--output", output, [checkpoint, *(t for t in task if Path(t).exists()),
+                                 *(p for p in (data_dir, include_path) if p is not None)])):
         problems.append(clash)  # was: a task file replaced by the results
+    if (suite is None) == (not task):
+        problems.append("give --task (one or more) or --suite, not both")
+    elif suite is not None:
+        if suite not in SUITES:
+            problems.append(f"--suite must be one of {', '.join(SUITES)}, got {suite!r}")
+        if shots is not None:
+            problems.append("--shots with --suite: a suite runs each task at its own shot "
+                            "counts (zero, one and few)")
+        if engine == "mt":
+            problems.append("--suite runs through lm-evaluation-harness, not --engine mt")
+        engine = "harness"
+        if output is not None and output.is_file():
+            problems.append(f"--output {output} is a file; with --suite name a folder")
     chosen, problem = _engine(engine, task, include_path, data_dir)
     problems += [problem] if problem else []
     if problems:
@@ -105,7 +126,8 @@ def eval_command(
     spec = EvalSpec(checkpoint, tuple(task), shots, fewshot_seed, batch_size, limit, tp, pp,
                     nproc, device, precision, tokenizer, progress, engine=chosen,
                     include_path=str(include_path) if include_path else None,
-                    data_dir=str(data_dir) if data_dir else None, log_samples=log_samples)
+                    data_dir=str(data_dir) if data_dir else None, log_samples=log_samples,
+                    suite=suite)
     try:
         results = launch_eval(spec)
     except Exception as err:  # noqa: BLE001 - every failure is reported as one line
@@ -118,6 +140,9 @@ def eval_command(
         # Bad input (the checkpoint, a task, the tokenizer) exits 2, as in mt pretrain.
         raise typer.Exit(2 if isinstance(err, _EXPECTED) else 1) from None
     if results is None:  # a rank other than 0 under a launcher
+        return
+    if suite is not None:
+        _report_suite(results, output, console)
         return
     if chosen == "harness":
         _report_harness(results, output, console)
@@ -176,3 +201,34 @@ def _report_harness(results: dict, output: Path | None, console: Console) -> Non
 
         write_json(output, json.loads(json.dumps(results, default=handle_non_serializable)))
         console.print(f"wrote {output}", highlight=False, soft_wrap=True)
+
+
+def _report_suite(report: dict, output: Path | None, console: Console) -> None:
+    """The paper-like table on stdout; with --output, a folder of lm-eval's results JSON per
+    setting, table.md and table.png (with matplotlib)."""
+    import importlib.util
+    import json
+
+    from lm_eval.utils import handle_non_serializable  # pants: no-infer-dep
+
+    from mt_data.shards import atomic_write_bytes
+    from mt_eval import write_json
+    from mt_pretrain.evaluation.suites import suite_plot, suite_table
+
+    table = suite_table(report)
+    print(table)
+    if output is None:
+        return
+    output.mkdir(parents=True, exist_ok=True)
+    for setting, results in report["settings"].items():
+        path = output / f"results_{setting}.json"
+        write_json(path, json.loads(json.dumps(results, default=handle_non_serializable)))
+    atomic_write_bytes(output / "table.md", table.encode("utf-8"))
+    if importlib.util.find_spec("matplotlib") is None:
+        console.print("warning: no table.png: the plot needs matplotlib (pip install "
+                      "'mt-pretrain[plot]')", highlight=False, soft_wrap=True)
+    else:
+        suite_plot(report, output / "table.png")
+    console.print(f"wrote {output}/: results_{{0-shot,1-shot,few-shot}}.json, table.md"
+                  + ("" if importlib.util.find_spec("matplotlib") is None else ", table.png"),
+                  highlight=False, soft_wrap=True)

@@ -19,7 +19,7 @@ launcher), and lm-eval's own command line with mt registered,
 from __future__ import annotations
 
 import atexit
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +31,9 @@ from lm_eval.api.registry import register_model  # pants: no-infer-dep
 from mt_dist import LaunchInfo
 from mt_eval import Request, TaskError, batches_by_length, encode_pair, rolling_windows
 from mt_pretrain.evaluation.session import EvalSpec, ScoringSession
+from mt_pretrain.evaluation.suites import SUITES, TASK_FILES
 
-__all__ = ["MTLM", "harness_rank", "local_task"]
+__all__ = ["MTLM", "harness_rank", "local_task", "task_config"]
 
 #: Where lm-eval reads a task's documents, by split: its config keys.
 _SPLITS = ("test_split", "validation_split", "training_split", "fewshot_split")
@@ -171,22 +172,43 @@ def _needed_splits(config: dict[str, Any], shots: int) -> set[str]:
     return {s for s in needed if s}
 
 
+def task_config(name: str, manager: Any, data_dir: str | Path | None = None, shots: int = 0,
+                num_fewshot: int | None = None) -> str | dict[str, Any]:
+    """What lm-eval is handed for task ``name``: the name itself, or, to read local data
+    (``data_dir``) or to fix its examples (``num_fewshot``), its whole config with those
+    changed (:func:`local_task`)."""
+    if data_dir is None and num_fewshot is None:
+        return name
+    from lm_eval.tasks._yaml_loader import load_yaml  # pants: no-infer-dep
+
+    config = (local_task(name, data_dir, manager, shots) if data_dir is not None
+              else load_yaml(_entry(name, manager).yaml_path, resolve_func=True))
+    return config if num_fewshot is None else {**config, "num_fewshot": num_fewshot}
+
+
+def _entry(name: str, manager: Any) -> Any:
+    """lm-eval's index entry of one task (by name or YAML path), or a TaskError."""
+    from lm_eval.tasks._index import Kind, TaskIndex  # pants: no-infer-dep
+
+    entry = manager.task_index.get(name) or TaskIndex.entry_from_path(Path(name))
+    if entry is None:
+        raise TaskError(f"task {name}: not an lm-eval task name nor a task YAML file "
+                        "(`lm_eval ls tasks` lists the names; --include-path adds a folder)")
+    if entry.kind is not Kind.TASK or entry.yaml_path is None:
+        raise TaskError(f"task {name}: an lm-eval {entry.kind.name.lower()}, not one task; "
+                        "name its tasks one by one")
+    return entry
+
+
 def local_task(name: str, data_dir: str | Path, manager: Any, shots: int = 0
                ) -> dict[str, Any]:
     """lm-eval task ``name`` (or a task YAML file) reading its documents from local copies:
     ``DATA_DIR/<dataset_path>/<dataset_name>/<split>.jsonl`` (or ``.json``, ``.parquet``),
     rows in the dataset's own schema, e.g. ``DATA/aps/super_glue/boolq/validation.jsonl``
     for ``boolq``. Raises :class:`~mt_eval.TaskError` naming the file expected."""
-    from lm_eval.tasks._index import Kind, TaskIndex  # pants: no-infer-dep
     from lm_eval.tasks._yaml_loader import load_yaml  # pants: no-infer-dep
 
-    entry = manager.task_index.get(name) or TaskIndex.entry_from_path(Path(name))
-    if entry is None:
-        raise TaskError(f"task {name}: not an lm-eval task name nor a task YAML file "
-                        "(`lm_eval ls tasks` lists the names; --include-path adds a folder)")
-    if entry.kind not in (Kind.TASK,) or entry.yaml_path is None:
-        raise TaskError(f"task {name}: an lm-eval {entry.kind.name.lower()}, not one task; "
-                        "with --data-dir name its tasks one by one")
+    entry = _entry(name, manager)
     config = load_yaml(entry.yaml_path, resolve_func=False)
     if not config.get("dataset_path"):
         raise TaskError(f"task {name} ({entry.yaml_path}): no dataset_path to find a local "
@@ -220,29 +242,42 @@ def local_task(name: str, data_dir: str | Path, manager: Any, shots: int = 0
 
 
 def harness_rank(spec: EvalSpec, info: LaunchInfo) -> dict[str, Any] | None:
-    """Evaluate ``spec.tasks`` with lm-eval as rank ``info.rank`` (every rank runs the
-    harness; mt's scorer shares the batches out); lm-eval's results on rank 0, else None."""
+    """Evaluate ``spec.tasks`` (or ``spec.suite``: each of its settings) with lm-eval as rank
+    ``info.rank`` (every rank runs the harness; mt's scorer shares the batches out); on rank
+    0 lm-eval's results (a suite: ``{"suite", "source", "settings": {setting: results}}``),
+    else None. The model is loaded once."""
     import lm_eval  # pants: no-infer-dep
     from lm_eval.tasks import TaskManager  # pants: no-infer-dep
 
-    manager = TaskManager(include_path=spec.include_path)
-    tasks: Sequence[Any] = list(spec.tasks)
-    unknown = [t for t in tasks if t not in manager.task_index and not Path(t).is_file()]
+    paths = [str(TASK_FILES)] + ([spec.include_path] if spec.include_path else [])
+    manager = TaskManager(include_path=paths)
+    suite = SUITES[spec.suite] if spec.suite else None
+    names = suite.tasks if suite else list(spec.tasks)
+    unknown = [t for t in names if t not in manager.task_index and not Path(t).is_file()]
     if unknown:
         raise TaskError(f"--task {', '.join(unknown)}: not an lm-eval task, group or tag name "
                         "nor a task YAML file (`lm_eval ls tasks` lists the names; "
                         "--include-path adds a folder of task YAMLs)")
-    if spec.data_dir is not None:
-        tasks = [local_task(name, spec.data_dir, manager, spec.shots or 0) for name in tasks]
+    if suite is not None:
+        runs = {setting: [task_config(t, manager, spec.data_dir, k, num_fewshot=k)
+                          for t, k in shots.items()]
+                for setting, shots in suite.settings().items()}
+    else:
+        runs = {"": [task_config(t, manager, spec.data_dir, spec.shots or 0) for t in names]}
     session = ScoringSession(spec, info)
     completed = False
     try:
         model = MTLM(session=session, batch_size=spec.batch_size)
-        results = lm_eval.simple_evaluate(
-            model=model, tasks=list(tasks), num_fewshot=spec.shots, limit=spec.limit,
-            fewshot_random_seed=spec.fewshot_seed, log_samples=spec.log_samples,
-            task_manager=manager)
+        results = {setting: lm_eval.simple_evaluate(
+            model=model, tasks=tasks, num_fewshot=None if suite else spec.shots,
+            limit=spec.limit, fewshot_random_seed=spec.fewshot_seed,
+            log_samples=spec.log_samples, task_manager=manager)
+            for setting, tasks in runs.items()}
         completed = True
-        return results if session.is_main else None
     finally:
         session.close(completed)
+    if not session.is_main:
+        return None
+    if suite is None:
+        return results[""]
+    return {"suite": suite.name, "source": suite.source, "settings": results}

@@ -60,6 +60,8 @@ class EvalSpec:
     data_dir: str | None = None
     """Local copies of the tasks' datasets (the harness engine)."""
     log_samples: bool = False
+    suite: str | None = None
+    """A suite of lm-eval tasks at its shot counts (:mod:`mt_pretrain.evaluation.suites`)."""
 
 
 def check_layout(spec: EvalSpec, model: EvalModel, world_size: int) -> ParallelLayout:
