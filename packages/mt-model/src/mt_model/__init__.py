@@ -25,6 +25,8 @@ from mt_model.params import (
 )
 
 if TYPE_CHECKING:  # imported on first use (see __getattr__); named here for tools
+    from mt_model.cache import KVCache, LayerCache
+    from mt_model.decoding import Completion, Sampling, generate
     from mt_model.gpt import GPT, MLP, Attention, Block, CoreAttention, Embedding, LMHead, LMLoss
     from mt_model.init import init_gpt_, init_parameter, init_std_for, parameter_seed
 
@@ -36,6 +38,8 @@ _LAZY = {name: module for module, names in {
     "mt_model.gpt": ("GPT", "MLP", "Attention", "Block", "CoreAttention", "Embedding",
                      "LMHead", "LMLoss"),
     "mt_model.init": ("init_gpt_", "init_parameter", "init_std_for", "parameter_seed"),
+    "mt_model.cache": ("KVCache", "LayerCache"),
+    "mt_model.decoding": ("Completion", "Sampling", "generate"),
 }.items() for name in names}
 
 
@@ -54,16 +58,21 @@ __all__ = [
     "TIED_WEIGHT",
     "Attention",
     "Block",
+    "Completion",
     "CoreAttention",
     "Embedding",
     "GPTConfig",
     "GPTConfigError",
+    "KVCache",
     "LMHead",
     "LMLoss",
+    "LayerCache",
+    "Sampling",
     "__version__",
     "block_matmul_parameters",
     "count_block_parameters",
     "count_parameters",
+    "generate",
     "gradient_free_slices",
     "init_gpt_",
     "init_parameter",

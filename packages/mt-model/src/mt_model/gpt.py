@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mt_model.cache import KVCache, LayerCache
 from mt_model.config import GPTConfig
 from mt_model.init import init_gpt_
 
@@ -79,14 +80,19 @@ class Embedding(nn.Module):
         self.max_seq = config.seq_len
         self.drop = nn.Dropout(config.dropout)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """``idx`` [b, s] token ids -> [b, s, hidden]."""
+    def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """``idx`` [b, s] token ids -> [b, s, hidden]; ``positions`` [b, s] (incremental
+        decoding, :mod:`mt_model.cache`), else 0 .. s - 1."""
         seq = idx.shape[-1]
-        if seq > self.max_seq:
-            raise ValueError(f"sequence length {seq} exceeds the model's seq_len {self.max_seq}")
+        last = seq - 1 if positions is None else int(positions.max())
+        if last >= self.max_seq:
+            raise ValueError(f"sequence length {last + 1} exceeds the model's seq_len "
+                             f"{self.max_seq}")
         x = self.tokens(idx)
         if self.positions is not None:
-            x = x + self.positions(torch.arange(seq, device=idx.device))
+            x = x + self.positions(torch.arange(seq, device=idx.device) if positions is None
+                                   else positions)
         return self.drop(x)
 
 
@@ -113,7 +119,10 @@ class CoreAttention(nn.Module):
             self._rope[key] = rope_tables(seq, self.head_dim, self.rope_theta, device, dtype)
         return self._rope[key]
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                cache: LayerCache | None = None) -> torch.Tensor:
+        """With ``cache`` the tokens are the next ones of a decoded batch: their keys and
+        values join the cache and they attend to every cached position of their row."""
         batch, seq, width = q.shape
         for t in (q, k):
             if t.shape[-1] % self.head_dim:
@@ -125,6 +134,8 @@ class CoreAttention(nn.Module):
             return t.reshape(batch, seq, n, self.head_dim).transpose(1, 2)
 
         q, k, v = split(q, heads), split(k, kv_heads), split(v, kv_heads)
+        if cache is not None:
+            return self._cached(q, k, v, cache).transpose(1, 2).reshape(batch, seq, width)
         if self.rope_theta is not None:
             cos, sin = self._tables(seq, q.device, q.dtype)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -132,6 +143,17 @@ class CoreAttention(nn.Module):
             q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True,
             enable_gqa=kv_heads != heads)
         return out.transpose(1, 2).reshape(batch, seq, width)
+
+    def _cached(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                cache: LayerCache) -> torch.Tensor:
+        if self.rope_theta is not None:  # each row's own positions
+            positions = cache.positions(q.shape[2], q.device)
+            cos, sin = self._tables(cache.cache.capacity, q.device, q.dtype)
+            cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        keys, values, mask = cache.extend(k, v)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+                                              enable_gqa=keys.shape[1] != q.shape[1])
 
     def extra_repr(self) -> str:
         rope = f", rope_theta={self.rope_theta}" if self.rope_theta is not None else ""
@@ -155,14 +177,14 @@ class Attention(nn.Module):
                                   config.rope_theta if config.position == "rope" else None)
         self.proj = nn.Linear(config.hidden, config.hidden, bias=config.bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
         # chunk (not a config width) so TP-sliced projections giving [q_l; k_l; v_l] or
         # [k_l; v_l] still work.
         if hasattr(self, "qkv"):
             q, k, v = self.qkv(x).chunk(3, dim=-1)
         else:
             q, (k, v) = self.q(x), self.kv(x).chunk(2, dim=-1)
-        return self.proj(self.core(q, k, v))
+        return self.proj(self.core(q, k, v, cache))
 
 
 class MLP(nn.Module):
@@ -197,9 +219,10 @@ class Block(nn.Module):
         self.mlp = MLP(config)
         self.drop2 = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """[b, s, hidden] -> [b, s, hidden]."""
-        x = x + self.drop1(self.attn(self.ln1(x)))
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+        """[b, s, hidden] -> [b, s, hidden] (``cache``: this layer's part of a decoded
+        batch's key/value cache)."""
+        x = x + self.drop1(self.attn(self.ln1(x), cache))
         return x + self.drop2(self.mlp(self.ln2(x)))
 
 
@@ -260,11 +283,20 @@ class GPT(nn.Module):
         if seed is not None and not any(p.is_meta for p in self.parameters()):
             init_gpt_(self, seed)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """``idx`` [b, s] -> logits [b, s, vocab], or the mean loss if ``targets`` is given."""
-        x = self.embed(idx)
-        for block in self.blocks:
-            x = block(x)
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+                cache: KVCache | None = None) -> torch.Tensor:
+        """``idx`` [b, s] -> logits [b, s, vocab], or the mean loss if ``targets`` is given.
+        With ``cache`` (incremental decoding) ``idx`` holds the batch's next tokens: they
+        attend to the cached ones and join the cache."""
+        if cache is None:
+            x = self.embed(idx)
+            for block in self.blocks:
+                x = block(x)
+        else:
+            x = self.embed(idx, cache.positions(idx.shape[1], idx.device))
+            for i, block in enumerate(self.blocks):
+                x = block(x, cache.layer(i))
+            cache.advance(idx.shape[1])
         tied = self.embed.tokens.weight if self.config.tied_embeddings else None
         logits = self.head(self.ln_f(x), tied)
         if targets is None:
