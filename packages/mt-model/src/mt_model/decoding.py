@@ -10,7 +10,7 @@ Log-probabilities are the model's own (before temperature and filtering).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -83,10 +83,12 @@ def pick(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | 
 
 @torch.no_grad()
 def generate(model: GPT, prompts: Sequence[Sequence[int]],
-             sampling: Sampling | Sequence[Sampling]) -> list[Completion]:
+             sampling: Sampling | Sequence[Sampling],
+             on_token: Callable[[int, int], None] | None = None) -> list[Completion]:
     """Complete every prompt (token ids) in one left-padded batch; ``sampling`` for all or one
-    per prompt. Raises ValueError naming the numbers when a prompt plus its budget exceed the
-    model's positions."""
+    per prompt; ``on_token(row, token)`` as each new token comes (streaming). Raises
+    ValueError naming the numbers when a prompt plus its budget exceed the model's
+    positions."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     rules = [sampling] * len(prompts) if isinstance(sampling, Sampling) else list(sampling)
@@ -128,6 +130,8 @@ def generate(model: GPT, prompts: Sequence[Sequence[int]],
                     else:
                         out[row].append(token)
                         logprobs[row].append(float(logp[row, token]))
+                        if on_token is not None:
+                            on_token(row, token)
                         if len(out[row]) == rule.max_new_tokens:
                             reason[row] = "length"
                 chosen.append(token)

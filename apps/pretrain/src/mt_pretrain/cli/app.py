@@ -19,6 +19,8 @@ from mt_data.cli import HelpFitsTerminal
 from mt_data.cli import app as data_app
 from mt_pretrain.cli.eval import _HELP as _EVAL_HELP
 from mt_pretrain.cli.eval import eval_command
+from mt_pretrain.cli.generate import _HELP as _GENERATE_HELP
+from mt_pretrain.cli.generate import generate_command
 from mt_pretrain.cli.matrix import _HELP as _MATRIX_HELP
 from mt_pretrain.cli.matrix import matrix
 from mt_pretrain.cli.options import with_config_options
@@ -139,6 +141,8 @@ def plot(
 app.command("plan", help=_PLAN_HELP, context_settings={"max_content_width": 110})(plan)
 app.command("matrix", help=_MATRIX_HELP, context_settings={"max_content_width": 110})(matrix)
 app.command("eval", help=_EVAL_HELP, context_settings={"max_content_width": 110})(eval_command)
+app.command("generate", help=_GENERATE_HELP,
+            context_settings={"max_content_width": 110})(generate_command)
 app.add_typer(data_app, name="data")
 
 

@@ -1,0 +1,145 @@
+"""`mt generate`: text from any checkpoint mt reads, greedy or sampled."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+__all__ = ["generate_command"]
+
+_HELP = (
+    "Complete prompts with a checkpoint: greedy by default, or sampled (--temperature, "
+    "--top-k, --top-p) with a --seed that gives the same text alone or batched.\n\n"
+    "CHECKPOINT is an mt pretrain checkpoint (any layout), or any folder mt convert reads "
+    "(a Hugging Face GPT-2 or Llama folder with its tokenizer, an mt consolidated folder). "
+    "One --prompt streams its completion to the terminal; --input prompts.jsonl (rows "
+    '{"prompt": TEXT}) writes one JSONL row per prompt to --output (prompt, completion, '
+    "token_ids, logprobs with --logprobs, finish_reason) with a progress bar. Generation "
+    "stops at the tokenizer's end-of-text token, at a --stop string, or after "
+    "--max-new-tokens. One process, the model whole (the tensor- and pipeline-parallel "
+    "decoding of `mt eval`'s layouts comes next)."
+)
+
+
+def generate_command(
+    checkpoint: Annotated[str, typer.Argument(
+        help="mt pretrain checkpoint, or a folder mt convert reads (e.g. Hugging Face).")],
+    prompt: Annotated[str | None, typer.Option(help="One prompt (streamed).")] = None,
+    input: Annotated[Path | None, typer.Option(  # noqa: A002 - the flag users expect
+        "--input", "-i", help='JSONL prompts: rows {"prompt": TEXT}.')] = None,
+    output: Annotated[Path | None, typer.Option(
+        "--output", "-o", help="JSONL results (with --input; default: stdout).")] = None,
+    max_new_tokens: Annotated[int, typer.Option(help="New tokens at most.")] = 64,
+    temperature: Annotated[float, typer.Option(
+        help="0: greedy (the default); > 0: sample from softmax(logits / T).")] = 0.0,
+    top_k: Annotated[int, typer.Option(help="Sample among the k likeliest (0: all).")] = 0,
+    top_p: Annotated[float, typer.Option(
+        help="Sample among the likeliest tokens holding probability p (1: all).")] = 1.0,
+    stop: Annotated[list[str] | None, typer.Option(
+        help="Stop before this text (repeatable).")] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the sampling (each prompt its own).")] = 0,
+    logprobs: Annotated[bool, typer.Option(
+        "--logprobs", help="Write each new token's log-probability.")] = False,
+    batch_size: Annotated[int, typer.Option(help="Prompts decoded together.")] = 8,
+    tokenizer: Annotated[str | None, typer.Option(
+        help="Tokenizer instead of the checkpoint's.")] = None,
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
+    precision: Annotated[str, typer.Option(help="fp32, bf16 or fp16 weights.")] = "fp32",
+) -> None:
+    from mt_data import output_clash
+
+    console = Console(stderr=True)
+    problems = []
+    if (prompt is None) == (input is None):
+        problems.append("give --prompt TEXT or --input prompts.jsonl (one of them)")
+    if prompt == "":
+        problems.append("--prompt is empty")
+    if output is not None and input is None:
+        problems.append("--output is for --input's results (one --prompt streams to the "
+                        "terminal)")
+    if batch_size < 1:
+        problems.append(f"--batch-size must be positive, got {batch_size}")
+    if device not in ("auto", "cpu", "cuda"):
+        problems.append(f"--device must be auto, cpu or cuda, got {device!r}")
+    if output is not None and input is not None and (
+            clash := output_clash("--output", output, [checkpoint, input])):
+        problems.append(clash)
+    try:
+        from mt_model import Sampling
+
+        sampling = Sampling(max_new_tokens, temperature, top_k, top_p, seed)
+    except ValueError as err:
+        problems.append(str(err).replace("max_new_tokens", "--max-new-tokens")
+                        .replace("top_k", "--top-k").replace("top_p", "--top-p")
+                        .replace("temperature", "--temperature"))
+    from mt_zero.precision import PRECISIONS
+
+    if precision not in PRECISIONS:
+        problems.append(f"--precision must be one of {', '.join(PRECISIONS)}, got "
+                        f"{precision!r}")
+    if problems:
+        _fail(console, "; ".join(problems))
+    try:
+        _run(checkpoint, prompt, input, output, sampling, list(stop or []), logprobs,
+             batch_size, tokenizer, device, precision, console)
+    except Exception as err:  # noqa: BLE001 - bad input is reported as one line
+        from mt_pretrain.launch import _EXPECTED
+
+        if not isinstance(err, (*_EXPECTED, OSError, ValueError)):
+            raise
+        _fail(console, str(err))
+
+
+def _fail(console: Console, message: str) -> None:
+    console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    raise typer.Exit(2)
+
+
+def _run(checkpoint: str, prompt: str | None, input: Path | None,  # noqa: A002
+         output: Path | None, sampling: object, stop: list[str], logprobs: bool,
+         batch_size: int, tokenizer: str | None, device: str, precision: str,
+         console: Console) -> None:
+    import json
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    from mt_data.shards import atomic_write_bytes
+    from mt_pretrain.evaluation.generation import Generator, read_prompts
+
+    prompts = [prompt] if prompt is not None else read_prompts(input)  # type: ignore[arg-type]
+    generator = Generator.load(checkpoint, tokenizer, device, precision)
+    if prompt is not None:
+        sys.stdout.write(prompt)
+        sys.stdout.flush()
+
+        def show(_row: int, text: str) -> None:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+
+        row = generator.complete([prompt], sampling, stop, on_text=show)[0]  # type: ignore
+        sys.stdout.write("\n")
+        console.print(escape(f"[{row['finish_reason']}: {len(row['token_ids'])} tokens]"),
+                      highlight=False)
+        return
+    rows = []
+    with Progress(TextColumn("generating"), BarColumn(), MofNCompleteColumn(),
+                  console=console, transient=True) as bar:
+        task = bar.add_task("prompts", total=len(prompts))
+        for start in range(0, len(prompts), batch_size):
+            chunk = prompts[start:start + batch_size]
+            rows += generator.complete(chunk, sampling, stop)  # type: ignore[arg-type]
+            bar.update(task, advance=len(chunk))
+    text = "".join(json.dumps({k: v for k, v in r.items() if logprobs or k != "logprobs"})
+                   + "\n" for r in rows)
+    if output is None:
+        sys.stdout.write(text)
+        return
+    output.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(output, text.encode("utf-8"))
+    console.print(f"wrote {output}: {len(rows)} completions", highlight=False,
+                  soft_wrap=True)

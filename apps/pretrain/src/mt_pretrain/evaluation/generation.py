@@ -1,0 +1,113 @@
+"""`mt generate` on one process: any checkpoint mt reads (a pretrain checkpoint at any
+layout, a Hugging Face GPT-2 or Llama folder with its tokenizer, a consolidated folder) as one
+model, its tokenizer, and mt-model's cached decoding (:func:`mt_model.generate`).
+
+Prompts are read from a JSONL file (rows ``{"prompt": TEXT}``, each checked: the file and
+line at fault are named) or given one by one; completions are cut at the first stop string
+(``finish_reason`` "stop"), and stop at the tokenizer's end-of-text token.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mt_data import load_tokenizer
+from mt_eval import TaskError
+from mt_model import GPT, Sampling, generate
+from mt_pretrain.evaluation.model import as_pretrain_checkpoint, load_eval_model
+from mt_zero.precision import compute_dtype
+
+__all__ = ["Generator", "read_prompts"]
+
+
+def read_prompts(path: Path) -> list[str]:
+    """The ``prompt`` of every row of a JSONL file; a TaskError names the line at fault."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as err:
+        raise TaskError(f"{path}: cannot read ({err.strerror})") from None
+    except UnicodeDecodeError as err:
+        raise TaskError(f"{path}: not UTF-8 text ({err.reason})") from None
+    prompts = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise TaskError(f"{path}:{number}: not JSON ({err.msg})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+            raise TaskError(f'{path}:{number}: a row must be {{"prompt": TEXT}}, got '
+                            f"{line[:80]!r}")
+        if not row["prompt"]:
+            raise TaskError(f"{path}:{number}: the prompt is empty")
+        prompts.append(row["prompt"])
+    if not prompts:
+        raise TaskError(f"{path}: no prompts")
+    return prompts
+
+
+@dataclass
+class Generator:
+    """A model and its tokenizer, ready to complete text."""
+
+    model: GPT
+    tokenizer: Any
+
+    @classmethod
+    def load(cls, checkpoint: str, tokenizer: str | None = None, device: str = "auto",
+             precision: str = "fp32") -> Generator:
+        """The checkpoint's full model on ``device`` in ``precision``."""
+        where = torch.device("cuda" if device == "cuda" or (
+            device == "auto" and torch.cuda.is_available()) else "cpu")
+        with as_pretrain_checkpoint(checkpoint, tokenizer) as (path, tok):
+            loaded = load_eval_model(path, tok)
+        model = GPT(loaded.config, seed=None)
+        model.load_state_dict(loaded.weights, strict=True)
+        model.to(device=where, dtype=compute_dtype(precision)).eval()
+        return cls(model, load_tokenizer(loaded.tokenizer))
+
+    def complete(self, prompts: Sequence[str], sampling: Sampling, stop: Sequence[str] = (),
+                 on_text: Callable[[int, str], None] | None = None) -> list[dict[str, Any]]:
+        """One result row per prompt: ``prompt``, ``completion``, ``token_ids`` (the new
+        tokens), ``logprobs`` and ``finish_reason``; ``on_text(row, text)`` streams each
+        row's new text as it is decoded."""
+        tok = self.tokenizer
+        ids = [tok.encode(p) for p in prompts]
+        empty = [i for i, row in enumerate(ids) if not row]
+        if empty:
+            raise TaskError(f"prompt {empty[0] + 1} encodes to no tokens")
+        rule = Sampling(sampling.max_new_tokens, sampling.temperature, sampling.top_k,
+                        sampling.top_p, sampling.seed,
+                        tuple(sorted({*sampling.stop_ids, tok.eod_id})))
+        shown = [""] * len(prompts)
+        new: list[list[int]] = [[] for _ in prompts]
+
+        def stream(row: int, token: int) -> None:
+            new[row].append(token)
+            text = tok.decode(new[row])
+            text = text[:min((text.index(s) for s in stop if s in text), default=len(text))]
+            if on_text is not None and len(text) > len(shown[row]) and "\ufffd" not in text:
+                on_text(row, text[len(shown[row]):])
+                shown[row] = text
+
+        done = generate(self.model, ids, rule, on_token=stream)
+        rows = []
+        for prompt, completion in zip(prompts, done, strict=True):
+            text, reason = tok.decode(completion.tokens), completion.finish_reason
+            cut = min((text.index(s) for s in stop if s in text), default=None)
+            tokens, logprobs = completion.tokens, completion.logprobs
+            if cut is not None:
+                text, reason = text[:cut], "stop"
+                keep = next(n for n in range(len(tokens) + 1)
+                            if len(tok.decode(tokens[:n])) >= cut)
+                tokens, logprobs = tokens[:keep], logprobs[:keep]
+            rows.append({"prompt": prompt, "completion": text, "token_ids": tokens,
+                         "logprobs": logprobs, "finish_reason": reason})
+        return rows
