@@ -1,6 +1,6 @@
 """mt as a model of lm-evaluation-harness: lm-eval's own tasks (Python hooks, multiple-input
 tasks, filters, ``process_results``, its metrics and results JSON) scored by mt at any
-TP x PP x DP layout.
+TP x PP x DP layout (``generate_until``: mt-model's cached decoding, one process for now).
 
 :class:`MTLM` is registered in lm-eval's model registry as ``mt``. Every process of the
 layout runs the harness the same way (lm-eval builds the same requests on each, in the same
@@ -154,10 +154,59 @@ class MTLM(LM):
         return out
 
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
-        raise NotImplementedError(
-            "generate_until: mt does not generate text yet (`mt generate` is the next "
-            "step); evaluate log-likelihood tasks (multiple_choice, loglikelihood, "
-            "loglikelihood_rolling)")
+        """Each request's continuation, as lm-eval's HF backend makes it: its generation
+        kwargs normalised by lm-eval (``until`` plus end-of-text, ``max_gen_toks``, greedy
+        unless ``do_sample``), the context cut from the left to leave room for the new
+        tokens, the text cut at the first ``until`` string. One process for now (the whole
+        model; decoding over TP / PP processes comes with `mt generate`'s)."""
+        from lm_eval.models.utils import (  # pants: no-infer-dep
+            handle_stop_sequences,
+            normalize_gen_kwargs,
+        )
+
+        from mt_model import Sampling, generate
+
+        s = self.session
+        if s.layout.world_size > 1:
+            raise NotImplementedError(
+                "generate_until: mt decodes on one process for now (--nproc 1, --tp 1, "
+                f"--pp 1; this run has {s.layout.world_size}); log-likelihood tasks run at "
+                "any layout")
+        model, decode = self._decoder(), self.session.decode
+        eos = decode([s.prefix])
+        out = []
+        for instance in requests:
+            context, gen_kwargs = instance.args[:2]
+            kwargs = normalize_gen_kwargs(dict(gen_kwargs), 256)
+            until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
+            budget = int(kwargs.pop("max_gen_toks"))
+            if budget >= s.max_length:
+                raise TaskError(f"max_gen_toks {budget} leaves no room for a context in the "
+                                f"model's {s.max_length} positions")
+            ids = s.encode(context)[-(s.max_length - budget):] or [s.prefix]
+            sampled = bool(kwargs.get("do_sample")) and float(kwargs.get("temperature", 0)) > 0
+            rule = Sampling(budget, float(kwargs["temperature"]) if sampled else 0.0,
+                            int(kwargs.get("top_k") or 0), float(kwargs.get("top_p") or 1.0),
+                            seed=1234, stop_ids=(s.prefix,))
+            text = decode(generate(model, [ids], rule)[0].tokens)
+            for stop in until:
+                if stop:
+                    text = text.split(stop)[0]
+            self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
+            out.append(text)
+        return out
+
+    def _decoder(self) -> Any:
+        """The whole model for decoding (built once from the weights the session read)."""
+        if getattr(self, "_model", None) is None:
+            from mt_model import GPT
+
+            loaded = self.session.model
+            model = GPT(loaded.config, seed=None)
+            model.load_state_dict(loaded.weights, strict=True)
+            self._model = model.to(device=self.session.groups.device,
+                                   dtype=self.session.dtype).eval()
+        return self._model
 
 
 def _needed_splits(config: dict[str, Any], shots: int) -> set[str]:

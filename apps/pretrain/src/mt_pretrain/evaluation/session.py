@@ -109,7 +109,9 @@ class ScoringSession:
         self.spec, self.layout, self.groups, self.model = spec, layout, groups, model
         self.scorer = StageScorer(built.stage, groups, gpt.vocab_size, gpt.seq_len, dtype,
                                   gpt.hidden)
-        self.encode, self.prefix = tokenizer.encode, tokenizer.eod_id
+        self.encode, self.decode, self.prefix = tokenizer.encode, tokenizer.decode, \
+            tokenizer.eod_id
+        self.dtype = dtype
         self.max_length, self.tokenizer_name = gpt.seq_len, model.tokenizer
 
     @property
