@@ -214,7 +214,8 @@ def test_lm_eval_command_line_with_model_mt(setup: dict[str, Path], tmp_path: Pa
     config = {**{k: v for k, v in config.items() if not callable(v)}, "task": "boolq_local"}
     (tmp_path / "tasks").mkdir()
     (tmp_path / "tasks" / "boolq_local.yaml").write_text(yaml.safe_dump(config))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(os.path.abspath(p) for p in sys.path if p)}
     run = subprocess.run(
         [sys.executable, "-m", "mt_pretrain.lm_eval", "--model", "mt", "--model_args",
          f"checkpoint={setup['ckpt']}", "--tasks", "boolq_local", "--include_path",
