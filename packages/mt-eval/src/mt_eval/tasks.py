@@ -105,8 +105,9 @@ class Task:
                             f"{self.output_type} tasks (mt eval has {sorted(allowed)})")
 
 
-def load_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Rows of a JSONL file; a bad line is an error naming the file and line."""
+def numbered_rows(path: Path) -> list[tuple[int, dict[str, Any]]]:
+    """(line number, row) of every non-blank line of a JSONL file; a bad line is an error
+    naming the file and line."""
     rows = []
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
@@ -124,10 +125,15 @@ def load_jsonl(path: Path) -> list[dict[str, Any]]:
         if not isinstance(row, dict):
             raise TaskError(f"{path}:{number}: a row must be a JSON object, got "
                             f"{type(row).__name__}")
-        rows.append(row)
+        rows.append((number, row))
     if not rows:
         raise TaskError(f"{path}: no rows")
     return rows
+
+
+def load_jsonl(path: Path) -> list[dict[str, Any]]:
+    """Rows of a JSONL file (:func:`numbered_rows` without the numbers)."""
+    return [row for _, row in numbered_rows(path)]
 
 
 def jsonl_task(path: Path) -> Task:

@@ -19,6 +19,7 @@ import torch
 
 from mt_data import load_tokenizer
 from mt_eval import TaskError
+from mt_eval.tasks import numbered_rows
 from mt_model import GPT, Sampling, generate
 from mt_pretrain.evaluation.model import as_pretrain_checkpoint, load_eval_model
 from mt_zero.precision import compute_dtype
@@ -28,28 +29,12 @@ __all__ = ["Generator", "read_prompts"]
 
 def read_prompts(path: Path) -> list[str]:
     """The ``prompt`` of every row of a JSONL file; a TaskError names the line at fault."""
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError as err:
-        raise TaskError(f"{path}: cannot read ({err.strerror})") from None
-    except UnicodeDecodeError as err:
-        raise TaskError(f"{path}: not UTF-8 text ({err.reason})") from None
     prompts = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise TaskError(f"{path}:{number}: not JSON ({err.msg})") from None
-        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-            raise TaskError(f'{path}:{number}: a row must be {{"prompt": TEXT}}, got '
-                            f"{line[:80]!r}")
-        if not row["prompt"]:
-            raise TaskError(f"{path}:{number}: the prompt is empty")
+    for number, row in numbered_rows(path):
+        if not isinstance(row.get("prompt"), str) or not row["prompt"]:
+            raise TaskError(f'{path}:{number}: a row must be {{"prompt": TEXT}} with a '
+                            f"non-empty TEXT, got {json.dumps(row)[:80]}")
         prompts.append(row["prompt"])
-    if not prompts:
-        raise TaskError(f"{path}: no prompts")
     return prompts
 
 
