@@ -19,19 +19,21 @@ launcher), and lm-eval's own command line with mt registered,
 from __future__ import annotations
 
 import atexit
+import importlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-# lm-eval registers its own models only while its registry is empty: first theirs, then mt.
-import lm_eval.models  # noqa: F401  # pants: no-infer-dep (the harness extra)
-from lm_eval.api.model import LM  # pants: no-infer-dep
-from lm_eval.api.registry import register_model  # pants: no-infer-dep
+from lm_eval.api.model import LM  # pants: no-infer-dep (the harness extra)
+from lm_eval.api.registry import register_model  # pants: no-infer-dep (the harness extra)
 
 from mt_dist import LaunchInfo
 from mt_eval import Request, TaskError, batches_by_length, encode_pair, rolling_windows
 from mt_pretrain.evaluation.session import EvalSpec, ScoringSession
 from mt_pretrain.evaluation.suites import SUITES, TASK_FILES
+
+# lm-eval registers its own models only while its registry is empty: first theirs, then mt.
+importlib.import_module("lm_eval.models")
 
 __all__ = ["MTLM", "harness_rank", "local_task", "task_config"]
 
@@ -44,7 +46,7 @@ def _instances_progress(show: bool, total: int, what: str) -> Callable[[int], No
     """An ``advance(n)`` for the scorer: lm-eval's tqdm-style count on rank 0, or nothing."""
     if not show:
         return lambda _n: None
-    from tqdm import tqdm  # lm-eval's own progress bars  # pants: no-infer-dep
+    from tqdm import tqdm  # pants: no-infer-dep (lm-eval's own progress bars)
 
     bar = tqdm(total=total, desc=f"mt: {what}")
 
@@ -159,10 +161,10 @@ class MTLM(LM):
         unless ``do_sample``), the context cut from the left to leave room for the new
         tokens, the text cut at the first ``until`` string. One process for now (the whole
         model; decoding over TP / PP processes comes with `mt generate`'s)."""
-        from lm_eval.models.utils import (  # pants: no-infer-dep
-            handle_stop_sequences,
-            normalize_gen_kwargs,
-        )
+        from lm_eval.models import utils as lm_utils  # pants: no-infer-dep
+
+        handle_stop_sequences, normalize_gen_kwargs = (lm_utils.handle_stop_sequences,
+                                                       lm_utils.normalize_gen_kwargs)
 
         from mt_model import Sampling, generate
 
