@@ -97,3 +97,23 @@ def test_bad_input_is_one_line(checkpoint: Path, tmp_path: Path) -> None:
     assert task.read_text() == '{"text": "one two three four"}\n'
     code, text = _eval(str(checkpoint), "--task", "mt-cloze", "--shots", "-1")
     assert code == 2 and "--shots must be 0 or more, got -1" in text, text
+
+
+def test_auto_keeps_task_files_on_mts_engine(checkpoint: Path, tmp_path: Path) -> None:
+    """A task file mt's own engine reads still runs there by default (a command that ran
+    before the harness engine runs the same way); one with lm-eval's hooks goes to lm-eval."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"text": "one two three four"}\n{"text": "five six seven eight"}\n')
+    own = tmp_path / "own.yaml"
+    own.write_text(f"task: own\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+                   f"    test: {rows}\ntest_split: test\noutput_type: loglikelihood_rolling\n"
+                   "doc_to_text: \"\"\ndoc_to_target: text\n")
+    code, text = _eval(str(checkpoint), "--task", str(own), "--no-progress")
+    assert code == 0 and "mt eval" in text and "|Tasks|" not in text, text  # mt's table
+    hooked = tmp_path / "hooked.yaml"
+    hooked.write_text(own.read_text().replace("task: own", "task: hooked")
+                      + "process_docs: !function nowhere.process\n")
+    code, text = _eval(str(checkpoint), "--task", str(hooked), "--no-progress")
+    # lm-eval's loader met the hook (no module "nowhere"): one line, exit 2
+    assert code == 2 and "lm-evaluation-harness cannot load it" in text and "nowhere" in text
+    assert "Traceback" not in text, text

@@ -87,8 +87,9 @@ class Task:
     def __post_init__(self) -> None:
         where = self.source or self.name
         if self.output_type not in OUTPUT_TYPES:
-            raise TaskError(f"{where}: output_type {self.output_type!r} is not supported; mt "
-                            f"eval scores {', '.join(OUTPUT_TYPES)}")
+            raise TaskError(f"{where}: output_type {self.output_type!r} is not supported by "
+                            f"mt's own engine (it scores {', '.join(OUTPUT_TYPES)}); "
+                            "lm-evaluation-harness runs it: mt eval --engine harness")
         if not self.docs:
             raise TaskError(f"{where}: no documents to evaluate")
         if self.output_type == "multiple_choice" and self.doc_to_choice is None:

@@ -23,7 +23,8 @@ _HELP = (
     "lm-eval task, group or tag name, or a task YAML: lm-eval runs its own task code (Python "
     "hooks, multiple-input tasks, filters, its metrics and results JSON) and mt scores its "
     "log-likelihood requests; --data-dir points named tasks at local copies of their data "
-    "(no hub). mt's own engine (--engine mt, and whenever the harness is not installed) runs "
+    "(no hub). mt's own engine (--engine mt; by default for the task files it reads, as "
+    "before the harness engine, and whenever the harness is not installed) runs "
     "the built-in tasks (mt-cloze, mt-choice, mt-perplexity: from the embedded corpus' "
     "held-out documents), .jsonl files (rows {context, choices, label}: multiple choice; "
     "rows {text}: last-word cloze) and lm-eval YAMLs of the log-likelihood kinds "
@@ -69,8 +70,9 @@ def eval_command(
     engine: Annotated[str, typer.Option(
         help="Task engine: harness (lm-evaluation-harness's own task code; needs "
         "`pip install 'mt-pretrain[harness]'`), mt (mt-eval's, for its built-in tasks, JSONL "
-        "files and the log-likelihood YAMLs), or auto: the harness when it is installed and "
-        "no task is an mt built-in or a .jsonl file.")] = "auto",
+        "files and the log-likelihood YAMLs), or auto: mt's engine for the task files it "
+        "reads (the same numbers), the harness for the rest (lm-eval task names, hooks, "
+        "generation, --data-dir, --include-path) when it is installed.")] = "auto",
     include_path: Annotated[Path | None, typer.Option(
         help="A folder of lm-eval task YAMLs to add (the harness engine).")] = None,
     data_dir: Annotated[Path | None, typer.Option(
@@ -163,6 +165,21 @@ def _harness_installed() -> bool:
     return importlib.util.find_spec("lm_eval") is not None
 
 
+def _runs_own(task: str) -> bool:
+    """Whether mt's own engine takes ``task`` (as before the harness engine existed): a task
+    file it reads, or one whose error is its own to report (a missing data file...); not one
+    that needs lm-evaluation-harness (a name it does not know, hooks, generation)."""
+    from mt_eval import TaskError, load_task
+
+    if not Path(task).is_file():
+        return False
+    try:
+        load_task(task)
+    except TaskError as err:
+        return "--engine harness" not in str(err)
+    return True
+
+
 def _engine(asked: str, tasks: list[str], include_path: Path | None,
             data_dir: Path | None) -> tuple[str, str | None]:
     """(the task engine to run, or a problem naming the option at fault)."""
@@ -171,7 +188,8 @@ def _engine(asked: str, tasks: list[str], include_path: Path | None,
     if asked not in ("auto", "mt", "harness"):
         return "mt", f"--engine must be auto, mt or harness, got {asked!r}"
     own = [t for t in tasks if t in BUILTIN or t.endswith(".jsonl")]
-    harness = asked == "harness" or (asked == "auto" and not own and _harness_installed())
+    harness = asked == "harness" or (asked == "auto" and not own and _harness_installed() and (
+        include_path is not None or data_dir is not None or not all(map(_runs_own, tasks))))
     if harness and not _harness_installed():
         return "mt", ("--engine harness needs lm-evaluation-harness: pip install "
                       "'mt-pretrain[harness]'")

@@ -21,7 +21,7 @@ from mt_data import load_tokenizer
 from mt_eval import TaskError
 from mt_eval.tasks import numbered_rows
 from mt_model import GPT, Sampling, generate
-from mt_pretrain.evaluation.model import as_pretrain_checkpoint, load_eval_model
+from mt_pretrain.evaluation.model import as_pretrain_checkpoint, load_eval_model, whole_model
 from mt_zero.precision import compute_dtype
 
 __all__ = ["Generator", "read_prompts"]
@@ -53,10 +53,8 @@ class Generator:
             device == "auto" and torch.cuda.is_available()) else "cpu")
         with as_pretrain_checkpoint(checkpoint, tokenizer) as (path, tok):
             loaded = load_eval_model(path, tok)
-        model = GPT(loaded.config, seed=None)
-        model.load_state_dict(loaded.weights, strict=True)
-        model.to(device=where, dtype=compute_dtype(precision)).eval()
-        return cls(model, load_tokenizer(loaded.tokenizer))
+        return cls(whole_model(loaded, where, compute_dtype(precision)),
+                   load_tokenizer(loaded.tokenizer))
 
     def complete(self, prompts: Sequence[str], sampling: Sampling, stop: Sequence[str] = (),
                  on_text: Callable[[int, str], None] | None = None) -> list[dict[str, Any]]:

@@ -29,6 +29,7 @@ from lm_eval.api.registry import register_model  # pants: no-infer-dep (the harn
 
 from mt_dist import LaunchInfo
 from mt_eval import Request, TaskError, batches_by_length, encode_pair, rolling_windows
+from mt_pretrain.evaluation.model import whole_model
 from mt_pretrain.evaluation.session import EvalSpec, ScoringSession
 from mt_pretrain.evaluation.suites import SUITES, TASK_FILES
 
@@ -201,13 +202,8 @@ class MTLM(LM):
     def _decoder(self) -> Any:
         """The whole model for decoding (built once from the weights the session read)."""
         if getattr(self, "_model", None) is None:
-            from mt_model import GPT
-
-            loaded = self.session.model
-            model = GPT(loaded.config, seed=None)
-            model.load_state_dict(loaded.weights, strict=True)
-            self._model = model.to(device=self.session.groups.device,
-                                   dtype=self.session.dtype).eval()
+            self._model = whole_model(self.session.model, self.session.groups.device,
+                                      self.session.dtype)
         return self._model
 
 
@@ -298,7 +294,7 @@ def harness_rank(spec: EvalSpec, info: LaunchInfo) -> dict[str, Any] | None:
     0 lm-eval's results (a suite: ``{"suite", "source", "settings": {setting: results}}``),
     else None. The model is loaded once."""
     import lm_eval  # pants: no-infer-dep
-    from lm_eval.tasks import TaskManager  # pants: no-infer-dep
+    from lm_eval.tasks import TaskManager, get_task_dict  # pants: no-infer-dep
 
     paths = [str(TASK_FILES)] + ([spec.include_path] if spec.include_path else [])
     manager = TaskManager(include_path=paths)
@@ -315,6 +311,12 @@ def harness_rank(spec: EvalSpec, info: LaunchInfo) -> dict[str, Any] | None:
                 for setting, shots in suite.settings().items()}
     else:
         runs = {"": [task_config(t, manager, spec.data_dir, spec.shots or 0) for t in names]}
+    for tasks in runs.values():  # lm-eval's own loading (hooks, data): one line if it fails
+        try:
+            get_task_dict(tasks, manager)
+        except Exception as err:  # noqa: BLE001 - whatever lm-eval raises, said once
+            raise TaskError(f"--task {', '.join(names)}: lm-evaluation-harness cannot load "
+                            f"it: {type(err).__name__}: {err}") from None
     session = ScoringSession(spec, info)
     completed = False
     try:

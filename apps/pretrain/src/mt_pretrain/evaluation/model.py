@@ -21,7 +21,7 @@ from mt_model import GPTConfig
 from mt_pretrain.config.schema import DataArgs
 from mt_pretrain.data.inputs import run_tokenizer
 
-__all__ = ["EvalModel", "as_pretrain_checkpoint", "load_eval_model"]
+__all__ = ["EvalModel", "as_pretrain_checkpoint", "load_eval_model", "whole_model"]
 
 
 @dataclass
@@ -88,3 +88,13 @@ def load_eval_model(path: str | Path, tokenizer: str | None = None) -> EvalModel
                               "and its dataset is not here; pass --tokenizer (gpt2, "
                               "tokenizer-1k, a tokenizer.json or a folder)")
     return EvalModel(config, weights, name, str(folder), meta.step)
+
+
+def whole_model(loaded: EvalModel, device: torch.device, dtype: torch.dtype) -> Any:
+    """The whole model (mt-model's ``GPT``, eval mode) of ``loaded``'s weights, for decoding
+    on one process."""
+    from mt_model import GPT
+
+    model = GPT(loaded.config, seed=None)
+    model.load_state_dict(loaded.weights, strict=True)
+    return model.to(device=device, dtype=dtype).eval()
