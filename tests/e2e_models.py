@@ -28,14 +28,17 @@ def single_threaded(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         torch.set_num_threads(threads)
 
 
-def trained_gpt2_vocab(root: Path) -> tuple[Path, Path]:
-    """(the checkpoint of 12 steps of `mt pretrain --model tiny --vocab-size 50257`, its
-    Hugging Face export with the tokenizer) under ``root``."""
+def trained_gpt2_vocab(root: Path, model: str = "tiny", seq_len: int | None = None
+                       ) -> tuple[Path, Path]:
+    """(the checkpoint of 12 steps of `mt pretrain --model MODEL --vocab-size 50257` (tiny:
+    GPT-2-shaped; llama-test: grouped-query heads, RoPE), its Hugging Face export with the
+    tokenizer) under ``root``."""
     config = load_config(None, {
-        "model": "tiny", "vocab_size": 50257, "tokenizer": "gpt2", "nproc": 1,
+        "model": model, "vocab_size": 50257, "tokenizer": "gpt2", "nproc": 1,
         "micro_batch_size": 4, "global_batch_size": 8, "train_steps": 12, "eval_interval": 0,
         "sample_tokens": 0, "progress": False, "log_interval": 100, "timeout": 300.0,
-        "out_dir": str(root / "run"), "cache_dir": str(root / "cache")})
+        "out_dir": str(root / "run"), "cache_dir": str(root / "cache"),
+        **({"seq_len": seq_len} if seq_len else {})})
     summary = single_threaded(launch, config, {}, 600)
     result = CliRunner().invoke(convert_app, [summary.checkpoint, str(root / "hf"), "--to",
                                               "hf"])

@@ -14,7 +14,17 @@ import pytest
 import torch
 import transformers
 
-from mt_model import GPT, GPTConfig, KVCache, Sampling, generate, preset
+from mt_model import (
+    GPT,
+    DecodeBatch,
+    GPTConfig,
+    KVCache,
+    Request,
+    Sampling,
+    WholeModel,
+    generate,
+    preset,
+)
 from mt_model.decoding import pick
 
 CONFIGS = {
@@ -64,6 +74,61 @@ def test_greedy_batched_equals_alone_and_transformers(name: str) -> None:
         out = hf.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False,
                           pad_token_id=0)
         assert out[0, len(prompt):].tolist() == completion.tokens, name
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_requests_join_and_leave_a_running_batch(name: str) -> None:
+    """Continuous batching: requests that join a running batch (longer or shorter than it),
+    leave it at different steps or are cancelled get the tokens they get alone."""
+    model = GPT(CONFIGS[name], seed=5).eval()
+    prompts = [*PROMPTS, [11, 12]]
+    rules = [Sampling(max_new_tokens=9), Sampling(max_new_tokens=4, temperature=1.0, seed=3),
+             Sampling(max_new_tokens=7, temperature=0.8, top_k=20, seed=4),
+             Sampling(max_new_tokens=9)]
+    alone = [generate(model, [p], r)[0] for p, r in zip(prompts, rules, strict=True)]
+    batch = DecodeBatch(WholeModel(model))
+    got: dict[int, list[tuple[int, float]]] = {i: [] for i in range(4)}
+    finish: dict[int, str] = {}
+
+    def step() -> None:
+        for event in batch.step():
+            if event.token is not None:
+                got[event.key].append((event.token, event.logprob))
+            if event.finish:
+                finish[event.key] = event.finish
+
+    batch.add([Request(tuple(prompts[0]), rules[0])], [0])
+    step()
+    step()
+    batch.add([Request(tuple(prompts[1]), rules[1])], [1])  # longer than the batch so far
+    step()
+    batch.add([Request(tuple(p), r) for p, r in zip(prompts[2:], rules[2:], strict=True)],
+              [2, 3])
+    step()
+    batch.cancel([3])
+    while batch:
+        step()
+    assert batch.cache is None and len(got[3]) == 1
+    for i in range(3):
+        assert [t for t, _ in got[i]] == alone[i].tokens, (name, i)
+        assert [lp for _, lp in got[i]] == pytest.approx(alone[i].logprobs, abs=1e-5, rel=0)
+        assert finish[i] == "length"
+
+
+def test_echo_scores_the_prompt() -> None:
+    model = GPT(CONFIGS["llama"], seed=5).eval()
+    batch = DecodeBatch(WholeModel(model))
+    scores = batch.add([Request(tuple(p), Sampling(max_new_tokens=1), echo=i != 1,
+                                top_logprobs=2) for i, p in enumerate(PROMPTS)], [0, 1, 2])
+    assert scores[1] is None
+    for prompt, score in zip(PROMPTS[::2], scores[::2], strict=True):
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([prompt]))[0], dim=-1)
+        want = [float(logp[i, t]) for i, t in enumerate(prompt[1:])]
+        assert list(score.logprobs) == pytest.approx(want, abs=1e-5, rel=0)
+        best = logp[:-1].max(dim=-1)
+        assert [top[0][0] for top in score.top] == best.indices.tolist()
+        assert [len(top) for top in score.top] == [2] * (len(prompt) - 1)
 
 
 def test_sampling_is_reproducible_and_filters() -> None:

@@ -28,6 +28,7 @@ from mt_pretrain.config.resolve import resolve, sharding_styles
 from mt_pretrain.config.schema import ConfigError, PretrainConfig
 from mt_pretrain.data.inputs import check_vocab, default_cache_dir, ensure_data
 from mt_pretrain.engines.checkpoint import CheckpointError
+from mt_pretrain.evaluation.generation import GenerateSpec, generate_rank
 from mt_pretrain.evaluation.model import as_pretrain_checkpoint
 from mt_pretrain.evaluation.rank import EvalSpec, eval_rank
 from mt_pretrain.run.folder import claim_run_folder, run_folder_lock
@@ -35,7 +36,8 @@ from mt_pretrain.run.rank import RunSummary, run_rank
 from mt_pretrain.run.train import NonFiniteLossError
 from mt_pretrain.run.warnings_line import one_line_warnings
 
-__all__ = ["Interrupted", "LaunchFailed", "launch", "launch_eval", "spawn", "supervise"]
+__all__ = ["Interrupted", "LaunchFailed", "launch", "launch_eval", "launch_generate", "spawn",
+           "supervise"]
 
 T = TypeVar("T")
 
@@ -125,6 +127,28 @@ def _eval_rank(rank: int, spec: EvalSpec, nproc: int, port: int,
     torch.set_num_threads(threads)
     return _engine_rank(spec, LaunchInfo(rank, nproc, rank, nproc, "127.0.0.1", port,
                                          "single"))
+
+
+def launch_generate(spec: GenerateSpec, environ: Mapping[str, str] | None = None,
+                    timeout: float | None = None) -> list[dict] | None:
+    """Run `mt generate` ``spec`` at its layout: as one rank under a launcher, else on
+    ``spec.nproc`` local processes. Returns every prompt's row on rank 0 (None on other ranks
+    under a launcher)."""
+    info = discover(os.environ if environ is None else environ)
+    with as_pretrain_checkpoint(spec.checkpoint, spec.tokenizer) as (checkpoint, tokenizer):
+        spec = replace(spec, checkpoint=checkpoint, tokenizer=tokenizer)
+        if info.launcher != "single":
+            return generate_rank(spec, info)
+        threads = max(1, (os.cpu_count() or 1) // spec.nproc)
+        return supervise(_generate_rank, spec.nproc,
+                         (spec, spec.nproc, free_port("127.0.0.1"), threads), timeout)
+
+
+def _generate_rank(rank: int, spec: GenerateSpec, nproc: int, port: int,
+                   threads: int) -> list[dict] | None:
+    torch.set_num_threads(threads)
+    return generate_rank(spec, LaunchInfo(rank, nproc, rank, nproc, "127.0.0.1", port,
+                                          "single"))
 
 
 def _rank(rank: int, config: PretrainConfig, nproc: int, port: int, cache: Path,

@@ -26,7 +26,16 @@ from mt_model.params import (
 
 if TYPE_CHECKING:  # imported on first use (see __getattr__); named here for tools
     from mt_model.cache import KVCache, LayerCache
-    from mt_model.decoding import Completion, Sampling, generate
+    from mt_model.decoding import (
+        Completion,
+        DecodeBatch,
+        DecodeModel,
+        Request,
+        Sampling,
+        Token,
+        WholeModel,
+        generate,
+    )
     from mt_model.gpt import GPT, MLP, Attention, Block, CoreAttention, Embedding, LMHead, LMLoss
     from mt_model.init import init_gpt_, init_parameter, init_std_for, parameter_seed
 
@@ -39,7 +48,8 @@ _LAZY = {name: module for module, names in {
                      "LMHead", "LMLoss"),
     "mt_model.init": ("init_gpt_", "init_parameter", "init_std_for", "parameter_seed"),
     "mt_model.cache": ("KVCache", "LayerCache"),
-    "mt_model.decoding": ("Completion", "Sampling", "generate"),
+    "mt_model.decoding": ("Completion", "DecodeBatch", "DecodeModel", "Request", "Sampling",
+                          "Token", "WholeModel", "generate"),
 }.items() for name in names}
 
 
@@ -60,6 +70,8 @@ __all__ = [
     "Block",
     "Completion",
     "CoreAttention",
+    "DecodeBatch",
+    "DecodeModel",
     "Embedding",
     "GPTConfig",
     "GPTConfigError",
@@ -67,7 +79,10 @@ __all__ = [
     "LMHead",
     "LMLoss",
     "LayerCache",
+    "Request",
     "Sampling",
+    "Token",
+    "WholeModel",
     "__version__",
     "block_matmul_parameters",
     "count_block_parameters",

@@ -7,7 +7,11 @@ batch. A slot's position is its index minus the row's padding (the first real to
 position 0, as when the prompt runs alone); padded slots are never attended to. The cache
 holds, per layer, keys and values ``[b, kv_heads, capacity, head_dim]`` allocated at the
 first write from the projected tensors' own widths, so a tensor-parallel rank holding some of
-the heads caches just those.
+the heads caches just those, and a pipeline stage only the layers it runs.
+
+Continuous batching: :meth:`KVCache.join` merges the caches of two batches (the shorter one is
+padded on the left to the longer one's length) and :meth:`KVCache.keep` drops finished rows
+(and the slots no remaining row uses).
 """
 
 from __future__ import annotations
@@ -58,6 +62,46 @@ class KVCache:
         causal = keys.unsqueeze(0) <= queries.unsqueeze(1)  # [new, total]
         real = keys.unsqueeze(0) >= self.pad.to(device).unsqueeze(1)  # [b, total]
         return (causal.unsqueeze(0) & real.unsqueeze(1)).unsqueeze(1)
+
+    def join(self, other: KVCache, capacity: int) -> KVCache:
+        """The rows of this cache, then ``other``'s, in one cache of ``capacity`` slots: both
+        right-aligned on the longer one's filled length (the shorter's rows get more left
+        padding), so every row's newest token is again in the same slot."""
+        length = max(self.length, other.length)
+        if capacity < length:
+            raise ValueError(f"capacity {capacity} below the {length} filled slots")
+        joined = KVCache(len(self.keys), torch.cat([self.pad + length - self.length,
+                                                    other.pad + length - other.length]),
+                         capacity)
+        joined.length = length
+        for store in ("keys", "values"):
+            mine, theirs = getattr(self, store), getattr(other, store)
+            for i, (a, b) in enumerate(zip(mine, theirs, strict=True)):
+                if (a is None) != (b is None):
+                    raise ValueError(f"layer {i} is cached in one batch only")
+                if a is None or b is None:
+                    continue
+                out = a.new_zeros((a.shape[0] + b.shape[0], a.shape[1], capacity, a.shape[3]))
+                out[:a.shape[0], :, length - self.length:length] = a[:, :, :self.length]
+                out[a.shape[0]:, :, length - other.length:length] = b[:, :, :other.length]
+                getattr(joined, store)[i] = out
+        return joined
+
+    def keep(self, rows: Sequence[int]) -> None:
+        """Keep only ``rows`` (in that order), and drop the leading slots that are padding in
+        all of them (positions are unchanged: they count from each row's own padding)."""
+        index = torch.as_tensor(list(rows), dtype=torch.int64)
+        if index.numel() == 0:
+            raise ValueError("a cache keeps at least one row")
+        self.pad = self.pad[index]
+        cut = min(int(self.pad.min()), self.length)
+        self.pad = self.pad - cut
+        self.length -= cut
+        self.capacity -= cut
+        for store in (self.keys, self.values):
+            for i, t in enumerate(store):
+                if t is not None:
+                    store[i] = t[index.to(t.device), :, cut:]
 
     def layer(self, index: int) -> LayerCache:
         """The view layer ``index`` reads and writes."""

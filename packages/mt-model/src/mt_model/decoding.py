@@ -1,6 +1,12 @@
-"""Text generation with a key/value cache (one process): prefill a batch of prompts, then one
-token per step; greedy or sampled (temperature, top-k, top-p), stop token ids, a budget of
-new tokens.
+"""Text generation with a key/value cache: prefill a batch of prompts, then one token per
+step; greedy or sampled (temperature, top-k, top-p), stop token ids, a budget of new tokens.
+
+:class:`DecodeBatch` batches continuously: requests join a running batch (their prompts are
+prefilled and their caches joined) and leave it as they finish, so a server keeps decoding
+while requests come and go. It runs any :class:`DecodeModel`: the whole model on this process
+(:class:`WholeModel`), or this rank's part of a tensor- and pipeline-parallel one, where the
+ranks holding the logits choose the tokens and :meth:`DecodeModel.share` hands them to the
+others (every rank of the model calls the batch's methods in the same order).
 
 A request's sampled tokens depend on its own seed only: each request draws from its own
 ``torch.Generator``, so the same seed gives the same tokens whether the prompt runs alone or
@@ -10,8 +16,9 @@ Log-probabilities are the model's own (before temperature and filtering).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -19,7 +26,8 @@ import torch.nn.functional as F
 from mt_model.cache import KVCache
 from mt_model.gpt import GPT
 
-__all__ = ["Completion", "Sampling", "generate", "pick"]
+__all__ = ["Completion", "DecodeBatch", "DecodeModel", "Request", "Sampling", "Token",
+           "WholeModel", "generate", "pick"]
 
 
 @dataclass(frozen=True)
@@ -81,64 +89,260 @@ def pick(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | 
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-@torch.no_grad()
-def generate(model: GPT, prompts: Sequence[Sequence[int]],
+@dataclass(frozen=True)
+class Request:
+    """One prompt (token ids) to complete, and how."""
+
+    prompt: tuple[int, ...]
+    sampling: Sampling = Sampling()
+    echo: bool = False
+    """Also score the prompt's own tokens (their log-probabilities, from the prefill)."""
+    top_logprobs: int = 0
+    """Report the k most likely tokens at every scored position (0: none)."""
+
+
+@dataclass(frozen=True)
+class Token:
+    """What one step gave one request."""
+
+    key: Hashable
+    token: int | None
+    """The new token; None when a stop token ended the request (it is not part of it)."""
+    logprob: float
+    """The model's log-probability of the token (of the stop token when ``token`` is None)."""
+    top: tuple[tuple[int, float], ...]
+    """The ``top_logprobs`` most likely tokens and their log-probabilities."""
+    finish: str | None
+    """``stop`` or ``length`` when the request ended at this step, else None."""
+
+
+@dataclass(frozen=True)
+class PromptScores:
+    """The log-probability of each prompt token after the first (and the top tokens at each
+    of those positions), for a request with ``echo``."""
+
+    logprobs: tuple[float, ...]
+    top: tuple[tuple[tuple[int, float], ...], ...]
+
+
+class DecodeModel(Protocol):
+    """How :class:`DecodeBatch` runs a model on this rank."""
+
+    layers: int
+    """Transformer layers of the whole model (the cache's entries)."""
+    max_positions: int
+    picks: bool
+    """This rank holds the logits and chooses the tokens."""
+    device: torch.device
+
+    def logits(self, ids: torch.Tensor, cache: KVCache, every: bool) -> torch.Tensor | None:
+        """Run ``ids`` [b, s] (each row's next tokens) through the model, extending
+        ``cache``; float32 logits over the real vocabulary, of the last position [b, V] or of
+        ``every`` position [b, s, V], where :attr:`picks`, else None."""
+
+    def share(self, payload: Any) -> Any:
+        """``payload`` of the picking ranks, returned on every rank of the model."""
+
+
+class WholeModel:
+    """A whole mt-model ``GPT`` on this process as a :class:`DecodeModel`."""
+
+    picks = True
+
+    def __init__(self, model: GPT) -> None:
+        self.model, self.layers = model, len(model.blocks)
+        self.max_positions = model.config.seq_len
+        self.device = next(model.parameters()).device
+
+    def logits(self, ids: torch.Tensor, cache: KVCache, every: bool) -> torch.Tensor:
+        out = self.model(ids, cache=cache)
+        return (out if every else out[:, -1]).float()
+
+    def share(self, payload: Any) -> Any:
+        return payload
+
+
+@dataclass
+class _Row:
+    key: Hashable
+    request: Request
+    generator: torch.Generator
+    tokens: list[int] = field(default_factory=list)
+
+    @property
+    def left(self) -> int:
+        return self.request.sampling.max_new_tokens - len(self.tokens)
+
+
+def _top(logp: torch.Tensor, k: int) -> tuple[tuple[int, float], ...]:
+    if k <= 0:
+        return ()
+    values, ids = torch.topk(logp, min(k, logp.numel()))
+    return tuple(zip(ids.tolist(), values.tolist(), strict=True))
+
+
+class DecodeBatch:
+    """Requests decoded together, one token each per :meth:`step`; requests join with
+    :meth:`add` and leave when they finish or are cancelled (see the module docstring)."""
+
+    def __init__(self, model: DecodeModel) -> None:
+        self.model = model
+        self.rows: list[_Row] = []
+        self.cache: KVCache | None = None
+        self._next: torch.Tensor | None = None  # [rows, V] logits of each row's next token
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def check(self, request: Request) -> None:
+        """ValueError naming the numbers when ``request`` cannot run on this model."""
+        if not request.prompt:
+            raise ValueError("every prompt needs at least one token")
+        need = len(request.prompt) + request.sampling.max_new_tokens
+        if need > self.model.max_positions:
+            raise ValueError(f"prompt of {len(request.prompt)} tokens + "
+                             f"{request.sampling.max_new_tokens} new tokens exceed the "
+                             f"model's {self.model.max_positions} positions")
+
+    @torch.no_grad()
+    def add(self, requests: Sequence[Request], keys: Sequence[Hashable]
+            ) -> list[PromptScores | None]:
+        """Prefill ``requests`` (named by ``keys``) and join them to the batch; returns the
+        prompt scores of those with ``echo`` (None for the others)."""
+        if len(keys) != len(requests) or not requests:
+            raise ValueError(f"{len(keys)} keys for {len(requests)} requests")
+        for request in requests:
+            self.check(request)
+        model = self.model
+        longest = max(len(r.prompt) for r in requests)
+        pad = [longest - len(r.prompt) for r in requests]
+        cache = KVCache(model.layers, pad, longest + max(r.sampling.max_new_tokens
+                                                         for r in requests))
+        ids = torch.zeros(len(requests), longest, dtype=torch.int64)
+        for row, request in enumerate(requests):
+            ids[row, pad[row]:] = torch.tensor(request.prompt, dtype=torch.int64)
+        every = any(r.echo for r in requests)
+        logits = model.logits(ids.to(model.device), cache, every)
+        scores: list[PromptScores | None] = [None] * len(requests)
+        if model.picks:
+            assert logits is not None
+            if every:
+                logp = F.log_softmax(logits[:, :-1].cpu(), dim=-1)
+                for row, request in enumerate(requests):
+                    if request.echo:
+                        cols = range(pad[row], longest - 1)
+                        targets = request.prompt[1:]
+                        scores[row] = PromptScores(
+                            tuple(float(logp[row, c, t]) for c, t in zip(cols, targets,
+                                                                          strict=True)),
+                            tuple(_top(logp[row, c], request.top_logprobs) for c in cols))
+                logits = logits[:, -1]
+            logits = logits.cpu()
+        scores = model.share(scores) if every else scores
+        rows = []
+        for key, request in zip(keys, requests, strict=True):
+            generator = torch.Generator(device="cpu")
+            generator.manual_seed(request.sampling.seed)
+            rows.append(_Row(key, request, generator))
+        if self.cache is None:
+            self.cache, self._next = cache, logits
+        else:
+            length = max(self.cache.length, cache.length)
+            left = max(r.left for r in self.rows + rows)
+            self.cache = self.cache.join(cache, length + left)
+            if model.picks:
+                assert self._next is not None and logits is not None
+                self._next = torch.cat([self._next, logits])
+        self.rows += rows
+        return scores
+
+    def cancel(self, keys: Sequence[Hashable]) -> None:
+        """Drop the requests named by ``keys`` (a client that went away)."""
+        gone = set(keys)
+        self._keep([i for i, row in enumerate(self.rows) if row.key not in gone])
+
+    def _keep(self, alive: list[int]) -> None:
+        if len(alive) == len(self.rows):
+            return
+        self.rows = [self.rows[i] for i in alive]
+        if not alive:
+            self.cache, self._next = None, None
+            return
+        assert self.cache is not None
+        self.cache.keep(alive)
+        if self._next is not None:
+            self._next = self._next[alive]
+
+    @torch.no_grad()
+    def step(self) -> list[Token]:
+        """One token for every request; finished requests leave the batch."""
+        if not self.rows:
+            return []
+        picked = None
+        if self.model.picks:
+            assert self._next is not None
+            logp = F.log_softmax(self._next, dim=-1)
+            picked = []
+            for row, state in enumerate(self.rows):
+                token = pick(self._next[row], state.request.sampling, state.generator)
+                picked.append((token, float(logp[row, token]),
+                               _top(logp[row], state.request.top_logprobs)))
+        picked = self.model.share(picked)
+        events, alive = [], []
+        for row, (state, (token, logprob, top)) in enumerate(zip(self.rows, picked,
+                                                                  strict=True)):
+            finish = None
+            if token in state.request.sampling.stop_ids:
+                events.append(Token(state.key, None, logprob, top, "stop"))
+                continue
+            state.tokens.append(token)
+            if state.left == 0:
+                finish = "length"
+            else:
+                alive.append(row)
+            events.append(Token(state.key, token, logprob, top, finish))
+        self._keep(alive)
+        if self.rows:
+            assert self.cache is not None
+            ids = torch.tensor([[s.tokens[-1]] for s in self.rows], dtype=torch.int64)
+            logits = self.model.logits(ids.to(self.model.device), self.cache, False)
+            self._next = logits.cpu() if logits is not None else None
+        return events
+
+
+def generate(model: GPT | DecodeModel, prompts: Sequence[Sequence[int]],
              sampling: Sampling | Sequence[Sampling],
              on_token: Callable[[int, int], None] | None = None) -> list[Completion]:
-    """Complete every prompt (token ids) in one left-padded batch; ``sampling`` for all or one
-    per prompt; ``on_token(row, token)`` as each new token comes (streaming). Raises
-    ValueError naming the numbers when a prompt plus its budget exceed the model's
-    positions."""
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("every prompt needs at least one token")
+    """Complete every prompt (token ids) in one batch; ``sampling`` for all or one per
+    prompt; ``on_token(row, token)`` as each new token comes (streaming). Raises ValueError
+    naming the numbers when a prompt plus its budget exceed the model's positions."""
     rules = [sampling] * len(prompts) if isinstance(sampling, Sampling) else list(sampling)
     if len(rules) != len(prompts):
         raise ValueError(f"{len(rules)} sampling rules for {len(prompts)} prompts")
-    longest, budget = max(len(p) for p in prompts), max(r.max_new_tokens for r in rules)
-    limit = model.config.seq_len
-    if longest + budget > limit:
-        raise ValueError(f"prompt of {longest} tokens + {budget} new tokens exceed the "
-                         f"model's {limit} positions")
-    device = next(model.parameters()).device
-    pad = [longest - len(p) for p in prompts]
-    cache = KVCache(len(model.blocks), pad, longest + budget)
-    ids = torch.zeros(len(prompts), longest, dtype=torch.int64)
-    for row, prompt in enumerate(prompts):
-        ids[row, pad[row]:] = torch.tensor(list(prompt), dtype=torch.int64)
-    generators = []
-    for rule in rules:
-        generator = torch.Generator(device="cpu")
-        generator.manual_seed(rule.seed)
-        generators.append(generator)
-    was_training = model.training
-    model.eval()
+    if not prompts:
+        return []
+    whole = model if isinstance(model, GPT) else None
+    was_training = whole is not None and whole.training
+    if whole is not None:
+        whole.eval()
     try:
-        logits = model(ids.to(device), cache=cache)[:, -1]
+        batch = DecodeBatch(WholeModel(whole) if whole is not None else model)  # type: ignore[arg-type]
+        batch.add([Request(tuple(p), rule) for p, rule in zip(prompts, rules, strict=True)],
+                  list(range(len(prompts))))
         out: list[list[int]] = [[] for _ in prompts]
         logprobs: list[list[float]] = [[] for _ in prompts]
-        reason: list[str | None] = [None] * len(prompts)
-        for step in range(budget):
-            last = logits.float().cpu()
-            logp = F.log_softmax(last, dim=-1)
-            chosen = []
-            for row, rule in enumerate(rules):
-                token = 0
-                if reason[row] is None:
-                    token = pick(last[row], rule, generators[row])
-                    if token in rule.stop_ids:
-                        reason[row] = "stop"
-                    else:
-                        out[row].append(token)
-                        logprobs[row].append(float(logp[row, token]))
-                        if on_token is not None:
-                            on_token(row, token)
-                        if len(out[row]) == rule.max_new_tokens:
-                            reason[row] = "length"
-                chosen.append(token)
-            if all(r is not None for r in reason) or step == budget - 1:
-                break
-            step_ids = torch.tensor(chosen, dtype=torch.int64, device=device).unsqueeze(1)
-            logits = model(step_ids, cache=cache)[:, -1]
+        reason = ["length"] * len(prompts)
+        while batch:
+            for event in batch.step():
+                row = int(event.key)  # type: ignore[call-overload]
+                if event.token is not None:
+                    out[row].append(event.token)
+                    logprobs[row].append(event.logprob)
+                    if on_token is not None:
+                        on_token(row, event.token)
+                if event.finish is not None:
+                    reason[row] = event.finish
     finally:
-        model.train(was_training)
-    return [Completion(out[r], logprobs[r], reason[r] or "length") for r in range(len(prompts))]
+        if whole is not None:
+            whole.train(was_training)
+    return [Completion(out[r], logprobs[r], reason[r]) for r in range(len(prompts))]

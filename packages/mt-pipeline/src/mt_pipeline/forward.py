@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 
 from mt_pipeline.p2p import StageComm
-from mt_pipeline.stage import PipelineStage
+from mt_pipeline.stage import DecodeCache, PipelineStage
 
-__all__ = ["forward_losses", "forward_outputs"]
+__all__ = ["decode_step", "forward_losses", "forward_outputs"]
 
 T = TypeVar("T")
 
@@ -75,3 +75,24 @@ def forward_losses(stage: PipelineStage, comm: StageComm, num_micro_batches: int
 
     return forward_outputs(stage, comm, num_micro_batches, inputs, loss, activation_shape,
                            dtype, device)
+
+
+@torch.no_grad()
+def decode_step(stage: PipelineStage, comm: StageComm, ids: torch.Tensor, cache: DecodeCache,
+                hidden: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """One step of incremental decoding through the pipeline (:meth:`PipelineStage.decode`):
+    ``ids`` [b, s] are every row's next tokens (given on every stage: the others take the
+    activations' shape [b, s, ``hidden``] from them); each stage receives the previous
+    stage's activations (``dtype``), runs its layers on this rank's ``cache`` and sends on.
+    Returns the last stage's logits; None on the others."""
+    p, s = comm.num_stages, comm.stage
+    if comm.is_first:
+        x = ids
+    else:
+        x = torch.empty((*ids.shape, hidden), dtype=dtype, device=ids.device)
+        dist.recv(x, src=comm.stage_ranks[s - 1], group=comm.group)
+    out = stage.decode(x, cache)
+    if s == p - 1:
+        return out
+    dist.send(out.contiguous(), dst=comm.stage_ranks[s + 1], group=comm.group)
+    return None

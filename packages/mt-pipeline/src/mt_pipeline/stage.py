@@ -24,7 +24,7 @@ layer): the same on any number of stages and replayed exactly by recomputation.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -32,7 +32,20 @@ from torch import nn
 from mt_pipeline.checkpointing import run_layers
 from mt_pipeline.partition import PartitionError, StagePlan
 
-__all__ = ["ModelLayout", "PipelineStage", "RegionRNG", "build_stage"]
+__all__ = ["DecodeCache", "ModelLayout", "PipelineStage", "RegionRNG", "build_stage"]
+
+
+class DecodeCache(Protocol):
+    """The key/value cache of a decoded batch, as a stage uses it (``mt_model.KVCache``)."""
+
+    def positions(self, new: int, device: torch.device) -> torch.Tensor:
+        """[b, new] positions of the next tokens."""
+
+    def layer(self, index: int) -> Any:
+        """What layer ``index`` of the whole model is called with."""
+
+    def advance(self, new: int) -> None:
+        """Mark the new tokens as cached (after every layer of this stage ran)."""
 
 
 class RegionRNG(Protocol):
@@ -206,6 +219,28 @@ class PipelineStage(nn.Module):
         module = self.get_submodule(self.layout.head)
         tied = self.layout.tied_weight
         return module(hidden, self.get_parameter(tied)) if tied is not None else module(hidden)
+
+    def decode(self, x: torch.Tensor, cache: DecodeCache) -> torch.Tensor:
+        """One step of incremental decoding through this stage: ``x`` holds the next tokens
+        of every row of a decoded batch (token ids on the first stage, else hidden states);
+        they attend to the rows' cached keys and values and join them. Layer ``i`` (its index
+        in the whole model) reads ``cache.layer(i)``; the input module is given the tokens'
+        ``cache.positions``. Returns hidden states, or logits on the last stage. One chunk
+        per stage (decoding passes every token through each stage once)."""
+        if self.num_chunks != 1:
+            raise ValueError(f"decoding runs one chunk per stage, this stage has "
+                             f"{self.num_chunks}")
+        new = x.shape[1]
+        if self.plan.has_embedding:
+            x = self.get_submodule(self.layout.embed)(x, cache.positions(new, x.device))
+        for i, layer in zip(range(*self.plan.chunks[0]), self.chunk_layers(0), strict=True):
+            x = layer(x, cache.layer(i))
+        cache.advance(new)
+        if self.plan.has_head:
+            for name in self.layout.final:
+                x = self.get_submodule(name)(x)
+            x = self.apply_head(x)
+        return x
 
     def forward(self, x: torch.Tensor, chunk: int = 0, key: int | None = None) -> torch.Tensor:
         """Same as :meth:`forward_chunk` without checkpointing."""

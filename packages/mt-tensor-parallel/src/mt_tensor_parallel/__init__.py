@@ -61,6 +61,7 @@ from mt_tensor_parallel.vocab import (
     VocabParallelCrossEntropy,
     VocabParallelEmbedding,
     VocabParallelHead,
+    gather_vocab_logits,
     vocab_parallel_cross_entropy,
     vocab_parallel_logprobs,
 )
@@ -94,6 +95,7 @@ __all__ = [
     "merge_shards",
     "merge_state_dicts",
     "mix_seed",
+    "gather_vocab_logits",
     "padded_vocab_size",
     "param_styles",
     "reduce_from_tp",

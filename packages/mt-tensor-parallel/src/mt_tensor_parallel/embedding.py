@@ -54,17 +54,24 @@ class ParallelTokenPositionEmbedding(nn.Module):
         return cls(tokens, embed.positions, embed.drop, group,
                    sequence_parallel=sequence_parallel, tracker=tracker)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """``idx`` [b, s] -> [b, s, h], or [b, s/tp, h] with sequence parallelism."""
+    def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """``idx`` [b, s] -> [b, s, h], or [b, s/tp, h] with sequence parallelism;
+        ``positions`` [b, s] (incremental decoding, without sequence parallelism), else
+        0 .. s - 1."""
         seq = idx.shape[-1]
-        if self.positions is not None and seq > self.positions.num_embeddings:
-            raise ValueError(f"sequence length {seq} exceeds the model's seq_len "
+        last = seq - 1 if positions is None else int(positions.max())
+        if self.positions is not None and last >= self.positions.num_embeddings:
+            raise ValueError(f"sequence length {last + 1} exceeds the model's seq_len "
                              f"{self.positions.num_embeddings}")
+        if positions is not None and self.sequence_parallel:
+            raise ValueError("decoding with given positions runs without sequence parallelism")
         if not self.sequence_parallel:
             x = self.tokens(idx)
             if self.positions is None:  # rotary positions are applied in attention
                 return self.drop(x)
-            positions = torch.arange(seq, device=idx.device)
+            if positions is None:
+                positions = torch.arange(seq, device=idx.device)
             return self.drop(x + F.embedding(positions, self.positions.weight))
         size, rank = group_size(self.group), group_rank(self.group)
         if seq % size != 0:

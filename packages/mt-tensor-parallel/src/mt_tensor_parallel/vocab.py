@@ -36,6 +36,7 @@ __all__ = [
     "VocabParallelEmbedding",
     "VocabParallelHead",
     "VocabParallelCrossEntropy",
+    "gather_vocab_logits",
     "vocab_parallel_cross_entropy",
     "vocab_parallel_logprobs",
 ]
@@ -217,6 +218,20 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
 
 
 @torch.no_grad()
+def gather_vocab_logits(logits: torch.Tensor, group: ProcessGroup | None,
+                        vocab_size: int) -> torch.Tensor:
+    """The full logits [..., vocab_size] from vocabulary-sharded ``logits`` [...,
+    padded_vocab/tp], the same on every TP rank (padding columns dropped): what a sampler
+    draws from in decoding, where the logits are a few rows (the next token of each request).
+    """
+    size = group_size(group)
+    if size > 1:
+        parts = [torch.empty_like(logits) for _ in range(size)]
+        dist.all_gather(parts, logits.contiguous(), group=group)
+        logits = torch.cat(parts, dim=-1)
+    return logits[..., :vocab_size]
+
+
 def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor,
                             group: ProcessGroup | None, vocab_size: int
                             ) -> tuple[torch.Tensor, torch.Tensor]:

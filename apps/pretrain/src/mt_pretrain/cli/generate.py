@@ -21,8 +21,11 @@ _HELP = (
     '{"prompt": TEXT}) writes one JSONL row per prompt to --output (prompt, completion, '
     "token_ids, logprobs with --logprobs, finish_reason) with a progress bar. Generation "
     "stops at the tokenizer's end-of-text token, at a --stop string, or after "
-    "--max-new-tokens. One process, the model whole (the tensor- and pipeline-parallel "
-    "decoding of `mt eval`'s layouts comes next)."
+    "--max-new-tokens.\n\n"
+    "--nproc N decodes on N local processes at --tp x --pp (each stage caches its own layers "
+    "and heads; data parallelism takes the rest and shares out the prompts); under "
+    "torchrun, mpirun or srun each process is one rank. The same --seed gives the same "
+    "tokens at every layout."
 )
 
 
@@ -48,6 +51,10 @@ def generate_command(
     batch_size: Annotated[int, typer.Option(help="Prompts decoded together.")] = 8,
     tokenizer: Annotated[str | None, typer.Option(
         help="Tokenizer instead of the checkpoint's.")] = None,
+    tp: Annotated[int, typer.Option(help="Tensor-parallel degree.")] = 1,
+    pp: Annotated[int, typer.Option(help="Pipeline-parallel degree.")] = 1,
+    nproc: Annotated[int, typer.Option(
+        help="Local processes (without a launcher); dp = nproc / (tp x pp).")] = 1,
     device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
     precision: Annotated[str, typer.Option(help="fp32, bf16 or fp16 weights.")] = "fp32",
 ) -> None:
@@ -62,8 +69,9 @@ def generate_command(
     if output is not None and input is None:
         problems.append("--output is for --input's results (one --prompt streams to the "
                         "terminal)")
-    if batch_size < 1:
-        problems.append(f"--batch-size must be positive, got {batch_size}")
+    problems += [f"--{name} must be positive, got {value}" for name, value in
+                 (("batch-size", batch_size), ("tp", tp), ("pp", pp), ("nproc", nproc))
+                 if value < 1]
     if device not in ("auto", "cpu", "cuda"):
         problems.append(f"--device must be auto, cpu or cuda, got {device!r}")
     if output is not None and input is not None and (
@@ -86,13 +94,15 @@ def generate_command(
         _fail(console, "; ".join(problems))
     try:
         _run(checkpoint, prompt, input, output, sampling, list(stop or []), logprobs,
-             batch_size, tokenizer, device, precision, console)
+             batch_size, tokenizer, device, precision, (tp, pp, nproc), console)
     except Exception as err:  # noqa: BLE001 - bad input is reported as one line
-        from mt_pretrain.launch import _EXPECTED
+        from mt_pretrain.launch import _EXPECTED, LaunchFailed
 
-        if not isinstance(err, (*_EXPECTED, OSError, ValueError)):
+        if not isinstance(err, (*_EXPECTED, OSError, ValueError, LaunchFailed)):
             raise
-        _fail(console, str(err))
+        console.print(f"[bold red]error:[/] {escape(str(err))}", highlight=False,
+                      soft_wrap=True)
+        raise typer.Exit(1 if isinstance(err, LaunchFailed) else 2) from None
 
 
 def _fail(console: Console, message: str) -> None:
@@ -103,15 +113,32 @@ def _fail(console: Console, message: str) -> None:
 def _run(checkpoint: str, prompt: str | None, input: Path | None,  # noqa: A002
          output: Path | None, sampling: object, stop: list[str], logprobs: bool,
          batch_size: int, tokenizer: str | None, device: str, precision: str,
-         console: Console) -> None:
-    import json
+         layout: tuple[int, int, int], console: Console) -> None:
+    import contextlib
+    import os
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-    from mt_data.shards import atomic_write_bytes
+    from mt_dist import discover
     from mt_pretrain.evaluation.generation import Generator, read_prompts
 
     prompts = [prompt] if prompt is not None else read_prompts(input)  # type: ignore[arg-type]
+    if layout != (1, 1, 1) or discover(os.environ).launcher != "single":
+        from mt_pretrain.evaluation.generation import GenerateSpec
+        from mt_pretrain.launch import launch_generate
+
+        tp, pp, nproc = layout
+        if prompt is not None:
+            sys.stdout.write(prompt)
+            sys.stdout.flush()
+        with contextlib.nullcontext() if prompt is not None else console.status(
+                f"generating at tp {tp} x pp {pp} on {nproc} processes"):
+            rows = launch_generate(GenerateSpec(
+                checkpoint, tuple(prompts), sampling, tuple(stop), batch_size, tp, pp,  # type: ignore[arg-type]
+                nproc, device, precision, tokenizer, stream=prompt is not None))
+        if rows is not None:
+            _report(rows, prompt, output, logprobs, console)
+        return
     generator = Generator.load(checkpoint, tokenizer, device, precision)
     if prompt is not None:
         sys.stdout.write(prompt)
@@ -121,10 +148,8 @@ def _run(checkpoint: str, prompt: str | None, input: Path | None,  # noqa: A002
             sys.stdout.write(text)
             sys.stdout.flush()
 
-        row = generator.complete([prompt], sampling, stop, on_text=show)[0]  # type: ignore
-        sys.stdout.write("\n")
-        console.print(escape(f"[{row['finish_reason']}: {len(row['token_ids'])} tokens]"),
-                      highlight=False)
+        _report(generator.complete([prompt], sampling, stop, on_text=show),  # type: ignore
+                prompt, output, logprobs, console)
         return
     rows = []
     with Progress(TextColumn("generating"), BarColumn(), MofNCompleteColumn(),
@@ -134,6 +159,22 @@ def _run(checkpoint: str, prompt: str | None, input: Path | None,  # noqa: A002
             chunk = prompts[start:start + batch_size]
             rows += generator.complete(chunk, sampling, stop)  # type: ignore[arg-type]
             bar.update(task, advance=len(chunk))
+    _report(rows, prompt, output, logprobs, console)
+
+
+def _report(rows: list[dict], prompt: str | None, output: Path | None, logprobs: bool,
+            console: Console) -> None:
+    """After the streamed prompt, its finish line; else the JSONL rows (--output or stdout)."""
+    import json
+
+    from mt_data.shards import atomic_write_bytes
+
+    if prompt is not None:
+        row = rows[0]
+        sys.stdout.write("\n")
+        console.print(escape(f"[{row['finish_reason']}: {len(row['token_ids'])} tokens]"),
+                      highlight=False)
+        return
     text = "".join(json.dumps({k: v for k, v in r.items() if logprobs or k != "logprobs"})
                    + "\n" for r in rows)
     if output is None:

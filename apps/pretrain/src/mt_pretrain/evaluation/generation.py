@@ -1,6 +1,8 @@
-"""`mt generate` on one process: any checkpoint mt reads (a pretrain checkpoint at any
-layout, a Hugging Face GPT-2 or Llama folder with its tokenizer, a consolidated folder) as one
-model, its tokenizer, and mt-model's cached decoding (:func:`mt_model.generate`).
+"""`mt generate`: any checkpoint mt reads (a pretrain checkpoint at any layout, a Hugging Face
+GPT-2 or Llama folder with its tokenizer, a consolidated folder), its tokenizer, and
+mt-model's cached decoding (:func:`mt_model.generate`): on one process the model whole
+(:meth:`Generator.load`), or at a TP x PP x DP layout (:func:`generate_rank`: each DP replica
+completes its share of the prompts with its stages, :class:`StageDecoder`; rank 0 collects).
 
 Prompts are read from a JSONL file (rows ``{"prompt": TEXT}``, each checked: the file and
 line at fault are named) or given one by one; completions are cut at the first stop string
@@ -18,13 +20,14 @@ from typing import Any
 import torch
 
 from mt_data import load_tokenizer
+from mt_dist import LaunchInfo
 from mt_eval import TaskError
 from mt_eval.tasks import numbered_rows
-from mt_model import GPT, Sampling, generate
+from mt_model import DecodeModel, Sampling, WholeModel, generate
 from mt_pretrain.evaluation.model import as_pretrain_checkpoint, load_eval_model, whole_model
 from mt_zero.precision import compute_dtype
 
-__all__ = ["Generator", "read_prompts"]
+__all__ = ["GenerateSpec", "Generator", "generate_rank", "read_prompts"]
 
 
 def read_prompts(path: Path) -> list[str]:
@@ -40,9 +43,10 @@ def read_prompts(path: Path) -> list[str]:
 
 @dataclass
 class Generator:
-    """A model and its tokenizer, ready to complete text."""
+    """A model (whole here, or this rank's part of it) and its tokenizer, ready to complete
+    text."""
 
-    model: GPT
+    model: DecodeModel
     tokenizer: Any
 
     @classmethod
@@ -53,7 +57,7 @@ class Generator:
             device == "auto" and torch.cuda.is_available()) else "cpu")
         with as_pretrain_checkpoint(checkpoint, tokenizer) as (path, tok):
             loaded = load_eval_model(path, tok)
-        return cls(whole_model(loaded, where, compute_dtype(precision)),
+        return cls(WholeModel(whole_model(loaded, where, compute_dtype(precision))),
                    load_tokenizer(loaded.tokenizer))
 
     def complete(self, prompts: Sequence[str], sampling: Sampling, stop: Sequence[str] = (),
@@ -94,3 +98,66 @@ class Generator:
             rows.append({"prompt": prompt, "completion": text, "token_ids": tokens,
                          "logprobs": logprobs, "finish_reason": reason})
         return rows
+
+
+@dataclass(frozen=True)
+class GenerateSpec:
+    """One `mt generate` run over several processes (the command's options)."""
+
+    checkpoint: str
+    prompts: tuple[str, ...]
+    sampling: Sampling
+    stop: tuple[str, ...] = ()
+    batch_size: int = 8
+    tp: int = 1
+    pp: int = 1
+    nproc: int = 1
+    device: str = "auto"
+    precision: str = "fp32"
+    tokenizer: str | None = None
+    stream: bool = False
+    """Write the (one) prompt's completion to stdout as it comes (rank 0)."""
+    timeout: float = 600.0
+
+
+def generate_rank(spec: GenerateSpec, info: LaunchInfo) -> list[dict[str, Any]] | None:
+    """This rank's part of ``spec``: DP replica ``r`` completes prompts ``r, r + dp, ...`` in
+    batches; returns every prompt's row on rank 0, None elsewhere."""
+    import sys
+
+    import torch.distributed as dist
+
+    from mt_pretrain.evaluation.decoder import StageDecoder
+    from mt_pretrain.evaluation.session import EvalSpec, ScoringSession
+
+    session = ScoringSession(EvalSpec(spec.checkpoint, (), tp=spec.tp, pp=spec.pp,
+                                      nproc=spec.nproc, device=spec.device,
+                                      precision=spec.precision, tokenizer=spec.tokenizer,
+                                      progress=False, timeout=spec.timeout), info)
+    completed = False
+    try:
+        generator = Generator(StageDecoder(session), session.tokenizer)
+        groups = session.groups
+        mine = list(range(groups.dp_rank, len(spec.prompts), groups.dp_size))
+
+        def show(_row: int, text: str) -> None:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+
+        rows: list[tuple[int, dict[str, Any]]] = []
+        for start in range(0, len(mine), spec.batch_size):
+            chunk = mine[start:start + spec.batch_size]
+            done = generator.complete([spec.prompts[i] for i in chunk], spec.sampling,
+                                      spec.stop, on_text=show if spec.stream and
+                                      session.is_main else None)
+            rows += zip(chunk, done, strict=True)
+        everyone: list[Any] = [None] * groups.topology.world_size
+        dist.all_gather_object(everyone, rows if groups.is_last_stage and groups.tp_rank == 0
+                               else [])
+        completed = True
+        if not session.is_main:
+            return None
+        return [row for _, row in sorted((pair for part in everyone for pair in part),
+                                         key=lambda pair: pair[0])]
+    finally:
+        session.close(completed)

@@ -109,6 +109,7 @@ class ScoringSession:
         self.spec, self.layout, self.groups, self.model = spec, layout, groups, model
         self.scorer = StageScorer(built.stage, groups, gpt.vocab_size, gpt.seq_len, dtype,
                                   gpt.hidden)
+        self.tokenizer = tokenizer
         self.encode, self.decode, self.prefix = tokenizer.encode, tokenizer.decode, \
             tokenizer.eod_id
         self.dtype = dtype

@@ -1,8 +1,9 @@
 """A short greedy sample from the trained model, to see what it learned.
 
 The model shards of every rank are gathered to rank 0 (fp32 master weights, unsharded by
-the tensor-parallel plan, stages joined) and run there as a plain single-device GPT.
-Meant for the small models a sample is useful for; large models skip it.
+the tensor-parallel plan, stages joined) and decoded there with mt-model's key/value cache
+(:func:`mt_model.generate`, as `mt generate` does). Meant for the small models a sample is
+useful for; large models skip it (`mt generate` decodes them at any layout).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch.distributed as dist
 
 from mt_checkpoint import merge_model
 from mt_dist import ParallelGroups
-from mt_model import GPT, GPTConfig
+from mt_model import GPT, GPTConfig, Sampling, generate
 
 __all__ = ["MAX_SAMPLE_PARAMETERS", "gather_model", "gather_weights", "greedy_generate"]
 
@@ -50,13 +51,10 @@ def gather_model(weights: dict[str, torch.Tensor], styles: dict[str, str],
     return model.eval()
 
 
-@torch.no_grad()
 def greedy_generate(model: GPT, prompt_ids: list[int], new_tokens: int) -> list[int]:
-    """Append ``new_tokens`` argmax tokens to ``prompt_ids`` (context cut to seq_len)."""
-    ids = list(prompt_ids) or [0]
+    """``prompt_ids`` and up to ``new_tokens`` greedy tokens after them (at most seq_len - 1;
+    the prompt's tail is the context when both exceed seq_len)."""
     seq_len = model.config.seq_len
-    for _ in range(new_tokens):
-        context = torch.tensor([ids[-seq_len:]], dtype=torch.long)
-        logits = model(context)
-        ids.append(int(logits[0, -1].argmax()))
-    return ids
+    new = max(1, min(new_tokens, seq_len - 1))
+    context = (list(prompt_ids) or [0])[-(seq_len - new):]
+    return list(prompt_ids) + generate(model, [context], Sampling(max_new_tokens=new))[0].tokens
