@@ -23,8 +23,9 @@ from mt_data import load_tokenizer
 from mt_dist import LaunchInfo
 from mt_eval import TaskError
 from mt_eval.tasks import numbered_rows
-from mt_model import DecodeModel, Sampling, WholeModel, generate
+from mt_model import DecodeBatch, DecodeModel, Request, Sampling, WholeModel
 from mt_pretrain.evaluation.model import as_pretrain_checkpoint, load_eval_model, whole_model
+from mt_pretrain.evaluation.text import TextStream
 from mt_zero.precision import compute_dtype
 
 __all__ = ["GenerateSpec", "Generator", "generate_rank", "read_prompts"]
@@ -64,7 +65,8 @@ class Generator:
                  on_text: Callable[[int, str], None] | None = None) -> list[dict[str, Any]]:
         """One result row per prompt: ``prompt``, ``completion``, ``token_ids`` (the new
         tokens), ``logprobs`` and ``finish_reason``; ``on_text(row, text)`` streams each
-        row's new text as it is decoded."""
+        row's new text as it is decoded. A completion stops at the first ``stop`` string (its
+        decoding too: every rank sees the same tokens, so all stop it together)."""
         tok = self.tokenizer
         ids = [tok.encode(p) for p in prompts]
         empty = [i for i, row in enumerate(ids) if not row]
@@ -73,31 +75,34 @@ class Generator:
         rule = Sampling(sampling.max_new_tokens, sampling.temperature, sampling.top_k,
                         sampling.top_p, sampling.seed,
                         tuple(sorted({*sampling.stop_ids, tok.eod_id})))
-        shown = [""] * len(prompts)
-        new: list[list[int]] = [[] for _ in prompts]
+        batch = DecodeBatch(self.model)
+        batch.add([Request(tuple(row), rule) for row in ids], list(range(len(prompts))))
+        streams = [TextStream(tok.decode, stop) for _ in prompts]
+        logprobs: list[list[float]] = [[] for _ in prompts]
+        reasons = ["length"] * len(prompts)
 
-        def stream(row: int, token: int) -> None:
-            new[row].append(token)
-            text = tok.decode(new[row])
-            text = text[:min((text.index(s) for s in stop if s in text), default=len(text))]
-            if on_text is not None and len(text) > len(shown[row]) and "\ufffd" not in text:
-                on_text(row, text[len(shown[row]):])
-                shown[row] = text
+        def show(row: int, text: str) -> None:
+            if text and on_text is not None:
+                on_text(row, text)
 
-        done = generate(self.model, ids, rule, on_token=stream)
-        rows = []
-        for prompt, completion in zip(prompts, done, strict=True):
-            text, reason = tok.decode(completion.tokens), completion.finish_reason
-            cut = min((text.index(s) for s in stop if s in text), default=None)
-            tokens, logprobs = completion.tokens, completion.logprobs
-            if cut is not None:
-                text, reason = text[:cut], "stop"
-                keep = next(n for n in range(len(tokens) + 1)
-                            if len(tok.decode(tokens[:n])) >= cut)
-                tokens, logprobs = tokens[:keep], logprobs[:keep]
-            rows.append({"prompt": prompt, "completion": text, "token_ids": tokens,
-                         "logprobs": logprobs, "finish_reason": reason})
-        return rows
+        while batch:
+            stopped = []
+            for event in batch.step():
+                row, stream = int(event.key), streams[int(event.key)]  # type: ignore[call-overload]
+                if event.token is not None:
+                    logprobs[row].append(event.logprob)
+                    show(row, stream.push(event.token))
+                if stream.stopped and event.finish is None:
+                    stopped.append(row)
+                if event.finish is not None or stream.stopped:
+                    reasons[row] = "stop" if stream.stopped else event.finish  # type: ignore[assignment]
+                    show(row, stream.flush())
+            batch.cancel(stopped)
+        return [{"prompt": prompt, "completion": stream.text,
+                 "token_ids": stream.tokens[:stream.kept()],
+                 "logprobs": lp[:stream.kept()], "finish_reason": reason}
+                for prompt, stream, lp, reason in zip(prompts, streams, logprobs, reasons,
+                                                     strict=True)]
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,256 @@
+"""Tokens/s of mt's cached decoding (``mt_model.generate``) against Hugging Face
+transformers' ``generate``, like for like, on CPU.
+
+One random GPT-2-shaped model (``mt_model.GPT``, mt's deterministic init, the tanh GeLU of
+GPT-2) is copied into ``transformers.GPT2LMHeadModel`` with the ``mt convert`` name mapping
+(``mt_formats.hf_config``; sdpa attention, tied head), so both sides hold the same fp32
+weights. For each batch size both sides complete the same prompts (``--prompt-tokens``
+random ids each, all rows the same length, so neither side pads) with exactly
+``--new-tokens`` greedy tokens, key/value cache on:
+
+- **mt**: ``mt_model.generate(model, prompts, Sampling(max_new_tokens=N))`` (no stop ids, so
+  it never stops early; it runs under ``torch.no_grad`` itself);
+- **hf**: ``GPT2LMHeadModel.generate(ids, attention_mask, max_new_tokens=N,
+  min_new_tokens=N, do_sample=False)`` with ``eos_token_id`` removed from the model's
+  generation config (no early stop), its default ``DynamicCache``, under
+  ``torch.inference_mode``.
+
+Before timing, one untimed call of each side checks that both give the same greedy tokens
+(the first prompt must agree; other rows that differ, e.g. a near tie moved by a batched
+matmul's round-off, are counted and printed). Then the sides alternate (mt, hf, mt, hf, ...)
+``--repeats`` times, each call timed alone with Python's cyclic garbage collector paused
+(after a collection), and the median of each side is reported. tokens/s = batch x new
+tokens / wall seconds of the whole ``generate`` call (the prefill included on both sides).
+
+Targets (printed, never an exit status): mt/hf >= 1.0 at batch 1 and >= 1.5 at batch 16.
+Each side is a zero-argument callable made by a ``*_side`` factory (:func:`build_sides`):
+another side (an ``mt serve`` endpoint, say) plugs in there; none is included here.
+
+    PYTHONPATH=$(ls -d packages/*/src apps/*/src | tr '\\n' ':') \\
+        python3 benchmarks/generate.py                      # GPT-2 small, batches 1 and 16
+    ... python3 benchmarks/generate.py --model tiny --repeats 2   # a quick check
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+from mt_formats.hf_config import hf_config_from_gpt, hf_name  # noqa: E402
+from mt_model import GPT, PRESETS, GPTConfig, Sampling, count_parameters, generate  # noqa: E402
+
+#: mt/hf targets by batch size (issue: cached decoding on CPU).
+TARGETS = {1: 1.0, 16: 1.5}
+#: (prompt tokens, new tokens) when not given; the tiny preset holds 64 positions only.
+DEFAULT_LENGTHS = {"tiny": (16, 32)}
+GPT2_LENGTHS = (32, 64)
+
+Side = Callable[[], list[list[int]]]
+"""One side of the comparison: generates for the whole batch, returns each row's new
+tokens."""
+
+
+def gpt2_presets() -> list[str]:
+    return sorted(name for name, config in PRESETS.items() if config.architecture == "gpt2")
+
+
+def model_config(name: str) -> GPTConfig:
+    """The preset with GPT-2's activation (tanh GeLU, HF ``gelu_new``)."""
+    return PRESETS[name].replace(gelu_approximate="tanh")
+
+
+def hf_twin(model: GPT):  # noqa: ANN201 (transformers is imported late)
+    """``GPT2LMHeadModel`` holding ``model``'s weights (``mt convert``'s names), eval mode,
+    sdpa attention, KV cache on, no end-of-text token (it never stops early)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    body = hf_config_from_gpt(model.config, torch.float32)
+    body.pop("mt")
+    body.update(use_cache=True, attn_implementation="sdpa")
+    hf = GPT2LMHeadModel(GPT2Config(**body))
+    state = {}
+    for name, tensor in model.state_dict().items():
+        key, transposed = hf_name(name)
+        state["transformer." + key] = tensor.t().contiguous() if transposed else tensor.clone()
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    missing = [k for k in missing if k != "lm_head.weight"]  # tied to wte
+    if missing or unexpected:
+        raise RuntimeError(f"HF state dict mismatch: missing {missing}, unexpected {unexpected}")
+    if hf.lm_head.weight.data_ptr() != hf.transformer.wte.weight.data_ptr():
+        raise RuntimeError("HF lm_head is not tied to wte")
+    for field in ("eos_token_id", "bos_token_id"):  # else it would be merged back in
+        setattr(hf.generation_config, field, None)
+        setattr(hf.config, field, None)
+    return hf.eval()
+
+
+def make_prompts(config: GPTConfig, batch: int, length: int, seed: int) -> list[list[int]]:
+    """``batch`` prompts of ``length`` random token ids (the last id, GPT-2's end of text,
+    left out)."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, config.vocab_size - 1, (batch, length), generator=gen).tolist()
+
+
+# ------------------------------------------------------------------------------- sides
+def mt_side(model: GPT, prompts: list[list[int]], new_tokens: int) -> Side:
+    sampling = Sampling(max_new_tokens=new_tokens)  # greedy, no stop ids
+
+    def run() -> list[list[int]]:
+        return [c.tokens for c in generate(model, prompts, sampling)]
+
+    return run
+
+
+def hf_side(hf, prompts: list[list[int]], new_tokens: int) -> Side:  # noqa: ANN001
+    from transformers import GenerationConfig
+
+    ids = torch.tensor(prompts, dtype=torch.int64)
+    mask = torch.ones_like(ids)
+    rule = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                            do_sample=False, num_beams=1, use_cache=True, pad_token_id=0,
+                            eos_token_id=None, bos_token_id=None)
+
+    def run() -> list[list[int]]:
+        with torch.inference_mode():
+            out = hf.generate(ids, attention_mask=mask, generation_config=rule)
+        return out[:, ids.shape[1]:].tolist()
+
+    return run
+
+
+def build_sides(model: GPT, hf, prompts: list[list[int]],  # noqa: ANN001
+                new_tokens: int) -> dict[str, Side]:
+    """The sides to compare, in the order they alternate ("mt" first, "hf" second)."""
+    return {"mt": mt_side(model, prompts, new_tokens), "hf": hf_side(hf, prompts, new_tokens)}
+
+
+# ------------------------------------------------------------------------------ timing
+def check_same_tokens(outputs: dict[str, list[list[int]]], new_tokens: int) -> int:
+    """Both sides' greedy tokens: every row has ``new_tokens``, the first row agrees
+    (AssertionError otherwise); returns how many other rows differ."""
+    mt, hf = outputs["mt"], outputs["hf"]
+    for side, rows in outputs.items():
+        lengths = sorted({len(r) for r in rows})
+        assert lengths == [new_tokens], f"{side} generated {lengths} tokens, not {new_tokens}"
+    assert mt[0] == hf[0], f"greedy tokens differ on the first prompt:\n mt {mt[0]}\n hf {hf[0]}"
+    return sum(a != b for a, b in zip(mt, hf, strict=True))
+
+
+def timed(run: Side) -> float:
+    gc.collect()
+    gc.disable()
+    try:
+        start = time.perf_counter()
+        run()
+        return time.perf_counter() - start
+    finally:
+        gc.enable()
+
+
+def bench_batch(model: GPT, hf, batch: int, args: argparse.Namespace  # noqa: ANN001
+                ) -> dict[str, float | int]:
+    prompts = make_prompts(model.config, batch, args.prompt_tokens, seed=batch)
+    sides = build_sides(model, hf, prompts, args.new_tokens)
+    outputs = {name: run() for name, run in sides.items()}  # warm-up and check, untimed
+    differ = check_same_tokens(outputs, args.new_tokens)
+    if differ:
+        print(f"WARNING batch {batch}: {differ} of {batch} rows have different greedy tokens "
+              "(the first agrees)")
+    times: dict[str, list[float]] = {name: [] for name in sides}
+    for _ in range(args.repeats):
+        for name, run in sides.items():  # mt, hf, mt, hf, ...
+            times[name].append(timed(run))
+    tokens = batch * args.new_tokens
+    result: dict[str, float | int] = {"batch": batch, "differ": differ}
+    for name, t in times.items():
+        result[name] = tokens / statistics.median(t)
+        result[name + "_best"] = tokens / min(t)
+    result["ratio"] = result["mt"] / result["hf"]
+    return result
+
+
+# -------------------------------------------------------------------------------- main
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", choices=gpt2_presets(), default="gpt2-small",
+                        help="mt_model preset of the GPT-2 block (random weights)")
+    parser.add_argument("--prompt-tokens", type=int, help="default 32 (tiny: 16)")
+    parser.add_argument("--new-tokens", type=int, help="default 64 (tiny: 32)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed calls per side")
+    parser.add_argument("--batches", default="1,16", help="comma-separated batch sizes")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                        help="torch.set_num_threads (default: all cores)")
+    args = parser.parse_args()
+    prompt, new = DEFAULT_LENGTHS.get(args.model, GPT2_LENGTHS)
+    args.prompt_tokens = args.prompt_tokens or prompt
+    args.new_tokens = args.new_tokens or new
+    args.batch_sizes = [int(b) for b in args.batches.split(",") if b.strip()]
+    seq_len = PRESETS[args.model].seq_len
+    if args.prompt_tokens < 1 or args.new_tokens < 1 or args.repeats < 1 or args.threads < 1:
+        parser.error("--prompt-tokens, --new-tokens, --repeats and --threads must be >= 1")
+    if not args.batch_sizes or min(args.batch_sizes) < 1:
+        parser.error(f"--batches must list positive batch sizes, got {args.batches!r}")
+    if args.prompt_tokens + args.new_tokens > seq_len:
+        parser.error(f"{args.prompt_tokens} prompt + {args.new_tokens} new tokens exceed "
+                     f"{args.model}'s {seq_len} positions")
+    return args
+
+
+def print_header(args: argparse.Namespace, config: GPTConfig) -> None:
+    import transformers
+
+    one, five, fifteen = os.getloadavg()
+    print(f"mt generate vs transformers generate, greedy, KV cache, fp32, CPU, "
+          f"{datetime.now(UTC):%Y-%m-%d %H:%M:%S} UTC")
+    print(f"load average {one:.2f} {five:.2f} {fifteen:.2f}; torch {torch.__version__}, "
+          f"transformers {transformers.__version__}; {torch.get_num_threads()} torch threads "
+          f"of {os.cpu_count()} CPUs")
+    print("command: " + shlex.join([os.path.basename(sys.executable), *sys.argv]))
+    print(f"model {args.model}: {config.n_layers} layers, hidden {config.hidden}, "
+          f"{config.n_heads} heads, vocab {config.vocab_size}, "
+          f"{count_parameters(config) / 1e6:.1f}M parameters; prompt {args.prompt_tokens} "
+          f"tokens, {args.new_tokens} new tokens, median of {args.repeats} alternating calls "
+          "per side")
+
+
+def print_table(results: list[dict[str, float | int]]) -> None:
+    print(f"{'batch':>5} {'mt tok/s':>10} {'hf tok/s':>10} {'mt/hf':>6} {'target':>7}  result"
+          f"   (best of each: mt, hf tok/s)")
+    for r in results:
+        target = TARGETS.get(int(r["batch"]))
+        verdict = "-" if target is None else ("PASS" if r["ratio"] >= target else "BELOW")
+        shown = "-" if target is None else f">={target:.1f}x"
+        print(f"{r['batch']:>5} {r['mt']:>10.1f} {r['hf']:>10.1f} {r['ratio']:>5.2f}x "
+              f"{shown:>7}  {verdict:<6}   ({r['mt_best']:.1f}, {r['hf_best']:.1f})")
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    import transformers  # a pinned peer (benchmarks/requirements.txt): fail, never skip
+
+    transformers.logging.set_verbosity_error()
+    config = model_config(args.model)
+    print_header(args, config)
+    model = GPT(config, seed=0).eval()
+    hf = hf_twin(model)
+    results = []
+    for batch in args.batch_sizes:
+        results.append(bench_batch(model, hf, batch, args))
+    print_table(results)
+    print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+
+
+if __name__ == "__main__":
+    main()
