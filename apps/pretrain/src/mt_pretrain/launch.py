@@ -35,9 +35,10 @@ from mt_pretrain.run.folder import claim_run_folder, run_folder_lock
 from mt_pretrain.run.rank import RunSummary, run_rank
 from mt_pretrain.run.train import NonFiniteLossError
 from mt_pretrain.run.warnings_line import one_line_warnings
+from mt_pretrain.serving.rank import ServeSpec
 
-__all__ = ["Interrupted", "LaunchFailed", "launch", "launch_eval", "launch_generate", "spawn",
-           "supervise"]
+__all__ = ["Interrupted", "LaunchFailed", "launch", "launch_eval", "launch_generate",
+           "launch_serve", "spawn", "supervise"]
 
 T = TypeVar("T")
 
@@ -142,6 +143,32 @@ def launch_generate(spec: GenerateSpec, environ: Mapping[str, str] | None = None
         threads = max(1, (os.cpu_count() or 1) // spec.nproc)
         return supervise(_generate_rank, spec.nproc,
                          (spec, spec.nproc, free_port("127.0.0.1"), threads), timeout)
+
+
+def launch_serve(spec: ServeSpec, environ: Mapping[str, str] | None = None) -> None:
+    """Run `mt serve` ``spec``: on this process with the model whole, as one rank under a
+    launcher, or on ``spec.nproc`` local processes (rank 0 listens)."""
+    from mt_pretrain.serving.rank import serve_rank
+
+    info = discover(os.environ if environ is None else environ)
+    if info.launcher == "single" and spec.nproc == 1 and spec.tp == spec.pp == 1:
+        serve_rank(spec, None)
+        return
+    with as_pretrain_checkpoint(spec.checkpoint, spec.tokenizer) as (checkpoint, tokenizer):
+        spec = replace(spec, checkpoint=checkpoint, tokenizer=tokenizer,
+                       model_name=spec.name)
+        if info.launcher != "single":
+            serve_rank(spec, info)
+            return
+        threads = max(1, (os.cpu_count() or 1) // spec.nproc)
+        supervise(_serve_rank, spec.nproc, (spec, spec.nproc, free_port("127.0.0.1"), threads))
+
+
+def _serve_rank(rank: int, spec: ServeSpec, nproc: int, port: int, threads: int) -> None:
+    from mt_pretrain.serving.rank import serve_rank
+
+    torch.set_num_threads(threads)
+    serve_rank(spec, LaunchInfo(rank, nproc, rank, nproc, "127.0.0.1", port, "single"))
 
 
 def _generate_rank(rank: int, spec: GenerateSpec, nproc: int, port: int,

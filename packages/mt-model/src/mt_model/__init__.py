@@ -30,6 +30,7 @@ if TYPE_CHECKING:  # imported on first use (see __getattr__); named here for too
         Completion,
         DecodeBatch,
         DecodeModel,
+        PromptScores,
         Request,
         Sampling,
         Token,
@@ -48,8 +49,8 @@ _LAZY = {name: module for module, names in {
                      "LMHead", "LMLoss"),
     "mt_model.init": ("init_gpt_", "init_parameter", "init_std_for", "parameter_seed"),
     "mt_model.cache": ("KVCache", "LayerCache"),
-    "mt_model.decoding": ("Completion", "DecodeBatch", "DecodeModel", "Request", "Sampling",
-                          "Token", "WholeModel", "generate"),
+    "mt_model.decoding": ("Completion", "DecodeBatch", "DecodeModel", "PromptScores",
+                          "Request", "Sampling", "Token", "WholeModel", "generate"),
 }.items() for name in names}
 
 
@@ -65,6 +66,7 @@ __all__ = [
     "GPT",
     "MLP",
     "PRESETS",
+    "PromptScores",
     "TIED_WEIGHT",
     "Attention",
     "Block",

@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from mt_model.cache import KVCache
 from mt_model.gpt import GPT
 
-__all__ = ["Completion", "DecodeBatch", "DecodeModel", "Request", "Sampling", "Token",
-           "WholeModel", "generate", "pick"]
+__all__ = ["Completion", "DecodeBatch", "DecodeModel", "PromptScores", "Request", "Sampling",
+           "Token", "WholeModel", "generate", "pick"]
 
 
 @dataclass(frozen=True)

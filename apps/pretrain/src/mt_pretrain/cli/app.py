@@ -26,6 +26,8 @@ from mt_pretrain.cli.matrix import matrix
 from mt_pretrain.cli.options import with_config_options
 from mt_pretrain.cli.plan import _HELP as _PLAN_HELP
 from mt_pretrain.cli.plan import plan
+from mt_pretrain.cli.serve import _HELP as _SERVE_HELP
+from mt_pretrain.cli.serve import serve_command
 
 #: Every distribution of the mt monorepo, with its import name.
 DISTRIBUTIONS: dict[str, str] = {
@@ -143,6 +145,8 @@ app.command("matrix", help=_MATRIX_HELP, context_settings={"max_content_width": 
 app.command("eval", help=_EVAL_HELP, context_settings={"max_content_width": 110})(eval_command)
 app.command("generate", help=_GENERATE_HELP,
             context_settings={"max_content_width": 110})(generate_command)
+app.command("serve", help=_SERVE_HELP,
+            context_settings={"max_content_width": 110})(serve_command)
 app.add_typer(data_app, name="data")
 
 

@@ -1,0 +1,100 @@
+"""`mt serve`: OpenAI's completions API over any checkpoint mt reads, at any layout."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+__all__ = ["serve_command"]
+
+_HELP = (
+    "Serve a checkpoint over HTTP with OpenAI's completions API, so that the openai client, "
+    "lm-evaluation-harness's local-completions model and other OpenAI-style tools talk to "
+    "it.\n\n"
+    "Routes: POST /v1/completions (prompt as text, token ids or a list of them; max_tokens, "
+    "temperature, top_p, top_k, stop, seed, logprobs, echo, stream as server-sent events), "
+    "GET /v1/models, GET /health. Requests are batched continuously (they join the running "
+    "batch and leave it as they finish); --max-waiting requests may wait for room, then the "
+    "server answers 429; bad requests get a JSON error naming the field (400), the server "
+    "stays up. Listens on 127.0.0.1 unless --host says otherwise. SIGTERM or Ctrl-C drains "
+    "(new requests get 503, accepted ones finish), then every rank stops.\n\n"
+    "CHECKPOINT is an mt pretrain checkpoint (any layout) or any folder mt convert reads. "
+    "--nproc N serves on N local processes at --tp x --pp (data parallelism takes the rest: "
+    "each replica decodes its own requests); under torchrun, mpirun or srun each process is "
+    "one rank and rank 0 listens. Needs pip install 'mt-pretrain[serve]'."
+)
+
+
+def serve_command(
+    checkpoint: Annotated[str, typer.Argument(
+        help="mt pretrain checkpoint, or a folder mt convert reads (e.g. Hugging Face).")],
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on (0: any free one).")] = 8000,
+    model_name: Annotated[str | None, typer.Option(
+        help="The model's name in the API (default: the checkpoint folder's name).")] = None,
+    max_batch: Annotated[int, typer.Option(
+        help="Prompts decoded together on each replica.")] = 16,
+    max_waiting: Annotated[int, typer.Option(
+        help="Requests that may wait for room (more get 429).")] = 64,
+    max_tokens: Annotated[int | None, typer.Option(
+        help="New tokens a request may ask at most (default: what the positions allow).")
+    ] = None,
+    max_body_bytes: Annotated[int, typer.Option(
+        help="Largest request body (larger: 413).")] = 1 << 20,
+    request_timeout: Annotated[float, typer.Option(
+        help="Seconds a request may take, waiting included (then 504).")] = 600.0,
+    tokenizer: Annotated[str | None, typer.Option(
+        help="Tokenizer instead of the checkpoint's.")] = None,
+    tp: Annotated[int, typer.Option(help="Tensor-parallel degree.")] = 1,
+    pp: Annotated[int, typer.Option(help="Pipeline-parallel degree.")] = 1,
+    nproc: Annotated[int, typer.Option(
+        help="Local processes (without a launcher); dp = nproc / (tp x pp).")] = 1,
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
+    precision: Annotated[str, typer.Option(help="fp32, bf16 or fp16 weights.")] = "fp32",
+) -> None:
+    import importlib.util
+
+    from mt_zero.precision import PRECISIONS
+
+    console = Console(stderr=True)
+    problems = [f"--{name} must be positive, got {value}" for name, value in
+                (("tp", tp), ("pp", pp), ("nproc", nproc), ("max-batch", max_batch),
+                 ("max-waiting", max_waiting), ("max-body-bytes", max_body_bytes),
+                 ("max-tokens", max_tokens or 1), ("request-timeout", request_timeout))
+                if not value > 0]
+    if not 0 <= port < 65536:
+        problems.append(f"--port must be 0..65535, got {port}")
+    if device not in ("auto", "cpu", "cuda"):
+        problems.append(f"--device must be auto, cpu or cuda, got {device!r}")
+    if precision not in PRECISIONS:
+        problems.append(f"--precision must be one of {', '.join(PRECISIONS)}, got "
+                        f"{precision!r}")
+    missing = [m for m in ("starlette", "uvicorn") if importlib.util.find_spec(m) is None]
+    if missing:
+        problems.append(f"mt serve needs {' and '.join(missing)}: pip install "
+                        "'mt-pretrain[serve]'")
+    if problems:
+        _fail(console, "; ".join(problems), 2)
+    from mt_pretrain.serving.rank import ServeSpec
+
+    spec = ServeSpec(checkpoint, host, port, model_name, tp, pp, nproc, device, precision,
+                     tokenizer, max_batch, max_waiting, max_tokens=max_tokens,
+                     max_body_bytes=max_body_bytes, request_timeout=request_timeout)
+    try:
+        from mt_pretrain.launch import launch_serve
+
+        launch_serve(spec)
+    except Exception as err:  # noqa: BLE001 - bad input is reported as one line
+        from mt_pretrain.launch import _EXPECTED, LaunchFailed
+
+        if not isinstance(err, (*_EXPECTED, OSError, ValueError, LaunchFailed)):
+            raise
+        _fail(console, str(err), 1 if isinstance(err, (LaunchFailed, OSError)) else 2)
+
+
+def _fail(console: Console, message: str, code: int) -> None:
+    console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code)

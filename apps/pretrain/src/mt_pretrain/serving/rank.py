@@ -1,0 +1,155 @@
+"""One rank of `mt serve`: the model (whole on one process, or this rank's stage of a
+TP x PP layout), the engine loop, and on rank 0 the HTTP server and the signals (SIGTERM or
+Ctrl-C: drain, then stop every rank; a second one: stop at once)."""
+
+from __future__ import annotations
+
+import signal
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mt_dist import LaunchInfo
+from mt_pretrain.serving.api import ApiError, Limits
+from mt_pretrain.serving.engine import Command, Dispatcher, Inbox, ServeLoop
+
+__all__ = ["ServeSpec", "serve_rank"]
+
+
+@dataclass(frozen=True)
+class ServeSpec:
+    """One `mt serve` (the command's options)."""
+
+    checkpoint: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model_name: str | None = None
+    tp: int = 1
+    pp: int = 1
+    nproc: int = 1
+    device: str = "auto"
+    precision: str = "fp32"
+    tokenizer: str | None = None
+    max_batch: int = 16
+    """Rows decoded together on each replica."""
+    max_waiting: int = 64
+    """Requests waiting for room before 429."""
+    max_prompts: int = 64
+    max_tokens: int | None = None
+    max_body_bytes: int = 1 << 20
+    request_timeout: float = 600.0
+    timeout: float = 600.0
+    """Collectives' timeout between ranks."""
+
+    @property
+    def name(self) -> str:
+        """The model name clients use (the checkpoint folder's, unless given)."""
+        return self.model_name or Path(self.checkpoint).resolve().name
+
+
+@dataclass
+class _Served:
+    """The model as this rank serves it."""
+
+    tokenizer: Any
+    loop: ServeLoop
+    vocab_size: int
+    replicas: int
+    close: Callable[[bool], None]
+
+
+def _single(spec: ServeSpec) -> _Served:
+    from mt_pretrain.evaluation.generation import Generator
+
+    generator = Generator.load(spec.checkpoint, spec.tokenizer, spec.device, spec.precision)
+    loop = ServeLoop(generator.model, 0, True, lambda c: c, lambda r: r)  # type: ignore[arg-type, return-value]
+    return _Served(generator.tokenizer, loop, generator.model.model.config.vocab_size, 1,
+                   lambda _completed: None)
+
+
+def _parallel(spec: ServeSpec, info: LaunchInfo) -> _Served:
+    import torch.distributed as dist
+
+    from mt_pretrain.evaluation.decoder import StageDecoder
+    from mt_pretrain.evaluation.session import EvalSpec, ScoringSession
+
+    session = ScoringSession(EvalSpec(spec.checkpoint, (), tp=spec.tp, pp=spec.pp,
+                                      nproc=spec.nproc, device=spec.device,
+                                      precision=spec.precision, tokenizer=spec.tokenizer,
+                                      progress=False, timeout=spec.timeout), info)
+    groups = session.groups
+    world = groups.topology.world_size
+
+    def broadcast(command: Command | None) -> Command:
+        box = [command]
+        dist.broadcast_object_list(box, src=0, device=groups.device)
+        assert box[0] is not None
+        return box[0]
+
+    def gather(results: list) -> list:
+        parts: list[Any] = [None] * world
+        dist.gather_object(results, parts if groups.rank == 0 else None, dst=0)
+        return [item for part in parts for item in part] if groups.rank == 0 else []
+
+    loop = ServeLoop(StageDecoder(session), groups.dp_rank,
+                     groups.pp_rank == 0 and groups.tp_rank == 0, broadcast, gather)
+    return _Served(session.tokenizer, loop, session.model.config.vocab_size, groups.dp_size,
+                   session.close)
+
+
+def serve_rank(spec: ServeSpec, info: LaunchInfo | None,
+               announce: Callable[[str], None] = lambda line: print(line, file=sys.stderr,
+                                                                   flush=True)) -> None:
+    """Serve ``spec`` as rank ``info.rank`` (``info`` None: one process, the model whole)."""
+    served = _single(spec) if info is None else _parallel(spec, info)
+    loop, tokenizer = served.loop, served.tokenizer
+    if info is not None and info.rank != 0:  # rank 0 decides when to stop; the others follow
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
+        completed = False
+        try:
+            loop.run(None)
+            completed = True
+        finally:
+            served.close(completed)
+        return
+    from mt_pretrain.serving.http import ServerConfig, build_app, start_server
+
+    inbox = Inbox(spec.max_waiting)
+    limits = Limits(loop.batch.model.max_positions, served.vocab_size, spec.max_prompts,
+                    spec.max_tokens)
+    config = ServerConfig(spec.name, limits,
+                          tokenizer.encode, tokenizer.decode, (tokenizer.eod_id,),
+                          spec.max_body_bytes, spec.request_timeout)
+    server, thread = start_server(build_app(config, inbox), spec.host, spec.port)
+    signals: list[int] = []
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        signals.append(signum)
+        if len(signals) > 1:
+            raise KeyboardInterrupt(f"signal {signum} received twice")
+        inbox.drain()
+        announce("draining: finishing the accepted requests, refusing new ones (interrupt "
+                 "again to stop at once)")
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    announce(f"serving '{spec.name}' at http://{spec.host}:{server.config.port}/v1 "
+             f"(completions, models; health at /health)")
+    dispatcher = Dispatcher(inbox, tokenizer.decode, served.replicas, spec.max_batch,
+                            loop.batch.check)
+    completed = False
+    try:
+        loop.run(dispatcher)
+        completed = True
+    except BaseException:
+        dispatcher.fail_all(ApiError(500, "the server stopped", kind="server_error"))
+        raise
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+        server.should_exit = True
+        thread.join(10)
+        served.close(completed)
+    announce("stopped")
