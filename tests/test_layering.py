@@ -119,8 +119,8 @@ def test_no_two_packages_export_one_name() -> None:
 #: evaluation scores through an engine; run is one rank's training loop (it scores tasks
 #: during training); launch starts ranks; contract (the layout matrix) launches runs; the
 #: command line sits on everything (lm_eval: lm-eval's command line with mt registered).
-PRETRAIN_STACK = ["config", "data", "engines", "evaluation", "run", "launch", "contract", "cli",
-                  "lm_eval", "__main__"]
+PRETRAIN_STACK = ["config", "data", "engines", "evaluation", "run", "serving", "launch",
+                  "contract", "cli", "lm_eval", "__main__"]
 
 
 def _part(path: Path, tree: Path) -> str:

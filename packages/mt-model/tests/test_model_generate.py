@@ -17,9 +17,9 @@ import transformers
 from mt_model import (
     GPT,
     DecodeBatch,
+    DecodeRequest,
     GPTConfig,
     KVCache,
-    Request,
     Sampling,
     WholeModel,
     generate,
@@ -97,12 +97,12 @@ def test_requests_join_and_leave_a_running_batch(name: str) -> None:
             if event.finish:
                 finish[event.key] = event.finish
 
-    batch.add([Request(tuple(prompts[0]), rules[0])], [0])
+    batch.add([DecodeRequest(tuple(prompts[0]), rules[0])], [0])
     step()
     step()
-    batch.add([Request(tuple(prompts[1]), rules[1])], [1])  # longer than the batch so far
+    batch.add([DecodeRequest(tuple(prompts[1]), rules[1])], [1])  # longer than the batch so far
     step()
-    batch.add([Request(tuple(p), r) for p, r in zip(prompts[2:], rules[2:], strict=True)],
+    batch.add([DecodeRequest(tuple(p), r) for p, r in zip(prompts[2:], rules[2:], strict=True)],
               [2, 3])
     step()
     batch.cancel([3])
@@ -118,7 +118,7 @@ def test_requests_join_and_leave_a_running_batch(name: str) -> None:
 def test_echo_scores_the_prompt() -> None:
     model = GPT(CONFIGS["llama"], seed=5).eval()
     batch = DecodeBatch(WholeModel(model))
-    scores = batch.add([Request(tuple(p), Sampling(max_new_tokens=1), echo=i != 1,
+    scores = batch.add([DecodeRequest(tuple(p), Sampling(max_new_tokens=1), echo=i != 1,
                                 top_logprobs=2) for i, p in enumerate(PROMPTS)], [0, 1, 2])
     assert scores[1] is None
     for prompt, score in zip(PROMPTS[::2], scores[::2], strict=True):

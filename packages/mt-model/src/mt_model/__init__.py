@@ -30,8 +30,8 @@ if TYPE_CHECKING:  # imported on first use (see __getattr__); named here for too
         Completion,
         DecodeBatch,
         DecodeModel,
+        DecodeRequest,
         PromptScores,
-        Request,
         Sampling,
         Token,
         WholeModel,
@@ -50,7 +50,7 @@ _LAZY = {name: module for module, names in {
     "mt_model.init": ("init_gpt_", "init_parameter", "init_std_for", "parameter_seed"),
     "mt_model.cache": ("KVCache", "LayerCache"),
     "mt_model.decoding": ("Completion", "DecodeBatch", "DecodeModel", "PromptScores",
-                          "Request", "Sampling", "Token", "WholeModel", "generate"),
+                          "DecodeRequest", "Sampling", "Token", "WholeModel", "generate"),
 }.items() for name in names}
 
 
@@ -81,7 +81,7 @@ __all__ = [
     "LMHead",
     "LMLoss",
     "LayerCache",
-    "Request",
+    "DecodeRequest",
     "Sampling",
     "Token",
     "WholeModel",

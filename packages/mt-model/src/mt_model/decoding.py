@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from mt_model.cache import KVCache
 from mt_model.gpt import GPT
 
-__all__ = ["Completion", "DecodeBatch", "DecodeModel", "PromptScores", "Request", "Sampling",
+__all__ = ["Completion", "DecodeBatch", "DecodeModel", "PromptScores", "DecodeRequest", "Sampling",
            "Token", "WholeModel", "generate", "pick"]
 
 
@@ -90,7 +90,7 @@ def pick(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | 
 
 
 @dataclass(frozen=True)
-class Request:
+class DecodeRequest:
     """One prompt (token ids) to complete, and how."""
 
     prompt: tuple[int, ...]
@@ -165,7 +165,7 @@ class WholeModel:
 @dataclass
 class _Row:
     key: Hashable
-    request: Request
+    request: DecodeRequest
     generator: torch.Generator
     tokens: list[int] = field(default_factory=list)
 
@@ -194,7 +194,7 @@ class DecodeBatch:
     def __len__(self) -> int:
         return len(self.rows)
 
-    def check(self, request: Request) -> None:
+    def check(self, request: DecodeRequest) -> None:
         """ValueError naming the numbers when ``request`` cannot run on this model."""
         if not request.prompt:
             raise ValueError("every prompt needs at least one token")
@@ -205,7 +205,7 @@ class DecodeBatch:
                              f"model's {self.model.max_positions} positions")
 
     @torch.no_grad()
-    def add(self, requests: Sequence[Request], keys: Sequence[Hashable]
+    def add(self, requests: Sequence[DecodeRequest], keys: Sequence[Hashable]
             ) -> list[PromptScores | None]:
         """Prefill ``requests`` (named by ``keys``) and join them to the batch; returns the
         prompt scores of those with ``echo`` (None for the others)."""
@@ -327,7 +327,7 @@ def generate(model: GPT | DecodeModel, prompts: Sequence[Sequence[int]],
         whole.eval()
     try:
         batch = DecodeBatch(WholeModel(whole) if whole is not None else model)  # type: ignore[arg-type]
-        batch.add([Request(tuple(p), rule) for p, rule in zip(prompts, rules, strict=True)],
+        batch.add([DecodeRequest(tuple(p), rule) for p, rule in zip(prompts, rules, strict=True)],
                   list(range(len(prompts))))
         out: list[list[int]] = [[] for _ in prompts]
         logprobs: list[list[float]] = [[] for _ in prompts]

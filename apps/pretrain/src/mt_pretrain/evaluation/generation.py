@@ -23,7 +23,7 @@ from mt_data import load_tokenizer
 from mt_dist import LaunchInfo
 from mt_eval import TaskError
 from mt_eval.tasks import numbered_rows
-from mt_model import DecodeBatch, DecodeModel, Request, Sampling, WholeModel
+from mt_model import DecodeBatch, DecodeModel, DecodeRequest, Sampling, WholeModel
 from mt_pretrain.evaluation.model import as_pretrain_checkpoint, load_eval_model, whole_model
 from mt_pretrain.evaluation.text import TextStream
 from mt_zero.precision import compute_dtype
@@ -76,7 +76,7 @@ class Generator:
                         sampling.top_p, sampling.seed,
                         tuple(sorted({*sampling.stop_ids, tok.eod_id})))
         batch = DecodeBatch(self.model)
-        batch.add([Request(tuple(row), rule) for row in ids], list(range(len(prompts))))
+        batch.add([DecodeRequest(tuple(row), rule) for row in ids], list(range(len(prompts))))
         streams = [TextStream(tok.decode, stop) for _ in prompts]
         logprobs: list[list[float]] = [[] for _ in prompts]
         reasons = ["length"] * len(prompts)

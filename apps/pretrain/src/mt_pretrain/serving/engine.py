@@ -23,7 +23,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
-from mt_model import DecodeBatch, DecodeModel, PromptScores, Request, Token
+from mt_model import DecodeBatch, DecodeModel, DecodeRequest, PromptScores, Token
 from mt_pretrain.evaluation.text import TextStream
 from mt_pretrain.serving.api import (
     ApiError,
@@ -74,6 +74,10 @@ class Inbox:
         self._waiting: deque[Job] = deque()
         self._ready = threading.Condition()
         self.draining = False
+        self.running = 0
+        """Rows the engine decodes now (set by the dispatcher)."""
+        self.gone = 0
+        """Requests whose client went away before their end."""
 
     def offer(self, job: Job) -> str | None:
         """Queue ``job``; or why not: ``draining`` or ``full``."""
@@ -115,7 +119,7 @@ class Inbox:
 class Command:
     """What every rank does in one iteration."""
 
-    admit: tuple[tuple[int, Hashable, Request], ...] = ()
+    admit: tuple[tuple[int, Hashable, DecodeRequest], ...] = ()
     """(replica, row key, request) to prefill and add."""
     cancel: tuple[Hashable, ...] = ()
     stop: bool = False
@@ -134,7 +138,7 @@ class Dispatcher:
     """Rank 0's side of the engine: commands out, tokens in, text to the jobs."""
 
     def __init__(self, inbox: Inbox, decode: Callable[[list[int]], str], replicas: int,
-                 max_batch: int, check: Callable[[Request], None]) -> None:
+                 max_batch: int, check: Callable[[DecodeRequest], None]) -> None:
         self.inbox, self.decode, self.check = inbox, decode, check
         self.max_batch = max_batch
         self.load = [0] * replicas
@@ -160,6 +164,7 @@ class Dispatcher:
         clock = time.monotonic()
         for job in {id(r.job): r.job for r in self.rows.values()}.values():
             if job.cancelled:
+                self.inbox.gone += 1
                 self._end(job, "error", ApiError(499, "the client went away"))
             elif clock > job.deadline:
                 self._end(job, "error", ApiError(504, "the request timed out", kind="timeout"))
@@ -180,12 +185,13 @@ class Dispatcher:
             replica = job_replica[job.ident]
             if job.cancelled:
                 self.load[replica] -= job.rows
+                self.inbox.gone += 1
                 job.put("error", ApiError(499, "the client went away"))
                 continue
             completion, rows = job.completion, []
             for index, (prompt, rule) in enumerate(zip(completion.prompts,
                                                        completion.sampling, strict=True)):
-                request = Request(prompt, rule, echo=completion.echo and
+                request = DecodeRequest(prompt, rule, echo=completion.echo and
                                   completion.logprobs is not None,
                                   top_logprobs=completion.logprobs or 0)
                 self.check(request)
@@ -198,6 +204,7 @@ class Dispatcher:
             admit += rows
         cancel, self._cancel = tuple(self._cancel), []
         stop = self.inbox.draining and not self.rows and not admit and not len(self.inbox)
+        self.inbox.running = len(self.rows)
         return Command(tuple(admit), cancel, stop)
 
     def deliver(self, results: list[tuple[str, Hashable, Any]]) -> None:
@@ -210,6 +217,7 @@ class Dispatcher:
                 self._echo(row, value)
             else:
                 self._token(key, row, value)
+        self.inbox.running = len(self.rows)
 
     def _echo(self, row: _Row, scores: PromptScores | None) -> None:
         completion = row.job.completion

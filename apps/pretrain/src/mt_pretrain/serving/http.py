@@ -77,7 +77,8 @@ def build_app(config: ServerConfig, inbox: Inbox) -> Starlette:
     async def health(_request: Request) -> Response:
         if inbox.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
-        return JSONResponse({"status": "ok", "waiting": len(inbox)})
+        return JSONResponse({"status": "ok", "waiting": len(inbox), "running": inbox.running,
+                             "gone": inbox.gone})
 
     async def models(_request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [

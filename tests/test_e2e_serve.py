@@ -1,0 +1,255 @@
+"""Cross-app: `mt serve` as OpenAI-style tools use it, and as a hostile client finds it.
+
+A tiny GPT (GPT-2 vocabulary, 512 positions) trained briefly by `mt pretrain` and exported by
+`mt convert --to hf`, served by `mt serve` (a real process, real HTTP):
+- lm-evaluation-harness's ``local-completions`` model against the server scores
+  log-likelihood tasks (lambada_openai, piqa: lm-eval's own YAMLs on local rows) as lm-eval
+  ``--model hf`` does on the export: every per-item log-likelihood within 1e-4, greedy flags
+  and accuracy identical;
+- the ``openai`` client streams a completion whose pieces make the whole greedy text, which
+  equals transformers' greedy continuation;
+- faults: malformed JSON, wrong types, unknown fields' values, an oversized body, a prompt past
+  the context, an unknown model or route: each a JSON error with its status, the server up;
+  64 concurrent clients on a queue of 16: each answered 200 (the same text as alone) or 429;
+  a client that disconnects mid-stream frees its rows;
+- at TP 2 x PP 2 (four processes): the same greedy text, and SIGTERM with requests in flight
+  lets them finish, refuses new ones, and stops every rank (exit 0).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from e2e_models import single_threaded, trained_gpt2_vocab
+from harness_data import LAYOUT, write_data
+
+from mt_dist import free_port
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+TOL = 1e-4
+NAME = "tiny"
+PROMPT = "Call me Ishmael. Some years ago"
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("serve")
+    ckpt, hf = trained_gpt2_vocab(root, seq_len=512)
+    return {"root": root, "ckpt": ckpt, "hf": hf}
+
+
+class Server:
+    """`mt serve` in a process of its own (its log kept for failures)."""
+
+    def __init__(self, ckpt: Path, log: Path, *args: str) -> None:
+        self.port = free_port("127.0.0.1")
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": os.pathsep.join(os.path.abspath(p) for p in sys.path if p)}
+        self.log = log
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "mt_pretrain", "serve", str(ckpt), "--port",
+             str(self.port), "--model-name", NAME, *args],
+            env=env, stdout=subprocess.DEVNULL, stderr=log.open("w"))
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, log.read_text()
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise AssertionError(f"the server did not start: {log.read_text()}")
+
+    def post(self, body: object, **kw: object) -> httpx.Response:
+        content = body if isinstance(body, (bytes, str)) else json.dumps(body)
+        return httpx.post(f"{self.url}/v1/completions", content=content, timeout=120, **kw)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(60)
+
+
+@pytest.fixture(scope="module")
+def server(model: dict[str, Path]) -> Iterator[Server]:
+    running = Server(model["ckpt"], model["root"] / "serve.log", "--max-waiting", "16",
+                     "--max-batch", "8")
+    yield running
+    assert running.stop() == 0, running.log.read_text()
+
+
+def _greedy_hf(hf_dir: Path, prompt: str, new: int) -> str:
+    import torch
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = hf.generate(ids, max_new_tokens=new, do_sample=False,
+                          pad_token_id=tokenizer.eos_token_id)[0, ids.shape[1]:].tolist()
+    if tokenizer.eos_token_id in out:
+        out = out[:out.index(tokenizer.eos_token_id)]
+    return tokenizer.decode(out)
+
+
+def test_lm_eval_local_completions_scores_as_hf(model: dict[str, Path], server: Server
+                                                ) -> None:
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from mt_pretrain.evaluation.harness import local_task
+
+    data = model["root"] / "data"
+    layout = {t: LAYOUT[t] for t in ("lambada_openai", "piqa")}
+    write_data(data, layout, lambda _split: 6)
+    results = {}
+    for backend, args in (
+            ("hf", f"pretrained={model['hf']},dtype=float32"),
+            ("local-completions", f"model={NAME},base_url={server.url}/v1/completions,"
+             f"tokenizer_backend=huggingface,tokenizer={model['hf']},max_length=512,"
+             "num_concurrent=1,max_retries=1,tokenized_requests=True")):
+        manager = TaskManager()
+        tasks = [local_task(t, data, manager, 0) for t in layout]
+        results[backend] = single_threaded(
+            lm_eval.simple_evaluate, model=backend, model_args=args, tasks=tasks,
+            num_fewshot=0, batch_size=4, device="cpu", log_samples=True,
+            task_manager=manager)
+    ours, theirs = results["local-completions"], results["hf"]
+    for task in layout:
+        mine = {s["doc_id"]: s["resps"] for s in ours["samples"][task]}
+        ref = {s["doc_id"]: s["resps"] for s in theirs["samples"][task]}
+        assert sorted(mine) == sorted(ref) and len(ref) == 6
+        for doc, items in ref.items():
+            got = [r[0] for r in mine[doc]]
+            want = [r[0] for r in items]
+            assert [g[0] for g in got] == pytest.approx([w[0] for w in want], abs=TOL, rel=0)
+            assert [bool(g[1]) for g in got] == [bool(w[1]) for w in want], (task, doc)
+        assert ours["results"][task]["acc,none"] == theirs["results"][task]["acc,none"]
+
+
+def test_openai_client_streams_the_greedy_text(model: dict[str, Path], server: Server
+                                               ) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    assert [m.id for m in client.models.list().data] == [NAME]
+    pieces = [chunk.choices[0].text for chunk in client.completions.create(
+        model=NAME, prompt=PROMPT, max_tokens=24, temperature=0, stream=True)]
+    whole = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=24, temperature=0)
+    assert len(pieces) > 5 and "".join(pieces) == whole.choices[0].text
+    assert whole.choices[0].text == _greedy_hf(model["hf"], PROMPT, 24)
+    assert whole.usage.completion_tokens <= 24
+    seeded = [client.completions.create(model=NAME, prompt=PROMPT, max_tokens=12,
+                                        temperature=1.0, seed=5).choices[0].text
+              for _ in range(2)]
+    assert seeded[0] == seeded[1]
+
+
+def test_bad_requests_get_json_errors(server: Server) -> None:
+    cases = [
+        (b"{not json", 400, None),
+        ({"prompt": 3}, 400, "prompt"),
+        ({"prompt": "x", "max_tokens": "ten"}, 400, "max_tokens"),
+        ({"prompt": "x", "temperature": -1}, 400, "temperature"),
+        ({"prompt": "x", "stream": "yes"}, 400, "stream"),
+        ({"prompt": "x", "presence_penalty": 1.0}, 400, "presence_penalty"),
+        ({"prompt": [[1, 2, 99999999]]}, 400, "prompt"),
+        ({"prompt": "word " * 600}, 400, "prompt"),
+        ({"prompt": "x", "max_tokens": 600}, 400, "max_tokens"),
+        ({"prompt": "x", "model": "gpt-4"}, 404, "model"),
+        (b"[" * 10 + b'"x' * (1 << 20), 413, None),
+    ]
+    for body, status, param in cases:
+        response = server.post(body)
+        assert response.status_code == status, (body[:40], response.text)
+        error = response.json()["error"]
+        assert error["message"] and error["param"] == param, (body[:40], error)
+    missing = httpx.get(f"{server.url}/v1/nothing", timeout=10)
+    assert missing.status_code == 404 and "error" in missing.json()
+    assert server.post({"prompt": "x", "max_tokens": 2}).status_code == 200  # still up
+
+
+def test_64_concurrent_clients_and_a_full_queue(server: Server) -> None:
+    prompts = [f"{PROMPT} {i}" for i in range(8)]
+    alone = {p: server.post({"prompt": p, "max_tokens": 16, "temperature": 0})
+             .json()["choices"][0]["text"] for p in prompts}
+
+    def ask(i: int) -> tuple[int, str, str | None]:
+        response = server.post({"prompt": prompts[i % 8], "max_tokens": 16, "temperature": 0})
+        text = response.json()["choices"][0]["text"] if response.status_code == 200 else None
+        return response.status_code, prompts[i % 8], text
+
+    with concurrent.futures.ThreadPoolExecutor(64) as pool:
+        answers = list(pool.map(ask, range(64)))
+    codes = [code for code, _, _ in answers]
+    assert set(codes) <= {200, 429} and codes.count(200) >= 16, codes
+    for code, prompt, text in answers:
+        if code == 200:
+            assert text == alone[prompt]  # batched with others, the same tokens
+    health = httpx.get(f"{server.url}/health", timeout=10).json()
+    assert health["status"] == "ok" and health["waiting"] == 0
+
+
+def test_a_client_gone_mid_stream_frees_its_rows(server: Server) -> None:
+    gone = httpx.get(f"{server.url}/health", timeout=10).json()["gone"]
+    body = {"prompt": "x", "max_tokens": 500, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as stream:
+        lines = stream.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        health = httpx.get(f"{server.url}/health", timeout=10).json()
+        if health["gone"] == gone + 1 and health["running"] == 0:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the stream's rows were not freed: {health}")
+
+
+def test_tp2_pp2_serves_and_drains_on_sigterm(model: dict[str, Path]) -> None:
+    server = Server(model["ckpt"], model["root"] / "serve22.log", "--nproc", "4", "--tp", "2",
+                    "--pp", "2")
+    try:
+        whole = server.post({"prompt": PROMPT, "max_tokens": 24, "temperature": 0})
+        assert whole.json()["choices"][0]["text"] == _greedy_hf(model["hf"], PROMPT, 24)
+        body = {"prompt": "x", "max_tokens": 300, "temperature": 0}
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            flying = [pool.submit(server.post, body) for _ in range(4)]
+            deadline = time.monotonic() + 60
+            while httpx.get(f"{server.url}/health", timeout=10).json()["running"] < 4:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            server.proc.send_signal(signal.SIGTERM)
+            time.sleep(0.2)
+            try:
+                late = server.post({"prompt": "x", "max_tokens": 2})
+                assert late.status_code == 503, late.text
+            except httpx.ConnectError:
+                pass  # already stopped: refused as well
+            for future in flying:
+                response = future.result()
+                assert response.status_code == 200, response.text
+                assert response.json()["usage"]["completion_tokens"] == 300
+        assert server.proc.wait(60) == 0, server.log.read_text()
+        assert "stopped" in server.log.read_text()
+        left = subprocess.run(["pgrep", "-f", f"--port {server.port}"], capture_output=True,
+                              text=True).stdout.split()
+        assert not left, f"ranks left behind: {left}"
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
