@@ -65,8 +65,7 @@ class Generator:
                  on_text: Callable[[int, str], None] | None = None) -> list[dict[str, Any]]:
         """One result row per prompt: ``prompt``, ``completion``, ``token_ids`` (the new
         tokens), ``logprobs`` and ``finish_reason``; ``on_text(row, text)`` streams each
-        row's new text as it is decoded. A completion stops at the first ``stop`` string (its
-        decoding too: every rank sees the same tokens, so all stop it together)."""
+        row's new text as it is decoded. Decoding stops at the tokenizer's end-of-text."""
         tok = self.tokenizer
         ids = [tok.encode(p) for p in prompts]
         empty = [i for i, row in enumerate(ids) if not row]
@@ -75,9 +74,20 @@ class Generator:
         rule = Sampling(sampling.max_new_tokens, sampling.temperature, sampling.top_k,
                         sampling.top_p, sampling.seed,
                         tuple(sorted({*sampling.stop_ids, tok.eod_id})))
+        rows = self.complete_ids(ids, [rule] * len(ids), [stop] * len(ids), on_text)
+        return [{"prompt": prompt, **row} for prompt, row in zip(prompts, rows, strict=True)]
+
+    def complete_ids(self, prompts: Sequence[Sequence[int]], rules: Sequence[Sampling],
+                     stops: Sequence[Sequence[str]],
+                     on_text: Callable[[int, str], None] | None = None
+                     ) -> list[dict[str, Any]]:
+        """:meth:`complete` for prompts given as token ids, each with its own rule and stop
+        strings. A completion stops at its first stop string (its decoding too: every rank
+        sees the same tokens, so all stop it together)."""
         batch = DecodeBatch(self.model)
-        batch.add([DecodeRequest(tuple(row), rule) for row in ids], list(range(len(prompts))))
-        streams = [TextStream(tok.decode, stop) for _ in prompts]
+        batch.add([DecodeRequest(tuple(p), rule) for p, rule in zip(prompts, rules, strict=True)],
+                  list(range(len(prompts))))
+        streams = [TextStream(self.tokenizer.decode, stop) for stop in stops]
         logprobs: list[list[float]] = [[] for _ in prompts]
         reasons = ["length"] * len(prompts)
 
@@ -98,11 +108,9 @@ class Generator:
                     reasons[row] = "stop" if stream.stopped else event.finish  # type: ignore[assignment]
                     show(row, stream.flush())
             batch.cancel(stopped)
-        return [{"prompt": prompt, "completion": stream.text,
-                 "token_ids": stream.tokens[:stream.kept()],
+        return [{"completion": stream.text, "token_ids": stream.tokens[:stream.kept()],
                  "logprobs": lp[:stream.kept()], "finish_reason": reason}
-                for prompt, stream, lp, reason in zip(prompts, streams, logprobs, reasons,
-                                                     strict=True)]
+                for stream, lp, reason in zip(streams, logprobs, reasons, strict=True)]
 
 
 @dataclass(frozen=True)

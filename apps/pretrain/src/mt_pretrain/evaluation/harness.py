@@ -29,7 +29,6 @@ from lm_eval.api.registry import register_model  # pants: no-infer-dep (the harn
 
 from mt_dist import LaunchInfo
 from mt_eval import Request, TaskError, batches_by_length, encode_pair, rolling_windows
-from mt_pretrain.evaluation.model import whole_model
 from mt_pretrain.evaluation.session import EvalSpec, ScoringSession
 from mt_pretrain.evaluation.suites import SUITES, TASK_FILES
 
@@ -160,51 +159,52 @@ class MTLM(LM):
         """Each request's continuation, as lm-eval's HF backend makes it: its generation
         kwargs normalised by lm-eval (``until`` plus end-of-text, ``max_gen_toks``, greedy
         unless ``do_sample``), the context cut from the left to leave room for the new
-        tokens, the text cut at the first ``until`` string. One process for now (the whole
-        model; decoding over TP / PP processes comes with `mt generate`'s)."""
+        tokens, the text cut at the first ``until`` string. Decoded at the session's layout
+        (:class:`~mt_pretrain.evaluation.decoder.StageDecoder`): DP replica ``r`` completes
+        requests ``r, r + dp, ...`` in batches, and every rank receives every text."""
+        import torch.distributed as dist
         from lm_eval.models import utils as lm_utils  # pants: no-infer-dep
 
-        handle_stop_sequences, normalize_gen_kwargs = (lm_utils.handle_stop_sequences,
-                                                       lm_utils.normalize_gen_kwargs)
-
-        from mt_model import Sampling, generate
+        from mt_model import Sampling
+        from mt_pretrain.evaluation.decoder import StageDecoder
+        from mt_pretrain.evaluation.generation import Generator
 
         s = self.session
-        if s.layout.world_size > 1:
-            raise NotImplementedError(
-                "generate_until: mt decodes on one process for now (--nproc 1, --tp 1, "
-                f"--pp 1; this run has {s.layout.world_size}); log-likelihood tasks run at "
-                "any layout")
-        model, decode = self._decoder(), self.session.decode
-        eos = decode([s.prefix])
-        out = []
+        eos = s.decode([s.prefix])
+        prompts, rules, stops = [], [], []
         for instance in requests:
             context, gen_kwargs = instance.args[:2]
-            kwargs = normalize_gen_kwargs(dict(gen_kwargs), 256)
-            until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
+            kwargs = lm_utils.normalize_gen_kwargs(dict(gen_kwargs), 256)
+            stops.append(lm_utils.handle_stop_sequences(kwargs.pop("until", None), eos=eos))
             budget = int(kwargs.pop("max_gen_toks"))
             if budget >= s.max_length:
                 raise TaskError(f"max_gen_toks {budget} leaves no room for a context in the "
                                 f"model's {s.max_length} positions")
-            ids = s.encode(context)[-(s.max_length - budget):] or [s.prefix]
+            prompts.append(s.encode(context)[-(s.max_length - budget):] or [s.prefix])
             sampled = bool(kwargs.get("do_sample")) and float(kwargs.get("temperature", 0)) > 0
-            rule = Sampling(budget, float(kwargs["temperature"]) if sampled else 0.0,
-                            int(kwargs.get("top_k") or 0), float(kwargs.get("top_p") or 1.0),
-                            seed=1234, stop_ids=(s.prefix,))
-            text = decode(generate(model, [ids], rule)[0].tokens)
-            for stop in until:
-                if stop:
-                    text = text.split(stop)[0]
-            self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
-            out.append(text)
+            rules.append(Sampling(budget, float(kwargs["temperature"]) if sampled else 0.0,
+                                  int(kwargs.get("top_k") or 0),
+                                  float(kwargs.get("top_p") or 1.0), seed=1234,
+                                  stop_ids=(s.prefix,)))
+        generator = Generator(StageDecoder(s), s.tokenizer)
+        groups = s.groups
+        mine = list(range(groups.dp_rank, len(requests), groups.dp_size))
+        texts: dict[int, str] = {}
+        for start in range(0, len(mine), self.batch_size):
+            chunk = mine[start:start + self.batch_size]
+            rows = generator.complete_ids([prompts[i] for i in chunk], [rules[i] for i in chunk],
+                                          [stops[i] for i in chunk])
+            texts.update((i, row["completion"]) for i, row in zip(chunk, rows, strict=True))
+        if groups.dp_size > 1:
+            everyone: list[Any] = [None] * groups.topology.world_size
+            dist.all_gather_object(everyone, texts)
+            for part in everyone:
+                texts.update(part)
+        out = []
+        for i, instance in enumerate(requests):
+            self.cache_hook.add_partial("generate_until", tuple(instance.args[:2]), texts[i])
+            out.append(texts[i])
         return out
-
-    def _decoder(self) -> Any:
-        """The whole model for decoding (built once from the weights the session read)."""
-        if getattr(self, "_model", None) is None:
-            self._model = whole_model(self.session.model, self.session.groups.device,
-                                      self.session.dtype)
-        return self._model
 
 
 def _needed_splits(config: dict[str, Any], shots: int) -> set[str]:
