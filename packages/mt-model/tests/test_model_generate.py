@@ -23,6 +23,7 @@ from mt_model import (
     Sampling,
     WholeModel,
     generate,
+    interleave,
     preset,
 )
 from mt_model.decoding import pick
@@ -113,6 +114,29 @@ def test_requests_join_and_leave_a_running_batch(name: str) -> None:
         assert [t for t, _ in got[i]] == alone[i].tokens, (name, i)
         assert [lp for _, lp in got[i]] == pytest.approx(alone[i].logprobs, abs=1e-5, rel=0)
         assert finish[i] == "length"
+
+
+def test_interleaved_batches_decode_as_one() -> None:
+    """interleave (one batch per pipeline stage, in turn) gives each request its own tokens;
+    the keys it returns are cancelled at once."""
+    model = GPT(CONFIGS["gpt2"], seed=5).eval()
+    rule = Sampling(max_new_tokens=6)
+    alone = [generate(model, [p], rule)[0].tokens for p in PROMPTS]
+    batches = [DecodeBatch(WholeModel(model)) for _ in range(2)]
+    batches[0].add([DecodeRequest(tuple(PROMPTS[0]), rule), DecodeRequest(tuple(PROMPTS[2]), rule)],
+                   [0, 2])
+    batches[1].add([DecodeRequest(tuple(PROMPTS[1]), rule)], [1])
+    got: dict[int, list[int]] = {0: [], 1: [], 2: []}
+
+    def on_tokens(events: list) -> list[int]:
+        for event in events:
+            got[event.key].append(event.token)
+        return [e.key for e in events if e.key == 2 and len(got[2]) == 3]
+
+    interleave(batches, 0, 1, on_tokens)
+    assert got[0] == alone[0] and got[1] == alone[1] and got[2] == alone[2][:3]
+    with pytest.raises(ValueError, match="cannot keep 2 stages busy"):
+        interleave(batches[:1], 0, 2, on_tokens)
 
 
 def test_echo_scores_the_prompt() -> None:

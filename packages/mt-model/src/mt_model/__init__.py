@@ -36,6 +36,7 @@ if TYPE_CHECKING:  # imported on first use (see __getattr__); named here for too
         Token,
         WholeModel,
         generate,
+        interleave,
     )
     from mt_model.gpt import GPT, MLP, Attention, Block, CoreAttention, Embedding, LMHead, LMLoss
     from mt_model.init import init_gpt_, init_parameter, init_std_for, parameter_seed
@@ -50,7 +51,8 @@ _LAZY = {name: module for module, names in {
     "mt_model.init": ("init_gpt_", "init_parameter", "init_std_for", "parameter_seed"),
     "mt_model.cache": ("KVCache", "LayerCache"),
     "mt_model.decoding": ("Completion", "DecodeBatch", "DecodeModel", "PromptScores",
-                          "DecodeRequest", "Sampling", "Token", "WholeModel", "generate"),
+                          "DecodeRequest", "Sampling", "Token", "WholeModel", "generate",
+                          "interleave"),
 }.items() for name in names}
 
 
@@ -94,6 +96,7 @@ __all__ = [
     "init_gpt_",
     "init_parameter",
     "init_std_for",
+    "interleave",
     "model_flops_per_iteration",
     "model_flops_per_token_training",
     "parameter_seed",

@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from mt_model.cache import KVCache
 from mt_model.gpt import GPT
 
-__all__ = ["Completion", "DecodeBatch", "DecodeModel", "PromptScores", "DecodeRequest", "Sampling",
-           "Token", "WholeModel", "generate", "pick"]
+__all__ = ["Completion", "DecodeBatch", "DecodeModel", "DecodeRequest", "PromptScores",
+           "Sampling", "Token", "WholeModel", "generate", "interleave", "pick"]
 
 
 @dataclass(frozen=True)
@@ -134,6 +134,9 @@ class DecodeModel(Protocol):
     picks: bool
     """This rank holds the logits and chooses the tokens."""
     device: torch.device
+    stage: int
+    """This rank's pipeline stage (0 of 1 for a whole model)."""
+    stages: int
 
     def logits(self, ids: torch.Tensor, cache: KVCache, every: bool) -> torch.Tensor | None:
         """Run ``ids`` [b, s] (each row's next tokens) through the model, extending
@@ -147,7 +150,7 @@ class DecodeModel(Protocol):
 class WholeModel:
     """A whole mt-model ``GPT`` on this process as a :class:`DecodeModel`."""
 
-    picks = True
+    picks, stage, stages = True, 0, 1
 
     def __init__(self, model: GPT) -> None:
         self.model, self.layers = model, len(model.blocks)
@@ -273,9 +276,16 @@ class DecodeBatch:
         if self._next is not None:
             self._next = self._next[alive]
 
-    @torch.no_grad()
     def step(self) -> list[Token]:
         """One token for every request; finished requests leave the batch."""
+        events = self.choose()
+        self.advance()
+        return events
+
+    @torch.no_grad()
+    def choose(self) -> list[Token]:
+        """Choose every request's next token (from the logits the last :meth:`advance` or
+        :meth:`add` left); finished requests leave the batch."""
         if not self.rows:
             return []
         picked = None
@@ -302,12 +312,42 @@ class DecodeBatch:
                 alive.append(row)
             events.append(Token(state.key, token, logprob, top, finish))
         self._keep(alive)
+        self._next = None
+        return events
+
+    @torch.no_grad()
+    def advance(self) -> None:
+        """Run the chosen tokens through the model (this rank's part of it)."""
         if self.rows:
             assert self.cache is not None
             ids = torch.tensor([[s.tokens[-1]] for s in self.rows], dtype=torch.int64)
             logits = self.model.logits(ids.to(self.model.device), self.cache, False)
             self._next = logits.cpu() if logits is not None else None
-        return events
+
+
+def interleave(batches: Sequence[DecodeBatch], stage: int, stages: int,
+               on_tokens: Callable[[list[Token]], Sequence[Hashable]]) -> None:
+    """Decode ``batches`` to the end with every pipeline stage busy: at tick ``t`` stage
+    ``s`` runs its part of batch ``(t - s) mod p``'s step (``p = len(batches)``, at least
+    ``stages``), and at the tick's end every rank chooses the tokens of the batch whose step
+    just left the last stage. ``on_tokens(events)`` sees each batch's new tokens and returns
+    the keys to cancel (every rank must return the same). With one stage: the batches in
+    turn."""
+    if len(batches) < stages:
+        raise ValueError(f"{len(batches)} batches cannot keep {stages} stages busy")
+    p = len(batches)
+    for batch in batches:  # the prefill's logits: the first tokens
+        batch.cancel(on_tokens(batch.choose()))
+    tick = 0
+    while any(batches):
+        mine = tick - stage
+        if mine >= 0 and batches[mine % p]:
+            batches[mine % p].advance()
+        done = tick - (stages - 1)
+        if done >= 0 and batches[done % p]:
+            batch = batches[done % p]
+            batch.cancel(on_tokens(batch.choose()))
+        tick += 1
 
 
 def generate(model: GPT | DecodeModel, prompts: Sequence[Sequence[int]],

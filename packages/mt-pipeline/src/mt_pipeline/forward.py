@@ -79,12 +79,15 @@ def forward_losses(stage: PipelineStage, comm: StageComm, num_micro_batches: int
 
 @torch.no_grad()
 def decode_step(stage: PipelineStage, comm: StageComm, ids: torch.Tensor, cache: DecodeCache,
-                hidden: int, dtype: torch.dtype) -> torch.Tensor | None:
+                hidden: int, dtype: torch.dtype, pending: list[dist.Work] | None = None
+                ) -> torch.Tensor | None:
     """One step of incremental decoding through the pipeline (:meth:`PipelineStage.decode`):
     ``ids`` [b, s] are every row's next tokens (given on every stage: the others take the
     activations' shape [b, s, ``hidden``] from them); each stage receives the previous
-    stage's activations (``dtype``), runs its layers on this rank's ``cache`` and sends on.
-    Returns the last stage's logits; None on the others."""
+    stage's activations (``dtype``), runs its layers on this rank's ``cache`` and sends on
+    (asynchronously when given a ``pending`` list: the send's handle joins it, for the caller
+    to wait on, so that the stage can go on with another batch). Returns the last stage's
+    logits; None on the others."""
     p, s = comm.num_stages, comm.stage
     if comm.is_first:
         x = ids
@@ -94,5 +97,9 @@ def decode_step(stage: PipelineStage, comm: StageComm, ids: torch.Tensor, cache:
     out = stage.decode(x, cache)
     if s == p - 1:
         return out
-    dist.send(out.contiguous(), dst=comm.stage_ranks[s + 1], group=comm.group)
+    if pending is None:
+        dist.send(out.contiguous(), dst=comm.stage_ranks[s + 1], group=comm.group)
+    else:
+        pending.append(dist.isend(out.contiguous(), dst=comm.stage_ranks[s + 1],
+                                  group=comm.group))
     return None

@@ -4,7 +4,8 @@ layout: each stage keeps the key/value cache of its own layers and heads, activa
 from stage to stage (:func:`mt_pipeline.decode_step`), the last stage's TP ranks gather the
 vocabulary-sharded logits (:func:`mt_tensor_parallel.gather_vocab_logits`) and choose the
 same tokens from the same per-request generators, and the pipeline group hands each step's
-tokens back to the other stages.
+tokens back to the other stages. Activations are sent asynchronously, so that with several
+batches in flight (:func:`mt_model.interleave`) every stage works at once.
 """
 
 from __future__ import annotations
@@ -30,17 +31,27 @@ class StageDecoder:
         self.session, self.layers, self.max_positions = session, gpt.n_layers, gpt.seq_len
         self.groups, self.comm = session.groups, StageComm.from_groups(session.groups)
         self.picks = self.groups.is_last_stage
+        self.stage, self.stages = self.comm.stage, self.comm.num_stages
         self.device = self.groups.device
+        self._sends: list[dist.Work] = []
         self._hidden, self._vocab = gpt.hidden, gpt.vocab_size
         session.scorer.stage.eval()  # no dropout
 
     def logits(self, ids: torch.Tensor, cache: KVCache, every: bool) -> torch.Tensor | None:
+        self.flush()  # the previous step's activations have reached the next stage
         stage = self.session.scorer.stage
-        out = decode_step(stage, self.comm, ids, cache, self._hidden, self.session.dtype)
+        out = decode_step(stage, self.comm, ids, cache, self._hidden, self.session.dtype,
+                          self._sends)
         if out is None:
             return None
         return gather_vocab_logits((out if every else out[:, -1]).float(), self.groups.tp,
                                    self._vocab)
+
+    def flush(self) -> None:
+        """Wait for the activations this stage sent on."""
+        for work in self._sends:
+            work.wait()
+        self._sends.clear()
 
     def share(self, payload: Any) -> Any:
         if self.comm.num_stages == 1:

@@ -23,7 +23,15 @@ from mt_data import load_tokenizer
 from mt_dist import LaunchInfo
 from mt_eval import TaskError
 from mt_eval.tasks import numbered_rows
-from mt_model import DecodeBatch, DecodeModel, DecodeRequest, Sampling, WholeModel
+from mt_model import (
+    DecodeBatch,
+    DecodeModel,
+    DecodeRequest,
+    Sampling,
+    Token,
+    WholeModel,
+    interleave,
+)
 from mt_pretrain.evaluation.model import as_pretrain_checkpoint, load_eval_model, whole_model
 from mt_pretrain.evaluation.text import TextStream
 from mt_zero.precision import compute_dtype
@@ -84,9 +92,12 @@ class Generator:
         """:meth:`complete` for prompts given as token ids, each with its own rule and stop
         strings. A completion stops at its first stop string (its decoding too: every rank
         sees the same tokens, so all stop it together)."""
-        batch = DecodeBatch(self.model)
-        batch.add([DecodeRequest(tuple(p), rule) for p, rule in zip(prompts, rules, strict=True)],
-                  list(range(len(prompts))))
+        model = self.model
+        batches = [DecodeBatch(model) for _ in range(model.stages)]
+        for start, batch in enumerate(batches):  # one batch per stage keeps the pipeline busy
+            rows = list(range(start, len(prompts), model.stages))
+            if rows:
+                batch.add([DecodeRequest(tuple(prompts[r]), rules[r]) for r in rows], rows)
         streams = [TextStream(self.tokenizer.decode, stop) for stop in stops]
         logprobs: list[list[float]] = [[] for _ in prompts]
         reasons = ["length"] * len(prompts)
@@ -95,9 +106,9 @@ class Generator:
             if text and on_text is not None:
                 on_text(row, text)
 
-        while batch:
+        def on_tokens(events: list[Token]) -> list[int]:
             stopped = []
-            for event in batch.step():
+            for event in events:
                 row, stream = int(event.key), streams[int(event.key)]  # type: ignore[call-overload]
                 if event.token is not None:
                     logprobs[row].append(event.logprob)
@@ -107,7 +118,12 @@ class Generator:
                 if event.finish is not None or stream.stopped:
                     reasons[row] = "stop" if stream.stopped else event.finish  # type: ignore[assignment]
                     show(row, stream.flush())
-            batch.cancel(stopped)
+            return stopped
+
+        interleave(batches, model.stage, model.stages, on_tokens)
+        flush = getattr(model, "flush", None)
+        if flush is not None:
+            flush()
         return [{"completion": stream.text, "token_ids": stream.tokens[:stream.kept()],
                  "logprobs": lp[:stream.kept()], "finish_reason": reason}
                 for stream, lp, reason in zip(streams, logprobs, reasons, strict=True)]
