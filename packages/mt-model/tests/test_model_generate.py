@@ -135,8 +135,8 @@ def test_interleaved_batches_decode_as_one() -> None:
 
     interleave(batches, 0, 1, on_tokens)
     assert got[0] == alone[0] and got[1] == alone[1] and got[2] == alone[2][:3]
-    with pytest.raises(ValueError, match="cannot keep 2 stages busy"):
-        interleave(batches[:1], 0, 2, on_tokens)
+    with pytest.raises(ValueError, match="2 batches cannot keep 3 stages busy"):
+        interleave(batches, 0, 3, on_tokens)
 
 
 def test_echo_scores_the_prompt() -> None:

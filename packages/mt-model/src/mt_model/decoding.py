@@ -327,17 +327,28 @@ class DecodeBatch:
 
 def interleave(batches: Sequence[DecodeBatch], stage: int, stages: int,
                on_tokens: Callable[[list[Token]], Sequence[Hashable]]) -> None:
-    """Decode ``batches`` to the end with every pipeline stage busy: at tick ``t`` stage
-    ``s`` runs its part of batch ``(t - s) mod p``'s step (``p = len(batches)``, at least
-    ``stages``), and at the tick's end every rank chooses the tokens of the batch whose step
-    just left the last stage. ``on_tokens(events)`` sees each batch's new tokens and returns
-    the keys to cancel (every rank must return the same). With one stage: the batches in
-    turn."""
-    if len(batches) < stages:
-        raise ValueError(f"{len(batches)} batches cannot keep {stages} stages busy")
+    """Decode ``batches`` to the end. ``on_tokens(events)`` sees each batch's new tokens
+    and returns the keys to cancel (every rank must return the same).
+
+    One batch steps through the pipeline's stages as a whole. Several (``p``, at least
+    ``stages``) keep every stage busy: at tick ``t`` stage ``s`` runs its part of batch
+    ``(t - s) mod p``'s step, and at the tick's end every rank chooses the tokens of the
+    batch whose step just left the last stage. That pays when a stage's step is bound by
+    compute; a step bound by reading the weights (small batches) costs about as much for
+    a part of the batch as for all of it, so splitting it does not.
+    """
     p = len(batches)
+    if 1 < p < stages:
+        raise ValueError(f"{p} batches cannot keep {stages} stages busy")
     for batch in batches:  # the prefill's logits: the first tokens
         batch.cancel(on_tokens(batch.choose()))
+    if p == 1 or stages == 1:
+        while any(batches):
+            for batch in batches:
+                if batch:
+                    batch.advance()
+                    batch.cancel(on_tokens(batch.choose()))
+        return
     tick = 0
     while any(batches):
         mine = tick - stage

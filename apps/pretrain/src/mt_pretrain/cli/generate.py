@@ -55,6 +55,10 @@ def generate_command(
     pp: Annotated[int, typer.Option(help="Pipeline-parallel degree.")] = 1,
     nproc: Annotated[int, typer.Option(
         help="Local processes (without a launcher); dp = nproc / (tp x pp).")] = 1,
+    in_flight: Annotated[int, typer.Option(
+        help="Batches in flight through the pipeline's stages: 1 (the batch steps through "
+        "them whole), or >= --pp (every stage busy: pays when a step is bound by compute, "
+        "large batches; not when bound by reading the weights).")] = 1,
     device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
     precision: Annotated[str, typer.Option(help="fp32, bf16 or fp16 weights.")] = "fp32",
 ) -> None:
@@ -70,8 +74,11 @@ def generate_command(
         problems.append("--output is for --input's results (one --prompt streams to the "
                         "terminal)")
     problems += [f"--{name} must be positive, got {value}" for name, value in
-                 (("batch-size", batch_size), ("tp", tp), ("pp", pp), ("nproc", nproc))
-                 if value < 1]
+                 (("batch-size", batch_size), ("tp", tp), ("pp", pp), ("nproc", nproc),
+                  ("in-flight", in_flight)) if value < 1]
+    if 1 < in_flight < pp:
+        problems.append(f"--in-flight {in_flight} cannot keep --pp {pp} stages busy: give 1 "
+                        f"or at least {pp}")
     if device not in ("auto", "cpu", "cuda"):
         problems.append(f"--device must be auto, cpu or cuda, got {device!r}")
     if output is not None and input is not None and (
@@ -94,7 +101,7 @@ def generate_command(
         _fail(console, "; ".join(problems))
     try:
         _run(checkpoint, prompt, input, output, sampling, list(stop or []), logprobs,
-             batch_size, tokenizer, device, precision, (tp, pp, nproc), console)
+             batch_size, tokenizer, device, precision, (tp, pp, nproc, in_flight), console)
     except Exception as err:  # noqa: BLE001 - bad input is reported as one line
         from mt_pretrain.launch import _EXPECTED, LaunchFailed
 
@@ -113,7 +120,7 @@ def _fail(console: Console, message: str) -> None:
 def _run(checkpoint: str, prompt: str | None, input: Path | None,  # noqa: A002
          output: Path | None, sampling: object, stop: list[str], logprobs: bool,
          batch_size: int, tokenizer: str | None, device: str, precision: str,
-         layout: tuple[int, int, int], console: Console) -> None:
+         layout: tuple[int, int, int, int], console: Console) -> None:
     import contextlib
     import os
 
@@ -123,11 +130,11 @@ def _run(checkpoint: str, prompt: str | None, input: Path | None,  # noqa: A002
     from mt_pretrain.evaluation.generation import Generator, read_prompts
 
     prompts = [prompt] if prompt is not None else read_prompts(input)  # type: ignore[arg-type]
-    if layout != (1, 1, 1) or discover(os.environ).launcher != "single":
+    if layout[:3] != (1, 1, 1) or discover(os.environ).launcher != "single":
         from mt_pretrain.evaluation.generation import GenerateSpec
         from mt_pretrain.launch import launch_generate
 
-        tp, pp, nproc = layout
+        tp, pp, nproc, in_flight = layout
         if prompt is not None:
             sys.stdout.write(prompt)
             sys.stdout.flush()
@@ -135,7 +142,8 @@ def _run(checkpoint: str, prompt: str | None, input: Path | None,  # noqa: A002
                 f"generating at tp {tp} x pp {pp} on {nproc} processes"):
             rows = launch_generate(GenerateSpec(
                 checkpoint, tuple(prompts), sampling, tuple(stop), batch_size, tp, pp,  # type: ignore[arg-type]
-                nproc, device, precision, tokenizer, stream=prompt is not None))
+                nproc, device, precision, tokenizer, stream=prompt is not None,
+                in_flight=in_flight))
         if rows is not None:
             _report(rows, prompt, output, logprobs, console)
         return

@@ -57,6 +57,9 @@ class Generator:
 
     model: DecodeModel
     tokenizer: Any
+    in_flight: int = 1
+    """Batches in flight through a pipeline's stages at once (1, or at least the stages:
+    :func:`mt_model.interleave`)."""
 
     @classmethod
     def load(cls, checkpoint: str, tokenizer: str | None = None, device: str = "auto",
@@ -93,9 +96,9 @@ class Generator:
         strings. A completion stops at its first stop string (its decoding too: every rank
         sees the same tokens, so all stop it together)."""
         model = self.model
-        batches = [DecodeBatch(model) for _ in range(model.stages)]
-        for start, batch in enumerate(batches):  # one batch per stage keeps the pipeline busy
-            rows = list(range(start, len(prompts), model.stages))
+        batches = [DecodeBatch(model) for _ in range(self.in_flight)]
+        for start, batch in enumerate(batches):
+            rows = list(range(start, len(prompts), self.in_flight))
             if rows:
                 batch.add([DecodeRequest(tuple(prompts[r]), rules[r]) for r in rows], rows)
         streams = [TextStream(self.tokenizer.decode, stop) for stop in stops]
@@ -146,6 +149,7 @@ class GenerateSpec:
     tokenizer: str | None = None
     stream: bool = False
     """Write the (one) prompt's completion to stdout as it comes (rank 0)."""
+    in_flight: int = 1
     timeout: float = 600.0
 
 
@@ -165,7 +169,7 @@ def generate_rank(spec: GenerateSpec, info: LaunchInfo) -> list[dict[str, Any]] 
                                       progress=False, timeout=spec.timeout), info)
     completed = False
     try:
-        generator = Generator(StageDecoder(session), session.tokenizer)
+        generator = Generator(StageDecoder(session), session.tokenizer, spec.in_flight)
         groups = session.groups
         mine = list(range(groups.dp_rank, len(spec.prompts), groups.dp_size))
 
