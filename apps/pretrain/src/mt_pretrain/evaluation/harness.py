@@ -1,6 +1,6 @@
 """mt as a model of lm-evaluation-harness: lm-eval's own tasks (Python hooks, multiple-input
 tasks, filters, ``process_results``, its metrics and results JSON) scored by mt at any
-TP x PP x DP layout (``generate_until``: mt-model's cached decoding, one process for now).
+TP x PP x DP layout (``generate_until``: mt's cached decoding at the same layout).
 
 :class:`MTLM` is registered in lm-eval's model registry as ``mt``. Every process of the
 layout runs the harness the same way (lm-eval builds the same requests on each, in the same
