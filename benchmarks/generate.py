@@ -9,7 +9,8 @@ random ids each, all rows the same length, so neither side pads) with exactly
 ``--new-tokens`` greedy tokens, key/value cache on:
 
 - **mt**: ``mt_model.generate(model, prompts, Sampling(max_new_tokens=N))`` (no stop ids, so
-  it never stops early; it runs under ``torch.no_grad`` itself);
+  it never stops early; it runs under ``torch.no_grad`` itself), the model's weights laid
+  out by ``decoding_layout_`` as `mt generate` holds them;
 - **hf**: ``GPT2LMHeadModel.generate(ids, attention_mask, max_new_tokens=N,
   min_new_tokens=N, do_sample=False)`` with ``eos_token_id`` removed from the model's
   generation config (no early stop), its default ``DynamicCache``, under
@@ -23,8 +24,12 @@ matmul's round-off, are counted and printed). Then the sides alternate (mt, hf, 
 tokens / wall seconds of the whole ``generate`` call (the prefill included on both sides).
 
 Targets (printed, never an exit status): mt/hf >= 1.0 at batch 1 and >= 1.5 at batch 16.
-Each side is a zero-argument callable made by a ``*_side`` factory (:func:`build_sides`):
-another side (an ``mt serve`` endpoint, say) plugs in there; none is included here.
+Each side is a zero-argument callable made by a ``*_side`` factory (:func:`build_sides`).
+
+Then `mt serve` (:func:`server_comparison`, ``--clients 0`` skips it): the same weights saved
+as a Hugging Face folder and served by a process of its own; ``--clients`` requests (greedy,
+the same lengths) sent by as many concurrent clients, against the same requests one by one
+(continuous batching is what the first gains), alternating.
 
     PYTHONPATH=$(ls -d packages/*/src apps/*/src | tr '\\n' ':') \\
         python3 benchmarks/generate.py                      # GPT-2 small, batches 1 and 16
@@ -48,7 +53,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 from mt_formats.hf_config import hf_config_from_gpt, hf_name  # noqa: E402
-from mt_model import GPT, PRESETS, GPTConfig, Sampling, count_parameters, generate  # noqa: E402
+from mt_model import (  # noqa: E402
+    GPT,
+    PRESETS,
+    GPTConfig,
+    Sampling,
+    count_parameters,
+    decoding_layout_,
+    generate,
+)
 
 #: mt/hf targets by batch size (issue: cached decoding on CPU).
 TARGETS = {1: 1.0, 16: 1.5}
@@ -180,6 +193,79 @@ def bench_batch(model: GPT, hf, batch: int, args: argparse.Namespace  # noqa: AN
     return result
 
 
+# ---------------------------------------------------------------------------- mt serve
+def server_comparison(hf, config: GPTConfig, args: argparse.Namespace) -> None:  # noqa: ANN001
+    """`mt serve` (a process of its own, the same weights) answering ``--clients`` requests
+    sent by as many concurrent clients, against the same requests one by one; alternating,
+    the median of ``--repeats`` each; the texts must agree."""
+    import concurrent.futures
+    import signal
+    import subprocess
+    import tempfile
+
+    import httpx
+
+    from mt_dist import free_port
+
+    n = args.clients
+    prompts = make_prompts(config, n, args.prompt_tokens, seed=99)
+    with tempfile.TemporaryDirectory(prefix="mt-bench-serve-") as tmp:
+        hf.save_pretrained(tmp)  # mt serve reads Hugging Face folders (converted in process)
+        port = free_port("127.0.0.1")
+        url = f"http://127.0.0.1:{port}"
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            os.path.abspath(p) for p in sys.path if p)}
+        log = open(os.path.join(tmp, "serve.log"), "w")  # noqa: SIM115
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "mt_pretrain", "serve", tmp, "--port", str(port),
+             "--tokenizer", "gpt2", "--max-batch", str(n), "--model-name", "bench"],
+            env=env, stdout=subprocess.DEVNULL, stderr=log)
+        try:
+            deadline = time.monotonic() + 300
+            while True:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit("mt serve did not start: "
+                                     + open(log.name).read())  # noqa: SIM115
+                try:
+                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    time.sleep(0.3)
+
+            def ask(prompt: list[int]) -> str:
+                response = httpx.post(f"{url}/v1/completions", timeout=600, json={
+                    "prompt": prompt, "max_tokens": args.new_tokens, "temperature": 0})
+                response.raise_for_status()
+                return response.json()["choices"][0]["text"]
+
+            def one_by_one() -> list[str]:
+                return [ask(p) for p in prompts]
+
+            def concurrent_clients() -> list[str]:
+                with concurrent.futures.ThreadPoolExecutor(n) as pool:
+                    return list(pool.map(ask, prompts))
+
+            sides = {"one by one": one_by_one, f"{n} concurrent": concurrent_clients}
+            texts = {name: run() for name, run in sides.items()}  # warm-up, untimed
+            differ = sum(a != b for a, b in zip(*texts.values(), strict=True))
+            times: dict[str, list[float]] = {name: [] for name in sides}
+            for _ in range(args.repeats):
+                for name, run in sides.items():
+                    times[name].append(timed(run))
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(60)
+            log.close()
+    tokens = n * args.new_tokens
+    rates = {name: tokens / statistics.median(t) for name, t in times.items()}
+    first, second = rates.values()
+    print(f"mt serve, {n} requests of {args.prompt_tokens} + {args.new_tokens} tokens (greedy, "
+          f"HTTP, median of {args.repeats}): " + ", ".join(
+              f"{name} {rate:.1f} tok/s" for name, rate in rates.items())
+          + f"; concurrent / one by one {second / first:.2f}x"
+          + (f"; WARNING {differ} texts differ" if differ else "; the same texts"))
+
+
 # -------------------------------------------------------------------------------- main
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -191,6 +277,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batches", default="1,16", help="comma-separated batch sizes")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                         help="torch.set_num_threads (default: all cores)")
+    parser.add_argument("--clients", type=int, default=16,
+                        help="mt serve: concurrent clients against the same requests one by "
+                        "one (0: skip the server)")
     args = parser.parse_args()
     prompt, new = DEFAULT_LENGTHS.get(args.model, GPT2_LENGTHS)
     args.prompt_tokens = args.prompt_tokens or prompt
@@ -244,11 +333,14 @@ def main() -> None:
     config = model_config(args.model)
     print_header(args, config)
     model = GPT(config, seed=0).eval()
-    hf = hf_twin(model)
+    hf = hf_twin(model)  # copies the weights
+    decoding_layout_(model)  # as `mt generate` and `mt serve` hold a model that only decodes
     results = []
     for batch in args.batch_sizes:
         results.append(bench_batch(model, hf, batch, args))
     print_table(results)
+    if args.clients:
+        server_comparison(hf, config, args)
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 

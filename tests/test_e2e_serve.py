@@ -184,6 +184,20 @@ def test_bad_requests_get_json_errors(server: Server) -> None:
     assert server.post({"prompt": "x", "max_tokens": 2}).status_code == 200  # still up
 
 
+def test_bad_flags_and_a_busy_port(model: dict[str, Path], server: Server) -> None:
+    from typer.testing import CliRunner
+
+    from mt_pretrain.cli.app import app
+
+    busy = CliRunner().invoke(app, ["serve", str(model["ckpt"]), "--port", str(server.port)])
+    assert busy.exit_code == 1 and f"cannot serve on 127.0.0.1:{server.port}" in busy.output
+    bad = CliRunner().invoke(app, ["serve", str(model["ckpt"]), "--port", "70000",
+                                   "--max-batch", "0"])
+    assert bad.exit_code == 2, bad.output
+    assert "--max-batch must be positive, got 0" in bad.output
+    assert "--port must be 0..65535, got 70000" in bad.output
+
+
 def test_64_concurrent_clients_and_a_full_queue(server: Server) -> None:
     prompts = [f"{PROMPT} {i}" for i in range(8)]
     alone = {p: server.post({"prompt": p, "max_tokens": 16, "temperature": 0})

@@ -151,6 +151,8 @@ def launch_serve(spec: ServeSpec, environ: Mapping[str, str] | None = None) -> N
     from mt_pretrain.serving.rank import serve_rank
 
     info = discover(os.environ if environ is None else environ)
+    if info.rank == 0:  # refused now, not after the model is read
+        _check_port(spec.host, spec.port)
     if info.launcher == "single" and spec.nproc == 1 and spec.tp == spec.pp == 1:
         serve_rank(spec, None)
         return
@@ -162,6 +164,17 @@ def launch_serve(spec: ServeSpec, environ: Mapping[str, str] | None = None) -> N
             return
         threads = max(1, (os.cpu_count() or 1) // spec.nproc)
         supervise(_serve_rank, spec.nproc, (spec, spec.nproc, free_port("127.0.0.1"), threads))
+
+
+def _check_port(host: str, port: int) -> None:
+    """OSError naming the address when ``host:port`` cannot be listened on."""
+    import socket
+
+    try:
+        with socket.create_server((host, port)):
+            pass
+    except OSError as err:
+        raise OSError(f"cannot serve on {host}:{port}: {err.strerror or err}") from None
 
 
 def _serve_rank(rank: int, spec: ServeSpec, nproc: int, port: int, threads: int) -> None:

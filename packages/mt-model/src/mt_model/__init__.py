@@ -38,7 +38,17 @@ if TYPE_CHECKING:  # imported on first use (see __getattr__); named here for too
         generate,
         interleave,
     )
-    from mt_model.gpt import GPT, MLP, Attention, Block, CoreAttention, Embedding, LMHead, LMLoss
+    from mt_model.gpt import (
+        GPT,
+        MLP,
+        Attention,
+        Block,
+        CoreAttention,
+        Embedding,
+        LMHead,
+        LMLoss,
+        decoding_layout_,
+    )
     from mt_model.init import init_gpt_, init_parameter, init_std_for, parameter_seed
 
 __version__ = "0.1.0"
@@ -47,7 +57,7 @@ __version__ = "0.1.0"
 #: counts (a planner, a command line's --help) never pay for torch.
 _LAZY = {name: module for module, names in {
     "mt_model.gpt": ("GPT", "MLP", "Attention", "Block", "CoreAttention", "Embedding",
-                     "LMHead", "LMLoss"),
+                     "LMHead", "LMLoss", "decoding_layout_"),
     "mt_model.init": ("init_gpt_", "init_parameter", "init_std_for", "parameter_seed"),
     "mt_model.cache": ("KVCache", "LayerCache"),
     "mt_model.decoding": ("Completion", "DecodeBatch", "DecodeModel", "PromptScores",
@@ -91,6 +101,7 @@ __all__ = [
     "block_matmul_parameters",
     "count_block_parameters",
     "count_parameters",
+    "decoding_layout_",
     "generate",
     "gradient_free_slices",
     "init_gpt_",

@@ -37,6 +37,7 @@ class KVCache:
         if self.pad.ndim != 1 or (self.pad < 0).any() or int(self.pad.max()) >= capacity:
             raise ValueError(f"padding {self.pad.tolist()} does not fit capacity {capacity}")
         self.capacity, self.length = capacity, 0
+        self._mask: tuple[tuple, torch.Tensor | None] | None = None  # this step's, for all layers
         self.keys: list[torch.Tensor | None] = [None] * layers
         self.values: list[torch.Tensor | None] = [None] * layers
 
@@ -53,9 +54,18 @@ class KVCache:
         slots = torch.arange(self.length, self.length + new, device=device)
         return (slots.unsqueeze(0) - self.pad.to(device).unsqueeze(1)).clamp_min(0)
 
-    def mask(self, new: int, device: torch.device) -> torch.Tensor:
+    def mask(self, new: int, device: torch.device) -> torch.Tensor | None:
         """[b, 1, new, length + new] boolean: which cached slots each new token may attend
-        to (its own row's real tokens up to itself)."""
+        to (its own row's real tokens up to itself); None when that is every slot (one new
+        token per row and no padding). Made once per step, for every layer."""
+        key = (self.length, new, device)
+        if self._mask is None or self._mask[0] != key:
+            self._mask = (key, self._make_mask(new, device))
+        return self._mask[1]
+
+    def _make_mask(self, new: int, device: torch.device) -> torch.Tensor | None:
+        if new == 1 and not bool(self.pad.any()):
+            return None
         total = self.length + new
         keys = torch.arange(total, device=device)
         queries = torch.arange(self.length, total, device=device)
@@ -94,6 +104,7 @@ class KVCache:
         if index.numel() == 0:
             raise ValueError("a cache keeps at least one row")
         self.pad = self.pad[index]
+        self._mask = None
         cut = min(int(self.pad.min()), self.length)
         self.pad = self.pad - cut
         self.length -= cut
@@ -123,7 +134,7 @@ class LayerCache:
         return self.cache.positions(new, device)
 
     def extend(self, k: torch.Tensor, v: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Store ``k``, ``v`` [b, m, new, d] after the cached slots; returns (all keys, all
         values, the attention mask) up to the newest slot."""
         c, i = self.cache, self.index

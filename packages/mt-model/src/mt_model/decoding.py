@@ -158,7 +158,7 @@ class WholeModel:
         self.device = next(model.parameters()).device
 
     def logits(self, ids: torch.Tensor, cache: KVCache, every: bool) -> torch.Tensor:
-        out = self.model(ids, cache=cache)
+        out = self.model(ids, cache=cache, last=not every)
         return (out if every else out[:, -1]).float()
 
     def share(self, payload: Any) -> Any:
@@ -290,13 +290,18 @@ class DecodeBatch:
             return []
         picked = None
         if self.model.picks:
-            assert self._next is not None
-            logp = F.log_softmax(self._next, dim=-1)
+            logits = self._next
+            assert logits is not None
+            norm = torch.logsumexp(logits, dim=-1)  # log-probability = logit - norm
+            greedy = logits.argmax(dim=-1).tolist()  # one call for every greedy row
             picked = []
             for row, state in enumerate(self.rows):
-                token = pick(self._next[row], state.request.sampling, state.generator)
-                picked.append((token, float(logp[row, token]),
-                               _top(logp[row], state.request.top_logprobs)))
+                rule = state.request.sampling
+                token = greedy[row] if rule.temperature == 0 else \
+                    pick(logits[row], rule, state.generator)
+                top = _top(logits[row] - norm[row], state.request.top_logprobs) \
+                    if state.request.top_logprobs else ()
+                picked.append((token, float(logits[row, token] - norm[row]), top))
         picked = self.model.share(picked)
         events, alive = [], []
         for row, (state, (token, logprob, top)) in enumerate(zip(self.rows, picked,

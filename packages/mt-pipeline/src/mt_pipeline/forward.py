@@ -79,22 +79,22 @@ def forward_losses(stage: PipelineStage, comm: StageComm, num_micro_batches: int
 
 @torch.no_grad()
 def decode_step(stage: PipelineStage, comm: StageComm, ids: torch.Tensor, cache: DecodeCache,
-                hidden: int, dtype: torch.dtype, pending: list[dist.Work] | None = None
-                ) -> torch.Tensor | None:
+                hidden: int, dtype: torch.dtype, pending: list[dist.Work] | None = None,
+                last: bool = False) -> torch.Tensor | None:
     """One step of incremental decoding through the pipeline (:meth:`PipelineStage.decode`):
     ``ids`` [b, s] are every row's next tokens (given on every stage: the others take the
     activations' shape [b, s, ``hidden``] from them); each stage receives the previous
     stage's activations (``dtype``), runs its layers on this rank's ``cache`` and sends on
     (asynchronously when given a ``pending`` list: the send's handle joins it, for the caller
     to wait on, so that the stage can go on with another batch). Returns the last stage's
-    logits; None on the others."""
+    logits (of the last position only with ``last``); None on the others."""
     p, s = comm.num_stages, comm.stage
     if comm.is_first:
         x = ids
     else:
         x = torch.empty((*ids.shape, hidden), dtype=dtype, device=ids.device)
         dist.recv(x, src=comm.stage_ranks[s - 1], group=comm.group)
-    out = stage.decode(x, cache)
+    out = stage.decode(x, cache, last)
     if s == p - 1:
         return out
     if pending is None:

@@ -220,13 +220,14 @@ class PipelineStage(nn.Module):
         tied = self.layout.tied_weight
         return module(hidden, self.get_parameter(tied)) if tied is not None else module(hidden)
 
-    def decode(self, x: torch.Tensor, cache: DecodeCache) -> torch.Tensor:
+    def decode(self, x: torch.Tensor, cache: DecodeCache, last: bool = False) -> torch.Tensor:
         """One step of incremental decoding through this stage: ``x`` holds the next tokens
         of every row of a decoded batch (token ids on the first stage, else hidden states);
         they attend to the rows' cached keys and values and join them. Layer ``i`` (its index
         in the whole model) reads ``cache.layer(i)``; the input module is given the tokens'
-        ``cache.positions``. Returns hidden states, or logits on the last stage. One chunk
-        per stage (decoding passes every token through each stage once)."""
+        ``cache.positions``. Returns hidden states, or logits on the last stage (of the last
+        position only with ``last``). One chunk per stage (decoding passes every token
+        through each stage once)."""
         if self.num_chunks != 1:
             raise ValueError(f"decoding runs one chunk per stage, this stage has "
                              f"{self.num_chunks}")
@@ -237,6 +238,7 @@ class PipelineStage(nn.Module):
             x = layer(x, cache.layer(i))
         cache.advance(new)
         if self.plan.has_head:
+            x = x[:, -1:] if last else x
             for name in self.layout.final:
                 x = self.get_submodule(name)(x)
             x = self.apply_head(x)

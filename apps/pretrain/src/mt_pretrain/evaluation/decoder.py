@@ -41,7 +41,7 @@ class StageDecoder:
         self.flush()  # the previous step's activations have reached the next stage
         stage = self.session.scorer.stage
         out = decode_step(stage, self.comm, ids, cache, self._hidden, self.session.dtype,
-                          self._sends)
+                          self._sends, last=not every)
         if out is None:
             return None
         return gather_vocab_logits((out if every else out[:, -1]).float(), self.groups.tp,

@@ -92,9 +92,10 @@ def load_eval_model(path: str | Path, tokenizer: str | None = None) -> EvalModel
 
 def whole_model(loaded: EvalModel, device: torch.device, dtype: torch.dtype) -> Any:
     """The whole model (mt-model's ``GPT``, eval mode) of ``loaded``'s weights, for decoding
-    on one process."""
-    from mt_model import GPT
+    on one process (its weights laid out for decoding's thin products on CPU)."""
+    from mt_model import GPT, decoding_layout_
 
     model = GPT(loaded.config, seed=None)
     model.load_state_dict(loaded.weights, strict=True)
-    return model.to(device=device, dtype=dtype).eval()
+    model = model.to(device=device, dtype=dtype).eval()
+    return decoding_layout_(model) if device.type == "cpu" else model
