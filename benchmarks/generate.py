@@ -8,9 +8,10 @@ weights. For each batch size both sides complete the same prompts (``--prompt-to
 random ids each, all rows the same length, so neither side pads) with exactly
 ``--new-tokens`` greedy tokens, key/value cache on:
 
-- **mt**: ``mt_model.generate(model, prompts, Sampling(max_new_tokens=N))`` (no stop ids, so
-  it never stops early; it runs under ``torch.no_grad`` itself), the model's weights laid
-  out by ``decoding_layout_`` as `mt generate` holds them;
+- **mt**: ``mt_model.generate(model, prompts, Sampling(max_new_tokens=N), logprobs=False)``
+  (no stop ids, so it never stops early; no log-probabilities, as transformers without
+  ``output_scores``; it runs under ``torch.no_grad`` itself), the model's weights laid out
+  by ``decoding_layout_`` as `mt generate` holds them;
 - **hf**: ``GPT2LMHeadModel.generate(ids, attention_mask, max_new_tokens=N,
   min_new_tokens=N, do_sample=False)`` with ``eos_token_id`` removed from the model's
   generation config (no early stop), its default ``DynamicCache``, under
@@ -120,7 +121,7 @@ def mt_side(model: GPT, prompts: list[list[int]], new_tokens: int) -> Side:
     sampling = Sampling(max_new_tokens=new_tokens)  # greedy, no stop ids
 
     def run() -> list[list[int]]:
-        return [c.tokens for c in generate(model, prompts, sampling)]
+        return [c.tokens for c in generate(model, prompts, sampling, logprobs=False)]
 
     return run
 

@@ -99,6 +99,9 @@ class DecodeRequest:
     """Also score the prompt's own tokens (their log-probabilities, from the prefill)."""
     top_logprobs: int = 0
     """Report the k most likely tokens at every scored position (0: none)."""
+    logprobs: bool = True
+    """Report each new token's log-probability (else NaN: a softmax over the vocabulary per
+    token saved)."""
 
 
 @dataclass(frozen=True)
@@ -292,16 +295,21 @@ class DecodeBatch:
         if self.model.picks:
             logits = self._next
             assert logits is not None
-            norm = torch.logsumexp(logits, dim=-1)  # log-probability = logit - norm
+            # log-probability = logit - norm, where asked
+            norm = torch.logsumexp(logits, dim=-1) if any(
+                s.request.logprobs or s.request.top_logprobs for s in self.rows) else None
             greedy = logits.argmax(dim=-1).tolist()  # one call for every greedy row
             picked = []
             for row, state in enumerate(self.rows):
                 rule = state.request.sampling
                 token = greedy[row] if rule.temperature == 0 else \
                     pick(logits[row], rule, state.generator)
-                top = _top(logits[row] - norm[row], state.request.top_logprobs) \
-                    if state.request.top_logprobs else ()
-                picked.append((token, float(logits[row, token] - norm[row]), top))
+                top, logprob = (), float("nan")
+                if norm is not None and state.request.top_logprobs:
+                    top = _top(logits[row] - norm[row], state.request.top_logprobs)
+                if norm is not None and state.request.logprobs:
+                    logprob = float(logits[row, token] - norm[row])
+                picked.append((token, logprob, top))
         picked = self.model.share(picked)
         events, alive = [], []
         for row, (state, (token, logprob, top)) in enumerate(zip(self.rows, picked,
@@ -368,9 +376,11 @@ def interleave(batches: Sequence[DecodeBatch], stage: int, stages: int,
 
 def generate(model: GPT | DecodeModel, prompts: Sequence[Sequence[int]],
              sampling: Sampling | Sequence[Sampling],
-             on_token: Callable[[int, int], None] | None = None) -> list[Completion]:
+             on_token: Callable[[int, int], None] | None = None,
+             logprobs: bool = True) -> list[Completion]:
     """Complete every prompt (token ids) in one batch; ``sampling`` for all or one per
-    prompt; ``on_token(row, token)`` as each new token comes (streaming). Raises ValueError
+    prompt; ``on_token(row, token)`` as each new token comes (streaming); ``logprobs=False``
+    leaves the completions' log-probabilities empty (and uncomputed). Raises ValueError
     naming the numbers when a prompt plus its budget exceed the model's positions."""
     rules = [sampling] * len(prompts) if isinstance(sampling, Sampling) else list(sampling)
     if len(rules) != len(prompts):
@@ -383,17 +393,18 @@ def generate(model: GPT | DecodeModel, prompts: Sequence[Sequence[int]],
         whole.eval()
     try:
         batch = DecodeBatch(WholeModel(whole) if whole is not None else model)  # type: ignore[arg-type]
-        batch.add([DecodeRequest(tuple(p), rule) for p, rule in zip(prompts, rules, strict=True)],
-                  list(range(len(prompts))))
+        batch.add([DecodeRequest(tuple(p), rule, logprobs=logprobs)
+                   for p, rule in zip(prompts, rules, strict=True)], list(range(len(prompts))))
         out: list[list[int]] = [[] for _ in prompts]
-        logprobs: list[list[float]] = [[] for _ in prompts]
+        scores: list[list[float]] = [[] for _ in prompts]
         reason = ["length"] * len(prompts)
         while batch:
             for event in batch.step():
                 row = int(event.key)  # type: ignore[call-overload]
                 if event.token is not None:
                     out[row].append(event.token)
-                    logprobs[row].append(event.logprob)
+                    if logprobs:
+                        scores[row].append(event.logprob)
                     if on_token is not None:
                         on_token(row, event.token)
                 if event.finish is not None:
@@ -401,4 +412,4 @@ def generate(model: GPT | DecodeModel, prompts: Sequence[Sequence[int]],
     finally:
         if whole is not None:
             whole.train(was_training)
-    return [Completion(out[r], logprobs[r], reason[r]) for r in range(len(prompts))]
+    return [Completion(out[r], scores[r], reason[r]) for r in range(len(prompts))]

@@ -43,22 +43,30 @@ __all__ = [
 
 #: Rows (tokens) at most for which :func:`linear` multiplies the other way round.
 FEW_ROWS = 64
+#: Output features per product when :func:`linear` splits a large weight (the output head).
+WEIGHT_BLOCK = 4096
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
            ) -> torch.Tensor:
     """``F.linear(x, weight, bias)``. For a few rows of float32 on CPU without autograd
-    (decoding: one token per request per step) it computes ``(weight @ x.T).T`` instead: the
-    same products, in the orientation the CPU's GEMM serves faster when ``x`` is thin
-    (measured on a GPT-2-small-shaped decoder, 16 rows: 12 layers' matmuls 66 -> 40 ms, the
-    output head 34 -> 27 ms; benchmarks/generate.py)."""
+    (decoding: one token per request per step) it computes ``(weight @ x.T).T`` instead, a
+    large weight in blocks of :data:`WEIGHT_BLOCK` output features: the same products, in the
+    orientation and pieces the CPU's GEMM serves faster when ``x`` is thin (GPT-2-small
+    shape, 16 rows: 12 layers' matmuls 66 -> 44 ms, the output head 40 -> 21 ms;
+    benchmarks/generate.py)."""
     rows = x.numel() // max(1, x.shape[-1])
     if (rows > FEW_ROWS or x.device.type != "cpu" or x.dtype != torch.float32
             or torch.is_grad_enabled()):
         return F.linear(x, weight, bias)
     flat = x.reshape(rows, x.shape[-1]).t()
-    out = torch.mm(weight, flat) if bias is None else torch.addmm(bias.unsqueeze(1), weight,
-                                                                    flat)
+    out = x.new_empty((weight.shape[0], rows))
+    for start in range(0, weight.shape[0], WEIGHT_BLOCK):
+        part = slice(start, start + WEIGHT_BLOCK)
+        if bias is None:
+            torch.mm(weight[part], flat, out=out[part])
+        else:
+            torch.addmm(bias[part].unsqueeze(1), weight[part], flat, out=out[part])
     return out.t().reshape(*x.shape[:-1], weight.shape[0])
 
 
