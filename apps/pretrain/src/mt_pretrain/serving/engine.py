@@ -183,10 +183,12 @@ class Dispatcher:
 
         for job in self.inbox.take(fits):
             replica = job_replica[job.ident]
-            if job.cancelled:
+            if job.cancelled or clock > job.deadline:
                 self.load[replica] -= job.rows
-                self.inbox.gone += 1
-                job.put("error", ApiError(499, "the client went away"))
+                self.inbox.gone += job.cancelled
+                job.put("error", ApiError(499, "the client went away") if job.cancelled
+                        else ApiError(504, "the request timed out waiting for room",
+                                      kind="timeout"))
                 continue
             completion, rows = job.completion, []
             for index, (prompt, rule) in enumerate(zip(completion.prompts,
