@@ -392,7 +392,8 @@ def generate(model: GPT | DecodeModel, prompts: Sequence[Sequence[int]],
     if whole is not None:
         whole.eval()
     try:
-        batch = DecodeBatch(WholeModel(whole) if whole is not None else model)  # type: ignore[arg-type]
+        decoder = WholeModel(whole) if whole is not None else model
+        batch = DecodeBatch(decoder)  # type: ignore[arg-type]
         batch.add([DecodeRequest(tuple(p), rule, logprobs=logprobs)
                    for p, rule in zip(prompts, rules, strict=True)], list(range(len(prompts))))
         out: list[list[int]] = [[] for _ in prompts]

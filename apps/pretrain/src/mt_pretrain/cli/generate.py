@@ -140,10 +140,10 @@ def _run(checkpoint: str, prompt: str | None, input: Path | None,  # noqa: A002
             sys.stdout.flush()
         with contextlib.nullcontext() if prompt is not None else console.status(
                 f"generating at tp {tp} x pp {pp} on {nproc} processes"):
-            rows = launch_generate(GenerateSpec(
-                checkpoint, tuple(prompts), sampling, tuple(stop), batch_size, tp, pp,  # type: ignore[arg-type]
-                nproc, device, precision, tokenizer, stream=prompt is not None,
-                in_flight=in_flight))
+            spec = GenerateSpec(checkpoint, tuple(prompts), sampling,  # type: ignore[arg-type]
+                                tuple(stop), batch_size, tp, pp, nproc, device, precision,
+                                tokenizer, stream=prompt is not None, in_flight=in_flight)
+            rows = launch_generate(spec)
         if rows is not None:
             _report(rows, prompt, output, logprobs, console)
         return

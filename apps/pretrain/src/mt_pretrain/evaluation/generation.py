@@ -119,7 +119,7 @@ class Generator:
                 if stream.stopped and event.finish is None:
                     stopped.append(row)
                 if event.finish is not None or stream.stopped:
-                    reasons[row] = "stop" if stream.stopped else event.finish  # type: ignore[assignment]
+                    reasons[row] = "stop" if stream.stopped else str(event.finish)
                     show(row, stream.flush())
             return stopped
 

@@ -64,7 +64,8 @@ def _single(spec: ServeSpec) -> _Served:
     from mt_pretrain.evaluation.generation import Generator
 
     generator = Generator.load(spec.checkpoint, spec.tokenizer, spec.device, spec.precision)
-    loop = ServeLoop(generator.model, 0, True, lambda c: c, lambda r: r)  # type: ignore[arg-type, return-value]
+    loop = ServeLoop(generator.model, 0, True, lambda c: c,  # type: ignore[arg-type, return-value]
+                     lambda r: r)
     return _Served(generator.tokenizer, loop, generator.model.model.config.vocab_size, 1,
                    lambda _completed: None)
 
