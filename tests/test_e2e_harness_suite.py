@@ -1,7 +1,7 @@
 """Cross-app: the rest of mt through lm-evaluation-harness (the model of test_e2e_harness.py):
 `mt eval --suite mt-nlg` (MT-NLG's eleven tasks at zero, one and few shots in one command:
 lm-eval's results JSON per setting, the paper-like table and its plot), and lm-eval's
-``generate_until`` requests decoded by mt (one process and TP 2 x DP 2), string for string
+``generate_until`` requests decoded by mt (one process and DP 2), string for string
 as lm-eval's HF backend."""
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def test_the_mt_nlg_suite(setup: dict[str, Path], tmp_path: Path) -> None:
 def test_generate_until_equals_lm_eval_hf(setup: dict[str, Path], tmp_path: Path) -> None:
     """A generate_until task (greedy, stop strings, a budget of new tokens): mt's text equals
     lm-eval's HF backend's, string for string, and so does exact_match, at one process and
-    at TP 2 x DP 2."""
+    at DP 2."""
     documents = rows("lambada_openai", 8, 3)
     data = tmp_path / "gen.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in documents), encoding="utf-8")
@@ -89,9 +89,9 @@ def test_generate_until_equals_lm_eval_hf(setup: dict[str, Path], tmp_path: Path
     assert all(texts), texts  # real continuations (this barely trained model: " the the...")
     assert ours["results"]["t_gen"]["exact_match,none"] == \
         theirs["results"]["t_gen"]["exact_match,none"]
-    # Decoded over four processes (TP 2 x DP 2: each replica completes half the requests):
-    # the same texts.
+    # Decoded by two replicas (DP 2: each completes half the requests; TP and PP decoding are
+    # test_e2e_generate_layouts.py's): the same texts.
     parallel = EvalSpec(str(setup["ckpt"]), (str(tmp_path / "t_gen.yaml"),), progress=False,
-                        engine="harness", log_samples=True, tp=2, nproc=4)
+                        engine="harness", log_samples=True, nproc=2)
     shared = single_threaded(launch_eval, parallel, {}, 600)
     assert [s["resps"][0][0] for s in shared["samples"]["t_gen"]] == texts

@@ -1,6 +1,6 @@
 """Cross-app: `mt serve` as OpenAI-style tools use it, and as a hostile client finds it.
 
-A tiny GPT (GPT-2 vocabulary, 512 positions) trained briefly by `mt pretrain` and exported by
+A tiny GPT (GPT-2 vocabulary, 320 positions) trained briefly by `mt pretrain` and exported by
 `mt convert --to hf`, served by `mt serve` (a real process, real HTTP):
 - lm-evaluation-harness's ``local-completions`` model against the server scores
   log-likelihood tasks (lambada_openai, piqa: lm-eval's own YAMLs on local rows) as lm-eval
@@ -12,8 +12,9 @@ A tiny GPT (GPT-2 vocabulary, 512 positions) trained briefly by `mt pretrain` an
   the context, an unknown model or route: each a JSON error with its status, the server up;
   64 concurrent clients on a queue of 16: each answered 200 (the same text as alone) or 429;
   a client that disconnects mid-stream frees its rows;
-- at TP 2 x PP 2 (four processes): the same greedy text, and SIGTERM with requests in flight
-  lets them finish, refuses new ones, and stops every rank (exit 0).
+- at PP 2 (two processes; TP 2 x PP 2 decoding is test_e2e_generate_layouts.py's): the same
+  greedy text, and SIGTERM with requests in flight lets them finish, refuses new ones, and
+  stops every rank (exit 0).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ PROMPT = "Call me Ishmael. Some years ago"
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("serve")
-    ckpt, hf = trained_gpt2_vocab(root, seq_len=512)
+    ckpt, hf = trained_gpt2_vocab(root, seq_len=320)
     return {"root": root, "ckpt": ckpt, "hf": hf}
 
 
@@ -121,7 +122,7 @@ def test_lm_eval_local_completions_scores_as_hf(model: dict[str, Path], server: 
     for backend, args in (
             ("hf", f"pretrained={model['hf']},dtype=float32"),
             ("local-completions", f"model={NAME},base_url={server.url}/v1/completions,"
-             f"tokenizer_backend=huggingface,tokenizer={model['hf']},max_length=512,"
+             f"tokenizer_backend=huggingface,tokenizer={model['hf']},max_length=320,"
              "num_concurrent=1,max_retries=1,tokenized_requests=True")):
         manager = TaskManager()
         tasks = [local_task(t, data, manager, 0) for t in layout]
@@ -169,8 +170,8 @@ def test_bad_requests_get_json_errors(server: Server) -> None:
         ({"prompt": "x", "stream": "yes"}, 400, "stream"),
         ({"prompt": "x", "presence_penalty": 1.0}, 400, "presence_penalty"),
         ({"prompt": [[1, 2, 99999999]]}, 400, "prompt"),
-        ({"prompt": "word " * 600}, 400, "prompt"),
-        ({"prompt": "x", "max_tokens": 600}, 400, "max_tokens"),
+        ({"prompt": "word " * 400}, 400, "prompt"),
+        ({"prompt": "x", "max_tokens": 400}, 400, "max_tokens"),
         ({"prompt": "x", "model": "gpt-4"}, 404, "model"),
         (b"[" * 10 + b'"x' * (1 << 20), 413, None),
     ]
@@ -221,7 +222,7 @@ def test_64_concurrent_clients_and_a_full_queue(server: Server) -> None:
 
 def test_a_client_gone_mid_stream_frees_its_rows(server: Server) -> None:
     gone = httpx.get(f"{server.url}/health", timeout=10).json()["gone"]
-    body = {"prompt": "x", "max_tokens": 500, "temperature": 0, "stream": True}
+    body = {"prompt": "x", "max_tokens": 310, "temperature": 0, "stream": True}
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as stream:
         lines = stream.iter_lines()
         assert next(line for line in lines if line.startswith("data: "))
@@ -235,9 +236,8 @@ def test_a_client_gone_mid_stream_frees_its_rows(server: Server) -> None:
         raise AssertionError(f"the stream's rows were not freed: {health}")
 
 
-def test_tp2_pp2_serves_and_drains_on_sigterm(model: dict[str, Path]) -> None:
-    server = Server(model["ckpt"], model["root"] / "serve22.log", "--nproc", "4", "--tp", "2",
-                    "--pp", "2")
+def test_pp2_serves_and_drains_on_sigterm(model: dict[str, Path]) -> None:
+    server = Server(model["ckpt"], model["root"] / "serve-pp2.log", "--nproc", "2", "--pp", "2")
     try:
         whole = server.post({"prompt": PROMPT, "max_tokens": 24, "temperature": 0})
         assert whole.json()["choices"][0]["text"] == _greedy_hf(model["hf"], PROMPT, 24)
