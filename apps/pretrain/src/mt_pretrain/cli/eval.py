@@ -10,6 +10,8 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from mt_pretrain.cli.layout_options import Device, Nproc, Pp, Precision, Tp
+
 __all__ = ["eval_command"]
 
 _HELP = (
@@ -53,12 +55,11 @@ def eval_command(
     batch_size: Annotated[int, typer.Option(help="Requests per forward pass.")] = 16,
     limit: Annotated[int | None, typer.Option(
         help="Evaluate the first N documents of each task.")] = None,
-    tp: Annotated[int, typer.Option(help="Tensor-parallel degree.")] = 1,
-    pp: Annotated[int, typer.Option(help="Pipeline-parallel degree.")] = 1,
-    nproc: Annotated[int, typer.Option(
-        help="Local processes (without a launcher); dp = nproc / (tp x pp).")] = 1,
-    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
-    precision: Annotated[str, typer.Option(help="fp32, bf16 or fp16 weights.")] = "fp32",
+    tp: Tp = 1,
+    pp: Pp = 1,
+    nproc: Nproc = 1,
+    device: Device = "auto",
+    precision: Precision = "fp32",
     tokenizer: Annotated[str | None, typer.Option(
         help="Tokenizer (gpt2, tokenizer-1k, a tokenizer.json or a folder) instead of the "
         "checkpoint's.")] = None,

@@ -10,6 +10,8 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from mt_pretrain.cli.layout_options import Device, Nproc, Pp, Precision, Tp
+
 __all__ = ["generate_command"]
 
 _HELP = (
@@ -51,16 +53,15 @@ def generate_command(
     batch_size: Annotated[int, typer.Option(help="Prompts decoded together.")] = 8,
     tokenizer: Annotated[str | None, typer.Option(
         help="Tokenizer instead of the checkpoint's.")] = None,
-    tp: Annotated[int, typer.Option(help="Tensor-parallel degree.")] = 1,
-    pp: Annotated[int, typer.Option(help="Pipeline-parallel degree.")] = 1,
-    nproc: Annotated[int, typer.Option(
-        help="Local processes (without a launcher); dp = nproc / (tp x pp).")] = 1,
+    tp: Tp = 1,
+    pp: Pp = 1,
+    nproc: Nproc = 1,
     in_flight: Annotated[int, typer.Option(
         help="Batches in flight through the pipeline's stages: 1 (the batch steps through "
         "them whole), or >= --pp (every stage busy: pays when a step is bound by compute, "
         "large batches; not when bound by reading the weights).")] = 1,
-    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
-    precision: Annotated[str, typer.Option(help="fp32, bf16 or fp16 weights.")] = "fp32",
+    device: Device = "auto",
+    precision: Precision = "fp32",
 ) -> None:
     from mt_data import output_clash
 

@@ -8,6 +8,8 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from mt_pretrain.cli.layout_options import Device, Nproc, Pp, Precision, Tp
+
 __all__ = ["serve_command"]
 
 _HELP = (
@@ -48,12 +50,11 @@ def serve_command(
         help="Seconds a request may take, waiting included (then 504).")] = 600.0,
     tokenizer: Annotated[str | None, typer.Option(
         help="Tokenizer instead of the checkpoint's.")] = None,
-    tp: Annotated[int, typer.Option(help="Tensor-parallel degree.")] = 1,
-    pp: Annotated[int, typer.Option(help="Pipeline-parallel degree.")] = 1,
-    nproc: Annotated[int, typer.Option(
-        help="Local processes (without a launcher); dp = nproc / (tp x pp).")] = 1,
-    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
-    precision: Annotated[str, typer.Option(help="fp32, bf16 or fp16 weights.")] = "fp32",
+    tp: Tp = 1,
+    pp: Pp = 1,
+    nproc: Nproc = 1,
+    device: Device = "auto",
+    precision: Precision = "fp32",
 ) -> None:
     import importlib.util
 
