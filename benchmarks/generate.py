@@ -53,7 +53,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from mt_formats.hf_config import hf_config_from_gpt, hf_name  # noqa: E402
 from mt_model import (  # noqa: E402
     GPT,
     PRESETS,
@@ -85,24 +84,13 @@ def model_config(name: str) -> GPTConfig:
 
 
 def hf_twin(model: GPT):  # noqa: ANN201 (transformers is imported late)
-    """``GPT2LMHeadModel`` holding ``model``'s weights (``mt convert``'s names), eval mode,
-    sdpa attention, KV cache on, no end-of-text token (it never stops early)."""
-    from transformers import GPT2Config, GPT2LMHeadModel
+    """``GPT2LMHeadModel`` holding ``model``'s weights (benchmarks/train.py's ``hf_model``:
+    ``mt convert``'s names, sdpa attention, the tied head checked), eval mode, no end-of-text
+    token (it never stops early)."""
+    from train import hf_model  # benchmarks/train.py, beside this script
 
-    body = hf_config_from_gpt(model.config, torch.float32)
-    body.pop("mt")
-    body.update(use_cache=True, attn_implementation="sdpa")
-    hf = GPT2LMHeadModel(GPT2Config(**body))
-    state = {}
-    for name, tensor in model.state_dict().items():
-        key, transposed = hf_name(name)
-        state["transformer." + key] = tensor.t().contiguous() if transposed else tensor.clone()
-    missing, unexpected = hf.load_state_dict(state, strict=False)
-    missing = [k for k in missing if k != "lm_head.weight"]  # tied to wte
-    if missing or unexpected:
-        raise RuntimeError(f"HF state dict mismatch: missing {missing}, unexpected {unexpected}")
-    if hf.lm_head.weight.data_ptr() != hf.transformer.wte.weight.data_ptr():
-        raise RuntimeError("HF lm_head is not tied to wte")
+    hf = hf_model(model.config, model.state_dict(), torch.device("cpu"))
+    hf.config.use_cache = True  # train.py's twin trains; this one decodes with its cache
     for field in ("eos_token_id", "bos_token_id"):  # else it would be merged back in
         setattr(hf.generation_config, field, None)
         setattr(hf.config, field, None)
