@@ -168,6 +168,12 @@ def test_sampling_is_reproducible_and_filters() -> None:
     assert {pick(logits, Sampling(temperature=5.0, top_k=2), gen) for _ in range(200)} == {1, 2}
     assert {pick(logits, Sampling(temperature=1.0, top_p=0.01), gen) for _ in range(50)} == {1}
     assert pick(logits, Sampling(), None) == 1  # greedy
+    # The nucleus of p = 0.75 over probabilities (.05, .5, .3, .1, .05) is tokens 1 and 2
+    # (the likelier tokens hold 0 and .5, under .75; token 3's hold .8), drawn 5 : 3.
+    probs = torch.tensor([0.05, 0.5, 0.3, 0.1, 0.05])
+    draws = [pick(probs.log(), Sampling(temperature=1.0, top_p=0.75), gen) for _ in range(4000)]
+    assert set(draws) == {1, 2}
+    assert draws.count(1) / len(draws) == pytest.approx(0.625, abs=0.03)  # sd 0.008
     first = generate(model, [PROMPTS[0]], Sampling(max_new_tokens=5))[0]
     stopped = generate(model, [PROMPTS[0]], Sampling(max_new_tokens=5,
                                                      stop_ids=(first.tokens[2],)))[0]

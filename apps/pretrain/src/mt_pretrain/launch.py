@@ -28,6 +28,7 @@ from mt_pretrain.config.resolve import resolve, sharding_styles
 from mt_pretrain.config.schema import ConfigError, PretrainConfig
 from mt_pretrain.data.inputs import check_vocab, default_cache_dir, ensure_data
 from mt_pretrain.engines.checkpoint import CheckpointError
+from mt_pretrain.evaluation.bias import BiasSpec, bias_rank
 from mt_pretrain.evaluation.generation import GenerateSpec, generate_rank
 from mt_pretrain.evaluation.model import as_pretrain_checkpoint
 from mt_pretrain.evaluation.rank import EvalSpec, eval_rank
@@ -37,8 +38,8 @@ from mt_pretrain.run.train import NonFiniteLossError
 from mt_pretrain.run.warnings_line import one_line_warnings
 from mt_pretrain.serving.rank import ServeSpec
 
-__all__ = ["Interrupted", "LaunchFailed", "launch", "launch_eval", "launch_generate",
-           "launch_serve", "spawn", "supervise"]
+__all__ = ["Interrupted", "LaunchFailed", "launch", "launch_bias", "launch_eval",
+           "launch_generate", "launch_serve", "spawn", "supervise"]
 
 T = TypeVar("T")
 
@@ -143,6 +144,30 @@ def launch_generate(spec: GenerateSpec, environ: Mapping[str, str] | None = None
         threads = max(1, (os.cpu_count() or 1) // spec.nproc)
         return supervise(_generate_rank, spec.nproc,
                          (spec, spec.nproc, free_port("127.0.0.1"), threads), timeout)
+
+
+def launch_bias(spec: BiasSpec, environ: Mapping[str, str] | None = None,
+                timeout: float | None = None) -> dict | None:
+    """Run `mt bias` ``spec`` at its layout: as one rank under a launcher, else on
+    ``spec.nproc`` local processes. Returns the report on rank 0 (None on other ranks under a
+    launcher)."""
+    info = discover(os.environ if environ is None else environ)
+    with as_pretrain_checkpoint(spec.checkpoint, spec.tokenizer) as (checkpoint, tokenizer):
+        spec = replace(spec, checkpoint=checkpoint, tokenizer=tokenizer)
+        if info.launcher != "single":
+            return bias_rank(spec, info)
+        if spec.nproc == 1:
+            return bias_rank(spec, LaunchInfo(0, 1, 0, 1, "127.0.0.1", free_port("127.0.0.1"),
+                                              "single"))
+        threads = max(1, (os.cpu_count() or 1) // spec.nproc)
+        return supervise(_bias_rank, spec.nproc,
+                         (spec, spec.nproc, free_port("127.0.0.1"), threads), timeout)
+
+
+def _bias_rank(rank: int, spec: BiasSpec, nproc: int, port: int, threads: int
+               ) -> dict | None:
+    torch.set_num_threads(threads)
+    return bias_rank(spec, LaunchInfo(rank, nproc, rank, nproc, "127.0.0.1", port, "single"))
 
 
 def launch_serve(spec: ServeSpec, environ: Mapping[str, str] | None = None) -> None:

@@ -17,6 +17,8 @@ import typer
 
 from mt_data.cli import HelpFitsTerminal
 from mt_data.cli import app as data_app
+from mt_pretrain.cli.bias import _HELP as _BIAS_HELP
+from mt_pretrain.cli.bias import bias_command
 from mt_pretrain.cli.eval import _HELP as _EVAL_HELP
 from mt_pretrain.cli.eval import eval_command
 from mt_pretrain.cli.generate import _HELP as _GENERATE_HELP
@@ -147,6 +149,7 @@ app.command("generate", help=_GENERATE_HELP,
             context_settings={"max_content_width": 110})(generate_command)
 app.command("serve", help=_SERVE_HELP,
             context_settings={"max_content_width": 110})(serve_command)
+app.command("bias", help=_BIAS_HELP, context_settings={"max_content_width": 110})(bias_command)
 app.add_typer(data_app, name="data")
 
 
