@@ -98,13 +98,20 @@ def _likelihood(spec: BiasSpec, session: ScoringSession) -> dict[str, Any]:
     """lm-eval's CrowS-Pairs and Winogender on local data: metrics, and every item with its
     log-likelihoods."""
     import lm_eval  # pants: no-infer-dep (the harness extra)
-    from lm_eval.tasks import TaskManager  # pants: no-infer-dep
+    from lm_eval.tasks import TaskManager, get_task_dict  # pants: no-infer-dep
 
+    from mt_eval import TaskError
     from mt_pretrain.evaluation.harness import MTLM, task_config
     from mt_pretrain.evaluation.suites import TASK_FILES
 
     manager = TaskManager(include_path=[str(TASK_FILES)])
     tasks = [task_config(t, manager, spec.data_dir) for t in LIKELIHOOD_TASKS]
+    try:  # lm-eval's own loading of the local rows: one line if it fails
+        get_task_dict(tasks, manager)
+    except Exception as err:  # noqa: BLE001 - whatever lm-eval raises, said once
+        raise TaskError(f"--data-dir {spec.data_dir}: lm-evaluation-harness cannot load "
+                        f"{', '.join(LIKELIHOOD_TASKS)} from it: {type(err).__name__}: "
+                        f"{err}") from None
     model = MTLM(session=session, batch_size=spec.batch_size)
     results = lm_eval.simple_evaluate(model=model, tasks=tasks, limit=spec.limit,
                                       log_samples=True, task_manager=manager)
