@@ -34,6 +34,7 @@ from mt_data.decontam import DecontamConfig
 from mt_data.dedup import DedupConfig
 from mt_data.errors import DataError
 from mt_data.filters import FilterConfig
+from mt_data.group_counts import group_rows, occupation_rows, read_group_counts
 from mt_data.ingest import ErrorLog, IngestConfig, iter_documents
 from mt_data.megatron import export_megatron, import_megatron
 from mt_data.paths import output_clash
@@ -208,6 +209,13 @@ def prepare_cmd(
     decontam_ngram: Annotated[int, typer.Option(help="Words per decontamination n-gram.")] = 13,
     keep_work: Annotated[bool, typer.Option(help="Keep the intermediate work/ folder.")] = False,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing output folder.")] = False,
+    group_counts: Annotated[bool, typer.Option(
+        help="Count group words (gender, race, religion, occupations) before and after the "
+             "filters: OUTPUT/groups.json, shown by 'mt data inspect DIR --groups'.")] = True,
+    group_words: Annotated[Path | None, typer.Option(
+        "--group-words", metavar="FILE",
+        help="Group-words JSON file to count (default: mt's lists, the schema of "
+             "mt_data/assets/group_words.json).")] = None,
 ) -> None:
     """Run the pipeline: ingest, clean/filter, dedup, decontaminate, tokenize, write shards.
 
@@ -236,7 +244,11 @@ def prepare_cmd(
             eval_paths=tuple(str(p) for p in decontaminate or ()),
             on_error=on_error,
         )
-        config = PrepareConfig(clean, tokenizer, workers, keep_work, overwrite)
+        if group_words is not None and not group_counts:
+            raise ValueError("--group-words and --no-group-counts contradict each other; "
+                             "give one")
+        config = PrepareConfig(clean, tokenizer, workers, keep_work, overwrite, group_counts,
+                               str(group_words) if group_words is not None else None)
         load_tokenizer(tokenizer)  # fail before the long stages
         with _progress() as progress:
             summary = prepare(inputs, output, config, RichProgress(progress))
@@ -334,14 +346,19 @@ def inspect_cmd(
     data: Annotated[Path, typer.Argument(help="Prepared dataset folder.")],
     document: Annotated[int, typer.Option(help="Document to decode as a sample.")] = 0,
     chars: Annotated[int, typer.Option(help="Characters of the sample to print.")] = 500,
-    verify: Annotated[bool, typer.Option(help="Check shard SHA-256 checksums and the largest "
-                                          "token id against the shards.")] = False,
+    verify: Annotated[bool, typer.Option(help="Check shard (and groups.json) SHA-256 checksums "
+                                          "and the largest token id against the shards.")] = False,
     dropped: Annotated[str | None, typer.Option(
         help="Show the documents recorded as dropped by this rule (e.g. c4/curly_bracket, "
              "too_short) or by every rule of a rule set (e.g. gopher-quality), instead of a "
              "decoded document.")] = None,
+    groups: Annotated[bool, typer.Option(
+        "--groups", help="Show the group-word counts (mentions and documents per group, "
+        "occupations with the gender words after them) before and after the filters, instead "
+        "of a decoded document.")] = False,
 ) -> None:
-    """Print documents, tokens, sources and a decoded sample of a prepared dataset."""
+    """Print documents, tokens, sources and a decoded sample of a prepared dataset (or what its
+    filters dropped, --dropped, or the group words it carries, --groups)."""
     if chars < 0:
         _fail(f"--chars must be 0 or more, got {chars}")
     with _errors():
@@ -351,6 +368,7 @@ def inspect_cmd(
     with _errors():
         max_id = ds.max_token_id
         chosen = select_dropped(read_dropped(data), dropped) if dropped is not None else None
+        carried = read_group_counts(data) if groups else None
     rows = [("documents", f"{len(ds):,}"), ("tokens", f"{ds.num_tokens:,}"),
             ("shards", str(len(ds.index["shards"]))), ("dtype", ds.index["dtype"]),
             ("max token id", f"{max_id:,}"),
@@ -366,6 +384,8 @@ def inspect_cmd(
             bad = ds.verify()
             if not bad:
                 ds.verify_max_token_id()
+            if not bad and (ds.index.get("stats") or {}).get("groups"):
+                read_group_counts(data)  # its SHA-256 against index.json's record
             progress.update(task, total=1, completed=1)
         rows.append(("checksums", "ok" if not bad else f"MISMATCH: {', '.join(bad)}"))
     _table(f"dataset {data}", rows)
@@ -373,6 +393,9 @@ def inspect_cmd(
         _fail(f"{data}: checksum mismatch in {', '.join(bad)}")
     if chosen is not None:
         _show_dropped(chosen, chars)
+    if carried is not None:
+        _show_groups(carried)
+    if chosen is not None or carried is not None:
         return
     if len(ds) and 0 <= document < len(ds):
         doc_id, source = ds.metadata(document)
@@ -397,6 +420,35 @@ def _show_dropped(rules: dict[str, dict], chars: int) -> None:
                       f"chars):", highlight=False)
             out.print(sample["text"][:chars], markup=False, highlight=False)
             out.print()
+
+
+def _show_groups(counts: dict[str, Any]) -> None:
+    """The group table and the occupation table of ``groups.json``."""
+    out = Console()
+    source = counts["group_words"]
+    out.print(f"group words: {source['path']} (sha256 {source['sha256'][:12]}); before: the "
+              "documents read, after: those kept", highlight=False)
+    table = Table(title="groups: mentions and documents, before and after the filters")
+    for name in ("dimension", "group"):
+        table.add_column(name, style="bold")
+    for name in ("mentions before", "after", "change", "documents before", "after", "change"):
+        table.add_column(name, justify="right")
+    for row in group_rows(counts):
+        table.add_row(*row)
+    out.print(table)
+    header, rows, unmentioned = occupation_rows(counts)
+    if rows:
+        table = Table(title="occupations: mentions, and the gender word after each in its "
+                      "sentence")
+        table.add_column(header[0], style="bold")
+        for name in header[1:]:
+            table.add_column(name, justify="right")
+        for row in rows:
+            table.add_row(*row)
+        out.print(table)
+    if unmentioned:
+        out.print(f"never mentioned ({len(unmentioned)}): {', '.join(unmentioned)}",
+                  highlight=False)
 
 
 def main() -> None:

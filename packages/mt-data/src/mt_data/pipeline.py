@@ -7,7 +7,8 @@ Stages (outputs under ``OUTPUT/work`` until the end, every file written atomical
      ``stages.BOUNDED_DEDUP_MIN_DOCS`` documents in bounded memory: signatures spilled to
      ``work/``, LSH band by band; the same result);
   3. tokenize: kept documents of each chunk -> one token shard (EOD appended);
-  4. ``index.json``.
+  4. ``groups.json`` (group-word counts before and after the filters, see
+     :mod:`mt_data.group_counts`), ``dropped.json``, ``index.json``.
 Each finished chunk / shard is recorded, so rerunning the same command after an interruption
 resumes where it stopped (at the chunk/shard level).
 """
@@ -38,6 +39,8 @@ import pyarrow as pa
 from mt_data.compressed import COMPRESSED
 from mt_data.errors import DataError
 from mt_data.filters import FILTERS
+from mt_data.group_counts import write_group_counts
+from mt_data.groups import GroupCounter, GroupWords, load_group_words, merge_counts
 from mt_data.ingest import (
     JSON_EXTS,
     PARQUET_EXTS,
@@ -56,12 +59,14 @@ from mt_data.shards import (
     ShardSetWriter,
     atomic_replace,
     atomic_write_json,
+    file_sha256,
     write_shard,
 )
 from mt_data.stages import (
     ChunkStats,
     CleanConfig,
     clean_item,
+    count_groups,
     global_dedup,
     load_eval_index,
     read_chunk_stats,
@@ -116,6 +121,11 @@ class PrepareConfig:
     """Keep ``OUTPUT/work`` (cleaned text chunks, signatures) after success."""
     overwrite: bool = False
     """Delete an existing output folder first instead of resuming / refusing."""
+    group_counts: bool = True
+    """Count group words (:mod:`mt_data.groups`) before and after the filters:
+    ``OUTPUT/groups.json``, ``mt data inspect DIR --groups``."""
+    group_words: str | None = None
+    """The group-words JSON file counted (None: mt's lists, ``groups.GROUP_WORDS``)."""
 
     def __post_init__(self) -> None:
         if self.workers < 0:
@@ -126,6 +136,13 @@ def _fingerprint(inputs: list[Path], config: PrepareConfig) -> dict[str, Any]:
     settings = asdict(config)
     for key in ("workers", "keep_work", "overwrite"):
         settings.pop(key)
+    if config.group_counts:  # the default: fingerprints of earlier releases stay valid
+        settings.pop("group_counts")
+    if config.group_words is None:
+        settings.pop("group_words")
+    else:  # a list edited between an interrupted run and its resumption is another run
+        settings["group_words"] = {"path": str(config.group_words),
+                                   "sha256": file_sha256(Path(config.group_words))}
     rule_sets = config.clean.rule_sets
     if rule_sets is None:  # the default: fingerprints of earlier releases stay valid
         settings["clean"].pop("rule_sets")
@@ -142,6 +159,8 @@ def _refuse_to_delete_inputs(output: Path, inputs: Sequence[str | Path],
     read = [*inputs, *config.clean.eval_paths]
     if Path(config.tokenizer).exists():
         read.append(config.tokenizer)
+    if config.group_words is not None:
+        read.append(config.group_words)
     clash = output_clash("--output", output, read)
     if clash:
         raise PrepareError(clash)
@@ -286,10 +305,11 @@ def _run_tasks(fn: Callable[..., Any], tasks: list[tuple[Any, ...]], sizes: list
 
 
 def _run_clean(items: list[WorkItem], config: PrepareConfig, work: Path,
-               pool: ProcessPoolExecutor | None, progress: ProgressHook) -> list[dict[str, Any]]:
+               pool: ProcessPoolExecutor | None, progress: ProgressHook,
+               lists: GroupWords | None) -> list[dict[str, Any]]:
     sizes = [item.nbytes / 1e6 for item in items]
     progress.stage("clean + fingerprint", sum(sizes), "MB")
-    tasks = [(i, item, config.clean, str(work)) for i, item in enumerate(items)]
+    tasks = [(i, item, config.clean, str(work), lists) for i, item in enumerate(items)]
     results = _run_tasks(clean_item, tasks, sizes, pool, progress)
     progress.end()
     return results
@@ -325,33 +345,46 @@ def warm_tokenizer(spec: str) -> None:
     _worker_tokenizer(spec).encode_batch(["warm up"])
 
 
-def tokenize_chunk(chunk: str, keep: np.ndarray, shard: str, tokenizer: str) -> ShardInfo:
-    """Stage 3 for one chunk: tokenize its kept documents (EOD appended) into a shard."""
+def _kept(chunk: str, keep: np.ndarray) -> pa.RecordBatch:
+    return pa.ipc.open_file(pa.memory_map(chunk, "r")).get_batch(0).filter(pa.array(keep))
+
+
+def tokenize_chunk(chunk: str, keep: np.ndarray, shard: str, tokenizer: str,
+                   groups: GroupWords | None = None) -> tuple[ShardInfo, dict[str, Any] | None]:
+    """Stage 3 for one chunk: tokenize its kept documents (EOD appended) into a shard; with
+    ``groups``, also count their group words."""
     tok = _worker_tokenizer(tokenizer)
-    batch = pa.ipc.open_file(pa.memory_map(chunk, "r")).get_batch(0).filter(pa.array(keep))
+    batch = _kept(chunk, keep)
     encoded = tok.encode_batch(batch.column("text").to_pylist())
-    return write_shard(Path(shard), encoded.tokens, encoded.lengths, batch.column("id"),
+    info = write_shard(Path(shard), encoded.tokens, encoded.lengths, batch.column("id"),
                        batch.column("source"))
+    return info, count_groups(batch.column("text"), groups) if groups is not None else None
 
 
 def _run_tokenize(chunks: list[Path], keep: np.ndarray, writer: ShardSetWriter,
                   config: PrepareConfig, pool: ProcessPoolExecutor | None,
-                  progress: ProgressHook) -> None:
+                  progress: ProgressHook, lists: GroupWords | None) -> list[dict[str, Any]]:
+    """Tokenize the kept documents; returns the group counts of each chunk's kept documents
+    (of the shards an earlier run finished too: counted here, from their chunks)."""
     sizes = [p.stat().st_size for p in chunks]
     progress.stage(f"tokenize ({config.tokenizer})", sum(sizes) / 1e6, "MB")
-    tasks, start = [], 0
+    tasks, counts, start = [], [], 0
     for path, size in zip(chunks, sizes, strict=True):
         n = pa.ipc.open_file(pa.memory_map(str(path), "r")).get_batch(0).num_rows
         mask = keep[start : start + n]
         start += n
         name = path.name.replace("clean-", "shard-")
         if mask.any() and not writer.done(name):
-            tasks.append((str(path), mask, str(writer.out_dir / name), config.tokenizer, size))
+            tasks.append((str(path), mask, str(writer.out_dir / name), config.tokenizer, lists,
+                          size))
         else:
+            if lists is not None and mask.any():
+                counts.append(count_groups(_kept(str(path), mask).column("text"), lists))
             progress.advance(size / 1e6)
-    _run_tasks(tokenize_chunk, [t[:-1] for t in tasks], [t[-1] / 1e6 for t in tasks], pool,
-               progress, on_result=writer.record)
+    results = _run_tasks(tokenize_chunk, [t[:-1] for t in tasks], [t[-1] / 1e6 for t in tasks],
+                         pool, progress, on_result=lambda result: writer.record(result[0]))
     progress.end()
+    return counts + [c for _, c in results if c is not None]
 
 
 def prepare(inputs: Sequence[str | Path], output: str | Path,
@@ -361,6 +394,7 @@ def prepare(inputs: Sequence[str | Path], output: str | Path,
     progress = progress or NoProgress()
     output = Path(output)
     files = expand_inputs(inputs)
+    lists = load_group_words(config.group_words) if config.group_counts else None
     fingerprint = _fingerprint(files, config)
     _refuse_to_delete_inputs(output, [*inputs, *files], config)  # with or without --overwrite
     if output.exists() and not output.is_dir():
@@ -377,7 +411,7 @@ def prepare(inputs: Sequence[str | Path], output: str | Path,
     output.mkdir(parents=True, exist_ok=True)
     with _output_lock(output):
         return _prepare_locked(inputs, files, items, unknown, output, fingerprint, config,
-                               progress)
+                               progress, lists)
 
 
 @contextmanager
@@ -399,7 +433,8 @@ def _output_lock(output: Path) -> Iterator[None]:
 
 def _prepare_locked(inputs: Sequence[str | Path], files: list[Path], items: list[WorkItem],
                     unknown: list[Path], output: Path, fingerprint: dict[str, Any],
-                    config: PrepareConfig, progress: ProgressHook) -> dict[str, Any]:
+                    config: PrepareConfig, progress: ProgressHook,
+                    lists: GroupWords | None) -> dict[str, Any]:
     if (output / INDEX_FILE).exists() and not config.overwrite:
         index = json.loads((output / INDEX_FILE).read_text())
         if index.get("stats", {}).get("fingerprint") == json.loads(json.dumps(fingerprint)):
@@ -417,7 +452,7 @@ def _prepare_locked(inputs: Sequence[str | Path], files: list[Path], items: list
                                                             mp_context=_pool_context()))
                     if workers > 1 else None)
             summary = _stages(items, unknown, files, fingerprint, output, config, pool, progress,
-                              _label(inputs))
+                              _label(inputs), lists)
     except BrokenProcessPool as exc:
         raise PrepareError(f"{output}: a worker process died ({exc}; killed, or out of "
                            f"memory?); rerun the same command to resume") from None
@@ -485,19 +520,24 @@ def check_documents(totals: ChunkStats, label: str) -> None:
 def _stages(items: list[WorkItem], unknown: list[Path], files: list[Path],
             fingerprint: dict[str, Any], output: Path, config: PrepareConfig,
             pool: ProcessPoolExecutor | None, progress: ProgressHook,
-            label: str) -> dict[str, Any]:
+            label: str, lists: GroupWords | None) -> dict[str, Any]:
     work = output / "work"
     times: dict[str, float] = {}
     t0 = time.perf_counter()
-    results = _run_clean(items, config, work, pool, progress)
+    results = _run_clean(items, config, work, pool, progress, lists)
     times["clean"] = time.perf_counter() - t0
     _check_keys(results, config.clean.ingest.text_key)
     totals = ChunkStats()
+    no_groups = GroupCounter(lists).counts if lists is not None else None
     chunks: list[Path] = []
     for result in results:
         for name in result["chunks"]:
             chunks.append(work / name)
-            totals.add(read_chunk_stats(work / name, totals))
+            stats = read_chunk_stats(work / name, totals)
+            if lists is not None and not _same_keys(stats.groups, no_groups):
+                raise PrepareError(f"{work / name}: holds no group counts of {lists.source} "
+                                   "(written by an earlier mt-data?); rerun with --overwrite")
+            totals.add(stats)
         totals.add(ChunkStats.from_json(result["tail"]))
     for path in unknown:
         totals.errors["unsupported"] += 1
@@ -512,7 +552,7 @@ def _stages(items: list[WorkItem], unknown: list[Path], files: list[Path],
     tokenizer = _worker_tokenizer(config.tokenizer)
     writer = ShardSetWriter(output, tokenizer.describe(), tokenizer.dtype.name, resume=True)
     t2 = time.perf_counter()
-    _run_tokenize(chunks, keep, writer, config, pool, progress)
+    kept_groups = _run_tokenize(chunks, keep, writer, config, pool, progress, lists)
     times["tokenize"] = time.perf_counter() - t2
     elapsed = time.perf_counter() - t0
     tokens = sum(s.tokens for s in writer.shards.values())
@@ -532,9 +572,19 @@ def _stages(items: list[WorkItem], unknown: list[Path], files: list[Path],
         "mb_per_s": round(totals.bytes_in / 1e6 / max(elapsed, 1e-9), 3),
         "tokens_per_s": round(tokens / max(times["tokenize"], 1e-9)),
     }
+    if lists is not None and no_groups is not None:  # the counts of the documents read, kept
+        summary["groups"] = write_group_counts(output, lists, totals.groups or no_groups,
+                                               merge_counts([no_groups, *kept_groups]))
     write_dropped(output, totals)
     writer.finish(summary)
     return summary
+
+
+def _same_keys(a: Any, b: Any) -> bool:
+    """Whether two group counts have the same dimensions, groups and occupations."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_keys(a[k], b[k]) for k in a)
+    return isinstance(a, int) and isinstance(b, int)
 
 
 DROPPED_FILE = "dropped.json"
@@ -588,6 +638,8 @@ def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
         ("seconds", ", ".join(f"{k} {v}" for k, v in summary["seconds"].items())),
         ("throughput", f"{summary['mb_per_s']} MB/s in, {summary['tokens_per_s']:,} tokens/s"),
     ]
+    if "groups" in summary:
+        rows.append(("group counts", f"{summary['groups']['file']} (inspect --groups)"))
     return rows
 
 

@@ -1,9 +1,10 @@
 """The per-chunk and global steps of ``prepare``, kept free of orchestration and display.
 
-Stage 1 (``clean_item``, run in worker processes): read one work item, normalise and filter,
-decontaminate, hash and MinHash each chunk, and write it as ``work/clean-IIIII-CCCCC.arrow``
-with a ``.json`` sidecar (its stats and bad-input reports). Stage 2 (``global_dedup``): exact
-and fuzzy dedup over all chunks at once. Stage 3 is tokenization (in ``pipeline``).
+Stage 1 (``clean_item``, run in worker processes): read one work item, normalise, count group
+words (``ChunkStats.groups``), filter, decontaminate, hash and MinHash each chunk, and write it
+as ``work/clean-IIIII-CCCCC.arrow`` with a ``.json`` sidecar (its stats and bad-input reports).
+Stage 2 (``global_dedup``): exact and fuzzy dedup over all chunks at once. Stage 3 is
+tokenization (in ``pipeline``).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from mt_data.dedup import (
     fuzzy_dedup_bounded,
 )
 from mt_data.filters import FilterConfig, normalize_batch
+from mt_data.groups import GroupCounter, GroupWords, merge_counts
 from mt_data.ingest import ErrorLog, IngestConfig, WorkItem, iter_documents, read_work_item
 from mt_data.quality import SAMPLES_PER_RULE, MtBasic, RuleSet, apply_rule_sets
 from mt_data.shards import atomic_replace, atomic_write_bytes, atomic_write_json
@@ -72,6 +74,9 @@ class ChunkStats:
     error_samples: list[str] = field(default_factory=list)
     dropped_samples: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     """Up to ``SAMPLES_PER_RULE`` dropped documents per rule (id, source, chars, text)."""
+    groups: dict[str, Any] | None = None
+    """Group-word counts (:class:`~mt_data.groups.GroupCounter`) of the documents read, after
+    normalisation and before every rule; None when not counted."""
 
     def add(self, other: ChunkStats) -> None:
         """Accumulate another chunk's counts (keeps at most ``MAX_SAMPLES`` error samples)."""
@@ -85,6 +90,8 @@ class ChunkStats:
         for rule, samples in other.dropped_samples.items():
             mine = self.dropped_samples.setdefault(rule, [])
             mine.extend(samples[:max(0, SAMPLES_PER_RULE - len(mine))])
+        if other.groups is not None:
+            self.groups = merge_counts([c for c in (self.groups, other.groups) if c])
 
     def to_json(self) -> dict[str, Any]:
         """Plain dict (for sidecars and the index); the dropped samples are stored apart."""
@@ -98,7 +105,7 @@ class ChunkStats:
         """Inverse of :meth:`to_json`."""
         return cls(data["documents_in"], data["bytes_in"], data["documents_out"],
                    Counter(data["dropped"]), Counter(data["errors"]),
-                   list(data["error_samples"]))
+                   list(data["error_samples"]), groups=data.get("groups"))
 
 
 EVAL_NGRAMS = "eval-ngrams.npy"
@@ -127,12 +134,24 @@ def load_eval_index(config: CleanConfig, work_dir: Path | None = None) -> NgramI
     return index
 
 
+def count_groups(texts: pa.Array | pa.ChunkedArray, lists: GroupWords) -> dict[str, Any]:
+    """The group-word counts of ``texts`` (one document each)."""
+    counter = GroupCounter(lists)
+    for text in texts.to_pylist():
+        counter.add(text)
+    return counter.counts
+
+
 def clean_chunk(batch: pa.RecordBatch, config: CleanConfig, hasher: MinHasher,
-                eval_index: NgramIndex | None) -> tuple[pa.RecordBatch, ChunkStats]:
-    """Normalise, apply the quality rule sets, decontaminate and fingerprint one batch."""
+                eval_index: NgramIndex | None, groups: GroupWords | None = None,
+                ) -> tuple[pa.RecordBatch, ChunkStats]:
+    """Normalise, apply the quality rule sets, decontaminate and fingerprint one batch; with
+    ``groups``, count their words in the normalised documents before any rule."""
     stats = ChunkStats(batch.num_rows, int(pa.compute.sum(
         pa.compute.binary_length(batch.column("text"))).as_py() or 0))
     batch = normalize_batch(batch, config.filters.normalize)
+    if groups is not None:
+        stats.groups = count_groups(batch.column("text"), groups)
     batch, dropped, stats.dropped_samples = apply_rule_sets(batch, config.quality())
     stats.dropped.update(dropped)
     if eval_index is not None and config.decontam is not None:
@@ -181,7 +200,8 @@ def read_chunk_stats(path: Path, totals: ChunkStats) -> ChunkStats:
     return stats
 
 
-def clean_item(index: int, item: WorkItem, config: CleanConfig, work: str) -> dict[str, Any]:
+def clean_item(index: int, item: WorkItem, config: CleanConfig, work: str,
+               groups: GroupWords | None = None) -> dict[str, Any]:
     """Stage 1 for one work item; chunks finished by an earlier run are skipped.
 
     Bad inputs are counted exactly per chunk (the log keeps only examples); the result also
@@ -211,7 +231,7 @@ def clean_item(index: int, item: WorkItem, config: CleanConfig, work: str) -> di
         if path.with_suffix(".json").exists() and path.exists():
             new_errors(None)  # counted by the run that wrote the chunk
             continue
-        out, stats = clean_chunk(batch, config, hasher, eval_index)
+        out, stats = clean_chunk(batch, config, hasher, eval_index, groups)
         new_errors(stats)
         _write_chunk(path, out, stats)
     tail = ChunkStats()
