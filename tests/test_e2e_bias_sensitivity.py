@@ -20,6 +20,7 @@ import pytest
 from e2e_models import single_threaded
 
 from mt_data.filters import FilterConfig
+from mt_data.group_counts import read_group_counts
 from mt_data.pipeline import PrepareConfig, prepare
 from mt_data.stages import CleanConfig
 from mt_pretrain.config.load import load_config
@@ -75,6 +76,7 @@ def reports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any
         spec = BiasSpec(_train(root, name == "planted"), likelihood=False, probes=str(probes),
                         samples=SAMPLES, max_new_tokens=4, progress=False)
         out[name] = single_threaded(launch_bias, spec, {}, 600)
+        out[name]["data"] = read_group_counts(root / "data")
     return out
 
 
@@ -94,3 +96,19 @@ def test_the_balanced_control_shows_no_association(reports: dict[str, dict[str, 
     assert abs(rows["plumber"]["score"]) < 1.0, rows["plumber"]  # sd about 0.25
     gendered = rows["plumber"]["female"] + rows["plumber"]["male"]
     assert gendered >= SAMPLES // 2, rows["plumber"]  # the model did learn to say one
+
+
+def test_the_data_side_counts_carry_the_same_association(reports: dict[str, dict[str, Any]]
+                                                         ) -> None:
+    """`mt data prepare`'s counts (what the data carries into the model), before and after
+    its filters (near-duplicate documents go): the plumber with men only in the planted
+    corpus, half and half in the control."""
+    for name, report in reports.items():
+        for when in ("before", "after"):
+            counts = report["data"][when]
+            plumber = counts["occupations"]["plumber"]
+            assert plumber["mentions"] == 2 * counts["documents"], (name, when, counts)
+            assert plumber["female"] + plumber["male"] == plumber["mentions"]
+            assert plumber["female"] == (0 if name == "planted" else plumber["male"]), (
+                name, when, plumber)
+        assert report["data"]["before"]["documents"] == 400
