@@ -75,6 +75,13 @@ def _mt(setup: dict[str, Path], names: list[str], shots: int, source: str = "ckp
     return {r.name: r for r in results}
 
 
+@pytest.fixture(scope="module")
+def one_process(setup: dict[str, Path]) -> dict:
+    """`mt eval` of every task at 2 shots on one process, the mt checkpoint: what the other
+    layouts, sources and engines must score like (computed once; the tests only read it)."""
+    return _mt(setup, list(TASKS), 2)
+
+
 def _lm_eval(setup: dict[str, Path], names: list[str], shots: int) -> dict:
     import lm_eval
     from lm_eval.tasks import TaskManager
@@ -116,11 +123,12 @@ def test_mt_eval_equals_lm_eval(setup: dict[str, Path], shots: int) -> None:
 
 
 @pytest.mark.parametrize("other", ["tp2-pp2", "hf-folder"])
-def test_layouts_and_sources_agree(setup: dict[str, Path], other: str) -> None:
+def test_layouts_and_sources_agree(setup: dict[str, Path], one_process: dict,
+                                   other: str) -> None:
     """TP 2 x PP 2 on 4 processes, and the Hugging Face export given to `mt eval` as it is
     (converted by `mt convert` on the fly, its own tokenizer), score like one process on the
     mt checkpoint."""
-    one = _mt(setup, list(TASKS), 2)
+    one = one_process
     four = _mt(setup, list(TASKS), 2, tp=2, pp=2, nproc=4) if other == "tp2-pp2" else \
         _mt(setup, list(TASKS), 2, source="hf")
     for task, result in one.items():
@@ -158,11 +166,11 @@ def test_pretrain_eval_task_equals_mt_eval(tmp_path: Path) -> None:
                 result.name, metric)
 
 
-def test_both_engines_score_alike(setup: dict[str, Path]) -> None:
+def test_both_engines_score_alike(setup: dict[str, Path], one_process: dict) -> None:
     """The same task files through mt's own engine and through lm-evaluation-harness (mt as
     its model): the same prompts, so the same per-item log-likelihoods and metrics."""
     names = list(TASKS)
-    ours = _mt(setup, names, 2)
+    ours = one_process
     spec = EvalSpec(str(setup["ckpt"]), tuple(str(setup["tasks"] / f"{n}.yaml") for n in names),
                     shots=2, batch_size=8, progress=False, engine="harness", log_samples=True)
     harness = single_threaded(launch_eval, spec, {}, 600)

@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,22 +39,39 @@ DOCS = 6  # evaluated documents per task (and as many few-shot candidates)
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("harness")
     ckpt, hf = trained_gpt2_vocab(root)
     data = root / "data"
     write_data(data, LAYOUT, lambda _split: DOCS)
     assert ast.literal_eval(rows("race", 1, 0)[0]["problems"])[0]["options"]  # real schema
-    return {"root": root, "ckpt": ckpt, "hf": hf, "data": data}
+    # Results of the evaluations several tests compare against (one process at 2 shots, mt
+    # and lm-eval's HF backend), computed once: the tests only read them.
+    return {"root": root, "ckpt": ckpt, "hf": hf, "data": data, "results": {}}
 
 
-def _mt(setup: dict[str, Path], shots: int, **layout: Any) -> dict:
-    spec = EvalSpec(str(setup["ckpt"]), TASKS, shots=shots, batch_size=8, progress=False,
-                    engine="harness", data_dir=str(setup["data"]), log_samples=True, **layout)
-    return single_threaded(launch_eval, spec, {}, 900)
+def _once(setup: dict[str, Any], key: tuple[Any, ...], run: Callable[[], dict]) -> dict:
+    """``run()``'s results, computed on first use by this module's tests."""
+    if key not in setup["results"]:
+        setup["results"][key] = run()
+    return setup["results"][key]
 
 
-def _hf(setup: dict[str, Path], shots: int) -> dict:
+def _mt(setup: dict[str, Any], shots: int, **layout: Any) -> dict:
+    def run() -> dict:
+        spec = EvalSpec(str(setup["ckpt"]), TASKS, shots=shots, batch_size=8, progress=False,
+                        engine="harness", data_dir=str(setup["data"]), log_samples=True,
+                        **layout)
+        return single_threaded(launch_eval, spec, {}, 900)
+
+    return _once(setup, ("mt", shots, *sorted(layout.items())), run)
+
+
+def _hf(setup: dict[str, Any], shots: int) -> dict:
+    return _once(setup, ("hf", shots), lambda: _hf_run(setup, shots))
+
+
+def _hf_run(setup: dict[str, Any], shots: int) -> dict:
     import lm_eval
     from lm_eval.tasks import TaskManager
 
@@ -95,7 +113,7 @@ def _assert_same(ours: dict, theirs: dict, what: str) -> None:
 
 
 @pytest.mark.parametrize("shots", [0, 2])
-def test_mt_through_the_harness_equals_lm_eval_hf(setup: dict[str, Path], shots: int) -> None:
+def test_mt_through_the_harness_equals_lm_eval_hf(setup: dict[str, Any], shots: int) -> None:
     ours, theirs = _mt(setup, shots), _hf(setup, shots)
     _assert_same(ours, theirs, f"{shots}-shot")
     assert ours["n-shot"] == theirs["n-shot"] and set(ours["configs"]) == set(TASKS)
@@ -106,11 +124,11 @@ def test_mt_through_the_harness_equals_lm_eval_hf(setup: dict[str, Path], shots:
         assert a == b, task
 
 
-def test_tp2_pp2_scores_like_one_process(setup: dict[str, Path]) -> None:
+def test_tp2_pp2_scores_like_one_process(setup: dict[str, Any]) -> None:
     _assert_same(_mt(setup, 2, tp=2, pp=2, nproc=4), _mt(setup, 2), "tp2 x pp2")
 
 
-def test_lm_eval_command_line_with_model_mt(setup: dict[str, Path], tmp_path: Path) -> None:
+def test_lm_eval_command_line_with_model_mt(setup: dict[str, Any], tmp_path: Path) -> None:
     """`python -m mt_pretrain.lm_eval --model mt` is lm-eval's command line with mt
     registered: its results file holds lm-eval --model hf's numbers."""
     import yaml
@@ -137,7 +155,7 @@ def test_lm_eval_command_line_with_model_mt(setup: dict[str, Path], tmp_path: Pa
     assert "boolq_local" in run.stdout  # lm-eval's table
 
 
-def test_a_missing_local_file_is_named(setup: dict[str, Path], tmp_path: Path) -> None:
+def test_a_missing_local_file_is_named(setup: dict[str, Any], tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["eval", str(setup["ckpt"]), "--task", "piqa",
                                       "--data-dir", str(tmp_path), "--no-progress"])
     assert result.exit_code == 2, result.output

@@ -20,6 +20,7 @@ A tiny GPT (GPT-2 vocabulary, 320 positions) trained briefly by `mt pretrain` an
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import json
 import os
 import signal
@@ -93,6 +94,7 @@ def server(model: dict[str, Path]) -> Iterator[Server]:
     assert running.stop() == 0, running.log.read_text()
 
 
+@functools.cache  # the same continuation is compared at one process and at PP 2: load once
 def _greedy_hf(hf_dir: Path, prompt: str, new: int) -> str:
     import torch
     import transformers

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -50,13 +51,43 @@ def _resume_to_six(out: Path, cache: Path) -> Any:
     return _run(out, cache, train_steps=6, load=str(out / "checkpoints"))
 
 
+def _trained(steps: int, root: Path, cache: Path) -> Path:
+    """A run folder of ``steps`` steps, saved every 2 (the runs are deterministic: a copy of
+    it is what training the same command again in a new folder would leave)."""
+    _run(root, cache, train_steps=steps)
+    return root
+
+
+@pytest.fixture(scope="module")
+def two_steps(tmp_path_factory: pytest.TempPathFactory, cache: Path) -> Path:
+    """A run folder of 2 steps (step 2 saved), trained once for the tests that start there."""
+    return _trained(2, tmp_path_factory.mktemp("two"), cache)
+
+
+@pytest.fixture(scope="module")
+def four_steps(tmp_path_factory: pytest.TempPathFactory, cache: Path) -> Path:
+    """A run folder of 4 steps (steps 2 and 4 saved), trained once."""
+    return _trained(4, tmp_path_factory.mktemp("four"), cache)
+
+
+def _copy_run(run: Path, to: Path) -> None:
+    shutil.copytree(run, to, dirs_exist_ok=True)
+
+
+@pytest.fixture(scope="module")
+def prepared(cache: Path, two_steps: Path) -> Path:
+    """The data ``cache`` with the embedded corpus prepared (by the first run)."""
+    return cache
+
+
 @pytest.mark.parametrize("point", [p for p in POINTS if p != "checkpoint.replace"])
 def test_kill_during_a_save_leaves_a_resumable_run(point: str, uninterrupted: Any, cache: Path,
-                                                   tmp_path: Path, monkeypatch: Any) -> None:
+                                                   two_steps: Path, tmp_path: Path,
+                                                   monkeypatch: Any) -> None:
     """Steps 1-2 saved; the save of step 4 is killed at ``point`` (``checkpoint.replace`` is
     only passed when a step is saved again: next test); the same command with --load then
     resumes from the step `latest` names and ends exactly like a whole run."""
-    _run(tmp_path, cache, train_steps=2)
+    _copy_run(two_steps, tmp_path)
     monkeypatch.setenv("MT_FAILPOINT", f"{point}@0")
     with pytest.raises(LaunchFailed, match="died with exit code -9"):
         _run(tmp_path, cache, train_steps=4, load=str(tmp_path / "checkpoints"))
@@ -78,11 +109,11 @@ def test_kill_during_a_save_leaves_a_resumable_run(point: str, uninterrupted: An
 ])
 def test_kill_while_saving_a_step_again_after_a_rollback(point: str, expected: int,
                                                          uninterrupted: Any, cache: Path,
-                                                         tmp_path: Path,
+                                                         four_steps: Path, tmp_path: Path,
                                                          monkeypatch: Any) -> None:
     """Steps 1-4 saved (2 and 4); --load step 2 and train to 4 again, killed while saving
     step 4 over the old one: nothing that `latest` names is ever deleted first."""
-    _run(tmp_path, cache, train_steps=4)
+    _copy_run(four_steps, tmp_path)
     monkeypatch.setenv("MT_FAILPOINT", f"{point}@0")
     with pytest.raises(LaunchFailed, match="died with exit code -9"):
         _run(tmp_path, cache, train_steps=4,
@@ -113,8 +144,8 @@ def _flip(path: Path, count: int) -> None:
     (lambda f: _flip(f, 64), "rank-00001.pt: damaged (its checksum is crc32c:"),
 ])
 def test_a_damaged_rank_file_is_one_clear_error(damage: Any, words: str, cache: Path,
-                                                tmp_path: Path) -> None:
-    _run(tmp_path, cache, train_steps=2)
+                                                two_steps: Path, tmp_path: Path) -> None:
+    _copy_run(two_steps, tmp_path)
     damage(tmp_path / "checkpoints" / "step-00000002" / "rank-00001.pt")
     with pytest.raises(CheckpointError) as err:
         _run(tmp_path / "again", cache, train_steps=4, save="none",
@@ -122,8 +153,9 @@ def test_a_damaged_rank_file_is_one_clear_error(damage: Any, words: str, cache: 
     assert words in str(err.value) and "\n" not in str(err.value)
 
 
-def test_a_damaged_meta_falls_back_or_is_one_clear_error(cache: Path, tmp_path: Path) -> None:
-    _run(tmp_path, cache, train_steps=4)
+def test_a_damaged_meta_falls_back_or_is_one_clear_error(cache: Path, four_steps: Path,
+                                                         tmp_path: Path) -> None:
+    _copy_run(four_steps, tmp_path)
     root = tmp_path / "checkpoints"
     (root / "step-00000004" / "meta.json").write_text('{"format": "mt-pretrain/1", "st')
     with pytest.raises(CheckpointError, match=r"step-00000004/meta.json: damaged \("):
@@ -134,14 +166,13 @@ def test_a_damaged_meta_falls_back_or_is_one_clear_error(cache: Path, tmp_path: 
     assert resumed.start_step == 2
 
 
-def test_meta_json_fields_of_the_wrong_type_are_one_clear_error(cache: Path,
+def test_meta_json_fields_of_the_wrong_type_are_one_clear_error(cache: Path, two_steps: Path,
                                                                tmp_path: Path) -> None:
     """A hand-edited meta.json (its checksum removed, as an old file has none) with a field
     of the wrong type: one line naming the file (was: a GPTConfigError traceback)."""
     import json
-    import shutil
 
-    _run(tmp_path / "a", cache, train_steps=2)
+    _copy_run(two_steps, tmp_path / "a")
     for name, edit, words in [
             ("model", lambda m: m["model"].update(n_layers="x"),
              "meta.json: damaged model (invalid GPTConfig: n_layers must be a positive int"),
@@ -347,11 +378,12 @@ def _file_size_limit(limit: int) -> Callable[[], None]:
     return apply
 
 
-def test_a_full_disk_during_a_save_is_one_line_and_exit_1(cache: Path, tmp_path: Path) -> None:
+def test_a_full_disk_during_a_save_is_one_line_and_exit_1(prepared: Path,
+                                                          tmp_path: Path) -> None:
     """The rank files of a save do not fit (was: `RuntimeError: [enforce fail at
     inline_container.cc]`, a traceback per rank): one line naming the file, exit 1 (the run
     failed; the input was fine); `latest` names no half-written step."""
-    _run(tmp_path / "warm", cache, train_steps=1, save="none")  # the data cache, prepared
+    cache = prepared  # the data cache, prepared: only the save can fill the disk
     out = tmp_path / "run"
     done = subprocess.run(_mt("--train-steps", "2", "--out-dir", str(out), "--cache-dir",
                               str(cache)), capture_output=True, text=True,
@@ -365,14 +397,12 @@ def test_a_full_disk_during_a_save_is_one_line_and_exit_1(cache: Path, tmp_path:
 
 @pytest.mark.parametrize("layout", [{"nproc": 1, "tp": 1, "pp": 1},
                                     {"nproc": 2, "tp": 2, "pp": 1}])
-def test_a_damaged_dataset_shard_is_refused_at_every_layout(cache: Path, tmp_path: Path,
+def test_a_damaged_dataset_shard_is_refused_at_every_layout(prepared: Path, tmp_path: Path,
                                                            layout: dict[str, int]) -> None:
     """Bytes flipped inside a shard's token ids (its index.json untouched): refused before
     training, naming the shard, at TP 1 and TP 2 alike (was: an IndexError naming nothing at
     TP 1; at TP 2 the out-of-range ids were masked and a validation loss printed)."""
-    import shutil
-
-    _run(tmp_path / "first", cache, train_steps=1, save="none")  # prepares the corpus
+    cache = prepared
     data = tmp_path / "data"
     shutil.copytree(next((cache / "data").glob("embedded-*")), data,
                     ignore=shutil.ignore_patterns("cache"))
@@ -405,14 +435,14 @@ def test_a_dataset_shorter_than_one_sample_is_one_line(cache: Path, tmp_path: Pa
              seq_len=128, nproc=1, pp=1)
 
 
-def test_token_ids_outside_the_model_vocabulary_are_refused(cache: Path, tmp_path: Path) -> None:
+def test_token_ids_outside_the_model_vocabulary_are_refused(prepared: Path,
+                                                           tmp_path: Path) -> None:
     """A dataset whose ids reach past the model's vocabulary (here: imported without the
     tokenizer's size, so only the recorded largest id can tell) is refused before training,
     instead of training on zeroed rows (TP) or failing with an IndexError."""
     import json
-    import shutil
 
-    _run(tmp_path / "first", cache, train_steps=1, save="none")  # prepares the corpus
+    cache = prepared
     data = tmp_path / "data"
     shutil.copytree(next((cache / "data").glob("embedded-*")), data,
                     ignore=shutil.ignore_patterns("cache"))
