@@ -23,6 +23,15 @@ def test_help_explains() -> None:
     assert "tensor, pipeline and data parallelism" in result.output
 
 
+def test_help_keeps_the_extras_to_install() -> None:
+    """Square brackets are Rich markup: the help must still say 'mt-pretrain[harness]' (was:
+    'mt-pretrain', the extra eaten)."""
+    for command, extra in (("eval", "harness"), ("bias", "harness"), ("serve", "serve"),
+                           ("pretrain", "wandb")):
+        result = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "200"})
+        assert result.exit_code == 0 and f"'mt-pretrain[{extra}]'" in result.output, command
+
+
 def test_quiet_prints_only_the_summary(tmp_path: Path) -> None:
     """--quiet: no banner, progress, log or checkpoint lines; the summary and the metrics
     file stay."""

@@ -19,7 +19,7 @@ _HELP = (
     "did, into an --output folder: report.json (every figure, every item and every sample "
     "with its seed), table.md, occupation.png and sentiment.png (with matplotlib) and "
     "SHA256SUMS.\n\n"
-    "Likelihood probes (--data-dir; needs pip install 'mt-pretrain[harness]'): "
+    "Likelihood probes (--data-dir; needs pip install 'mt-pretrain\\[harness]'): "
     "lm-evaluation-harness's own crows_pairs_english (likelihood_diff, pct_stereotype) and "
     "winogender_all tasks, from local copies of their data in `mt eval --data-dir`'s layout: "
     "DATA_DIR/jannalu/crows_pairs_multilingual/english/test.jsonl and "

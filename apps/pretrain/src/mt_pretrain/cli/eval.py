@@ -21,7 +21,7 @@ _HELP = (
     "consolidated or sharded folder, a Megatron-LM checkpoint; converted once, in process); "
     "the tokenizer is the one it trained with or the one the folder carries (or "
     "--tokenizer).\n\n"
-    "With lm-evaluation-harness installed (pip install 'mt-pretrain[harness]'), TASK is any "
+    "With lm-evaluation-harness installed (pip install 'mt-pretrain\\[harness]'), TASK is any "
     "lm-eval task, group or tag name, or a task YAML: lm-eval runs its own task code (Python "
     "hooks, multiple-input tasks, filters, its metrics and results JSON) and mt scores its "
     "log-likelihood requests; --data-dir points named tasks at local copies of their data "
@@ -70,7 +70,7 @@ def eval_command(
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
     engine: Annotated[str, typer.Option(
         help="Task engine: harness (lm-evaluation-harness's own task code; needs "
-        "`pip install 'mt-pretrain[harness]'`), mt (mt-eval's, for its built-in tasks, JSONL "
+        "`pip install 'mt-pretrain\\[harness]'`), mt (mt-eval's, for its built-in tasks, JSONL "
         "files and the log-likelihood YAMLs), or auto: mt's engine for the task files it "
         "reads (the same numbers), the harness for the rest (lm-eval task names, hooks, "
         "generation, --data-dir, --include-path) when it is installed.")] = "auto",

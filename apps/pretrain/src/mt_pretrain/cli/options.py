@@ -34,7 +34,8 @@ def _option(section: str, f: dataclasses.Field) -> tuple[Any, Any]:
     """(annotation, typer.Option) of one config field."""
     kind = _base_type(f)
     flag = "--" + f.name.replace("_", "-")
-    help_text = field_docs(SECTIONS[section]).get(f.name, "")
+    # Rich markup would eat "[wandb]" of "pip install 'mt-pretrain[wandb]'": escaped.
+    help_text = field_docs(SECTIONS[section]).get(f.name, "").replace("[", "\\[")
     if f.default is not None and f.default is not dataclasses.MISSING and kind is not bool:
         help_text += f" (default: {f.default})"
     panel = _PANELS[section]

@@ -26,7 +26,7 @@ _HELP = (
     "CHECKPOINT is an mt pretrain checkpoint (any layout) or any folder mt convert reads. "
     "--nproc N serves on N local processes at --tp x --pp (data parallelism takes the rest: "
     "each replica decodes its own requests); under torchrun, mpirun or srun each process is "
-    "one rank and rank 0 listens. Needs pip install 'mt-pretrain[serve]'."
+    "one rank and rank 0 listens. Needs pip install 'mt-pretrain\\[serve]'."
 )
 
 
