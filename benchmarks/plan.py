@@ -60,7 +60,7 @@ import torch.distributed as dist
 
 from mt_dist.testing import run_distributed
 from mt_model import GPT, GPTConfig, count_parameters
-from mt_plan.estimate import BUCKET_NUMEL, estimate
+from mt_plan.estimate import bucket_numel, estimate
 from mt_plan.gpus import GPUSpec
 from mt_plan.layout import ParallelLayout
 from mt_pretrain.config.load import load_config
@@ -84,7 +84,13 @@ LAYOUTS: dict[str, dict[str, Any]] = {
 
 
 def _flags(overrides: dict[str, Any]) -> list[str]:
-    return [x for k, v in overrides.items() for x in ("--" + k.replace("_", "-"), str(v))]
+    """Command-line flags: ``--key value``, or ``--key`` / ``--no-key`` for a bool."""
+    out = []
+    for key, value in overrides.items():
+        flag = key.replace("_", "-")
+        out += ([f"--{flag}" if value else f"--no-{flag}"] if isinstance(value, bool)
+                else [f"--{flag}", str(value)])
+    return out
 
 
 _WATCH_INTERVAL = 0.25  # seconds between two reads of the ranks' scheduler counters
@@ -335,7 +341,7 @@ def _measure(gpt: GPTConfig, rows: int, step_rows: int) -> dict[str, float]:
     big = torch.empty(2**23)
     fresh = _median_time(lambda: torch.empty(2**23).fill_(1.0), 7)
     reuse = _median_time(lambda: big.fill_(1.0), 7)
-    bucket = min(count_parameters(gpt), BUCKET_NUMEL)  # tiny: the whole model is one
+    bucket = min(count_parameters(gpt), bucket_numel())  # tiny: the whole model is one
     flops = _matmul_flops(gpt, rows)
     # The compute a rank does between two steps' gradient collectives: 6 FLOPs per
     # parameter and token of its step at the measured GEMM rate (at most 50 ms).

@@ -24,7 +24,9 @@ A100 = MTNLG_GPU  # MT-NLG's machine and kernels (scores stored)
 
 
 def _mtnlg(dp: int) -> ParallelLayout:
-    return ParallelLayout(tp=8, pp=35, dp=dp, global_batch=1920, micro_batch=1, zero_stage=1)
+    # Megatron's loss of the time: the logits, then the vocabulary-parallel cross entropy.
+    return ParallelLayout(tp=8, pp=35, dp=dp, global_batch=1920, micro_batch=1, zero_stage=1,
+                          chunked_loss=False)
 
 
 def test_flops_formula_gives_published_tflops() -> None:
@@ -135,9 +137,19 @@ def test_calibrated_machine_costs_and_peak_phases() -> None:
     persistent = base.memory_weights_gb + base.memory_grads_gb + base.memory_optimizer_gb
     assert persistent * 1e9 == pytest.approx((4 + 4 + 8 / 2) * psi)  # fp32, Adam over dp 2
     # pp = 1 holds both uses of the tied embedding: two [V, h] gradients and their sum,
-    # plus three fp32 [s, V] loss buffers, beyond the stored activations.
+    # beyond the stored activations, and the loss's buffers: unchunked, three fp32 [s, V];
+    # chunked, two fp32 chunks of logits (here the s tokens of the micro-batch: one chunk
+    # holds up to 333 of GPT-2's vocabulary).
     v, h, s = small.vocab_size, small.hidden, small.seq_len
-    assert base.memory_temporaries_gb * 1e9 == pytest.approx(3 * v * h * 4 + 3 * 4 * s * v)
+    assert base.memory_temporaries_gb * 1e9 == pytest.approx(3 * v * h * 4 + 2 * 4 * s * v)
+    full = estimate(small, dataclasses.replace(lay, chunked_loss=False), cpu, 1.0)
+    assert full.memory_temporaries_gb * 1e9 == pytest.approx(3 * v * h * 4 + 3 * 4 * s * v)
+    long = preset("gpt2-small").replace(seq_len=2048)
+    for chunked, loss in ((True, 2 * 4 * 333 * v), (False, 3 * 4 * 8 * 2048 * v)):
+        big = ParallelLayout(1, 1, 1, 8, 8, recompute="full", precision="fp32",
+                             chunked_loss=chunked)
+        assert estimate(long, big, cpu, 1.0).memory_temporaries_gb * 1e9 == pytest.approx(
+            3 * v * h * 4 + loss)
     # No dropout, fused attention: 32 sbh 16-bit bytes per layer (no masks, no scores).
     assert activation_bytes_per_layer(small, 1, 1, False, "none", "fp32",
                                       fused_attention=True, dropout_masks=False) == (

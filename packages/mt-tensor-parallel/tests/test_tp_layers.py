@@ -23,6 +23,7 @@ from mt_tensor_parallel import (
     padded_vocab_size,
     shard_tensor,
     vocab_parallel_cross_entropy,
+    vocab_parallel_linear_cross_entropy,
 )
 
 DTYPE = torch.float64
@@ -174,6 +175,33 @@ def _head_loss_checks(group: dist.ProcessGroup, rank: int, n: int) -> list[Check
     return checks
 
 
+def _fused_head_loss_checks(group: dist.ProcessGroup, rank: int, n: int) -> list[Check]:
+    """The head and the cross entropy in one, 5 tokens a chunk (never the logits): the
+    same loss and gradients, replicated and sequence-parallel hidden states."""
+    checks: list[Check] = []
+    for sp in (False, True):
+        weight_full = _rand(13, VOCAB, H).requires_grad_()
+        hidden_full = _rand(14, B, S, H).requires_grad_()
+        targets = _ids()
+        targets[1, 2] = -100
+        want = F.cross_entropy(F.linear(hidden_full, weight_full).reshape(-1, VOCAB),
+                               targets.reshape(-1))
+        want.backward()
+        weight = shard_tensor("vocab", weight_full.detach(), rank, n).requires_grad_()
+        hidden = (_seq(hidden_full, rank, n) if sp else hidden_full).detach().requires_grad_()
+        loss = vocab_parallel_linear_cross_entropy(hidden, weight, targets, group, VOCAB,
+                                                   sequence_parallel=sp, chunk=5)
+        loss.backward()
+        checks += [
+            (f"fused head(sp={sp}) loss", loss, want.detach()),
+            (f"fused head(sp={sp}) dhidden", hidden.grad,
+             _seq(hidden_full.grad, rank, n) if sp else hidden_full.grad),
+            (f"fused head(sp={sp}) dW", weight.grad,
+             shard_tensor("vocab", weight_full.grad, rank, n)),
+        ]
+    return checks
+
+
 def _norm_checks(group: dist.ProcessGroup, rank: int, n: int) -> list[Check]:
     ref = nn.LayerNorm(H, dtype=DTYPE)
     with torch.no_grad():
@@ -196,7 +224,7 @@ def _all_checks() -> list[Check]:
     group, rank, n = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
     checks: list[Check] = []
     for make in (_column_checks, _row_checks, _embedding_checks, _cross_entropy_checks,
-                 _head_loss_checks, _norm_checks):
+                 _head_loss_checks, _fused_head_loss_checks, _norm_checks):
         checks += [(name, got.detach(), want.detach()) for name, got, want in
                    make(group, rank, n)]
     return checks
@@ -205,7 +233,7 @@ def _all_checks() -> list[Check]:
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tp_layers_match_single_process(tp: int) -> None:
     results = run_distributed(_all_checks, tp, timeout=120)
-    assert len(results[0]) == 45
+    assert len(results[0]) == 51
     for rank, checks in enumerate(results):
         for name, got, want in checks:
             assert got.shape == want.shape, f"{name} rank {rank}: {got.shape} != {want.shape}"

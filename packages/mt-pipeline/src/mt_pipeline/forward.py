@@ -69,12 +69,12 @@ def forward_losses(stage: PipelineStage, comm: StageComm, num_micro_batches: int
     the first stage, ``targets[i]`` on the last), on the last stage; an empty list on the
     others. Receive buffers have ``activation_shape`` and ``dtype`` (as in the executor).
     """
-    def loss(micro: int, logits: torch.Tensor) -> torch.Tensor:
+    def loss(micro: int, hidden: torch.Tensor) -> torch.Tensor:
         assert targets is not None, "the last stage needs the targets"
-        return stage.loss(logits, targets[micro])
+        return stage.head_loss(hidden, targets[micro])
 
     return forward_outputs(stage, comm, num_micro_batches, inputs, loss, activation_shape,
-                           dtype, device)
+                           dtype, device, head=False)
 
 
 @torch.no_grad()

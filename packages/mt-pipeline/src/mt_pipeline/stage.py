@@ -72,6 +72,9 @@ class ModelLayout:
             else ``head(x)``; None means the final modules already give the logits.
         tied_weight: parameter path of the weight shared by ``embed`` and ``head``.
         loss: loss module, ``loss(logits, targets)`` -> scalar mean loss.
+        fused_loss: compute the head and the loss in one where the loss module can
+            (``loss.head_loss(head, hidden, targets, tied_weight)``: chunk by chunk, without
+            the logits); else, and always for evaluation's logits, the head then the loss.
     """
 
     embed: str = "embed"
@@ -80,6 +83,7 @@ class ModelLayout:
     head: str | None = "head"
     tied_weight: str | None = "embed.tokens.weight"
     loss: str = "loss_fn"
+    fused_loss: bool = False
 
     def __post_init__(self) -> None:
         for field, name in (("embed", self.embed), ("layers", self.layers), ("loss", self.loss)):
@@ -254,11 +258,26 @@ class PipelineStage(nn.Module):
             raise RuntimeError(f"stage {self.plan.stage} has no head, hence no loss")
         return self.get_submodule(self.layout.loss)(logits, targets)
 
+    def head_loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The loss of the last virtual stage's final hidden states: the head and the loss in
+        one (``ModelLayout.fused_loss`` and a loss module with ``head_loss``), else the loss
+        of the head's logits."""
+        module = self.get_submodule(self.layout.loss)
+        fused = getattr(module, "head_loss", None)
+        if not (self.layout.fused_loss and fused is not None and self.layout.head is not None):
+            return self.loss(self.apply_head(hidden), targets)
+        if not self.plan.has_head:
+            raise RuntimeError(f"stage {self.plan.stage} has no head, hence no loss")
+        tied = self.layout.tied_weight
+        return fused(self.get_submodule(self.layout.head), hidden, targets,
+                     self.get_parameter(tied) if tied is not None else None)
+
     def forward_loss(self, chunk: int, x: torch.Tensor, targets: torch.Tensor,
                      checkpoint: bool = False, key: int | None = None) -> torch.Tensor:
         """The loss of the last virtual stage's ``chunk`` on ``x``: one function, so that a
         compiler sees the head and the loss together (the logits need not be kept)."""
-        return self.loss(self.forward_chunk(chunk, x, checkpoint, key), targets)
+        return self.head_loss(self.forward_chunk(chunk, x, checkpoint, key, head=False),
+                              targets)
 
     def tied_parameters(self) -> list[nn.Parameter]:
         """Parameters whose gradients are summed over the embedding group: the tied weight

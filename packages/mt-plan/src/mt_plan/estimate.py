@@ -37,6 +37,7 @@ from mt_model import (
 from mt_pipeline import SCHEDULES, get_schedule, simulate
 from mt_plan.gpus import GPUS, GPUSpec
 from mt_plan.layout import RECOMPUTE, LayoutError, ParallelLayout, stage_layers
+from mt_tensor_parallel.loss import chunk_tokens
 from mt_zero.precision import PRECISIONS
 
 __all__ = ["EFFICIENCY", "MTNLG_GPU", "MTNLG_PUBLISHED", "Estimate", "LayoutError",
@@ -255,15 +256,23 @@ def _temporaries(gpt: GPTConfig, layout: ParallelLayout, gpu: GPUSpec, stage: in
     b, t, d = layout.micro_batch, layout.tp, layout.dp
     width = PRECISIONS[layout.precision].bytes
     last, first = stage == layout.pp - 1, stage == 0
-    # Backward: the loss keeps fp32 logits / log-softmax, their gradient and the gradient of
-    # the logits (three [b, s, V/t] fp32 buffers at the start of backward); autograd creates
-    # a full gradient of the tied embedding for each use (lookup, head) before adding it
-    # into .grad: on a stage holding both ends the two and their sum (three tables) are
-    # alive together, on a stage holding either end one.
-    vocab = float(gpt.seq_len * b * gpt.vocab_size / t)
-    backward = 3.0 * 4.0 * vocab if last else 0.0
+    # Backward: unchunked, the loss keeps fp32 logits / log-softmax, their gradient and the
+    # gradient of the logits (three [b, s, V/t] fp32 buffers at the start of backward);
+    # chunked (the head and the loss in one), two chunks' fp32 logits at most, and the head's
+    # weight gradient summed in fp32 beside its copy in the parameters' dtype. Autograd
+    # creates a full gradient of the tied embedding for each use (lookup, head) before
+    # adding it into .grad: on a stage holding both ends the two and their sum (three tables)
+    # are alive together, on a stage holding either end one.
+    vocab_local = gpt.vocab_size / t
+    table = gpt.hidden * vocab_local
+    backward = 0.0
+    if last and layout.chunked_loss:
+        chunk = min(b * gpt.seq_len, chunk_tokens(math.ceil(vocab_local))) * vocab_local
+        backward = 2.0 * 4.0 * chunk + (4.0 * table if width < 4 else 0.0)
+    elif last:
+        backward = 3.0 * 4.0 * gpt.seq_len * b * vocab_local
     tables = 3 if first and last else int(first) + int(last)
-    backward += tables * gpt.hidden * gpt.vocab_size / t * width
+    backward += tables * table * width
     # The optimizer step adds nothing: fused AdamW (mt pretrain's) updates in place.
     # Publishing the updated shards (ZeRO 1-2, dp > 1): a send copy of every shard in the
     # compute dtype, launched together, plus the all-gather's own staging of the largest
@@ -380,7 +389,9 @@ def _times(gpt: GPTConfig, layout: ParallelLayout, gpu: GPUSpec, efficiency: flo
         micro = gpu.micro_batch_overhead_s
         fwd.append(n * layer_fwd + head / gemm_f + n * (2 * allreduce + traffic + over_f)
                    + (head_over + micro) / 3.0 + 3.0 * logits * last)
-        bwd.append(n * (layer_bwd + recompute[layout.recompute]) + 2 * head / gemm_b
+        # A chunked loss computes each chunk's logits again in backward (one more head GEMM).
+        again = head / gemm_f if layout.chunked_loss else 0.0
+        bwd.append(n * (layer_bwd + recompute[layout.recompute]) + 2 * head / gemm_b + again
                    + n * ((2 + n_recomp) * allreduce + ew_bwd * traffic + over_b)
                    + (head_over + micro) * 2.0 / 3.0 + 4.0 * logits * last + tied)
     one_node = layout.world_size <= gpu.gpus_per_node

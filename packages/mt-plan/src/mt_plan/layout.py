@@ -75,6 +75,9 @@ class ParallelLayout:
         sequence_parallel: shard LayerNorm / dropout activations over TP (Korthikanti).
         recompute: activation recomputation: full, selective or none.
         precision: bf16, fp16 (mixed precision, fp32 master weights) or fp32.
+        chunked_loss: the output layer and the cross entropy in one, chunk by chunk of
+            tokens (never the [b, s, vocab / tp] logits, their float32 copies or their
+            gradient); else the logits, then the loss.
     """
 
     tp: int
@@ -88,6 +91,7 @@ class ParallelLayout:
     sequence_parallel: bool = False
     recompute: str = "full"
     precision: str = "bf16"
+    chunked_loss: bool = True
 
     def __post_init__(self) -> None:
         ints = {"tp": self.tp, "pp": self.pp, "dp": self.dp, "global_batch": self.global_batch,

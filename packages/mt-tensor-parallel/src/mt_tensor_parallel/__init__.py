@@ -63,6 +63,7 @@ from mt_tensor_parallel.vocab import (
     VocabParallelHead,
     gather_vocab_logits,
     vocab_parallel_cross_entropy,
+    vocab_parallel_linear_cross_entropy,
     vocab_parallel_logprobs,
 )
 
@@ -105,6 +106,7 @@ __all__ = [
     "shard_state_dict",
     "shard_tensor",
     "vocab_parallel_cross_entropy",
+    "vocab_parallel_linear_cross_entropy",
     "vocab_parallel_logprobs",
     "vocab_range",
 ]

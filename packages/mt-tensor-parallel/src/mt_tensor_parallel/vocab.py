@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from mt_dist.collectives import all_reduce, group_rank, group_size
+from mt_tensor_parallel.loss import linear_cross_entropy
 from mt_tensor_parallel.mappings import (
     copy_to_tp,
     gather_from_sequence,
@@ -38,6 +39,7 @@ __all__ = [
     "VocabParallelCrossEntropy",
     "gather_vocab_logits",
     "vocab_parallel_cross_entropy",
+    "vocab_parallel_linear_cross_entropy",
     "vocab_parallel_logprobs",
 ]
 
@@ -217,6 +219,30 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
     return per_token.sum() / (targets != ignore_index).sum()
 
 
+def vocab_parallel_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor,
+                                        targets: torch.Tensor, group: ProcessGroup | None,
+                                        vocab_size: int, *, sequence_parallel: bool = False,
+                                        chunk: int | None = None, ignore_index: int = -100,
+                                        reduction: str = "mean") -> torch.Tensor:
+    """The vocabulary-parallel head and cross entropy in one, chunk by chunk
+    (:func:`mt_tensor_parallel.loss.linear_cross_entropy`): this rank's vocabulary rows ``weight``
+    [padded_vocab/tp, hidden] times the hidden states [b, s, hidden] (with
+    ``sequence_parallel``: this rank's [b, s/tp, hidden], gathered first), against global ids
+    ``targets`` [b, s]; equal to :func:`vocab_parallel_cross_entropy` of the head's logits,
+    without ever holding them. The same loss on every TP rank."""
+    if sequence_parallel:
+        hidden = gather_from_sequence(hidden, group)
+    else:
+        hidden = copy_to_tp(hidden, group)  # its backward sums the ranks' partial gradients
+
+    def reduce(x: torch.Tensor, op: str) -> torch.Tensor:
+        return all_reduce(x, group, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+
+    return linear_cross_entropy(hidden, weight, targets, vocab_size=vocab_size,
+                                vocab_start=group_rank(group) * weight.shape[0], reduce=reduce,
+                                chunk=chunk, ignore_index=ignore_index, reduction=reduction)
+
+
 @torch.no_grad()
 def gather_vocab_logits(logits: torch.Tensor, group: ProcessGroup | None,
                         vocab_size: int) -> torch.Tensor:
@@ -274,6 +300,18 @@ class VocabParallelCrossEntropy(nn.Module):
     def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return vocab_parallel_cross_entropy(logits, targets, self.group, self.vocab_size,
                                             ignore_index=self.ignore_index)
+
+    def head_loss(self, head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor,
+                  weight: torch.Tensor | None = None) -> torch.Tensor:
+        """``forward(head(hidden, weight), targets)`` without the logits: the head's rows
+        (``weight``, tied, or the head's own) and the loss in one, chunk by chunk
+        (:func:`vocab_parallel_linear_cross_entropy`). ``head``: a
+        :class:`VocabParallelHead` or, on one rank, any head with a ``weight``."""
+        rows = weight if weight is not None else head.weight
+        return vocab_parallel_linear_cross_entropy(
+            hidden, rows, targets, self.group, self.vocab_size,
+            sequence_parallel=getattr(head, "sequence_parallel", False),
+            ignore_index=self.ignore_index)
 
     def extra_repr(self) -> str:
         return f"vocab_size={self.vocab_size}, ignore_index={self.ignore_index}"

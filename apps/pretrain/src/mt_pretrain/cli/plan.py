@@ -242,6 +242,9 @@ def plan(
         "--sequence-parallel", help="Sequence parallelism (Korthikanti et al.).")] = False,
     recompute: Annotated[str, typer.Option(help=f"Activation recompute {RECOMPUTE}.")] = "full",
     precision: Annotated[str, typer.Option(help=", ".join(PRECISIONS) + ".")] = "bf16",
+    chunked_loss: Annotated[bool, typer.Option(
+        help="The head and the loss in one, chunk by chunk (mt pretrain's default); off: "
+        "the [b, s, vocab / tp] logits, their float32 copy and gradient.")] = True,
     search: Annotated[bool, typer.Option(
         "--search", help="Search layouts on --gpus GPUs instead of --tp/--pp.")] = False,
     top: Annotated[int, typer.Option(help="Rows of --search output.")] = 10,
@@ -279,7 +282,7 @@ def plan(
             raise _fail(f"--gpus {n} is not divisible by --tp {tp} x --pp {pp} = {tp * pp}")
         layout = ParallelLayout(tp, pp, n // (tp * pp), global_batch_size, micro_batch_size,
                                 zero_stage, schedule, virtual_stages, sequence_parallel,
-                                recompute, precision)
+                                recompute, precision, chunked_loss)
         est = estimate(gpt, layout, spec)
     except LayoutError as err:
         raise _fail(str(err)) from None

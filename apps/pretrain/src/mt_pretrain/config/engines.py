@@ -44,6 +44,9 @@ class EngineSpec:
     """Extra seconds it takes to start a run on a 2-core CPU (the contract matrix's costs)."""
     tag: str
     """Its mark in contract case names ("" for the reference engine)."""
+    chunked_loss: bool
+    """It computes the loss from the final hidden states, chunk by chunk, with the head (the
+    default of --chunked-loss): else the logits, then the loss."""
     refuses: Callable[[PretrainConfig], list[str]]
     """Why it cannot run a config (one message per option, empty: it can)."""
     architectures: tuple[str, ...] | None
@@ -72,6 +75,10 @@ def _deepspeed_refuses(config: PretrainConfig) -> list[str]:
     if PRECISIONS[par.precision].loss_scaling:
         problems.append(f"--engine deepspeed runs no loss scaling, which --precision "
                         f"{par.precision} needs; use --engine mt for {par.precision}")
+    if par.chunked_loss:
+        problems.append("--chunked-loss is not supported with --engine deepspeed (DeepSpeed "
+                        "runs the model to the logits; under ZeRO-3 the head's weight is "
+                        "there only inside that forward); use --engine mt")
     if par.activation_checkpointing:
         problems.append("--activation-checkpointing is not supported with --engine deepspeed "
                         "(the engine runs the plain forward); use --engine mt")
@@ -89,12 +96,12 @@ def _deepspeed_refuses(config: PretrainConfig) -> list[str]:
 ENGINES: dict[str, EngineSpec] = {spec.name: spec for spec in (
     EngineSpec("mt", "mt_pretrain.engines.mt:MTEngine", checkpoint_has_model=True,
                keyed_dropout=True, own_reduction=False, start_seconds=0.0, tag="",
-               refuses=_mt_refuses, architectures=None),
+               chunked_loss=True, refuses=_mt_refuses, architectures=None),
     # Optional dependency: DeepSpeed reads its environment at import (set inside).
     EngineSpec("deepspeed", "mt_pretrain.engines.deepspeed_engine:DeepSpeedEngine",
                checkpoint_has_model=False, keyed_dropout=False, own_reduction=True,
-               start_seconds=4.0, tag="ds", refuses=_deepspeed_refuses,
-               architectures=("gpt2",)),
+               start_seconds=4.0, tag="ds", chunked_loss=False,
+               refuses=_deepspeed_refuses, architectures=("gpt2",)),
 )}
 REFERENCE = next(iter(ENGINES))
 

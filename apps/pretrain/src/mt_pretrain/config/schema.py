@@ -176,6 +176,12 @@ class ParallelArgs:
     """Shard LayerNorm / dropout activations along the sequence over the TP group."""
     activation_checkpointing: bool = False
     """Recompute each layer's activations in backward instead of storing them."""
+    chunked_loss: bool | None = None
+    """Compute the output layer and the cross entropy together, a chunk of tokens at a time
+    (64 MiB of float32 logits), recomputing each chunk's logits in backward: the
+    [b, s, vocab / tp] logits, their float32 copies and their gradient are never held (3.3 GB
+    each for 8 x 2048 tokens of GPT-2's vocabulary). Off: the logits, then the loss. Default:
+    on with --engine mt, off with deepspeed (which computes the logits itself)."""
     compile: bool = False
     """Compile each stage's forward and loss with torch.compile (inductor): fuses the
     elementwise work, LayerNorms and the loss (6-18% more tokens/s on a 2-core CPU in
@@ -244,7 +250,9 @@ class ParallelArgs:
         schedule, virtual_stages = self.pipeline_options()
         return ParallelLayout(topology.tp, topology.pp, topology.dp, global_batch, micro_batch,
                               self.zero_stage, schedule, virtual_stages,
-                              self.sequence_parallel, self.recompute, self.precision)
+                              self.sequence_parallel, self.recompute, self.precision,
+                              self.chunked_loss if self.chunked_loss is not None
+                              else ENGINES[self.engine].chunked_loss)
 
 
 def layout_flags(layout: ParallelLayout) -> dict[str, Any]:
@@ -259,7 +267,7 @@ def layout_flags(layout: ParallelLayout) -> dict[str, Any]:
             "virtual_stages": layout.virtual_stages,
             "sequence_parallel": layout.sequence_parallel,
             "activation_checkpointing": layout.recompute == "full",
-            "precision": layout.precision}
+            "precision": layout.precision, "chunked_loss": layout.chunked_loss}
 
 
 @dataclass(frozen=True)

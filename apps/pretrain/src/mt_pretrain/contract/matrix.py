@@ -98,7 +98,8 @@ class Case:
         lay = self.layout
         keep_tp = self.dropout > 0
         return Case(matrix_layout(tp=lay.tp if keep_tp else 1, precision=lay.precision,
-                            sequence_parallel=lay.sequence_parallel and keep_tp),
+                                  sequence_parallel=lay.sequence_parallel and keep_tp,
+                                  chunked_loss=lay.chunked_loss),
                     self.dropout, model=self.model)
 
     def factors(self) -> dict[str, object]:
@@ -123,11 +124,13 @@ class Case:
 
 def matrix_layout(tp: int = 1, pp: int = 1, dp: int = 1, zero_stage: int = 0,
                   schedule: str = DEFAULT_SCHEDULE, sequence_parallel: bool = False,
-                  checkpointing: bool = False, precision: str = "fp32") -> ParallelLayout:
-    """A layout at the matrix's batch sizes (a chunked schedule with 2 chunks per stage)."""
+                  checkpointing: bool = False, precision: str = "fp32",
+                  chunked_loss: bool = True) -> ParallelLayout:
+    """A layout at the matrix's batch sizes (a chunked schedule with 2 chunks per stage).
+    ``chunked_loss``: the engine's (a case and its reference compute the loss alike)."""
     return ParallelLayout(tp, pp, dp, GLOBAL_BATCH, MICRO_BATCH, zero_stage, schedule,
                   2 if SCHEDULES[schedule].chunked else 1, sequence_parallel,
-                  "full" if checkpointing else "none", precision)
+                  "full" if checkpointing else "none", precision, chunked_loss)
 
 
 def _grids() -> Iterator[tuple[int, int, int]]:
@@ -165,7 +168,8 @@ def candidates() -> list[Case]:
                 PRECISIONS, (0.0, DROPOUT), ENGINES):
             if dropout and not ENGINES[engine].keyed_dropout:
                 continue
-            layout = matrix_layout(tp, pp, dp, zero, schedule, sp, ac, precision)
+            layout = matrix_layout(tp, pp, dp, zero, schedule, sp, ac, precision,
+                                   ENGINES[engine].chunked_loss)
             case = Case(layout, dropout, engine)
             if valid(case):
                 out.append(case)
@@ -263,6 +267,8 @@ def _with(case: Case, **changes: Any) -> Case:
                       if k in ("sequence_parallel", "precision")}
     if changes.get("checkpointing"):
         layout_changes["recompute"] = "full"
+    if "engine" in changes:
+        layout_changes["chunked_loss"] = ENGINES[changes["engine"]].chunked_loss
     return replace(case, layout=replace(case.layout, **layout_changes),
                    dropout=changes.get("dropout", case.dropout),
                    engine=changes.get("engine", case.engine))

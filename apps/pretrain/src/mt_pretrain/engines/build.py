@@ -24,6 +24,7 @@ from mt_pretrain.config.schema import TrainArgs
 from mt_tensor_parallel import (
     KeyedRNG,
     RNGTracker,
+    VocabParallelCrossEntropy,
     apply_tensor_parallel,
     decoder_plan,
     shard_tensor,
@@ -71,16 +72,18 @@ def build_model_stage(plan: RunPlan, groups: ParallelGroups, seed: int,
         gpt, plan.stages.stages[groups.pp_rank], groups, plan.topology.tp,
         # Pure per-name init of the full tensor: the one-process model's numbers.
         lambda name, shape: init_parameter(name, shape, gpt, seed),
-        seed, sequence_parallel, device, keyed_dropout)
+        seed, sequence_parallel, device, keyed_dropout, plan.layout.chunked_loss)
 
 
 def materialize_stage(gpt: GPTConfig, stage_plan: StagePlan, groups: ParallelGroups, tp: int,
                       full_value: Callable[[str, tuple[int, ...]], torch.Tensor], seed: int,
                       sequence_parallel: bool, device: torch.device,
-                      keyed_dropout: bool = False) -> Built:
+                      keyed_dropout: bool = False, chunked_loss: bool = False) -> Built:
     """This rank's stage of ``gpt`` (``stage_plan``'s layers, TP slices of degree ``tp``),
     each parameter this rank's exact slice of ``full_value(name, full_shape)``: the same
-    numbers as the one-process model, whatever the layout."""
+    numbers as the one-process model, whatever the layout. ``chunked_loss``: the stage's
+    loss computes the head with it, chunk by chunk (mt-tensor-parallel's
+    ``VocabParallelCrossEntropy.head_loss``, on one rank too)."""
     with torch.device("meta"):
         model = GPT(gpt, seed=None)
     full_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
@@ -90,8 +93,11 @@ def materialize_stage(gpt: GPTConfig, stage_plan: StagePlan, groups: ParallelGro
         tracker = RNGTracker(seed, groups.tp_rank)
         apply_tensor_parallel(model, groups.tp, decoder_plan(gpt, tp),
                               sequence_parallel=sequence_parallel, rng_tracker=tracker)
+    elif chunked_loss:  # one rank: the vocabulary-parallel loss over a group of one
+        model.loss_fn = VocabParallelCrossEntropy(None, gpt.vocab_size)
     rng = KeyedRNG(seed, tracker, use_cuda=device.type == "cuda") if keyed_dropout else None
-    layout = ModelLayout(tied_weight=TIED_WEIGHT if gpt.tied_embeddings else None)
+    layout = ModelLayout(tied_weight=TIED_WEIGHT if gpt.tied_embeddings else None,
+                         fused_loss=chunked_loss)
     stage = build_stage(model, stage_plan, layout, rng=rng)
     del model  # modules of other stages stay on the meta device and are dropped here
     stage.to_empty(device=device)
