@@ -226,3 +226,14 @@ def test_llama_family_parameters_flops_and_activations() -> None:
     two = ParallelLayout(1, 2, 1, 8, 1)
     small = preset("llama-test")
     assert sum(_stage_params(small, two)) == count_parameters(small)
+
+
+def test_the_loss_chunks_are_mt_tensor_parallels() -> None:
+    """The planner counts the chunked loss's chunks as mt-tensor-parallel cuts them (its own
+    copy of the rule: importing it would bring torch into `mt plan`'s start)."""
+    from mt_plan.estimate import LOSS_CHUNK_BYTES, loss_chunk_tokens
+    from mt_tensor_parallel.loss import CHUNK_BYTES, chunk_tokens
+
+    assert LOSS_CHUNK_BYTES == CHUNK_BYTES
+    for vocab in (1, 1000, 25216, 50257, 50304, 128256, 2**25):
+        assert loss_chunk_tokens(vocab) == chunk_tokens(vocab), vocab

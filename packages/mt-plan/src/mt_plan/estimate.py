@@ -37,7 +37,6 @@ from mt_model import (
 from mt_pipeline import SCHEDULES, get_schedule, simulate
 from mt_plan.gpus import GPUS, GPUSpec
 from mt_plan.layout import RECOMPUTE, LayoutError, ParallelLayout, stage_layers
-from mt_tensor_parallel.loss import chunk_tokens
 from mt_zero.precision import PRECISIONS
 
 __all__ = ["EFFICIENCY", "MTNLG_GPU", "MTNLG_PUBLISHED", "Estimate", "LayoutError",
@@ -249,6 +248,17 @@ def _largest_param(gpt: GPTConfig, layout: ParallelLayout, stage: int) -> float:
     return big
 
 
+#: Bytes of float32 logits one chunk of the chunked loss holds: mt-tensor-parallel's
+#: ``loss.CHUNK_BYTES`` (not imported: it would import torch into `mt plan`'s start;
+#: tests/test_plan_estimate.py checks the two agree).
+LOSS_CHUNK_BYTES = 64 << 20
+
+
+def loss_chunk_tokens(vocab_local: int) -> int:
+    """Tokens per chunk of the chunked loss (mt-tensor-parallel's ``loss.chunk_tokens``)."""
+    return max(1, LOSS_CHUNK_BYTES // (4 * vocab_local))
+
+
 def _temporaries(gpt: GPTConfig, layout: ParallelLayout, gpu: GPUSpec, stage: int,
                  params: float) -> dict[str, float]:
     """Short-lived bytes of the two phases that can set a stage's peak (beyond the stored
@@ -267,7 +277,7 @@ def _temporaries(gpt: GPTConfig, layout: ParallelLayout, gpu: GPUSpec, stage: in
     table = gpt.hidden * vocab_local
     backward = 0.0
     if last and layout.chunked_loss:
-        chunk = min(b * gpt.seq_len, chunk_tokens(math.ceil(vocab_local))) * vocab_local
+        chunk = min(b * gpt.seq_len, loss_chunk_tokens(math.ceil(vocab_local))) * vocab_local
         backward = 2.0 * 4.0 * chunk + (4.0 * table if width < 4 else 0.0)
     elif last:
         backward = 3.0 * 4.0 * gpt.seq_len * b * vocab_local
