@@ -32,7 +32,7 @@ app()
 @pytest.mark.parametrize("args", [
     ["--help"], ["pretrain", "--help"], ["data", "--help"], ["data", "prepare", "--help"],
     ["data", "inspect", "--help"], ["plan", "--help"], ["eval", "--help"], ["matrix", "--help"],
-    ["generate", "--help"],
+    ["generate", "--help"], ["serve", "--help"], ["bias", "--help"],
     ["convert", "--help"], ["--version"],
 ], ids=" ".join)
 def test_help_imports_no_torch(args: list[str]) -> None:
