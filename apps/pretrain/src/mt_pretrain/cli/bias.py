@@ -8,8 +8,8 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
-from rich.markup import escape
 
+from mt_pretrain.cli.failures import fail, one_line_errors
 from mt_pretrain.cli.layout_options import Device, Nproc, Pp, Precision, Tp
 
 __all__ = ["bias_command"]
@@ -84,28 +84,15 @@ def bias_command(
                     device, precision, tokenizer, progress)
     problems = _problems(spec, output)
     if problems:
-        _fail(console, "; ".join(problems))
-    try:
-        from mt_pretrain.launch import launch_bias
+        fail(console, "; ".join(problems))
+    from mt_pretrain.launch import launch_bias
 
+    with one_line_errors(console):
         report = launch_bias(spec)
-    except Exception as err:  # noqa: BLE001 - bad input is reported as one line
-        from mt_pretrain.launch import _EXPECTED, LaunchFailed
-
-        if not isinstance(err, (*_EXPECTED, OSError, ValueError, LaunchFailed)):
-            raise
-        console.print(f"[bold red]error:[/] {escape(str(err))}", highlight=False,
-                      soft_wrap=True)
-        raise typer.Exit(1 if isinstance(err, LaunchFailed) else 2) from None
     if report is None:  # a rank other than 0 under a launcher
         return
     report["checkpoint"] = checkpoint
     _write(report, output, console)
-
-
-def _fail(console: Console, message: str) -> None:
-    console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
-    raise typer.Exit(2)
 
 
 def _problems(spec: object, output: Path) -> list[str]:

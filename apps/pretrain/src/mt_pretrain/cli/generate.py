@@ -10,6 +10,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from mt_pretrain.cli.failures import fail, one_line_errors
 from mt_pretrain.cli.layout_options import Device, Nproc, Pp, Precision, Tp
 
 __all__ = ["generate_command"]
@@ -99,23 +100,10 @@ def generate_command(
         problems.append(f"--precision must be one of {', '.join(PRECISIONS)}, got "
                         f"{precision!r}")
     if problems:
-        _fail(console, "; ".join(problems))
-    try:
+        fail(console, "; ".join(problems))
+    with one_line_errors(console):
         _run(checkpoint, prompt, input, output, sampling, list(stop or []), logprobs,
              batch_size, tokenizer, device, precision, (tp, pp, nproc, in_flight), console)
-    except Exception as err:  # noqa: BLE001 - bad input is reported as one line
-        from mt_pretrain.launch import _EXPECTED, LaunchFailed
-
-        if not isinstance(err, (*_EXPECTED, OSError, ValueError, LaunchFailed)):
-            raise
-        console.print(f"[bold red]error:[/] {escape(str(err))}", highlight=False,
-                      soft_wrap=True)
-        raise typer.Exit(1 if isinstance(err, LaunchFailed) else 2) from None
-
-
-def _fail(console: Console, message: str) -> None:
-    console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
-    raise typer.Exit(2)
 
 
 def _run(checkpoint: str, prompt: str | None, input: Path | None,  # noqa: A002
