@@ -37,7 +37,10 @@ BASE = {"model": "gpt2-small", "seq_len": 1024, "nproc": 1, "micro_batch_size": 
 CPU = GPUSpec("cpu", 50e9, 24 * 2**30, 1e9, 1e9, 1, 10e9, fused_attention=True)
 
 
-def _predicted(chunked: bool, hidden: int | None = None, seq: int | None = None) -> float:
+def _predicted(chunked: bool, hidden: int | None = None, seq: int | None = None,
+               recompute: str = "full") -> float:
+    """The estimator's peak bytes for BASE's run (``hidden`` / ``seq``: the runtime probe's
+    micro model, micro-batch 1)."""
     gpt = preset("gpt2-small")
     if hidden is not None:
         gpt = gpt.replace(hidden=hidden, n_heads=1)
@@ -46,7 +49,7 @@ def _predicted(chunked: bool, hidden: int | None = None, seq: int | None = None)
     else:
         gpt = gpt.replace(seq_len=BASE["seq_len"])
     micro = 1 if seq is not None else BASE["micro_batch_size"]
-    layout = ParallelLayout(1, 1, 1, micro, micro, zero_stage=1, recompute="full",
+    layout = ParallelLayout(1, 1, 1, micro, micro, zero_stage=1, recompute=recompute,
                             precision="fp32", chunked_loss=chunked)
     return estimate(gpt, layout, CPU, 1.0).memory_per_gpu_gb * 1e9
 

@@ -43,13 +43,16 @@ def test_the_matrix_covers_every_pair_of_features() -> None:
     assert wanted == covered
     # The features of the contract, each present (values of every factor).
     factors = {(k, v) for pair in covered for k, v in pair}
-    for expected in [("zero", 3), ("schedule", "interleaved"), ("sp", True), ("ac", True),
+    for expected in [("zero", 3), ("schedule", "interleaved"), ("sp", True),
+                     ("recompute", "full"), ("recompute", "selective"),
                      ("precision", "bf16"), ("precision", "fp16"), ("dropout", True),
                      ("engine", "deepspeed"), ("tp", 4), ("pp", 4), ("dp", 8)]:
         assert expected in factors, expected
-    # The pairs the issue names: TP x ZeRO-3, schedule x DP, SP x ZeRO-2, AC x dropout...
+    # The pairs the issues name: TP x ZeRO-3, schedule x DP, SP x ZeRO-2, AC x dropout...
     for a, b in [(("tp", 2), ("zero", 3)), (("dp", 2), ("schedule", "gpipe")),
-                 (("sp", True), ("zero", 2)), (("ac", True), ("dropout", True)),
+                 (("sp", True), ("zero", 2)), (("dropout", True), ("recompute", "full")),
+                 (("dropout", True), ("recompute", "selective")),
+                 (("precision", "bf16"), ("recompute", "selective")),
                  (("precision", "fp16"), ("dp", 2)), (("precision", "bf16"), ("pp", 2))]:
         assert tuple(sorted((a, b))) in covered, (a, b)
 

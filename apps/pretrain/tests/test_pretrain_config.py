@@ -77,7 +77,16 @@ def test_yaml_sections_flat_keys_and_cli_overrides(tmp_path: Path) -> None:
      r"--compile is not supported with --engine deepspeed"),
     ({"zero_stage": 3, "activation_checkpointing": True},
      r"--zero-stage 3 with --activation-checkpointing is not supported yet; use ZeRO stage "
-     r"0-2 with checkpointing"),
+     r"0-2 with recomputation"),
+    ({"zero_stage": 3, "nproc": 2, "recompute": "selective"},
+     r"--zero-stage 3 with --recompute selective is not supported yet"),
+    ({"compile": True, "recompute": "selective"},
+     r"--compile with --recompute selective: torch.compile already recomputes cheap "
+     r"operations"),
+    ({"activation_checkpointing": True, "recompute": "selective"},
+     r"--activation-checkpointing is --recompute full, not --recompute selective: give one "
+     r"of them"),
+    ({"recompute": "some"}, r"recompute 'some' is not one of full, selective, none"),
     ({"nproc": 8, "compile": True, "activation_checkpointing": True, "dropout": 0.1},
      r"--compile with --activation-checkpointing and dropout 0.1 is not supported.*leave out "
      r"--compile"),

@@ -73,8 +73,12 @@ def test_korthikanti_activation_formulas() -> None:
     assert full == pytest.approx(sbh * (10 + 24 / t + 5 * a * s / (h * t)))
     assert activation_bytes_per_layer(MTNLG, b, t, True, "none") == pytest.approx(
         sbh / t * (34 + 5 * a * s / h))
+    # Selective: no attention term; the GeLU output (8 of the 24, sharded) too, and without
+    # SP the two norm outputs (4 of the replicated 10).
     assert activation_bytes_per_layer(MTNLG, b, t, True, "selective") == pytest.approx(
-        34 * sbh / t)
+        26 * sbh / t)
+    assert activation_bytes_per_layer(MTNLG, b, t, False, "selective") == pytest.approx(
+        sbh * (6 + 16 / t))
     assert activation_bytes_per_layer(MTNLG, b, t, False, "full") == 2 * sbh
     # fp32 doubles; SP + selective needs far less than no SP / no recompute.
     assert activation_bytes_per_layer(MTNLG, b, t, False, "none", "fp32") == 2 * full
@@ -237,3 +241,24 @@ def test_the_loss_chunks_are_mt_tensor_parallels() -> None:
     assert LOSS_CHUNK_BYTES == CHUNK_BYTES
     for vocab in (1, 1000, 25216, 50257, 50304, 128256, 2**25):
         assert loss_chunk_tokens(vocab) == chunk_tokens(vocab), vocab
+
+
+def test_fp32_main_gradients_memory_and_traffic() -> None:
+    """bf16 with main gradients: 4 bytes of gradient per parameter instead of 2; ZeRO 2-3
+    hold them whole while micro-batches accumulate; the DP reduction moves them in fp32."""
+    gpt = preset("gpt2-small")
+    psi = count_parameters(gpt)
+    gpu = GPUS["a100-80gb"]
+    for stage, micro in ((1, 1), (2, 1), (2, 4)):
+        # global batch 8 on dp 2: one micro-batch of 4, or four of 1, per rank
+        lay = ParallelLayout(1, 1, 2, 8, micro, zero_stage=stage, precision="bf16")
+        main, half = (estimate(gpt, dataclasses.replace(lay, main_grads=m), gpu)
+                      for m in (True, False))
+        shard = 2 if stage >= 2 and lay.num_micro_batches == 1 else 1
+        assert main.memory_grads_gb * 1e9 == pytest.approx(4 * psi / shard)
+        assert half.memory_grads_gb * 1e9 == pytest.approx(2 * psi / shard)
+        assert main.memory_per_gpu_gb - half.memory_per_gpu_gb == pytest.approx(
+            2 * psi / shard / 1e9)
+        assert main.dp_comm_time_s > half.dp_comm_time_s
+    assert zero_bytes(psi, 4, 2, "bf16", main_grads=True)["grads"] == pytest.approx(
+        paper_bytes(psi, 4, 2, grad_bytes=4)["grads"])

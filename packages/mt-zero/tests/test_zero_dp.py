@@ -78,7 +78,8 @@ def _train(model: TinyLM, opt: ZeroOptimizer, batches: list, micro: int = 1) -> 
 # Cases: (stage, precision, micro-batches, extra config).
 MATRIX = [(s, p, 1, {}) for p in ("fp32", "bf16") for s in range(4)]
 EXTRA = [(2, "fp32", 2, {}), (3, "fp32", 2, {"prefetch": False}), (1, "fp32", 2, {}),
-         (2, "fp32", 1, {"clip_grad": 0.5}), (3, "bf16", 1, {"clip_grad": 0.5})]
+         (2, "fp32", 1, {"clip_grad": 0.5}), (3, "bf16", 1, {"clip_grad": 0.5}),
+         (1, "bf16", 1, {"main_grads": False}), (2, "bf16", 1, {"main_grads": False})]
 
 
 def _matrix_rank(cases: list) -> dict:
@@ -155,13 +156,16 @@ def _check_matrix(world: int, cases: list) -> None:
         for rank_result in results[1:]:  # every rank ends with the same parameters
             for name, p in rank_result[stage, precision, micro, extra]["params"].items():
                 assert torch.equal(p, res["params"][name]), (case, name)
-        if precision == "bf16" and micro == 1 and not extra:
-            _check_memory(res["memory"], psi, world, stage, case)
+        if precision == "bf16" and micro == 1 and set(dict(extra)) <= {"main_grads"}:
+            grad_bytes = 4 if dict(extra).get("main_grads", True) else 2
+            _check_memory(res["memory"], psi, world, stage, case, grad_bytes)
 
 
-def _check_memory(measured: Any, psi: int, world: int, stage: int, case: str) -> None:
-    """Per-rank bytes agree with the ZeRO paper's mixed-precision Adam formulas (10 %)."""
-    expected = paper_bytes(psi, world, stage)
+def _check_memory(measured: Any, psi: int, world: int, stage: int, case: str,
+                  grad_bytes: int) -> None:
+    """Per-rank bytes agree with the ZeRO paper's mixed-precision Adam formulas (10 %), with
+    fp32 main gradients or 16-bit ones."""
+    expected = paper_bytes(psi, world, stage, grad_bytes=grad_bytes)
     for kind in ("params", "grads", "optimizer", "total"):
         got = getattr(measured, kind)
         assert abs(got - expected[kind]) <= 0.10 * expected[kind], (case, kind, got, expected)

@@ -3,6 +3,8 @@ communication must train bit-for-bit like plain torch, and its bookkeeping must 
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -101,6 +103,38 @@ def test_stage3_frees_parameters_between_uses() -> None:
     assert all(not b.gathered for b in opt.buckets)  # and again after backward
     assert all(p.grad is None for p in model.parameters())  # reduced into the shard
     assert opt.step().grad_norm > 0
+
+
+@pytest.mark.parametrize("main_grads", [True, False])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_bf16_accumulation_in_fp32_main_grads_or_bf16(stage: int, main_grads: bool) -> None:
+    """Four micro-batches per step: with main gradients every micro-batch's bf16 gradient is
+    summed in fp32, without them in bf16, exactly as the reference does each."""
+    micro = 4
+    want = reference_train(TinyLM(), BATCHES, "bf16", 1e-2, 0.1, micro_batches=micro,
+                           main_grads=main_grads)
+    other = reference_train(TinyLM(), BATCHES, "bf16", 1e-2, 0.1, micro_batches=micro,
+                            main_grads=not main_grads)
+    model, opt = _make(stage, "bf16", main_grads=main_grads)
+    losses = []
+    for idx, targets in BATCHES:
+        total = 0.0
+        for i, (x, y) in enumerate(zip(idx.chunk(micro), targets.chunk(micro))):
+            with opt.no_sync() if i < micro - 1 else contextlib.nullcontext():
+                part = model(x, y) / micro
+                opt.backward(part)
+            total += part.detach()
+        if stage < 2:  # the full gradient, in fp32 or in bf16
+            assert opt.memory().grads == sum(p.numel() for p in model.parameters()) * (
+                4 if main_grads else 2)
+        opt.step()
+        losses.append(float(total))
+    assert losses == want[0]
+    params = opt.full_parameters()
+    for name, ref in want[1].items():
+        assert torch.equal(params[name], ref), (name, stage, main_grads)
+    # The two ways of summing differ: the test can tell one from the other.
+    assert any(not torch.equal(params[n], other[1][n]) for n in params)
 
 
 def test_no_sync_accumulation_and_foreign_grads() -> None:

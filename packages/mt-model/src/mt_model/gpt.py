@@ -163,6 +163,14 @@ class CoreAttention(nn.Module):
         # Not buffers (meta-built models leave buffers uninitialized): a plain cache.
         self._rope: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
+    @property
+    def selective_checkpoint(self) -> bool:
+        """Whether selective recomputation (mt-pipeline) should run this module again in
+        backward rather than keep what it saves: in training with attention dropout, where
+        the math kernel keeps the scores, the probabilities and the mask ([b, n, s, s]
+        each); otherwise a fused kernel keeps only its output and log-sum-exp."""
+        return self.training and self.dropout > 0
+
     def _tables(self, seq: int, device: torch.device, dtype: torch.dtype
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         key = (seq, device, dtype)

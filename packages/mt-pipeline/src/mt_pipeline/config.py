@@ -28,6 +28,9 @@ class PipelineConfig:
         virtual_stages: model chunks per stage; >= 2 for a chunked schedule (interleaved),
             1 otherwise.
         activation_checkpointing: recompute every layer's activations in backward.
+        selective_recompute: keep every matmul's and the attention core's tensors, recompute
+            the norms' and activation functions' outputs in backward
+            (:mod:`mt_pipeline.checkpointing`).
         compile: run each chunk's forward (with the loss on the last chunk) through
             ``torch.compile``: elementwise work, LayerNorms and the loss fuse into fewer
             kernels. The first step of each chunk pays the compilation.
@@ -37,6 +40,7 @@ class PipelineConfig:
     num_micro_batches: int = 1
     virtual_stages: int = 1
     activation_checkpointing: bool = False
+    selective_recompute: bool = False
     compile: bool = False
 
     def __post_init__(self) -> None:
@@ -51,6 +55,15 @@ class PipelineConfig:
         problem = SCHEDULES[self.schedule].chunk_problem(self.virtual_stages)
         if problem:
             raise ScheduleError(problem)
+        if self.activation_checkpointing and self.selective_recompute:
+            raise ScheduleError("activation_checkpointing (full recomputation) and "
+                                "selective_recompute exclude each other")
+
+    @property
+    def recompute(self) -> str:
+        """The recomputation mode: ``"full"``, ``"selective"`` or ``"none"``."""
+        return ("full" if self.activation_checkpointing else
+                "selective" if self.selective_recompute else "none")
 
     def schedule_for(self, num_stages: int) -> Schedule:
         """The instruction lists of all ``num_stages`` stages; raises

@@ -4,7 +4,9 @@ Each instruction type has one handler. Activations and gradients have a shape fi
 advance (``activation_shape``, e.g. ``(micro_batch, seq, hidden)``), so receive buffers are
 allocated without any shape handshake. Gradients of all micro-batches accumulate into the
 parameters' ``.grad`` (each micro-batch loss is scaled by ``1 / m``), so after a step the
-gradients equal those of the mean loss over the whole batch, as in one process.
+gradients equal those of the mean loss over the whole batch, as in one process. An optimizer
+that keeps gradients elsewhere (e.g. mt-zero's fp32 main gradients) names where through
+``grad_of``: the tied weights' gradients are summed there.
 """
 
 from __future__ import annotations
@@ -104,6 +106,8 @@ class PipelineExecutor:
         dtype: activation dtype sent between stages.
         device: where receive buffers live (default: the stage's parameters' device).
         broadcast_loss: send the mean loss from the last stage to every stage each step.
+        grad_of: where a parameter's accumulated gradient lives, for the tied weights' sum
+            over stages (default: its ``.grad``; mt-zero: ``ZeroOptimizer.main_grad``).
     """
 
     def __init__(
@@ -116,6 +120,7 @@ class PipelineExecutor:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
         broadcast_loss: bool = True,
+        grad_of: Callable[[torch.nn.Parameter], torch.Tensor] | None = None,
     ) -> None:
         # Pure validation first: a bad (stages, micro-batches, chunks) combination raises
         # here, before any communication.
@@ -136,6 +141,7 @@ class PipelineExecutor:
         self.stage, self.config, self.comm = stage, config, comm
         self.activation_shape = torch.Size(activation_shape)
         self.dtype, self.broadcast_loss = dtype, broadcast_loss
+        self._grad_of = grad_of or _dot_grad
         if device is None:
             first = next(iter(stage.parameters()), None)
             device = first.device if first is not None else torch.device("cpu")
@@ -229,7 +235,7 @@ class PipelineExecutor:
             x = state.loaded.pop(mb)
         else:
             x = state.received_act.pop((mb, chunk)).requires_grad_()
-        checkpoint = self.config.activation_checkpointing
+        checkpoint = self.config.recompute
         key = None if state.keys is None else state.keys[mb]
         if stage.is_last_chunk(chunk):
             loss = self._run_loss(chunk, x, state.loaded.pop(-1 - mb), checkpoint, key)
@@ -281,13 +287,7 @@ class PipelineExecutor:
         self.comm.exchange(posted)
 
     def _reduce_tied(self) -> None:
-        grads = []
-        for param in self.stage.tied_parameters():
-            if param.grad is None:
-                # A stage whose copy got no gradient still takes part in the collective.
-                param.grad = torch.zeros_like(param)
-            grads.append(param.grad)
-        self.comm.reduce_tied(grads)
+        self.comm.reduce_tied([self._grad_of(p) for p in self.stage.tied_parameters()])
 
     def train_step(
         self,
@@ -300,3 +300,11 @@ class PipelineExecutor:
         """Zero the gradients, run one step and apply ``optimizer`` at OptimizerStep."""
         optimizer.zero_grad(set_to_none=True)
         return self.run(inputs, targets, optimizer_step=optimizer.step, record=record)
+
+
+def _dot_grad(param: torch.nn.Parameter) -> torch.Tensor:
+    """``param.grad``, zeros if it has none (a stage whose copy got no gradient still takes
+    part in the tied-gradient sum)."""
+    if param.grad is None:
+        param.grad = torch.zeros_like(param)
+    return param.grad

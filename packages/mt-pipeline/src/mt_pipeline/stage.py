@@ -184,12 +184,14 @@ class PipelineStage(nn.Module):
         layers = self.get_submodule(self.layout.layers)
         return [layers[str(i)] for i in range(start, stop)]
 
-    def forward_chunk(self, chunk: int, x: torch.Tensor, checkpoint: bool = False,
+    def forward_chunk(self, chunk: int, x: torch.Tensor, checkpoint: bool | str = False,
                       key: int | None = None, head: bool = True) -> torch.Tensor:
         """Run local ``chunk`` on ``x`` (token ids for the first virtual stage, else hidden).
 
-        Returns hidden states, or logits on the last virtual stage. ``checkpoint`` recomputes
-        each layer in backward instead of keeping its inner activations. ``key`` names the
+        Returns hidden states, or logits on the last virtual stage. ``checkpoint``: what each
+        layer recomputes in backward instead of keeping (``"full"`` or True: everything,
+        ``"selective"``: the norms' and activation functions' outputs, ``"none"`` or False;
+        :func:`~mt_pipeline.checkpointing.run_layers`). ``key`` names the
         micro-batch for the stage's :class:`RegionRNG` (ignored without one). ``head=False``
         returns the last virtual stage's final hidden states (see :meth:`apply_head`).
         """
@@ -248,8 +250,13 @@ class PipelineStage(nn.Module):
             x = self.apply_head(x)
         return x
 
-    def forward(self, x: torch.Tensor, chunk: int = 0, key: int | None = None) -> torch.Tensor:
-        """Same as :meth:`forward_chunk` without checkpointing."""
+    def forward(self, x: torch.Tensor, chunk: int = 0, key: int | None = None,
+                targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Same as :meth:`forward_chunk` without recomputation; with ``targets`` (the last
+        virtual stage) the loss, as :meth:`forward_loss`: in one call of the module, so that
+        its hooks (ZeRO-3 gathering the head's weight) cover the head and the loss too."""
+        if targets is not None:
+            return self.forward_loss(chunk, x, targets, key=key)
         return self.forward_chunk(chunk, x, key=key)
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -273,7 +280,7 @@ class PipelineStage(nn.Module):
                      self.get_parameter(tied) if tied is not None else None)
 
     def forward_loss(self, chunk: int, x: torch.Tensor, targets: torch.Tensor,
-                     checkpoint: bool = False, key: int | None = None) -> torch.Tensor:
+                     checkpoint: bool | str = False, key: int | None = None) -> torch.Tensor:
         """The loss of the last virtual stage's ``chunk`` on ``x``: one function, so that a
         compiler sees the head and the loss together (the logits need not be kept)."""
         return self.head_loss(self.forward_chunk(chunk, x, checkpoint, key, head=False),

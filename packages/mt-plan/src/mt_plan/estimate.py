@@ -68,11 +68,18 @@ def bucket_numel() -> int:
     return ZeroConfig().bucket_numel
 
 
-def zero_bytes(psi: float, dp: int, stage: int, precision: str = "bf16") -> dict[str, float]:
+def grad_width(precision: str, main_grads: bool) -> int:
+    """Bytes of one gradient element: fp32 main gradients take 4 whatever the precision."""
+    return 4 if main_grads else PRECISIONS[precision].bytes
+
+
+def zero_bytes(psi: float, dp: int, stage: int, precision: str = "bf16",
+               main_grads: bool = False) -> dict[str, float]:
     """Bytes per rank of weights, gradients and Adam states for ``psi`` parameters.
 
     Mixed precision: 16-bit weights and gradients, fp32 master weights + two moments
     (K = 12 bytes, the ZeRO paper's figure); fp32: 4 + 4 bytes and two moments (K = 8).
+    ``main_grads``: fp32 gradients (4 bytes) with 16-bit weights.
     Stage 1 shards the optimizer states over ``dp``, stage 2 also the gradients, stage 3 also
     the weights.
     """
@@ -81,7 +88,7 @@ def zero_bytes(psi: float, dp: int, stage: int, precision: str = "bf16") -> dict
     width = PRECISIONS[precision].bytes
     k = 8 if precision == "fp32" else 12
     weights = width * psi / (dp if stage >= 3 else 1)
-    grads = width * psi / (dp if stage >= 2 else 1)
+    grads = grad_width(precision, main_grads) * psi / (dp if stage >= 2 else 1)
     optimizer = k * psi / (dp if stage >= 1 else 1)
     return {"weights": weights, "grads": grads, "optimizer": optimizer,
             "total": weights + grads + optimizer}
@@ -96,8 +103,10 @@ def activation_bytes_per_layer(gpt: GPTConfig, micro_batch: int, tp: int,
     16-bit: ``sbh(10 + 24/t + 5as/(ht))`` with TP, ``sbh/t (34 + 5as/h)`` with TP + SP (the
     ``24`` is the GPT-2 block's; grouped-query attention and SwiGLU change it, see
     :func:`_sharded_activation_units`);
-    selective recomputation drops the ``5as/h`` attention term; full recomputation keeps only
-    the layer input ``2sbh`` (``/t`` with SP). fp32 doubles everything.
+    selective recomputation (mt-pipeline's) drops the ``5as/h`` attention term (the core runs
+    again), the two norm outputs (``4``, not with SP: the matmul keeps the gathered input
+    instead) and the activation output (``2f/h``, ``8`` for GPT-2; ``/t``); full recomputation
+    keeps only the layer input ``2sbh`` (``/t`` with SP). fp32 doubles everything.
 
     ``dropout_masks=False`` (no dropout: torch keeps no mask at p = 0) drops the two 1-byte
     hidden dropout masks (``2sbh`` of the replicated ``10sbh``) and the attention-dropout mask
@@ -112,6 +121,9 @@ def activation_bytes_per_layer(gpt: GPTConfig, micro_batch: int, tp: int,
     attention = 0.0 if recompute == "selective" or fused_attention else scores * a * s / h
     replicated = 10.0 if dropout_masks else 8.0
     sharded = _sharded_activation_units(gpt, tp)
+    if recompute == "selective":  # recomputed from what other ops keep anyway
+        sharded -= 2.0 * gpt.ffn_hidden / h
+        replicated -= 0.0 if sequence_parallel else 4.0
     if recompute == "full":
         per_layer = 2.0 * sbh / (tp if sequence_parallel else 1)
     elif sequence_parallel:
@@ -310,7 +322,14 @@ def stage_memory(gpt: GPTConfig, layout: ParallelLayout, gpu: GPUSpec, stage: in
     working = (_layer_activations(gpt, layout, gpu, "none")
                if layout.recompute == "full" else 0.0)
     params = _params_of(gpt, layout, stage, layers)
-    parts = zero_bytes(params, layout.dp, layout.zero_stage, layout.precision)
+    parts = zero_bytes(params, layout.dp, layout.zero_stage, layout.precision,
+                       layout.main_grads)
+    if layout.zero_stage >= 2 and (layout.num_micro_batches > 1 or layout.pp > 1):
+        # mt-zero accumulates micro-batches in full gradients (p.grad, or the fp32 main
+        # gradient buffer) and reduce-scatters them once: held in full through backward.
+        full = params * grad_width(layout.precision, layout.main_grads)
+        parts["total"] += full - parts["grads"]
+        parts["grads"] = full
     acts = per_layer * layers / layout.virtual_stages * in_flight + working
     temps = _temporaries(gpt, layout, gpu, stage, float(params))
     peak = max(acts + temps["backward"], temps["publish"])
@@ -359,9 +378,14 @@ def _times(gpt: GPTConfig, layout: ParallelLayout, gpu: GPUSpec, efficiency: flo
     attn_fwd, attn_bwd = attention_flops(gpt, b, gpu.fused_attention)
     layer_fwd = b * s * _layer_matmul_flops(gpt) / gemm_f + attn_fwd / attn_f
     layer_bwd = 2.0 * b * s * _layer_matmul_flops(gpt) / gemm_b + attn_bwd / attn_b
-    # A fused kernel already recomputes the scores: selective recomputation adds nothing.
+    # Selective: the norms and the activation once more (read the input, write the output:
+    # twice the bytes it no longer keeps), and the attention core where a kernel does not
+    # fuse it (a fused kernel already recomputes the scores).
+    dropped = (_layer_activations(gpt, layout, gpu, "none")
+               - _layer_activations(gpt, layout, gpu, "selective"))
     recompute = {"full": layer_fwd,
-                 "selective": 0.0 if gpu.fused_attention else attn_fwd / attn_f,
+                 "selective": 2.0 * dropped / gpu.memory_bytes_per_s
+                 + (0.0 if gpu.fused_attention else attn_fwd / attn_f),
                  "none": 0.0}
     message = float(b * s * h * width)
     intra = t <= gpu.gpus_per_node
@@ -415,18 +439,21 @@ def _times(gpt: GPTConfig, layout: ParallelLayout, gpu: GPUSpec, efficiency: flo
     tied = (gpt.vocab_size / t * h * width / p2p_bw + bulk) if layout.pp > 1 else 0.0
     d = layout.dp
     dp_bw = gpu.nvlink_bytes_per_s if t * d <= gpu.gpus_per_node else gpu.ib_bytes_per_s
-    grads = max(_stage_params(gpt, layout)) * width
-    # Passes over the gradients or weights per step: stage 0 all-reduces; stage 1
-    # reduce-scatters (or all-reduces) and all-gathers the updated weights; stage 2
-    # reduce-scatters and all-gathers; stage 3 also gathers the weights for forward and
-    # backward. An all-reduce moves 2 (d-1)/d of the data, the others (d-1)/d, unless they
-    # are themselves run as all-reduces.
+    stage_params = max(_stage_params(gpt, layout))
+    # Passes over the gradients or weights per step: stage 0 all-reduces the gradients;
+    # stage 1 all-reduces them and all-gathers the updated weights; stage 2 reduce-scatters
+    # and all-gathers; stage 3 also gathers the weights for forward and backward. An
+    # all-reduce moves 2 (d-1)/d of the data, the others (d-1)/d, unless they are themselves
+    # run as all-reduces. Gradients travel in their own width (fp32 main gradients: 4).
     passes = {0: 1, 1: 2, 2: 2, 3: 3}[layout.zero_stage]
-    volume = {0: 2.0, 1: 3.0, 2: 2.0, 3: 3.0}[layout.zero_stage]
+    grad_volume = {0: 2.0, 1: 2.0, 2: 1.0, 3: 1.0}[layout.zero_stage]
+    weight_volume = {0: 0.0, 1: 1.0, 2: 1.0, 3: 2.0}[layout.zero_stage]
     if gpu.gather_via_all_reduce:
-        volume = 2.0 * passes
-    buckets = max(1.0, grads / width / bucket_numel())
-    dp_time = (volume * (d - 1) / d * grads / dp_bw + passes * buckets * bulk) if d > 1 else 0.0
+        grad_volume, weight_volume = 2.0, 2.0 * (passes - 1)
+    moved = stage_params * (grad_volume * grad_width(layout.precision, layout.main_grads)
+                            + weight_volume * width)
+    buckets = max(1.0, stage_params / bucket_numel())
+    dp_time = (moved * (d - 1) / d / dp_bw + passes * buckets * bulk) if d > 1 else 0.0
     # Small collectives every step: the loss mean, the gradient norm, the loss broadcast.
     dp_time += 3.0 * lat if layout.world_size > 1 else 0.0
     m = layout.num_micro_batches

@@ -78,6 +78,8 @@ class ParallelLayout:
         chunked_loss: the output layer and the cross entropy in one, chunk by chunk of
             tokens (never the [b, s, vocab / tp] logits, their float32 copies or their
             gradient); else the logits, then the loss.
+        main_grads: 16-bit precisions accumulate gradients over micro-batches and reduce
+            them over DP in fp32 (4 bytes per parameter of gradient, not 2).
     """
 
     tp: int
@@ -92,6 +94,7 @@ class ParallelLayout:
     recompute: str = "full"
     precision: str = "bf16"
     chunked_loss: bool = True
+    main_grads: bool = True
 
     def __post_init__(self) -> None:
         ints = {"tp": self.tp, "pp": self.pp, "dp": self.dp, "global_batch": self.global_batch,
@@ -134,6 +137,7 @@ class ParallelLayout:
         """mt-pipeline's input: the schedule at this layout's micro-batches per pipeline."""
         return PipelineConfig(self.schedule, self.num_micro_batches, self.virtual_stages,
                               activation_checkpointing=self.recompute == "full",
+                              selective_recompute=self.recompute == "selective",
                               compile=compile)
 
     def zero_config(self, **options: Any) -> ZeroConfig:
@@ -141,7 +145,8 @@ class ParallelLayout:
         bucket size, gradient clipping, loss scaling) that are not the layout's."""
         from mt_zero import ZeroConfig
 
-        return ZeroConfig(stage=self.zero_stage, precision=self.precision, **options)
+        return ZeroConfig(stage=self.zero_stage, precision=self.precision,
+                          main_grads=self.main_grads, **options)
 
     def check(self, gpt: GPTConfig) -> None:
         """Raise :class:`LayoutError` naming the numbers when ``gpt`` cannot be split so."""

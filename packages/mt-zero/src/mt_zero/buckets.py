@@ -24,6 +24,15 @@ runs without it. Stages 0-1 allocate the flat buffer when the bucket's first gra
 arrives and copy each gradient autograd produced into its slot (:meth:`FlatBucket.absorb`),
 which frees autograd's tensor at once (a bucket of one parameter keeps autograd's tensor as
 its buffer: no copy at all); later accumulation is in place into the view.
+
+**fp32 main gradients** (``main_grads`` with 16-bit parameters, Megatron-LM's
+``main_grad``): gradients are summed over micro-batches and reduced over the data-parallel
+group in fp32. Autograd still computes each backward's gradient in the parameters' dtype; the
+hook after it (:meth:`FlatBucket.absorb`) adds it into the parameter's slot of an fp32 flat
+buffer and drops ``p.grad``, at every stage. Stages 2-3 reduce-scatter that fp32 buffer into
+an fp32 shard. The cost: the gradient storage doubles (4 bytes per parameter), and stages 2-3
+hold the full fp32 buffer while micro-batches accumulate. :meth:`FlatBucket.main_grad` is
+where a parameter's gradient lives then (e.g. for the pipeline's tied-embedding sum).
 """
 
 from __future__ import annotations
@@ -61,6 +70,8 @@ class FlatBucket:
         dtype: compute dtype of the parameters.
         group: data-parallel group (``None``: single process). The initial values are
             broadcast from its first rank so that all replicas start identical.
+        main_grads: accumulate and reduce gradients in fp32 (see the module docstring); no
+            effect when ``dtype`` is fp32.
     """
 
     def __init__(
@@ -73,6 +84,7 @@ class FlatBucket:
         stage: int,
         dtype: torch.dtype,
         group: ProcessGroup | None,
+        main_grads: bool = False,
     ) -> None:
         self.index = index
         self.names = tuple(names)
@@ -82,17 +94,21 @@ class FlatBucket:
         self.stage = stage
         self.dtype = dtype
         self.group = group
+        self.grad_dtype = torch.float32 if main_grads else dtype
+        # Gradients leave p.grad for an fp32 buffer after every backward.
+        self._main = self.grad_dtype != dtype
         # With one data-parallel rank (stages 0-1) nothing is reduced, so the flat gradient
         # is kept between steps and zeroed: autograd accumulates straight into its views.
         # Releasing it instead (as with several ranks, for memory) costs a copy per gradient
         # plus first-touch page faults on the fresh buffer every step (~5% of single-process
         # tokens/s measured on tiny and gpt2-small shapes).
         self._keep_grads = stage < 2 and group_size(group) == 1
-        self._absorb = stage < 2 and not self._keep_grads
+        self._absorb = self._main or (stage < 2 and not self._keep_grads)
         self.start, self.end = layout.shard_range(rank)
         self._gather: Handle | None = None
         self._reduce: Handle | None = None
         self._recv: torch.Tensor | None = None
+        self._send: torch.Tensor | None = None
         device = self.device = params[0].device
         # The original values in fp32 seed the master weights at full precision.
         flat32 = torch.zeros(layout.padded_numel, dtype=torch.float32, device=device)
@@ -177,17 +193,35 @@ class FlatBucket:
 
     # --------------------------------------------------------------------------- gradients
     def _grad_buffer(self) -> torch.Tensor:
-        """Stages 0-1: the flat gradient, allocated now if it was released.
+        """The full flat gradient (stages 0-1; any stage with main gradients), allocated now
+        if it was released.
 
-        Left uninitialized: a parameter's slot is valid only while ``p.grad`` is its view
+        Main gradients: zeros, which each backward's gradients are added to. Otherwise left
+        uninitialized: a parameter's slot is valid only while ``p.grad`` is its view
         (:meth:`_attach_grad_views` fills the others), so no pass zeroes memory that
         gradients are about to overwrite. The padding is zeroed: it is reduced too.
         """
         if self.flat_grad is None:
-            self.flat_grad = torch.empty(
-                self.layout.padded_numel, dtype=self.dtype, device=self.device)
-            self.flat_grad[self.layout.numel :].zero_()
+            if self._main:
+                self.flat_grad = torch.zeros(
+                    self.layout.padded_numel, dtype=self.grad_dtype, device=self.device)
+            else:
+                self.flat_grad = torch.empty(
+                    self.layout.padded_numel, dtype=self.dtype, device=self.device)
+                self.flat_grad[self.layout.numel :].zero_()
         return self.flat_grad
+
+    def main_grad(self, position: int) -> torch.Tensor:
+        """The gradient of ``params[position]`` accumulated so far (before any reduction):
+        with main gradients its fp32 slot (allocated if need be), else its ``.grad``
+        (zeros if it has none). In place: what is written there is the gradient."""
+        p = self.params[position]
+        if not self._main:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            return p.grad
+        start, numel = self.layout.param_starts[position], self.layout.numels[position]
+        return self._grad_buffer()[start : start + numel].view(p.shape)
 
     def absorb(self, position: int) -> None:
         """Autograd just accumulated ``params[position].grad``: move it into the flat buffer.
@@ -199,6 +233,10 @@ class FlatBucket:
         """
         p = self.params[position]
         if not self._absorb or p.grad is None:
+            return
+        if self._main:  # add into the fp32 slot; autograd's next gradient is a fresh tensor
+            self.main_grad(position).add_(p.grad)
+            p.grad = None
             return
         if self.flat_grad is None and self._whole(p.grad):
             # A bucket of one parameter without padding: autograd's tensor is the buffer.
@@ -235,21 +273,28 @@ class FlatBucket:
         """
         world = group_size(self.group)
         if self.stage < 2:
-            self._attach_grad_views()
+            if not self._main:
+                self._attach_grad_views()
+            self._grad_buffer()
             assert self.flat_grad is not None
             if world > 1:
                 self.flat_grad.div_(world)
             self._reduce = all_reduce_sum(self.flat_grad, self.group)
             return
         grad = self.params[0].grad
-        if grad is not None and self._whole(grad):
+        if self._main:  # the full fp32 buffer goes out; it is released once reduced
+            send = self._grad_buffer()
+            self.flat_grad = None
+        elif grad is not None and self._whole(grad):
             send = grad.detach().view(-1)  # the gradient is dropped below: reduce it in place
             self.params[0].grad = None
         else:
             send = self._gather_grads()
         if world > 1:
             send.div_(world)
-        self._recv = torch.empty(self.layout.shard_numel, dtype=self.dtype, device=self.device)
+        self._recv = torch.empty(self.layout.shard_numel, dtype=self.grad_dtype,
+                                 device=self.device)
+        self._send = send
         self._reduce = reduce_scatter_flat(self._recv, send, self.group)
 
     def _gather_grads(self) -> torch.Tensor:
@@ -271,6 +316,7 @@ class FlatBucket:
             return
         self._reduce.wait()
         self._reduce = None
+        self._send = None
         if self._recv is not None:
             if self.shard_grad is None:  # first reduction of the step: the result is the shard
                 self.shard_grad = self._recv
@@ -279,17 +325,17 @@ class FlatBucket:
             self._recv = None
 
     def owned_grad(self) -> torch.Tensor:
-        """The reduced gradient of this rank's shard (compute dtype, ``shard_numel``).
+        """The reduced gradient of this rank's shard (``grad_dtype``, ``shard_numel``).
 
         Zeros where no gradient exists (a step without backward, parameters without grad).
         """
         if self.stage < 2:
-            self._attach_grad_views()
-            assert self.flat_grad is not None
-            return self.flat_grad[self.start : self.end]
+            if not self._main:
+                self._attach_grad_views()
+            return self._grad_buffer()[self.start : self.end]
         if self.shard_grad is None:
             self.shard_grad = torch.zeros(
-                self.layout.shard_numel, dtype=self.dtype, device=self.device)
+                self.layout.shard_numel, dtype=self.grad_dtype, device=self.device)
         return self.shard_grad
 
     def zero_grad(self) -> None:
@@ -301,7 +347,8 @@ class FlatBucket:
         """
         if self._keep_grads and self.flat_grad is not None:
             self.flat_grad.zero_()
-            self._attach_grad_views()
+            if not self._main:
+                self._attach_grad_views()
             return
         self.flat_grad = None
         self.shard_grad = None
@@ -319,14 +366,16 @@ class FlatBucket:
     def grad_bytes(self) -> int:
         """Bytes of gradient storage a training step holds (released after each step).
 
-        Stages 0-1: the flat buffer; stages 2-3: the reduced shard plus any ``p.grad`` not
-        yet reduced.
+        Stages 0-1: the flat buffer; stages 2-3: the reduced shard plus any ``p.grad`` (or
+        main-gradient buffer) not yet reduced.
         """
-        item = self.flat_param.element_size()
+        item = self.grad_dtype.itemsize
         if self.stage < 2:
             return self.layout.padded_numel * item
         pending = sum(p.grad.untyped_storage().nbytes() for p in self.params
                       if p.grad is not None)
+        if self.flat_grad is not None:
+            pending += self.flat_grad.untyped_storage().nbytes()
         return self.layout.shard_numel * item + pending
 
     def master_bytes(self) -> int:

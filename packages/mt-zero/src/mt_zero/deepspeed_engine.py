@@ -97,6 +97,11 @@ def deepspeed_config(
             "min_loss_scale": scaler.min_scale,
             "hysteresis": 1,
         }
+    if zero.precision != "fp32" and zero.main_grads:
+        # mt's fp32 main gradients: accumulated and reduced in fp32 (DeepSpeed's default for
+        # the reduction is the compute dtype).
+        config["data_types"] = {"grad_accum_dtype": "fp32"}
+        config["communication_data_type"] = "fp32"
     return config
 
 

@@ -51,6 +51,10 @@ class ZeroConfig:
     precision: str = "fp32"
     """Compute dtype of the model parameters: fp32, bf16 or fp16 (fp16 uses loss scaling).
     Master weights and optimizer state are always fp32."""
+    main_grads: bool = True
+    """bf16 / fp16: accumulate gradients over micro-batches and reduce them over the
+    data-parallel group in fp32 (Megatron-LM's main grads); False keeps them in the compute
+    dtype (half the gradient memory, rounding at every addition)."""
     bucket_numel: int = 2**22
     """Elements per gradient-reduction bucket (stages 0-2; stage 3 reduces per unit)."""
     clip_grad: float = 0.0
@@ -200,7 +204,9 @@ class ZeroOptimizer:
             layout = partition([params[i].numel() for i in idx], world)
             buckets.append(FlatBucket(
                 index, [self.names[i] for i in idx], [params[i] for i in idx], layout, rank,
-                stage, self.dtype, self.dp_group))
+                stage, self.dtype, self.dp_group, self.config.main_grads))
+        self._slots = {id(params[i]): (b, position) for idx, b in zip(groups, buckets)
+                       for position, i in enumerate(idx)}
         by_first = {idx[0]: b for idx, b in zip(groups, buckets)}
         unit_buckets = [by_first.get(m[0]) if m else None for m in members]
         return buckets, unit_list, unit_buckets
@@ -249,6 +255,14 @@ class ZeroOptimizer:
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` times the current loss scale (a no-op unless fp16)."""
         return loss if self.scaler is None else loss * self.scaler.scale
+
+    def main_grad(self, param: nn.Parameter) -> torch.Tensor:
+        """Where ``param``'s gradient accumulates before the data-parallel reduction: its
+        fp32 main gradient, or its ``.grad`` without main gradients. Adding to it in place
+        (between backward and :meth:`step`, e.g. a tied weight's sum over pipeline stages)
+        changes the gradient that is reduced and stepped."""
+        bucket, position = self._slots[id(param)]
+        return bucket.main_grad(position)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of the (scaled) loss; gradients are averaged unless in :meth:`no_sync`."""

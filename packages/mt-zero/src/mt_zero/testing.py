@@ -75,20 +75,22 @@ def reference_train(
     weight_decay: float = 0.1,
     clip_grad: float = 0.0,
     micro_batches: int = 1,
+    main_grads: bool = False,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Single-process AdamW training; returns losses and final fp32 (master) parameters.
 
     ``bf16`` keeps fp32 master copies and runs forward/backward with bf16 parameters, the
     textbook mixed-precision recipe, written independently of the ZeRO code. With
     ``micro_batches`` > 1 each batch is split into that many equal parts whose gradients
-    accumulate (in the compute dtype): the same step summed in another order, which gives the
-    noise floor of a precision.
+    accumulate (in the compute dtype; in fp32 with ``main_grads``): the same step summed in
+    another order, which gives the noise floor of a precision.
     """
     threads = torch.get_num_threads()
     # Tiny tensors: extra threads only add overhead (10x here on 2 busy cores).
     torch.set_num_threads(1)
     try:
-        return _train(model, batches, precision, lr, weight_decay, clip_grad, micro_batches)
+        return _train(model, batches, precision, lr, weight_decay, clip_grad, micro_batches,
+                      main_grads)
     finally:
         torch.set_num_threads(threads)
 
@@ -101,6 +103,7 @@ def _train(
     weight_decay: float,
     clip_grad: float,
     micro_batches: int,
+    main_grads: bool,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     master = copy.deepcopy(model).float()
     compute = copy.deepcopy(model).to(torch.bfloat16 if precision == "bf16" else torch.float32)
@@ -113,9 +116,14 @@ def _train(
             part = compute(x, y) / micro_batches
             part.backward()
             loss += part.detach()
+            if main_grads:  # each micro-batch's gradient summed in fp32
+                for m, c in pairs:
+                    m.grad = c.grad.float() if m.grad is None else m.grad + c.grad.float()
+                    c.grad = None
         for m, c in pairs:
-            m.grad = c.grad.float()
-            c.grad = None
+            if c.grad is not None:
+                m.grad = c.grad.float()
+                c.grad = None
         if clip_grad > 0:
             torch.nn.utils.clip_grad_norm_(master.parameters(), clip_grad)
         opt.step()

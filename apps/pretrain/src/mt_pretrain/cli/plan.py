@@ -245,6 +245,9 @@ def plan(
     chunked_loss: Annotated[bool, typer.Option(
         help="The head and the loss in one, chunk by chunk (mt pretrain's default); off: "
         "the [b, s, vocab / tp] logits, their float32 copy and gradient.")] = True,
+    main_grads: Annotated[bool, typer.Option(
+        help="bf16 / fp16: fp32 gradients, accumulated and reduced in fp32 (mt pretrain's "
+        "default); off: 16-bit gradients (half the gradient memory).")] = True,
     search: Annotated[bool, typer.Option(
         "--search", help="Search layouts on --gpus GPUs instead of --tp/--pp.")] = False,
     top: Annotated[int, typer.Option(help="Rows of --search output.")] = 10,
@@ -282,7 +285,7 @@ def plan(
             raise _fail(f"--gpus {n} is not divisible by --tp {tp} x --pp {pp} = {tp * pp}")
         layout = ParallelLayout(tp, pp, n // (tp * pp), global_batch_size, micro_batch_size,
                                 zero_stage, schedule, virtual_stages, sequence_parallel,
-                                recompute, precision, chunked_loss)
+                                recompute, precision, chunked_loss, main_grads)
         est = estimate(gpt, layout, spec)
     except LayoutError as err:
         raise _fail(str(err)) from None

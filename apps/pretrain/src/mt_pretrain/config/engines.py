@@ -79,9 +79,11 @@ def _deepspeed_refuses(config: PretrainConfig) -> list[str]:
         problems.append("--chunked-loss is not supported with --engine deepspeed (DeepSpeed "
                         "runs the model to the logits; under ZeRO-3 the head's weight is "
                         "there only inside that forward); use --engine mt")
-    if par.activation_checkpointing:
-        problems.append("--activation-checkpointing is not supported with --engine deepspeed "
-                        "(the engine runs the plain forward); use --engine mt")
+    if par.recompute_mode != "none":
+        flag = ("--activation-checkpointing" if par.activation_checkpointing else
+                f"--recompute {par.recompute_mode}")
+        problems.append(f"{flag} is not supported with --engine deepspeed (the engine runs "
+                        "the plain forward); use --engine mt")
     if par.compile:
         problems.append("--compile is not supported with --engine deepspeed (DeepSpeed "
                         "runs the model); use --engine mt")

@@ -157,7 +157,7 @@ def resolve(config: PretrainConfig, world_size: int) -> RunPlan:
     except LayoutError as err:
         raise ConfigError(str(err)) from None
     problems: list[str] = []
-    if par.compile and par.activation_checkpointing and (gpt.dropout or gpt.attention_dropout):
+    if par.compile and par.recompute_mode == "full" and (gpt.dropout or gpt.attention_dropout):
         problems.append(f"--compile with --activation-checkpointing and dropout {gpt.dropout} "
                         "is not supported: compiled code draws its own dropout masks, which "
                         "recomputation is not shown to replay; leave out --compile (eager "
@@ -285,7 +285,7 @@ def describe(config: PretrainConfig, plan: RunPlan, max_ranks: int = 32) -> str:
         f"layout     tp {topo.tp} x pp {topo.pp} x dp {topo.dp} = {topo.world_size} ranks; "
         f"ZeRO stage {lay.zero_stage}, {lay.precision}, engine {par.engine}"
         + (", sequence parallel" if lay.sequence_parallel else "")
-        + (", activation checkpointing" if lay.recompute == "full" else "")
+        + (f", recompute {lay.recompute}" if lay.recompute != "none" else "")
         + (", compiled" if pipe.compile else ""),
         f"batch      global {lay.global_batch} = micro {lay.micro_batch} x "
         f"dp {topo.dp} x {pipe.num_micro_batches} micro-batches"

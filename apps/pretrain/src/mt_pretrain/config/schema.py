@@ -175,13 +175,26 @@ class ParallelArgs:
     sequence_parallel: bool = False
     """Shard LayerNorm / dropout activations along the sequence over the TP group."""
     activation_checkpointing: bool = False
-    """Recompute each layer's activations in backward instead of storing them."""
+    """Recompute each layer's activations in backward instead of storing them (the same as
+    --recompute full)."""
+    recompute: str | None = None
+    """What each layer recomputes in backward instead of keeping: none; selective (the
+    outputs of the norms and the activation function, and the attention core when attention
+    dropout makes it keep [b, heads, s, s] scores: a GPT-2 layer keeps 20 of its 32 sbh
+    16-bit bytes, no matmul runs twice, same bits as none); full (everything: the layer
+    keeps its input, and runs its forward twice). Default: full with
+    --activation-checkpointing, else none."""
     chunked_loss: bool | None = None
     """Compute the output layer and the cross entropy together, a chunk of tokens at a time
     (64 MiB of float32 logits), recomputing each chunk's logits in backward: the
     [b, s, vocab / tp] logits, their float32 copies and their gradient are never held (3.3 GB
     each for 8 x 2048 tokens of GPT-2's vocabulary). Off: the logits, then the loss. Default:
     on with --engine mt, off with deepspeed (which computes the logits itself)."""
+    main_grads: bool = True
+    """With --precision bf16 / fp16: accumulate gradients over micro-batches and reduce them
+    over data-parallel ranks in fp32 (Megatron-LM's main grads; DeepSpeed's
+    grad_accum_dtype fp32). Costs 2 more bytes of gradient per parameter; off: 16-bit
+    gradients, rounded at every addition."""
     compile: bool = False
     """Compile each stage's forward and loss with torch.compile (inductor): fuses the
     elementwise work, LayerNorms and the loss (6-18% more tokens/s on a 2-core CPU in
@@ -208,7 +221,7 @@ class ParallelArgs:
         schedule, virtual_stages = self.pipeline_options()
         problems += option_problems(zero_stage=self.zero_stage, schedule=schedule,
                                     virtual_stages=virtual_stages,
-                                    recompute=self.recompute, precision=self.precision)
+                                    recompute=self.recompute_mode, precision=self.precision)
         if self.engine not in ENGINES:
             problems.append(f"--engine must be one of {tuple(ENGINES)}, got {self.engine!r}")
         if self.device not in ("auto", "cpu", "cuda"):
@@ -216,9 +229,18 @@ class ParallelArgs:
         if not self.timeout >= MIN_TIMEOUT_S:
             problems.append(f"--timeout must be at least {MIN_TIMEOUT_S:g} seconds (the "
                             f"ranks must first connect to each other), got {self.timeout}")
-        if self.zero_stage == 3 and self.activation_checkpointing:
-            problems.append("--zero-stage 3 with --activation-checkpointing is not supported "
-                            "yet; use ZeRO stage 0-2 with checkpointing")
+        if self.activation_checkpointing and self.recompute not in (None, "full"):
+            problems.append(f"--activation-checkpointing is --recompute full, not "
+                            f"--recompute {self.recompute}: give one of them")
+        if self.zero_stage == 3 and self.recompute_mode != "none":
+            flag = ("--activation-checkpointing" if self.recompute is None else
+                    f"--recompute {self.recompute}")
+            problems.append(f"--zero-stage 3 with {flag} is not supported yet; use ZeRO stage "
+                            "0-2 with recomputation")
+        if self.compile and self.recompute_mode == "selective":
+            problems.append("--compile with --recompute selective: torch.compile already "
+                            "recomputes cheap operations where it saves memory (its "
+                            "partitioner); use --recompute none or full with --compile")
         if self.zero_stage == 3 and self.compile:
             problems.append("--zero-stage 3 with --compile is not supported (parameters are "
                             "gathered in module hooks); use ZeRO stage 0-2 with --compile")
@@ -229,8 +251,11 @@ class ParallelArgs:
         _raise(problems, "parallel arguments")
 
     @property
-    def recompute(self) -> str:
-        """The layout's recomputation: full with --activation-checkpointing, else none."""
+    def recompute_mode(self) -> str:
+        """The layout's recomputation: --recompute, else full with --activation-checkpointing,
+        else none."""
+        if self.recompute is not None:
+            return self.recompute
         return "full" if self.activation_checkpointing else "none"
 
     def pipeline_options(self) -> tuple[str, int]:
@@ -250,24 +275,22 @@ class ParallelArgs:
         schedule, virtual_stages = self.pipeline_options()
         return ParallelLayout(topology.tp, topology.pp, topology.dp, global_batch, micro_batch,
                               self.zero_stage, schedule, virtual_stages,
-                              self.sequence_parallel, self.recompute, self.precision,
+                              self.sequence_parallel, self.recompute_mode, self.precision,
                               self.chunked_loss if self.chunked_loss is not None
-                              else ENGINES[self.engine].chunked_loss)
+                              else ENGINES[self.engine].chunked_loss, self.main_grads)
 
 
 def layout_flags(layout: ParallelLayout) -> dict[str, Any]:
     """The flat config fields that give ``layout`` (the inverse of
     :meth:`ParallelArgs.layout`; the contract matrix runs its cases through it)."""
-    if layout.recompute not in ("full", "none"):
-        raise ConfigError(f"recompute {layout.recompute!r}: `mt pretrain` recomputes full "
-                          "layers or none")
     return {"nproc": layout.world_size, "tp": layout.tp, "pp": layout.pp, "dp": layout.dp,
             "global_batch_size": layout.global_batch, "micro_batch_size": layout.micro_batch,
             "zero_stage": layout.zero_stage, "schedule": layout.schedule,
             "virtual_stages": layout.virtual_stages,
             "sequence_parallel": layout.sequence_parallel,
-            "activation_checkpointing": layout.recompute == "full",
-            "precision": layout.precision, "chunked_loss": layout.chunked_loss}
+            "recompute": layout.recompute,
+            "precision": layout.precision, "chunked_loss": layout.chunked_loss,
+            "main_grads": layout.main_grads}
 
 
 @dataclass(frozen=True)

@@ -68,15 +68,22 @@ class Case:
         return self.layout.recompute == "full"
 
     @property
+    def recompute(self) -> str:
+        """What each layer recomputes: none, selective or full."""
+        return self.layout.recompute
+
+    @property
     def name(self) -> str:
-        """Short, unique label: ``tp2.pp2.dp2 z1 1f1b sp ac bf16 drop ds``."""
+        """Short, unique label: ``tp2.pp2.dp2 z1 1f1b sp ac bf16 drop ds`` (``sel``:
+        selective recomputation)."""
         lay = self.layout
         parts = [f"tp{lay.tp}.pp{lay.pp}.dp{lay.dp}", f"z{lay.zero_stage}"]
         if lay.pp > 1:
             parts.append(lay.schedule if lay.virtual_stages == 1 else
                          f"{lay.schedule}{lay.virtual_stages}")
         parts += [flag for flag, on in (("sp", lay.sequence_parallel),
-                                        ("ac", self.checkpointing)) if on]
+                                        ("ac", self.checkpointing),
+                                        ("sel", self.recompute == "selective")) if on]
         if lay.precision != "fp32":
             parts.append(lay.precision)
         if self.dropout:
@@ -107,7 +114,7 @@ class Case:
         (the schedule with one stage, SP with tp 1) is left out."""
         lay = self.layout
         out: dict[str, object] = {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp,
-                                  "zero": lay.zero_stage, "ac": self.checkpointing,
+                                  "zero": lay.zero_stage, "recompute": self.recompute,
                                   "precision": lay.precision, "dropout": self.dropout > 0,
                                   "engine": self.engine}
         if lay.pp > 1:
@@ -124,13 +131,16 @@ class Case:
 
 def matrix_layout(tp: int = 1, pp: int = 1, dp: int = 1, zero_stage: int = 0,
                   schedule: str = DEFAULT_SCHEDULE, sequence_parallel: bool = False,
-                  checkpointing: bool = False, precision: str = "fp32",
+                  checkpointing: bool | str = False, precision: str = "fp32",
                   chunked_loss: bool = True) -> ParallelLayout:
     """A layout at the matrix's batch sizes (a chunked schedule with 2 chunks per stage).
-    ``chunked_loss``: the engine's (a case and its reference compute the loss alike)."""
+    ``checkpointing``: the recomputation, a mode or True (full); ``chunked_loss``: the
+    engine's (a case and its reference compute the loss alike)."""
+    recompute = {True: "full", False: "none"}[checkpointing] \
+        if isinstance(checkpointing, bool) else checkpointing
     return ParallelLayout(tp, pp, dp, GLOBAL_BATCH, MICRO_BATCH, zero_stage, schedule,
                   2 if SCHEDULES[schedule].chunked else 1, sequence_parallel,
-                  "full" if checkpointing else "none", precision, chunked_loss)
+                  recompute, precision, chunked_loss)
 
 
 def _grids() -> Iterator[tuple[int, int, int]]:
@@ -156,7 +166,7 @@ def valid(case: Case) -> bool:
 
 
 def candidates() -> list[Case]:
-    """Every valid case: grids x ZeRO stages x schedules x SP x checkpointing x precision x
+    """Every valid case: grids x ZeRO stages x schedules x SP x recompute x precision x
     dropout x engine. ZeRO > 0 only with data parallelism, SP only with TP, and DeepSpeed
     only with dropout 0 (its pipeline engine draws masks its own way)."""
     out = []
@@ -164,7 +174,7 @@ def candidates() -> list[Case]:
         for zero, schedule, sp, ac, precision, dropout, engine in itertools.product(
                 (0, 1, 2, 3) if dp > 1 else (0,),
                 tuple(SCHEDULES) if pp > 1 else (DEFAULT_SCHEDULE,),
-                (False, True) if tp > 1 else (False,), (False, True),
+                (False, True) if tp > 1 else (False,), ("none", "selective", "full"),
                 PRECISIONS, (0.0, DROPOUT), ENGINES):
             if dropout and not ENGINES[engine].keyed_dropout:
                 continue
@@ -202,12 +212,13 @@ def pairwise_cover(cases: Iterable[Case] | None = None) -> list[Case]:
 
 def full_matrix() -> list[Case]:
     """What ``mt matrix --set full`` runs: every parallel layout (grid x ZeRO stage x
-    schedule, fp32, dropout 0), every feature (SP, checkpointing, bf16, fp16, dropout,
+    schedule, fp32, dropout 0), every feature (SP, checkpointing, selective recomputation,
+    bf16, fp16, dropout,
     dropout with checkpointing, DeepSpeed) on every grid it applies to, the pairwise
     cover, and the Llama row set; in that order, without repeats."""
     pool = candidates()
     plain = [c for c in pool if c.dropout == 0 and c.engine == REFERENCE and
-             c.layout.precision == "fp32" and not c.checkpointing and
+             c.layout.precision == "fp32" and c.recompute == "none" and
              not c.layout.sequence_parallel]
     base = {}
     for c in plain:  # one base layout per grid: ZeRO-1 with DP, the 1F1B schedule
@@ -216,7 +227,8 @@ def full_matrix() -> list[Case]:
         if lay.zero_stage == (1 if lay.dp > 1 else 0) and lay.schedule == DEFAULT_SCHEDULE:
             base[key] = c
     features: list[dict[str, Any]] = [
-        {"sequence_parallel": True}, {"checkpointing": True}, {"precision": "bf16"},
+        {"sequence_parallel": True}, {"checkpointing": True}, {"recompute": "selective"},
+        {"precision": "bf16"},
         {"precision": "fp16"}, {"dropout": DROPOUT},
         {"dropout": DROPOUT, "checkpointing": True},
         *({"engine": name} for name in ENGINES if name != REFERENCE)]
@@ -241,7 +253,7 @@ def llama_rows(pool: Iterable[Case] | None = None) -> list[Case]:
     for case in (pool if pool is not None else candidates()):
         lay = case.layout
         if (case.dropout == 0 and case.engine == REFERENCE and lay.precision == "fp32"
-                and not case.checkpointing and lay.schedule == DEFAULT_SCHEDULE
+                and case.recompute == "none" and lay.schedule == DEFAULT_SCHEDULE
                 and lay.zero_stage == (1 if lay.dp > 1 else 0)
                 and lay.sequence_parallel == (lay.tp > 1)):
             out.append(replace(case, model=LLAMA))
@@ -267,6 +279,8 @@ def _with(case: Case, **changes: Any) -> Case:
                       if k in ("sequence_parallel", "precision")}
     if changes.get("checkpointing"):
         layout_changes["recompute"] = "full"
+    if "recompute" in changes:
+        layout_changes["recompute"] = changes["recompute"]
     if "engine" in changes:
         layout_changes["chunked_loss"] = ENGINES[changes["engine"]].chunked_loss
     return replace(case, layout=replace(case.layout, **layout_changes),

@@ -136,7 +136,7 @@ class MTEngine(Engine):
     def _accumulate_loss(self, micro: Sequence[np.ndarray], keys: list[int] | None) -> float:
         """pp == 1: plain gradient accumulation; DP reduction overlaps the last backward."""
         opt, stage = self.optimizer, self.built.stage
-        checkpoint = self.plan.layout.recompute == "full"
+        checkpoint = self.plan.layout.recompute  # none, selective or full
         device = self.groups.device
         m, total = len(micro), 0.0
         for i, array in enumerate(micro):
@@ -145,7 +145,7 @@ class MTEngine(Engine):
             quiet = opt.no_sync() if i < m - 1 else contextlib.nullcontext()
             with quiet:
                 if self._call_module:
-                    loss = stage.loss(stage(batch[:, :-1], key=key), batch[:, 1:])
+                    loss = stage(batch[:, :-1], key=key, targets=batch[:, 1:])
                 else:
                     loss = self._forward_loss(0, batch[:, :-1], batch[:, 1:], checkpoint, key)
                 opt.backward(loss / m)
@@ -157,7 +157,7 @@ class MTEngine(Engine):
             config = replace(self.plan.pipeline, num_micro_batches=m)
             self._executors[m] = PipelineExecutor(
                 self.built.stage, config, StageComm.from_groups(self.groups), self.shape,
-                dtype=self.dtype)
+                dtype=self.dtype, grad_of=self.optimizer.main_grad)
         return self._executors[m]
 
     def _pipeline_loss(self, micro: Sequence[np.ndarray], keys: list[int] | None) -> float:
