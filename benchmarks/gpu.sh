@@ -10,7 +10,8 @@
 #       1.3b (batch 8 x 2048) and gpt2-small (batch 16 x 1024), MFU over 989 TFLOP/s, with
 #       mt_plan's prediction on the h200 data sheet and on the calibration file; JSON to $OUT;
 #   (c) mt pretrain of 1.3b, bf16, micro-batch 8, 12 steps on the embedded corpus; its last
-#       progress lines and metrics line (tokens/s, MFU, peak_mem_gib).
+#       progress lines and metrics line (tokens/s, MFU, peak_mem_gib);
+#   (d) the same with --recompute selective, if the budget leaves time.
 # Logs and results go to $OUT (a temporary folder if unset). Run on the GPU machine:
 #
 #     bash benchmarks/gpu.sh
@@ -113,6 +114,17 @@ echo "--- pretrain: last progress lines"
 grep -iE "^step|^trained|^memory|peak" "$OUT/pretrain-1.3b.log" 2>/dev/null | tail -n 5
 echo "--- pretrain: last metrics line"
 tail -n 1 "$OUT/pretrain-1.3b.jsonl" 2>/dev/null
+echo
+
+# (d) the same with selective recomputation (fp32 main gradients and the chunked loss are on in
+#     both): its peak memory and tokens/s beside (c)'s.
+step pretrain-1.3b-selective 70 "$PY" -m mt_pretrain pretrain "${BIG[@]}" \
+    ${PRETRAIN_SHAPE[@]+"${PRETRAIN_SHAPE[@]}"} --device "$DEVICE" --precision bf16 \
+    --micro-batch-size 8 --global-batch-size 8 --recompute selective \
+    --train-steps "$STEPS" --out-dir "$OUT/pretrain-1.3b-selective" --overwrite --save none \
+    --metrics "$OUT/pretrain-1.3b-selective.jsonl" --log-interval 1 --no-progress \
+    --eval-interval 0 --sample-tokens 0 --peak-tflops 989
+tail -n 1 "$OUT/pretrain-1.3b-selective.jsonl" 2>/dev/null
 echo
 
 echo "=== done in $((SECONDS - START))s; files in $OUT:"

@@ -97,6 +97,15 @@ def test_bad_input_is_one_line(checkpoint: Path, tmp_path: Path) -> None:
     assert task.read_text() == '{"text": "one two three four"}\n'
     code, text = _eval(str(checkpoint), "--task", "mt-cloze", "--shots", "-1")
     assert code == 2 and "--shots must be 0 or more, got -1" in text, text
+    # --device cuda where torch has no GPU (was: "AssertionError: Torch not compiled with
+    # CUDA enabled", exit 1); the same check serves mt generate, serve and bias.
+    if not torch.cuda.is_available():
+        code, text = _eval(str(checkpoint), "--task", "mt-cloze", "--device", "cuda")
+        assert code == 2 and "--device cuda: torch" in text and "Traceback" not in text, text
+    code, text = _eval(str(checkpoint), "--task", "mt-cloze", "--device", "tpu",
+                       "--precision", "fp8")
+    assert code == 2 and "--device must be auto, cpu or cuda, got 'tpu'; --precision must " \
+        "be one of fp32, bf16, fp16, got 'fp8'" in " ".join(text.split()), text
 
 
 def test_auto_keeps_task_files_on_mts_engine(checkpoint: Path, tmp_path: Path) -> None:

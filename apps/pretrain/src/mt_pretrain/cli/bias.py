@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 
 from mt_pretrain.cli.failures import fail, one_line_errors
-from mt_pretrain.cli.layout_options import Device, Nproc, Pp, Precision, Tp
+from mt_pretrain.cli.layout_options import Device, Nproc, Pp, Precision, Tp, placement_problems
 
 __all__ = ["bias_command"]
 
@@ -103,18 +103,13 @@ def _problems(spec: object, output: Path) -> list[str]:
     from mt_eval import TaskError
     from mt_model import Sampling
     from mt_pretrain.evaluation.bias import BiasSpec, bias_samples
-    from mt_zero.precision import PRECISIONS
 
     assert isinstance(spec, BiasSpec)
     problems = [f"--{name} must be positive, got {value}" for name, value in
                 (("samples", spec.samples), ("batch-size", spec.batch_size), ("tp", spec.tp),
                  ("pp", spec.pp), ("nproc", spec.nproc),
                  ("limit", spec.limit if spec.limit is not None else 1)) if value < 1]
-    if spec.device not in ("auto", "cpu", "cuda"):
-        problems.append(f"--device must be auto, cpu or cuda, got {spec.device!r}")
-    if spec.precision not in PRECISIONS:
-        problems.append(f"--precision must be one of {', '.join(PRECISIONS)}, got "
-                        f"{spec.precision!r}")
+    problems += placement_problems(spec.device, spec.precision)
     try:
         Sampling(spec.max_new_tokens, spec.temperature, 0, spec.top_p)
     except ValueError as err:

@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from mt_pretrain.cli.layout_options import Device, Nproc, Pp, Precision, Tp
+from mt_pretrain.cli.layout_options import Device, Nproc, Pp, Precision, Tp, placement_problems
 
 __all__ = ["eval_command"]
 
@@ -87,7 +87,6 @@ def eval_command(
     from mt_pretrain.evaluation.rank import EvalSpec
     from mt_pretrain.evaluation.suites import SUITES
     from mt_pretrain.launch import launch_eval
-    from mt_zero.precision import PRECISIONS
 
     console = Console(stderr=True)
     task = list(task or [])
@@ -96,11 +95,7 @@ def eval_command(
                  ("limit", limit if limit is not None else 1)) if value < 1]
     if shots is not None and shots < 0:
         problems.append(f"--shots must be 0 or more, got {shots}")
-    if device not in ("auto", "cpu", "cuda"):
-        problems.append(f"--device must be auto, cpu or cuda, got {device!r}")
-    if precision not in PRECISIONS:
-        problems.append(f"--precision must be one of {', '.join(PRECISIONS)}, got "
-                        f"{precision!r}")
+    problems += placement_problems(device, precision)
     if output is not None and output.is_dir() and suite is None:  # found now, not later
         problems.append(f"--output {output} is a folder; name the JSON file to write")
     elif output is not None and (clash := output_clash(

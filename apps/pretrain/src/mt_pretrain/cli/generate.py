@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from mt_pretrain.cli.failures import fail, one_line_errors
-from mt_pretrain.cli.layout_options import Device, Nproc, Pp, Precision, Tp
+from mt_pretrain.cli.layout_options import Device, Nproc, Pp, Precision, Tp, placement_problems
 
 __all__ = ["generate_command"]
 
@@ -81,8 +81,7 @@ def generate_command(
     if 1 < in_flight < pp:
         problems.append(f"--in-flight {in_flight} cannot keep --pp {pp} stages busy: give 1 "
                         f"or at least {pp}")
-    if device not in ("auto", "cpu", "cuda"):
-        problems.append(f"--device must be auto, cpu or cuda, got {device!r}")
+    problems += placement_problems(device, precision)
     if output is not None and input is not None and (
             clash := output_clash("--output", output, [checkpoint, input])):
         problems.append(clash)
@@ -94,11 +93,7 @@ def generate_command(
         problems.append(str(err).replace("max_new_tokens", "--max-new-tokens")
                         .replace("top_k", "--top-k").replace("top_p", "--top-p")
                         .replace("temperature", "--temperature"))
-    from mt_zero.precision import PRECISIONS
 
-    if precision not in PRECISIONS:
-        problems.append(f"--precision must be one of {', '.join(PRECISIONS)}, got "
-                        f"{precision!r}")
     if problems:
         fail(console, "; ".join(problems))
     with one_line_errors(console):

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-__all__ = ["Device", "Nproc", "Pp", "Precision", "Tp"]
+__all__ = ["Device", "Nproc", "Pp", "Precision", "Tp", "placement_problems"]
 
 Tp = Annotated[int, typer.Option(help="Tensor-parallel degree.")]
 Pp = Annotated[int, typer.Option(help="Pipeline-parallel degree.")]
@@ -15,3 +15,24 @@ Nproc = Annotated[int, typer.Option(
     help="Local processes (without a launcher); dp = nproc / (tp x pp).")]
 Device = Annotated[str, typer.Option(help="auto, cpu or cuda.")]
 Precision = Annotated[str, typer.Option(help="fp32, bf16 or fp16 weights.")]
+
+
+def placement_problems(device: str, precision: str) -> list[str]:
+    """What is wrong with --device and --precision (one line each; empty: nothing). Asks
+    torch whether CUDA is there only for --device cuda (the command loads torch anyway)."""
+    from mt_zero.precision import PRECISIONS
+
+    problems = []
+    if device not in ("auto", "cpu", "cuda"):
+        problems.append(f"--device must be auto, cpu or cuda, got {device!r}")
+    elif device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            why = (f"torch {torch.__version__} is built without CUDA"
+                   if torch.version.cuda is None else "torch sees no GPU on this machine")
+            problems.append(f"--device cuda: {why}; use --device cpu (or auto)")
+    if precision not in PRECISIONS:
+        problems.append(f"--precision must be one of {', '.join(PRECISIONS)}, got "
+                        f"{precision!r}")
+    return problems

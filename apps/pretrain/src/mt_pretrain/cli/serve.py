@@ -8,7 +8,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from mt_pretrain.cli.layout_options import Device, Nproc, Pp, Precision, Tp
+from mt_pretrain.cli.layout_options import Device, Nproc, Pp, Precision, Tp, placement_problems
 
 __all__ = ["serve_command"]
 
@@ -58,7 +58,6 @@ def serve_command(
 ) -> None:
     import importlib.util
 
-    from mt_zero.precision import PRECISIONS
 
     console = Console(stderr=True)
     problems = [f"--{name} must be positive, got {value}" for name, value in
@@ -68,11 +67,7 @@ def serve_command(
                 if not value > 0]
     if not 0 <= port < 65536:
         problems.append(f"--port must be 0..65535, got {port}")
-    if device not in ("auto", "cpu", "cuda"):
-        problems.append(f"--device must be auto, cpu or cuda, got {device!r}")
-    if precision not in PRECISIONS:
-        problems.append(f"--precision must be one of {', '.join(PRECISIONS)}, got "
-                        f"{precision!r}")
+    problems += placement_problems(device, precision)
     missing = [m for m in ("starlette", "uvicorn") if importlib.util.find_spec(m) is None]
     if missing:
         problems.append(f"mt serve needs {' and '.join(missing)}: pip install "
