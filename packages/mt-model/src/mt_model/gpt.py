@@ -16,6 +16,8 @@ the exact erf form (``F.gelu``'s default). Use ``"tanh"`` to match OpenAI GPT-2 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -152,6 +154,13 @@ class CoreAttention(nn.Module):
     parameters): RoPE on q and k when ``rope_theta`` is given; with m < n key/value heads
     (grouped-query) each serves n / m consecutive query heads. Head counts are derived from
     the widths, so a tensor-parallel rank holding n / tp and m / tp heads runs it unchanged.
+
+    ``context`` (None: the whole sequence is here) is a context-parallel slice, e.g.
+    mt-tensor-parallel's ``ContextParallel``: anything with ``positions(device)`` (this
+    rank's tokens' positions in the sequence), ``key_positions(device)`` and ``gather(x)``
+    (every rank's keys or values, [b, s, ...], in the order of ``key_positions``). Keys and
+    values are gathered, rotary embeddings take the positions, and each query attends to the
+    keys at its position or before.
     """
 
     def __init__(self, head_dim: int, dropout: float = 0.0,
@@ -162,6 +171,7 @@ class CoreAttention(nn.Module):
         self.rope_theta = rope_theta
         # Not buffers (meta-built models leave buffers uninitialized): a plain cache.
         self._rope: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.context: Any = None
 
     @property
     def selective_checkpoint(self) -> bool:
@@ -192,6 +202,8 @@ class CoreAttention(nn.Module):
         def split(t: torch.Tensor, n: int) -> torch.Tensor:  # [b, s, n*d] -> [b, n, s, d]
             return t.reshape(batch, seq, n, self.head_dim).transpose(1, 2)
 
+        if self.context is not None and cache is None:
+            return self._context_parallel(q, k, v, heads, kv_heads)
         q, k, v = split(q, heads), split(k, kv_heads), split(v, kv_heads)
         if cache is not None:
             return self._cached(q, k, v, cache).transpose(1, 2).reshape(batch, seq, width)
@@ -201,6 +213,24 @@ class CoreAttention(nn.Module):
         out = F.scaled_dot_product_attention(
             q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True,
             enable_gqa=kv_heads != heads)
+        return out.transpose(1, 2).reshape(batch, seq, width)
+
+    def _context_parallel(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          heads: int, kv_heads: int) -> torch.Tensor:
+        """Attention of this rank's queries over the whole sequence's keys (``context``)."""
+        ctx, (batch, seq, width) = self.context, q.shape
+        k, v = ctx.gather(k), ctx.gather(v)
+        mine, keys = ctx.positions(q.device), ctx.key_positions(q.device)
+        q = q.reshape(batch, seq, heads, self.head_dim).transpose(1, 2)
+        k, v = (t.reshape(batch, t.shape[1], kv_heads, self.head_dim).transpose(1, 2)
+                for t in (k, v))
+        if self.rope_theta is not None:
+            cos, sin = self._tables(keys.numel(), q.device, q.dtype)  # keys: every position
+            q = apply_rope(q, cos[mine], sin[mine])
+            k = apply_rope(k, cos[keys], sin[keys])
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=keys[None, :] <= mine[:, None],
+            dropout_p=self.dropout if self.training else 0.0, enable_gqa=kv_heads != heads)
         return out.transpose(1, 2).reshape(batch, seq, width)
 
     def _cached(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

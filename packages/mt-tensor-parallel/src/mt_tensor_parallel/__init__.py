@@ -17,9 +17,19 @@ Public API:
   :func:`apply_tensor_parallel`, :func:`param_styles`,
   :func:`shard_state_dict`, :func:`merge_state_dicts`;
 - pure slicing maths: :func:`check_divisibility`, :func:`padded_vocab_size`,
-  :func:`shard_tensor`, :func:`merge_shards`.
+  :func:`shard_tensor`, :func:`merge_shards`;
+- context parallelism (:mod:`mt_tensor_parallel.context`): :class:`ContextParallel` (what an
+  attention core reads to attend over a sequence split across ranks), :func:`cp_positions`,
+  :func:`shard_sequence`, :func:`unshard_sequence` (the causally balanced slices).
 """
 
+from mt_tensor_parallel.context import (
+    ContextParallel,
+    cp_chunks,
+    cp_positions,
+    shard_sequence,
+    unshard_sequence,
+)
 from mt_tensor_parallel.embedding import ParallelTokenPositionEmbedding
 from mt_tensor_parallel.layers import ColumnParallelLinear, ReplicatedKVLinear, RowParallelLinear
 from mt_tensor_parallel.mappings import (
@@ -74,6 +84,7 @@ __all__ = [
     "PARAM_STYLES",
     "TP_RNG",
     "ColumnParallelLinear",
+    "ContextParallel",
     "KeyedRNG",
     "ParallelTokenPositionEmbedding",
     "RNGRegion",
@@ -90,6 +101,8 @@ __all__ = [
     "decoder_plan",
     "check_divisibility",
     "copy_to_tp",
+    "cp_chunks",
+    "cp_positions",
     "gather_from_sequence",
     "gather_from_tp",
     "match_plan",
@@ -103,8 +116,10 @@ __all__ = [
     "reduce_scatter_to_sequence",
     "scatter_to_sequence",
     "scatter_to_tp",
+    "shard_sequence",
     "shard_state_dict",
     "shard_tensor",
+    "unshard_sequence",
     "vocab_parallel_cross_entropy",
     "vocab_parallel_linear_cross_entropy",
     "vocab_parallel_logprobs",

@@ -1,0 +1,97 @@
+"""Context parallelism (CP): each of ``cp`` ranks holds a slice of every sequence.
+
+**The slices** (pure): the sequence is cut into ``2 cp`` equal chunks and rank ``r`` holds
+chunks ``r`` and ``2 cp - 1 - r``. Under a causal mask a later token attends to more keys,
+so pairing an early chunk with a late one gives every rank the same work (the layout of
+Megatron-core and torchtitan). :func:`cp_positions` gives a rank's positions in the whole
+sequence, :func:`shard_sequence` cuts its slice out of a full tensor and
+:func:`unshard_sequence` puts every rank's slices back in order.
+
+**Attention** (:class:`ContextParallel`, what mt-model's attention core reads from its
+``context`` attribute): queries stay local; keys and values are all-gathered over the CP group
+(their gradient is reduce-scattered back: each rank's queries add to every key's gradient),
+so each rank holds the whole sequence's keys in rank order, each with its position. A query
+attends to the keys at its position or before (a mask from the positions), and rotary
+embeddings use the positions, so every token sees exactly what it sees in one process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch.distributed import ProcessGroup
+
+from mt_dist.collectives import group_rank, group_size
+from mt_tensor_parallel.mappings import gather_from_sequence
+
+__all__ = ["ContextParallel", "cp_chunks", "cp_positions", "shard_sequence",
+           "unshard_sequence"]
+
+
+def cp_chunks(seq_len: int, cp: int, rank: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The two [start, end) chunks of the sequence that CP rank ``rank`` of ``cp`` holds."""
+    if cp < 1 or not 0 <= rank < cp:
+        raise ValueError(f"CP rank {rank} of {cp}: need cp >= 1 and 0 <= rank < cp")
+    if seq_len % (2 * cp):
+        raise ValueError(f"sequence length {seq_len} is not divisible by 2 x cp = {2 * cp} "
+                         "(each CP rank holds two equal chunks)")
+    size = seq_len // (2 * cp)
+    late = 2 * cp - 1 - rank
+    return (rank * size, (rank + 1) * size), (late * size, (late + 1) * size)
+
+
+def cp_positions(seq_len: int, cp: int, rank: int) -> list[int]:
+    """The positions (in the whole sequence) of the tokens CP rank ``rank`` holds, in order."""
+    (a, b), (c, d) = cp_chunks(seq_len, cp, rank)
+    return [*range(a, b), *range(c, d)]
+
+
+def shard_sequence(x: torch.Tensor, cp: int, rank: int, dim: int = 1) -> torch.Tensor:
+    """CP rank ``rank``'s slice of ``x`` along ``dim`` (the sequence; no communication)."""
+    (a, b), (c, d) = cp_chunks(x.shape[dim], cp, rank)
+    return torch.cat([x.narrow(dim, a, b - a), x.narrow(dim, c, d - c)], dim=dim)
+
+
+def unshard_sequence(shards: Sequence[torch.Tensor], dim: int = 1) -> torch.Tensor:
+    """The whole sequence from every CP rank's slice (``shards[r]`` is rank r's)."""
+    cp = len(shards)
+    seq_len = sum(s.shape[dim] for s in shards)
+    pieces: list[torch.Tensor | None] = [None] * (2 * cp)
+    for rank, shard in enumerate(shards):
+        half = shard.shape[dim] // 2
+        pieces[rank] = shard.narrow(dim, 0, half)
+        pieces[2 * cp - 1 - rank] = shard.narrow(dim, half, half)
+    out = torch.cat([p for p in pieces if p is not None], dim=dim)
+    assert out.shape[dim] == seq_len
+    return out
+
+
+class ContextParallel:
+    """This rank's part of a context-parallel group, as an attention core uses it.
+
+    Args:
+        group: the CP group (``None``: one rank, the whole sequence).
+        seq_len: the whole sequence's length (divisible by 2 x the group's size).
+    """
+
+    def __init__(self, group: ProcessGroup | None, seq_len: int) -> None:
+        self.group, self.seq_len = group, seq_len
+        self.size, self.rank = group_size(group), group_rank(group)
+        self._positions = torch.tensor(cp_positions(seq_len, self.size, self.rank))
+        self._keys = torch.tensor([p for r in range(self.size)
+                                   for p in cp_positions(seq_len, self.size, r)])
+
+    def positions(self, device: torch.device) -> torch.Tensor:
+        """Positions in the whole sequence of this rank's tokens [seq_len / cp]."""
+        return self._positions.to(device)
+
+    def key_positions(self, device: torch.device) -> torch.Tensor:
+        """Positions of the gathered keys [seq_len], in rank order (see :meth:`gather`)."""
+        return self._keys.to(device)
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's [b, s / cp, ...] keys or values, concatenated in rank order along the
+        sequence; backward reduce-scatters (sums every rank's gradient for this rank's
+        slice)."""
+        return gather_from_sequence(x, self.group, reduce_grads=True)
