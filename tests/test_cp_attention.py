@@ -1,20 +1,24 @@
-"""Context parallelism, first layer: mt-model's attention core with mt-tensor-parallel's
+"""Context parallelism, first layers: mt-model's attention core with mt-tensor-parallel's
 ``ContextParallel`` on 2 and 4 real gloo ranks computes, for each rank's slice of the sequence
 (two chunks, causally balanced), the outputs and the query / key / value gradients of one
 process's attention over the whole sequence (fp32 round-off), with learned positions (GPT-2)
-and with rotary positions and grouped-query heads (Llama)."""
+and with rotary positions and grouped-query heads (Llama); and a whole model so split gives
+one process's loss and parameter gradients (the loss summed over the ranks' tokens, the
+gradients summed over the CP group)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from mt_dist.testing import run_distributed
-from mt_model import preset
+from mt_model import GPT, preset
 from mt_model.gpt import CoreAttention
 from mt_tensor_parallel.context import (
     ContextParallel,
+    attach_context,
     cp_chunks,
     cp_positions,
     shard_sequence,
@@ -72,3 +76,42 @@ def test_the_slices_balance_causal_work_and_cover_the_sequence() -> None:
     assert torch.equal(unshard_sequence([shard_sequence(x, 4, r) for r in range(4)]), x)
     with pytest.raises(ValueError, match="sequence length 30 is not divisible by 2 x cp = 8"):
         cp_chunks(30, 4, 0)
+
+
+def _batch(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(5)
+    return (torch.randint(0, vocab, (2, SEQ), generator=gen),
+            torch.randint(0, vocab, (2, SEQ), generator=gen))
+
+
+def _model_rank(name: str) -> dict[str, torch.Tensor]:
+    cp, rank = dist.get_world_size(), dist.get_rank()
+    model = GPT(preset(name).replace(seq_len=SEQ))
+    context = ContextParallel(dist.group.WORLD, SEQ)
+    assert attach_context(model, context) == model.config.n_layers
+    idx, targets = (shard_sequence(t, cp, rank) for t in _batch(model.config.vocab_size))
+    x = model.embed(idx, context.positions(idx.device).expand(idx.shape[0], -1))
+    for block in model.blocks:
+        x = block(x)
+    tied = model.embed.tokens.weight if model.config.tied_embeddings else None
+    logits = model.head(model.ln_f(x), tied)
+    total = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+    (total / targets.numel() / cp).backward()  # the mean over every rank's tokens
+    dist.all_reduce(total)
+    grads = {}
+    for n, p in model.named_parameters():
+        dist.all_reduce(p.grad)  # every rank's tokens' share, as data parallelism sums
+        grads[n] = p.grad
+    return {"loss": total / (targets.numel() * cp), **grads}
+
+
+@pytest.mark.parametrize("name", ["tiny", "llama-test"])
+def test_a_cp2_model_trains_like_one_process(name: str) -> None:
+    model = GPT(preset(name).replace(seq_len=SEQ))
+    idx, targets = _batch(model.config.vocab_size)
+    loss = model(idx, targets)
+    loss.backward()
+    got = run_distributed(_model_rank, 2, name, timeout=120)[0]
+    torch.testing.assert_close(got["loss"], loss.detach(), rtol=1e-6, atol=0)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(got[n], p.grad, rtol=1e-5, atol=1e-6, msg=n)

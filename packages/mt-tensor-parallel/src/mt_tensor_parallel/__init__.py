@@ -25,6 +25,7 @@ Public API:
 
 from mt_tensor_parallel.context import (
     ContextParallel,
+    attach_context,
     cp_chunks,
     cp_positions,
     shard_sequence,
@@ -98,6 +99,7 @@ __all__ = [
     "VocabParallelEmbedding",
     "VocabParallelHead",
     "apply_tensor_parallel",
+    "attach_context",
     "decoder_plan",
     "check_divisibility",
     "copy_to_tp",

@@ -20,12 +20,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from torch import nn
 from torch.distributed import ProcessGroup
 
 from mt_dist.collectives import group_rank, group_size
 from mt_tensor_parallel.mappings import gather_from_sequence
 
-__all__ = ["ContextParallel", "cp_chunks", "cp_positions", "shard_sequence",
+__all__ = ["ContextParallel", "attach_context", "cp_chunks", "cp_positions", "shard_sequence",
            "unshard_sequence"]
 
 
@@ -95,3 +96,13 @@ class ContextParallel:
         sequence; backward reduce-scatters (sums every rank's gradient for this rank's
         slice)."""
         return gather_from_sequence(x, self.group, reduce_grads=True)
+
+
+def attach_context(model: nn.Module, context: ContextParallel | None) -> int:
+    """Give ``context`` to every module of ``model`` that reads one (an attribute named
+    ``context``, as mt-model's attention core has); ``None`` takes it away. Returns how many
+    modules took it (0: the model has no context-parallel attention)."""
+    modules = [m for m in model.modules() if "context" in vars(m)]
+    for module in modules:
+        module.context = context
+    return len(modules)
