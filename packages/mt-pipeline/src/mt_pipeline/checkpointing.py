@@ -51,8 +51,7 @@ RECOMPUTED: tuple[type[nn.Module], ...] = (nn.LayerNorm, nn.RMSNorm, nn.GELU, nn
 
 def recompute_mode(checkpoint: bool | str) -> str:
     """A mode of :data:`RECOMPUTE_MODES` from a mode or a flag (True: full, False: none)."""
-    mode = {True: "full", False: "none"}.get(checkpoint, checkpoint) \
-        if isinstance(checkpoint, bool) else checkpoint
+    mode = ("full" if checkpoint else "none") if isinstance(checkpoint, bool) else checkpoint
     if mode not in RECOMPUTE_MODES:
         raise ValueError(f"recompute {checkpoint!r} is not one of {', '.join(RECOMPUTE_MODES)}")
     return mode

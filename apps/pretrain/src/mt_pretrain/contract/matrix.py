@@ -136,8 +136,8 @@ def matrix_layout(tp: int = 1, pp: int = 1, dp: int = 1, zero_stage: int = 0,
     """A layout at the matrix's batch sizes (a chunked schedule with 2 chunks per stage).
     ``checkpointing``: the recomputation, a mode or True (full); ``chunked_loss``: the
     engine's (a case and its reference compute the loss alike)."""
-    recompute = {True: "full", False: "none"}[checkpointing] \
-        if isinstance(checkpointing, bool) else checkpointing
+    recompute = (("full" if checkpointing else "none") if isinstance(checkpointing, bool)
+                 else checkpointing)
     return ParallelLayout(tp, pp, dp, GLOBAL_BATCH, MICRO_BATCH, zero_stage, schedule,
                   2 if SCHEDULES[schedule].chunked else 1, sequence_parallel,
                   recompute, precision, chunked_loss)
