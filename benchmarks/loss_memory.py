@@ -54,6 +54,15 @@ def _predicted(chunked: bool, hidden: int | None = None, seq: int | None = None,
     return estimate(gpt, layout, CPU, 1.0).memory_per_gpu_gb * 1e9
 
 
+def runtime_bytes(base: dict, workdir: Path) -> float:
+    """The runtime's own resident memory: a run of ``base`` with a model of hidden size 8
+    and sequence 8, minus the estimator's figure for that model."""
+    small = {**base, "hidden": 8, "n_heads": 1, "seq_len": 8, "micro_batch_size": 1,
+             "global_batch_size": 1, "chunked_loss": True}
+    rss, _, _ = _run(small, workdir)
+    return rss - _predicted(True, hidden=8, seq=8, recompute=base.get("recompute", "full"))
+
+
 def _load() -> str:
     return "load " + " ".join(f"{x:.2f}" for x in os.getloadavg())
 
@@ -65,12 +74,8 @@ def main() -> None:
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {_load()}, "
           f"{os.cpu_count()} cores")
     with tempfile.TemporaryDirectory() as tmp:
-        small = {**BASE, "hidden": 8, "n_heads": 1, "seq_len": 8, "micro_batch_size": 1,
-                 "global_batch_size": 1, "chunked_loss": True}
-        rss, _, _ = _run(small, Path(tmp))
-        runtime = rss - _predicted(True, hidden=8, seq=8)
-        print(f"runtime (hidden 8, sequence 8): RSS {rss / 2**20:.0f} MB, of which the "
-              f"model {_predicted(True, hidden=8, seq=8) / 2**20:.0f} MB")
+        runtime = runtime_bytes(BASE, Path(tmp))
+        print(f"runtime (hidden 8, sequence 8): {runtime / 2**20:.0f} MB")
         print(f"{'loss':<10} {'pred MB':>8} {'meas MB':>8} {'err':>6} | {'model pred':>10} "
               f"{'meas':>6} {'err':>6} | {'tok/s':>6}")
         for _ in range(args.repeats):

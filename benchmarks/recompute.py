@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from loss_memory import BASE, _load, _predicted  # noqa: E402 - the same run and estimate
+from loss_memory import BASE, _load, _predicted, runtime_bytes  # noqa: E402 - the same run
 from plan import _run  # noqa: E402 - benchmarks/plan.py's measured run
 
 MODES = ("none", "selective", "full")
@@ -36,10 +36,7 @@ def main() -> None:
           f"{os.cpu_count()} cores")
     base = {k: v for k, v in BASE.items() if k != "activation_checkpointing"}
     with tempfile.TemporaryDirectory() as tmp:
-        small = {**base, "hidden": 8, "n_heads": 1, "seq_len": 8, "micro_batch_size": 1,
-                 "global_batch_size": 1, "chunked_loss": True}
-        rss, _, _ = _run(small, Path(tmp))
-        runtime = rss - _predicted(True, hidden=8, seq=8, recompute="none")
+        runtime = runtime_bytes({**base, "recompute": "none"}, Path(tmp))
         print(f"runtime (hidden 8, sequence 8): {runtime / 2**20:.0f} MB")
         print(f"{'recompute':<10} {'pred MB':>8} {'meas MB':>8} {'err':>6} | {'tok/s':>6}")
         for _ in range(args.repeats):

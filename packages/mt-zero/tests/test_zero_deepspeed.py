@@ -47,6 +47,13 @@ def test_deepspeed_config_translates_zero_settings() -> None:
     assert "offload_optimizer" not in cfg["zero_optimization"]
     assert cfg["gradient_clipping"] == 1.0
     assert cfg["bf16"] == {"enabled": True} and "fp16" not in cfg
+    # fp32 main gradients (ZeroConfig's default) are DeepSpeed's fp32 accumulation and
+    # reduction; without them DeepSpeed keeps its own default (the compute dtype).
+    assert cfg["data_types"] == {"grad_accum_dtype": "fp32"}
+    assert cfg["communication_data_type"] == "fp32"
+    half = deepspeed_config(ZeroConfig(stage=2, precision="bf16", main_grads=False), 4, 3, 2)
+    assert "data_types" not in half and "communication_data_type" not in half
+    assert "data_types" not in deepspeed_config(ZeroConfig(stage=2), 4, 3, 2)  # fp32
     assert cfg["zero_allow_untested_optimizer"] is True
     assert "optimizer" not in cfg and "scheduler" not in cfg  # client optimizer, mt's LR
 
