@@ -88,13 +88,10 @@ def _model_rank(name: str) -> dict[str, torch.Tensor]:
     cp, rank = dist.get_world_size(), dist.get_rank()
     model = GPT(preset(name).replace(seq_len=SEQ))
     context = ContextParallel(dist.group.WORLD, SEQ)
-    assert attach_context(model, context) == model.config.n_layers
+    # Every attention core, and the embedding (the slice's positions).
+    assert attach_context(model, context) == model.config.n_layers + 1
     idx, targets = (shard_sequence(t, cp, rank) for t in _batch(model.config.vocab_size))
-    x = model.embed(idx, context.positions(idx.device).expand(idx.shape[0], -1))
-    for block in model.blocks:
-        x = block(x)
-    tied = model.embed.tokens.weight if model.config.tied_embeddings else None
-    logits = model.head(model.ln_f(x), tied)
+    logits = model(idx)
     total = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
     (total / targets.numel() / cp).backward()  # the mean over every rank's tokens
     dist.all_reduce(total)

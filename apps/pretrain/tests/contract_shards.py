@@ -4,8 +4,9 @@ trains the references and noise floor it needs once.
 
 A shard groups cases that share references: the fp32 GPT-2 cases and the bf16 ones (each in
 two halves, by estimated cost: bf16 matmuls are emulated, ten times slower, on AVX2-only
-CPUs), the fp16 cases, the Llama rows. `test_contract_matrix.py` checks that the shards hold
-every CI case exactly once.
+CPUs), the fp16 cases, the Llama rows (context-parallel ones too), the fp32 GPT-2
+context-parallel rows (a 16-bit one joins its precision's shards, which measure the floor).
+`test_contract_matrix.py` checks that the shards hold every CI case exactly once.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def _by_cost(cases: list[Case]) -> list[Case]:
 def _shards() -> dict[str, list[Case]]:
     cases = ci_matrix()
     tiny = [c for c in cases if c.model == "tiny"]
-    fp32 = _by_cost([c for c in tiny if c.layout.precision == "fp32"])
+    fp32 = _by_cost([c for c in tiny if c.layout.precision == "fp32" and c.layout.cp == 1])
     bf16 = _by_cost([c for c in tiny if c.layout.precision == "bf16"])
     return {  # halves alternate by estimated cost, so each gets its share of the dearest
         "fp32-a": fp32[0::2],
@@ -38,6 +39,7 @@ def _shards() -> dict[str, list[Case]]:
         "bf16-b": bf16[1::2],
         "fp16": [c for c in tiny if c.layout.precision == "fp16"],
         "llama": [c for c in cases if c.model != "tiny"],
+        "cp": [c for c in tiny if c.layout.precision == "fp32" and c.layout.cp > 1],
     }
 
 

@@ -1,9 +1,10 @@
 """The layout matrix itself (pure): at least 60 layouts, every pair of feature values that can
 occur together covered by the CI subset (the pairwise cover and two Llama rows: llama-test at
-TP 2 x PP 2 x DP 2 and TP 4 x DP 2 with SP), references as documented, and the CI subset
-split into the shards that train it (test_contract_{fp32,bf16}_{a,b}.py, test_contract_fp16.py,
-test_contract_llama.py: each case against the run it must equal) without dropping or repeating
-a case. The full matrix is
+TP 2 x PP 2 x DP 2 and TP 4 x DP 2 with SP), context-parallel rows at CP 2 and 4 with TP, PP,
+ZeRO, recomputation, bf16, dropout and Llama among them, references as documented, and the CI
+subset split into the shards that train it (test_contract_{fp32,bf16}_{a,b}.py,
+test_contract_fp16.py, test_contract_llama.py, test_contract_cp.py: each case against the run
+it must equal) without dropping or repeating a case. The full matrix is
 `mt matrix --set full` (README: its table).
 """
 
@@ -17,10 +18,12 @@ from mt_pretrain.config.load import load_config
 from mt_pretrain.config.resolve import resolve
 from mt_pretrain.contract.matrix import (
     COMMON,
+    CP_CI,
     LLAMA_CI,
     Case,
     candidates,
     ci_matrix,
+    cp_rows,
     full_matrix,
     llama_rows,
     matrix_layout,
@@ -33,13 +36,13 @@ CI = ci_matrix()
 def test_the_matrix_covers_every_pair_of_features() -> None:
     pool, full = candidates(), full_matrix()
     assert len(full) >= 60 and len(set(full)) == len(full)
-    assert set(CI) <= set(full) <= set(pool) | set(llama_rows(pool))
+    assert set(CI) <= set(full) <= set(pool) | set(llama_rows(pool)) | set(cp_rows())
     assert {c.name for c in llama_rows(pool)} >= {c.name for c in LLAMA_CI}
     grids = {(c.layout.tp, c.layout.pp, c.layout.dp) for c in pool}
     assert len(llama_rows(pool)) == len(grids) - 1  # one per grid but one process (the ref)
     assert all(valid(c) for c in llama_rows(pool))  # mt pretrain's own checks accept them
     wanted = set().union(*(case.pairs() for case in pool))
-    covered = set().union(*(case.pairs() for case in CI))
+    covered = set().union(*(case.pairs() for case in CI if case.layout.cp == 1))
     assert wanted == covered
     # The features of the contract, each present (values of every factor).
     factors = {(k, v) for pair in covered for k, v in pair}
@@ -57,6 +60,25 @@ def test_the_matrix_covers_every_pair_of_features() -> None:
         assert tuple(sorted((a, b))) in covered, (a, b)
 
 
+def test_the_context_parallel_rows_hold_every_feature() -> None:
+    rows = cp_rows()
+    assert set(CP_CI) <= set(rows) and all(valid(c) for c in rows)
+    assert {c.layout.cp for c in rows} == {2, 4} and {c.layout.cp for c in CP_CI} == {2, 4}
+    assert all(c.nproc <= 8 for c in rows)
+    # In CI, together: TP (with SP), PP, ZeRO 1-3, each recomputation, bf16, dropout, Llama.
+    ci = [c.factors() for c in CP_CI]
+    for key, value in [("tp", 2), ("sp", True), ("pp", 2), ("dp", 2), ("zero", 1), ("zero", 2),
+                       ("zero", 3), ("recompute", "full"), ("recompute", "selective"),
+                       ("precision", "bf16"), ("dropout", True)]:
+        assert any(f.get(key) == value for f in ci), (key, value)
+    assert any(c.model == "llama-test" for c in CP_CI)
+    # The full matrix: every feature at both degrees (fp16, DeepSpeed refused with CP).
+    for cp in (2, 4):
+        at = [c for c in rows if c.layout.cp == cp]
+        assert {c.layout.precision for c in at} == {"fp32", "bf16", "fp16"}
+        assert any(c.dropout for c in at) and any(c.model == "llama-test" for c in at)
+
+
 def test_references_are_what_the_contract_says() -> None:
     plain = Case(matrix_layout(tp=2, pp=2, dp=2, zero_stage=1, precision="bf16"))
     assert plain.reference() == Case(matrix_layout(precision="bf16"))
@@ -65,6 +87,9 @@ def test_references_are_what_the_contract_says() -> None:
     # Dropout: sharded TP regions draw per-rank masks, so the same TP degree and SP setting.
     assert dropped.reference() == Case(matrix_layout(tp=2, sequence_parallel=True), 0.1)
     assert Case(matrix_layout(dp=4, zero_stage=2), 0.1).reference().nproc == 1
+    # Context parallelism: one process; with dropout the same CP degree (per-slice masks).
+    assert Case(matrix_layout(tp=2, cp=2, zero_stage=1)).reference() == Case(matrix_layout())
+    assert Case(matrix_layout(pp=2, cp=2), 0.1).reference() == Case(matrix_layout(cp=2), 0.1)
 
 
 def test_the_shards_hold_every_ci_case_once() -> None:

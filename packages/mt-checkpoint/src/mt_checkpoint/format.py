@@ -178,11 +178,12 @@ def load_rank(folder: Path, rank: int, meta: CheckpointMeta | None = None) -> di
     return data
 
 
-def save_rank(folder: Path, rank: int, coord: tuple[int, int, int], model: dict[str, Any],
+def save_rank(folder: Path, rank: int, coord: tuple[int, ...], model: dict[str, Any],
               optimizer: dict[str, Any], rng: dict[str, Any]) -> int:
     """Write rank ``rank``'s file into ``folder`` durably; returns its size in bytes.
 
-    ``coord``: its (pp, dp, tp) place; ``model``: its weights (empty off DP replica 0);
+    ``coord``: its (pp, dp, tp) place (and cp index with context parallelism); ``model``: its
+    weights (empty but on DP replica 0's first context slice);
     ``optimizer``: its ZeRO shard (``mt_zero.optimizer_shard_state``); ``rng``: ``torch``,
     ``cuda`` (or None) and ``tracker`` (tensor-parallel streams, or empty) states.
     """

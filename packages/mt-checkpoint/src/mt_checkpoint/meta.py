@@ -76,6 +76,8 @@ class CheckpointMeta:
             parallel.update({"tp": layout.tp, "pp": layout.pp, "dp": layout.dp,
                              "zero_stage": layout.zero_stage,
                              "virtual_stages": layout.virtual_stages})
+            if "cp" in parallel or layout.cp > 1:
+                parallel["cp"] = layout.cp
             if parallel.get("nproc") is not None:
                 parallel["nproc"] = layout.world_size
         return replace(self, layout=layout, config=config,

@@ -31,7 +31,7 @@ def backend_for(device: torch.device | str) -> str:
 
 @dataclass(frozen=True)
 class ParallelGroups:
-    """This rank's process groups in a (tp, pp, dp) topology.
+    """This rank's process groups in a (tp, cp, pp, dp) topology.
 
     Attributes:
         topology: the grid the groups were built from.
@@ -43,6 +43,9 @@ class ParallelGroups:
         pp: this rank's pipeline group (all stages of its pipeline).
         embedding: first + last stage group for tied embeddings; None on middle stages.
         model_parallel: all tp x pp ranks of this rank's replica (for global norms).
+        cp: this rank's context-parallel group (ranks holding slices of the same sequences).
+        dp_cp: the ranks of this rank's model shard over data and context parallelism, which
+            reduce gradients (and ZeRO-shard) together; ``dp``'s ranks when cp == 1.
     """
 
     topology: Topology
@@ -54,6 +57,8 @@ class ParallelGroups:
     pp: ProcessGroup
     embedding: ProcessGroup | None
     model_parallel: ProcessGroup | None = None
+    cp: ProcessGroup | None = None
+    dp_cp: ProcessGroup | None = None
 
     @property
     def coord(self) -> Coord:
@@ -79,6 +84,31 @@ class ParallelGroups:
     def dp_size(self) -> int:
         """Data-parallel degree."""
         return self.topology.dp
+
+    @property
+    def cp_rank(self) -> int:
+        """Index of this rank inside its context-parallel group (its slice of a sequence)."""
+        return self.coord.cp
+
+    @property
+    def cp_size(self) -> int:
+        """Context-parallel degree."""
+        return self.topology.cp
+
+    @property
+    def grad_group(self) -> ProcessGroup:
+        """The group gradients are averaged (and ZeRO states sharded) over: dp x cp."""
+        return self.dp if self.dp_cp is None else self.dp_cp
+
+    @property
+    def grad_rank(self) -> int:
+        """Index of this rank in :attr:`grad_group` (``dp_rank * cp + cp_rank``)."""
+        return self.dp_rank * self.cp_size + self.cp_rank
+
+    @property
+    def grad_size(self) -> int:
+        """Ranks of :attr:`grad_group`: dp x cp."""
+        return self.dp_size * self.cp_size
 
     @property
     def pp_rank(self) -> int:
@@ -140,7 +170,8 @@ def build_groups(
     topology: Topology, device: torch.device | str = "cpu",
     timeout: timedelta | float | None = None,
 ) -> ParallelGroups:
-    """Create all tp / dp / pp / embedding / model-parallel groups; return this rank's.
+    """Create all tp / dp / pp / embedding / model-parallel (and, with cp > 1, cp and dp x cp)
+    groups; return this rank's.
 
     Collective: every rank of the default process group must call it with the same
     ``topology``. Requires an initialized default group of ``topology.world_size`` ranks.
@@ -155,8 +186,8 @@ def build_groups(
     world = dist.get_world_size()
     if world != topology.world_size:
         raise TopologyError(
-            f"default process group has {world} ranks but topology tp {topology.tp} x "
-            f"pp {topology.pp} x dp {topology.dp} needs {topology.world_size}"
+            f"default process group has {world} ranks but topology {topology.describe()} "
+            f"needs {topology.world_size}"
         )
     device = torch.device(device)
     backend = backend_for(device)
@@ -175,6 +206,9 @@ def build_groups(
     tp, dp, pp = mine(topology.tp_groups()), mine(topology.dp_groups()), mine(topology.pp_groups())
     embedding = mine(topology.embedding_groups())
     model_parallel = mine(topology.model_parallel_groups())
+    # Only with context parallelism: existing runs create the same groups as before.
+    cp = mine(topology.cp_groups()) if topology.cp > 1 else None
+    dp_cp = mine(topology.dp_cp_groups()) if topology.cp > 1 else dp
     # Every rank is in exactly one tp/dp/pp group (Topology guarantees it).
     assert tp is not None and dp is not None and pp is not None
     return ParallelGroups(
@@ -187,4 +221,6 @@ def build_groups(
         pp=pp,
         embedding=embedding,
         model_parallel=model_parallel,
+        cp=cp,
+        dp_cp=dp_cp,
     )

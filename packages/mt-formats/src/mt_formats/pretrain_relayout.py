@@ -39,6 +39,7 @@ from mt_checkpoint import (
     cut,
     fresh_rng,
     local_optimizer,
+    rank_file,
     save_rank,
     write_meta,
 )
@@ -89,10 +90,9 @@ class _Source:
 
     def _shards(self, stage: int, tp_rank: int) -> list[dict[str, Any]]:
         shards = []
-        for dp_rank in range(self.dp):
-            path = self.root / self.layout.file(stage, dp_rank, tp_rank)
-            data = load_rank_file(self.root, self.meta,
-                                  self.layout.rank(stage, dp_rank, tp_rank))
+        for rank in self.layout.replicas(stage, tp_rank):  # ZeRO shard order (dp x cp)
+            path = self.root / rank_file(rank)
+            data = load_rank_file(self.root, self.meta, rank)
             state = data.get("optimizer") if isinstance(data, dict) else None
             if not isinstance(state, dict) or state.get("format") != SHARD_FORMAT:
                 raise ConvertError(f"{path}: no {SHARD_FORMAT!r} optimizer shard")
@@ -189,7 +189,7 @@ def convert_pretrain(source: Path, destination: Path, target: PretrainTarget,
         stage_names = {s: [n for n in names if s in stages_of(n, ranges, tied)]
                        for s in range(new.pp)}
         _check_tp(reader.config, new.tp)
-        same = (new.tp, new.pp, new.dp) == (src.tp, src.pp, src.dp)
+        same = (new.tp, new.pp, new.dp, new.cp) == (src.tp, src.pp, src.dp, src.layout.cp)
         written = 0
         try:
             with atomic_directory(Path(destination), overwrite) as staging:
@@ -222,8 +222,8 @@ def describe_pretrain(source: Path, target: PretrainTarget) -> list[str]:
             mine = {n for n in names if stage in stages_of(n, ranges,
                                                          reader.config.tied_embeddings)}
             old = sorted(s for s, ns in src.stage_names.items() if mine & set(ns))
-            files = [src.layout.file(s, d, t) for s in old
-                     for d in range(src.dp) for t in range(src.tp)]
+            files = [rank_file(r) for s in old for t in range(src.tp)
+                     for r in src.layout.replicas(s, t)]
             for d in range(dp):
                 for t in range(tp):
                     lines.append(f"{new.file(stage, d, t)} (pp {stage}, dp "

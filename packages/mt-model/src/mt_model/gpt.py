@@ -123,6 +123,10 @@ class Embedding(nn.Module):
 
     Children: ``tokens`` (vocab_size x hidden, also the output projection when tied),
     ``positions`` (seq_len x hidden; only with learned positions), ``drop``.
+
+    ``context`` (None: the tokens are a whole sequence) is a context-parallel slice, as the
+    attention core takes it: without explicit ``positions`` the tokens are at
+    ``context.positions(device)``.
     """
 
     def __init__(self, config: GPTConfig) -> None:
@@ -132,11 +136,15 @@ class Embedding(nn.Module):
             if config.position == "learned" else None
         self.max_seq = config.seq_len
         self.drop = nn.Dropout(config.dropout)
+        self.context: Any = None
 
     def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None
                 ) -> torch.Tensor:
         """``idx`` [b, s] token ids -> [b, s, hidden]; ``positions`` [b, s] (incremental
-        decoding, :mod:`mt_model.cache`), else 0 .. s - 1."""
+        decoding, :mod:`mt_model.cache`), else those of the context-parallel slice, else
+        0 .. s - 1."""
+        if positions is None and self.context is not None:
+            positions = self.context.positions(idx.device)
         seq = idx.shape[-1]
         last = seq - 1 if positions is None else int(positions.max())
         if last >= self.max_seq:

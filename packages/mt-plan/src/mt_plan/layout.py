@@ -1,4 +1,4 @@
-"""A parallel training layout (pure): TP x PP x DP, batches, ZeRO, schedule, recompute.
+"""A parallel training layout (pure): TP x CP x PP x DP, batches, ZeRO, schedule, recompute.
 
 :class:`ParallelLayout` is the one layout type of mt: built and validated once (its own
 numbers at construction, against a model by :meth:`ParallelLayout.check`), then passed to
@@ -25,7 +25,7 @@ if TYPE_CHECKING:  # mt-dist, mt-tensor-parallel and mt-zero import torch: done 
     from mt_zero import ZeroConfig
 
 __all__ = ["RECOMPUTE", "SCHEDULES", "ZERO_STAGES", "LayoutError", "ParallelLayout",
-           "enumerate_layouts", "option_problems", "stage_layers"]
+           "cp_problems", "enumerate_layouts", "option_problems", "stage_layers"]
 
 RECOMPUTE = ("full", "selective", "none")
 SCHEDULES = tuple(PIPELINE_SCHEDULES)  # mt-pipeline's registry: gpipe, 1f1b, interleaved
@@ -80,6 +80,8 @@ class ParallelLayout:
             gradient); else the logits, then the loss.
         main_grads: 16-bit precisions accumulate gradients over micro-batches and reduce
             them over DP in fp32 (4 bytes per parameter of gradient, not 2).
+        cp: context-parallel degree: each of ``cp`` ranks holds a slice of every sequence
+            (gradients reduced and ZeRO sharded over dp x cp).
     """
 
     tp: int
@@ -95,9 +97,11 @@ class ParallelLayout:
     precision: str = "bf16"
     chunked_loss: bool = True
     main_grads: bool = True
+    cp: int = 1
 
     def __post_init__(self) -> None:
-        ints = {"tp": self.tp, "pp": self.pp, "dp": self.dp, "global_batch": self.global_batch,
+        ints = {"tp": self.tp, "pp": self.pp, "dp": self.dp, "cp": self.cp,
+                "global_batch": self.global_batch,
                 "micro_batch": self.micro_batch, "virtual_stages": self.virtual_stages}
         bad = [f"{k} {v!r}" for k, v in ints.items()
                if isinstance(v, bool) or not isinstance(v, int) or v < 1]
@@ -118,8 +122,8 @@ class ParallelLayout:
 
     @property
     def world_size(self) -> int:
-        """GPUs used: tp x pp x dp."""
-        return self.tp * self.pp * self.dp
+        """GPUs used: tp x cp x pp x dp."""
+        return self.tp * self.cp * self.pp * self.dp
 
     @property
     def num_micro_batches(self) -> int:
@@ -131,7 +135,7 @@ class ParallelLayout:
         """mt-dist's rank grid of this layout (rank order, groups)."""
         from mt_dist import Topology
 
-        return Topology(tp=self.tp, pp=self.pp, dp=self.dp)
+        return Topology(tp=self.tp, pp=self.pp, dp=self.dp, cp=self.cp)
 
     def pipeline_config(self, compile: bool = False) -> PipelineConfig:
         """mt-pipeline's input: the schedule at this layout's micro-batches per pipeline."""
@@ -160,12 +164,27 @@ class ParallelLayout:
                                n_kv_heads=gpt.n_kv_heads)
         except ValueError as err:
             problems.append(str(err))
+        if self.cp > 1:
+            problems += cp_problems(gpt.seq_len, self.cp, self.tp, self.sequence_parallel)
         chunks = self.pp * self.virtual_stages
         if gpt.n_layers % chunks:
             problems.append(f"n_layers {gpt.n_layers} is not divisible by pp {self.pp} x "
                             f"virtual stages {self.virtual_stages} = {chunks}")
         if problems:
             raise LayoutError("invalid layout for this model: " + "; ".join(problems))
+
+
+def cp_problems(seq_len: int, cp: int, tp: int, sequence_parallel: bool) -> list[str]:
+    """Why a sequence of ``seq_len`` cannot be split over ``cp`` context-parallel ranks: each
+    holds two equal chunks (the causal balance), which sequence parallelism splits again over
+    ``tp`` ranks."""
+    if seq_len % (2 * cp):
+        return [f"seq_len {seq_len} is not divisible by 2 x cp {cp} = {2 * cp} (each "
+                f"context-parallel rank holds two equal chunks of every sequence)"]
+    if sequence_parallel and (seq_len // cp) % tp:
+        return [f"seq_len {seq_len} / cp {cp} = {seq_len // cp} is not divisible by tp {tp} "
+                f"(sequence parallelism splits each rank's slice)"]
+    return []
 
 
 def stage_layers(n_layers: int, layout: ParallelLayout) -> list[int]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -27,6 +29,8 @@ class ParallelTokenPositionEmbedding(nn.Module):
     With it the partial sums are reduce-scattered along the sequence, this rank's position
     rows are added (the position weight goes through copy_to_tp so its gradient is summed
     over ranks) and the output [b, s/tp, h] gets dropout from the TP stream of ``tracker``.
+    ``context`` (None: ``idx`` holds whole sequences) is a context-parallel slice
+    (:class:`~mt_tensor_parallel.ContextParallel`): the tokens are at its positions.
     """
 
     def __init__(self, tokens: VocabParallelEmbedding, positions: nn.Embedding | None,
@@ -39,6 +43,7 @@ class ParallelTokenPositionEmbedding(nn.Module):
         self.tokens, self.positions, self.drop = tokens, positions, drop
         self.group, self.sequence_parallel = group, sequence_parallel
         object.__setattr__(self, "tracker", tracker)
+        self.context: Any = None
 
     @classmethod
     def from_module(cls, embed: nn.Module, group: ProcessGroup | None, *,
@@ -58,14 +63,16 @@ class ParallelTokenPositionEmbedding(nn.Module):
                 ) -> torch.Tensor:
         """``idx`` [b, s] -> [b, s, h], or [b, s/tp, h] with sequence parallelism;
         ``positions`` [b, s] (incremental decoding, without sequence parallelism), else
-        0 .. s - 1."""
+        the context-parallel slice's, else 0 .. s - 1."""
         seq = idx.shape[-1]
+        if positions is not None and self.sequence_parallel:
+            raise ValueError("decoding with given positions runs without sequence parallelism")
+        if positions is None and self.context is not None:
+            positions = self.context.positions(idx.device)
         last = seq - 1 if positions is None else int(positions.max())
         if self.positions is not None and last >= self.positions.num_embeddings:
             raise ValueError(f"sequence length {last + 1} exceeds the model's seq_len "
                              f"{self.positions.num_embeddings}")
-        if positions is not None and self.sequence_parallel:
-            raise ValueError("decoding with given positions runs without sequence parallelism")
         if not self.sequence_parallel:
             x = self.tokens(idx)
             if self.positions is None:  # rotary positions are applied in attention
@@ -80,7 +87,8 @@ class ParallelTokenPositionEmbedding(nn.Module):
         x = self.tokens(idx)
         if self.positions is not None:
             weight = copy_to_tp(self.positions.weight, self.group)
-            x = x + weight[rank * local:(rank + 1) * local]
+            x = x + (weight[rank * local:(rank + 1) * local] if positions is None else
+                     F.embedding(positions[rank * local:(rank + 1) * local], weight))
         if self.tracker is None or not self.training:
             return self.drop(x)
         with self.tracker.fork():

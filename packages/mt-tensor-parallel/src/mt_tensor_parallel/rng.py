@@ -125,17 +125,23 @@ class KeyedRNG:
     - recomputation (activation checkpointing) replays the same masks when the region is
       entered again inside the recomputed function;
     - a resumed run needs no saved generator state.
+
+    ``slice_index`` (a context-parallel rank's index; 0 without context parallelism) is mixed
+    into every seed: the ranks holding slices of one sequence draw different masks for their
+    equally shaped slices, as tensor-parallel streams do for shards.
     """
 
     def __init__(self, seed: int, tracker: RNGTracker | None = None,
-                 use_cuda: bool | None = None) -> None:
+                 use_cuda: bool | None = None, slice_index: int = 0) -> None:
         self.seed = seed
         self.tracker = tracker
         self.use_cuda = torch.cuda.is_available() if use_cuda is None else use_cuda
+        self.slice_index = slice_index
 
     def enter(self, key: int, region: int) -> None:
         """Seed every generator for ``region`` of micro-batch ``key``."""
-        seed = mix_seed(self.seed, key, region)
+        seed = mix_seed(self.seed, key, region) if not self.slice_index else \
+            mix_seed(self.seed, key, region, self.slice_index)
         torch.default_generator.manual_seed(seed)
         if self.use_cuda:
             torch.cuda.manual_seed(seed)

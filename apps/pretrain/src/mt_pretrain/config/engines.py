@@ -87,6 +87,10 @@ def _deepspeed_refuses(config: PretrainConfig) -> list[str]:
     if par.compile:
         problems.append("--compile is not supported with --engine deepspeed (DeepSpeed "
                         "runs the model); use --engine mt")
+    if par.cp > 1:
+        problems.append(f"--cp {par.cp} is not supported with --engine deepspeed (its engines "
+                        "reduce gradients over their own data-parallel group, not over the "
+                        "context-parallel ranks); use --engine mt")
     if config.train.rampup_start is not None:
         problems.append(f"--rampup-start {config.train.rampup_start}: batch-size ramp-up is "
                         "not supported with --engine deepspeed (its gradient accumulation "

@@ -73,7 +73,7 @@ class RunPlan:
 
     @property
     def topology(self) -> Topology:
-        """The layout's (tp, pp, dp) rank grid."""
+        """The layout's (tp, cp, pp, dp) rank grid."""
         return self.layout.topology
 
 
@@ -140,19 +140,24 @@ def resolve(config: PretrainConfig, world_size: int) -> RunPlan:
     if refused:
         raise ConfigError("invalid configuration: " + "; ".join(refused))
     try:
-        if par.dp is not None and par.tp * par.pp * par.dp != world_size:
+        cp = f" x cp {par.cp}" if par.cp > 1 else ""
+        if par.dp is not None and par.tp * par.cp * par.pp * par.dp != world_size:
             raise TopologyError(
-                f"tp {par.tp} x pp {par.pp} x dp {par.dp} = {par.tp * par.pp * par.dp} "
-                f"processes, but the world size is {world_size}")
+                f"tp {par.tp} x pp {par.pp} x dp {par.dp}{cp} = "
+                f"{par.tp * par.cp * par.pp * par.dp} processes, but the world size is "
+                f"{world_size}")
         layout = par.layout(world_size, train.global_batch_size, train.micro_batch_size)
         layout.check(gpt)
     except TopologyError as err:
         hint = ""
-        if world_size % (par.tp * par.pp):
+        if world_size % (par.tp * par.pp * par.cp):
             tp = math.gcd(par.tp, world_size)
             pp = math.gcd(par.pp, world_size // tp)
             hint = (f"; with {world_size} process{'es' if world_size > 1 else ''} pass --tp "
                     f"and --pp whose product divides {world_size}, e.g. --tp {tp} --pp {pp}")
+            if par.cp > 1:
+                hint = (f"; with {world_size} process{'es' if world_size > 1 else ''} pass "
+                        f"--tp, --cp and --pp whose product divides {world_size}")
         raise ConfigError(f"invalid layout: {err}{hint}") from None
     except LayoutError as err:
         raise ConfigError(str(err)) from None
@@ -203,8 +208,9 @@ def resolve(config: PretrainConfig, world_size: int) -> RunPlan:
 
 
 def activation_shape(plan: RunPlan) -> tuple[int, int, int]:
-    """Shape of one micro-batch's activation between stages: [micro, seq (/tp with SP), h]."""
-    seq = plan.gpt.seq_len
+    """Shape of one micro-batch's activation between stages: [micro, seq / cp (/tp with SP),
+    h]."""
+    seq = plan.gpt.seq_len // plan.topology.cp
     if plan.layout.sequence_parallel:
         seq //= plan.topology.tp
     return (plan.layout.micro_batch, seq, plan.gpt.hidden)
@@ -282,7 +288,7 @@ def describe(config: PretrainConfig, plan: RunPlan, max_ranks: int = 32) -> str:
         f"{gpt.n_heads} heads, vocab {gpt.vocab_size}, seq {gpt.seq_len}"
         + (f" (of {plan.model.seq_len} positions)" if plan.model.seq_len != gpt.seq_len
            else "") + f": {count_parameters(plan.model):,} parameters",
-        f"layout     tp {topo.tp} x pp {topo.pp} x dp {topo.dp} = {topo.world_size} ranks; "
+        f"layout     {topo.describe()} = {topo.world_size} ranks; "
         f"ZeRO stage {lay.zero_stage}, {lay.precision}, engine {par.engine}"
         + (", sequence parallel" if lay.sequence_parallel else "")
         + (f", recompute {lay.recompute}" if lay.recompute != "none" else "")
@@ -291,6 +297,10 @@ def describe(config: PretrainConfig, plan: RunPlan, max_ranks: int = 32) -> str:
         f"dp {topo.dp} x {pipe.num_micro_batches} micro-batches"
         + (f"; ramp-up {plan.rampup[0]} +{plan.rampup[1]} over {plan.rampup[2]:,} samples"
            if plan.rampup else ""),
+        *([f"context    cp {topo.cp}: each rank holds 2 chunks of {gpt.seq_len // (2 * topo.cp)}"
+            f" tokens of every sequence, keys and values all-gathered over the cp group in "
+            f"every layer; gradients reduced over dp x cp = {topo.dp * topo.cp} ranks"]
+          if topo.cp > 1 else []),
         f"training   {plan.train_steps:,} steps, {plan.train_samples:,} samples, "
         f"{plan.train_samples * gpt.seq_len:,} tokens; "
         f"{model_flops_per_token_training(gpt):.3g} FLOPs per token",
@@ -313,7 +323,9 @@ def describe(config: PretrainConfig, plan: RunPlan, max_ranks: int = 32) -> str:
             f"{_gib(mem['temporaries'])})")
     lines.append(measured_memory_note(par.device))
     lines.append("groups")
-    for kind in ("tp", "dp", "pp", "embedding"):
+    kinds = ("tp", "cp", "dp", "dp_cp", "pp", "embedding") if topo.cp > 1 else \
+        ("tp", "dp", "pp", "embedding")
+    for kind in kinds:
         groups = getattr(topo, f"{kind}_groups")()
         shown = ", ".join(str(list(g)) for g in groups[:8])
         more = f" ... ({len(groups)} groups)" if len(groups) > 8 else ""
@@ -321,7 +333,8 @@ def describe(config: PretrainConfig, plan: RunPlan, max_ranks: int = 32) -> str:
     lines.append("ranks")
     for rank in range(min(topo.world_size, max_ranks)):
         c = topo.coord(rank)
-        lines.append(f"  rank {rank:>4}: pp {c.pp} dp {c.dp} tp {c.tp}")
+        lines.append(f"  rank {rank:>4}: pp {c.pp} dp {c.dp} tp {c.tp}"
+                     + (f" cp {c.cp}" if topo.cp > 1 else ""))
     if topo.world_size > max_ranks:
         lines.append(f"  ... {topo.world_size - max_ranks} more ranks")
     return "\n".join(lines)

@@ -154,17 +154,22 @@ class ModelArgs:
 
 @dataclass(frozen=True)
 class ParallelArgs:
-    """Processes, the (TP, PP, DP) layout and the engine."""
+    """Processes, the (TP, CP, PP, DP) layout and the engine."""
 
     nproc: int | None = None
     """Local processes to spawn when not under a launcher (torchrun, mpirun, srun). Default:
-    tp x pp x dp (dp 1 unless given). Ignored under a launcher."""
+    tp x cp x pp x dp (dp 1 unless given). Ignored under a launcher."""
     tp: int = 1
     """Tensor-parallel degree (slices every layer; keep it inside a node)."""
+    cp: int = 1
+    """Context-parallel degree: each of cp ranks holds 2 chunks of every sequence (an early
+    and a late one: equal causal work), keys and values are all-gathered over them in every
+    layer; activations per rank / cp, for long sequences. --seq-len must divide by 2 x cp."""
     pp: int = 1
     """Pipeline-parallel degree (stages of consecutive layers)."""
     dp: int | None = None
-    """Data-parallel degree (default: world size / (tp x pp): the processes TP and PP leave)."""
+    """Data-parallel degree (default: world size / (tp x cp x pp): the processes TP, CP and PP
+    leave)."""
     zero_stage: int = 1
     """ZeRO stage: 0 plain data parallel, 1 shard optimizer state, 2 + gradients,
     3 + parameters."""
@@ -216,7 +221,7 @@ class ParallelArgs:
 
     def __post_init__(self) -> None:
         problems: list[str] = []
-        _positive(problems, self, "tp", "pp", "virtual_stages")
+        _positive(problems, self, "tp", "cp", "pp", "virtual_stages")
         _positive(problems, self, "nproc", "dp", allow_none=True)
         schedule, virtual_stages = self.pipeline_options()
         problems += option_problems(zero_stage=self.zero_stage, schedule=schedule,
@@ -244,6 +249,10 @@ class ParallelArgs:
         if self.zero_stage == 3 and self.compile:
             problems.append("--zero-stage 3 with --compile is not supported (parameters are "
                             "gathered in module hooks); use ZeRO stage 0-2 with --compile")
+        if self.cp > 1 and self.compile:
+            problems.append(f"--cp {self.cp} with --compile is not supported yet (the "
+                            "context-parallel key/value exchange is not shown to compile); "
+                            "leave out --compile")
         if self.zero_stage >= 2 and self.pp > 1:
             problems.append(f"--zero-stage {self.zero_stage} with --pp {self.pp}: gradient "
                             "sharding across pipeline micro-batches is not supported; use "
@@ -271,19 +280,21 @@ class ParallelArgs:
         the numbers); :func:`layout_flags` is its inverse."""
         from mt_dist import Topology  # torch: not for a config that is only read
 
-        topology = Topology.from_world(world_size, tp=self.tp, pp=self.pp)
+        topology = Topology.from_world(world_size, tp=self.tp, pp=self.pp, cp=self.cp)
         schedule, virtual_stages = self.pipeline_options()
         return ParallelLayout(topology.tp, topology.pp, topology.dp, global_batch, micro_batch,
                               self.zero_stage, schedule, virtual_stages,
                               self.sequence_parallel, self.recompute_mode, self.precision,
                               self.chunked_loss if self.chunked_loss is not None
-                              else ENGINES[self.engine].chunked_loss, self.main_grads)
+                              else ENGINES[self.engine].chunked_loss, self.main_grads,
+                              topology.cp)
 
 
 def layout_flags(layout: ParallelLayout) -> dict[str, Any]:
     """The flat config fields that give ``layout`` (the inverse of
     :meth:`ParallelArgs.layout`; the contract matrix runs its cases through it)."""
-    return {"nproc": layout.world_size, "tp": layout.tp, "pp": layout.pp, "dp": layout.dp,
+    return {"nproc": layout.world_size, "tp": layout.tp, "cp": layout.cp, "pp": layout.pp,
+            "dp": layout.dp,
             "global_batch_size": layout.global_batch, "micro_batch_size": layout.micro_batch,
             "zero_stage": layout.zero_stage, "schedule": layout.schedule,
             "virtual_stages": layout.virtual_stages,
@@ -561,13 +572,17 @@ class PretrainConfig:
         self.model.gpt_config()  # raises ConfigError for a bad shape
         if self.train.eval_interval and self.train.eval_iters == 0:
             _raise(["--eval-interval needs --eval-iters >= 1"], "configuration")
+        if self.parallel.cp > 1 and self.train.eval_tasks:
+            _raise([f"--eval-task with --cp {self.parallel.cp} is not supported (task scoring "
+                    "runs whole sequences on each rank); score the checkpoint after training "
+                    "with `mt eval`"], "configuration")
 
     def world_size_hint(self) -> int:
         """World size implied by the config alone (a launcher may say otherwise)."""
         p = self.parallel
         if p.nproc is not None:
             return p.nproc
-        return p.tp * p.pp * (p.dp or 1)
+        return p.tp * p.cp * p.pp * (p.dp or 1)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """Plain nested dict (YAML / JSON)."""

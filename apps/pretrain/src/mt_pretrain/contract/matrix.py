@@ -1,23 +1,25 @@
 """The layout matrix (pure): every way `mt pretrain` can split a run over at most 8 processes,
 what each must equal, and a small subset that still holds every pair of features.
 
-A :class:`Case` is a parallel :class:`~mt_plan.layout.Layout` (TP x PP x DP, ZeRO stage,
+A :class:`Case` is a parallel :class:`~mt_plan.layout.Layout` (TP x CP x PP x DP, ZeRO stage,
 schedule, sequence parallelism, activation checkpointing, precision) plus dropout and the
 engine. Its :meth:`Case.reference` is the run it must train exactly like:
 
 - dropout 0: one process in the same precision (same seed, same global batches);
 - dropout > 0: the masks are keyed by (micro-batch, layer), so data parallelism, pipeline
   stages, schedules, ZeRO and checkpointing do not change them, but tensor-parallel regions
-  draw per-rank masks by design (their activations are shards): the reference is the run at
-  the same TP degree and sequence-parallel setting on one pipeline stage and one replica,
-  which is one process when tp = 1.
+  draw per-rank masks by design (their activations are shards), and so do context-parallel
+  ranks (their slices of a sequence): the reference is the run at the same TP and CP degrees
+  and sequence-parallel setting on one pipeline stage and one replica, which is one process
+  when tp = cp = 1.
 
 :func:`candidates` enumerates the whole space (every valid combination, a few thousand);
 :func:`full_matrix` is what ``mt matrix --set full`` runs: every parallel layout, every
 feature on every grid it applies to, and :func:`pairwise_cover`, the CI subset: a greedy
 choice of cases in which every pair of feature values that can occur together occurs at
 least once (TP x ZeRO stage, schedule x DP, SP x ZeRO, checkpointing x dropout, bf16 x
-pipelines...).
+pipelines...). Context parallelism has its own rows (:func:`cp_rows`, CI: :data:`CP_CI`),
+outside the pairwise cover, which stays the cover of the three other dimensions.
 """
 
 from __future__ import annotations
@@ -33,8 +35,8 @@ from mt_plan.layout import ParallelLayout
 from mt_pretrain.config.engines import ENGINES, REFERENCE
 from mt_pretrain.config.schema import PRECISIONS, layout_flags
 
-__all__ = ["COMMON", "LLAMA", "LLAMA_CI", "Case", "candidates", "ci_matrix", "full_matrix",
-           "llama_rows", "matrix_layout", "pairwise_cover", "valid"]
+__all__ = ["COMMON", "CP_CI", "LLAMA", "LLAMA_CI", "Case", "candidates", "ci_matrix",
+           "cp_rows", "full_matrix", "llama_rows", "matrix_layout", "pairwise_cover", "valid"]
 
 #: The run every case trains: the tiny GPT on the embedded corpus, global batch 8 of
 #: micro-batches of 1 (so every DP degree up to 8 divides it), validation at the end.
@@ -75,9 +77,10 @@ class Case:
     @property
     def name(self) -> str:
         """Short, unique label: ``tp2.pp2.dp2 z1 1f1b sp ac bf16 drop ds`` (``sel``:
-        selective recomputation)."""
+        selective recomputation; ``.cp2`` after the degrees with context parallelism)."""
         lay = self.layout
-        parts = [f"tp{lay.tp}.pp{lay.pp}.dp{lay.dp}", f"z{lay.zero_stage}"]
+        cp = f".cp{lay.cp}" if lay.cp > 1 else ""
+        parts = [f"tp{lay.tp}.pp{lay.pp}.dp{lay.dp}{cp}", f"z{lay.zero_stage}"]
         if lay.pp > 1:
             parts.append(lay.schedule if lay.virtual_stages == 1 else
                          f"{lay.schedule}{lay.virtual_stages}")
@@ -103,10 +106,10 @@ class Case:
     def reference(self) -> Case:
         """The run this case must equal (see the module docstring)."""
         lay = self.layout
-        keep_tp = self.dropout > 0
-        return Case(matrix_layout(tp=lay.tp if keep_tp else 1, precision=lay.precision,
-                                  sequence_parallel=lay.sequence_parallel and keep_tp,
-                                  chunked_loss=lay.chunked_loss),
+        keep = self.dropout > 0  # the masks of shards and slices are drawn per rank
+        return Case(matrix_layout(tp=lay.tp if keep else 1, precision=lay.precision,
+                                  sequence_parallel=lay.sequence_parallel and keep,
+                                  chunked_loss=lay.chunked_loss, cp=lay.cp if keep else 1),
                     self.dropout, model=self.model)
 
     def factors(self) -> dict[str, object]:
@@ -121,6 +124,8 @@ class Case:
             out["schedule"] = lay.schedule
         if lay.tp > 1:
             out["sp"] = lay.sequence_parallel
+        if lay.cp > 1:
+            out["cp"] = lay.cp
         return out
 
     def pairs(self) -> frozenset[tuple[tuple[str, object], tuple[str, object]]]:
@@ -132,7 +137,7 @@ class Case:
 def matrix_layout(tp: int = 1, pp: int = 1, dp: int = 1, zero_stage: int = 0,
                   schedule: str = DEFAULT_SCHEDULE, sequence_parallel: bool = False,
                   checkpointing: bool | str = False, precision: str = "fp32",
-                  chunked_loss: bool = True) -> ParallelLayout:
+                  chunked_loss: bool = True, cp: int = 1) -> ParallelLayout:
     """A layout at the matrix's batch sizes (a chunked schedule with 2 chunks per stage).
     ``checkpointing``: the recomputation, a mode or True (full); ``chunked_loss``: the
     engine's (a case and its reference compute the loss alike)."""
@@ -140,12 +145,12 @@ def matrix_layout(tp: int = 1, pp: int = 1, dp: int = 1, zero_stage: int = 0,
                  else checkpointing)
     return ParallelLayout(tp, pp, dp, GLOBAL_BATCH, MICRO_BATCH, zero_stage, schedule,
                   2 if SCHEDULES[schedule].chunked else 1, sequence_parallel,
-                  recompute, precision, chunked_loss)
+                  recompute, precision, chunked_loss, cp=cp)
 
 
-def _grids() -> Iterator[tuple[int, int, int]]:
+def _grids(cp: int = 1) -> Iterator[tuple[int, int, int]]:
     for tp, pp, dp in itertools.product((1, 2, 4), (1, 2, 4), (1, 2, 4, 8)):
-        if tp * pp * dp <= MAX_PROCS:
+        if tp * pp * dp * cp <= MAX_PROCS:
             yield tp, pp, dp
 
 
@@ -165,21 +170,22 @@ def valid(case: Case) -> bool:
     return True
 
 
-def candidates() -> list[Case]:
-    """Every valid case: grids x ZeRO stages x schedules x SP x recompute x precision x
-    dropout x engine. ZeRO > 0 only with data parallelism, SP only with TP, and DeepSpeed
-    only with dropout 0 (its pipeline engine draws masks its own way)."""
+def candidates(cp: int = 1) -> list[Case]:
+    """Every valid case at context-parallel degree ``cp``: grids x ZeRO stages x schedules x
+    SP x recompute x precision x dropout x engine. ZeRO > 0 only with data (or context)
+    parallelism, SP only with TP, and DeepSpeed only with dropout 0 (its pipeline engine draws
+    masks its own way)."""
     out = []
-    for tp, pp, dp in _grids():
+    for tp, pp, dp in _grids(cp):
         for zero, schedule, sp, ac, precision, dropout, engine in itertools.product(
-                (0, 1, 2, 3) if dp > 1 else (0,),
+                (0, 1, 2, 3) if dp * cp > 1 else (0,),
                 tuple(SCHEDULES) if pp > 1 else (DEFAULT_SCHEDULE,),
                 (False, True) if tp > 1 else (False,), ("none", "selective", "full"),
                 PRECISIONS, (0.0, DROPOUT), ENGINES):
             if dropout and not ENGINES[engine].keyed_dropout:
                 continue
             layout = matrix_layout(tp, pp, dp, zero, schedule, sp, ac, precision,
-                                   ENGINES[engine].chunked_loss)
+                                   ENGINES[engine].chunked_loss, cp)
             case = Case(layout, dropout, engine)
             if valid(case):
                 out.append(case)
@@ -191,6 +197,7 @@ def _cost(case: Case) -> float:
     collectives in every layer, fp16 matmuls have no fast CPU kernel, DeepSpeed starts slowly)."""
     lay = case.layout
     return (0.3 * case.nproc + 1.5 * (lay.tp - 1) + 8.0 * (lay.precision == "fp16")
+            + 1.0 * (lay.cp - 1)
             + ENGINES[case.engine].start_seconds + 0.2 * case.checkpointing)
 
 
@@ -215,16 +222,26 @@ def full_matrix() -> list[Case]:
     schedule, fp32, dropout 0), every feature (SP, checkpointing, selective recomputation,
     bf16, fp16, dropout,
     dropout with checkpointing, DeepSpeed) on every grid it applies to, the pairwise
-    cover, and the Llama row set; in that order, without repeats."""
+    cover, the Llama row set and the context-parallel rows; in that order, without
+    repeats."""
     pool = candidates()
+    plain, variants = _base_and_features(pool)
+    return list(dict.fromkeys(plain + variants + pairwise_cover(pool) + llama_rows(pool)
+                              + cp_rows()))
+
+
+def _base_and_features(pool: list[Case]) -> tuple[list[Case], list[Case]]:
+    """Every plain case of ``pool`` (fp32, dropout 0, mt's engine, no recomputation, no SP),
+    and each grid's base layout with every feature."""
     plain = [c for c in pool if c.dropout == 0 and c.engine == REFERENCE and
              c.layout.precision == "fp32" and c.recompute == "none" and
              not c.layout.sequence_parallel]
     base = {}
-    for c in plain:  # one base layout per grid: ZeRO-1 with DP, the 1F1B schedule
+    for c in plain:  # one base layout per grid: ZeRO-1 with DP (or CP), the 1F1B schedule
         lay = c.layout
         key = (lay.tp, lay.pp, lay.dp)
-        if lay.zero_stage == (1 if lay.dp > 1 else 0) and lay.schedule == DEFAULT_SCHEDULE:
+        if lay.zero_stage == (1 if lay.dp * lay.cp > 1 else 0) and \
+                lay.schedule == DEFAULT_SCHEDULE:
             base[key] = c
     features: list[dict[str, Any]] = [
         {"sequence_parallel": True}, {"checkpointing": True}, {"recompute": "selective"},
@@ -238,7 +255,19 @@ def full_matrix() -> list[Case]:
             variant = _with(case, **feature)
             if variant in pool:
                 variants.append(variant)
-    return list(dict.fromkeys(plain + variants + pairwise_cover(pool) + llama_rows(pool)))
+    return plain, variants
+
+
+def cp_rows() -> list[Case]:
+    """The context-parallel rows of the full matrix: at CP 2 and 4, every grid it fits in 8
+    processes (plain), each grid's base layout with every feature, the Llama row set, and
+    the CI rows (:data:`CP_CI`)."""
+    out: list[Case] = []
+    for cp in (2, 4):
+        pool = candidates(cp)
+        plain, variants = _base_and_features(pool)
+        out += plain + variants + llama_rows(pool)
+    return list(dict.fromkeys(out + list(CP_CI)))
 
 
 #: The Llama row set: llama-test (RoPE, RMSNorm, SwiGLU, 4 query / 2 key-value heads, untied
@@ -254,7 +283,7 @@ def llama_rows(pool: Iterable[Case] | None = None) -> list[Case]:
         lay = case.layout
         if (case.dropout == 0 and case.engine == REFERENCE and lay.precision == "fp32"
                 and case.recompute == "none" and lay.schedule == DEFAULT_SCHEDULE
-                and lay.zero_stage == (1 if lay.dp > 1 else 0)
+                and lay.zero_stage == (1 if lay.dp * lay.cp > 1 else 0)
                 and lay.sequence_parallel == (lay.tp > 1)):
             out.append(replace(case, model=LLAMA))
     return out
@@ -269,9 +298,24 @@ LLAMA_CI = (
 )
 
 
+#: The context-parallel rows CI runs (GPT-2 tiny unless said): CP 4 alone (2 chunks of 4
+#: tokens per rank); CP 2 with TP 2, sequence parallelism, full recomputation and ZeRO-1 over
+#: the two CP ranks; CP 2 x DP 2 with ZeRO-2 in bf16; CP 2 x DP 2 with ZeRO-3 on Llama
+#: (rotary positions of each slice, grouped-query keys gathered); CP 2 with 2 pipeline
+#: stages, selective recomputation and keyed dropout (each CP rank its own masks).
+CP_CI = (
+    Case(matrix_layout(cp=4)),
+    Case(matrix_layout(tp=2, cp=2, zero_stage=1, sequence_parallel=True, checkpointing=True)),
+    Case(matrix_layout(dp=2, cp=2, zero_stage=2, precision="bf16")),
+    Case(matrix_layout(dp=2, cp=2, zero_stage=3), model=LLAMA),
+    Case(matrix_layout(pp=2, cp=2, zero_stage=1, checkpointing="selective"), DROPOUT),
+)
+
+
 def ci_matrix() -> list[Case]:
-    """What CI and ``mt matrix --set ci`` run: the pairwise cover and the Llama CI rows."""
-    return pairwise_cover() + list(LLAMA_CI)
+    """What CI and ``mt matrix --set ci`` run: the pairwise cover, the Llama CI rows and the
+    context-parallel CI rows."""
+    return pairwise_cover() + list(LLAMA_CI) + list(CP_CI)
 
 
 def _with(case: Case, **changes: Any) -> Case:

@@ -27,8 +27,8 @@ from mt_pretrain.config.load import blend_text, dataset_paths
 from mt_pretrain.config.resolve import RunPlan
 from mt_pretrain.config.schema import ConfigError, DataArgs, TrainArgs
 
-__all__ = ["check_vocab", "default_cache_dir", "default_tokenizer", "ensure_data", "make_loaders",
-           "tokenizer_for"]
+__all__ = ["check_vocab", "default_cache_dir", "default_tokenizer", "ensure_data",
+           "inputs_targets", "make_loaders", "tokenizer_for"]
 
 GPT2_VOCAB = 50257
 
@@ -148,6 +148,18 @@ def make_loaders(data: DataArgs, train: TrainArgs, plan: RunPlan, paths: list[Pa
         if valid_set is not None:
             valid = DPDataLoader(valid_set, size, train.micro_batch_size, dp_rank, dp)
     return loader, valid
+
+
+def inputs_targets(batch: Any, cp: int = 1, cp_rank: int = 0) -> tuple[Any, Any]:
+    """The model's input tokens and targets of ``batch`` ([b, seq + 1] token tensor): the first
+    ``seq`` tokens and the last ``seq``; with context parallelism (``cp`` > 1) the slice of both
+    that context-parallel rank ``cp_rank`` holds (mt-tensor-parallel's ``shard_sequence``)."""
+    idx, targets = batch[:, :-1], batch[:, 1:]
+    if cp == 1:
+        return idx, targets
+    from mt_tensor_parallel import shard_sequence
+
+    return shard_sequence(idx, cp, cp_rank), shard_sequence(targets, cp, cp_rank)
 
 
 def to_batch(micro_batches: list[np.ndarray]) -> Any:

@@ -22,10 +22,12 @@ from mt_plan.layout import ParallelLayout
 from mt_pretrain.config.resolve import RunPlan, sharding_styles
 from mt_pretrain.config.schema import TrainArgs
 from mt_tensor_parallel import (
+    ContextParallel,
     KeyedRNG,
     RNGTracker,
     VocabParallelCrossEntropy,
     apply_tensor_parallel,
+    attach_context,
     decoder_plan,
     shard_tensor,
 )
@@ -65,14 +67,24 @@ def build_model_stage(plan: RunPlan, groups: ParallelGroups, seed: int,
     """Meta GPT -> TP -> stage -> materialize -> the unsharded init's values, sliced.
 
     ``keyed_dropout`` gives the stage a :class:`~mt_tensor_parallel.KeyedRNG`: dropout masks
-    drawn per (micro-batch, layer), the same on every layout.
+    drawn per (micro-batch, layer), the same on every layout. With context parallelism the
+    stage's embedding and attention take this rank's slice of every sequence
+    (:class:`~mt_tensor_parallel.ContextParallel` over ``groups.cp``).
     """
     gpt = plan.model  # all position rows, even when training uses fewer
-    return materialize_stage(
+    built = materialize_stage(
         gpt, plan.stages.stages[groups.pp_rank], groups, plan.topology.tp,
         # Pure per-name init of the full tensor: the one-process model's numbers.
         lambda name, shape: init_parameter(name, shape, gpt, seed),
         seed, sequence_parallel, device, keyed_dropout, plan.layout.chunked_loss)
+    if plan.topology.cp > 1:
+        taken = attach_context(built.stage, ContextParallel(groups.cp, plan.gpt.seq_len))
+        stage_plan = plan.stages.stages[groups.pp_rank]
+        expected = len(stage_plan.layers) + stage_plan.has_embedding  # attention cores, input
+        if taken != expected:  # a module that would treat a slice as a whole sequence
+            raise RuntimeError(f"context parallelism reached {taken} modules of pipeline "
+                               f"stage {groups.pp_rank}, which has {expected} that need it")
+    return built
 
 
 def materialize_stage(gpt: GPTConfig, stage_plan: StagePlan, groups: ParallelGroups, tp: int,
@@ -95,7 +107,8 @@ def materialize_stage(gpt: GPTConfig, stage_plan: StagePlan, groups: ParallelGro
                               sequence_parallel=sequence_parallel, rng_tracker=tracker)
     elif chunked_loss:  # one rank: the vocabulary-parallel loss over a group of one
         model.loss_fn = VocabParallelCrossEntropy(None, gpt.vocab_size)
-    rng = KeyedRNG(seed, tracker, use_cuda=device.type == "cuda") if keyed_dropout else None
+    rng = KeyedRNG(seed, tracker, use_cuda=device.type == "cuda",
+                   slice_index=groups.cp_rank) if keyed_dropout else None
     layout = ModelLayout(tied_weight=TIED_WEIGHT if gpt.tied_embeddings else None,
                          fused_loss=chunked_loss)
     stage = build_stage(model, stage_plan, layout, rng=rng)
@@ -116,7 +129,8 @@ def materialize_stage(gpt: GPTConfig, stage_plan: StagePlan, groups: ParallelGro
 def make_optimizer(train: TrainArgs, layout: ParallelLayout, stage: PipelineStage,
                    groups: ParallelGroups, styles: dict[str, str]) -> ZeroOptimizer:
     """AdamW (``train``'s hyperparameters) inside the ZeRO wrapper (``layout``'s stage and
-    precision); norms count each parameter once over TP x PP x DP."""
+    precision) over the dp x cp ranks of this model shard; norms count each parameter once
+    over TP x PP x DP."""
 
     def factory(param_groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
         # fused: one vectorised kernel per tensor (on this CPU 10x the default loop's speed).
@@ -136,7 +150,7 @@ def make_optimizer(train: TrainArgs, layout: ParallelLayout, stage: PipelineStag
     units = [stage, *stage.get_submodule(stage.layout.layers).values()] \
         if layout.zero_stage == 3 else None
     return ZeroOptimizer(
-        stage, factory, dp_group=groups.dp, units=units,
+        stage, factory, dp_group=groups.grad_group, units=units,
         config=layout.zero_config(clip_grad=train.clip_grad),
         param_groups=decay_param_groups(stage.named_parameters(), train.weight_decay),
         norm_groups=[groups.tp, groups.pp],

@@ -87,9 +87,10 @@ class Checkpointer:
         rng = {"torch": torch.get_rng_state(),
                "cuda": torch.cuda.get_rng_state() if groups.device.type == "cuda" else None,
                "tracker": self.built.tracker.state_dict() if self.built.tracker else {}}
-        model, shard, rng = _to_cpu((weights if groups.dp_rank == 0 else {},
+        model, shard, rng = _to_cpu((weights if groups.grad_rank == 0 else {},
                                      optimizer_shard_state(opt), rng))
-        save_rank(tmp, groups.rank, groups.coord, model, shard, rng)
+        coord = groups.coord if groups.cp_size > 1 else groups.coord[:3]  # (pp, dp, tp[, cp])
+        save_rank(tmp, groups.rank, coord, model, shard, rng)
         failpoint("checkpoint.write", groups.rank)
         _barrier(groups)
         final = self.root / step_dir(step)
@@ -178,7 +179,7 @@ def load(path: str | Path, train: TrainArgs, plan: RunPlan, groups: ParallelGrou
         group["betas"] = (train.adam_beta1, train.adam_beta2)
         group["eps"] = train.adam_eps
     saved, topo = meta.layout, plan.topology
-    same_world = (saved.tp, saved.pp, saved.dp) == (topo.tp, topo.pp, topo.dp)
+    same_world = (saved.tp, saved.pp, saved.dp, saved.cp) == (topo.tp, topo.pp, topo.dp, topo.cp)
     if same_world:
         rng = load_rank(folder, groups.rank)["rng"]
         torch.set_rng_state(rng["torch"])

@@ -22,7 +22,7 @@ from mt_dist import ParallelGroups
 from mt_pipeline import PipelineExecutor, StageComm
 from mt_pretrain.config.resolve import RunPlan, activation_shape
 from mt_pretrain.config.schema import PretrainConfig
-from mt_pretrain.data.inputs import to_batch
+from mt_pretrain.data.inputs import inputs_targets, to_batch
 from mt_pretrain.engines.base import Engine, Saver
 from mt_pretrain.engines.build import Built, build_model_stage, make_optimizer, seed_everything
 from mt_pretrain.engines.checkpoint import Checkpointer, load
@@ -133,6 +133,12 @@ class MTEngine(Engine):
         return load(path, self.config.train, self.plan, self.groups, self.built, self.optimizer)
 
     # ------------------------------------------------------------------------ internals
+    def _inputs(self, batch: Any) -> tuple[Any, Any]:
+        """Input tokens and targets of ``batch``: this rank's slice of them with context
+        parallelism (each rank's loss is the mean over its tokens, which are as many on every
+        rank: the mean over dp x cp of those means is the whole batch's mean)."""
+        return inputs_targets(batch, self.groups.cp_size, self.groups.cp_rank)
+
     def _accumulate_loss(self, micro: Sequence[np.ndarray], keys: list[int] | None) -> float:
         """pp == 1: plain gradient accumulation; DP reduction overlaps the last backward."""
         opt, stage = self.optimizer, self.built.stage
@@ -140,14 +146,14 @@ class MTEngine(Engine):
         device = self.groups.device
         m, total = len(micro), 0.0
         for i, array in enumerate(micro):
-            batch = to_batch([array]).to(device)
+            idx, targets = self._inputs(to_batch([array]).to(device))
             key = None if keys is None else keys[i]
             quiet = opt.no_sync() if i < m - 1 else contextlib.nullcontext()
             with quiet:
                 if self._call_module:
-                    loss = stage(batch[:, :-1], key=key, targets=batch[:, 1:])
+                    loss = stage(idx, key=key, targets=targets)
                 else:
-                    loss = self._forward_loss(0, batch[:, :-1], batch[:, 1:], checkpoint, key)
+                    loss = self._forward_loss(0, idx, targets, checkpoint, key)
                 opt.backward(loss / m)
             total += float(loss.detach())
         return total / m
@@ -163,12 +169,12 @@ class MTEngine(Engine):
     def _pipeline_loss(self, micro: Sequence[np.ndarray], keys: list[int] | None) -> float:
         """pp > 1: the schedule runs all micro-batches; gradients are reduced at step()."""
         opt, groups = self.optimizer, self.groups
-        batch: Any = to_batch(list(micro))
+        idx, targets = self._inputs(to_batch(list(micro)))
         scale = opt.loss_scale
         if self._scaled is not None:
             self._scaled.scale = scale
         with opt.no_sync():
             result = self._executor(len(micro)).run(
-                batch[:, :-1] if groups.is_first_stage else None,
-                batch[:, 1:] if groups.is_last_stage else None, keys=keys)
+                idx if groups.is_first_stage else None,
+                targets if groups.is_last_stage else None, keys=keys)
         return result.loss / scale if self._scale_in_loss else result.loss

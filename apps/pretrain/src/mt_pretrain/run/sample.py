@@ -27,7 +27,7 @@ def gather_weights(weights: dict[str, torch.Tensor], styles: dict[str, str],
                    groups: ParallelGroups, gpt: GPTConfig) -> dict[str, torch.Tensor] | None:
     """Every fp32 master weight at its full (unsharded) shape, on rank 0 (None elsewhere), from
     each rank's ``weights`` (an engine's ``full_parameters()``). Collective."""
-    mine = ((groups.pp_rank, groups.tp_rank), weights) if groups.dp_rank == 0 else None
+    mine = ((groups.pp_rank, groups.tp_rank), weights) if groups.grad_rank == 0 else None
     world = dist.get_world_size() if dist.is_initialized() else 1
     gathered: list[Any] = [None] * world
     if world > 1:

@@ -220,10 +220,12 @@ class Trainer:
         return [int(k) for k in self.loader.rank_indices(consumed, global_batch)[:, 0]]
 
     def _mean_over_dp(self, local: float) -> float:
+        # Over data and context parallelism: each context-parallel rank's loss is the mean
+        # over its slice of the same sequences.
         value = torch.tensor([local], dtype=torch.float64, device=self.device)
-        if self.groups.dp_size > 1:
-            dist.all_reduce(value, group=self.groups.dp)
-            value /= self.groups.dp_size
+        if self.groups.grad_size > 1:
+            dist.all_reduce(value, group=self.groups.grad_group)
+            value /= self.groups.grad_size
         return float(value)
 
 
