@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mt_model.cache import KVCache, LayerCache
+from mt_model.chunked_attention import chunked_causal_attention
 from mt_model.config import GPTConfig
 from mt_model.init import init_gpt_
 
@@ -165,10 +166,11 @@ class CoreAttention(nn.Module):
 
     ``context`` (None: the whole sequence is here) is a context-parallel slice, e.g.
     mt-tensor-parallel's ``ContextParallel``: anything with ``positions(device)`` (this
-    rank's tokens' positions in the sequence), ``key_positions(device)`` and ``gather(x)``
-    (every rank's keys or values, [b, s, ...], in the order of ``key_positions``). Keys and
-    values are gathered, rotary embeddings take the positions, and each query attends to the
-    keys at its position or before.
+    rank's tokens' positions in the sequence), ``runs`` (the same positions as [start, end)
+    ranges, in order) and ``gather(x)`` (every rank's keys or values: the whole sequence's
+    [b, s, ...], in position order). Keys and values are gathered, rotary embeddings take the
+    positions, and each run of queries attends to the keys before it and causally to its own
+    (:func:`mt_model.chunked_attention.chunked_causal_attention`: fused, no mask).
     """
 
     def __init__(self, head_dim: int, dropout: float = 0.0,
@@ -227,18 +229,17 @@ class CoreAttention(nn.Module):
                           heads: int, kv_heads: int) -> torch.Tensor:
         """Attention of this rank's queries over the whole sequence's keys (``context``)."""
         ctx, (batch, seq, width) = self.context, q.shape
-        k, v = ctx.gather(k), ctx.gather(v)
-        mine, keys = ctx.positions(q.device), ctx.key_positions(q.device)
+        k, v = ctx.gather(k), ctx.gather(v)  # [b, s, m * d], position order
         q = q.reshape(batch, seq, heads, self.head_dim).transpose(1, 2)
         k, v = (t.reshape(batch, t.shape[1], kv_heads, self.head_dim).transpose(1, 2)
                 for t in (k, v))
         if self.rope_theta is not None:
-            cos, sin = self._tables(keys.numel(), q.device, q.dtype)  # keys: every position
+            cos, sin = self._tables(k.shape[2], q.device, q.dtype)  # keys: every position
+            mine = ctx.positions(q.device)
             q = apply_rope(q, cos[mine], sin[mine])
-            k = apply_rope(k, cos[keys], sin[keys])
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=keys[None, :] <= mine[:, None],
-            dropout_p=self.dropout if self.training else 0.0, enable_gqa=kv_heads != heads)
+            k = apply_rope(k, cos, sin)
+        out = chunked_causal_attention(q, k, v, ctx.runs,
+                                       dropout=self.dropout if self.training else 0.0)
         return out.transpose(1, 2).reshape(batch, seq, width)
 
     def _cached(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

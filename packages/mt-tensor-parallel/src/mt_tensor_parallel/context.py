@@ -7,12 +7,13 @@ Megatron-core and torchtitan). :func:`cp_positions` gives a rank's positions in 
 sequence, :func:`shard_sequence` cuts its slice out of a full tensor and
 :func:`unshard_sequence` puts every rank's slices back in order.
 
-**Attention** (:class:`ContextParallel`, what mt-model's attention core reads from its
-``context`` attribute): queries stay local; keys and values are all-gathered over the CP group
-(their gradient is reduce-scattered back: each rank's queries add to every key's gradient),
-so each rank holds the whole sequence's keys in rank order, each with its position. A query
-attends to the keys at its position or before (a mask from the positions), and rotary
-embeddings use the positions, so every token sees exactly what it sees in one process.
+**Attention** (:class:`ContextParallel`, what mt-model's embedding and attention core read
+from their ``context`` attribute): queries stay local; keys and values are all-gathered over
+the CP group (their gradient is reduce-scattered back: each rank's queries add to every key's
+gradient) and put in position order, so each rank holds the whole sequence's keys. Each of a
+rank's two runs of queries attends to the keys before it and causally to its own (mt-model's
+``chunked_causal_attention``), and positions (learned or rotary) are those of the slice, so
+every token sees exactly what it sees in one process.
 """
 
 from __future__ import annotations
@@ -79,23 +80,30 @@ class ContextParallel:
     def __init__(self, group: ProcessGroup | None, seq_len: int) -> None:
         self.group, self.seq_len = group, seq_len
         self.size, self.rank = group_size(group), group_rank(group)
+        self.runs = cp_chunks(seq_len, self.size, self.rank)
+        """This rank's positions as [start, end) runs, in the order of its tokens."""
         self._positions = torch.tensor(cp_positions(seq_len, self.size, self.rank))
-        self._keys = torch.tensor([p for r in range(self.size)
-                                   for p in cp_positions(seq_len, self.size, r)])
+        gathered = [p for r in range(self.size) for p in cp_positions(seq_len, self.size, r)]
+        # Gathered slices come in rank order; this index puts them in position order.
+        self._order = torch.tensor(sorted(range(seq_len), key=gathered.__getitem__))
+        self._cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        device = torch.device(device)
+        if device not in self._cache:
+            self._cache[device] = (self._positions.to(device), self._order.to(device))
+        return self._cache[device]
 
     def positions(self, device: torch.device) -> torch.Tensor:
         """Positions in the whole sequence of this rank's tokens [seq_len / cp]."""
-        return self._positions.to(device)
-
-    def key_positions(self, device: torch.device) -> torch.Tensor:
-        """Positions of the gathered keys [seq_len], in rank order (see :meth:`gather`)."""
-        return self._keys.to(device)
+        return self._on(device)[0]
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
-        """Every rank's [b, s / cp, ...] keys or values, concatenated in rank order along the
-        sequence; backward reduce-scatters (sums every rank's gradient for this rank's
+        """Every rank's [b, s / cp, ...] keys or values: the whole sequence [b, s, ...] in
+        position order; backward reduce-scatters (sums every rank's gradient for this rank's
         slice)."""
-        return gather_from_sequence(x, self.group, reduce_grads=True)
+        whole = gather_from_sequence(x, self.group, reduce_grads=True)
+        return whole if self.size == 1 else whole.index_select(1, self._on(x.device)[1])
 
 
 def attach_context(model: nn.Module, context: ContextParallel | None) -> int:
