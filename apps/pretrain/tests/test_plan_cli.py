@@ -136,3 +136,19 @@ def test_calibrate_measures_this_machine_and_is_reused(tmp_path: Path) -> None:
     unwritable = _plan(*args, "--calibrate", str(blocked / "cal.yaml"))
     assert unwritable.exit_code == 2 and f"cannot write the calibration to {blocked}" in (
         unwritable.output)
+
+
+def test_context_parallel_plan_reports_the_exchange() -> None:
+    """--cp: the layout line names it, the key/value exchange is timed, --json carries cp and
+    cp_comm_time_s, and a GPU count CP cannot split is one line."""
+    args = ("--model", "llama-3.1-8b", "--gpu", "h100-80gb", "--tp", "8", "--cp", "4",
+            "--sequence-parallel", "--global-batch-size", "8")
+    text = _plan(*args)
+    assert text.exit_code == 0, text.output
+    assert "tp 8 x pp 1 x dp 1 x cp 4 = 32 x h100-80gb" in text.output
+    assert "CP key/value exchange" in text.output
+    data = json.loads(_plan(*args, "--json").output)
+    assert data["cp"] == 4 and data["world_size"] == 32 and data["cp_comm_time_s"] > 0
+    bad = _plan("--model", "tiny", "--gpus", "6", "--cp", "4")
+    assert bad.exit_code == 2
+    assert "--gpus 6 is not divisible by --tp 1 x --pp 1 x --cp 4 = 4" in bad.output

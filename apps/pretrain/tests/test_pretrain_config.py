@@ -98,6 +98,17 @@ def test_yaml_sections_flat_keys_and_cli_overrides(tmp_path: Path) -> None:
     ({"adam_eps": 0.0}, r"--adam-eps must be > 0 \(Adam divides by sqrt\(v\) \+ eps\), got 0"),
     ({"quiet": True, "log_level": "debug"},
      r"--quiet is --log-level warning; give one of them, not --quiet with --log-level debug"),
+    # Context parallelism: what it cannot run, each with what to do.
+    ({"nproc": 4, "cp": 4, "seq_len": 100}, r"seq_len 100 is not divisible by 2 x cp 4 = 8"),
+    ({"nproc": 8, "tp": 4, "cp": 2, "seq_len": 12, "sequence_parallel": True},
+     r"seq_len 12 / cp 2 = 6 is not divisible by tp 4"),
+    ({"nproc": 6, "cp": 4}, r"world size 6 is not divisible by tp 1 x pp 1 x cp 4 = 4"),
+    ({"nproc": 2, "cp": 2, "engine": "deepspeed"},
+     r"--cp 2 is not supported with --engine deepspeed"),
+    ({"cp": 2, "compile": True}, r"--cp 2 with --compile is not supported yet"),
+    ({"cp": 2, "eval_task": "lambada"},
+     r"--eval-task with --cp 2 is not supported.*score the checkpoint after training"),
+    ({"cp": 0}, r"cp must be >= 1|--cp must be"),
     ({"nproc": 1, "micro_batch_size": 1, "global_batch_size": 80_000_000_000},
      r"global batch size 80,000,000,000 is 80,000,000,000 micro-batches of 1 on each of dp 1 "
      r"replicas per step; at most 100,000"),

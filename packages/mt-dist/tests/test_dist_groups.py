@@ -113,3 +113,29 @@ def test_build_groups_needs_a_default_group() -> None:
     assert not dist.is_initialized()
     with pytest.raises(RuntimeError, match="initialized default process group"):
         build_groups(Topology())
+
+
+def _cp_report() -> dict[str, Any]:
+    groups = build_groups(Topology(tp=2, dp=1, cp=2))
+    rank = dist.get_rank()
+    assert groups.cp is not None and groups.dp_cp is not None
+    return {"cp": (tuple(dist.get_process_group_ranks(groups.cp)), _reduce_over(groups.cp, rank)),
+            "grad": (tuple(dist.get_process_group_ranks(groups.grad_group)),
+                     _reduce_over(groups.grad_group, rank), groups.grad_rank, groups.grad_size),
+            "tp": tuple(dist.get_process_group_ranks(groups.tp)),
+            "coord": (groups.cp_rank, groups.cp_size, groups.tp_rank)}
+
+
+def test_context_parallel_groups_on_four_ranks() -> None:
+    """tp 2 x cp 2: TP pairs are adjacent ([0, 1], [2, 3]), CP pairs across them ([0, 2],
+    [1, 3]); gradients reduce over dp x cp (here the CP pair); without CP the gradient group
+    is the DP group itself."""
+    reports = run_distributed(_cp_report, 4, timeout=60)
+    for rank, report in enumerate(reports):
+        tp_rank, cp_rank = rank % 2, rank // 2
+        pair = (tp_rank, tp_rank + 2)
+        assert report["cp"] == (pair, 10.0 ** pair[0] + 10.0 ** pair[1])
+        assert report["grad"] == (pair, 10.0 ** pair[0] + 10.0 ** pair[1], cp_rank, 2)
+        assert report["tp"] == (2 * cp_rank, 2 * cp_rank + 1)
+        assert report["coord"] == (cp_rank, 2, tp_rank)
+

@@ -181,3 +181,32 @@ def test_topology_is_frozen_and_hashable() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         topo.tp = 4  # type: ignore[misc]
     assert {topo: 1}[Topology(tp=2, pp=1, dp=1)] == 1
+
+
+@pytest.mark.parametrize("tp,pp,dp,cp", [(2, 2, 2, 2), (1, 1, 2, 4), (2, 1, 1, 2), (1, 3, 2, 2)])
+def test_context_parallel_axis(tp: int, pp: int, dp: int, cp: int) -> None:
+    """The fourth axis: cp between tp and dp in the rank order; CP groups share (pp, dp, tp);
+    the gradient groups (dp x cp) hold a model shard's ranks in the order of a (tp, pp,
+    dp * cp) grid, which is why a CP checkpoint reads like one with dp * cp replicas."""
+    topo = Topology(tp=tp, pp=pp, dp=dp, cp=cp)
+    assert topo.world_size == tp * pp * dp * cp
+    for rank in range(topo.world_size):
+        c = topo.coord(rank)
+        assert rank == ((c.pp * dp + c.dp) * cp + c.cp) * tp + c.tp
+        assert topo.rank_of(c.pp, c.dp, c.tp, c.cp) == rank
+        assert topo.cp_group_ranks(rank) in topo.cp_groups()
+        assert topo.dp_cp_group_ranks(rank) in topo.dp_cp_groups()
+    for groups, size in ((topo.cp_groups(), cp), (topo.dp_cp_groups(), dp * cp),
+                         (topo.tp_groups(), tp), (topo.dp_groups(), dp),
+                         (topo.pp_groups(), pp)):
+        _assert_partition(groups, topo.world_size, size)
+    for g in topo.cp_groups():
+        assert len({topo.coord(r)._replace(cp=0) for r in g}) == 1
+        assert [topo.coord(r).cp for r in g] == list(range(cp))
+    flat = Topology(tp=tp, pp=pp, dp=dp * cp)
+    assert sorted(topo.dp_cp_groups()) == sorted(flat.dp_groups())
+    assert Topology.from_world(topo.world_size, tp=tp, pp=pp, cp=cp) == topo
+    with pytest.raises(TopologyError, match=r"not divisible by tp 1 x pp 1 x cp 4 = 4"):
+        Topology.from_world(6, cp=4)
+    with pytest.raises(TopologyError, match=r"cp index 9 is outside \[0, 2\)"):
+        Topology(cp=2).rank_of(0, 0, 0, 9)

@@ -262,3 +262,35 @@ def test_fp32_main_gradients_memory_and_traffic() -> None:
         assert main.dp_comm_time_s > half.dp_comm_time_s
     assert zero_bytes(psi, 4, 2, "bf16", main_grads=True)["grads"] == pytest.approx(
         paper_bytes(psi, 4, 2, grad_bytes=4)["grads"])
+
+
+def test_context_parallelism_divides_activations_and_times_its_exchange() -> None:
+    """CP: each rank's activations are those of s / cp tokens, plus the whole sequence's
+    gathered keys and values ((cp - 1) 4kv/h sbh/cp more); its matmuls and attention a 1 / cp
+    share; the key/value exchange timed (forward all-gather, backward reduce-scatter, once
+    more under full recomputation); model states sharded over dp x cp by ZeRO."""
+    gpt = preset("llama-3.1-8b").replace(seq_len=32768)
+    h, kv = gpt.hidden, gpt.n_kv_heads * gpt.head_dim
+    one = activation_bytes_per_layer(gpt, 1, 8, True, "none", fused_attention=True)
+    for cp in (2, 4, 8):
+        got = activation_bytes_per_layer(gpt, 1, 8, True, "none", fused_attention=True, cp=cp)
+        sbh = gpt.seq_len // cp * h
+        assert got == pytest.approx(one / cp + (cp - 1) * 4 * kv / h * sbh / 8)
+        # Full recomputation keeps only each layer's input slice.
+        assert activation_bytes_per_layer(gpt, 1, 8, True, "full", cp=cp) == pytest.approx(
+            activation_bytes_per_layer(gpt, 1, 8, True, "full") / cp)
+    gpu = GPUS["h100-80gb"]
+    base = ParallelLayout(8, 1, 1, 8, 1, zero_stage=1, sequence_parallel=True, recompute="full")
+    alone, split = (estimate(gpt, dataclasses.replace(base, cp=cp), gpu) for cp in (1, 4))
+    assert alone.cp_comm_time_s == 0 < split.cp_comm_time_s < split.pipeline_time_s
+    assert split.layout.world_size == 32
+    assert split.memory_activations_gb < alone.memory_activations_gb / 3.5
+    assert split.memory_optimizer_gb == pytest.approx(alone.memory_optimizer_gb / 4)
+    assert split.pipeline_time_s < alone.pipeline_time_s / 3
+    assert split.tokens_per_s > alone.tokens_per_s
+    with pytest.raises(LayoutError, match="seq_len 32768 / cp 4 = 8192 is not divisible by "
+                                          "tp 3"):
+        ParallelLayout(3, 1, 1, 8, cp=4, sequence_parallel=True).check(
+            gpt.replace(n_heads=48, n_kv_heads=48, hidden=48 * 128))
+    with pytest.raises(LayoutError, match="seq_len 100 is not divisible by 2 x cp 4 = 8"):
+        ParallelLayout(1, 1, 1, 8, cp=4).check(preset("tiny").replace(seq_len=100))

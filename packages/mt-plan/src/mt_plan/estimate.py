@@ -20,6 +20,14 @@ per-parameter-tensor work) come from the :class:`~mt_plan.gpus.GPUSpec`: zero fo
 the data-sheet GPUs, measured for a calibrated machine such as a CPU (``benchmarks/plan.py``).
 The peak memory adds to the persistent states the largest short-lived phase (backward
 buffers, the shard all-gather), see :func:`_memory`.
+
+Context parallelism (``layout.cp``): each rank holds ``s / cp`` tokens of every sequence, so
+its activations, matmuls, elementwise traffic and tensor-parallel messages are those of
+``s / cp`` tokens, its causal attention a ``1 / cp`` share (the chunks balance it), and it
+keeps the whole sequence's gathered keys and values for backward; every layer all-gathers keys
+and values over the CP group in forward and reduce-scatters their gradients in backward (not
+overlapped with compute: mt runs the exchange before the attention), and gradients are reduced
+and ZeRO-sharded over ``dp x cp`` ranks.
 """
 
 from __future__ import annotations
@@ -97,7 +105,7 @@ def zero_bytes(psi: float, dp: int, stage: int, precision: str = "bf16",
 def activation_bytes_per_layer(gpt: GPTConfig, micro_batch: int, tp: int,
                                sequence_parallel: bool, recompute: str,
                                precision: str = "bf16", *, fused_attention: bool = False,
-                               dropout_masks: bool = True) -> float:
+                               dropout_masks: bool = True, cp: int = 1) -> float:
     """Activation bytes one transformer layer keeps per micro-batch (Korthikanti et al.).
 
     16-bit: ``sbh(10 + 24/t + 5as/(ht))`` with TP, ``sbh/t (34 + 5as/h)`` with TP + SP (the
@@ -112,15 +120,21 @@ def activation_bytes_per_layer(gpt: GPTConfig, micro_batch: int, tp: int,
     hidden dropout masks (``2sbh`` of the replicated ``10sbh``) and the attention-dropout mask
     and output (``3as/h`` of the ``5as/h``); ``fused_attention`` (a kernel that recomputes
     the scores in backward) drops the attention term as selective recomputation does.
+
+    ``cp``: context parallelism: ``s`` becomes the rank's ``s / cp`` tokens but for the keys
+    (scores ``[s / cp, s]``), and the gathered keys and values of the whole sequence are kept
+    (``4kv/h`` of the ``24`` at ``s`` instead of ``s / cp``: ``(cp - 1) 4kv/h`` more).
     """
     if recompute not in RECOMPUTE:
         raise LayoutError(f"recompute {recompute!r} is not one of {RECOMPUTE}")
     s, b, h, a = gpt.seq_len, micro_batch, gpt.hidden, gpt.n_heads
-    sbh = float(s * b * h)
+    sbh = float(s // cp * b * h)
     scores = 5.0 if dropout_masks else 2.0
     attention = 0.0 if recompute == "selective" or fused_attention else scores * a * s / h
     replicated = 10.0 if dropout_masks else 8.0
     sharded = _sharded_activation_units(gpt, tp)
+    if cp > 1:
+        sharded += (cp - 1) * _kv_units(gpt, tp)
     if recompute == "selective":  # recomputed from what other ops keep anyway
         sharded -= 2.0 * gpt.ffn_hidden / h
         replicated -= 0.0 if sequence_parallel else 4.0
@@ -139,7 +153,7 @@ def _layer_activations(gpt: GPTConfig, layout: ParallelLayout, gpu: GPUSpec,
     return activation_bytes_per_layer(
         gpt, layout.micro_batch, layout.tp, layout.sequence_parallel, recompute,
         layout.precision, fused_attention=gpu.fused_attention,
-        dropout_masks=gpt.dropout > 0 or gpt.attention_dropout > 0)
+        dropout_masks=gpt.dropout > 0 or gpt.attention_dropout > 0, cp=layout.cp)
 
 
 @dataclass(frozen=True)
@@ -172,6 +186,9 @@ class Estimate:
     tokens_per_s: float
     simulated: bool
     calibrated: bool = False
+    cp_comm_time_s: float = 0.0
+    """Seconds per step of the context-parallel key/value exchange (inside the pipeline
+    time; not overlapped with compute)."""
 
     def to_dict(self) -> dict[str, object]:
         """Flat JSON-ready dict: the layout's fields first, then the figures."""
@@ -189,10 +206,19 @@ def _sharded_activation_units(gpt: GPTConfig, tp: int) -> float:
     MLP's fc output and activation output (4 f/h with GeLU; 8 f/h with SwiGLU, whose fc is
     twice as wide and whose activation keeps silu(gate) and the product)."""
     h, f = gpt.hidden, gpt.ffn_hidden
+    return 4.0 + _kv_units(gpt, tp) + (8.0 if gpt.mlp == "swiglu" else 4.0) * f / h
+
+
+def _kv_width(gpt: GPTConfig, tp: int) -> int:
+    """Key (or value) width summed over a TP group: a rank whose key/value heads are
+    replicated computes one head of tp / n_kv ranks."""
     kv = gpt.n_kv_heads * gpt.head_dim
-    if gpt.n_kv_heads % tp:  # replicated: each rank computes one head of tp / n_kv ranks
-        kv = max(kv, gpt.head_dim * tp)
-    return 4.0 + 4.0 * kv / h + (8.0 if gpt.mlp == "swiglu" else 4.0) * f / h
+    return max(kv, gpt.head_dim * tp) if gpt.n_kv_heads % tp else kv
+
+
+def _kv_units(gpt: GPTConfig, tp: int) -> float:
+    """Keys and values in Korthikanti's units (16-bit bytes per sbh, before / t)."""
+    return 4.0 * _kv_width(gpt, tp) / gpt.hidden
 
 
 def _block_params(gpt: GPTConfig, tp: int) -> tuple[int, int]:
@@ -275,7 +301,8 @@ def _temporaries(gpt: GPTConfig, layout: ParallelLayout, gpu: GPUSpec, stage: in
                  params: float) -> dict[str, float]:
     """Short-lived bytes of the two phases that can set a stage's peak (beyond the stored
     activations, which only the backward phase adds to)."""
-    b, t, d = layout.micro_batch, layout.tp, layout.dp
+    b, t, d = layout.micro_batch, layout.tp, layout.dp * layout.cp
+    s = gpt.seq_len // layout.cp  # this rank's tokens of a sequence
     width = PRECISIONS[layout.precision].bytes
     last, first = stage == layout.pp - 1, stage == 0
     # Backward: unchunked, the loss keeps fp32 logits / log-softmax, their gradient and the
@@ -289,14 +316,14 @@ def _temporaries(gpt: GPTConfig, layout: ParallelLayout, gpu: GPUSpec, stage: in
     table = gpt.hidden * vocab_local
     backward = 0.0
     if last and layout.chunked_loss:
-        chunk = min(b * gpt.seq_len, loss_chunk_tokens(math.ceil(vocab_local))) * vocab_local
+        chunk = min(b * s, loss_chunk_tokens(math.ceil(vocab_local))) * vocab_local
         backward = 2.0 * 4.0 * chunk + (4.0 * table if width < 4 else 0.0)
     elif last:
-        backward = 3.0 * 4.0 * gpt.seq_len * b * vocab_local
+        backward = 3.0 * 4.0 * s * b * vocab_local
     tables = 3 if first and last else int(first) + int(last)
     backward += tables * table * width
     # The optimizer step adds nothing: fused AdamW (mt pretrain's) updates in place.
-    # Publishing the updated shards (ZeRO 1-2, dp > 1): a send copy of every shard in the
+    # Publishing the updated shards (ZeRO 1-2, dp x cp > 1): a send copy of every shard in the
     # compute dtype, launched together, plus the all-gather's own staging of the largest
     # bucket's output (gloo on CPU).
     publish = 0.0
@@ -322,7 +349,7 @@ def stage_memory(gpt: GPTConfig, layout: ParallelLayout, gpu: GPUSpec, stage: in
     working = (_layer_activations(gpt, layout, gpu, "none")
                if layout.recompute == "full" else 0.0)
     params = _params_of(gpt, layout, stage, layers)
-    parts = zero_bytes(params, layout.dp, layout.zero_stage, layout.precision,
+    parts = zero_bytes(params, layout.dp * layout.cp, layout.zero_stage, layout.precision,
                        layout.main_grads)
     if layout.zero_stage >= 2 and (layout.num_micro_batches > 1 or layout.pp > 1):
         # mt-zero accumulates micro-batches in full gradients (p.grad, or the fp32 main
@@ -369,13 +396,15 @@ def attention_flops(gpt: GPTConfig, micro_batch: int, fused: bool) -> tuple[floa
 
 
 def _times(gpt: GPTConfig, layout: ParallelLayout, gpu: GPUSpec, efficiency: float) -> dict:
-    """Per-stage chunk forward / backward seconds, P2P, TP and DP communication."""
-    s, b, h, t = gpt.seq_len, layout.micro_batch, gpt.hidden, layout.tp
+    """Per-stage chunk forward / backward seconds, P2P, TP, CP and DP communication."""
+    c = layout.cp
+    s, b, h, t = gpt.seq_len // c, layout.micro_batch, gpt.hidden, layout.tp
     width = PRECISIONS[layout.precision].bytes
     lat = gpu.link_latency_s
     # Matmul rates of the t GPUs of a tensor-parallel group (measured or planned).
     gemm_f, gemm_b, attn_f, attn_b = (t * r for r in gpu.rates(efficiency))
-    attn_fwd, attn_bwd = attention_flops(gpt, b, gpu.fused_attention)
+    # Causal attention of the whole sequence, a 1 / cp share per rank (balanced chunks).
+    attn_fwd, attn_bwd = (x / c for x in attention_flops(gpt, b, gpu.fused_attention))
     layer_fwd = b * s * _layer_matmul_flops(gpt) / gemm_f + attn_fwd / attn_f
     layer_bwd = 2.0 * b * s * _layer_matmul_flops(gpt) / gemm_b + attn_bwd / attn_b
     # Selective: the norms and the activation once more (read the input, write the output:
@@ -392,6 +421,12 @@ def _times(gpt: GPTConfig, layout: ParallelLayout, gpu: GPUSpec, efficiency: flo
     tp_bw = gpu.nvlink_bytes_per_s if intra else gpu.ib_bytes_per_s
     allreduce = 2.0 * (t - 1) / t * message / tp_bw + lat if t > 1 else 0.0
     n_recomp = 2 if layout.recompute == "full" else 0
+    # Context parallelism: keys and values all-gathered over cp ranks in forward (again when
+    # recomputing), their gradients reduce-scattered in backward: (cp - 1) / cp of the whole
+    # sequence's [b, s, kv / t] pair each time.
+    cp_bw = gpu.nvlink_bytes_per_s if t * c <= gpu.gpus_per_node else gpu.ib_bytes_per_s
+    exchange = ((c - 1) * 2.0 * b * s * _kv_width(gpt, t) / t * width / cp_bw + 2 * lat
+                if c > 1 else 0.0)
     # Elementwise ops (LayerNorm, GeLU, softmax, dropout, residuals) are memory bound: the
     # forward writes about the bytes Korthikanti counts as stored, backward reads and writes
     # them again (twice the traffic), a full recompute writes them once more.
@@ -421,12 +456,14 @@ def _times(gpt: GPTConfig, layout: ParallelLayout, gpu: GPUSpec, efficiency: flo
                 + fresh * (first + last + (first and last)))
         # Framework work per micro-batch (loading, executor): a third in forward.
         micro = gpu.micro_batch_overhead_s
-        fwd.append(n * layer_fwd + head / gemm_f + n * (2 * allreduce + traffic + over_f)
+        fwd.append(n * layer_fwd + head / gemm_f
+                   + n * (2 * allreduce + exchange + traffic + over_f)
                    + (head_over + micro) / 3.0 + 3.0 * logits * last)
         # A chunked loss computes each chunk's logits again in backward (one more head GEMM).
         again = head / gemm_f if layout.chunked_loss else 0.0
         bwd.append(n * (layer_bwd + recompute[layout.recompute]) + 2 * head / gemm_b + again
-                   + n * ((2 + n_recomp) * allreduce + ew_bwd * traffic + over_b)
+                   + n * ((2 + n_recomp) * allreduce + (1 + n_recomp // 2) * exchange
+                          + ew_bwd * traffic + over_b)
                    + (head_over + micro) * 2.0 / 3.0 + 4.0 * logits * last + tied)
     one_node = layout.world_size <= gpu.gpus_per_node
     p2p_bw = gpu.nvlink_bytes_per_s if one_node else gpu.ib_bytes_per_s
@@ -437,7 +474,7 @@ def _times(gpt: GPTConfig, layout: ParallelLayout, gpu: GPUSpec, efficiency: flo
     bulk = gpu.bulk_latency_s or lat
     # Tied embedding: its gradient is summed over the first and last stage every step.
     tied = (gpt.vocab_size / t * h * width / p2p_bw + bulk) if layout.pp > 1 else 0.0
-    d = layout.dp
+    d = layout.dp * c  # gradients are reduced over data and context parallelism
     dp_bw = gpu.nvlink_bytes_per_s if t * d <= gpu.gpus_per_node else gpu.ib_bytes_per_s
     stage_params = max(_stage_params(gpt, layout))
     # Passes over the gradients or weights per step: stage 0 all-reduces the gradients;
@@ -457,8 +494,9 @@ def _times(gpt: GPTConfig, layout: ParallelLayout, gpu: GPUSpec, efficiency: flo
     # Small collectives every step: the loss mean, the gradient norm, the loss broadcast.
     dp_time += 3.0 * lat if layout.world_size > 1 else 0.0
     m = layout.num_micro_batches
-    tp_total = m * sum(stage_layers(gpt.n_layers, layout)) / layout.pp * (4 + n_recomp) * (
-        allreduce)
+    layers_per_stage = sum(stage_layers(gpt.n_layers, layout)) / layout.pp
+    tp_total = m * layers_per_stage * (4 + n_recomp) * allreduce
+    cp_total = m * layers_per_stage * (2 + n_recomp // 2) * exchange
     # Adam step: throughput per parameter of the rank's shard, plus a fixed cost per tensor.
     shard_div = d if layout.zero_stage >= 1 else 1
     shard = max(_stage_params(gpt, layout)) / shard_div
@@ -469,7 +507,7 @@ def _times(gpt: GPTConfig, layout: ParallelLayout, gpu: GPUSpec, efficiency: flo
     framework = (gpu.step_overhead_s
                  + max(_stage_tensors(gpt, layout)) * gpu.param_overhead_s)
     return {"fwd": fwd, "bwd": bwd, "p2p": p2p, "dp": dp_time, "tp": tp_total,
-            "optimizer": optimizer, "tied": tied, "framework": framework}
+            "cp": cp_total, "optimizer": optimizer, "tied": tied, "framework": framework}
 
 
 def estimate(gpt: GPTConfig, layout: ParallelLayout, gpu: GPUSpec, efficiency: float = EFFICIENCY,
@@ -515,7 +553,7 @@ def estimate(gpt: GPTConfig, layout: ParallelLayout, gpu: GPUSpec, efficiency: f
         iteration_time_s=iteration,
         tflops_per_gpu=flops / (iteration * layout.world_size) / 1e12,
         tokens_per_s=layout.global_batch * gpt.seq_len / iteration,
-        simulated=simulate_pipeline, calibrated=gpu.calibrated)
+        simulated=simulate_pipeline, calibrated=gpu.calibrated, cp_comm_time_s=times["cp"])
 
 
 def calibrate_efficiency(gpt: GPTConfig, cases: list[tuple[ParallelLayout, float]], gpu: GPUSpec,

@@ -23,7 +23,7 @@ __all__ = ["JSON_KEYS", "plan"]
 
 #: Keys of ``mt plan --json`` (also listed in --help).
 JSON_KEYS: dict[str, str] = {
-    "tp, pp, dp, global_batch, micro_batch, zero_stage, schedule, virtual_stages, "
+    "tp, pp, dp, cp, global_batch, micro_batch, zero_stage, schedule, virtual_stages, "
     "sequence_parallel, recompute, precision, num_micro_batches, world_size": "the layout",
     "gpu, gpu_memory_gb": "GPU type and its memory (GB = 1e9 bytes)",
     "efficiency": "calibrated fraction of peak FLOP/s reached by the matmuls",
@@ -35,10 +35,10 @@ JSON_KEYS: dict[str, str] = {
     "fits": "memory_per_gpu_gb <= gpu_memory_gb",
     "model_flops_per_iteration": "96 B s l h^2 (1 + s/6h + V/16lh)",
     "bubble_fraction": "pipeline bubble / ideal compute, worst stage (simulated)",
-    "pipeline_time_s, tp_comm_time_s, p2p_time_s, dp_comm_time_s, optimizer_time_s, "
-    "framework_time_s": "time components (TP and P2P happen inside the pipeline time; "
-        "framework: the calibrated per-step and per-tensor cost of the training code, 0 "
-        "for the built-in GPUs)",
+    "pipeline_time_s, tp_comm_time_s, cp_comm_time_s, p2p_time_s, dp_comm_time_s, "
+    "optimizer_time_s, framework_time_s": "time components (TP, CP and P2P happen inside "
+        "the pipeline time, not overlapped; framework: the calibrated per-step and "
+        "per-tensor cost of the training code, 0 for the built-in GPUs)",
     "iteration_time_s, tflops_per_gpu, tokens_per_s": "the estimated speed; TFLOP/s by the "
         "formula above (it counts a full recompute, as MT-NLG reported)",
     "simulated": "true when the schedule ran through mt-pipeline's simulator",
@@ -88,8 +88,10 @@ def _model(name: str | None, config: Path | None) -> Any:
 
 def _report(est: Estimate) -> str:
     lay = est.layout
+    cp = f" x cp {lay.cp}" if lay.cp > 1 else ""
     lines = [
-        f"layout      tp {lay.tp} x pp {lay.pp} x dp {lay.dp} = {lay.world_size} x {est.gpu}; "
+        f"layout      tp {lay.tp} x pp {lay.pp} x dp {lay.dp}{cp} = {lay.world_size} x "
+        f"{est.gpu}; "
         f"global batch {lay.global_batch} = micro {lay.micro_batch} x dp {lay.dp} x "
         f"{lay.num_micro_batches} micro-batches; {lay.schedule}"
         + (f" v={lay.virtual_stages}" if lay.virtual_stages > 1 else "")
@@ -103,8 +105,9 @@ def _report(est: Estimate) -> str:
         f"{est.gpu_memory_gb:.1f} GB: " + ("fits" if est.fits else "DOES NOT FIT"),
         f"flops       {est.model_flops_per_iteration:.4g} model FLOPs per iteration",
         f"pipeline    bubble fraction {est.bubble_fraction:.3f}; pipeline "
-        f"{est.pipeline_time_s:.3f} s (TP comm {est.tp_comm_time_s:.3f} s, P2P "
-        f"{est.p2p_time_s:.3f} s inside), DP comm {est.dp_comm_time_s:.3f} s, optimizer "
+        f"{est.pipeline_time_s:.3f} s (TP comm {est.tp_comm_time_s:.3f} s, "
+        + (f"CP key/value exchange {est.cp_comm_time_s:.3f} s, " if lay.cp > 1 else "")
+        + f"P2P {est.p2p_time_s:.3f} s inside), DP comm {est.dp_comm_time_s:.3f} s, optimizer "
         f"{est.optimizer_time_s:.3f} s" + (f", framework {est.framework_time_s:.3f} s"
                                            if est.framework_time_s else ""),
         f"speed       {est.iteration_time_s:.3f} s per iteration, {est.tflops_per_gpu:.1f} "
@@ -228,8 +231,13 @@ def plan(
         help=f"GPU type {sorted(GPUS)} or a YAML file (peak_tflops, memory_gb, "
              "nvlink_gb_per_s, ib_gb_per_s, gpus_per_node). Default a100-80gb; with "
              "--calibrate, this machine's GPU if the table knows it.")] = None,
-    gpus: Annotated[int | None, typer.Option(help="Number of GPUs (default tp x pp).")] = None,
+    gpus: Annotated[int | None, typer.Option(
+        help="Number of GPUs (default tp x cp x pp).")] = None,
     tp: Annotated[int, typer.Option(help="Tensor-parallel degree.")] = 1,
+    cp: Annotated[int, typer.Option(
+        help="Context-parallel degree: each rank holds s / cp tokens of every sequence "
+             "(activations / cp, the whole sequence's keys and values kept, their exchange "
+             "timed).")] = 1,
     pp: Annotated[int, typer.Option(help="Pipeline stages.")] = 1,
     global_batch_size: Annotated[int, typer.Option(help="Sequences per step.")] = 32,
     micro_batch_size: Annotated[int, typer.Option(help="Sequences per micro-batch.")] = 1,
@@ -274,18 +282,21 @@ def plan(
     if calibrate is not None:
         spec = _calibrate(gpt, spec, gpu, calibrate, micro_batch_size, tp, precision,
                           model or str(config))
-    n = gpus if gpus is not None else tp * pp
-    if n < 1 or top < 1:
-        raise _fail(f"--gpus {n} and --top {top} must be >= 1")
+    n = gpus if gpus is not None else tp * cp * pp
+    if n < 1 or top < 1 or cp < 1:
+        raise _fail(f"--gpus {n}, --cp {cp} and --top {top} must be >= 1")
     try:
         if search:
             _search(gpt, spec, n, global_batch_size, zero_stage, schedule, top, as_json)
             return
-        if tp < 1 or pp < 1 or n % (tp * pp):
-            raise _fail(f"--gpus {n} is not divisible by --tp {tp} x --pp {pp} = {tp * pp}")
-        layout = ParallelLayout(tp, pp, n // (tp * pp), global_batch_size, micro_batch_size,
-                                zero_stage, schedule, virtual_stages, sequence_parallel,
-                                recompute, precision, chunked_loss, main_grads)
+        if tp < 1 or pp < 1 or n % (tp * cp * pp):
+            with_cp = f" x --cp {cp}" if cp > 1 else ""
+            raise _fail(f"--gpus {n} is not divisible by --tp {tp} x --pp {pp}{with_cp} = "
+                        f"{tp * cp * pp}")
+        layout = ParallelLayout(tp, pp, n // (tp * cp * pp), global_batch_size,
+                                micro_batch_size, zero_stage, schedule, virtual_stages,
+                                sequence_parallel, recompute, precision, chunked_loss,
+                                main_grads, cp)
         est = estimate(gpt, layout, spec)
     except LayoutError as err:
         raise _fail(str(err)) from None
