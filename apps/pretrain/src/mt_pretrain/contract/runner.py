@@ -68,7 +68,10 @@ GROUPINGS = (2, 4, 8)
 #:   dropout): 3 (1.95, the fp16 grad norm at DP 8: eight partial sums);
 #: - DeepSpeed's engine: it reduces 16-bit gradients its own way: 6 (4.7 at PP 2 x DP 4);
 #: - tensor parallelism: each row-parallel all-reduce rounds partial sums to 16 bits once
-#:   more per layer, t partial sums at TP t: 8 (6.3, fp16 grad norm at TP 4).
+#:   more per layer, t partial sums at TP t: 8 (6.3, fp16 grad norm at TP 4); context
+#:   parallelism likewise: each layer's key/value gradients are cp partial sums rounded to 16
+#:   bits, reduce-scattered, and each run's attention output two 16-bit partial results
+#:   merged (3.3, fp16 grad norm at CP 4).
 FLOOR_FACTORS = {"plain": 3.0, "own_reduction": 6.0, "tp": 8.0}
 
 
@@ -90,7 +93,7 @@ def tolerance_for(case: Case, floor: Tolerance | None = None) -> Tolerance:
         return FP32
     if floor is None:
         raise ValueError(f"{case.name}: a {precision} case needs its measured noise floor")
-    kind = "tp" if case.layout.tp > 1 else "own_reduction" if \
+    kind = "tp" if case.layout.tp > 1 or case.layout.cp > 1 else "own_reduction" if \
         ENGINES[case.engine].own_reduction else "plain"
     return floor.scaled(FLOOR_FACTORS[kind])
 
