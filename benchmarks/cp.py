@@ -5,11 +5,13 @@ sequence and ranks.
 
 1. `mt pretrain`: the `tiny` preset (4 x 64, 4 heads) at sequence 16,384, fp32, micro-batch 1,
    global batch 1, 3 steps, no recomputation, ZeRO 0, cp ranks (1 thread each), alternated
-   and repeated. Measured: each rank's peak RSS (the metrics' per-rank peaks, the fullest
-   rank) and tokens/s (median of the steps after the first). Predicted: the estimator's peak
-   for the layout (`mt plan --cp`) plus the runtime's own memory per rank (the same command
-   at the same number of ranks with a model of hidden size 8 and sequence 8, minus the
-   estimator's figure for it).
+   and repeated, with glibc's default allocator and with every block above 64 KiB mapped and
+   unmapped (`MALLOC_MMAP_THRESHOLD_=65536`: freed memory leaves the RSS, which then follows
+   the live bytes the estimator counts). Measured: each rank's peak RSS (the metrics'
+   per-rank peaks, the fullest rank) and tokens/s (median of the steps after the first).
+   Predicted: the estimator's peak for the layout (`mt plan --cp`) plus the runtime's own
+   memory per rank (the same command at the same number of ranks and allocator with a model
+   of hidden size 8 and sequence 8, minus the estimator's figure for it).
 2. The same GPT (GPT-2 `tiny`, learned positions) and sequence, forward + backward of one
    sequence per step on cp ranks, alternating mt (`ContextParallel` slices, chunked causal
    attention) and torch (its context manager shards the tokens, positions and targets with
@@ -57,8 +59,14 @@ def _predicted(cp: int, seq: int, hidden: int | None = None) -> float:
     return estimate(gpt, layout, CPU, 1.0).memory_per_gpu_gb * 1e9
 
 
-def _run(options: dict[str, Any], workdir: Path) -> tuple[float, float]:
-    """(peak RSS bytes of the fullest rank, median tokens/s after step 1) of one run."""
+#: The allocators the runs are measured with: glibc's default, and large blocks unmapped.
+ALLOCATORS = {"glibc": {}, "mmap": {"MALLOC_MMAP_THRESHOLD_": "65536"}}
+
+
+def _run(options: dict[str, Any], workdir: Path, env: dict[str, str] | None = None
+         ) -> tuple[float, float]:
+    """(peak RSS bytes of the fullest rank, median tokens/s after step 1) of one run
+    (``env``: extra environment variables)."""
     import subprocess
 
     metrics = workdir / "metrics.jsonl"
@@ -67,7 +75,7 @@ def _run(options: dict[str, Any], workdir: Path) -> tuple[float, float]:
            str(metrics), "--out-dir", str(workdir / "out"), "--overwrite", "--no-progress",
            "--sample-tokens", "0", "--save", "none"]
     done = subprocess.run(cmd, capture_output=True, text=True,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
     if done.returncode:
         raise SystemExit(f"run failed: {' '.join(cmd)}\n{done.stderr[-2000:]}")
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
@@ -75,28 +83,32 @@ def _run(options: dict[str, Any], workdir: Path) -> tuple[float, float]:
     return peak, statistics.median(r["tokens_per_s"] for r in rows[1:])
 
 
-def _runtime(cp: int, workdir: Path) -> float:
+def _runtime(cp: int, workdir: Path, env: dict[str, str]) -> float:
     """The runtime's own memory per rank at ``cp`` ranks (interpreter, torch, gloo)."""
     peak, _ = _run({**RUN, "hidden": 8, "n_heads": 1, "seq_len": 8, "cp": cp, "nproc": cp},
-                   workdir)
+                   workdir, env)
     return peak - _predicted(cp, 8, hidden=8)
 
 
 def mt_pretrain_rows(seq: int, repeats: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        runtime = {cp: _runtime(cp, Path(tmp)) for cp in DEGREES}
+        runtime = {(name, cp): _runtime(cp, Path(tmp), env)
+                   for name, env in ALLOCATORS.items() for cp in DEGREES}
         print("runtime per rank (hidden 8, sequence 8): "
-              + ", ".join(f"cp {cp} {b / 2**20:.0f} MB" for cp, b in runtime.items()))
-        print(f"{'cp':>3} {'pred MB':>8} {'meas MB':>8} {'err':>6} | {'model pred MB':>13} | "
-              f"{'tok/s':>7}")
+              + ", ".join(f"{name} cp {cp} {b / 2**20:.0f} MB"
+                          for (name, cp), b in runtime.items()))
+        print(f"{'alloc':<6} {'cp':>3} {'pred MB':>8} {'meas MB':>8} {'err':>6} | "
+              f"{'model pred MB':>13} | {'tok/s':>7}")
         for _ in range(repeats):
             for cp in DEGREES:
-                rss, tps = _run({**RUN, "seq_len": seq, "cp": cp, "nproc": cp}, Path(tmp))
-                model = _predicted(cp, seq)
-                pred = model + runtime[cp]
-                print(f"{cp:>3} {pred / 2**20:>8.0f} {rss / 2**20:>8.0f} "
-                      f"{100 * (pred / rss - 1):>+5.1f}% | {model / 2**20:>13.0f} | "
-                      f"{tps:>7.0f}  {_load()}", flush=True)
+                for name, env in ALLOCATORS.items():
+                    rss, tps = _run({**RUN, "seq_len": seq, "cp": cp, "nproc": cp}, Path(tmp),
+                                    env)
+                    model = _predicted(cp, seq)
+                    pred = model + runtime[name, cp]
+                    print(f"{name:<6} {cp:>3} {pred / 2**20:>8.0f} {rss / 2**20:>8.0f} "
+                          f"{100 * (pred / rss - 1):>+5.1f}% | {model / 2**20:>13.0f} | "
+                          f"{tps:>7.0f}  {_load()}", flush=True)
 
 
 # ------------------------------------------------------------------ mt against torch's CP
