@@ -232,8 +232,8 @@ def _train(config: PretrainConfig, plan: RunPlan, groups: ParallelGroups, device
               f"{device}, pid {os.getpid()}", flush=True)
     if rank0:  # which launcher placed the ranks ("single": this command's --nproc)
         source = "--nproc" if launcher == "single" else launcher
-        reporter.print(f"{topo.world_size} ranks from {source}: tp {topo.tp} x pp {topo.pp} "
-                       f"x dp {topo.dp} on {device.type}")
+        reporter.print(f"{topo.world_size} ranks from {source}: {topo.describe()} on "
+                       f"{device.type}")
     if rank0 and start_step:
         reporter.print(f"resumed from {ckpt.load} at step {start_step}")
     elif rank0 and ckpt.load and not resuming:
