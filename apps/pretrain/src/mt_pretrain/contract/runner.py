@@ -71,7 +71,8 @@ GROUPINGS = (2, 4, 8)
 #:   more per layer, t partial sums at TP t: 8 (6.3, fp16 grad norm at TP 4); context
 #:   parallelism likewise: each layer's key/value gradients are cp partial sums rounded to 16
 #:   bits, reduce-scattered, and each run's attention output two 16-bit partial results
-#:   merged (3.9, fp16 parameters at CP 2 x DP 4).
+#:   merged (3.9, fp16 parameters at CP 2 x DP 4; float32 key/value reductions or float32
+#:   attention parts do not bring fp16 under 3x: apps/pretrain/README.md).
 FLOOR_FACTORS = {"plain": 3.0, "own_reduction": 6.0, "tp": 8.0}
 
 
