@@ -10,8 +10,10 @@ random ids each, all rows the same length, so neither side pads) with exactly
 
 - **mt**: ``mt_model.generate(model, prompts, Sampling(max_new_tokens=N), logprobs=False)``
   (no stop ids, so it never stops early; no log-probabilities, as transformers without
-  ``output_scores``; it runs under ``torch.no_grad`` itself), the model's weights laid out
-  by ``decoding_layout_`` as `mt generate` holds them;
+  ``output_scores``; it runs under ``torch.no_grad`` itself), the model laid out by
+  ``decoding_layout_`` as `mt generate` holds it: on x86 builds of torch every projection
+  and the output head also held in oneDNN's packed layout (``mt_model.gpt.PackedWeight``;
+  the same float32 products, one more copy of those weights in memory);
 - **hf**: ``GPT2LMHeadModel.generate(ids, attention_mask, max_new_tokens=N,
   min_new_tokens=N, do_sample=False)`` with ``eos_token_id`` removed from the model's
   generation config (no early stop), its default ``DynamicCache``, under

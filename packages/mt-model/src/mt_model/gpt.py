@@ -41,6 +41,7 @@ __all__ = [
     "decoding_layout_",
     "linear",
     "make_norm",
+    "PackedWeight",
     "rope_tables",
 ]
 
@@ -48,19 +49,64 @@ __all__ = [
 FEW_ROWS = 64
 #: Output features per product when :func:`linear` splits a large weight (the output head).
 WEIGHT_BLOCK = 4096
+#: The batch size oneDNN lays a packed weight out for (any number of rows runs on it; 1 to
+#: 64 measured the same within noise).
+PACK_ROWS = 16
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-           ) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``. For a few rows of float32 on CPU without autograd
-    (decoding: one token per request per step) it computes ``(weight @ x.T).T`` instead, a
-    large weight in blocks of :data:`WEIGHT_BLOCK` output features: the same products, in the
-    orientation and pieces the CPU's GEMM serves faster when ``x`` is thin (GPT-2-small
-    shape, 16 rows: 12 layers' matmuls 66 -> 44 ms, the output head 40 -> 21 ms;
-    benchmarks/generate.py)."""
+class PackedWeight:
+    """A float32 weight copied into oneDNN's blocked layout for its inner-product kernel
+    (x86 CPU builds of torch), for :func:`linear` without autograd: GPT-2-small shape, 12
+    layers' products and the output head per decoded token 2x faster than ``F.linear``
+    (benchmarks/generate.py). It remembers the parameter it copies: :func:`linear` uses it
+    for that parameter only, and packs again when the parameter was changed in place
+    (its version counter) or given new storage, so it never serves stale weights."""
+
+    __slots__ = ("source", "version", "ptr", "tensor")
+
+    def __init__(self, source: torch.Tensor, tensor: torch.Tensor) -> None:
+        self.source, self.tensor = source, tensor
+        self.version, self.ptr = source._version, source.data_ptr()
+
+    @staticmethod
+    def of(weight: torch.Tensor) -> PackedWeight | None:
+        """``weight`` packed, or None where this build of torch cannot (no oneDNN, not a
+        float32 CPU tensor)."""
+        if weight.device.type != "cpu" or weight.dtype != torch.float32 \
+                or not torch.backends.mkldnn.is_available():
+            return None
+        try:
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(),
+                                                             PACK_ROWS)
+        except (AttributeError, RuntimeError, NotImplementedError):
+            return None
+        return PackedWeight(weight, packed)
+
+    def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``F.linear(x, source, bias)`` on the packed copy (packed again if stale)."""
+        if self.source._version != self.version or self.source.data_ptr() != self.ptr:
+            fresh = PackedWeight.of(self.source)
+            if fresh is None:
+                return F.linear(x, self.source, bias)
+            self.tensor, self.version, self.ptr = fresh.tensor, fresh.version, fresh.ptr
+        return torch.ops.mkldnn._linear_pointwise(x, self.tensor, bias, "none", [], "")
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           packed: PackedWeight | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``. Without autograd on float32 CPU tensors (decoding,
+    scoring) it runs on ``packed`` when that copies ``weight`` (:class:`PackedWeight`);
+    without one, for a few rows (one token per request per step) it computes
+    ``(weight @ x.T).T``, a large weight in blocks of :data:`WEIGHT_BLOCK` output features:
+    the same products, in the orientation and pieces the CPU's GEMM serves faster when
+    ``x`` is thin (GPT-2-small shape, 16 rows: 12 layers' matmuls 66 -> 44 ms, the output
+    head 40 -> 21 ms)."""
+    if (x.device.type != "cpu" or x.dtype != torch.float32 or torch.is_grad_enabled()):
+        return F.linear(x, weight, bias)
+    if packed is not None and packed.source is weight:
+        return packed.apply(x, bias)
     rows = x.numel() // max(1, x.shape[-1])
-    if (rows > FEW_ROWS or x.device.type != "cpu" or x.dtype != torch.float32
-            or torch.is_grad_enabled()):
+    if rows > FEW_ROWS:
         return F.linear(x, weight, bias)
     flat = x.reshape(rows, x.shape[-1]).t()
     out = x.new_empty((weight.shape[0], rows))
@@ -74,21 +120,34 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` (the same parameters and names) computed by :func:`linear`."""
+    """``nn.Linear`` (the same parameters and names) computed by :func:`linear` (on
+    ``packed``, set by :func:`decoding_layout_`, where there is one)."""
+
+    packed: PackedWeight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed)
 
 
 @torch.no_grad()
 def decoding_layout_(model: nn.Module) -> nn.Module:
-    """Store every :class:`Linear` weight of ``model`` input-major ([in, out] in memory; the
-    parameter keeps its [out, in] shape and values, as a transposed view), the layout in
-    which :func:`linear`'s thin products run fastest on CPU (12 GPT-2-small layers, one
-    token: 38 -> 29 ms; sixteen: 49 -> 48 ms). For a model that only decodes: training and
-    checkpoint writers expect contiguous weights."""
+    """Lay ``model``'s projections and output head out for decoding on CPU: a
+    :class:`PackedWeight` copy of each float32 weight where torch has oneDNN (it costs one
+    more copy of those weights: GPT-2 small +490 MB; the parameters stay as they were, so
+    training, checkpoint writers and state dicts see nothing of it); elsewhere each
+    :class:`Linear` weight stored input-major ([in, out] in memory, the parameter keeps its
+    [out, in] shape and values as a transposed view), the layout :func:`linear`'s thin
+    products run fastest in (12 GPT-2-small layers, one token: 38 -> 29 ms). For a model
+    that decodes or scores."""
     for module in model.modules():
-        if isinstance(module, Linear) and module.weight.is_contiguous():
+        if isinstance(module, GPT):
+            head = module.head
+            head.packed = PackedWeight.of(head.weight if head.weight is not None
+                                          else module.embed.tokens.weight)
+        if not isinstance(module, Linear):
+            continue
+        module.packed = PackedWeight.of(module.weight)
+        if module.packed is None and module.weight.is_contiguous():
             module.weight.data = module.weight.data.t().contiguous().t()
     return model
 
@@ -340,10 +399,11 @@ class LMHead(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden)) \
             if vocab_size is not None and hidden is not None else None
+        self.packed: PackedWeight | None = None  # decoding_layout_'s copy of the weight
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         """[b, s, hidden] x [vocab, hidden] -> logits [b, s, vocab]."""
-        return linear(hidden, self.weight if weight is None else weight)
+        return linear(hidden, self.weight if weight is None else weight, packed=self.packed)
 
 
 class LMLoss(nn.Module):
