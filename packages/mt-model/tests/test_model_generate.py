@@ -3,9 +3,9 @@
 For GPT-2 (learned positions, fused qkv) and the Llama family (rotary positions, grouped-query
 heads, untied head): a left-padded batch of prompts of different lengths, prefilled and then
 decoded token by token, gives at every step the logits of a full forward over that row's
-tokens alone (fp32, 1e-5); greedy completions are the same batched or alone, and equal
-transformers' ``generate`` on the same weights; sampling is reproducible per seed whatever
-the batch, and temperature / top-k / top-p / stop ids behave as documented.
+tokens alone (fp32, 1e-5; in bf16 and fp16 as accurate as the full 16-bit forward); greedy
+completions are the same batched or alone, and equal transformers' ``generate`` on the same
+weights; sampling is reproducible per seed whatever the batch, and temperature / top-k / top-p / stop ids behave as documented.
 """
 
 from __future__ import annotations
@@ -57,6 +57,44 @@ def test_cached_steps_equal_the_full_forward(name: str) -> None:
                 rows[row].append(token)
             logits = model(torch.tensor(nxt).unsqueeze(1), cache=cache)[:, -1]
     assert cache.length == longest + 6
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_16_bit_cached_steps_are_as_accurate_as_the_full_forward(name: str,
+                                                                 dtype: torch.dtype) -> None:
+    """In 16 bits the cached steps round differently from a full forward, so they are held
+    to the 16-bit forward's own accuracy: against the float32 model's logits, the cached
+    steps' error is at most twice the full 16-bit forward's (a wrong position or mask costs
+    orders of magnitude more), and both pick the same greedy tokens wherever float32's choice
+    leads by more than that error."""
+    exact = GPT(CONFIGS[name], seed=3).eval()
+    model = GPT(CONFIGS[name], seed=3).to(dtype).eval()
+    longest, steps = max(map(len, PROMPTS)), 8
+    pad = [longest - len(p) for p in PROMPTS]
+    cache = KVCache(len(model.blocks), pad, longest + steps)
+    ids = torch.zeros(len(PROMPTS), longest, dtype=torch.int64)
+    for row, prompt in enumerate(PROMPTS):
+        ids[row, pad[row]:] = torch.tensor(prompt)
+    rows = [list(p) for p in PROMPTS]
+    cached_err = full_err = 0.0
+    with torch.no_grad():
+        logits = model(ids, cache=cache)[:, -1].float()
+        for step in range(steps):
+            for row, tokens in enumerate(rows):
+                want = exact(torch.tensor([tokens]))[0, -1]
+                full = model(torch.tensor([tokens]))[0, -1].float()
+                cached_err = max(cached_err, float((logits[row] - want).abs().max()))
+                full_err = max(full_err, float((full - want).abs().max()))
+                top2 = want.topk(2).values
+                if float(top2[0] - top2[1]) > 4 * max(cached_err, full_err):
+                    assert int(logits[row].argmax()) == int(want.argmax()), (step, row)
+            nxt = [(7 * step + 3 * row) % 97 for row in range(len(rows))]
+            for row, token in enumerate(nxt):
+                rows[row].append(token)
+            logits = model(torch.tensor(nxt).unsqueeze(1), cache=cache)[:, -1].float()
+    assert 0 < full_err < 0.1
+    assert cached_err <= 2 * full_err, (cached_err, full_err)
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
