@@ -5,7 +5,8 @@ heads, untied head): a left-padded batch of prompts of different lengths, prefil
 decoded token by token, gives at every step the logits of a full forward over that row's
 tokens alone (fp32, 1e-5; in bf16 and fp16 as accurate as the full 16-bit forward); greedy
 completions are the same batched or alone, and equal transformers' ``generate`` on the same
-weights; sampling is reproducible per seed whatever the batch, and temperature / top-k / top-p / stop ids behave as documented.
+weights; sampling is reproducible per seed whatever the batch, and temperature / top-k /
+top-p / stop ids behave as documented.
 """
 
 from __future__ import annotations
