@@ -152,3 +152,27 @@ def test_context_parallel_plan_reports_the_exchange() -> None:
     bad = _plan("--model", "tiny", "--gpus", "6", "--cp", "4")
     assert bad.exit_code == 2
     assert "--gpus 6 is not divisible by --tp 1 x --pp 1 x --cp 4 = 4" in bad.output
+
+
+def test_search_splits_sequences_when_asked(tmp_path: Path) -> None:
+    """--search --cp N also tries CP 2, 4, ... N. Llama 3.1 8B at 32k tokens on 8 GPUs of 40
+    GB, one per node (so TP cannot split a layer's activations), ZeRO-3: no layout without
+    CP fits, and the refusal says how many CP layouts would; with --cp 8 the search lists
+    them, each row of --json naming its cp."""
+    from mt_model import preset
+
+    model, gpu = tmp_path / "llama-32k.yaml", tmp_path / "gpu.yaml"
+    model.write_text(json.dumps({**preset("llama-3.1-8b").to_dict(), "seq_len": 32768}))
+    gpu.write_text("peak_tflops: 312\nmemory_gb: 40\nnvlink_gb_per_s: 300\nib_gb_per_s: 25\n"
+                   "gpus_per_node: 1\n")
+    args = ("--config", str(model), "--gpu", str(gpu), "--gpus", "8", "--zero-stage", "3",
+            "--global-batch-size", "32", "--search")
+    refused = _plan(*args)
+    assert refused.exit_code == 2
+    text = " ".join(refused.output.split())
+    assert "none of the 45 layouts on 8 x gpu fits in memory" in text
+    assert text.endswith("use more GPUs or --cp 8 (splitting each sequence, 4 layouts fit)")
+    rows = json.loads(_plan(*args, "--cp", "8", "--json").output)
+    assert rows and all(r["fits"] and r["world_size"] == 8 and r["cp"] > 1 for r in rows)
+    table = _plan(*args, "--cp", "8").output
+    assert "4 of 117 layouts fit on 8 x gpu" in " ".join(table.split()) and "cp" in table

@@ -201,21 +201,26 @@ def _divisors(n: int) -> list[int]:
 
 def enumerate_layouts(gpt: GPTConfig, gpus: int, global_batch: int, gpus_per_node: int = 8,
                       zero_stage: int = 1, schedule: str = DEFAULT_SCHEDULE,
-                      micro_batches: tuple[int, ...] = (1, 2, 4, 8)) -> Iterator[ParallelLayout]:
+                      micro_batches: tuple[int, ...] = (1, 2, 4, 8), max_cp: int = 1
+                      ) -> Iterator[ParallelLayout]:
     """Every valid layout on exactly ``gpus`` GPUs: TP within a node (dividing the heads),
-    PP dividing the layers, micro-batch in ``micro_batches``, all three recompute modes,
-    sequence parallelism whenever TP > 1."""
+    context parallelism in powers of two up to ``max_cp`` (1: none), PP dividing the layers,
+    micro-batch in ``micro_batches``, all three recompute modes, sequence parallelism
+    whenever TP > 1 divides the rank's tokens."""
+    cps = [c for c in (2 ** i for i in range(max(1, max_cp).bit_length())) if c <= max_cp]
     for tp in _divisors(min(gpus, gpus_per_node)):
-        for pp in _divisors(gpus // tp) if gpus % tp == 0 else []:
-            dp = gpus // (tp * pp)
-            for b in micro_batches:
-                for recompute in RECOMPUTE:
-                    try:
-                        sched = schedule if pp > 1 else DEFAULT_SCHEDULE
-                        layout = ParallelLayout(tp, pp, dp, global_batch, b, zero_stage, sched,
-                                        sequence_parallel=tp > 1 and gpt.seq_len % tp == 0,
-                                        recompute=recompute)
-                        layout.check(gpt)
-                    except LayoutError:
-                        continue
-                    yield layout
+        for cp in (c for c in cps if gpus % (tp * c) == 0):
+            for pp in _divisors(gpus // (tp * cp)):
+                dp = gpus // (tp * cp * pp)
+                for b in micro_batches:
+                    for recompute in RECOMPUTE:
+                        try:
+                            sched = schedule if pp > 1 else DEFAULT_SCHEDULE
+                            layout = ParallelLayout(
+                                tp, pp, dp, global_batch, b, zero_stage, sched,
+                                sequence_parallel=tp > 1 and (gpt.seq_len // cp) % tp == 0,
+                                recompute=recompute, cp=cp)
+                            layout.check(gpt)
+                        except LayoutError:
+                            continue
+                        yield layout

@@ -120,17 +120,27 @@ def _report(est: Estimate) -> str:
     return "\n".join(lines)
 
 
+def _cp_hint(seq_len: int, gpus: int) -> int:
+    """The largest power-of-two CP degree worth suggesting to a search: it divides ``gpus``
+    and splits ``seq_len`` into 2 cp chunks of at least 512 tokens (1: none)."""
+    cp = 1
+    while gpus % (2 * cp) == 0 and seq_len % (4 * cp) == 0 and seq_len // (4 * cp) >= 512:
+        cp *= 2
+    return cp
+
+
 def _search(gpt: Any, gpu: GPUSpec, gpus: int, global_batch: int, zero: int, schedule: str,
-            top: int, as_json: bool) -> None:
+            top: int, as_json: bool, max_cp: int) -> None:
     layouts = list(enumerate_layouts(gpt, gpus, global_batch, gpu.gpus_per_node, zero,
-                                     schedule))
+                                     schedule, max_cp=max_cp))
     # Rank all by the closed form, then simulate the best few for exact figures.
+    grid = "tp x cp x pp x dp" if max_cp > 1 else "tp x pp x dp"
     if not layouts:
         near = [n for n in (*range(gpus - 1, 0, -1), *range(gpus + 1, 2 * gpus + 2))
                 if any(True for _ in enumerate_layouts(gpt, n, global_batch, gpu.gpus_per_node,
-                                                       zero, schedule))][:1]
+                                                       zero, schedule, max_cp=max_cp))][:1]
         raise _fail(
-            f"no layout splits this run over {gpus} GPUs: tp x pp x dp = {gpus} needs tp to "
+            f"no layout splits this run over {gpus} GPUs: {grid} = {gpus} needs tp to "
             f"divide the {gpt.n_heads} heads (at most {gpu.gpus_per_node} per node), pp the "
             f"{gpt.n_layers} layers and dp the global batch {global_batch}"
             + (f"; {near[0]} GPUs can" if near else ""))
@@ -139,12 +149,21 @@ def _search(gpt: Any, gpu: GPUSpec, gpus: int, global_batch: int, zero: int, sch
     if not quick:
         least = min(estimates, key=lambda e: e.memory_per_gpu_gb)
         lay = least.layout
+        with_cp = f" x cp {lay.cp}" if lay.cp > 1 else ""
+        remedies = ["more GPUs"] + (["ZeRO stage 3"] if zero < 3 else [])
+        if max_cp == 1 and (hint := _cp_hint(gpt.seq_len, gpus)) > 1:
+            split = [e for e in (estimate(gpt, other, gpu, simulate_pipeline=False)
+                                 for other in enumerate_layouts(
+                                     gpt, gpus, global_batch, gpu.gpus_per_node, zero,
+                                     schedule, max_cp=hint)) if e.fits]
+            if split:
+                remedies.append(f"--cp {hint} (splitting each sequence, {len(split)} layouts "
+                                "fit)")
         raise _fail(f"none of the {len(layouts)} layouts on {gpus} x {gpu.name} fits in memory: "
-                    f"the leanest (tp {lay.tp} x pp {lay.pp} x dp {lay.dp}, micro-batch "
+                    f"the leanest (tp {lay.tp} x pp {lay.pp} x dp {lay.dp}{with_cp}, micro-batch "
                     f"{lay.micro_batch}, recompute {lay.recompute}) needs "
                     f"{least.memory_per_gpu_gb:.1f} GB of the {gpu.memory_bytes / 1e9:.0f} GB "
-                    "per GPU; "
-                    "use more GPUs or ZeRO stage 3")
+                    f"per GPU; use {' or '.join(remedies)}")
     quick.sort(key=lambda e: -e.tokens_per_s)
     best = [estimate(gpt, e.layout, gpu) for e in quick[:2 * top]]
     best = sorted((e for e in best if e.fits), key=lambda e: -e.tokens_per_s)[:top]
@@ -156,12 +175,14 @@ def _search(gpt: Any, gpu: GPUSpec, gpus: int, global_batch: int, zero: int, sch
 
     table = Table(title=f"{len(quick)} of {len(layouts)} layouts fit on {gpus} x {gpu.name}; "
                   f"top {len(best)} by estimated throughput")
-    for col in ("tp", "pp", "dp", "micro", "recompute", "SP", "mem GB", "bubble", "iter s",
-                "TFLOP/s", "tokens/s"):
+    columns = ("tp", "cp", "pp", "dp", "micro", "recompute", "SP", "mem GB", "bubble",
+               "iter s", "TFLOP/s", "tokens/s")
+    for col in columns if max_cp > 1 else (c for c in columns if c != "cp"):
         table.add_column(col, justify="right")
     for e in best:
         lay = e.layout
-        table.add_row(str(lay.tp), str(lay.pp), str(lay.dp), str(lay.micro_batch),
+        table.add_row(str(lay.tp), *([str(lay.cp)] if max_cp > 1 else []), str(lay.pp),
+                      str(lay.dp), str(lay.micro_batch),
                       lay.recompute, "y" if lay.sequence_parallel else "n",
                       f"{e.memory_per_gpu_gb:.1f}", f"{e.bubble_fraction:.3f}",
                       f"{e.iteration_time_s:.2f}", f"{e.tflops_per_gpu:.1f}",
@@ -237,7 +258,8 @@ def plan(
     cp: Annotated[int, typer.Option(
         help="Context-parallel degree: each rank holds s / cp tokens of every sequence "
              "(activations / cp, the whole sequence's keys and values kept, their exchange "
-             "timed).")] = 1,
+             "timed). With --search: the largest CP degree to try (1, 2, 4, ... up to it).")
+    ] = 1,
     pp: Annotated[int, typer.Option(help="Pipeline stages.")] = 1,
     global_batch_size: Annotated[int, typer.Option(help="Sequences per step.")] = 32,
     micro_batch_size: Annotated[int, typer.Option(help="Sequences per micro-batch.")] = 1,
@@ -287,7 +309,7 @@ def plan(
         raise _fail(f"--gpus {n}, --cp {cp} and --top {top} must be >= 1")
     try:
         if search:
-            _search(gpt, spec, n, global_batch_size, zero_stage, schedule, top, as_json)
+            _search(gpt, spec, n, global_batch_size, zero_stage, schedule, top, as_json, cp)
             return
         if tp < 1 or pp < 1 or n % (tp * cp * pp):
             with_cp = f" x --cp {cp}" if cp > 1 else ""

@@ -189,7 +189,11 @@ def read_yaml(path: Path) -> Any:
 @cache
 def _unique_keys_loader() -> type:
     """YAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last
-    one silently)."""
+    one silently), and reading ``1e-05`` as a number as YAML 1.2 does (PyYAML's YAML 1.1 wants
+    a dot, ``1.0e-05``, and gave the string '1e-05': `mt plan --config` refused a model's
+    own ``layernorm_eps``)."""
+    import re
+
     import yaml
 
     class UniqueKeys(yaml.SafeLoader):
@@ -204,6 +208,9 @@ def _unique_keys_loader() -> type:
                 seen.add(key)
             return super().construct_mapping(node, deep)
 
+    exponent = re.compile(r"^[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE][-+]?[0-9]+$")
+    UniqueKeys.add_implicit_resolver("tag:yaml.org,2002:float", exponent,
+                                     list("-+0123456789."))
     return UniqueKeys
 
 
