@@ -114,7 +114,7 @@ def matmul_peak(dtype: torch.dtype, device: torch.device, sizes: tuple[int, ...]
                 repeats: int) -> float:
     """Best FLOP/s of square matmuls in ``dtype`` over ``sizes``: ``mt pretrain``'s own MFU
     probe (best of ``repeats`` each), at several sizes."""
-    return max(measure_peak_flops(dtype, device, n, repeats) for n in sizes)
+    return max(measure_peak_flops(dtype, device, n, repeats, budget_s=None) for n in sizes)
 
 
 def load_average() -> str:

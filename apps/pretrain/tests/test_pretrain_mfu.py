@@ -28,6 +28,23 @@ def test_measure_peak_flops_is_a_plausible_cpu_rate() -> None:
         measure_peak_flops(torch.float32, torch.device("cpu"), size=0)
 
 
+@pytest.mark.parametrize("rate, sizes", [(1e9, [128, 256]), (1e11, [128, 256, 512, 1024])])
+def test_probe_grows_only_while_a_matmul_stays_within_its_budget(
+        monkeypatch: pytest.MonkeyPatch, rate: float, sizes: list[int]) -> None:
+    """A slow dtype (fp16 on a CPU: about 1 GFLOP/s) is probed at 256, where one matmul
+    takes 34 ms (1024 took 8 s to probe, at the start of every fp16 run); a fast one at the
+    full size; ``budget_s=None`` takes the size asked for."""
+    import mt_plan.mfu as mfu
+
+    seen: list[int] = []
+    monkeypatch.setattr(mfu, "_matmul_rate", lambda _d, _v, n, _r: seen.append(n) or rate)
+    assert mfu.measure_peak_flops(torch.float16, torch.device("cpu")) == rate
+    assert seen == sizes
+    seen.clear()
+    mfu.measure_peak_flops(torch.float16, torch.device("cpu"), size=512, budget_s=None)
+    assert seen == [512]
+
+
 def test_model_flops_utilization() -> None:
     assert model_flops_utilization(25e12, 100e12) == pytest.approx(0.25)
     assert math.isnan(model_flops_utilization(1.0, float("nan")))

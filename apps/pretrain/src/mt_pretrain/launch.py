@@ -24,6 +24,7 @@ from mt_data.tokenizer import TokenizerError
 from mt_dist import LaunchInfo, discover, free_port
 from mt_dist.supervisor import LocalRanks, Outcome
 from mt_eval import TaskError, TaskResult, load_task
+from mt_pretrain.config.engines import engine_of
 from mt_pretrain.config.resolve import resolve, sharding_styles
 from mt_pretrain.config.schema import ConfigError, PretrainConfig
 from mt_pretrain.data.inputs import check_vocab, default_cache_dir, ensure_data
@@ -89,6 +90,7 @@ def launch(config: PretrainConfig, environ: Mapping[str, str] | None = None,
     if nproc == 1:
         single = LaunchInfo(0, 1, 0, 1, "127.0.0.1", free_port("127.0.0.1"), "single")
         return run_rank(config, single, cache, keep_weights)
+    engine_of(config).load().preload(config)  # likewise, the engine's own imports
     return spawn(config, nproc, cache, timeout, keep_weights)
 
 

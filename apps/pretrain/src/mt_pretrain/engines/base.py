@@ -51,6 +51,12 @@ class Engine(ABC):
     def __init__(self, built: Built) -> None:
         self.built = built
 
+    @classmethod
+    def preload(cls, config: Any) -> None:
+        """Import, in the process that forks ``--nproc`` ranks, what every rank of a run of
+        ``config`` would import itself: they inherit it (default: nothing)."""
+        return None
+
     @property
     def stage(self) -> Any:
         """This rank's pipeline stage module (the whole model when pp == 1)."""
