@@ -6,6 +6,7 @@ batched; stop strings, streaming, and bad input (one line naming the file and li
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -43,6 +44,10 @@ def test_greedy_equals_transformers(model: dict[str, Path], tmp_path: Path) -> N
     code, text = _generate(str(model["ckpt"]), "--input", str(model["prompts"]), "--output",
                            str(out), "--max-new-tokens", "12", "--logprobs")
     assert code == 0, text
+    assert f"{out.name}.sha256: sha256sum -c checks it" in " ".join(text.split())
+    check = subprocess.run(["sha256sum", "-c", "--strict", f"{out.name}.sha256"], cwd=tmp_path,
+                           capture_output=True, text=True)
+    assert check.returncode == 0 and f"{out.name}: OK" in check.stdout
     rows = _rows(out)
     hf = transformers.AutoModelForCausalLM.from_pretrained(model["hf"]).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(model["hf"])

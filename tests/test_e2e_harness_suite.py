@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -54,6 +55,9 @@ def test_the_mt_nlg_suite(setup: dict[str, Path], tmp_path: Path) -> None:
     assert rows[0] == "| task | 0-shot | 1-shot | few-shot |" and len(rows) == 12
     assert "| winogrande |" in table and "(50) |" in table and "| hans |" in table
     assert (out / "table.png").read_bytes()[:4] == b"\x89PNG"
+    check = subprocess.run(["sha256sum", "-c", "--strict", "SHA256SUMS"], cwd=out,
+                           capture_output=True, text=True)
+    assert check.returncode == 0 and check.stdout.count(": OK") == 5, check.stdout
     bad = CliRunner().invoke(app, ["eval", str(setup["ckpt"]), "--suite", "mt-nlg",
                                    "--shots", "3"])
     assert bad.exit_code == 2 and "--shots with --suite" in bad.output

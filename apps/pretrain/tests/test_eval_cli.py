@@ -4,6 +4,7 @@ one line that names the file, line or number at fault (no traceback)."""
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -43,6 +44,10 @@ def test_results_table_and_json(checkpoint: Path, tmp_path: Path) -> None:
                        "--log-samples")
     assert code == 0, text
     assert "mt-choice" in text and "acc_norm" in text and f"wrote {out}" in text
+    # its digest beside it, in sha256sum's format: `sha256sum -c` passes, and fails once the
+    # file changes
+    check = ["sha256sum", "-c", "--strict", "results.json.sha256"]
+    assert subprocess.run(check, cwd=out.parent, capture_output=True).returncode == 0
     data = json.loads(out.read_text())
     # lm-evaluation-harness's schema: what reads lm-eval's results reads mt's.
     choice = data["results"]["mt-choice"]
@@ -56,6 +61,8 @@ def test_results_table_and_json(checkpoint: Path, tmp_path: Path) -> None:
     assert all(len(s["loglikelihoods"]) == 4 and all(x < 0 for x in s["loglikelihoods"])
                for s in samples)
     assert samples[0]["resps"][0][0][0] == samples[0]["loglikelihoods"][0]
+    out.write_text(out.read_text() + " ")
+    assert subprocess.run(check, cwd=out.parent, capture_output=True).returncode == 1
     from lm_eval.utils import make_table
 
     table = make_table(data)  # lm-eval's own reader of its results

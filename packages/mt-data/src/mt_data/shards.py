@@ -86,6 +86,20 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def write_sha256sums(path: Path, files: Sequence[Path]) -> Path:
+    """Write ``files``' SHA-256 digests to ``path`` atomically, one ``HEX  NAME`` line each as
+    ``sha256sum`` writes them (names relative to ``path``'s folder: ``sha256sum -c`` there
+    checks them). Returns ``path``."""
+    lines = "".join(f"{file_sha256(f)}  {os.path.relpath(f, path.parent)}\n" for f in files)
+    atomic_write_bytes(path, lines.encode("utf-8"))
+    return path
+
+
+def sha256_beside(path: Path) -> Path:
+    """``path``'s digest in ``PATH.sha256`` beside it (:func:`write_sha256sums`)."""
+    return write_sha256sums(path.with_name(path.name + ".sha256"), [path])
+
+
 @dataclass(frozen=True)
 class ShardInfo:
     """One shard as recorded in the index."""

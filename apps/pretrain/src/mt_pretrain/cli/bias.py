@@ -180,7 +180,7 @@ def _write(report: dict, output: Path, console: Console) -> None:
     import importlib.util
     import json
 
-    from mt_data.shards import atomic_write_bytes, file_sha256
+    from mt_data.shards import atomic_write_bytes, write_sha256sums
     from mt_eval import write_json
     from mt_pretrain.evaluation.bias_report import bias_plots, bias_table
 
@@ -195,7 +195,6 @@ def _write(report: dict, output: Path, console: Console) -> None:
                       "'mt-pretrain[plot]')", highlight=False, soft_wrap=True)
     else:
         written += bias_plots(report, output)
-    sums = "".join(f"{file_sha256(p)}  {p.name}\n" for p in written)
-    atomic_write_bytes(output / "SHA256SUMS", sums.encode("utf-8"))
+    write_sha256sums(output / "SHA256SUMS", written)
     console.print(f"wrote {output}/: {', '.join(p.name for p in written)}, SHA256SUMS "
                   "(sha256sum -c checks them)", highlight=False, soft_wrap=True)

@@ -152,7 +152,7 @@ def eval_command(
                   "tp": tp, "pp": pp, "nproc": nproc, "precision": precision,
                   "tokenizer": tokenizer}
         write_json(output, results_json(results, config, samples=log_samples))
-        console.print(f"wrote {output}", highlight=False, soft_wrap=True)
+        _wrote(output, console)
 
 
 def _harness_installed() -> bool:
@@ -214,7 +214,16 @@ def _report_harness(results: dict, output: Path | None, console: Console) -> Non
         from mt_eval import write_json
 
         write_json(output, json.loads(json.dumps(results, default=handle_non_serializable)))
-        console.print(f"wrote {output}", highlight=False, soft_wrap=True)
+        _wrote(output, console)
+
+
+def _wrote(output: Path, console: Console) -> None:
+    """The digest of the results file just written, beside it; the line saying so."""
+    from mt_data.shards import sha256_beside
+
+    sums = sha256_beside(output)
+    console.print(f"wrote {output} ({sums.name}: sha256sum -c checks it)", highlight=False,
+                  soft_wrap=True)
 
 
 def _report_suite(report: dict, output: Path | None, console: Console) -> None:
@@ -225,7 +234,7 @@ def _report_suite(report: dict, output: Path | None, console: Console) -> None:
 
     from lm_eval.utils import handle_non_serializable  # pants: no-infer-dep
 
-    from mt_data.shards import atomic_write_bytes
+    from mt_data.shards import atomic_write_bytes, write_sha256sums
     from mt_eval import write_json
     from mt_pretrain.evaluation.suites import suite_plot, suite_table
 
@@ -234,15 +243,17 @@ def _report_suite(report: dict, output: Path | None, console: Console) -> None:
     if output is None:
         return
     output.mkdir(parents=True, exist_ok=True)
+    written = []
     for setting, results in report["settings"].items():
-        path = output / f"results_{setting}.json"
-        write_json(path, json.loads(json.dumps(results, default=handle_non_serializable)))
+        written.append(write_json(output / f"results_{setting}.json", json.loads(
+            json.dumps(results, default=handle_non_serializable))))
     atomic_write_bytes(output / "table.md", table.encode("utf-8"))
+    written.append(output / "table.md")
     if importlib.util.find_spec("matplotlib") is None:
         console.print("warning: no table.png: the plot needs matplotlib (pip install "
                       "'mt-pretrain[plot]')", highlight=False, soft_wrap=True)
     else:
-        suite_plot(report, output / "table.png")
-    console.print(f"wrote {output}/: results_{{0-shot,1-shot,few-shot}}.json, table.md"
-                  + ("" if importlib.util.find_spec("matplotlib") is None else ", table.png"),
-                  highlight=False, soft_wrap=True)
+        written.append(suite_plot(report, output / "table.png"))
+    write_sha256sums(output / "SHA256SUMS", written)
+    console.print(f"wrote {output}/: {', '.join(p.name for p in written)}, SHA256SUMS "
+                  "(sha256sum -c checks them)", highlight=False, soft_wrap=True)

@@ -159,7 +159,7 @@ def _report(rows: list[dict], prompt: str | None, output: Path | None, logprobs:
     """After the streamed prompt, its finish line; else the JSONL rows (--output or stdout)."""
     import json
 
-    from mt_data.shards import atomic_write_bytes
+    from mt_data.shards import atomic_write_bytes, sha256_beside
 
     if prompt is not None:
         row = rows[0]
@@ -174,5 +174,6 @@ def _report(rows: list[dict], prompt: str | None, output: Path | None, logprobs:
         return
     output.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(output, text.encode("utf-8"))
-    console.print(f"wrote {output}: {len(rows)} completions", highlight=False,
-                  soft_wrap=True)
+    sums = sha256_beside(output)
+    console.print(f"wrote {output}: {len(rows)} completions ({sums.name}: sha256sum -c "
+                  "checks it)", highlight=False, soft_wrap=True)

@@ -22,6 +22,8 @@ def plot_metrics(paths: Sequence[str | Path], output: str | Path, key: str = "lo
     matplotlib.use("Agg")  # files only; never needs a display
     import matplotlib.pyplot as plt  # pants: no-infer-dep
 
+    from mt_pretrain.figures import save_figure
+
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
     drawn = 0
     for path in paths:
@@ -46,7 +48,7 @@ def plot_metrics(paths: Sequence[str | Path], output: str | Path, key: str = "lo
     fig.tight_layout()
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(output)
+    save_figure(fig, output)
     plt.close(fig)
     return output
 

@@ -84,6 +84,8 @@ def bias_plots(report: dict[str, Any], folder: Path) -> list[Path]:
     matplotlib.use("Agg")  # files only; never needs a display
     import matplotlib.pyplot as plt  # pants: no-infer-dep
 
+    from mt_pretrain.figures import save_figure
+
     written = []
     occupation = report.get("occupation")
     if occupation and occupation["occupations"]:
@@ -100,7 +102,7 @@ def bias_plots(report: dict[str, Any], folder: Path) -> list[Path]:
         ax.set_xlabel("ln((female + 1) / (male + 1))   <- male | female ->")
         ax.set_title("Gender association per occupation")
         ax.legend(frameon=False, loc="lower right")
-        fig.savefig(folder / "occupation.png", dpi=110)
+        save_figure(fig, folder / "occupation.png", dpi=110)
         plt.close(fig)
         written.append(folder / "occupation.png")
     groups = report.get("groups")
@@ -118,7 +120,7 @@ def bias_plots(report: dict[str, Any], folder: Path) -> list[Path]:
             ax.set_title(dimension)
             ax.set_ylabel("mean sentiment (lexicon valence)")
         fig.suptitle("Sentiment of continuations per group")
-        fig.savefig(folder / "sentiment.png", dpi=110)
+        save_figure(fig, folder / "sentiment.png", dpi=110)
         plt.close(fig)
         written.append(folder / "sentiment.png")
     return written

@@ -82,6 +82,8 @@ def suite_plot(report: dict[str, Any], path: Path) -> Path:
     matplotlib.use("Agg")  # files only; never needs a display
     import matplotlib.pyplot as plt  # pants: no-infer-dep
 
+    from mt_pretrain.figures import save_figure
+
     tasks = SUITES[report["suite"]].tasks
     fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(tasks)), 3.6), constrained_layout=True)
     width = 0.27
@@ -93,6 +95,6 @@ def suite_plot(report: dict[str, Any], path: Path) -> Path:
     ax.set_ylim(0, 100)
     ax.set_title(f"{report['suite']}: zero-, one- and few-shot accuracy")
     ax.legend(frameon=False, ncol=3)
-    fig.savefig(path)
+    save_figure(fig, path)
     plt.close(fig)
     return path

@@ -40,7 +40,7 @@ from mt_pretrain.data.inputs import ensure_data, make_loaders, tokenizer_for
 from mt_pretrain.engines.base import Engine
 from mt_pretrain.evaluation.training import task_scorer
 from mt_pretrain.run.folder import claim_run_folder, run_folder_lock
-from mt_pretrain.run.memory import MemoryPeaks, gather_memory
+from mt_pretrain.run.memory import MemoryPeaks, gather_memory, map_large_blocks
 from mt_pretrain.run.metrics import MetricsWriter, WandbTarget
 from mt_pretrain.run.progress import Reporter
 from mt_pretrain.run.sample import (
@@ -174,6 +174,8 @@ def run_rank(config: PretrainConfig, info: LaunchInfo, cache_dir: Path,
         raise ConfigError(f"local rank {info.local_rank} needs GPU {info.local_rank} but this "
                           f"node has {torch.cuda.device_count()}; use --device cpu or fewer "
                           "processes per node")
+    if device.type == "cpu":  # freed activations leave the RSS (run/memory.py)
+        map_large_blocks(os.environ)
     init_distributed(info, device, timeout=config.parallel.timeout)
     completed = False
     try:
