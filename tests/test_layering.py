@@ -114,13 +114,14 @@ def test_no_two_packages_export_one_name() -> None:
 
 
 #: mt_pretrain's subpackages (and top-level modules), bottom to top: each imports only the
-#: ones before it, function-local imports included. config is pure data and the engine
-#: registry; data is what a run reads; engines run the model and write its checkpoints;
-#: evaluation scores through an engine; run is one rank's training loop (it scores tasks
-#: during training); launch starts ranks; contract (the layout matrix) launches runs; the
-#: command line sits on everything (lm_eval: lm-eval's command line with mt registered).
-PRETRAIN_STACK = ["config", "data", "engines", "evaluation", "run", "serving", "launch",
-                  "contract", "cli", "lm_eval", "__main__"]
+#: ones before it, function-local imports included. figures writes plots (atomically);
+#: config is pure data and the engine registry; data is what a run reads; engines run the
+#: model and write its checkpoints; evaluation scores through an engine; run is one rank's
+#: training loop (it scores tasks during training); launch starts ranks; contract (the layout
+#: matrix) launches runs; the command line sits on everything (lm_eval: lm-eval's command
+#: line with mt registered).
+PRETRAIN_STACK = ["figures", "config", "data", "engines", "evaluation", "run", "serving",
+                  "launch", "contract", "cli", "lm_eval", "__main__"]
 
 
 def _part(path: Path, tree: Path) -> str:
