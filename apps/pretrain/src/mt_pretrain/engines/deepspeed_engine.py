@@ -23,6 +23,7 @@ verified before anything is read. Resuming needs the same (tp, pp, dp) layout.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import time
 import warnings
@@ -98,10 +99,8 @@ class DeepSpeedEngine(Engine):
         if os.environ.setdefault("DS_ACCELERATOR", "cpu") != "cpu":  # as _set_environment
             return
         with contextlib.suppress(ImportError):  # the rank then says what is missing
-            import deepspeed  # noqa: F401  pants: no-infer-dep (optional engine)
-            from deepspeed.runtime.zero.muon import (  # noqa: F401  pants: no-infer-dep
-                muon_optimizer,
-            )
+            # by name: an optional engine, not a dependency of the package
+            importlib.import_module("deepspeed.runtime.zero.muon.muon_optimizer")
 
     def set_lr(self, lr: float) -> None:
         for group in self.client.param_groups:
