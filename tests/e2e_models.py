@@ -28,14 +28,14 @@ def single_threaded(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         torch.set_num_threads(threads)
 
 
-def trained_gpt2_vocab(root: Path, model: str = "tiny", seq_len: int | None = None
-                       ) -> tuple[Path, Path]:
-    """(the checkpoint of 12 steps of `mt pretrain --model MODEL --vocab-size 50257` (tiny:
-    GPT-2-shaped; llama-test: grouped-query heads, RoPE), its Hugging Face export with the
-    tokenizer) under ``root``."""
+def trained_gpt2_vocab(root: Path, model: str = "tiny", seq_len: int | None = None,
+                       steps: int = 12) -> tuple[Path, Path]:
+    """(the checkpoint of ``steps`` steps of `mt pretrain --model MODEL --vocab-size 50257`
+    (tiny: GPT-2-shaped; llama-test: grouped-query heads, RoPE), its Hugging Face export with
+    the tokenizer) under ``root``."""
     config = load_config(None, {
         "model": model, "vocab_size": 50257, "tokenizer": "gpt2", "nproc": 1,
-        "micro_batch_size": 4, "global_batch_size": 8, "train_steps": 12, "eval_interval": 0,
+        "micro_batch_size": 4, "global_batch_size": 8, "train_steps": steps, "eval_interval": 0,
         "sample_tokens": 0, "progress": False, "log_interval": 100, "timeout": 300.0,
         "out_dir": str(root / "run"), "cache_dir": str(root / "cache"),
         **({"seq_len": seq_len} if seq_len else {})})

@@ -8,8 +8,12 @@ A tiny GPT (GPT-2 vocabulary, 320 positions) trained briefly by `mt pretrain` an
   and accuracy identical;
 - the ``openai`` client streams a completion whose pieces make the whole greedy text, which
   equals transformers' greedy continuation;
-- faults: malformed JSON, wrong types, unknown fields' values, an oversized body, a prompt past
-  the context, an unknown model or route: each a JSON error with its status, the server up;
+- faults: malformed JSON, wrong types, unknown fields and fields' values, NaN, numbers past
+  any range (a seed of 2**70 once stopped the server), JSON nested 5,000 deep, lone
+  surrogates, an oversized body, a prompt past the context, an unknown model or route: each a
+  JSON error with its status naming the field, the server up;
+- the openai client's models.retrieve, 405 with Allow, n completions per prompt, and a
+  stream's usage (stream_options.include_usage);
   64 concurrent clients on a queue of 16: each answered 200 (the same text as alone) or 429;
   a client that disconnects mid-stream frees its rows;
 - at PP 2 (two processes; TP 2 x PP 2 decoding is test_e2e_generate_layouts.py's): the same
@@ -21,11 +25,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
-import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,14 +36,12 @@ import httpx
 import pytest
 from e2e_models import single_threaded, trained_gpt2_vocab
 from harness_data import LAYOUT, write_data
-
-from mt_dist import free_port
+from serve_harness import NAME, Server
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 TOL = 1e-4
-NAME = "tiny"
 PROMPT = "Call me Ishmael. Some years ago"
 
 
@@ -50,40 +50,6 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("serve")
     ckpt, hf = trained_gpt2_vocab(root, seq_len=320)
     return {"root": root, "ckpt": ckpt, "hf": hf}
-
-
-class Server:
-    """`mt serve` in a process of its own (its log kept for failures)."""
-
-    def __init__(self, ckpt: Path, log: Path, *args: str) -> None:
-        self.port = free_port("127.0.0.1")
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "OMP_NUM_THREADS": "1",
-               "PYTHONPATH": os.pathsep.join(os.path.abspath(p) for p in sys.path if p)}
-        self.log = log
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mt_pretrain", "serve", str(ckpt), "--port",
-             str(self.port), "--model-name", NAME, *args],
-            env=env, stdout=subprocess.DEVNULL, stderr=log.open("w"))
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, log.read_text()
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        raise AssertionError(f"the server did not start: {log.read_text()}")
-
-    def post(self, body: object, **kw: object) -> httpx.Response:
-        content = body if isinstance(body, (bytes, str)) else json.dumps(body)
-        return httpx.post(f"{self.url}/v1/completions", content=content, timeout=120, **kw)
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(60)
 
 
 @pytest.fixture(scope="module")
@@ -176,6 +142,20 @@ def test_bad_requests_get_json_errors(server: Server) -> None:
         ({"prompt": "x", "max_tokens": 400}, 400, "max_tokens"),
         ({"prompt": "x", "model": "gpt-4"}, 404, "model"),
         (b"[" * 10 + b'"x' * (1 << 20), 413, None),
+        ({"prompt": "x", "seed": 2**70}, 400, "seed"),  # reached torch and stopped the server
+        (b'{"prompt": "x", "temperature": NaN}', 400, "temperature"),
+        (b'{"prompt": "x", "top_p": NaN}', 400, "top_p"),
+        (b'{"prompt": "x", "max_tokens": 1e999}', 400, "max_tokens"),
+        (b'{"prompt": "x", "top_k": ' + b"9" * 5000 + b"}", 400, None),  # past int parsing
+        ({"prompt": "x", "top_k": 10**300}, 400, "top_k"),
+        (b"[" * 5000 + b"]" * 5000, 400, None),
+        ({"prompt": [[[[[[[[[1]]]]]]]]]}, 400, "prompt"),
+        (b'{"prompt": "\\ud800 lone"}', 400, "prompt"),
+        (b'{"prompt": "x", "stop": ["\\udfff"]}', 400, "stop"),
+        ({"prompt": "x", "max_token": 3}, 400, "max_token"),  # misspelt: was ignored
+        ({"prompt": "x", "temprature": 0.5}, 400, "temprature"),
+        ({"prompt": "x", "n": 0}, 400, "n"),
+        ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ]
     for body, status, param in cases:
         response = server.post(body)
@@ -184,6 +164,9 @@ def test_bad_requests_get_json_errors(server: Server) -> None:
         assert error["message"] and error["param"] == param, (body[:40], error)
     missing = httpx.get(f"{server.url}/v1/nothing", timeout=10)
     assert missing.status_code == 404 and "error" in missing.json()
+    unknown = server.post({"prompt": "x", "max_token": 3, "temprature": 1}).json()["error"]
+    assert "'max_token', 'temprature'" in unknown["message"]
+    assert "did you mean 'max_tokens'" in unknown["message"]
     assert server.post({"prompt": "x", "max_tokens": 2}).status_code == 200  # still up
 
 
@@ -195,10 +178,46 @@ def test_bad_flags_and_a_busy_port(model: dict[str, Path], server: Server) -> No
     busy = CliRunner().invoke(app, ["serve", str(model["ckpt"]), "--port", str(server.port)])
     assert busy.exit_code == 1 and f"cannot serve on 127.0.0.1:{server.port}" in busy.output
     bad = CliRunner().invoke(app, ["serve", str(model["ckpt"]), "--port", "70000",
-                                   "--max-batch", "0"])
+                                   "--max-batch", "0", "--max-tokens", "0"])
     assert bad.exit_code == 2, bad.output
     assert "--max-batch must be positive, got 0" in bad.output
     assert "--port must be 0..65535, got 70000" in bad.output
+    assert "--max-tokens must be positive, got 0" in bad.output  # started, then refused all
+
+
+def test_models_retrieve_405_n_and_stream_usage(server: Server) -> None:
+    """The openai client's models.retrieve; 405 names the allowed method; n completions per
+    prompt (seeded: each its own draw, the same at every call; the prompt's tokens counted
+    once); a stream's last chunk carries the usage with stream_options.include_usage."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    assert client.models.retrieve(NAME).id == NAME
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+    wrong = httpx.delete(f"{server.url}/v1/completions", timeout=10)
+    assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"
+    allow = httpx.post(f"{server.url}/health", timeout=10).headers["allow"]
+    assert set(allow.split(", ")) == {"GET", "HEAD"}
+    body = {"prompt": [PROMPT, "The whale"], "max_tokens": 6, "temperature": 1.0, "seed": 11,
+            "n": 3}
+    first, again = server.post(body).json(), server.post(body).json()
+    texts = [c["text"] for c in first["choices"]]
+    assert [c["index"] for c in first["choices"]] == list(range(6))
+    assert texts == [c["text"] for c in again["choices"]] and len(set(texts[:3])) == 3
+    single = server.post({**body, "prompt": "The whale", "n": 1}).json()
+    assert single["choices"][0]["text"] == texts[3]  # sample 0 keeps the request's seed
+    prompt_tokens = sum(client.completions.create(
+        model=NAME, prompt=p, max_tokens=1, temperature=0).usage.prompt_tokens
+        for p in body["prompt"])
+    assert first["usage"]["prompt_tokens"] == prompt_tokens
+    assert first["usage"]["completion_tokens"] == 6 * 6
+    chunks = list(client.completions.create(
+        model=NAME, prompt=PROMPT, max_tokens=8, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    assert all(c.usage is None for c in chunks[:-1]) and not chunks[-1].choices
+    whole = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=8, temperature=0)
+    assert chunks[-1].usage.model_dump() == whole.usage.model_dump()
 
 
 def test_64_concurrent_clients_and_a_full_queue(server: Server) -> None:

@@ -133,3 +133,33 @@ def test_auto_keeps_task_files_on_mts_engine(checkpoint: Path, tmp_path: Path) -
     # lm-eval's loader met the hook (no module "nowhere"): one line, exit 2
     assert code == 2 and "lm-evaluation-harness cannot load it" in text and "nowhere" in text
     assert "Traceback" not in text, text
+
+
+def test_an_output_that_cannot_be_written_is_refused_before_the_work(tmp_path: Path) -> None:
+    """--output under a regular file (root writes anywhere, so not a read-only folder): one
+    line naming it, exit 2, before the checkpoint is even read (was: a traceback after the
+    whole evaluation)."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    missing = tmp_path / "no-checkpoint"
+    code, text = _eval(str(missing), "--task", "mt-cloze", "--output",
+                       str(blocker / "sub" / "results.json"))
+    assert code == 2 and "Traceback" not in text, text
+    assert f"--output {blocker}/sub/results.json: {blocker} is a file, not a folder" in \
+        " ".join(text.split()), text
+    assert "no-checkpoint" not in text, text  # found first
+
+
+def test_a_task_file_field_of_the_wrong_type_is_one_line(tmp_path: Path) -> None:
+    """`num_fewshot: three` (was: a TypeError traceback when the examples were drawn):
+    named with the file and the field, before the checkpoint is read."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"text": "one two three four"}\n')
+    task = tmp_path / "task.yaml"
+    task.write_text(f"task: t\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+                    f"    test: {rows}\ntest_split: test\noutput_type: loglikelihood_rolling\n"
+                    "doc_to_text: \"\"\ndoc_to_target: text\nnum_fewshot: three\n")
+    code, text = _eval(str(tmp_path / "no-checkpoint"), "--task", str(task))
+    assert code == 2 and "Traceback" not in text, text
+    assert f"{task}: num_fewshot must be a whole number >= 0, got 'three'" in \
+        " ".join(text.split()), text

@@ -130,7 +130,8 @@ def test_calibrate_measures_this_machine_and_is_reused(tmp_path: Path) -> None:
     plain = json.loads(_plan(*args, "--json").output)
     assert plain["calibrated"] is False and plain["gpu"] == "a100-80gb"
     bad = _plan(*args, "--micro-batch-size", "0", "--calibrate", str(tmp_path / "x.yaml"))
-    assert bad.exit_code == 2 and "--micro-batch-size 0" in bad.output
+    assert bad.exit_code == 2 and "--micro-batch-size must be a positive integer, got 0" in (
+        bad.output)
     blocked = tmp_path / "file"
     blocked.write_text("not a folder")
     unwritable = _plan(*args, "--calibrate", str(blocked / "cal.yaml"))
@@ -176,3 +177,56 @@ def test_search_splits_sequences_when_asked(tmp_path: Path) -> None:
     assert rows and all(r["fits"] and r["world_size"] == 8 and r["cp"] > 1 for r in rows)
     table = _plan(*args, "--cp", "8").output
     assert "4 of 117 layouts fit on 8 x gpu" in " ".join(table.split()) and "cp" in table
+
+
+def test_numeric_flags_name_the_flag_and_value() -> None:
+    """Was: --tp -2 --pp -2 blamed divisibility ("--gpus 4 is not divisible by --tp -2 x --pp
+    -2 = 4"); a huge --gpus searched for hours; 1e11 micro-batches simulated for hours."""
+    cases = [
+        (["--tp", "-2", "--pp", "-2"], "--tp must be a positive integer, got -2; --pp must be "
+                                       "a positive integer, got -2"),
+        (["--cp", "0"], "--cp must be a positive integer, got 0"),
+        (["--gpus", "0"], "--gpus must be a positive integer, got 0"),
+        (["--global-batch-size", "-4"], "--global-batch-size must be a positive integer, got -4"),
+        (["--micro-batch-size", "0"], "--micro-batch-size must be a positive integer, got 0"),
+        (["--virtual-stages", "-1"], "--virtual-stages must be a positive integer, got -1"),
+        (["--search", "--gpus", "8", "--top", "0"], "--top must be a positive integer, got 0"),
+        (["--zero-stage", "-1"], "--zero-stage must be 0, 1, 2 or 3, got -1"),
+        (["--global-batch-size", str(2**70)],
+         "--global-batch-size must be below 2**63, got 1180591620717411303424"),
+        (["--search", "--gpus", "1000000000"],
+         "--gpus must be at most 1,048,576 GPUs, got 1,000,000,000"),
+        (["--global-batch-size", "100000000000"],
+         "--global-batch-size 100,000,000,000 is 100,000,000,000 micro-batches of 1 on each "
+         "of dp 1 replicas per step; at most 100,000"),
+        (["--search", "--gpus", "8", "--global-batch-size", "100000000000"],
+         "--global-batch-size 100,000,000,000 is at least 1,562,500,000 micro-batches per "
+         "step in every layout on 8 GPUs; at most 100,000"),
+    ]
+    for args, message in cases:
+        result = _plan("--model", "tiny", *args)
+        assert result.exit_code == 2, (args, result.output)
+        assert message in " ".join(result.output.split()), (args, result.output)
+        assert "Traceback" not in result.output
+
+
+def test_flags_that_would_do_nothing_are_refused() -> None:
+    """The rule of mt pretrain (was: planned as if not given), and --search's own: it
+    chooses the layout, so a --tp or --recompute given with it did nothing; it plans the
+    --precision given (was: bf16 whatever was given)."""
+    cases = [
+        (["--sequence-parallel"], "--sequence-parallel shards activations over the "
+                                  "tensor-parallel ranks, and --tp 1 has none"),
+        (["--virtual-stages", "2"], "--virtual-stages 2 splits each pipeline stage into model "
+                                    "chunks, and --pp 1 has no pipeline"),
+        (["--precision", "fp32", "--no-main-grads"], "--no-main-grads keeps 16-bit gradients"),
+        (["--search", "--gpus", "8", "--tp", "2", "--recompute", "none"],
+         "--search chooses --tp, --recompute itself: leave them out"),
+    ]
+    for args, message in cases:
+        result = _plan("--model", "tiny", *args)
+        assert result.exit_code == 2, (args, result.output)
+        assert message in " ".join(result.output.split()), (args, result.output)
+    rows = json.loads(_plan("--model", "tiny", "--gpus", "8", "--search", "--precision",
+                            "fp32", "--json").output)
+    assert rows and all(row["precision"] == "fp32" for row in rows)

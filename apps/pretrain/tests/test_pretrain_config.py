@@ -305,3 +305,92 @@ def test_paths_the_flags_name_are_checked_before_anything_starts(tmp_path: Path)
     assert load_config(None, {"tokenizer": "gpt2", "data": str(data)}).data.tokenizer == "gpt2"
     with pytest.raises(ConfigError, match=r"prepared with \(gpt2\); leave out --tokenizer"):
         load_config(None, {"tokenizer": "tokenizer-1k", "data": str(data)})
+
+
+@pytest.mark.parametrize("overrides, message", [
+    # Was: a traceback from torch.manual_seed ("Overflow when unpacking long long").
+    ({"seed": 2**70}, r"--seed must be between 0 and 2\*\*63 - 1, got 1180591620717411303424"),
+    # Was: numpy's "expected non-negative integer" from the data shuffle, caught as too
+    # little text: "use a shorter --seq-len or more data".
+    ({"seed": -1}, r"--seed must be between 0 and 2\*\*63 - 1, got -1"),
+    # Was: an OverflowError in every rank's process group.
+    ({"timeout": float("inf")}, r"--timeout must be at most 1e\+09 seconds .*got inf"),
+    ({"timeout": 1e300}, r"--timeout must be at most 1e\+09 seconds .*got 1e\+300"),
+    ({"timeout": float("nan")}, r"--timeout must be at least 1 seconds .*got nan"),
+    # Was: accepted, doing nothing (never exits; every MFU 0).
+    ({"exit_duration": float("inf")}, r"--exit-duration must be a finite number of minutes"),
+    ({"peak_tflops": float("inf")}, r"--peak-tflops must be a finite number, got inf"),
+    ({"split": "inf,1,1"}, r"--split must be three weights like '969,30,1', got 'inf,1,1'"),
+    ({"log_interval": 2**70}, r"--log-interval must be below 2\*\*63, got 1180591620717411303424"),
+    ({"save_interval": 2**63}, r"--save-interval must be below 2\*\*63"),
+    ({"eval_iters": 2**64}, r"--eval-iters must be below 2\*\*63"),
+    ({"zero_stage": 2**64}, r"--zero-stage must be below 2\*\*63"),
+    ({"dropout": float("nan")}, r"--dropout must be in \[0, 1\), got nan"),
+    # Was: torch's "Storage size calculation overflowed" in the rank, as a traceback.
+    ({"nproc": 1, "hidden": 2**40, "n_heads": 1},
+     r"invalid model: 4 layers, hidden 1,099,511,627,776, .* more than 2\*\*63 bytes"),
+    ({"nproc": 1, "vocab_size": 2**62}, r"invalid model: .*vocab 4,611,686,018,427,387,904"),
+    ({"nproc": 1, "train_steps": 2**62},
+     r"4,611,686,018,427,387,904 steps of 32 sequences of 64 tokens: .* tokens; at most "
+     r"2\*\*63 - 1 \(fewer --train-steps or --train-tokens\)"),
+    ({"nproc": 2**21, "global_batch_size": 2**23},
+     r"world size 2,097,152 \(--nproc, --dp or the launcher's\); at most 1,048,576"),
+])
+def test_numbers_that_would_overflow_or_do_nothing_are_refused(overrides: dict,
+                                                               message: str) -> None:
+    """Every number the config takes is range-checked where it is read, naming the flag and
+    the value (house rule: one line, before anything starts)."""
+    with pytest.raises(ConfigError, match=message) as err:
+        load_config(None, overrides)
+    assert "\n" not in str(err.value)
+
+
+def test_the_seed_range_holds_on_the_command_line_and_in_yaml(tmp_path: Path) -> None:
+    """`mt pretrain --seed -1` (was: accepted by the dry run; the run then blamed --seq-len)
+    and a YAML seed beyond 2**63 - 1; the largest seed itself is kept exactly (was: read
+    through a float, 2**63 - 1 became 2**63)."""
+    result = CliRunner().invoke(app, ["pretrain", "--seed", "-1", "--dry-run"],
+                                env={"COLUMNS": "200"})
+    assert result.exit_code == 2, result.output
+    assert "--seed must be between 0 and 2**63 - 1, got -1" in result.output
+    assert "--seq-len" not in result.output and "Traceback" not in result.output
+    path = tmp_path / "run.yaml"
+    path.write_text("train:\n  seed: 1180591620717411303424\n")
+    with pytest.raises(ConfigError, match=r"--seed must be between 0 and 2\*\*63 - 1, got "
+                       r"1180591620717411303424"):
+        load_config(path)
+    path.write_text("seed: 9223372036854775807\n")
+    assert load_config(path).train.seed == 2**63 - 1
+    path.write_text("seed: '9223372036854775807'\n")
+    assert load_config(path).train.seed == 2**63 - 1
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--sequence-parallel"], "--sequence-parallel shards activations over the "
+                              "tensor-parallel ranks, and --tp 1 has none"),
+    (["--virtual-stages", "2"], "--virtual-stages 2 splits each pipeline stage into model "
+                                "chunks, and --pp 1 has no pipeline"),
+    (["--virtual-stages", "2", "--schedule", "interleaved"], "--virtual-stages 2 splits each "
+                                                             "pipeline stage"),
+    (["--no-main-grads"], "--no-main-grads keeps 16-bit gradients with --precision bf16 or "
+                          "fp16; with --precision fp32 the gradients are fp32 anyway"),
+    # A schedule of one chunk per stage with --virtual-stages: refused at every --pp alike.
+    (["--nproc", "2", "--pp", "2", "--virtual-stages", "2", "--schedule", "1f1b"],
+     "schedule '1f1b' runs one chunk per stage, got virtual_stages 2"),
+])
+def test_options_that_would_do_nothing_are_refused(flags: list[str], message: str) -> None:
+    """Was: accepted in silence (sequence parallelism without TP, model chunks without a
+    pipeline, fp32 main gradients of fp32 gradients)."""
+    result = CliRunner().invoke(app, ["pretrain", *flags, "--dry-run"],
+                                env={"COLUMNS": "300"})
+    assert result.exit_code == 2, result.output
+    assert message in " ".join(result.output.split()), result.output
+    assert "Traceback" not in result.output
+
+
+def test_the_same_options_where_they_apply_are_accepted() -> None:
+    for overrides in ({"nproc": 2, "tp": 2, "sequence_parallel": True},
+                      {"nproc": 2, "pp": 2, "virtual_stages": 2, "schedule": "interleaved",
+                       "global_batch_size": 8, "micro_batch_size": 1},
+                      {"precision": "bf16", "main_grads": False}):
+        load_config(None, overrides)

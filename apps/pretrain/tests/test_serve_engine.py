@@ -29,25 +29,49 @@ class Replicas:
 
     def iterate(self, dispatcher: Dispatcher) -> Command:
         command = dispatcher.command()
-        results = []
-        for loop in self.loops:
-            batch = loop.batch
-            if command.cancel:
-                batch.cancel(command.cancel)
-            mine = [(k, r) for rep, k, r in command.admit if rep == loop.replica]
-            if mine:
-                scores = batch.add([r for _, r in mine], [k for k, _ in mine])
-                results += [("scores", k, s) for (k, _), s in zip(mine, scores, strict=True)]
-            results += [("token", e.key, e) for e in batch.step()]
-        dispatcher.deliver(results)
+        dispatcher.deliver([item for loop in self.loops for item in loop.iterate(command)])
         return command
 
 
 def _job(loop: asyncio.AbstractEventLoop, name: str, prompt: tuple[int, ...], tokens: int,
-         deadline: float = 1e9) -> Job:
+         deadline: float = 1e9, rule: Sampling | None = None) -> Job:
     completion = Completion("m", (prompt,), (_decode(list(prompt)),),
-                            (Sampling(max_new_tokens=tokens),), (), None, False, False)
+                            (rule or Sampling(max_new_tokens=tokens),), (), None, False, False)
     return Job(name, completion, loop, time.monotonic() + deadline)
+
+
+def test_one_failing_request_fails_alone() -> None:
+    """A request the engine cannot run (here one whose seed got past the checks, so that its
+    generator raises in the prefill, as an unchecked seed of 2**70 did) ends in an error of
+    its own; the requests beside it finish, and the loop serves the next ones."""
+    model = GPT(GPTConfig(2, 32, 4, 97, 48), seed=3).eval()
+    replicas = Replicas(model)
+    inbox = Inbox(max_waiting=8)
+    dispatcher = Dispatcher(inbox, _decode, replicas=2, max_batch=4,
+                            check=replicas.loops[0].batch.check)
+    loop = asyncio.new_event_loop()
+    bad_rule = Sampling(max_new_tokens=4, temperature=1.0)
+    object.__setattr__(bad_rule, "seed", 2**70)  # what the checks now refuse at the door
+    bad = _job(loop, "bad", (5, 9), 4, rule=bad_rule)
+    good = _job(loop, "good", (1, 2, 3), 5)
+    too_long = _job(loop, "long", (1,) * 40, 20)  # 40 + 20 > 48 positions
+    for job in (bad, good, too_long):
+        assert inbox.offer(job) is None
+    for _ in range(10):
+        replicas.iterate(dispatcher)
+    kind, error = _outcome(loop, bad)
+    assert kind == "error" and error.status == 500 and "decoding failed" in error.message
+    kind, error = _outcome(loop, too_long)
+    assert kind == "error" and error.status == 400 and "48 positions" in error.message
+    kind, choices = _outcome(loop, good)
+    assert kind == "done" and choices[0].completion_tokens == 5
+    assert dispatcher.load == [0, 0] and not dispatcher.rows
+    after = _job(loop, "after", (4, 4), 3)
+    assert inbox.offer(after) is None
+    for _ in range(5):
+        replicas.iterate(dispatcher)
+    assert _outcome(loop, after)[0] == "done"
+    loop.close()
 
 
 def _outcome(loop: asyncio.AbstractEventLoop, job: Job) -> tuple[str, object]:

@@ -213,3 +213,62 @@ def test_bad_tasks_name_the_file_line_and_field(tmp_path: Path) -> None:
         load_task("nope")
     with pytest.raises(TaskError, match="3 examples asked, but the pool holds 0"):
         fewshot_sample(load_task(str(good)), 3, 1234)
+
+
+_GOOD_TASK = ("task: t\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: rows.jsonl\n"
+              "test_split: test\noutput_type: loglikelihood\ndoc_to_text: text\n"
+              "doc_to_target: text\n")
+
+
+@pytest.mark.parametrize("change, message", [
+    # Was: read as given, a TypeError when the examples were drawn.
+    ("num_fewshot: three", "num_fewshot must be a whole number >= 0, got 'three'"),
+    ("num_fewshot: -1", "num_fewshot must be a whole number >= 0, got -1"),
+    ("num_fewshot: 1.5", "num_fewshot must be a whole number >= 0, got 1.5"),
+    ("num_fewshot: true", "num_fewshot must be a whole number >= 0, got True"),
+    ("target_delimiter: 3", "target_delimiter must be a string, got 3"),
+    ("fewshot_delimiter: [a]", "fewshot_delimiter must be a string, got ['a']"),
+    ("description: 5", "description must be a string, got 5"),
+    ("task: {a: 1}", "task must be a name, got {'a': 1}"),
+    ("doc_to_text: 1.5", "doc_to_text must be a field name, a template or an int, got 1.5"),
+    ("doc_to_choice: {a: b}", "doc_to_choice as a mapping is not read by mt's own engine"),
+    # Was: "TypeError: unhashable type: 'list'".
+    ("test_split: [test]", "test_split must be the name of a data_files split, got ['test']"),
+    ("output_type: [a]", "output_type must be one of multiple_choice, loglikelihood, "
+                         "loglikelihood_rolling, got ['a']"),
+    # Was: KeyError 'metric' / TypeError: 'int' object is not iterable.
+    ("metric_list:\n  - aggregation: mean", "metric_list entries must be {metric: NAME} (or a "
+                                            "name), got {'aggregation': 'mean'}"),
+    ("metric_list: 3", "metric_list must be a list of {metric: NAME} entries, got 3"),
+    # Was: AttributeError: 'str' object has no attribute 'get'; TypeErrors on the files.
+    ("dataset_kwargs: rows.jsonl", "dataset_kwargs must be a mapping (data_files: ...), got "
+                                   "'rows.jsonl'"),
+    ("dataset_kwargs: {data_files: {test: 5}}", "dataset_kwargs.data_files must name the JSONL "
+                                                "file(s)"),
+    ("dataset_kwargs: {data_files: {test: [5]}}", "dataset_kwargs.data_files must name the "
+                                                  "JSONL file(s)"),
+    ("1: x\nb: y", "1 is not supported by mt's own engine"),  # was: a TypeError sorting keys
+])
+def test_task_file_fields_of_the_wrong_type_name_the_file_and_field(
+        tmp_path: Path, change: str, message: str) -> None:
+    (tmp_path / "rows.jsonl").write_text('{"text": "one two three"}\n')
+    key = change.split(":")[0]
+    lines = [line for line in _GOOD_TASK.splitlines() if not line.startswith(f"{key}:")]
+    if key == "dataset_kwargs":
+        lines = [line for line in lines if not line.startswith(("  data_files", "    test:"))]
+    path = tmp_path / "t.yaml"
+    path.write_text("\n".join(lines) + "\n" + change + "\n")
+    with pytest.raises(TaskError) as err:
+        load_task(str(path))
+    assert str(err.value).startswith(f"{path}: ") and message in str(err.value), str(err.value)
+
+
+def test_a_task_file_that_is_not_utf8_is_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "t.yaml"
+    path.write_bytes(_GOOD_TASK.encode() + b"description: \xff\n")  # was: UnicodeDecodeError
+    with pytest.raises(TaskError, match=r"t.yaml: not UTF-8 text \(invalid start byte at "
+                                        r"byte \d+\)"):
+        load_task(str(path))
+    path.write_text(_GOOD_TASK + "num_fewshot: 2\n")
+    (tmp_path / "rows.jsonl").write_text('{"text": "one two three"}\n')
+    assert load_task(str(path)).num_fewshot == 2

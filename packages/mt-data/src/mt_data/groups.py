@@ -78,6 +78,9 @@ def load_group_words(path: str | Path | None = None) -> GroupWords:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ValueError(f"{path}: not a readable group-words JSON file: {err}") from None
+    except RecursionError:
+        raise ValueError(f"{path}: not a readable group-words JSON file: nested too deeply "
+                         "to read") from None
     if not isinstance(raw, dict):  # was: an AttributeError on raw.get
         raw = {}
     dims, occupations = raw.get("dimensions"), raw.get("occupations", [])

@@ -188,6 +188,10 @@ def _parse_line(raw: bytes, config: IngestConfig, path: Path, line_no: int, log:
     except json.JSONDecodeError as exc:
         log.report(path, line_no, "json", f"malformed JSON: {exc.msg} (column {exc.colno})")
         return None
+    except RecursionError:  # e.g. 200,000 '[': Python's parser recurses once per level
+        log.report(path, line_no, "json", f"JSON nested too deeply to read ({len(line):,} "
+                   "characters; Python's parser stops near 1,000 levels)")
+        return None
     if isinstance(record, dict):
         tally.count(record, config.text_key)
     fields = _json_fields(record, config, path, line_no, log)

@@ -20,7 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from mt_data.errors import DataNotFoundError, DatasetError
+from mt_data.errors import DataError, DataNotFoundError, DatasetError
+from mt_data.paths import foreign_entries, output_clash
 from mt_data.shards import (
     ShardSetWriter,
     TokenDataset,
@@ -170,6 +171,23 @@ def _check_ids(reader: MegatronReader, prefix: str | Path, tokenizer: dict[str, 
     return largest
 
 
+def _check_import_output(prefix: str | Path, out_dir: Path) -> None:
+    """Refuse an output that is or holds the ``.bin``/``.idx``, is a file, or is a folder
+    holding anything (a dataset or other files): an import writes a new folder only."""
+    clash = output_clash("OUTPUT", out_dir, [f"{prefix}.bin", f"{prefix}.idx"])
+    if clash:
+        raise DataError(clash)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise DataError(f"{out_dir} is a file; name a new folder for the imported dataset")
+    held = foreign_entries(out_dir, ())
+    if held:
+        what = "a prepared dataset" if "index.json" in held else \
+            ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
+        raise DataError(f"{out_dir} already holds {what}: import-megatron writes only a new or "
+                        "empty folder (it never replaces a dataset or other files); choose "
+                        "another OUTPUT folder")
+
+
 def import_megatron(prefix: str | Path, out_dir: str | Path, tokenizer: dict[str, Any],
                     shard_tokens: int = 64 << 20) -> dict[str, Any]:
     """Read ``PREFIX.bin/.idx`` into a token-shard folder; a document = its sequences joined.
@@ -177,7 +195,10 @@ def import_megatron(prefix: str | Path, out_dir: str | Path, tokenizer: dict[str
     ``tokenizer`` is the metadata to record (see ``Tokenizer.describe``). Every id is checked
     first (``0 <= id < vocab_size``, else :class:`DatasetError` and nothing is written); ids are
     stored in the smallest unsigned dtype holding the largest id and the vocabulary.
+    ``out_dir`` must be new or an empty folder (:class:`DataError` before anything is read):
+    a dataset there would lose its index to the import and keep orphaned shards.
     """
+    _check_import_output(prefix, Path(out_dir))
     reader = MegatronReader(prefix)
     doc_idx = np.asarray(reader.index.doc_idx, dtype=np.int64)
     if len(doc_idx) == 0 or doc_idx[0] != 0 or doc_idx[-1] != len(reader):

@@ -1,16 +1,25 @@
-"""Where a command's output may not go: onto, into or around one of its inputs.
+"""Where a command's output may not go: onto, into or around one of its inputs, or over a
+folder the command did not write.
 
 Every mt command that writes a file or folder asks :func:`output_clash` before it starts
 (and before any ``--overwrite`` / ``--force`` deletes anything), so that no output ever
-replaces, deletes or hides something the same command reads.
+replaces, deletes or hides something the same command reads. A command that writes into an
+existing folder, or deletes one to replace it, first asks :func:`foreign_output` whether the
+folder holds anything the command did not write (names it does not use): the one rule of
+"mt's own output", with or without ``--overwrite``, so that no user file is ever deleted or
+overwritten by a command pointed at the wrong folder.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from fnmatch import fnmatchcase
 from pathlib import Path
 
-__all__ = ["output_clash"]
+__all__ = ["foreign_entries", "foreign_message", "foreign_output", "output_clash"]
+
+#: How many of the foreign entries a message names.
+SHOWN = 3
 
 
 def output_clash(flag: str, output: str | Path, inputs: Iterable[str | Path]) -> str | None:
@@ -24,3 +33,63 @@ def output_clash(flag: str, output: str | Path, inputs: Iterable[str | Path]) ->
             return (f"{flag} {output} {how} the input {given}: writing there would destroy "
                     f"what this command reads; choose another {flag}")
     return None
+
+
+def _matches(entry: Path, patterns: Iterable[str]) -> bool:
+    folder = entry.is_dir() and not entry.is_symlink()
+    for pattern in patterns:
+        if pattern.endswith("/"):
+            if folder and fnmatchcase(entry.name, pattern[:-1]):
+                return True
+        elif not folder and fnmatchcase(entry.name, pattern):
+            return True
+    return False
+
+
+def foreign_entries(folder: str | Path, owned: Iterable[str],
+                    among: Iterable[str] | None = None) -> list[str]:
+    """The entries of ``folder`` (sorted; a folder's name ends in ``/``) that no pattern of
+    ``owned`` matches: what the command owning those names did not write. Patterns are
+    shell globs of names (``shard-*.arrow``); one ending in ``/`` matches folders only, the
+    others files (and links) only. With ``among``, only the entries matching one of those
+    patterns are considered (what a command would delete). An absent folder has none."""
+    folder, owned = Path(folder), tuple(owned)
+    if not folder.is_dir():
+        return []
+    found = []
+    for entry in sorted(folder.iterdir()):
+        if among is not None and not _matches(entry, among):
+            continue
+        if not _matches(entry, owned):
+            found.append(entry.name + ("/" if entry.is_dir() and not entry.is_symlink()
+                                       else ""))
+    return found
+
+
+def foreign_message(flag: str, output: str | Path, foreign: list[str], command: str,
+                    option: str = "--overwrite", choose: str | None = None) -> str:
+    """One line refusing to write into, or with ``option`` to delete, ``output`` (given as
+    ``flag``; "" for a positional argument or a folder inside one), which holds ``foreign``
+    (names ``command`` did not write): it names a few of them and the way out (``choose``:
+    what to choose instead, default ``flag``)."""
+    named = ", ".join(foreign[:SHOWN]) + (f" and {len(foreign) - SHOWN} more"
+                                          if len(foreign) > SHOWN else "")
+    where = f"{flag} {output}".strip()
+    return (f"{where} holds {named}, which {command} did not write: {command} writes only "
+            f"into a new or empty folder or one it wrote, and {option} deletes only folders "
+            f"it wrote; move them away or choose another {choose or flag or 'destination'}")
+
+
+def foreign_output(flag: str, output: str | Path, owned: Iterable[str], command: str,
+                   option: str = "--overwrite", choose: str | None = None) -> str | None:
+    """:func:`foreign_message` for an existing ``output`` that is a file or holds an entry
+    no pattern of ``owned`` matches (see :func:`foreign_entries`); None for an absent, empty
+    or own folder."""
+    path = Path(output)
+    if path.exists() and not path.is_dir():
+        where = f"{flag} {output}".strip()
+        return (f"{where} is a file, not a folder {command} wrote: {command} writes only a "
+                f"new or empty folder or one it wrote, and {option} replaces only such a "
+                f"folder; choose another {choose or flag or 'destination'}")
+    foreign = foreign_entries(path, owned)
+    return foreign_message(flag, output, foreign, command, option, choose) if foreign else None

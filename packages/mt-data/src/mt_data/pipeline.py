@@ -10,12 +10,18 @@ Stages (outputs under ``OUTPUT/work`` until the end, every file written atomical
   4. ``groups.json`` (group-word counts before and after the filters, see
      :mod:`mt_data.group_counts`), ``dropped.json``, ``index.json``.
 Each finished chunk / shard is recorded, so rerunning the same command after an interruption
-resumes where it stopped (at the chunk/shard level).
+resumes where it stopped (at the chunk/shard level), as long as nothing it read changed: the
+run's fingerprint records each file read (size, modified time, a sampled content hash, see
+:func:`sample_sha256`), and a finished dataset or an unfinished run whose inputs changed since
+is refused, naming the file and what changed (never served stale, never resumed with chunks of
+the old input). ``OUTPUT`` is a new or empty folder or one ``prepare`` wrote
+(:data:`PREPARE_OUTPUT`): one holding anything else is refused, with or without --overwrite.
 """
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -39,7 +45,7 @@ import pyarrow as pa
 from mt_data.compressed import COMPRESSED
 from mt_data.errors import DataError
 from mt_data.filters import FILTERS
-from mt_data.group_counts import write_group_counts
+from mt_data.group_counts import GROUPS_FILE, write_group_counts
 from mt_data.groups import GroupCounter, GroupWords, load_group_words, merge_counts
 from mt_data.ingest import (
     JSON_EXTS,
@@ -52,9 +58,11 @@ from mt_data.ingest import (
     parallel_split_bytes,
     plan_work,
 )
-from mt_data.paths import output_clash
+from mt_data.paths import foreign_entries, foreign_message, output_clash
 from mt_data.shards import (
+    FORMAT,
     INDEX_FILE,
+    PROGRESS_FILE,
     ShardInfo,
     ShardSetWriter,
     atomic_replace,
@@ -132,7 +140,70 @@ class PrepareConfig:
             raise ValueError(f"workers must be >= 0, got {self.workers}")
 
 
+SAMPLE_EDGE = 1 << 20
+"""Bytes of a file's head, and of its tail, that :func:`sample_sha256` reads."""
+SAMPLE_BLOCK = 64 << 10
+SAMPLE_BLOCKS = 32
+"""Evenly spaced blocks of ``SAMPLE_BLOCK`` bytes between the head and the tail it reads."""
+
+
+def sample_sha256(path: Path, size: int) -> str:
+    """SHA-256 over a file's ``size`` and a fixed sample of its bytes: the first and last
+    ``SAMPLE_EDGE`` bytes and ``SAMPLE_BLOCKS`` blocks of ``SAMPLE_BLOCK`` bytes evenly spaced
+    between them (a file of up to 4 MiB is read whole).
+
+    Why a sample: the fingerprint is taken on every run, the "already complete" check
+    included, and a full hash of a 100 GB corpus reads 100 GB (minutes, each time); the
+    sample reads 4 MiB per file whatever its size (milliseconds). With the size and the
+    modified time (nanoseconds) recorded beside it, an edit in place is caught when it changes
+    the size, the modified time (every editor, ``cp``, ``>>``, a rewrite) or a sampled byte (an
+    edit that also restores the modified time); what escapes is an edit that keeps the size
+    and the modified time and touches no sampled byte."""
+    digest = hashlib.sha256(size.to_bytes(8, "little"))
+    whole = 2 * SAMPLE_EDGE + SAMPLE_BLOCKS * SAMPLE_BLOCK
+    with open(path, "rb") as f:
+        if size <= whole:
+            digest.update(f.read(whole))
+        else:
+            digest.update(f.read(SAMPLE_EDGE))
+            middle = size - 2 * SAMPLE_EDGE
+            step = (middle - SAMPLE_BLOCK) // max(SAMPLE_BLOCKS - 1, 1)
+            for k in range(SAMPLE_BLOCKS):
+                f.seek(SAMPLE_EDGE + k * step)
+                digest.update(f.read(SAMPLE_BLOCK))
+            f.seek(size - SAMPLE_EDGE)
+            digest.update(f.read(SAMPLE_EDGE))
+    return digest.hexdigest()
+
+
+def _file_record(path: Path) -> dict[str, Any]:
+    """What the fingerprint records of one file read: path, size, modified time, sample."""
+    stat = path.stat()
+    return {"path": str(path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
+            "sample_sha256": sample_sha256(path, stat.st_size)}
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "encoder.json", "vocab.bpe")
+
+
+def _read_files(inputs: list[Path], config: PrepareConfig) -> list[Path]:
+    """Every file the run reads: the inputs, the decontamination sets (when used) and a
+    tokenizer given as a path."""
+    files = list(inputs)
+    if config.clean.decontam is not None and config.clean.eval_paths:
+        files += expand_inputs(config.clean.eval_paths)
+    tokenizer = Path(config.tokenizer)
+    if tokenizer.is_file():
+        files.append(tokenizer)
+    elif tokenizer.is_dir():
+        files += [tokenizer / name for name in _TOKENIZER_FILES if (tokenizer / name).is_file()]
+    return files
+
+
 def _fingerprint(inputs: list[Path], config: PrepareConfig) -> dict[str, Any]:
+    """The run's identity: its inputs and settings, plus a record of every file it reads
+    (``files``: size, modified time and :func:`sample_sha256`), which tells whether a finished
+    dataset or an unfinished run still matches the files on disk."""
     settings = asdict(config)
     for key in ("workers", "keep_work", "overwrite"):
         settings.pop(key)
@@ -148,7 +219,87 @@ def _fingerprint(inputs: list[Path], config: PrepareConfig) -> dict[str, Any]:
         settings["clean"].pop("rule_sets")
     else:
         settings["clean"]["rule_sets"] = [{"name": rs.name, **asdict(rs)} for rs in rule_sets]
-    return {"inputs": [str(p) for p in inputs], "settings": settings}
+    return {"inputs": [str(p) for p in inputs], "settings": settings,
+            "files": [_file_record(p) for p in _read_files(inputs, config)]}
+
+
+def _same_run(recorded: dict[str, Any], fingerprint: dict[str, Any]) -> bool:
+    """Same inputs and settings (the files' records aside)."""
+    def strip(fp: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in fp.items() if k != "files"}
+    return strip(recorded) == strip(json.loads(json.dumps(fingerprint)))
+
+
+def _what_changed(before: dict[str, Any], now: dict[str, Any]) -> str:
+    what = []
+    if before.get("size") != now["size"]:
+        what.append(f"size {before.get('size', 0):,} -> {now['size']:,} bytes")
+    if before.get("mtime_ns") != now["mtime_ns"]:
+        what.append("modified time")
+    if before.get("sample_sha256") != now["sample_sha256"]:
+        what.append("content")
+    return ", ".join(what)
+
+
+def _changed_file(recorded: list[dict[str, Any]], files: list[dict[str, Any]]) -> str | None:
+    """How the first file read differs from its record: ``PATH, which changed since it was
+    read (size A -> B bytes, modified time, content)``; None when every file matches."""
+    old = {r.get("path"): r for r in recorded if isinstance(r, dict)}
+    for record in files:
+        before = old.pop(record["path"], None)
+        if before is None:
+            return f"{record['path']}, which it did not read (added since)"
+        what = _what_changed(before, record)
+        if what:
+            return f"{record['path']}, which changed since it was read ({what})"
+    if old:
+        return f"{next(iter(old))}, which is no longer read (removed since)"
+    return None
+
+
+def _check_unchanged(fingerprint: dict[str, Any]) -> None:
+    """Raise :class:`PrepareError` when a file read changed while the run read it."""
+    for record in fingerprint["files"]:
+        path = Path(record["path"])
+        try:
+            now = _file_record(path)
+        except FileNotFoundError:
+            raise PrepareError(f"{path} was removed while it was being prepared; restore it "
+                               "and rerun with --overwrite") from None
+        what = _what_changed(record, now)
+        if what:
+            raise PrepareError(f"{path} changed while it was being prepared ({what}): the "
+                               "dataset would mix two versions of it; rerun with --overwrite "
+                               "once it no longer changes")
+
+
+PREPARE_OUTPUT = (INDEX_FILE, PROGRESS_FILE, GROUPS_FILE, "dropped.json", "shard-*.arrow",
+                  ".*.tmp", "work/", "cache/")
+"""The names ``prepare`` writes in its output folder (shards, index, records, the work
+folder, readers' caches, temporary files): a folder holding anything else is not its own."""
+
+
+def _is_dataset_index(path: Path) -> bool:
+    try:
+        index = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(index, dict) and (index.get("format") == FORMAT or "shards" in index)
+
+
+def _refuse_foreign(output: Path) -> None:
+    """``output`` must be absent, empty or a folder ``prepare`` wrote (with or without
+    --overwrite: a plain run writes into it and deletes its ``work/`` at the end)."""
+    foreign = foreign_entries(output, PREPARE_OUTPUT)
+    if (output / INDEX_FILE).is_file() and not _is_dataset_index(output / INDEX_FILE):
+        foreign.append(INDEX_FILE)
+    work = output / "work"
+    if work.is_dir() and not work.is_symlink() and any(work.iterdir()) and \
+            not (work / "config.json").is_file():
+        foreign.append("work/")  # not a work folder of prepare's (it writes config.json first)
+    if foreign:
+        raise PrepareError(foreign_message("--output", output, sorted(foreign),
+                                           "mt data prepare"))
 
 
 def _refuse_to_delete_inputs(output: Path, inputs: Sequence[str | Path],
@@ -178,11 +329,27 @@ def _check_output(output: Path, fingerprint: dict[str, Any], overwrite: bool) ->
     mark = work / "config.json"
     recorded = json.loads(json.dumps(fingerprint))  # tuples -> lists, as stored
     if mark.exists():
-        if json.loads(mark.read_text()) != recorded:
+        try:
+            earlier = json.loads(mark.read_text())
+        except (ValueError, RecursionError):
+            earlier = {}
+        if not isinstance(earlier, dict) or not _same_run(earlier, recorded):
             raise PrepareError(
                 f"{output} holds an unfinished run with other inputs or settings; "
                 f"rerun the same command to resume, or pass --overwrite"
             )
+        if "files" not in earlier:
+            raise PrepareError(
+                f"{output} holds an unfinished run of an earlier mt-data, which recorded no "
+                "size, modified time or content of its inputs: whether they changed since "
+                "cannot be checked, and resuming could mix chunks of another input into the "
+                "dataset; pass --overwrite to start again, or choose another --output")
+        change = _changed_file(earlier["files"], recorded["files"])
+        if change:
+            raise PrepareError(
+                f"{output} holds an unfinished run of {change}: resuming would mix what it "
+                "read before into the new dataset; pass --overwrite to start again, or "
+                "choose another --output")
     else:
         atomic_write_json(mark, recorded)
 
@@ -399,6 +566,7 @@ def prepare(inputs: Sequence[str | Path], output: str | Path,
     _refuse_to_delete_inputs(output, [*inputs, *files], config)  # with or without --overwrite
     if output.exists() and not output.is_dir():
         raise PrepareError(f"--output {output} is a file; name a folder for the dataset")
+    _refuse_foreign(output)  # with or without --overwrite
     items, unknown = plan_work(files, split_bytes=parallel_split_bytes(
         files, config.clean.ingest.split_bytes))
     if not items:
@@ -437,9 +605,20 @@ def _prepare_locked(inputs: Sequence[str | Path], files: list[Path], items: list
                     lists: GroupWords | None) -> dict[str, Any]:
     if (output / INDEX_FILE).exists() and not config.overwrite:
         index = json.loads((output / INDEX_FILE).read_text())
-        if index.get("stats", {}).get("fingerprint") == json.loads(json.dumps(fingerprint)):
-            return dict(index["stats"], resumed="already complete")
-        raise PrepareError(f"{output} already holds a prepared dataset; pass --overwrite")
+        recorded = (index.get("stats") or {}).get("fingerprint")
+        if not isinstance(recorded, dict) or not _same_run(recorded, fingerprint):
+            raise PrepareError(f"{output} already holds a prepared dataset; pass --overwrite")
+        if "files" not in recorded:
+            raise PrepareError(
+                f"{output} was prepared by an earlier mt-data, which recorded no size, "
+                "modified time or content of its inputs: whether they changed since cannot be "
+                "checked; pass --overwrite to prepare it again, or choose another --output")
+        change = _changed_file(recorded["files"], fingerprint["files"])
+        if change:
+            raise PrepareError(
+                f"{output} was prepared from {change}: serving it would be stale; pass "
+                "--overwrite to prepare it again, or choose another --output")
+        return dict(index["stats"], resumed="already complete")
     _check_output(output, fingerprint, config.overwrite)
     work = output / "work"
     load_eval_index(config.clean, work)  # once, before the workers need it
@@ -575,6 +754,7 @@ def _stages(items: list[WorkItem], unknown: list[Path], files: list[Path],
     if lists is not None and no_groups is not None:  # the counts of the documents read, kept
         summary["groups"] = write_group_counts(output, lists, totals.groups or no_groups,
                                                merge_counts([no_groups, *kept_groups]))
+    _check_unchanged(fingerprint)  # what was read is what the fingerprint records
     write_dropped(output, totals)
     writer.finish(summary)
     return summary

@@ -190,7 +190,7 @@ class ShardSetWriter:
             for line in progress.read_text().splitlines():
                 try:
                     info = ShardInfo(**json.loads(line))
-                except (json.JSONDecodeError, TypeError):
+                except (json.JSONDecodeError, TypeError, RecursionError):
                     continue  # a torn last line from a crash: that shard is redone
                 shard = self.out_dir / info.file
                 if shard.exists() and shard.stat().st_size == info.bytes:
@@ -296,6 +296,9 @@ class TokenDataset:
             self.index: dict[str, Any] = json.loads(index_path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise DatasetError(f"{index_path}: not valid JSON ({exc})") from None
+        except RecursionError:
+            raise DatasetError(f"{index_path}: not valid JSON (nested too deeply to "
+                               "read)") from None
         if not isinstance(self.index, dict) or self.index.get("format") != FORMAT:
             raise DatasetError(f"{index_path} is not an {FORMAT} index")
         _check_index(self.index, index_path)

@@ -146,7 +146,16 @@ def _read_text(path: Path) -> str:
 
 def from_vocab_merges(vocab_path: str | Path, merges_path: str | Path, name: str = "") -> Tokenizer:
     """Load a GPT-2 style tokenizer from ``vocab.json`` + ``merges.txt`` (optionally ``.gz``)."""
-    vocab = json.loads(_read_text(Path(vocab_path)))
+    try:
+        vocab = json.loads(_read_text(Path(vocab_path)))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise TokenizerError(f"{vocab_path}: not a readable vocab.json ({exc})") from None
+    except RecursionError:
+        raise TokenizerError(f"{vocab_path}: not a readable vocab.json (nested too deeply "
+                             "to read)") from None
+    if not isinstance(vocab, dict):
+        raise TokenizerError(f"{vocab_path}: not a vocab.json (a JSON object of token -> id "
+                             f"expected, got {type(vocab).__name__})")
     merges = []
     for line in _read_text(Path(merges_path)).splitlines():
         if line and not line.startswith("#version"):

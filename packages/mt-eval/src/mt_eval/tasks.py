@@ -167,11 +167,63 @@ def jsonl_task(path: Path) -> Task:
                 metrics=DEFAULT_METRICS[kind], source=str(path), **spec)
 
 
+#: The typed keys of a task file: what each must be (None is always allowed: the default).
+_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
+    "task": ((str, int), "a name"),
+    "output_type": ((str,), f"one of {', '.join(OUTPUT_TYPES)}"),
+    "test_split": ((str,), "the name of a data_files split"),
+    "validation_split": ((str,), "the name of a data_files split"),
+    "training_split": ((str,), "the name of a data_files split"),
+    "fewshot_split": ((str,), "the name of a data_files split"),
+    "dataset_kwargs": ((dict,), "a mapping (data_files: ...)"),
+    "doc_to_text": ((str, int), "a field name, a template or an int"),
+    "doc_to_choice": ((str, list), "a field name, a template or a list"),
+    "doc_to_target": ((str, int, list), "a field name, a template, an int or a list"),
+    "target_delimiter": ((str,), "a string"),
+    "fewshot_delimiter": ((str,), "a string"),
+    "description": ((str,), "a string"),
+    "num_fewshot": ((int,), "a whole number >= 0"),
+    "metric_list": ((list,), "a list of {metric: NAME} entries"),
+}
+
+
+def _check_types(path: Path, config: dict[str, Any]) -> None:
+    """Each typed key of ``config`` is of its type: a TaskError naming the file, the key and
+    the value (was: a TypeError, KeyError or AttributeError from deep in the run, or the value
+    used as it came: ``num_fewshot: three`` failed when the examples were drawn)."""
+    for key, (kinds, what) in _TYPES.items():
+        value = config.get(key)
+        if value is None:
+            continue
+        if key == "doc_to_choice" and isinstance(value, dict):
+            raise TaskError(f"{path}: doc_to_choice as a mapping is not read by mt's own "
+                            "engine (a list, a field name or a template); "
+                            "lm-evaluation-harness reads it: mt eval --engine harness")
+        if isinstance(value, bool) or not isinstance(value, kinds) or (
+                key == "num_fewshot" and value < 0):
+            raise TaskError(f"{path}: {key} must be {what}, got {value!r}")
+    for entry in config.get("metric_list") or ():
+        name = entry.get("metric") if isinstance(entry, dict) else entry
+        if not isinstance(name, str):
+            raise TaskError(f"{path}: metric_list entries must be {{metric: NAME}} (or a "
+                            f"name), got {entry!r}")
+    files = (config.get("dataset_kwargs") or {}).get("data_files")
+    for split, names in (files.items() if isinstance(files, dict) else [("", files)]):
+        if files is None:
+            break
+        if not isinstance(split, str) or not (isinstance(names, str) or (
+                isinstance(names, list) and names and all(isinstance(n, str) for n in names))):
+            raise TaskError(f"{path}: dataset_kwargs.data_files must name the JSONL file(s): "
+                            f"a path, a list of paths or {{split: path(s)}}, got {files!r}")
+
+
 def yaml_task(path: Path) -> Task:
     try:
         config = yaml.safe_load(path.read_text(encoding="utf-8"))
     except OSError as err:
         raise TaskError(f"{path}: cannot read ({err.strerror})") from None
+    except UnicodeDecodeError as err:  # was: a traceback
+        raise TaskError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
     except yaml.YAMLError as err:
         if "!function" in str(err):
             raise TaskError(f"{path}: lm-eval's Python hooks (!function) are not run by mt's "
@@ -180,7 +232,7 @@ def yaml_task(path: Path) -> Task:
         raise TaskError(f"{path}: not YAML ({err})") from None
     if not isinstance(config, dict):
         raise TaskError(f"{path}: a task file must be a YAML mapping")
-    unknown = sorted(set(config) - _KEYS - {"dataset_name"})
+    unknown = sorted(set(config) - _KEYS - {"dataset_name"}, key=str)  # keys of any type
     if config.get("dataset_name") is not None:
         unknown.insert(0, "dataset_name")
     if unknown:
@@ -188,6 +240,7 @@ def yaml_task(path: Path) -> Task:
                         f"reads {', '.join(sorted(_KEYS))}; dataset_name only as null); "
                         "lm-evaluation-harness runs every feature of its task files: mt eval "
                         "--engine harness (pip install 'mt-pretrain[harness]')")
+    _check_types(path, config)
     if config.get("dataset_path") != "json":
         raise TaskError(f"{path}: dataset_path must be 'json' (local JSON/JSONL files), got "
                         f"{config.get('dataset_path')!r}")

@@ -4,6 +4,11 @@ Everything is written into a hidden temporary directory next to the destination 
 filesystem, so the final ``rename`` is atomic) and renamed into place only when the body
 of the ``with`` block finishes without an exception. On any failure, including Ctrl-C,
 the temporary directory is removed and an existing destination is left untouched.
+
+An existing destination is replaced (``--force``) only when it is a folder mt convert wrote:
+one holding nothing but the names its writers use (:data:`CONVERT_OUTPUT`); a file, or a
+folder holding anything else (a user's own files), is refused with or without ``--force``,
+naming what is there (``mt_data.paths``' rule of mt's own output).
 """
 
 from __future__ import annotations
@@ -16,9 +21,30 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from mt_checkpoint import fsync_dir
+from mt_data.paths import foreign_output
 from mt_formats.errors import ConvertError
 
-__all__ = ["atomic_directory"]
+__all__ = ["CONVERT_OUTPUT", "atomic_directory", "check_destination"]
+
+CONVERT_OUTPUT = (
+    "config.json", "model.safetensors",  # consolidated, Hugging Face (and tp's config)
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",  # hf --tokenizer
+    "tp_rank_[0-9][0-9]/", "pp_rank_[0-9][0-9]_tp_rank_[0-9][0-9]/",  # tp
+    "latest_checkpointed_iteration.txt", "iter_[0-9]*/", "release/",  # megatron
+    "meta.json", "rank-[0-9][0-9][0-9][0-9][0-9].pt",  # pretrain (a step folder)
+)
+"""The names mt convert's writers put in a destination folder."""
+
+
+def check_destination(destination: Path, overwrite: bool) -> None:
+    """Raise :class:`ConvertError` (one line) unless ``destination`` is absent, or an empty
+    folder or one mt convert wrote and ``overwrite`` (``--force``) is given."""
+    refusal = foreign_output("", destination, CONVERT_OUTPUT, "mt convert", option="--force")
+    if refusal is not None:
+        raise ConvertError(refusal)
+    if destination.exists() and not overwrite:
+        raise ConvertError(f"{destination}: destination already exists (use --force to "
+                           "replace it)")
 
 
 def _chmod_by_umask(path: Path) -> None:
@@ -33,13 +59,12 @@ def atomic_directory(destination: Path, overwrite: bool = False) -> Iterator[Pat
     """Yield a fresh temporary directory that becomes ``destination`` on success.
 
     Raises :class:`ConvertError` up front if ``destination`` exists and ``overwrite`` is
-    false. With ``overwrite``, the old destination is moved aside and deleted only after
-    the new one is in place.
+    false, or if it is not a folder mt convert wrote (:func:`check_destination`). With
+    ``overwrite``, the old destination is moved aside and deleted only after the new one is
+    in place.
     """
     destination = Path(destination)
-    if destination.exists() and not overwrite:
-        raise ConvertError(f"{destination}: destination already exists (use --force to "
-                           "replace it)")
+    check_destination(destination, overwrite)
     parent = destination.parent if str(destination.parent) else Path(".")
     parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}.partial-", dir=parent))

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from mt_formats.atomic import atomic_directory
+from mt_formats.atomic import atomic_directory, check_destination
 from mt_formats.canonical import (
     CheckpointReader,
     CheckpointWriter,
@@ -77,8 +77,7 @@ def detect_format(path: Path) -> str:
     (``latest_checkpointed_iteration.txt``) or ``"pretrain"`` (``mt pretrain``'s
     ``meta.json`` or ``latest``)."""
     path = Path(path)
-    if not path.is_dir():
-        raise ConvertError(f"{path}: checkpoint directory not found")
+    _check_folder(path)
     if (path / LATEST_FILE).is_file():
         return "megatron"
     if is_deepspeed_checkpoint(path):  # before pretrain: both may have `latest`
@@ -96,6 +95,26 @@ def detect_format(path: Path) -> str:
                        "(no 'format' or 'model_type' key)")
 
 
+_EXPECTED = ("a folder holding config.json (mt consolidated or tp, Hugging Face GPT-2 or "
+             "Llama), latest_checkpointed_iteration.txt (Megatron-LM), meta.json or latest "
+             "(mt pretrain) or zero/ (DeepSpeed universal)")
+
+
+def _check_folder(path: Path) -> None:
+    """A one-line :class:`ConvertError` when ``path`` is not a folder: not found, or a file
+    (naming what a checkpoint is and, for a file of one, its folder)."""
+    if path.is_dir():
+        return
+    if not path.exists():
+        raise ConvertError(f"{path}: checkpoint directory not found")
+    hint = ""
+    if path.parent != path and any((path.parent / name).is_file() for name in
+                                   (CONFIG_FILE, LATEST_FILE, "meta.json", "latest")):
+        hint = f"; give the folder {path.parent}, which holds it"
+    raise ConvertError(f"{path} is a file, not a checkpoint folder: mt convert reads "
+                       f"{_EXPECTED}{hint}")
+
+
 def _check_format(fmt: str) -> None:
     if fmt not in FORMATS:
         raise ConvertError(f"unknown checkpoint format {fmt!r}; known: {list(FORMATS)}")
@@ -106,8 +125,7 @@ def open_checkpoint(path: Path, fmt: str | None = None,
     """Open (and structurally validate) the checkpoint at ``path``; ``fmt`` None detects."""
     fmt = detect_format(path) if fmt is None else fmt
     _check_format(fmt)
-    if not Path(path).is_dir():
-        raise ConvertError(f"{path}: checkpoint directory not found")
+    _check_folder(Path(path))
     if model is not None:  # only DeepSpeed checkpoints lack a model config
         if fmt != "deepspeed":
             raise ConvertError(f"--model only applies to deepspeed sources, not {fmt!r}")
@@ -264,9 +282,7 @@ def convert_checkpoint(source: Path, destination: Path, *, to: str = "consolidat
         how = "is" if dst == src else "holds" if dst in src.parents else "lies inside"
         raise ConvertError(f"{destination}: the destination {how} the source checkpoint "
                            f"{source}; choose a destination outside it")
-    if destination.exists() and not overwrite:  # fail before reading anything
-        raise ConvertError(f"{destination}: destination already exists (use --force to "
-                           "replace it)")
+    check_destination(destination, overwrite)  # fail before reading anything
     if to == "pretrain" and (from_format or detect_format(source)) == "pretrain":
         return _to_pretrain(source, destination, pad_multiple, overwrite, progress,
                             PretrainTarget(tp, pp, dp, zero_stage, drop_optimizer))

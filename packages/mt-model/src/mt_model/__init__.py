@@ -27,6 +27,7 @@ from mt_model.params import (
 if TYPE_CHECKING:  # imported on first use (see __getattr__); named here for tools
     from mt_model.cache import KVCache, LayerCache
     from mt_model.decoding import (
+        SEED_MAX,
         Completion,
         DecodeBatch,
         DecodeModel,
@@ -61,8 +62,8 @@ _LAZY = {name: module for module, names in {
     "mt_model.init": ("init_gpt_", "init_parameter", "init_std_for", "parameter_seed"),
     "mt_model.cache": ("KVCache", "LayerCache"),
     "mt_model.decoding": ("Completion", "DecodeBatch", "DecodeModel", "PromptScores",
-                          "DecodeRequest", "Sampling", "Token", "WholeModel", "generate",
-                          "interleave"),
+                          "DecodeRequest", "SEED_MAX", "Sampling", "Token", "WholeModel",
+                          "generate", "interleave"),
 }.items() for name in names}
 
 
@@ -94,6 +95,7 @@ __all__ = [
     "LMLoss",
     "LayerCache",
     "DecodeRequest",
+    "SEED_MAX",
     "Sampling",
     "Token",
     "WholeModel",

@@ -16,6 +16,7 @@ Log-probabilities are the model's own (before temperature and filtering).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -27,7 +28,12 @@ from mt_model.cache import KVCache
 from mt_model.gpt import GPT
 
 __all__ = ["Completion", "DecodeBatch", "DecodeModel", "DecodeRequest", "PromptScores",
-           "Sampling", "Token", "WholeModel", "generate", "interleave", "pick"]
+           "SEED_MAX", "Sampling", "Token", "WholeModel", "generate", "interleave", "pick"]
+
+
+SEED_MAX = 2**63 - 1
+"""The largest seed of a request (torch's generators take 64 bits; JSON clients a signed
+64-bit integer)."""
 
 
 @dataclass(frozen=True)
@@ -43,6 +49,7 @@ class Sampling:
     top_p: float = 1.0
     """Sample among the most likely tokens whose probabilities add up to p (1: all)."""
     seed: int = 0
+    """Seed of this request's own generator: 0 <= seed <= :data:`SEED_MAX`."""
     stop_ids: tuple[int, ...] = ()
     """Token ids that end the completion (not part of it)."""
 
@@ -50,12 +57,16 @@ class Sampling:
         problems = []
         if self.max_new_tokens < 1:
             problems.append(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if not self.temperature >= 0:
-            problems.append(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < math.inf:
+            problems.append(f"temperature must be a finite number >= 0, got {self.temperature}")
         if self.top_k < 0:
             problems.append(f"top_k must be >= 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:
             problems.append(f"top_p must be in (0, 1], got {self.top_p}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or \
+                not 0 <= self.seed <= SEED_MAX:
+            problems.append(f"seed must be an integer between 0 and {SEED_MAX} (2**63 - 1), "
+                            f"got {self.seed}")
         if problems:
             raise ValueError("; ".join(problems))
 

@@ -11,6 +11,7 @@ of a GPU count for ``mt plan --search``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -24,12 +25,19 @@ if TYPE_CHECKING:  # mt-dist, mt-tensor-parallel and mt-zero import torch: done 
     from mt_dist import Topology
     from mt_zero import ZeroConfig
 
-__all__ = ["RECOMPUTE", "SCHEDULES", "ZERO_STAGES", "LayoutError", "ParallelLayout",
+__all__ = ["MAX_MICRO_BATCHES", "MAX_WORLD_SIZE", "RECOMPUTE", "SCHEDULES", "ZERO_STAGES",
+           "LayoutError", "ParallelLayout", "idle_option_problems",
            "cp_problems", "enumerate_layouts", "option_problems", "stage_layers"]
 
 RECOMPUTE = ("full", "selective", "none")
 SCHEDULES = tuple(PIPELINE_SCHEDULES)  # mt-pipeline's registry: gpipe, 1f1b, interleaved
 ZERO_STAGES = (0, 1, 2, 3)
+#: Micro-batches one step may take per replica (MT-NLG: 1,920 / 8 replicas = 240): a schedule
+#: of more is too long to build or simulate (100,000 over 4 stages: 40 s; 1e10: hours).
+MAX_MICRO_BATCHES = 100_000
+#: Processes a layout may span (MT-NLG trained on 4,480 GPUs): its ranks, groups and a
+#: search's divisors are enumerated one by one.
+MAX_WORLD_SIZE = 2**20
 
 
 def option_problems(*, zero_stage: Any, schedule: Any, virtual_stages: Any, recompute: Any,
@@ -51,6 +59,25 @@ def option_problems(*, zero_stage: Any, schedule: Any, virtual_stages: Any, reco
         problems.append(f"recompute {recompute!r} is not one of {', '.join(RECOMPUTE)}")
     if precision not in PRECISIONS:
         problems.append(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
+    return problems
+
+
+def idle_option_problems(*, tp: int, pp: int, virtual_stages: int, sequence_parallel: bool,
+                         main_grads: bool, precision: str) -> list[str]:
+    """The options given that would do nothing in this layout, in the flags' words (`mt
+    pretrain` and `mt plan` refuse them: was accepted in silence); empty: none."""
+    problems = []
+    if sequence_parallel and tp == 1:
+        problems.append("--sequence-parallel shards activations over the tensor-parallel "
+                        "ranks, and --tp 1 has none: give --tp >= 2 or leave it out")
+    if virtual_stages > 1 and pp == 1:
+        problems.append(f"--virtual-stages {virtual_stages} splits each pipeline stage into "
+                        "model chunks, and --pp 1 has no pipeline: give --pp >= 2 (with "
+                        "--schedule interleaved) or leave it out")
+    if not main_grads and precision == "fp32":
+        problems.append("--no-main-grads keeps 16-bit gradients with --precision bf16 or "
+                        "fp16; with --precision fp32 the gradients are fp32 anyway: leave it "
+                        "out")
     return problems
 
 
@@ -196,7 +223,8 @@ def stage_layers(n_layers: int, layout: ParallelLayout) -> list[int]:
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted({*small, *(n // d for d in small)})
 
 
 def enumerate_layouts(gpt: GPTConfig, gpus: int, global_batch: int, gpus_per_node: int = 8,

@@ -9,8 +9,9 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from mt_pretrain.cli.failures import fail, one_line_errors
+from mt_pretrain.cli.failures import fail, one_line_errors, sampling_flags
 from mt_pretrain.cli.layout_options import Device, Nproc, Pp, Precision, Tp, placement_problems
+from mt_pretrain.cli.outputs import unwritable
 
 __all__ = ["bias_command"]
 
@@ -35,6 +36,8 @@ _HELP = (
     "processes; under torchrun, mpirun or srun each process is one rank."
 )
 
+#: The most continuations --samples draws per prompt (every sample is listed up front).
+MAX_SAMPLES = 10_000
 #: What `mt bias` writes in its folder (anything else there is the user's: never replaced).
 _WRITES = ("report.json", "table.md", "occupation.png", "sentiment.png", "SHA256SUMS")
 
@@ -109,12 +112,14 @@ def _problems(spec: object, output: Path) -> list[str]:
                 (("samples", spec.samples), ("batch-size", spec.batch_size), ("tp", spec.tp),
                  ("pp", spec.pp), ("nproc", spec.nproc),
                  ("limit", spec.limit if spec.limit is not None else 1)) if value < 1]
+    if spec.samples > MAX_SAMPLES:  # was: minutes listing the samples before a word
+        problems.append(f"--samples must be at most {MAX_SAMPLES:,} per prompt (GPT-3's "
+                        f"study drew 800), got {spec.samples:,}")
     problems += placement_problems(spec.device, spec.precision)
     try:
         Sampling(spec.max_new_tokens, spec.temperature, 0, spec.top_p)
     except ValueError as err:
-        problems.append(str(err).replace("max_new_tokens", "--max-new-tokens")
-                        .replace("top_p", "--top-p").replace("temperature", "--temperature"))
+        problems.append(sampling_flags(str(err)))
     if spec.temperature == 0 and spec.samples > 1:
         problems.append(f"--temperature 0 is greedy: the {spec.samples} samples of a prompt "
                         "would be one continuation repeated; give --temperature > 0 or "
@@ -133,7 +138,7 @@ def _problems(spec: object, output: Path) -> list[str]:
     elif spec.limit is not None or spec.data_dir is not None:
         problems.append("--limit and --data-dir are for the likelihood probes, which "
                         "--no-likelihood turns off")
-    if spec.generation:
+    if spec.generation and spec.samples <= MAX_SAMPLES:
         try:
             bias_samples(spec)
         except (TaskError, ValueError) as err:
@@ -151,6 +156,8 @@ def _problems(spec: object, output: Path) -> list[str]:
                                                if p.name not in _WRITES)):
         problems.append(f"--output {output} holds files mt bias did not write "
                         f"({', '.join(theirs[:3])}); name an empty or new folder")
+    elif (why := unwritable("--output", output, folder=True)) is not None:
+        problems.append(why)  # was: a traceback after every probe had run
     if spec.likelihood and not problems:  # lm-eval's index takes seconds to build: last
         problems += _local_data(str(spec.data_dir))
     return problems

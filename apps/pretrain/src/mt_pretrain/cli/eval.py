@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from mt_pretrain.cli.layout_options import Device, Nproc, Pp, Precision, Tp, placement_problems
+from mt_pretrain.cli.outputs import unwritable
 
 __all__ = ["eval_command"]
 
@@ -102,6 +103,8 @@ def eval_command(
             "--output", output, [checkpoint, *(t for t in task if Path(t).exists()),
                                  *(p for p in (data_dir, include_path) if p is not None)])):
         problems.append(clash)  # was: a task file replaced by the results
+    elif output is not None and (why := unwritable("--output", output, folder=suite is not None)):
+        problems.append(why)  # was: a traceback after the whole evaluation
     if (suite is None) == (not task):
         problems.append("give --task (one or more) or --suite, not both")
     elif suite is not None:

@@ -3,6 +3,7 @@ rank failed), never a traceback for what the user can mend."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import NoReturn
@@ -11,7 +12,16 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-__all__ = ["fail", "one_line_errors"]
+__all__ = ["fail", "one_line_errors", "sampling_flags"]
+
+#: mt-model's ``Sampling`` fields, as the options of `mt generate` and `mt bias` spell them.
+_SAMPLING_FIELDS = re.compile(r"\b(max_new_tokens|temperature|top_k|top_p|seed)\b")
+
+
+def sampling_flags(message: str) -> str:
+    """A ``Sampling`` error with its field names as the command line's flags (``top_k`` ->
+    ``--top-k``)."""
+    return _SAMPLING_FIELDS.sub(lambda m: "--" + m.group(1).replace("_", "-"), message)
 
 
 def fail(console: Console, message: str) -> NoReturn:

@@ -10,8 +10,9 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from mt_pretrain.cli.failures import fail, one_line_errors
+from mt_pretrain.cli.failures import fail, one_line_errors, sampling_flags
 from mt_pretrain.cli.layout_options import Device, Nproc, Pp, Precision, Tp, placement_problems
+from mt_pretrain.cli.outputs import unwritable
 
 __all__ = ["generate_command"]
 
@@ -78,21 +79,27 @@ def generate_command(
     problems += [f"--{name} must be positive, got {value}" for name, value in
                  (("batch-size", batch_size), ("tp", tp), ("pp", pp), ("nproc", nproc),
                   ("in-flight", in_flight)) if value < 1]
-    if 1 < in_flight < pp:
+    if in_flight > 1 and pp == 1:  # was: accepted, and nothing changed
+        problems.append(f"--in-flight {in_flight} keeps the stages of a pipeline busy, and "
+                        "--pp 1 has one stage: leave it out")
+    elif 1 < in_flight < pp:
         problems.append(f"--in-flight {in_flight} cannot keep --pp {pp} stages busy: give 1 "
                         f"or at least {pp}")
     problems += placement_problems(device, precision)
     if output is not None and input is not None and (
             clash := output_clash("--output", output, [checkpoint, input])):
         problems.append(clash)
+    elif output is not None and input is not None and (
+            why := unwritable("--output", output)):
+        problems.append(why)  # was: an OS error after every prompt was decoded
+    if "" in (stop or []):  # was: accepted, and ignored
+        problems.append("--stop is empty: give the text to stop before")
     try:
         from mt_model import Sampling
 
         sampling = Sampling(max_new_tokens, temperature, top_k, top_p, seed)
     except ValueError as err:
-        problems.append(str(err).replace("max_new_tokens", "--max-new-tokens")
-                        .replace("top_k", "--top-k").replace("top_p", "--top-p")
-                        .replace("temperature", "--temperature"))
+        problems.append(sampling_flags(str(err)))
 
     if problems:
         fail(console, "; ".join(problems))

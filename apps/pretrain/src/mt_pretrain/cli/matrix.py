@@ -8,8 +8,10 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
+from mt_pretrain.cli.outputs import unwritable
 from mt_zero.precision import PRECISIONS
 
 __all__ = ["matrix", "markdown_table"]
@@ -25,14 +27,24 @@ _HELP = (
 )
 
 
-def _cases(which: str, only: list[str]) -> list:
+def _fail(console: Console, message: str) -> typer.Exit:
+    console.print(f"[bold red]error:[/] {escape(message)}", highlight=False)
+    return typer.Exit(2)
+
+
+def _cases(which: str, only: list[str], console: Console) -> list:
     from mt_pretrain.contract.matrix import candidates, ci_matrix, full_matrix
 
     sets = {"ci": ci_matrix, "full": full_matrix, "all": candidates}
     if which not in sets:
         raise typer.BadParameter(f"--set must be one of {sorted(sets)}, got {which!r}")
     cases = sets[which]()
-    return [c for c in cases if all(word in c.name for word in only)]
+    kept = [c for c in cases if all(word in c.name for word in only)]
+    if not kept:  # was: "0 of 0 cases pass", exit 0
+        given = " ".join(f"--only {word!r}" for word in only)
+        raise _fail(console, f"{given} matches none of the {len(cases)} cases of --set "
+                    f"{which}; `mt matrix --set {which} --list` names them")
+    return kept
 
 
 def _row(outcome) -> list[str]:  # noqa: ANN001 - an Outcome
@@ -90,10 +102,16 @@ def matrix(
     console = Console(soft_wrap=True)
     if not console.is_terminal:
         console.width = max(console.width, 150)  # the table's columns, whole, in a log
+    errors = Console(stderr=True, soft_wrap=True)
+    if steps < 1:  # was: every case run, and failed, for nothing
+        raise _fail(errors, f"--steps must be a positive integer, got {steps}")
     if floor:
         _floor(steps, console)
         return
-    cases = _cases(which, only)
+    if markdown is not None and not list_only and (
+            why := unwritable("--markdown", markdown)):
+        raise _fail(errors, why)  # was: a traceback after every case had run
+    cases = _cases(which, only, errors)
     if list_only:
         for case in cases:
             console.print(f"{case.name:<44} {case.nproc} procs, reference: "

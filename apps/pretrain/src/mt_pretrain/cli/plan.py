@@ -6,7 +6,9 @@ and GPU, and prints a report, one JSON object, or a ranked table.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 from pathlib import Path
 from typing import Annotated, Any
@@ -16,7 +18,17 @@ import typer
 from mt_pipeline import DEFAULT_SCHEDULE, chunked_schedules
 from mt_plan.estimate import EFFICIENCY, Estimate, estimate
 from mt_plan.gpus import GPUS, GPUSpec, GPUSpecError, load_gpu
-from mt_plan.layout import RECOMPUTE, SCHEDULES, LayoutError, ParallelLayout, enumerate_layouts
+from mt_plan.layout import (
+    MAX_MICRO_BATCHES,
+    MAX_WORLD_SIZE,
+    RECOMPUTE,
+    SCHEDULES,
+    ZERO_STAGES,
+    LayoutError,
+    ParallelLayout,
+    enumerate_layouts,
+    idle_option_problems,
+)
 from mt_zero.precision import PRECISIONS
 
 __all__ = ["JSON_KEYS", "plan"]
@@ -86,6 +98,34 @@ def _model(name: str | None, config: Path | None) -> Any:
         raise _fail(str(err)) from None
 
 
+def _number_problems(numbers: dict[str, int | None], zero_stage: int) -> list[str]:
+    """What is wrong with the numeric flags (``numbers``: flag -> value, None: not given),
+    each naming its flag and value (was: a negative --tp and --pp blamed on divisibility)."""
+    problems = [f"--{flag} must be a positive integer, got {value}"
+                for flag, value in numbers.items() if value is not None and value < 1]
+    problems += [f"--{flag} must be below 2**63, got {value}"
+                 for flag, value in numbers.items() if value is not None and value >= 2**63]
+    if zero_stage not in ZERO_STAGES:
+        problems.append(f"--zero-stage must be 0, 1, 2 or 3, got {zero_stage}")
+    if not problems:
+        world = numbers["gpus"] or numbers["tp"] * numbers["cp"] * numbers["pp"]  # type: ignore
+        if world > MAX_WORLD_SIZE:  # was: a search enumerating for hours
+            what = "--gpus" if numbers["gpus"] else "--tp x --cp x --pp"
+            problems.append(f"{what} must be at most {MAX_WORLD_SIZE:,} GPUs, got {world:,}")
+    return problems
+
+
+def _search_ignores(ctx: typer.Context, calibrate: Path | None) -> list[str]:
+    """The layout flags given on the command line that --search would not use (it chooses
+    them itself; --calibrate measures at --tp and --micro-batch-size)."""
+    chosen = ["tp", "pp", "micro_batch_size", "virtual_stages", "sequence_parallel",
+              "recompute"]
+    if calibrate is not None:
+        chosen = [name for name in chosen if name not in ("tp", "micro_batch_size")]
+    return [f"--{name.replace('_', '-')}" for name in chosen
+            if getattr(ctx.get_parameter_source(name), "name", None) == "COMMANDLINE"]
+
+
 def _report(est: Estimate) -> str:
     lay = est.layout
     cp = f" x cp {lay.cp}" if lay.cp > 1 else ""
@@ -120,6 +160,11 @@ def _report(est: Estimate) -> str:
     return "\n".join(lines)
 
 
+def _divisors(n: int) -> list[int]:
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted({*small, *(n // d for d in small)})
+
+
 def _cp_hint(seq_len: int, gpus: int) -> int:
     """The largest power-of-two CP degree worth suggesting to a search: it divides ``gpus``
     and splits ``seq_len`` into 2 cp chunks of at least 512 tokens (1: none)."""
@@ -130,20 +175,38 @@ def _cp_hint(seq_len: int, gpus: int) -> int:
 
 
 def _search(gpt: Any, gpu: GPUSpec, gpus: int, global_batch: int, zero: int, schedule: str,
-            top: int, as_json: bool, max_cp: int) -> None:
-    layouts = list(enumerate_layouts(gpt, gpus, global_batch, gpu.gpus_per_node, zero,
-                                     schedule, max_cp=max_cp))
+            top: int, as_json: bool, max_cp: int, options: dict[str, Any]) -> None:
+    def layouts_of(n: int, cp: int) -> list[ParallelLayout]:
+        # --precision, --chunked-loss and --main-grads hold for every layout (was: the
+        # layout's defaults, bf16, whatever was given).
+        return [dataclasses.replace(lay, **options) for lay in enumerate_layouts(
+            gpt, n, global_batch, gpu.gpus_per_node, zero, schedule, max_cp=cp)]
+
+    layouts = layouts_of(gpus, max_cp)
     # Rank all by the closed form, then simulate the best few for exact figures.
     grid = "tp x cp x pp x dp" if max_cp > 1 else "tp x pp x dp"
     if not layouts:
-        near = [n for n in (*range(gpus - 1, 0, -1), *range(gpus + 1, 2 * gpus + 2))
-                if any(True for _ in enumerate_layouts(gpt, n, global_batch, gpu.gpus_per_node,
-                                                       zero, schedule, max_cp=max_cp))][:1]
+        # A layout's GPU count is tp (<= the heads, a node) x cp x pp (dividing the layers)
+        # x dp (dividing the global batch): the nearest such count below gpus that has a
+        # layout, else the nearest above (up to 2 gpus + 1).
+        counts = {t * c * p * d for t in range(1, min(gpu.gpus_per_node, gpt.n_heads) + 1)
+                  for c in (2 ** i for i in range(max_cp.bit_length())) if c <= max_cp
+                  for p in _divisors(gpt.n_layers) for d in _divisors(global_batch)}
+        order = [*sorted((n for n in counts if n < gpus), reverse=True),
+                 *sorted(n for n in counts if gpus < n <= 2 * gpus + 1)]
+        near = next((n for n in order if any(True for _ in enumerate_layouts(
+            gpt, n, global_batch, gpu.gpus_per_node, zero, schedule, max_cp=max_cp))), None)
         raise _fail(
             f"no layout splits this run over {gpus} GPUs: {grid} = {gpus} needs tp to "
             f"divide the {gpt.n_heads} heads (at most {gpu.gpus_per_node} per node), pp the "
             f"{gpt.n_layers} layers and dp the global batch {global_batch}"
-            + (f"; {near[0]} GPUs can" if near else ""))
+            + (f"; {near} GPUs can" if near else ""))
+    fewest = min(lay.num_micro_batches for lay in layouts)
+    if fewest > MAX_MICRO_BATCHES:  # was: a simulation of hours
+        raise _fail(f"--global-batch-size {global_batch:,} is at least {fewest:,} "
+                    f"micro-batches per step in every layout on {gpus} GPUs; at most "
+                    f"{MAX_MICRO_BATCHES:,} (a smaller --global-batch-size or more --gpus)")
+    layouts = [lay for lay in layouts if lay.num_micro_batches <= MAX_MICRO_BATCHES]
     estimates = [estimate(gpt, lay, gpu, simulate_pipeline=False) for lay in layouts]
     quick = [e for e in estimates if e.fits]
     if not quick:
@@ -153,9 +216,7 @@ def _search(gpt: Any, gpu: GPUSpec, gpus: int, global_batch: int, zero: int, sch
         remedies = ["more GPUs"] + (["ZeRO stage 3"] if zero < 3 else [])
         if max_cp == 1 and (hint := _cp_hint(gpt.seq_len, gpus)) > 1:
             split = [e for e in (estimate(gpt, other, gpu, simulate_pipeline=False)
-                                 for other in enumerate_layouts(
-                                     gpt, gpus, global_batch, gpu.gpus_per_node, zero,
-                                     schedule, max_cp=hint)) if e.fits]
+                                 for other in layouts_of(gpus, hint)) if e.fits]
             if split:
                 remedies.append(f"--cp {hint} (splitting each sequence, {len(split)} layouts "
                                 "fit)")
@@ -245,6 +306,7 @@ def _calibrate(gpt: Any, base: GPUSpec, explicit: str | None, path: Path, micro_
 
 
 def plan(
+    ctx: typer.Context,
     model: Annotated[str | None, typer.Option(help="Model preset (tiny .. mt-nlg-530b).")] = None,
     config: Annotated[Path | None, typer.Option(
         help="YAML: GPTConfig fields, or an mt pretrain config with a model section.")] = None,
@@ -289,6 +351,20 @@ def plan(
              "with them. Later runs reuse it as --gpu FILE.")] = None,
 ) -> None:
     """Plan a run: memory, FLOPs, bubble, communication, iteration time (see --help)."""
+    problems = _number_problems({
+        "gpus": gpus, "tp": tp, "cp": cp, "pp": pp, "global-batch-size": global_batch_size,
+        "micro-batch-size": micro_batch_size, "virtual-stages": virtual_stages, "top": top},
+        zero_stage)
+    if search and (ignored := _search_ignores(ctx, calibrate)):  # was: not used, not said
+        problems.append(f"--search chooses {', '.join(ignored)} itself: leave "
+                        f"{'it' if len(ignored) == 1 else 'them'} out, or plan one layout "
+                        "without --search")
+    else:  # the rule of mt pretrain (was: planned as if not given)
+        problems += idle_option_problems(
+            tp=tp, pp=pp, virtual_stages=virtual_stages, sequence_parallel=sequence_parallel,
+            main_grads=main_grads, precision=precision)
+    if problems:
+        raise _fail("; ".join(problems))
     if calibrate is not None:
         from mt_data import output_clash
 
@@ -305,13 +381,13 @@ def plan(
         spec = _calibrate(gpt, spec, gpu, calibrate, micro_batch_size, tp, precision,
                           model or str(config))
     n = gpus if gpus is not None else tp * cp * pp
-    if n < 1 or top < 1 or cp < 1:
-        raise _fail(f"--gpus {n}, --cp {cp} and --top {top} must be >= 1")
     try:
         if search:
-            _search(gpt, spec, n, global_batch_size, zero_stage, schedule, top, as_json, cp)
+            _search(gpt, spec, n, global_batch_size, zero_stage, schedule, top, as_json, cp,
+                    {"precision": precision, "chunked_loss": chunked_loss,
+                     "main_grads": main_grads})
             return
-        if tp < 1 or pp < 1 or n % (tp * cp * pp):
+        if n % (tp * cp * pp):
             with_cp = f" x --cp {cp}" if cp > 1 else ""
             raise _fail(f"--gpus {n} is not divisible by --tp {tp} x --pp {pp}{with_cp} = "
                         f"{tp * cp * pp}")
@@ -319,6 +395,12 @@ def plan(
                                 micro_batch_size, zero_stage, schedule, virtual_stages,
                                 sequence_parallel, recompute, precision, chunked_loss,
                                 main_grads, cp)
+        if layout.num_micro_batches > MAX_MICRO_BATCHES:  # was: a simulation of hours
+            raise _fail(f"--global-batch-size {global_batch_size:,} is "
+                        f"{layout.num_micro_batches:,} micro-batches of {micro_batch_size:,} "
+                        f"on each of dp {layout.dp:,} replicas per step; at most "
+                        f"{MAX_MICRO_BATCHES:,} (a larger --micro-batch-size or --gpus, or a "
+                        "smaller --global-batch-size)")
         est = estimate(gpt, layout, spec)
     except LayoutError as err:
         raise _fail(str(err)) from None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,12 @@ __all__ = ["plot_metrics"]
 
 def plot_metrics(paths: Sequence[str | Path], output: str | Path, key: str = "loss",
                  x: str = "step", log_y: bool = False) -> Path:
-    """Plot ``key`` against ``x`` for every metrics file (plus ``val_loss`` if present)."""
+    """Plot ``key`` against ``x`` for every metrics file (plus ``val_loss`` if present).
+
+    ``output`` is checked first (:func:`check_output`): a ValueError in one line, before any
+    metrics file is read or anything drawn."""
+    output = Path(output)
+    check_output(output, paths)
     try:
         import matplotlib  # pants: no-infer-dep (optional: mt-pretrain[plot])
     except ImportError:
@@ -21,6 +27,12 @@ def plot_metrics(paths: Sequence[str | Path], output: str | Path, key: str = "lo
                          "pip install 'mt-pretrain[plot]'") from None
     matplotlib.use("Agg")  # files only; never needs a display
     import matplotlib.pyplot as plt  # pants: no-infer-dep
+    from matplotlib.backend_bases import FigureCanvasBase  # pants: no-infer-dep
+
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if output.suffix and output.suffix[1:].lower() not in formats:
+        raise ValueError(f"--output {output}: {output.suffix!r} is not a format mt plot "
+                         f"writes; end the name in one of {', '.join(sorted(formats))}")
 
     from mt_pretrain.figures import save_figure
 
@@ -46,11 +58,37 @@ def plot_metrics(paths: Sequence[str | Path], output: str | Path, key: str = "lo
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    output = Path(output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    save_figure(fig, output)
-    plt.close(fig)
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        save_figure(fig, output)
+    except OSError as err:  # e.g. a full disk, or the folder changed since it was checked
+        raise ValueError(f"--output {output}: writing failed: {err.strerror or err}") from None
+    finally:
+        plt.close(fig)
     return output
+
+
+def check_output(output: Path, inputs: Sequence[str | Path]) -> None:
+    """A ValueError (one line) when ``output`` cannot be written as an image: it is one of
+    the metrics files (``output_clash``), a folder, or lies under a file or in a folder this
+    process cannot write."""
+    from mt_data.paths import output_clash
+
+    clash = output_clash("--output", output, inputs)
+    if clash:
+        raise ValueError(clash)
+    if output.is_dir():
+        raise ValueError(f"--output {output} is a folder; name the image file to write")
+    for parent in output.parents:  # the nearest one that exists
+        if not parent.exists():
+            continue
+        if not parent.is_dir():
+            raise ValueError(f"--output {output}: cannot write there: {parent} is a file, "
+                             "not a folder")
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise ValueError(f"--output {output}: cannot write there: {parent} is not "
+                             "writable")
+        break
 
 
 def _number(value: Any) -> bool:
@@ -75,6 +113,9 @@ def _points(path: Path, key: str, x: str, log_y: bool) -> list[tuple[float, floa
             record = json.loads(line)
         except json.JSONDecodeError as err:
             raise ValueError(f"{path}:{number}: not a JSON line ({err.msg})") from None
+        except RecursionError:
+            raise ValueError(f"{path}:{number}: not a metrics line (JSON nested too deeply "
+                             "to read)") from None
         if not isinstance(record, dict) or record.get(key) is None or record.get(x) is None:
             continue
         for name in (x, key):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Annotated
 
 import typer
@@ -18,10 +19,15 @@ _HELP = (
     "it.\n\n"
     "Routes: POST /v1/completions (prompt as text, token ids or a list of them; max_tokens, "
     "temperature, top_p, top_k, stop, seed, logprobs, echo, stream as server-sent events), "
-    "GET /v1/models, GET /health. Requests are batched continuously (they join the running "
+    "GET /v1/models, GET /v1/models/ID, GET /health, GET /openapi.json (the schema of what "
+    "this server accepts, with its limits). Unknown fields are refused (400 naming them), "
+    "as OpenAI does. Requests are batched continuously (they join the running "
     "batch and leave it as they finish); --max-waiting requests may wait for room, then the "
     "server answers 429; bad requests get a JSON error naming the field (400), the server "
-    "stays up. Listens on 127.0.0.1 unless --host says otherwise. SIGTERM or Ctrl-C drains "
+    "stays up. Listens on 127.0.0.1 unless --host says otherwise; with --api-key (or the "
+    "MT_API_KEY variable, which keeps the key out of the process list) the /v1 routes need "
+    "'Authorization: Bearer KEY' (401 otherwise). Any other address than loopback needs a "
+    "key, or --allow-no-key to serve it open on purpose. SIGTERM or Ctrl-C drains "
     "(new requests get 503, accepted ones finish), then every rank stops.\n\n"
     "CHECKPOINT is an mt pretrain checkpoint (any layout) or any folder mt convert reads. "
     "--nproc N serves on N local processes at --tp x --pp (data parallelism takes the rest: "
@@ -50,6 +56,12 @@ def serve_command(
         help="Seconds a request may take, waiting included (then 504).")] = 600.0,
     tokenizer: Annotated[str | None, typer.Option(
         help="Tokenizer instead of the checkpoint's.")] = None,
+    api_key: Annotated[str | None, typer.Option(
+        envvar="MT_API_KEY", show_envvar=True,
+        help="Key the /v1 routes require as 'Authorization: Bearer KEY'.")] = None,
+    allow_no_key: Annotated[bool, typer.Option(
+        "--allow-no-key", help="Serve a non-loopback --host without a key (anyone who "
+        "reaches it may use it).")] = False,
     tp: Tp = 1,
     pp: Pp = 1,
     nproc: Nproc = 1,
@@ -58,15 +70,15 @@ def serve_command(
 ) -> None:
     import importlib.util
 
-
     console = Console(stderr=True)
     problems = [f"--{name} must be positive, got {value}" for name, value in
                 (("tp", tp), ("pp", pp), ("nproc", nproc), ("max-batch", max_batch),
                  ("max-waiting", max_waiting), ("max-body-bytes", max_body_bytes),
-                 ("max-tokens", max_tokens or 1), ("request-timeout", request_timeout))
-                if not value > 0]
+                 ("max-tokens", 1 if max_tokens is None else max_tokens),
+                 ("request-timeout", request_timeout)) if not 0 < value < math.inf]
     if not 0 <= port < 65536:
         problems.append(f"--port must be 0..65535, got {port}")
+    problems += _key_problems(host, api_key, allow_no_key)
     problems += placement_problems(device, precision)
     missing = [m for m in ("starlette", "uvicorn") if importlib.util.find_spec(m) is None]
     if missing:
@@ -78,7 +90,8 @@ def serve_command(
 
     spec = ServeSpec(checkpoint, host, port, model_name, tp, pp, nproc, device, precision,
                      tokenizer, max_batch, max_waiting, max_tokens=max_tokens,
-                     max_body_bytes=max_body_bytes, request_timeout=request_timeout)
+                     max_body_bytes=max_body_bytes, request_timeout=request_timeout,
+                     api_key=api_key or None)
     try:
         from mt_pretrain.launch import launch_serve
 
@@ -89,6 +102,32 @@ def serve_command(
         if not isinstance(err, (*_EXPECTED, OSError, ValueError, LaunchFailed)):
             raise
         _fail(console, str(err), 1 if isinstance(err, (LaunchFailed, OSError)) else 2)
+
+
+def _key_problems(host: str, api_key: str | None, allow_no_key: bool) -> list[str]:
+    """Why the key settings cannot serve ``host``: a blank key, or none on an address other
+    machines can reach (unless ``allow_no_key``)."""
+    if api_key is not None:
+        bad = sum(not 33 <= ord(c) <= 126 for c in api_key)
+        why = f"{bad} of its {len(api_key)} characters are not" if api_key else "it is empty"
+        if bad or not api_key:
+            return [f"--api-key (or MT_API_KEY) must be printable ASCII without spaces (it "
+                    f"travels in an HTTP header): {why}"]
+    if api_key is None and not allow_no_key and not _loopback(host):
+        return [f"--host {host} is reachable from other machines: give --api-key (or set "
+                "MT_API_KEY), or --allow-no-key to serve it open on purpose"]
+    return []
+
+
+def _loopback(host: str) -> bool:
+    import ipaddress
+
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name: it may resolve anywhere
+        return False
 
 
 def _fail(console: Console, message: str, code: int) -> None:

@@ -43,6 +43,10 @@ def _coerce(name: str, value: Any, f: dataclasses.Field) -> Any:
             return value.lower() in _TRUE
         raise ConfigError(f"{name} must be true or false, got {value!r}")
     if kind == "int":
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value  # exact (through a float, 2**63 - 1 became 2**63)
+        if isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+            return int(value)
         try:
             number = float(value) if isinstance(value, (str, float, int)) and not isinstance(
                 value, bool) else math.nan

@@ -29,11 +29,12 @@ from mt_pipeline import (
 )
 from mt_plan.estimate import peak_in_flight, stage_memory
 from mt_plan.gpus import GPUSpec
-from mt_plan.layout import LayoutError, ParallelLayout
+from mt_plan.layout import MAX_MICRO_BATCHES, MAX_WORLD_SIZE, LayoutError, ParallelLayout
 from mt_pretrain.config.engines import engine_of, unsupported
 from mt_pretrain.config.schema import (
     DEFAULT_MODEL,
     DEFAULT_TRAIN_STEPS,
+    INT_LIMIT,
     ConfigError,
     PretrainConfig,
 )
@@ -124,13 +125,12 @@ def model_of(config: PretrainConfig) -> tuple[GPTConfig, int]:
     return gpt, gpt.seq_len
 
 
-#: Micro-batches one step may take per replica (MT-NLG: 1,920 / 8 replicas = 240).
-MAX_MICRO_BATCHES = 100_000
-
-
 def resolve(config: PretrainConfig, world_size: int) -> RunPlan:
     """Check the config against ``world_size`` and derive the run plan."""
     par, train = config.parallel, config.train
+    if world_size > MAX_WORLD_SIZE:  # was: minutes enumerating its ranks and groups
+        raise ConfigError(f"invalid layout: world size {world_size:,} (--nproc, --dp or the "
+                          f"launcher's); at most {MAX_WORLD_SIZE:,} processes")
     refused = unsupported(config)
     if refused:
         raise ConfigError("invalid configuration: " + "; ".join(refused))
@@ -197,6 +197,12 @@ def resolve(config: PretrainConfig, world_size: int) -> RunPlan:
     except (PartitionError, ScheduleError) as err:
         raise ConfigError(f"invalid pipeline: {err}") from None
     steps, samples = _steps_and_samples(config, rampup, gpt.seq_len)
+    if samples * gpt.seq_len >= INT_LIMIT:  # was: an overflow in the data index, or a hang
+        given = (f"--train-tokens {train.train_tokens:,} is {steps:,} steps"
+                 if train.train_tokens is not None else f"{steps:,} steps")
+        raise ConfigError(f"{given} of {train.global_batch_size:,} sequences of "
+                          f"{gpt.seq_len:,} tokens: {samples * gpt.seq_len:,} tokens; at most "
+                          "2**63 - 1 (fewer --train-steps or --train-tokens)")
     decay = train.decay_tokens if train.decay_tokens is not None else samples * gpt.seq_len
     if train.warmup_tokens is not None and train.warmup_tokens > decay:  # was: cut silently
         where = ("--decay-tokens" if train.decay_tokens is not None else
@@ -204,7 +210,16 @@ def resolve(config: PretrainConfig, world_size: int) -> RunPlan:
         raise ConfigError(f"--warmup-tokens {train.warmup_tokens:,} is longer than the decay: "
                           f"{decay:,} tokens ({where}); the learning rate would never reach "
                           "--lr. Use a shorter warmup, or a longer --decay-tokens")
-    return RunPlan(layout, gpt, pipeline, stages, rampup, steps, samples, model)
+    plan = RunPlan(layout, gpt, pipeline, stages, rampup, steps, samples, model)
+    stage, memory = fullest_stage_memory(plan, "cpu")  # "cpu": no CUDA call in the parent
+    if memory["total"] >= INT_LIMIT:  # was: torch's "storage size calculation overflowed"
+        raise ConfigError(
+            f"invalid model: {gpt.n_layers:,} layers, hidden {gpt.hidden:,}, vocab "
+            f"{gpt.vocab_size:,}, seq {gpt.seq_len:,} at micro-batch {layout.micro_batch:,} "
+            f"need ~{memory['total']:.3g} bytes on a rank of stage {stage}, more than 2**63 "
+            "bytes (past what torch can address); use a smaller --n-layers / --hidden / "
+            "--vocab-size / --seq-len / --micro-batch-size, or more parallelism")
+    return plan
 
 
 def activation_shape(plan: RunPlan) -> tuple[int, int, int]:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from mt_pipeline import DEFAULT_SCHEDULE
-from mt_plan.layout import SCHEDULES, ParallelLayout, option_problems
+from mt_plan.layout import SCHEDULES, ParallelLayout, idle_option_problems, option_problems
 from mt_pretrain.config.engines import ENGINES
 from mt_zero.precision import PRECISIONS as ZERO_PRECISIONS
 
@@ -44,6 +44,11 @@ DEFAULT_MODEL = "tiny"
 ARCHITECTURE = ("n_layers", "hidden", "n_heads", "vocab_size", "ffn_hidden")
 #: The shortest --timeout: ranks must first find each other (a TCP rendezvous) within it.
 MIN_TIMEOUT_S = 1.0
+#: The longest --timeout (about 31 years): torch's process groups count it in milliseconds
+#: (a timedelta; gloo refuses 1e14 s, Python's timedelta anything past 8.6e13 s).
+MAX_TIMEOUT_S = 1e9
+#: Integers reach torch and numpy as int64: every integer field is below this.
+INT_LIMIT = 2**63
 PRECISIONS = tuple(ZERO_PRECISIONS)  # mt-zero's registry: fp32, bf16, fp16
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -59,6 +64,17 @@ def _positive(problems: list[str], obj: object, *names: str, allow_none: bool = 
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             problems.append(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+
+
+def _int64(problems: list[str], obj: object, *checked: str) -> None:
+    """Every integer field of ``obj`` (but those ``checked`` on their own) below
+    :data:`INT_LIMIT`: torch and numpy take them as int64, and a larger one overflowed there
+    after the run started (a traceback). The lower bounds are each field's own check."""
+    for f in dataclasses.fields(obj):  # type: ignore[arg-type]
+        value = getattr(obj, f.name)
+        if f.name not in checked and isinstance(value, int) and not isinstance(value, bool) \
+                and value >= INT_LIMIT:
+            problems.append(f"--{f.name.replace('_', '-')} must be below 2**63, got {value}")
 
 
 def _raise(problems: list[str], what: str) -> None:
@@ -94,6 +110,7 @@ class ModelArgs:
         problems: list[str] = []
         _positive(problems, self, "n_layers", "hidden", "n_heads", "vocab_size", "seq_len",
                   allow_none=True)
+        _int64(problems, self)
         if self.dropout is not None and not 0.0 <= self.dropout < 1.0:
             problems.append(f"--dropout must be in [0, 1), got {self.dropout}")
         _raise(problems, "model arguments")
@@ -176,7 +193,8 @@ class ParallelArgs:
     schedule: str = DEFAULT_SCHEDULE
     """Pipeline schedule: gpipe, 1f1b or interleaved (ignored with --pp 1)."""
     virtual_stages: int = 1
-    """Model chunks per pipeline stage (>= 2 with the interleaved schedule)."""
+    """Model chunks per pipeline stage (>= 2 with the interleaved schedule, which needs
+    --pp >= 2)."""
     sequence_parallel: bool = False
     """Shard LayerNorm / dropout activations along the sequence over the TP group."""
     activation_checkpointing: bool = False
@@ -223,6 +241,7 @@ class ParallelArgs:
         problems: list[str] = []
         _positive(problems, self, "tp", "cp", "pp", "virtual_stages")
         _positive(problems, self, "nproc", "dp", allow_none=True)
+        _int64(problems, self)
         schedule, virtual_stages = self.pipeline_options()
         problems += option_problems(zero_stage=self.zero_stage, schedule=schedule,
                                     virtual_stages=virtual_stages,
@@ -234,6 +253,13 @@ class ParallelArgs:
         if not self.timeout >= MIN_TIMEOUT_S:
             problems.append(f"--timeout must be at least {MIN_TIMEOUT_S:g} seconds (the "
                             f"ranks must first connect to each other), got {self.timeout}")
+        elif not self.timeout <= MAX_TIMEOUT_S:  # was: an OverflowError in every rank
+            problems.append(f"--timeout must be at most {MAX_TIMEOUT_S:g} seconds (about 31 "
+                            f"years), got {self.timeout}")
+        problems += idle_option_problems(  # was: accepted in silence
+            tp=self.tp, pp=self.pp, virtual_stages=self.virtual_stages,
+            sequence_parallel=self.sequence_parallel, main_grads=self.main_grads,
+            precision=self.precision)
         if self.activation_checkpointing and self.recompute not in (None, "full"):
             problems.append(f"--activation-checkpointing is --recompute full, not "
                             f"--recompute {self.recompute}: give one of them")
@@ -376,10 +402,17 @@ class TrainArgs:
         _positive(problems, self, "train_steps", "train_tokens", "decay_tokens",
                   "rampup_start", "rampup_increment", "rampup_tokens", "exit_interval",
                   "eval_task_limit", allow_none=True)
+        _int64(problems, self, "seed")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or \
+                not 0 <= self.seed < INT_LIMIT:  # was: a traceback, or -1 blamed --seq-len
+            problems.append(f"--seed must be between 0 and 2**63 - 1, got {self.seed!r}")
         if self.eval_task_interval < 0:
             problems.append(f"--eval-task-interval must be >= 0, got {self.eval_task_interval}")
         if self.exit_duration is not None and not self.exit_duration > 0:
             problems.append(f"--exit-duration must be > 0 minutes, got {self.exit_duration}")
+        elif self.exit_duration == math.inf:  # was: accepted, and never exited
+            problems.append("--exit-duration must be a finite number of minutes, got inf "
+                            "(leave it out to run to the end)")
         if self.warmup_tokens is not None and self.warmup_tokens < 0:
             problems.append(f"--warmup-tokens must be >= 0, got {self.warmup_tokens}")
         if self.train_steps is not None and self.train_tokens is not None:
@@ -447,7 +480,7 @@ class DataArgs:
     def __post_init__(self) -> None:
         parts = [p for p in self.split.replace("/", ",").split(",") if p.strip()]
         try:
-            ok = len(parts) == 3 and all(float(p) >= 0 for p in parts) and sum(
+            ok = len(parts) == 3 and all(0 <= float(p) < math.inf for p in parts) and sum(
                 float(p) for p in parts) > 0
         except ValueError:
             ok = False
@@ -511,6 +544,7 @@ class CheckpointArgs:
     def __post_init__(self) -> None:
         problems: list[str] = []
         _positive(problems, self, "keep_last", "log_interval")
+        _int64(problems, self)
         if self.quiet and self.log_level != "info":
             problems.append(f"--quiet is --log-level warning; give one of them, not --quiet "
                             f"with --log-level {self.log_level}")
@@ -523,6 +557,8 @@ class CheckpointArgs:
             problems.append(f"--save-interval must be >= 0, got {self.save_interval}")
         if self.peak_tflops is not None and not self.peak_tflops > 0:
             problems.append(f"--peak-tflops must be > 0, got {self.peak_tflops}")
+        elif self.peak_tflops == math.inf:  # was: accepted, every MFU then 0
+            problems.append("--peak-tflops must be a finite number, got inf")
         _raise(problems, "checkpoint arguments")
 
     @property

@@ -6,31 +6,39 @@ Fields: ``model``, ``prompt`` (a string, a list of strings, a list of token ids 
 such lists), ``max_tokens`` (default 16), ``temperature`` (default 1), ``top_p``, ``top_k``
 (an extension), ``stop`` (a string or up to 4), ``seed``, ``logprobs`` (0-5: the chosen token's
 log-probability and that many alternatives), ``echo`` (the prompt in the text, and its tokens'
-log-probabilities with ``logprobs``), ``stream``, ``n`` (1 only), ``user``. Penalties,
-``best_of`` > 1, ``suffix`` and ``logit_bias`` are refused by name rather than ignored.
+log-probabilities with ``logprobs``), ``stream`` (with ``stream_options.include_usage``: a last
+chunk with the usage), ``n`` (completions per prompt), ``user``. Penalties, ``best_of`` > 1,
+``suffix`` and ``logit_bias`` are refused by name rather than ignored, and so is any field
+this server does not know (a misspelt ``max_token`` would otherwise silently get the default).
+Every number is range-checked (NaN and infinities are refused), every string must be valid
+Unicode (JSON allows lone surrogates, which no tokenizer or response can carry).
 """
 
 from __future__ import annotations
 
+import difflib
+import hashlib
+import math
 import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mt_model import PromptScores, Sampling, Token
+from mt_model import SEED_MAX, PromptScores, Sampling, Token
 
-__all__ = ["ApiError", "Choice", "Completion", "Limits", "chunk_body", "completion_body",
-           "error_body", "parse_completion"]
+__all__ = ["ApiError", "Choice", "Completion", "FIELDS", "Limits", "chunk_body",
+           "completion_body", "error_body", "parse_completion", "usage_body"]
 
 
 class ApiError(Exception):
     """A request the server refuses: HTTP ``status``, a message, the field at fault."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 kind: str = "invalid_request_error") -> None:
+                 kind: str = "invalid_request_error", code: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.kind = status, message, param, kind
+        self.code = code
 
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
@@ -46,13 +54,21 @@ class Limits:
     max_positions: int
     vocab_size: int
     max_prompts: int = 64
+    """Rows (prompts x n) of one request at most."""
     max_tokens: int | None = None
     """New tokens per prompt at most (None: what the positions allow)."""
+
+    @property
+    def token_cap(self) -> int:
+        """The most new tokens any request may ask (a one-token prompt's room)."""
+        room = self.max_positions - 1
+        return room if self.max_tokens is None else min(room, self.max_tokens)
 
 
 @dataclass(frozen=True)
 class Completion:
-    """A checked request: its prompts as token ids (and as text, for echo)."""
+    """A checked request: its prompts as token ids (and as text, for echo); one sampling
+    rule per row (row ``r`` completes prompt ``r // n``)."""
 
     model: str
     prompts: tuple[tuple[int, ...], ...]
@@ -62,26 +78,75 @@ class Completion:
     logprobs: int | None
     echo: bool
     stream: bool
+    n: int = 1
+    include_usage: bool = False
+
+    @property
+    def rows(self) -> int:
+        return len(self.sampling)
 
 
-_REFUSED = {"presence_penalty": 0, "frequency_penalty": 0, "best_of": 1, "suffix": None,
-            "logit_bias": None}
-_KNOWN = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed",
-          "logprobs", "echo", "stream", "n", "user", "stream_options", *_REFUSED}
+FIELDS = ("model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed",
+          "logprobs", "echo", "stream", "stream_options", "n", "user", "presence_penalty",
+          "frequency_penalty", "best_of", "suffix", "logit_bias")
+"""Every field a request may hold (the last five only at their neutral values)."""
+
+_MAX_DEPTH = 8  # the deepest a valid body nests: {"prompt": [[ids]]} is 3
 
 
-def _number(body: dict, name: str, default: Any, kind: type, low: float | None = None,
-            high: float | None = None) -> Any:
-    value = body.get(name, default)
+def _unicode(body: Any) -> None:
+    """Refuse a body nested deeper than any valid one, or holding a string that is not valid
+    Unicode (a lone surrogate), naming where (iteratively: no depth overflows the stack)."""
+    todo: list[tuple[Any, str, int]] = [(body, "", 0)]
+    while todo:
+        value, where, depth = todo.pop()
+        if depth > _MAX_DEPTH:
+            raise ApiError(400, f"the request body nests deeper than {_MAX_DEPTH} levels "
+                           f"(at '{where}')", where.split("[")[0].split(".")[0] or None)
+        if isinstance(value, str):
+            _valid_text(value, where or "the body")
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                _valid_text(key, f"a field name in '{where}'" if where else "a field name")
+                todo.append((item, f"{where}.{key}" if where else key, depth + 1))
+        elif isinstance(value, list):
+            todo += [(item, f"{where}[{i}]", depth + 1) for i, item in enumerate(value)]
+
+
+def _valid_text(text: str, where: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        name = where.split("[")[0].split(".")[0]
+        raise ApiError(400, f"'{where}' is not valid Unicode: a lone surrogate "
+                       f"\\u{ord(text[err.start]):04x} at character {err.start}",
+                       name if name in FIELDS else None) from None
+
+
+def _number(body: dict, name: str, default: Any, kind: type, low: float,
+            high: float) -> Any:
+    """``body[name]`` (``default`` when absent or null): a finite number (an integer for
+    ``kind`` int; 3.0 counts as 3) in [low, high]."""
+    value = body.get(name)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
-        raise ApiError(400, f"'{name}' must be {'a number' if kind is float else 'an integer'}"
-                       f", got {value!r}", name)
-    if (low is not None and value < low) or (high is not None and value > high):
-        bounds = f"at least {low}" if high is None else f"between {low} and {high}"
-        raise ApiError(400, f"'{name}' must be {bounds}, got {value!r}", name)
+    whole = kind is int
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+            whole and isinstance(value, float) and not value.is_integer()):
+        raise ApiError(400, f"'{name}' must be {'an integer' if whole else 'a number'}, got "
+                       f"{_show(value)}", name)
+    finite = isinstance(value, int) or math.isfinite(value)  # a huge int is no float
+    if not (finite and low <= value <= high):
+        raise ApiError(400, f"'{name}' must be between {low:g} and {high:g}, got "
+                       f"{_show(value)}" if not whole else
+                       f"'{name}' must be between {int(low)} and {int(high)}, got "
+                       f"{_show(value)}", name)
     return kind(value)
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _prompts(value: Any, encode: Callable[[str], list[int]], decode: Callable[[list[int]], str],
@@ -105,7 +170,7 @@ def _prompts(value: Any, encode: Callable[[str], list[int]], decode: Callable[[l
     tokens, texts = [], []
     for item in items:
         if isinstance(item, str):
-            encoded = encode(item)
+            encoded = encode(item) if item else []
             if not encoded:
                 raise ApiError(400, "a prompt encodes to no tokens", "prompt")
             tokens.append(tuple(encoded))
@@ -113,11 +178,92 @@ def _prompts(value: Any, encode: Callable[[str], list[int]], decode: Callable[[l
         else:
             bad = [t for t in item if not 0 <= t < limits.vocab_size]
             if bad:
-                raise ApiError(400, f"token id {bad[0]} is outside the vocabulary "
+                raise ApiError(400, f"token id {_show(bad[0])} is outside the vocabulary "
                                f"(0..{limits.vocab_size - 1})", "prompt")
+            if len(item) >= limits.max_positions:
+                raise ApiError(400, f"a prompt of {len(item)} tokens leaves no room in the "
+                               f"model's {limits.max_positions} positions", "prompt")
             tokens.append(tuple(item))
             texts.append(decode(list(item)))
     return tokens, texts
+
+
+def _refuse_unknown(body: dict) -> None:
+    unknown = [name for name in body if name not in FIELDS]
+    if unknown:
+        guess = difflib.get_close_matches(unknown[0], FIELDS, n=1)
+        hint = f" (did you mean '{guess[0]}'?)" if guess else ""
+        names = ", ".join(f"'{_show(name)[1:-1]}'" for name in unknown[:5])
+        raise ApiError(400, f"unknown field{'s' if len(unknown) > 1 else ''} {names}{hint}; "
+                       f"mt serve takes {', '.join(FIELDS[:14])}", unknown[0])
+
+
+def _refuse_unsupported(body: dict, n: int) -> None:
+    neutral = {"presence_penalty": (0,), "frequency_penalty": (0,), "best_of": (1, n),
+               "suffix": ("",), "logit_bias": ({},)}
+    for name, allowed in neutral.items():
+        value = body.get(name)
+        if not any(_same(value, a) for a in (None, *allowed)):
+            raise ApiError(400, f"'{name}' is not supported by mt serve (only its neutral "
+                           f"value {allowed[0]!r} or null), got {_show(value)}", name)
+
+
+def _same(value: Any, neutral: Any) -> bool:
+    if isinstance(value, bool) or isinstance(neutral, bool):
+        return False
+    numbers = isinstance(value, (int, float)) and isinstance(neutral, (int, float))
+    return (numbers or type(value) is type(neutral)) and value == neutral
+
+
+def _flag(body: dict, name: str) -> bool:
+    value = body.get(name)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise ApiError(400, f"'{name}' must be true or false, got {_show(value)}", name)
+    return value
+
+
+def _text_field(body: dict, name: str) -> str | None:
+    value = body.get(name)
+    if value is not None and not isinstance(value, str):
+        raise ApiError(400, f"'{name}' must be a string, got {_show(value)}", name)
+    return value
+
+
+def _stops(body: dict) -> list[str]:
+    stop = body.get("stop")
+    stops = [stop] if isinstance(stop, str) else stop if stop is not None else []
+    if not isinstance(stops, list) or len(stops) > 4 or not all(
+            isinstance(s, str) and s for s in stops):
+        raise ApiError(400, "'stop' must be a non-empty string or a list of up to 4 of them",
+                       "stop")
+    return stops
+
+
+def _include_usage(body: dict, stream: bool) -> bool:
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict) or set(options) - {"include_usage"}:
+        raise ApiError(400, "'stream_options' must be an object with only 'include_usage'",
+                       "stream_options")
+    usage = _flag(options, "include_usage")
+    if usage and not stream:  # asked for something a whole response cannot give
+        raise ApiError(400, "'stream_options.include_usage' is only for a request with "
+                       "'stream': true (a whole response always has its usage)",
+                       "stream_options")
+    return usage
+
+
+def sample_seed(seed: int, sample: int) -> int:
+    """The seed of completion ``sample`` of a prompt of a request with ``seed``: the seed
+    itself for the first, a hash of both for the others (so n > 1 draws n different ones,
+    each the same at every call)."""
+    if sample == 0:
+        return seed
+    digest = hashlib.sha256(f"{seed}\0{sample}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & SEED_MAX
 
 
 def parse_completion(body: Any, model: str, encode: Callable[[str], list[int]],
@@ -127,58 +273,54 @@ def parse_completion(body: Any, model: str, encode: Callable[[str], list[int]],
     field at fault (``model`` is the name this server answers to)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
-    for name, neutral in _REFUSED.items():
-        if body.get(name, neutral) not in (neutral, None):
-            raise ApiError(400, f"'{name}' is not supported by mt serve", name)
-    asked = body.get("model")
+    _unicode(body)
+    _refuse_unknown(body)
+    asked = _text_field(body, "model")
     if asked is not None and asked != model:
-        raise ApiError(404, f"the model '{asked}' does not exist; this server serves "
-                       f"'{model}'", "model", "model_not_found")
-    if _number(body, "n", 1, int, 1, 1) != 1:
-        raise ApiError(400, "'n' must be 1", "n")
+        raise ApiError(404, f"the model '{_show(asked)[1:-1]}' does not exist; this server "
+                       f"serves '{model}'", "model", code="model_not_found")
+    _text_field(body, "user")
+    n = _number(body, "n", 1, int, 1, limits.max_prompts)
+    _refuse_unsupported(body, n)
     prompts, texts = _prompts(body.get("prompt"), encode, decode, limits)
+    if len(prompts) * n > limits.max_prompts:
+        raise ApiError(400, f"{len(prompts)} prompts x 'n' {n} = {len(prompts) * n} "
+                       f"completions, more than the {limits.max_prompts} a request may ask",
+                       "n")
     longest = max(len(p) for p in prompts)
     room = limits.max_positions - longest
     if room < 1:
         raise ApiError(400, f"a prompt of {longest} tokens leaves no room in the model's "
                        f"{limits.max_positions} positions", "prompt")
-    cap = room if limits.max_tokens is None else min(room, limits.max_tokens)
-    max_tokens = _number(body, "max_tokens", min(16, cap), int, 1)
-    if max_tokens > cap:
+    max_tokens = _number(body, "max_tokens", min(16, room, limits.token_cap), int, 1,
+                         limits.token_cap)
+    if max_tokens > room:
         raise ApiError(400, f"'max_tokens' {max_tokens} + a prompt of {longest} tokens "
-                       f"exceed the model's {limits.max_positions} positions" if cap == room
-                       else f"'max_tokens' must be at most {cap}, got {max_tokens}",
-                       "max_tokens")
+                       f"exceed the model's {limits.max_positions} positions", "max_tokens")
     temperature = _number(body, "temperature", 1.0, float, 0, 2)
     top_p = _number(body, "top_p", 1.0, float, 0, 1)
     if top_p == 0:
-        raise ApiError(400, "'top_p' must be above 0", "top_p")
-    top_k = _number(body, "top_k", 0, int, 0)
-    seed = _number(body, "seed", None, int)
+        raise ApiError(400, "'top_p' must be above 0, got 0", "top_p")
+    top_k = _number(body, "top_k", 0, int, 0, limits.vocab_size)
+    seed = _number(body, "seed", None, int, 0, SEED_MAX)
     logprobs = _number(body, "logprobs", None, int, 0, 5)
-    stop = body.get("stop")
-    stops = [stop] if isinstance(stop, str) else stop if stop is not None else []
-    if not isinstance(stops, list) or len(stops) > 4 or not all(
-            isinstance(s, str) and s for s in stops):
-        raise ApiError(400, "'stop' must be a non-empty string or a list of up to 4 of them",
-                       "stop")
-    flags = {}
-    for name in ("echo", "stream"):
-        flags[name] = body.get(name, False)
-        if not isinstance(flags[name], bool):
-            raise ApiError(400, f"'{name}' must be true or false, got {flags[name]!r}", name)
+    stops = _stops(body)
+    echo, stream = _flag(body, "echo"), _flag(body, "stream")
+    include_usage = _include_usage(body, stream)
     rules = []
-    for _ in prompts:  # without a seed each prompt draws its own
-        rule_seed = seed if seed is not None else secrets.randbits(63)
-        rules.append(Sampling(max_tokens, temperature, top_k, top_p, rule_seed,
-                              tuple(stop_ids)))
+    for _ in prompts:
+        for sample in range(n):  # without a seed each row draws its own
+            rule_seed = sample_seed(seed, sample) if seed is not None else \
+                secrets.randbits(63)
+            rules.append(Sampling(max_tokens, temperature, top_k, top_p, rule_seed,
+                                  tuple(stop_ids)))
     return Completion(model, tuple(prompts), tuple(texts), tuple(rules), tuple(stops),
-                      logprobs, flags["echo"], flags["stream"])
+                      logprobs, echo, stream, n, include_usage)
 
 
 @dataclass
 class Choice:
-    """One prompt's answer as it is built: its text, tokens and their log-probabilities."""
+    """One row's answer as it is built: its text, tokens and their log-probabilities."""
 
     index: int
     text: str = ""
@@ -239,24 +381,38 @@ def new_logprobs(choice: Choice, event: Token, decode: Callable[[list[int]], str
                    [top_dict(event.top, decode)])
 
 
+def usage_body(choices: Sequence[Choice]) -> dict[str, int]:
+    """Tokens of the prompts (each counted once, as OpenAI does with n > 1: a prompt's other
+    completions carry 0) and of the completions."""
+    prompt = sum(c.prompt_tokens for c in choices)
+    completion = sum(c.completion_tokens for c in choices)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
+
+
 def completion_body(ident: str, model: str, created: int, choices: Sequence[Choice]
                     ) -> dict[str, Any]:
     """The whole response of a request that did not stream."""
-    prompt = sum(c.prompt_tokens for c in choices)
-    completion = sum(c.completion_tokens for c in choices)
     return {"id": ident, "object": "text_completion", "created": created, "model": model,
             "choices": [{"index": c.index, "text": c.text, "logprobs": c.logprobs_body(),
                          "finish_reason": c.finish_reason} for c in choices],
-            "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
-                      "total_tokens": prompt + completion}}
+            "usage": usage_body(choices)}
 
 
-def chunk_body(ident: str, model: str, created: int, choice: Choice) -> dict[str, Any]:
-    """One server-sent event of a streamed response: ``choice``'s new text (and tokens)."""
-    return {"id": ident, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": choice.index, "text": choice.text,
-                         "logprobs": choice.logprobs_body(),
-                         "finish_reason": choice.finish_reason}]}
+def chunk_body(ident: str, model: str, created: int, choice: Choice | None,
+               usage: dict[str, int] | None = None, include_usage: bool = False
+               ) -> dict[str, Any]:
+    """One server-sent event of a streamed response: ``choice``'s new text (and tokens), or
+    (``choice`` None) the last chunk's usage; with ``include_usage`` every chunk has a
+    ``usage`` field (null but in the last), as OpenAI's stream_options asks."""
+    body: dict[str, Any] = {"id": ident, "object": "text_completion", "created": created,
+                            "model": model, "choices": [] if choice is None else [
+                                {"index": choice.index, "text": choice.text,
+                                 "logprobs": choice.logprobs_body(),
+                                 "finish_reason": choice.finish_reason}]}
+    if include_usage:
+        body["usage"] = usage
+    return body
 
 
 def now() -> int:

@@ -53,7 +53,7 @@ class Job:
 
     @property
     def rows(self) -> int:
-        return len(self.completion.prompts)
+        return self.completion.rows
 
     def put(self, kind: str, value: Any) -> None:
         """Hand ``(kind, value)`` to the handler: ``delta`` (a streamed :class:`Choice`),
@@ -183,52 +183,74 @@ class Dispatcher:
 
         for job in self.inbox.take(fits):
             replica = job_replica[job.ident]
-            if job.cancelled or clock > job.deadline:
+            refusal = None
+            if job.cancelled:
+                self.inbox.gone += 1
+                refusal = ApiError(499, "the client went away")
+            elif clock > job.deadline:
+                refusal = ApiError(504, "the request timed out waiting for room",
+                                   kind="timeout")
+            try:
+                requests = [] if refusal else self._requests(job.completion)
+            except ValueError as err:  # this request cannot run here: it fails, not the server
+                refusal = ApiError(400, str(err), "prompt")
+            except Exception as err:  # noqa: BLE001 - a fault with one request is its own
+                refusal = ApiError(500, f"internal error: {_reason(err)}", kind="server_error")
+            if refusal is not None:
                 self.load[replica] -= job.rows
-                self.inbox.gone += job.cancelled
-                job.put("error", ApiError(499, "the client went away") if job.cancelled
-                        else ApiError(504, "the request timed out waiting for room",
-                                      kind="timeout"))
+                job.put("error", refusal)
                 continue
-            completion, rows = job.completion, []
-            for index, (prompt, rule) in enumerate(zip(completion.prompts,
-                                                       completion.sampling, strict=True)):
-                request = DecodeRequest(prompt, rule, echo=completion.echo and
-                                  completion.logprobs is not None,
-                                  top_logprobs=completion.logprobs or 0)
-                self.check(request)
+            for index, request in enumerate(requests):
                 key = (job.ident, index)
-                choice = Choice(index, prompt_tokens=len(prompt))
-                self.rows[key] = _Row(job, index, replica, TextStream(self.decode,
-                                                                      completion.stop), choice)
-                rows.append((replica, key, request))
+                self.rows[key] = _Row(job, index, replica, TextStream(
+                    self.decode, job.completion.stop), Choice(index, prompt_tokens=len(
+                        request.prompt) if index % job.completion.n == 0 else 0))
+                admit.append((replica, key, request))
             self.left[job.ident] = job.rows
-            admit += rows
         cancel, self._cancel = tuple(self._cancel), []
         stop = self.inbox.draining and not self.rows and not admit and not len(self.inbox)
         self.inbox.running = len(self.rows)
         return Command(tuple(admit), cancel, stop)
 
+    def _requests(self, completion: Completion) -> list[DecodeRequest]:
+        """One decoding request per row of ``completion``, each checked against the model
+        (a ValueError naming the numbers when one cannot run)."""
+        requests = []
+        for index, rule in enumerate(completion.sampling):
+            request = DecodeRequest(completion.prompts[index // completion.n], rule,
+                                    echo=completion.echo and completion.logprobs is not None,
+                                    top_logprobs=completion.logprobs or 0)
+            self.check(request)
+            requests.append(request)
+        return requests
+
     def deliver(self, results: list[tuple[str, Hashable, Any]]) -> None:
-        """Turn the replicas' prompt scores and new tokens into the jobs' text."""
+        """Turn the replicas' prompt scores, new tokens and failures into the jobs' text."""
         for kind, key, value in results:
             row = self.rows.get(key)
             if row is None:  # cancelled meanwhile
                 continue
-            if kind == "scores":
-                self._echo(row, value)
-            else:
-                self._token(key, row, value)
+            try:
+                if kind == "error":  # decoding this row failed: its request fails alone
+                    self._end(row.job, "error", ApiError(500, f"decoding failed: {value}",
+                                                         kind="server_error"))
+                elif kind == "scores":
+                    self._echo(row, value)
+                else:
+                    self._token(key, row, value)
+            except Exception as err:  # noqa: BLE001 - a fault with one request is its own
+                self._end(row.job, "error", ApiError(500, f"internal error: {_reason(err)}",
+                                                     kind="server_error"))
         self.inbox.running = len(self.rows)
 
     def _echo(self, row: _Row, scores: PromptScores | None) -> None:
         completion = row.job.completion
         if not completion.echo:
             return
-        text = completion.texts[row.index]
+        text = completion.texts[row.index // completion.n]
         delta = Choice(row.index, text)
         if completion.logprobs is not None:
-            prompt = completion.prompts[row.index]
+            prompt = completion.prompts[row.index // completion.n]
             scores_logprobs(delta, prompt, scores, self.decode)
             scores_logprobs(row.choice, prompt, scores, self.decode)
         row.choice.text += text
@@ -292,21 +314,45 @@ class ServeLoop:
 
     def run(self, dispatcher: Dispatcher | None) -> None:
         """Serve until rank 0's dispatcher says stop."""
-        batch = self.batch
         while True:
             command = self.broadcast(dispatcher.command() if dispatcher else None)
-            if command.cancel:
-                batch.cancel(command.cancel)
-            mine = [(key, request) for replica, key, request in command.admit
-                    if replica == self.replica]
-            results: list[tuple[str, Hashable, Any]] = []
-            if mine:
-                scores = batch.add([r for _, r in mine], [k for k, _ in mine])
-                results += [("scores", key, s) for (key, _), s in zip(mine, scores,
-                                                                       strict=True)]
+            results = self.iterate(command)
             if command.stop:
                 return
-            results += [("token", event.key, event) for event in batch.step()]
             gathered = self.gather(results if self.reports else [])
             if dispatcher is not None:
                 dispatcher.deliver(gathered)
+
+    def iterate(self, command: Command) -> list[tuple[str, Hashable, Any]]:
+        """Run one command on this rank: cancel, admit this replica's rows, one step (none
+        once told to stop); returns this replica's results. A row whose prefill or step
+        raises is reported as ``("error", key, message)`` and leaves the batch: one request
+        never stops the server (every rank of a replica fails alike, before or after the
+        same collectives, as the checks that raise are the same on every rank)."""
+        batch = self.batch
+        if command.cancel:
+            batch.cancel(command.cancel)
+        mine = [(key, request) for replica, key, request in command.admit
+                if replica == self.replica]
+        results: list[tuple[str, Hashable, Any]] = []
+        if mine:
+            try:
+                scores = batch.add([r for _, r in mine], [k for k, _ in mine])
+            except Exception as err:  # noqa: BLE001 - reported to its requests' clients
+                results += [("error", key, _reason(err)) for key, _ in mine]
+            else:
+                results += [("scores", key, s) for (key, _), s in zip(mine, scores,
+                                                                       strict=True)]
+        if command.stop:
+            return results
+        try:
+            results += [("token", event.key, event) for event in batch.step()]
+        except Exception as err:  # noqa: BLE001 - the rows of the failed step fail
+            keys = [row.key for row in batch.rows]
+            batch.cancel(keys)
+            results += [("error", key, _reason(err)) for key in keys]
+        return results
+
+
+def _reason(err: Exception) -> str:
+    return f"{type(err).__name__}: {err}"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import signal
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,8 @@ class ServeSpec:
     request_timeout: float = 600.0
     timeout: float = 600.0
     """Collectives' timeout between ranks."""
+    api_key: str | None = field(default=None, repr=False)
+    """The /v1 routes need ``Authorization: Bearer API_KEY`` (None: open)."""
 
     @property
     def name(self) -> str:
@@ -123,7 +125,7 @@ def serve_rank(spec: ServeSpec, info: LaunchInfo | None,
                     spec.max_tokens)
     config = ServerConfig(spec.name, limits,
                           tokenizer.encode, tokenizer.decode, (tokenizer.eod_id,),
-                          spec.max_body_bytes, spec.request_timeout)
+                          spec.max_body_bytes, spec.request_timeout, spec.api_key)
     server, thread = start_server(build_app(config, inbox), spec.host, spec.port)
     signals: list[int] = []
 
@@ -136,8 +138,10 @@ def serve_rank(spec: ServeSpec, info: LaunchInfo | None,
                  "again to stop at once)")
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    key = ("an API key is required (Authorization: Bearer)" if spec.api_key else
+           "no API key: anyone who reaches this address may use it")
     announce(f"serving '{spec.name}' at http://{spec.host}:{server.config.port}/v1 "
-             f"(completions, models; health at /health)")
+             f"(completions, models; health at /health, schema at /openapi.json); {key}")
     dispatcher = Dispatcher(inbox, tokenizer.decode, served.replicas, spec.max_batch,
                             loop.batch.check)
     completed = False

@@ -1,0 +1,263 @@
+"""Issue 42 ("trust"), on real files: an input edited in place is never served stale (a
+finished dataset or an unfinished run of it), mt never writes over or empties a folder it did
+not write, and a JSON line nested too deep to parse is one bad input, not a traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from mt_data.cli import app
+from mt_data.corpus import iter_corpus
+from mt_data.ingest import ErrorLog, IngestConfig, iter_documents
+from mt_data.megatron import export_megatron, import_megatron
+from mt_data.pipeline import PrepareConfig, PrepareError, prepare
+from mt_data.shards import TokenDataset
+from mt_data.tokenizer import load_tokenizer
+
+runner = CliRunner()
+FAST = ["--tokenizer", "tokenizer-1k", "--workers", "1", "--no-fuzzy-dedup"]
+WIDE = {"COLUMNS": "400"}
+DEEP = "[" * 200_000
+
+
+@pytest.fixture(scope="module")
+def docs() -> list[dict[str, str]]:
+    return list(iter_corpus())
+
+
+def _jsonl(docs: list[dict[str, str]], n: int, start: int = 0) -> str:
+    return "".join(json.dumps({"id": f"d{i}", "text": docs[i % len(docs)]["text"][:600]}) + "\n"
+                   for i in range(start, start + n))
+
+
+def _same_size_edit(path: Path) -> None:
+    """Rewrite ``path`` in place with other text of the same length (keeps the size)."""
+    data = path.read_bytes()
+    at = data.index(b'"text": "') + len(b'"text": "')
+    edited = data[:at] + b"x" * 40 + data[at + 40:]
+    assert len(edited) == len(data) and edited != data
+    path.write_bytes(edited)
+
+
+def _error(output: str) -> str:
+    lines = [line for line in output.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, output
+    assert "Traceback" not in output
+    return lines[0]
+
+
+def test_prepare_refuses_a_finished_dataset_whose_input_changed(docs, tmp_path: Path) -> None:
+    """An input edited in place (same path, same size) after prepare: the rerun says which
+    input changed and how, exit 2 (was: 'prepared', the old dataset served as complete)."""
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(_jsonl(docs, 40))
+    out = tmp_path / "out"
+    args = ["prepare", str(corpus), "-o", str(out), *FAST]
+    assert runner.invoke(app, args, env=WIDE).exit_code == 0
+    index = (out / "index.json").read_bytes()
+    stat = corpus.stat()
+    assert runner.invoke(app, args, env=WIDE).exit_code == 0  # unchanged: already complete
+
+    _same_size_edit(corpus)  # the modified time moves with it
+    result = runner.invoke(app, args, env=WIDE)
+    assert result.exit_code == 2, result.output
+    line = _error(result.output)
+    assert f"{corpus}" in line and "modified time" in line and "content" in line, line
+    assert "size" not in line.split(str(corpus))[1].split(")")[0], line  # the size is the same
+    assert "--overwrite" in line and "another --output" in line, line
+    assert (out / "index.json").read_bytes() == index  # nothing touched
+
+    # The same edit with the modified time put back: the content sample still tells.
+    os.utime(corpus, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    result = runner.invoke(app, args, env=WIDE)
+    assert result.exit_code == 2, result.output
+    assert f"{corpus}, which changed since it was read (content)" in _error(result.output)
+    # --overwrite prepares the new content.
+    result = runner.invoke(app, [*args, "--overwrite"], env=WIDE)
+    assert result.exit_code == 0, result.output
+    assert runner.invoke(app, args, env=WIDE).exit_code == 0
+    tok = load_tokenizer("tokenizer-1k")
+    assert "x" * 40 in tok.decode(TokenDataset(out).document(0)[:-1].tolist())
+
+
+def test_prepare_refuses_to_resume_a_run_whose_input_was_cut(docs, tmp_path: Path) -> None:
+    """A run stopped midway (its work/ folder kept), its input then cut: resuming is refused,
+    naming the input and its sizes (was: 'rerun the same command to resume', and the chunks of
+    the old input mixed into the new dataset)."""
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(_jsonl(docs, 60))
+    out = tmp_path / "out"
+    args = ["prepare", str(corpus), "-o", str(out), *FAST]
+    result = runner.invoke(app, [*args, "--keep-work"], env=WIDE)
+    assert result.exit_code == 0, result.output
+    (out / "index.json").unlink()  # the run as a kill before its last step leaves it
+    (out / "dropped.json").unlink()
+    assert (out / "work" / "config.json").is_file()
+    before = corpus.stat().st_size
+    corpus.write_text(_jsonl(docs, 20))  # cut
+    result = runner.invoke(app, args, env=WIDE)
+    assert result.exit_code == 2, result.output
+    line = _error(result.output)
+    assert "unfinished run" in line and str(corpus) in line, line
+    assert f"size {before:,} -> {corpus.stat().st_size:,} bytes" in line, line
+    assert "--overwrite" in line and "rerun the same command" not in line, line
+    assert not (out / "index.json").exists()
+    result = runner.invoke(app, [*args, "--overwrite"], env=WIDE)
+    assert result.exit_code == 0, result.output
+    assert json.loads((out / "index.json").read_text())["stats"]["documents_in"] == 20
+
+
+def test_prepare_refuses_a_dataset_of_older_code_it_cannot_check(docs, tmp_path: Path) -> None:
+    """A dataset whose fingerprint records no size, modified time or content of its inputs
+    (prepared by an earlier mt-data) is not served as 'already complete' unchecked."""
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(_jsonl(docs, 30))
+    out = tmp_path / "out"
+    args = ["prepare", str(corpus), "-o", str(out), *FAST]
+    assert runner.invoke(app, args, env=WIDE).exit_code == 0
+    index = json.loads((out / "index.json").read_text())
+    fingerprint = index["stats"]["fingerprint"]
+    assert fingerprint["files"][0]["path"] == str(corpus)
+    assert fingerprint["files"][0]["size"] == corpus.stat().st_size
+    del fingerprint["files"]  # as earlier mt-data wrote it
+    (out / "index.json").write_text(json.dumps(index))
+    result = runner.invoke(app, args, env=WIDE)
+    assert result.exit_code == 2, result.output
+    line = _error(result.output)
+    assert "cannot be checked" in line and "--overwrite" in line, line
+
+
+def test_prepare_refuses_an_input_changed_while_it_was_read(docs, tmp_path: Path) -> None:
+    """An input rewritten while prepare runs: no dataset is published from the old reading."""
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(_jsonl(docs, 40))
+
+    class EditDuringTokenize:
+        def stage(self, name: str, total: float | None, unit: str) -> None:
+            if name.startswith("tokenize"):
+                with corpus.open("a") as f:
+                    f.write(_jsonl(docs, 1, start=50))
+
+        def advance(self, amount: float) -> None:
+            pass
+
+        def end(self) -> None:
+            pass
+
+    with pytest.raises(PrepareError, match=rf"{corpus} changed while it was being prepared"):
+        prepare([corpus], tmp_path / "out", PrepareConfig(tokenizer="tokenizer-1k", workers=1),
+                EditDuringTokenize())
+    assert not (tmp_path / "out" / "index.json").exists()
+
+
+def test_prepare_never_writes_into_or_empties_a_folder_it_did_not_write(docs,
+                                                                      tmp_path: Path) -> None:
+    """--overwrite -o DIR with the user's own files in DIR: refused, naming them (was: DIR
+    emptied, thesis.txt deleted); without --overwrite too (was: the user's work/ folder
+    deleted at the end of the run)."""
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(_jsonl(docs, 30))
+    mine = tmp_path / "mine"
+    (mine / "work").mkdir(parents=True)
+    (mine / "thesis.txt").write_text("four years of work")
+    (mine / "work" / "chapter1.tex").write_text("\\chapter{One}")
+    for extra in ([], ["--overwrite"]):
+        result = runner.invoke(app, ["prepare", str(corpus), "-o", str(mine), *FAST, *extra],
+                               env=WIDE)
+        assert result.exit_code == 2, result.output
+        line = _error(result.output)
+        assert "thesis.txt" in line and "work/" in line, line
+        assert "mt data prepare did not write" in line, line
+        assert (mine / "thesis.txt").read_text() == "four years of work"
+        assert (mine / "work" / "chapter1.tex").is_file()
+        assert sorted(p.name for p in mine.iterdir()) == ["thesis.txt", "work"]
+    # Its own output folder is still replaced with --overwrite.
+    out = tmp_path / "out"
+    for extra in ([], ["--overwrite"]):
+        result = runner.invoke(app, ["prepare", str(corpus), "-o", str(out), *FAST, *extra],
+                               env=WIDE)
+        assert result.exit_code == 0, result.output
+
+
+def test_import_megatron_refuses_a_folder_holding_files(docs, tmp_path: Path) -> None:
+    """import-megatron into an existing dataset (was: its index.json replaced, its shards
+    orphaned) or a folder with other files: one line, exit 2, nothing touched."""
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(_jsonl(docs, 30))
+    data = tmp_path / "data"
+    prepare([corpus], data, PrepareConfig(tokenizer="tokenizer-1k", workers=1))
+    export_megatron(data, tmp_path / "mg")
+    other = tmp_path / "other"
+    prepare([corpus], other, PrepareConfig(tokenizer="tokenizer-1k", workers=1))
+    before = {p.name: p.read_bytes() for p in other.iterdir()}
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "todo.txt").write_text("buy milk")
+    for folder in (other, notes):
+        result = runner.invoke(app, ["import-megatron", str(tmp_path / "mg"), str(folder),
+                                     "--tokenizer", "tokenizer-1k"], env=WIDE)
+        assert result.exit_code == 2, result.output
+        line = _error(result.output)
+        assert str(folder) in line and "choose" in line, line
+    assert {p.name: p.read_bytes() for p in other.iterdir()} == before
+    assert sorted(p.name for p in notes.iterdir()) == ["todo.txt"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    index = import_megatron(tmp_path / "mg", empty, load_tokenizer("tokenizer-1k").describe())
+    assert index["documents"] == len(TokenDataset(data))
+
+
+def test_a_json_line_nested_too_deep_is_one_bad_input(docs, tmp_path: Path) -> None:
+    """A line of 200,000 '[': one bad input with its file:line (was: RecursionError, a
+    traceback) in prepare, train-tokenizer and the decontamination sets."""
+    corpus = tmp_path / "deep.jsonl"
+    good = _jsonl(docs, 20)
+    corpus.write_text(good + DEEP + "\n" + '{"a": ' * 100_000 + "\n")
+    log = ErrorLog("skip")
+    texts = [t for b in iter_documents([corpus], IngestConfig(), log)
+             for t in b.column("text").to_pylist()]
+    assert len(texts) == 20 and dict(log.counts) == {"json": 2}
+    assert str(log.errors[0]).startswith(f"{corpus}:21: json: ")
+    assert str(log.errors[1]).startswith(f"{corpus}:22: json: ")
+    result = runner.invoke(app, ["prepare", str(corpus), "-o", str(tmp_path / "out"), *FAST],
+                           env=WIDE)
+    assert result.exit_code == 0, result.output
+    assert f"bad input {corpus}:21: json:" in result.output
+    summary = json.loads((tmp_path / "out" / "index.json").read_text())["stats"]
+    assert summary["bad_inputs"] == {"json": 2}
+    result = runner.invoke(app, ["train-tokenizer", str(corpus), "--vocab-size", "300", "-o",
+                                 str(tmp_path / "tok.json")], env=WIDE)
+    assert result.exit_code == 0, result.output
+    assert f"bad input {corpus}:21: json:" in result.output
+    evals = tmp_path / "eval.jsonl"
+    evals.write_text(DEEP + "\n")
+    result = runner.invoke(app, ["prepare", str(corpus), "-o", str(tmp_path / "o2"),
+                                 "--decontaminate", str(evals), *FAST],
+                           env=WIDE)
+    assert result.exit_code == 2, result.output
+    assert f"{evals}:1: json:" in _error(result.output)
+    # mt data inspect of a dataset whose index.json is nested too deep: one line.
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    (damaged / "index.json").write_text(DEEP)
+    result = runner.invoke(app, ["inspect", str(damaged)], env=WIDE)
+    assert result.exit_code == 2, result.output
+    assert f"{damaged / 'index.json'}: not valid JSON" in _error(result.output)
+    # A vocab.json or a group-words file nested too deep: one line too.
+    tok = tmp_path / "tokdir"
+    tok.mkdir()
+    (tok / "vocab.json").write_text(DEEP)
+    (tok / "merges.txt").write_text("#version: 0.2\n")
+    words = tmp_path / "words.json"
+    words.write_text(DEEP)
+    for extra, where in ((["--tokenizer", str(tok)], tok / "vocab.json"),
+                         (["--group-words", str(words)], words)):
+        result = runner.invoke(app, ["prepare", str(corpus), "-o", str(tmp_path / "o3"),
+                                     *FAST, *extra], env=WIDE)
+        assert result.exit_code == 2, result.output
+        assert str(where) in _error(result.output)
