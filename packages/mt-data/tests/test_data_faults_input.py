@@ -430,13 +430,13 @@ def test_bad_inputs_and_options_found_by_the_hostile_sweep(docs, tmp_path: Path)
 def test_two_prepares_into_one_folder(docs, tmp_path: Path) -> None:
     """The second is refused at once while the first holds the folder (was: it failed later
     on a work file the first removed); a lock left by a killed process blocks nothing."""
-    from mt_data.pipeline import _output_lock
+    from mt_data.prepare_output import output_lock
 
     raw = tmp_path / "raw.jsonl"
     raw.write_bytes(_lines(docs, 40))
     out = tmp_path / "out"
     out.mkdir()
-    with _output_lock(out):
+    with output_lock(out):
         text = _one_line_error(["prepare", str(raw), "-o", str(out), *FAST])
         assert f"{out} is being prepared by another process: wait for it to end" in text
     ok = runner.invoke(app, ["prepare", str(raw), "-o", str(out), *FAST], env={"COLUMNS": "300"})

@@ -219,6 +219,30 @@ def test_sampling_is_reproducible_and_filters() -> None:
     assert stopped.finish_reason == "stop" and stopped.tokens == first.tokens[:2]
 
 
+def _draws_used(generator: torch.Generator, seed: int, most: int) -> int:
+    """How many numbers ``generator`` (seeded with ``seed``) has drawn, up to ``most``."""
+    after = float(torch.rand((), generator=generator, dtype=torch.float64))
+    reference = torch.Generator().manual_seed(seed)
+    for used in range(most + 1):
+        if float(torch.rand((), generator=reference, dtype=torch.float64)) == after:
+            return used
+    return most + 1
+
+
+def test_sampling_takes_bounded_time_at_any_top_p_and_temperature() -> None:
+    """A nucleus of p = 5e-324 holds only the likeliest token: drawn from all 50k tokens until
+    one lands in it took about 1 / p(top) draws per token (a request that stalled every other
+    in mt serve's batch); a few draws, then a sort, gives it. A temperature so small that the
+    scaled logits overflow gives the greedy token (the limit), not a draw from NaNs."""
+    logits = torch.randn(50257, generator=torch.Generator().manual_seed(1)) * 0.5
+    generator = torch.Generator().manual_seed(5)
+    token = pick(logits, Sampling(temperature=1.9, top_p=5e-324), generator)
+    assert token == int(logits.argmax())
+    assert _draws_used(generator, 5, 200) <= 65
+    for rule in (Sampling(temperature=5e-324), Sampling(temperature=5e-324, top_p=0.5)):
+        assert pick(logits, rule, torch.Generator().manual_seed(0)) == int(logits.argmax())
+
+
 def test_bad_requests_name_the_numbers() -> None:
     model = GPT(CONFIGS["gpt2"], seed=0)
     with pytest.raises(ValueError, match="prompt of 40 tokens \\+ 10 new tokens exceed the "

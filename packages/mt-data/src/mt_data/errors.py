@@ -31,3 +31,11 @@ class StreamError(DataError, OSError):
 
     def __reduce__(self) -> tuple[type, tuple[str, str, str]]:
         return type(self), (self.path, self.kind, self.message)
+
+
+class PrepareError(DataError, RuntimeError):
+    """The output folder holds a different run, or the inputs cannot be prepared."""
+
+
+class NoDocumentsError(PrepareError):
+    """Every input was empty or unreadable, or every document was filtered out."""

@@ -20,18 +20,16 @@ the old input). ``OUTPUT`` is a new or empty folder or one ``prepare`` wrote
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
 import json
 import os
 import shutil
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
-from contextlib import ExitStack, contextmanager, suppress
+from contextlib import ExitStack, suppress
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from multiprocessing import get_all_start_methods, get_context
@@ -43,9 +41,10 @@ import numpy as np
 import pyarrow as pa
 
 from mt_data.compressed import COMPRESSED
-from mt_data.errors import DataError
+from mt_data.errors import NoDocumentsError, PrepareError
 from mt_data.filters import FILTERS
-from mt_data.group_counts import GROUPS_FILE, write_group_counts
+from mt_data.fingerprint import changed_file, check_unchanged, file_record, same_run
+from mt_data.group_counts import write_group_counts
 from mt_data.groups import GroupCounter, GroupWords, load_group_words, merge_counts
 from mt_data.ingest import (
     JSON_EXTS,
@@ -58,11 +57,10 @@ from mt_data.ingest import (
     parallel_split_bytes,
     plan_work,
 )
-from mt_data.paths import foreign_entries, foreign_message, output_clash
+from mt_data.paths import output_clash
+from mt_data.prepare_output import check_output, output_lock, refuse_foreign
 from mt_data.shards import (
-    FORMAT,
     INDEX_FILE,
-    PROGRESS_FILE,
     ShardInfo,
     ShardSetWriter,
     atomic_replace,
@@ -80,14 +78,6 @@ from mt_data.stages import (
     read_chunk_stats,
 )
 from mt_data.tokenizer import Tokenizer, load_tokenizer
-
-
-class PrepareError(DataError, RuntimeError):
-    """The output folder holds a different run, or the inputs cannot be prepared."""
-
-
-class NoDocumentsError(PrepareError):
-    """Every input was empty or unreadable, or every document was filtered out."""
 
 
 class ProgressHook(Protocol):
@@ -140,49 +130,6 @@ class PrepareConfig:
             raise ValueError(f"workers must be >= 0, got {self.workers}")
 
 
-SAMPLE_EDGE = 1 << 20
-"""Bytes of a file's head, and of its tail, that :func:`sample_sha256` reads."""
-SAMPLE_BLOCK = 64 << 10
-SAMPLE_BLOCKS = 32
-"""Evenly spaced blocks of ``SAMPLE_BLOCK`` bytes between the head and the tail it reads."""
-
-
-def sample_sha256(path: Path, size: int) -> str:
-    """SHA-256 over a file's ``size`` and a fixed sample of its bytes: the first and last
-    ``SAMPLE_EDGE`` bytes and ``SAMPLE_BLOCKS`` blocks of ``SAMPLE_BLOCK`` bytes evenly spaced
-    between them (a file of up to 4 MiB is read whole).
-
-    Why a sample: the fingerprint is taken on every run, the "already complete" check
-    included, and a full hash of a 100 GB corpus reads 100 GB (minutes, each time); the
-    sample reads 4 MiB per file whatever its size (milliseconds). With the size and the
-    modified time (nanoseconds) recorded beside it, an edit in place is caught when it changes
-    the size, the modified time (every editor, ``cp``, ``>>``, a rewrite) or a sampled byte (an
-    edit that also restores the modified time); what escapes is an edit that keeps the size
-    and the modified time and touches no sampled byte."""
-    digest = hashlib.sha256(size.to_bytes(8, "little"))
-    whole = 2 * SAMPLE_EDGE + SAMPLE_BLOCKS * SAMPLE_BLOCK
-    with open(path, "rb") as f:
-        if size <= whole:
-            digest.update(f.read(whole))
-        else:
-            digest.update(f.read(SAMPLE_EDGE))
-            middle = size - 2 * SAMPLE_EDGE
-            step = (middle - SAMPLE_BLOCK) // max(SAMPLE_BLOCKS - 1, 1)
-            for k in range(SAMPLE_BLOCKS):
-                f.seek(SAMPLE_EDGE + k * step)
-                digest.update(f.read(SAMPLE_BLOCK))
-            f.seek(size - SAMPLE_EDGE)
-            digest.update(f.read(SAMPLE_EDGE))
-    return digest.hexdigest()
-
-
-def _file_record(path: Path) -> dict[str, Any]:
-    """What the fingerprint records of one file read: path, size, modified time, sample."""
-    stat = path.stat()
-    return {"path": str(path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
-            "sample_sha256": sample_sha256(path, stat.st_size)}
-
-
 _TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "encoder.json", "vocab.bpe")
 
 
@@ -198,6 +145,21 @@ def _read_files(inputs: list[Path], config: PrepareConfig) -> list[Path]:
     elif tokenizer.is_dir():
         files += [tokenizer / name for name in _TOKENIZER_FILES if (tokenizer / name).is_file()]
     return files
+
+
+def _refuse_to_delete_inputs(output: Path, inputs: Sequence[str | Path],
+                             config: PrepareConfig) -> None:
+    """``output`` is never, holds or lies inside something the run reads (the inputs, the
+    decontamination sets, a tokenizer given as a path): ``--overwrite`` would delete it, and
+    a plain run would write into it."""
+    read = [*inputs, *config.clean.eval_paths]
+    if Path(config.tokenizer).exists():
+        read.append(config.tokenizer)
+    if config.group_words is not None:
+        read.append(config.group_words)
+    clash = output_clash("--output", output, read)
+    if clash:
+        raise PrepareError(clash)
 
 
 def _fingerprint(inputs: list[Path], config: PrepareConfig) -> dict[str, Any]:
@@ -220,138 +182,7 @@ def _fingerprint(inputs: list[Path], config: PrepareConfig) -> dict[str, Any]:
     else:
         settings["clean"]["rule_sets"] = [{"name": rs.name, **asdict(rs)} for rs in rule_sets]
     return {"inputs": [str(p) for p in inputs], "settings": settings,
-            "files": [_file_record(p) for p in _read_files(inputs, config)]}
-
-
-def _same_run(recorded: dict[str, Any], fingerprint: dict[str, Any]) -> bool:
-    """Same inputs and settings (the files' records aside)."""
-    def strip(fp: dict[str, Any]) -> dict[str, Any]:
-        return {k: v for k, v in fp.items() if k != "files"}
-    return strip(recorded) == strip(json.loads(json.dumps(fingerprint)))
-
-
-def _what_changed(before: dict[str, Any], now: dict[str, Any]) -> str:
-    what = []
-    if before.get("size") != now["size"]:
-        what.append(f"size {before.get('size', 0):,} -> {now['size']:,} bytes")
-    if before.get("mtime_ns") != now["mtime_ns"]:
-        what.append("modified time")
-    if before.get("sample_sha256") != now["sample_sha256"]:
-        what.append("content")
-    return ", ".join(what)
-
-
-def _changed_file(recorded: list[dict[str, Any]], files: list[dict[str, Any]]) -> str | None:
-    """How the first file read differs from its record: ``PATH, which changed since it was
-    read (size A -> B bytes, modified time, content)``; None when every file matches."""
-    old = {r.get("path"): r for r in recorded if isinstance(r, dict)}
-    for record in files:
-        before = old.pop(record["path"], None)
-        if before is None:
-            return f"{record['path']}, which it did not read (added since)"
-        what = _what_changed(before, record)
-        if what:
-            return f"{record['path']}, which changed since it was read ({what})"
-    if old:
-        return f"{next(iter(old))}, which is no longer read (removed since)"
-    return None
-
-
-def _check_unchanged(fingerprint: dict[str, Any]) -> None:
-    """Raise :class:`PrepareError` when a file read changed while the run read it."""
-    for record in fingerprint["files"]:
-        path = Path(record["path"])
-        try:
-            now = _file_record(path)
-        except FileNotFoundError:
-            raise PrepareError(f"{path} was removed while it was being prepared; restore it "
-                               "and rerun with --overwrite") from None
-        what = _what_changed(record, now)
-        if what:
-            raise PrepareError(f"{path} changed while it was being prepared ({what}): the "
-                               "dataset would mix two versions of it; rerun with --overwrite "
-                               "once it no longer changes")
-
-
-PREPARE_OUTPUT = (INDEX_FILE, PROGRESS_FILE, GROUPS_FILE, "dropped.json", "shard-*.arrow",
-                  ".*.tmp", "work/", "cache/")
-"""The names ``prepare`` writes in its output folder (shards, index, records, the work
-folder, readers' caches, temporary files): a folder holding anything else is not its own."""
-
-
-def _is_dataset_index(path: Path) -> bool:
-    try:
-        index = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError):
-        return False
-    return isinstance(index, dict) and (index.get("format") == FORMAT or "shards" in index)
-
-
-def _refuse_foreign(output: Path) -> None:
-    """``output`` must be absent, empty or a folder ``prepare`` wrote (with or without
-    --overwrite: a plain run writes into it and deletes its ``work/`` at the end)."""
-    foreign = foreign_entries(output, PREPARE_OUTPUT)
-    if (output / INDEX_FILE).is_file() and not _is_dataset_index(output / INDEX_FILE):
-        foreign.append(INDEX_FILE)
-    work = output / "work"
-    if work.is_dir() and not work.is_symlink() and any(work.iterdir()) and \
-            not (work / "config.json").is_file():
-        foreign.append("work/")  # not a work folder of prepare's (it writes config.json first)
-    if foreign:
-        raise PrepareError(foreign_message("--output", output, sorted(foreign),
-                                           "mt data prepare"))
-
-
-def _refuse_to_delete_inputs(output: Path, inputs: Sequence[str | Path],
-                             config: PrepareConfig) -> None:
-    """``output`` is never, holds or lies inside something the run reads (the inputs, the
-    decontamination sets, a tokenizer given as a path): ``--overwrite`` would delete it, and
-    a plain run would write into it."""
-    read = [*inputs, *config.clean.eval_paths]
-    if Path(config.tokenizer).exists():
-        read.append(config.tokenizer)
-    if config.group_words is not None:
-        read.append(config.group_words)
-    clash = output_clash("--output", output, read)
-    if clash:
-        raise PrepareError(clash)
-
-
-def _check_output(output: Path, fingerprint: dict[str, Any], overwrite: bool) -> None:
-    if overwrite:  # its contents: the folder itself (and its lock) stays
-        for entry in output.iterdir():
-            if entry.is_dir() and not entry.is_symlink():
-                shutil.rmtree(entry)
-            else:
-                entry.unlink()
-    work = output / "work"
-    work.mkdir(parents=True, exist_ok=True)
-    mark = work / "config.json"
-    recorded = json.loads(json.dumps(fingerprint))  # tuples -> lists, as stored
-    if mark.exists():
-        try:
-            earlier = json.loads(mark.read_text())
-        except (ValueError, RecursionError):
-            earlier = {}
-        if not isinstance(earlier, dict) or not _same_run(earlier, recorded):
-            raise PrepareError(
-                f"{output} holds an unfinished run with other inputs or settings; "
-                f"rerun the same command to resume, or pass --overwrite"
-            )
-        if "files" not in earlier:
-            raise PrepareError(
-                f"{output} holds an unfinished run of an earlier mt-data, which recorded no "
-                "size, modified time or content of its inputs: whether they changed since "
-                "cannot be checked, and resuming could mix chunks of another input into the "
-                "dataset; pass --overwrite to start again, or choose another --output")
-        change = _changed_file(earlier["files"], recorded["files"])
-        if change:
-            raise PrepareError(
-                f"{output} holds an unfinished run of {change}: resuming would mix what it "
-                "read before into the new dataset; pass --overwrite to start again, or "
-                "choose another --output")
-    else:
-        atomic_write_json(mark, recorded)
+            "files": [file_record(p) for p in _read_files(inputs, config)]}
 
 
 def _run_tasks(fn: Callable[..., Any], tasks: list[tuple[Any, ...]], sizes: list[float],
@@ -566,7 +397,7 @@ def prepare(inputs: Sequence[str | Path], output: str | Path,
     _refuse_to_delete_inputs(output, [*inputs, *files], config)  # with or without --overwrite
     if output.exists() and not output.is_dir():
         raise PrepareError(f"--output {output} is a file; name a folder for the dataset")
-    _refuse_foreign(output)  # with or without --overwrite
+    refuse_foreign(output)  # with or without --overwrite
     items, unknown = plan_work(files, split_bytes=parallel_split_bytes(
         files, config.clean.ingest.split_bytes))
     if not items:
@@ -577,26 +408,9 @@ def prepare(inputs: Sequence[str | Path], output: str | Path,
         raise PrepareError(f"no readable input files among the {len(files)} found in "
                            f"{', '.join(map(str, inputs))}{why}")
     output.mkdir(parents=True, exist_ok=True)
-    with _output_lock(output):
+    with output_lock(output):
         return _prepare_locked(inputs, files, items, unknown, output, fingerprint, config,
                                progress, lists)
-
-
-@contextmanager
-def _output_lock(output: Path) -> Iterator[None]:
-    """Hold an exclusive lock on the output folder itself while preparing into it: a second
-    `prepare` into the same folder is refused at once (was: it failed later on a file the
-    first had removed). The kernel drops the lock when its holder ends, killed or not."""
-    fd = os.open(output, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise PrepareError(f"{output} is being prepared by another process: wait for it "
-                               "to end, or choose another --output") from None
-        yield
-    finally:
-        os.close(fd)
 
 
 def _prepare_locked(inputs: Sequence[str | Path], files: list[Path], items: list[WorkItem],
@@ -606,20 +420,20 @@ def _prepare_locked(inputs: Sequence[str | Path], files: list[Path], items: list
     if (output / INDEX_FILE).exists() and not config.overwrite:
         index = json.loads((output / INDEX_FILE).read_text())
         recorded = (index.get("stats") or {}).get("fingerprint")
-        if not isinstance(recorded, dict) or not _same_run(recorded, fingerprint):
+        if not isinstance(recorded, dict) or not same_run(recorded, fingerprint):
             raise PrepareError(f"{output} already holds a prepared dataset; pass --overwrite")
         if "files" not in recorded:
             raise PrepareError(
                 f"{output} was prepared by an earlier mt-data, which recorded no size, "
                 "modified time or content of its inputs: whether they changed since cannot be "
                 "checked; pass --overwrite to prepare it again, or choose another --output")
-        change = _changed_file(recorded["files"], fingerprint["files"])
+        change = changed_file(recorded["files"], fingerprint["files"])
         if change:
             raise PrepareError(
                 f"{output} was prepared from {change}: serving it would be stale; pass "
                 "--overwrite to prepare it again, or choose another --output")
         return dict(index["stats"], resumed="already complete")
-    _check_output(output, fingerprint, config.overwrite)
+    check_output(output, fingerprint, config.overwrite)
     work = output / "work"
     load_eval_index(config.clean, work)  # once, before the workers need it
     workers = config.workers or (os.cpu_count() or 1)
@@ -754,7 +568,7 @@ def _stages(items: list[WorkItem], unknown: list[Path], files: list[Path],
     if lists is not None and no_groups is not None:  # the counts of the documents read, kept
         summary["groups"] = write_group_counts(output, lists, totals.groups or no_groups,
                                                merge_counts([no_groups, *kept_groups]))
-    _check_unchanged(fingerprint)  # what was read is what the fingerprint records
+    check_unchanged(fingerprint)  # what was read is what the fingerprint records
     write_dropped(output, totals)
     writer.finish(summary)
     return summary

@@ -30,11 +30,17 @@ class TextStream:
             self.text, self.stopped = text[:cut], True
             return self.flush()
         self.text = text
-        hold = max((k for s in self.stop for k in range(1, len(s))
-                    if text.endswith(s[:k])), default=0)
+        hold = max((self._partial(s, text) for s in self.stop), default=0)
         if text.endswith("\ufffd"):  # part of a character whose next bytes are to come
             hold = max(hold, len(text) - len(text.rstrip("\ufffd")))
         return self._show(len(text) - hold)
+
+    @staticmethod
+    def _partial(stop: str, text: str) -> int:
+        """The length of the longest start of ``stop`` (shorter than it) that ``text`` ends
+        with: at most ``len(text)`` tries, however long the stop string."""
+        return next((k for k in range(min(len(stop) - 1, len(text)), 0, -1)
+                     if text.endswith(stop[:k])), 0)
 
     def flush(self) -> str:
         """The rest of the text (at the end of the completion)."""
