@@ -148,6 +148,7 @@ def test_bad_requests_get_json_errors(server: Server) -> None:
         (b'{"prompt": "x", "max_tokens": 1e999}', 400, "max_tokens"),
         (b'{"prompt": "x", "top_k": ' + b"9" * 5000 + b"}", 400, None),  # past int parsing
         ({"prompt": "x", "top_k": 10**300}, 400, "top_k"),
+        ({"prompt": "x", "seed": 5.0}, 400, "seed"),  # an integer field: as the schema says
         (b"[" * 5000 + b"]" * 5000, 400, None),
         ({"prompt": [[[[[[[[[1]]]]]]]]]}, 400, "prompt"),
         (b'{"prompt": "\\ud800 lone"}', 400, "prompt"),

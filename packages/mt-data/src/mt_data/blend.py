@@ -8,6 +8,7 @@ schedule is a vectorised merge (argsort), not a sequential loop.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -37,8 +38,10 @@ def parse_blend(spec: str | Sequence[object]) -> list[tuple[float, str]]:
     else:
         raise ValueError(f"blend {spec!r}: expected weight/path pairs")
     total = sum(w for w, _ in pairs)
-    if any(w < 0 for w, _ in pairs) or total <= 0:
-        raise ValueError(f"blend weights must be >= 0 with a positive sum, got {pairs}")
+    if not all(0 <= w < math.inf for w, _ in pairs) or not 0 < total < math.inf:
+        # was: nan and inf accepted (weights normalised to nan and 0)
+        raise ValueError(f"blend weights must be finite numbers >= 0 with a positive sum, "
+                         f"got {pairs}")
     return [(w / total, p) for w, p in pairs]
 
 

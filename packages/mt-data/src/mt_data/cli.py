@@ -37,7 +37,7 @@ from mt_data.filters import FilterConfig
 from mt_data.group_counts import group_rows, occupation_rows, read_group_counts
 from mt_data.ingest import ErrorLog, IngestConfig, iter_documents
 from mt_data.megatron import export_megatron, import_megatron
-from mt_data.paths import output_clash
+from mt_data.paths import blocking_file, output_clash
 from mt_data.pipeline import PrepareConfig, prepare, read_dropped, select_dropped, summary_rows
 from mt_data.quality import parse_rule_sets
 from mt_data.shards import TokenDataset
@@ -167,8 +167,35 @@ def _bad_inputs(samples: list[str], total: int) -> None:
                       highlight=False)
 
 
+#: The most worker processes `mt data prepare` starts (was: an OverflowError for 2**70).
+MAX_WORKERS = 1024
+
+
+def _given(ctx: typer.Context, *names: str) -> list[str]:
+    """The options among ``names`` (parameter names) typed on the command line, as flags."""
+    return [f"--{name.replace('_', '-')}" for name in names
+            if getattr(ctx.get_parameter_source(name), "name", None) == "COMMANDLINE"]
+
+
+def _idle_prepare_options(ctx: typer.Context, quality_filters: bool, fuzzy_dedup: bool,
+                          decontaminate: list[Path] | None) -> list[str]:
+    """Options given that would change nothing (was: accepted, and silently unused)."""
+    idle = []
+    for off, flag, names in (
+            (not quality_filters, "with --no-quality-filters",
+             ("min_chars", "max_chars", "min_words", "max_symbol_ratio", "min_alpha_words",
+              "max_html_ratio", "max_repeated_lines")),
+            (not fuzzy_dedup, "with --no-fuzzy-dedup", ("threshold", "num_perm", "bands")),
+            (not decontaminate, "without --decontaminate", ("decontam_mode", "decontam_ngram"))):
+        if off and (unused := _given(ctx, *names)):
+            idle.append(f"{', '.join(unused)} {'does' if len(unused) == 1 else 'do'} nothing "
+                        f"{flag}: leave {'it' if len(unused) == 1 else 'them'} out")
+    return idle
+
+
 @app.command("prepare", cls=HelpFitsTerminal)
 def prepare_cmd(
+    ctx: typer.Context,
     inputs: Annotated[list[Path], typer.Argument(help="JSONL / Parquet / text files or folders "
                                                  "(.gz and .zst read transparently).")],
     output: Annotated[Path, typer.Option("--output", "-o", help="Output dataset folder.")],
@@ -221,6 +248,12 @@ def prepare_cmd(
 
     Rerunning the same command after an interruption resumes at the chunk/shard level.
     """
+    if idle := _idle_prepare_options(ctx, quality_filters, fuzzy_dedup, decontaminate):
+        _fail("; ".join(idle))
+    if workers > MAX_WORKERS:
+        _fail(f"--workers must be at most {MAX_WORKERS:,}, got {workers:,}")
+    if (blocker := blocking_file(output)) is not None:  # was: "[Errno 20] Not a directory"
+        _fail(f"--output {output}: {blocker} is a file, not a folder; name a path in a folder")
     with _errors(writing=output):
         if quality_filters:
             basic = FilterConfig("NFC" if normalize else None, min_chars, max_chars, min_words,
@@ -271,6 +304,8 @@ def train_tokenizer_cmd(
         _fail(clash)
     if output.is_dir():
         _fail(f"--output {output} is a folder; name the tokenizer.json to write")
+    if (blocker := blocking_file(output)) is not None:  # was: "[Errno 17] File exists"
+        _fail(f"--output {output}: {blocker} is a file, not a folder; name a path in a folder")
     log = ErrorLog("skip")
     docs, nbytes = 0, 0
     start = time.perf_counter()
@@ -343,6 +378,7 @@ def import_megatron_cmd(
 
 @app.command("inspect")
 def inspect_cmd(
+    ctx: typer.Context,
     data: Annotated[Path, typer.Argument(help="Prepared dataset folder.")],
     document: Annotated[int, typer.Option(help="Document to decode as a sample.")] = 0,
     chars: Annotated[int, typer.Option(help="Characters of the sample to print.")] = 500,
@@ -361,6 +397,9 @@ def inspect_cmd(
     filters dropped, --dropped, or the group words it carries, --groups)."""
     if chars < 0:
         _fail(f"--chars must be 0 or more, got {chars}")
+    if (dropped is not None or groups) and _given(ctx, "document"):  # was: not shown, unsaid
+        _fail(f"--document {document} is the decoded document, which "
+              f"{'--groups' if groups else '--dropped'} shows instead; give one of them")
     with _errors():
         ds = TokenDataset(data)
     if not 0 <= document < max(len(ds), 1):  # was: the summary alone, nothing said

@@ -28,6 +28,10 @@ _P_WORD = np.uint64(0x9E3779B97F4A7C15)
 _P_BAND = np.uint64(0xC2B2AE3D27D4EB4F)
 
 
+#: The most MinHash permutations a signature may have (datatrove and datasketch use 128-256).
+MAX_PERMUTATIONS = 2**16
+
+
 @dataclass(frozen=True)
 class DedupConfig:
     """Deduplication switches and MinHash/LSH parameters."""
@@ -52,6 +56,9 @@ class DedupConfig:
             raise ValueError(
                 f"num_perm ({self.num_perm}) must be a positive multiple of bands ({self.bands})"
             )
+        if self.num_perm > MAX_PERMUTATIONS:  # was: numpy's "Maximum allowed dimension"
+            raise ValueError(f"num_perm must be at most {MAX_PERMUTATIONS:,} (8 bytes per "
+                             f"permutation per document), got {self.num_perm:,}")
         if self.ngram < 1:
             raise ValueError(f"ngram must be >= 1, got {self.ngram}")
         if not 0.0 < self.threshold <= 1.0:

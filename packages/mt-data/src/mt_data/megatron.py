@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from mt_data.errors import DataError, DataNotFoundError, DatasetError
-from mt_data.paths import foreign_entries, output_clash
+from mt_data.paths import blocking_file, foreign_entries, output_clash
 from mt_data.shards import (
     ShardSetWriter,
     TokenDataset,
@@ -124,11 +124,23 @@ class MegatronReader:
 
 def export_megatron(data: TokenDataset | str | Path, prefix: str | Path) -> dict[str, Any]:
     """Write ``PREFIX.bin`` / ``PREFIX.idx``: one sequence per document, EOD included."""
+    prefix = Path(prefix)
+    bin_path, idx_path = Path(f"{prefix}.bin"), Path(f"{prefix}.idx")
+    if prefix.name in ("", ".", "..") or prefix.is_dir():  # was: '..bin' written in it
+        raise DataError(f"PREFIX {prefix} is a folder; give a path and a file name, e.g. "
+                        f"{prefix / 'data'} (writes data.bin and data.idx there)")
+    for path in (bin_path, idx_path):
+        if path.is_dir():
+            raise DataError(f"PREFIX {prefix}: {path} is a folder; choose another PREFIX")
+    if (blocker := blocking_file(bin_path)) is not None:
+        raise DataError(f"PREFIX {prefix}: {blocker} is a file, not a folder; choose another "
+                        "PREFIX")
+    if not isinstance(data, TokenDataset) and (
+            clash := output_clash("PREFIX", prefix, [data])) is not None:
+        raise DataError(clash)  # was: the export written into the dataset folder
     ds = data if isinstance(data, TokenDataset) else TokenDataset(data)
     dtype = megatron_dtype(ds.dtype)
-    prefix = Path(prefix)
     prefix.parent.mkdir(parents=True, exist_ok=True)
-    bin_path, idx_path = Path(f"{prefix}.bin"), Path(f"{prefix}.idx")
     tmp_bin = temp_path(bin_path)
     with open(tmp_bin, "wb") as f:
         for k in range(len(ds.index["shards"])):

@@ -16,7 +16,8 @@ from collections.abc import Iterable
 from fnmatch import fnmatchcase
 from pathlib import Path
 
-__all__ = ["foreign_entries", "foreign_message", "foreign_output", "output_clash"]
+__all__ = ["blocking_file", "foreign_entries", "foreign_message", "foreign_output",
+           "output_clash"]
 
 #: How many of the foreign entries a message names.
 SHOWN = 3
@@ -32,6 +33,15 @@ def output_clash(flag: str, output: str | Path, inputs: Iterable[str | Path]) ->
             how = "is" if path == out else "holds" if out in path.parents else "lies inside"
             return (f"{flag} {output} {how} the input {given}: writing there would destroy "
                     f"what this command reads; choose another {flag}")
+    return None
+
+
+def blocking_file(output: str | Path) -> Path | None:
+    """The file that stands where a folder on the way to ``output`` would be created (the
+    nearest existing parent of ``output``, when it is not a folder), or None."""
+    for parent in Path(output).absolute().parents:
+        if parent.exists():
+            return None if parent.is_dir() else parent
     return None
 
 

@@ -258,6 +258,7 @@ class ShardSetWriter:
 _INDEX_FIELDS = {"version": int, "documents": int, "tokens": int, "dtype": str,
                  "tokenizer": dict, "sources": dict, "shards": list}
 _SHARD_FIELDS = {"file": str, "sha256": str, "documents": int, "tokens": int}
+_TOKENIZER_FIELDS = {"name": str, "vocab_size": int, "eod_id": int}
 
 
 def _check_index(index: dict[str, Any], path: Path) -> None:
@@ -271,12 +272,29 @@ def _check_index(index: dict[str, Any], path: Path) -> None:
                            f"version {VERSION}")
     if index["dtype"] not in ("uint16", "uint32"):
         raise DatasetError(f"{path}: dtype {index['dtype']!r} is not a token dtype")
+    tokenizer = index["tokenizer"]
+    bad = [f"{name} ({kind.__name__})" for name, kind in _TOKENIZER_FIELDS.items()
+           if not isinstance(tokenizer.get(name), kind) or isinstance(tokenizer.get(name), bool)]
+    if bad:  # was: a KeyError (a traceback) where the tokenizer is read
+        raise DatasetError(f"{path}: field 'tokenizer' lacks {', '.join(bad)} (damaged? "
+                           "prepare the dataset again)")
+    for name, counts in index["sources"].items():
+        if not isinstance(counts, dict) or not all(
+                isinstance(counts.get(n), int) for n in ("documents", "tokens")):
+            raise DatasetError(f"{path}: source {name!r} must record its documents and tokens "
+                               f"as integers, got {counts!r} (damaged? prepare the dataset "
+                               "again)")
     for k, shard in enumerate(index["shards"]):
         bad = [n for n, kind in _SHARD_FIELDS.items()
                if not isinstance(shard, dict) or not isinstance(shard.get(n), kind)]
         if bad:
             raise DatasetError(f"{path}: shard {k} lacks {', '.join(bad)} (damaged? prepare "
                                "the dataset again)")
+        name = shard["file"]
+        if Path(name).name != name or name in ("", ".", ".."):
+            # was: read wherever the name pointed, outside the dataset folder too
+            raise DatasetError(f"{path}: shard {k} is named {name!r}, not a file of the "
+                               "dataset folder (damaged? prepare the dataset again)")
 
 
 class TokenDataset:

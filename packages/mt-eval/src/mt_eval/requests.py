@@ -65,7 +65,12 @@ def fewshot_sample(task: Task, shots: int, seed: int | None) -> list[list[dict[s
         raise TaskError(f"{task.source or task.name}: {shots} examples asked, but the pool "
                         f"holds {pool} documents")
     sampler = FewshotSampler(task.fewshot_docs, seed)
-    return [sampler.sample(shots, doc if task.exclude_self else None) for doc in task.docs]
+    try:
+        return [sampler.sample(shots, doc if task.exclude_self else None) for doc in task.docs]
+    except ValueError:  # random.sample's: was a traceback
+        raise TaskError(f"{task.source or task.name}: {shots} examples asked, but the pool "
+                        "holds fewer documents other than the one evaluated (the others are "
+                        "copies of it)") from None
 
 
 def _where(task: Task, doc_id: int) -> str:

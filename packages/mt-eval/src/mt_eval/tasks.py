@@ -123,6 +123,9 @@ def numbered_rows(path: Path) -> list[tuple[int, dict[str, Any]]]:
             row = json.loads(line)
         except json.JSONDecodeError as err:
             raise TaskError(f"{path}:{number}: not JSON ({err.msg})") from None
+        except RecursionError:  # was: a traceback
+            raise TaskError(f"{path}:{number}: not a row (JSON nested too deeply to "
+                            "read)") from None
         if not isinstance(row, dict):
             raise TaskError(f"{path}:{number}: a row must be a JSON object, got "
                             f"{type(row).__name__}")
@@ -230,6 +233,8 @@ def yaml_task(path: Path) -> Task:
                             "own engine; lm-evaluation-harness runs them: mt eval --engine "
                             "harness (pip install 'mt-pretrain[harness]')") from None
         raise TaskError(f"{path}: not YAML ({err})") from None
+    except RecursionError:  # was: a traceback
+        raise TaskError(f"{path}: not YAML (nested too deeply to read)") from None
     if not isinstance(config, dict):
         raise TaskError(f"{path}: a task file must be a YAML mapping")
     unknown = sorted(set(config) - _KEYS - {"dataset_name"}, key=str)  # keys of any type

@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from mt_checkpoint import fsync_dir
-from mt_data.paths import foreign_output
+from mt_data.paths import blocking_file, foreign_output
 from mt_formats.errors import ConvertError
 
 __all__ = ["CONVERT_OUTPUT", "atomic_directory", "check_destination"]
@@ -39,6 +39,9 @@ CONVERT_OUTPUT = (
 def check_destination(destination: Path, overwrite: bool) -> None:
     """Raise :class:`ConvertError` (one line) unless ``destination`` is absent, or an empty
     folder or one mt convert wrote and ``overwrite`` (``--force``) is given."""
+    if (blocker := blocking_file(destination)) is not None:  # was: a failed write, exit 1
+        raise ConvertError(f"{destination}: {blocker} is a file, not a folder; choose a "
+                           "destination in a folder")
     refusal = foreign_output("", destination, CONVERT_OUTPUT, "mt convert", option="--force")
     if refusal is not None:
         raise ConvertError(refusal)

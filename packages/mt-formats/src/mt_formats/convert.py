@@ -49,6 +49,7 @@ __all__ = [
     "FORMATS",
     "ConversionResult",
     "MappingEntry",
+    "check_paths",
     "convert_checkpoint",
     "detect_format",
     "load_model",
@@ -60,6 +61,8 @@ __all__ = [
     "save_state_dict",
 ]
 
+#: The largest --pad-multiple (Megatron-LM pads to 128 x tp).
+MAX_PAD_MULTIPLE = 2**16
 FORMATS: tuple[str, ...] = ("consolidated", "hf", "tp", "megatron", "pretrain", "deepspeed")
 _READERS: dict[str, Callable[[Path], CheckpointReader]] = {
     "consolidated": ConsolidatedReader,
@@ -145,6 +148,9 @@ def make_writer(fmt: str, config: GPTConfig, specs: Mapping[str, TensorSpec],
     if fmt == "megatron" or (fmt == "hf" and not is_llama(config)):
         gpt2_only(config, f"writing the {fmt!r} format")
     pad = DEFAULT_PAD_MULTIPLE if pad_multiple is None else pad_multiple
+    if not 1 <= pad <= MAX_PAD_MULTIPLE:  # was: a TypeError from torch for 2**70
+        raise ConvertError(f"--pad-multiple must be between 1 and {MAX_PAD_MULTIPLE:,} (the "
+                           f"vocabulary is padded to a multiple of it x tp), got {pad:,}")
     if fmt == "tp":
         if tp is None and pp is None:
             raise ConvertError("the tp format needs a tensor- or pipeline-parallel degree "
@@ -258,6 +264,17 @@ def _write(writer: CheckpointWriter, names: list[str], get: Callable[[str], _Rea
     return total_bytes
 
 
+def check_paths(source: Path, destination: Path, overwrite: bool) -> None:
+    """A one-line :class:`ConvertError` when ``destination`` is, holds or lies inside
+    ``source``, or cannot be written (:func:`~mt_formats.atomic.check_destination`)."""
+    src, dst = Path(source).resolve(), Path(destination).resolve()
+    if dst == src or dst in src.parents or src in dst.parents:
+        how = "is" if dst == src else "holds" if dst in src.parents else "lies inside"
+        raise ConvertError(f"{destination}: the destination {how} the source checkpoint "
+                           f"{source}; choose a destination outside it")
+    check_destination(Path(destination), overwrite)
+
+
 def convert_checkpoint(source: Path, destination: Path, *, to: str = "consolidated",
                        from_format: str | None = None, tp: int | None = None,
                        pp: int | None = None, pad_multiple: int | None = None,
@@ -277,18 +294,18 @@ def convert_checkpoint(source: Path, destination: Path, *, to: str = "consolidat
     :class:`ConvertError`.
     """
     source, destination = Path(source), Path(destination)
-    src, dst = source.resolve(), destination.resolve()
-    if dst == src or dst in src.parents or src in dst.parents:
-        how = "is" if dst == src else "holds" if dst in src.parents else "lies inside"
-        raise ConvertError(f"{destination}: the destination {how} the source checkpoint "
-                           f"{source}; choose a destination outside it")
-    check_destination(destination, overwrite)  # fail before reading anything
+    check_paths(source, destination, overwrite)  # fail before reading anything
+    if tokenizer is not None and to != "hf":  # was: accepted, and not written
+        raise ConvertError(f"--tokenizer only applies to the hf target, not {to!r}")
     if to == "pretrain" and (from_format or detect_format(source)) == "pretrain":
         return _to_pretrain(source, destination, pad_multiple, overwrite, progress,
                             PretrainTarget(tp, pp, dp, zero_stage, drop_optimizer))
     if dp is not None or zero_stage is not None:
         raise ConvertError("--dp and --zero-stage only apply from an mt pretrain checkpoint "
                            f"to the pretrain format, not to {to!r}")
+    if drop_optimizer:  # was: accepted, and nothing to drop
+        raise ConvertError("--drop-optimizer only applies from an mt pretrain checkpoint to "
+                           f"the pretrain format, not to {to!r}")
     if to not in _WRITABLE:  # fail before reading anything
         raise ConvertError(f"cannot write the {to!r} format; writable: {list(_WRITABLE)}")
     start = time.perf_counter()

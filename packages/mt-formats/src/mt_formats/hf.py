@@ -44,7 +44,7 @@ class _TorchFile:
             state = self._load(path)
         except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError) as err:
             raise ConvertError(f"{path}: cannot load as plain tensors (malformed, truncated "
-                               f"or not weights-only): {err}") from None
+                               f"or not weights-only): {_first_line(err)}") from None
         if not isinstance(state, dict) or not all(
                 isinstance(v, torch.Tensor) for v in state.values()):
             raise ConvertError(f"{path}: expected a flat dict of tensors")
@@ -225,3 +225,9 @@ def open_hf(root: Path) -> CheckpointReader:
     if data.get("model_type") == "llama":
         return LlamaReader(Path(root), data, _open_weight_files(Path(root)))
     return HFReader(Path(root))
+
+
+def _first_line(err: BaseException) -> str:
+    """The first line of ``err``'s message (torch's weights-only refusal spans many: the
+    command line says one)."""
+    return next(iter(str(err).splitlines()), type(err).__name__)

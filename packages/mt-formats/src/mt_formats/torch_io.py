@@ -22,5 +22,6 @@ def load_weights_only(path: Path, missing: str = "file not found") -> Any:
         raise ConvertError(f"{path}: holds objects other than tensors and plain containers; "
                            f"refusing to unpickle it ({str(err).splitlines()[0]})") from None
     except (RuntimeError, OSError, EOFError, ValueError) as err:
+        first = next(iter(str(err).splitlines()), type(err).__name__)  # one line, as above
         raise ConvertError(f"{path}: not a readable torch checkpoint (malformed or "
-                           f"truncated): {err}") from None
+                           f"truncated): {first}") from None

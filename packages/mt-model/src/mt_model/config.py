@@ -16,6 +16,10 @@ from typing import Any
 __all__ = ["GPTConfig", "GPTConfigError", "PRESETS", "preset"]
 
 _GELU_APPROXIMATIONS = ("none", "tanh")
+#: The most layers a config may have (the deepest GPTs have about a hundred).
+_MAX_LAYERS = 2**16
+#: The largest width, vocabulary or sequence length: a tensor dimension torch indexes in 32 bits.
+_MAX_SIZE = 2**31 - 1
 
 
 class GPTConfigError(ValueError):
@@ -117,6 +121,9 @@ class GPTConfig:
                 continue  # left unresolved only because hidden is invalid (reported)
             if not _is_int(value) or value <= 0:
                 problems.append(f"{name} must be a positive int, got {value!r}")
+            elif value > (limit := _MAX_LAYERS if name == "n_layers" else _MAX_SIZE):
+                # was: accepted, then a reader listing 2**70 layers' tensors never returned
+                problems.append(f"{name} must be at most {limit:,}, got {value:,}")
         if not problems and self.hidden % self.n_heads != 0:
             problems.append(
                 f"hidden={self.hidden} is not divisible by n_heads={self.n_heads} "

@@ -201,6 +201,16 @@ def load_gpu(name_or_path: str) -> GPUSpec:
             raise GPUSpecError(f"GPU description file {path} not found")
         import yaml
 
-        return _from_mapping(yaml.safe_load(path.read_text(encoding="utf-8")), str(path))
+        try:
+            data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as err:  # was: a traceback
+            raise GPUSpecError(f"{path} is not UTF-8 text (byte {err.object[err.start]:#04x} "
+                               f"at offset {err.start})") from None
+        except (yaml.YAMLError, RecursionError) as err:
+            problem = getattr(err, "problem", None) or "nested too deeply to read"
+            mark = getattr(err, "problem_mark", None)
+            where = f" line {mark.line + 1}" if mark is not None else ""
+            raise GPUSpecError(f"{path}{where}: not YAML ({problem})") from None
+        return _from_mapping(data, str(path))
     raise GPUSpecError(f"unknown GPU type {name_or_path!r}; use one of {sorted(GPUS)} "
                        "or a .yaml file")

@@ -80,7 +80,30 @@ def _floor(steps: int, console: Console) -> None:
                           f"{d.grad_norm:.2e}  params {d.params:.2e}", highlight=False)
 
 
+#: The flags of `mt matrix` by parameter name, and those --noise-floor and --list leave unused.
+_FLAGS = {"which": "--set", "only": "--only", "markdown": "--markdown", "work_dir": "--work-dir",
+          "list_only": "--list", "steps": "--steps"}
+_UNUSED = {"--noise-floor measures the noise floors only": ("which", "only", "markdown",
+                                                            "work_dir", "list_only"),
+           "--list names the cases only": ("markdown", "work_dir", "steps")}
+
+
+def _idle_flags(ctx: typer.Context, floor: bool, list_only: bool) -> str | None:
+    """Flags given with --noise-floor or --list that they would not use (was: accepted, and
+    silently unused: --noise-floor --list measured the floors for half a minute)."""
+    if not (floor or list_only):
+        return None
+    mode = list(_UNUSED)[0 if floor else 1]
+    idle = [_FLAGS[name] for name in _UNUSED[mode]
+            if getattr(ctx.get_parameter_source(name), "name", None) == "COMMANDLINE"]
+    if not idle:
+        return None
+    return (f"{mode}: {', '.join(idle)} would do nothing; leave "
+            f"{'it' if len(idle) == 1 else 'them'} out")
+
+
 def matrix(
+    ctx: typer.Context,
     which: Annotated[str, typer.Option("--set", help="ci, full or all.")] = "ci",
     only: Annotated[list[str], typer.Option(
         "--only", help="Keep cases whose name holds this text (repeatable: all must match), "
@@ -105,6 +128,12 @@ def matrix(
     errors = Console(stderr=True, soft_wrap=True)
     if steps < 1:  # was: every case run, and failed, for nothing
         raise _fail(errors, f"--steps must be a positive integer, got {steps}")
+    if steps >= 2**63:  # was: a traceback from the noise floor's config
+        raise _fail(errors, f"--steps must be below 2**63, got {steps}")
+    if "" in only:  # was: matched every case, and filtered nothing
+        raise _fail(errors, "--only is empty: give text of the case names to keep")
+    if (idle := _idle_flags(ctx, floor, list_only)) is not None:
+        raise _fail(errors, idle)
     if floor:
         _floor(steps, console)
         return

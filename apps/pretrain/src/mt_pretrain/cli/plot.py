@@ -92,8 +92,12 @@ def check_output(output: Path, inputs: Sequence[str | Path]) -> None:
 
 
 def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and \
-        math.isfinite(value)
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an integer beyond any float (was: a traceback)
+        return False
 
 
 def _points(path: Path, key: str, x: str, log_y: bool) -> list[tuple[float, float]]:
@@ -120,7 +124,8 @@ def _points(path: Path, key: str, x: str, log_y: bool) -> list[tuple[float, floa
             continue
         for name in (x, key):
             if not _number(record[name]):
-                raise ValueError(f"{path}:{number}: {name} is {record[name]!r}, not a number")
+                raise ValueError(f"{path}:{number}: {name} is {repr(record[name])[:40]}, not "
+                                 "a number")
         if log_y and record[key] <= 0:
             raise ValueError(f"{path}:{number}: {key} {record[key]} cannot be drawn on --log-y "
                              "(not positive)")

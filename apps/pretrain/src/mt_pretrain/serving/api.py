@@ -125,14 +125,13 @@ def _valid_text(text: str, where: str) -> None:
 
 def _number(body: dict, name: str, default: Any, kind: type, low: float,
             high: float) -> Any:
-    """``body[name]`` (``default`` when absent or null): a finite number (an integer for
-    ``kind`` int; 3.0 counts as 3) in [low, high]."""
+    """``body[name]`` (``default`` when absent or null): a finite number (an integer, not
+    3.0, for ``kind`` int, as the schema says) in [low, high]."""
     value = body.get(name)
     if value is None:
         return default
     whole = kind is int
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (
-            whole and isinstance(value, float) and not value.is_integer()):
+    if isinstance(value, bool) or not isinstance(value, int if whole else (int, float)):
         raise ApiError(400, f"'{name}' must be {'an integer' if whole else 'a number'}, got "
                        f"{_show(value)}", name)
     finite = isinstance(value, int) or math.isfinite(value)  # a huge int is no float
