@@ -2,7 +2,8 @@
 
 - mt-model and mt-data import no other mt package;
 - the parallel packages (mt-tensor-parallel, mt-pipeline, mt-zero) import only mt-dist;
-- mt-checkpoint imports mt-dist, mt-model and the parallel packages it reshards for; mt-plan
+- mt-checkpoint imports mt-dist, mt-model and the parallel packages it reshards and
+  materializes stages for; mt-plan
   imports mt-model and the parallel packages whose constants and simulator it uses; mt-eval
   imports only mt-data; mt-formats (every checkpoint format) sits on mt-checkpoint and what
   it needs;
@@ -30,7 +31,7 @@ ALLOWED: dict[str, set[str]] = {
     "mt_zero": {"mt_dist"},
     # The checkpoint format and resharding, and the planner: above the parallel packages,
     # below the apps.
-    "mt_checkpoint": {"mt_dist", "mt_model", "mt_tensor_parallel", "mt_zero"},
+    "mt_checkpoint": {"mt_dist", "mt_model", "mt_tensor_parallel", "mt_pipeline", "mt_zero"},
     "mt_plan": {"mt_dist", "mt_model", "mt_pipeline", "mt_tensor_parallel", "mt_zero"},
     # Evaluation knows tasks, prompts and metrics, no model: it builds its built-in tasks
     # from mt-data's corpus.

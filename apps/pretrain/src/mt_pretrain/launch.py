@@ -20,12 +20,13 @@ from typing import Any, TypeVar
 
 import torch
 
+from mt_checkpoint import sharding_styles
 from mt_data.tokenizer import TokenizerError
 from mt_dist import LaunchInfo, discover, free_port
 from mt_dist.supervisor import LocalRanks, Outcome
 from mt_eval import TaskError, TaskResult, load_task
 from mt_pretrain.config.engines import engine_of
-from mt_pretrain.config.resolve import resolve, sharding_styles
+from mt_pretrain.config.resolve import resolve
 from mt_pretrain.config.schema import ConfigError, PretrainConfig
 from mt_pretrain.data.inputs import check_vocab, default_cache_dir, ensure_data
 from mt_pretrain.engines.checkpoint import CheckpointError

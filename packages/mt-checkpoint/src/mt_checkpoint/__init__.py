@@ -12,6 +12,9 @@
   (DeepSpeed's engine), in ``mt-checksums.json``, computed and verified by all ranks in parts.
 - :class:`SavedLayout`: the layout a checkpoint was written at; which rank file holds which
   (stage, replica, TP slice), in mt-dist's rank order.
+- :mod:`mt_checkpoint.materialize`: this rank's pipeline stage of a GPT at a TP x PP layout,
+  each parameter its exact slice of a full value (the unsharded init, or a checkpoint's
+  weights).
 - :mod:`mt_checkpoint.reshard`: optimizer state and weights merged to full shape and cut
   again for another (TP, PP, DP) layout, through mt-zero's and mt-tensor-parallel's
   public functions.
@@ -43,6 +46,7 @@ from mt_checkpoint.manifest import (
     verify_files,
     write_manifest,
 )
+from mt_checkpoint.materialize import Built, materialize_stage, sharding_styles
 from mt_checkpoint.meta import CheckpointMeta, read_meta
 from mt_checkpoint.names import (
     DATA_ORDER,
@@ -68,6 +72,7 @@ __all__ = [
     "MANIFEST",
     "META",
     "RANK_FORMAT",
+    "Built",
     "CheckpointError",
     "CheckpointMeta",
     "SavedLayout",
@@ -83,6 +88,7 @@ __all__ = [
     "has_checkpoints",
     "load_rank",
     "local_optimizer",
+    "materialize_stage",
     "merge_model",
     "publish_step",
     "rank_file",
@@ -91,6 +97,7 @@ __all__ = [
     "read_meta",
     "remove_checkpoints",
     "save_rank",
+    "sharding_styles",
     "sidecar_rank_file",
     "step_dir",
     "sum_files",

@@ -38,7 +38,6 @@ from mt_pretrain.config.schema import (
     ConfigError,
     PretrainConfig,
 )
-from mt_tensor_parallel import param_styles
 
 __all__ = ["RunPlan", "activation_shape", "describe", "memory_estimate", "model_of", "resolve",
            "runtime_spec"]
@@ -353,16 +352,3 @@ def describe(config: PretrainConfig, plan: RunPlan, max_ranks: int = 32) -> str:
     if topo.world_size > max_ranks:
         lines.append(f"  ... {topo.world_size - max_ranks} more ranks")
     return "\n".join(lines)
-
-
-def sharding_styles(gpt: GPTConfig, tp: int) -> dict[str, str]:
-    """Tensor-parallel shard style of every parameter of the unsharded model at TP degree
-    ``tp`` (grouped-query key/value heads are split or replicated depending on it)."""
-    import torch
-
-    from mt_model import GPT
-    from mt_tensor_parallel import decoder_plan
-
-    with torch.device("meta"):
-        model = GPT(gpt, seed=None)
-    return param_styles([n for n, _ in model.named_parameters()], decoder_plan(gpt, tp))

@@ -23,8 +23,8 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from mt_checkpoint import Built
 from mt_data import DataLoaderState
-from mt_pretrain.engines.build import Built
 from mt_zero import StepResult
 
 __all__ = ["Engine", "Saver"]

@@ -1,58 +1,32 @@
 """Build this rank's model shard and mt's optimizer: the middle of "the path of one run".
 
 GPT on the meta device -> tensor parallel by plan -> this rank's pipeline stage ->
-materialized and initialized with exactly the values of the unsharded init (-> mt-zero's
-ZeRO / DP optimizer wrapper, for mt's engine). Each arrow is one call into a package.
+materialized and initialized with exactly the values of the unsharded init (mt-checkpoint's
+``materialize_stage``) -> mt-zero's ZeRO / DP optimizer wrapper, for mt's engine. Each arrow
+is one call into a package.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from mt_checkpoint import rank_seed
+from mt_checkpoint import Built, materialize_stage, rank_seed
 from mt_dist import ParallelGroups
-from mt_model import GPT, TIED_WEIGHT, GPTConfig, init_parameter
-from mt_pipeline import ModelLayout, PipelineStage, StagePlan, build_stage
+from mt_model import TIED_WEIGHT, init_parameter
+from mt_pipeline import PipelineStage
 from mt_plan.layout import ParallelLayout
-from mt_pretrain.config.resolve import RunPlan, sharding_styles
+from mt_pretrain.config.resolve import RunPlan
 from mt_pretrain.config.schema import TrainArgs
 from mt_tensor_parallel import (
     ContextParallel,
-    KeyedRNG,
-    RNGTracker,
-    VocabParallelCrossEntropy,
-    apply_tensor_parallel,
     attach_context,
-    decoder_plan,
-    shard_tensor,
 )
 from mt_zero import ZeroOptimizer, counts_once, decay_param_groups
 
-__all__ = ["Built", "build_model_stage", "make_optimizer", "materialize_stage",
-           "seed_everything"]
-
-
-@dataclass
-class Built:
-    """This rank's part of the model (the engine adds the optimizer).
-
-    Attributes:
-        stage: the pipeline stage module (the whole model when pp == 1); parameter names are
-            those of the unsharded GPT.
-        tracker: the tensor-parallel RNG streams (None when tp == 1).
-        full_shapes: unsharded shape of every parameter of the whole model.
-        styles: tensor-parallel shard style of every parameter name.
-    """
-
-    stage: PipelineStage
-    tracker: RNGTracker | None
-    full_shapes: dict[str, tuple[int, ...]]
-    styles: dict[str, str]
+__all__ = ["build_model_stage", "make_optimizer", "seed_everything"]
 
 
 def seed_everything(seed: int, groups: ParallelGroups) -> None:
@@ -85,45 +59,6 @@ def build_model_stage(plan: RunPlan, groups: ParallelGroups, seed: int,
             raise RuntimeError(f"context parallelism reached {taken} modules of pipeline "
                                f"stage {groups.pp_rank}, which has {expected} that need it")
     return built
-
-
-def materialize_stage(gpt: GPTConfig, stage_plan: StagePlan, groups: ParallelGroups, tp: int,
-                      full_value: Callable[[str, tuple[int, ...]], torch.Tensor], seed: int,
-                      sequence_parallel: bool, device: torch.device,
-                      keyed_dropout: bool = False, chunked_loss: bool = False) -> Built:
-    """This rank's stage of ``gpt`` (``stage_plan``'s layers, TP slices of degree ``tp``),
-    each parameter this rank's exact slice of ``full_value(name, full_shape)``: the same
-    numbers as the one-process model, whatever the layout. ``chunked_loss``: the stage's
-    loss computes the head with it, chunk by chunk (mt-tensor-parallel's
-    ``VocabParallelCrossEntropy.head_loss``, on one rank too)."""
-    with torch.device("meta"):
-        model = GPT(gpt, seed=None)
-    full_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    styles = sharding_styles(gpt, tp)
-    tracker = None
-    if tp > 1:
-        tracker = RNGTracker(seed, groups.tp_rank)
-        apply_tensor_parallel(model, groups.tp, decoder_plan(gpt, tp),
-                              sequence_parallel=sequence_parallel, rng_tracker=tracker)
-    elif chunked_loss:  # one rank: the vocabulary-parallel loss over a group of one
-        model.loss_fn = VocabParallelCrossEntropy(None, gpt.vocab_size)
-    rng = KeyedRNG(seed, tracker, use_cuda=device.type == "cuda",
-                   slice_index=groups.cp_rank) if keyed_dropout else None
-    layout = ModelLayout(tied_weight=TIED_WEIGHT if gpt.tied_embeddings else None,
-                         fused_loss=chunked_loss)
-    stage = build_stage(model, stage_plan, layout, rng=rng)
-    del model  # modules of other stages stay on the meta device and are dropped here
-    stage.to_empty(device=device)
-    with torch.no_grad():
-        for name, param in stage.named_parameters():
-            full = full_value(name, full_shapes[name])
-            if tp > 1:
-                full = shard_tensor(styles[name], full, groups.tp_rank, tp)
-            param.copy_(full.to(device=device, dtype=param.dtype))
-    if any(True for _ in stage.buffers()):
-        raise RuntimeError("the model has buffers, which meta materialization leaves "
-                           "uninitialized; mt pretrain does not support that")
-    return Built(stage, tracker, full_shapes, styles)
 
 
 def make_optimizer(train: TrainArgs, layout: ParallelLayout, stage: PipelineStage,

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from mt_checkpoint import (
     DATA_ORDER,
+    Built,
     CheckpointError,
     CheckpointMeta,
     SavedLayout,
@@ -38,7 +39,6 @@ from mt_model import GPTConfig, parameter_stages
 from mt_pretrain.config.resolve import RunPlan
 from mt_pretrain.config.schema import ConfigError, PretrainConfig, TrainArgs
 from mt_pretrain.data.inputs import run_tokenizer
-from mt_pretrain.engines.build import Built
 from mt_pretrain.engines.failpoints import failpoint
 from mt_zero import ZeroOptimizer, consolidate, load_consolidated, optimizer_shard_state
 

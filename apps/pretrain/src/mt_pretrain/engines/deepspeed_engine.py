@@ -38,9 +38,11 @@ from torch import nn
 
 from mt_checkpoint import (
     LATEST,
+    Built,
     CheckpointError,
     folder_files,
     read_manifest,
+    sharding_styles,
     sidecar_rank_file,
     step_dir,
     sum_files,
@@ -49,11 +51,11 @@ from mt_checkpoint import (
 )
 from mt_data import DataLoaderState
 from mt_dist import ParallelGroups
-from mt_pretrain.config.resolve import RunPlan, sharding_styles
+from mt_pretrain.config.resolve import RunPlan
 from mt_pretrain.config.schema import PretrainConfig
 from mt_pretrain.data.inputs import default_cache_dir, to_batch
 from mt_pretrain.engines.base import Engine, Saver
-from mt_pretrain.engines.build import Built, build_model_stage, seed_everything
+from mt_pretrain.engines.build import build_model_stage, seed_everything
 from mt_pretrain.engines.deepspeed_pipe import build_pipeline_module, micro_batches
 from mt_zero import StepResult, decay_param_groups
 from mt_zero.deepspeed_engine import deepspeed_config, deepspeed_environ, initialize_deepspeed

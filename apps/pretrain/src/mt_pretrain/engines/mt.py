@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from mt_checkpoint import Built
 from mt_data import DataLoaderState
 from mt_dist import ParallelGroups
 from mt_pipeline import PipelineExecutor, StageComm
@@ -24,7 +25,7 @@ from mt_pretrain.config.resolve import RunPlan, activation_shape
 from mt_pretrain.config.schema import PretrainConfig
 from mt_pretrain.data.inputs import inputs_targets, to_batch
 from mt_pretrain.engines.base import Engine, Saver
-from mt_pretrain.engines.build import Built, build_model_stage, make_optimizer, seed_everything
+from mt_pretrain.engines.build import build_model_stage, make_optimizer, seed_everything
 from mt_pretrain.engines.checkpoint import Checkpointer, load
 from mt_zero import StepResult, ZeroOptimizer
 from mt_zero.precision import compute_dtype, precision_of

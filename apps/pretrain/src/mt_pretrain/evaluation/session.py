@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, replace
 
+from mt_checkpoint import materialize_stage
 from mt_data import load_tokenizer
 from mt_dist import (
     LaunchInfo,
@@ -27,7 +28,6 @@ from mt_dist import (
 from mt_pipeline import plan_pipeline
 from mt_plan.layout import LayoutError, ParallelLayout
 from mt_pretrain.config.schema import ConfigError
-from mt_pretrain.engines.build import materialize_stage
 from mt_pretrain.evaluation.model import EvalModel, as_pretrain_checkpoint, load_eval_model
 from mt_pretrain.evaluation.scorer import StageScorer
 from mt_zero.precision import compute_dtype
