@@ -66,7 +66,10 @@ def test_the_key_is_required(model: Path, server: Server) -> None:
 
     from mt_pretrain.cli.app import app
 
-    assert "an API key is required" in server.log.read_text()
+    deadline = time.monotonic() + 30  # the line follows the server's start by a moment
+    while "an API key is required" not in server.log.read_text():
+        assert time.monotonic() < deadline, server.log.read_text()
+        time.sleep(0.1)
     body = {"prompt": "x", "max_tokens": 2}
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Bearer {KEY}x"},
                     {"Authorization": f"Basic {KEY}"}, {"Authorization": KEY}):

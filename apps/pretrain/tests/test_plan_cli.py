@@ -134,9 +134,9 @@ def test_calibrate_measures_this_machine_and_is_reused(tmp_path: Path) -> None:
         bad.output)
     blocked = tmp_path / "file"
     blocked.write_text("not a folder")
-    unwritable = _plan(*args, "--calibrate", str(blocked / "cal.yaml"))
-    assert unwritable.exit_code == 2 and f"cannot write the calibration to {blocked}" in (
-        unwritable.output)
+    unwritable = _plan(*args, "--calibrate", str(blocked / "cal.yaml"))  # before measuring
+    assert unwritable.exit_code == 2 and f"--calibrate {blocked}/cal.yaml: {blocked} is a " \
+        "file, not a folder" in " ".join(unwritable.output.split())
 
 
 def test_context_parallel_plan_reports_the_exchange() -> None:

@@ -153,8 +153,15 @@ def test_convert_failed_write_leaves_no_destination(tmp_path: Path) -> None:
                                            r"needs \[64\]"):
         save_state_dict(bad, model.config, tmp_path / "out")
     assert list(tmp_path.iterdir()) == []
-    (tmp_path / "a_file").write_text("")  # an OS error: the parent is not a directory
-    with pytest.raises(ConvertError, match=r"a_file/out: writing failed, nothing was written"):
+    def disk_full(name: str, done: int, total: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(ConvertError, match=r"out: writing failed, nothing was written: .*No "
+                                           r"space left on device"):
+        save_model(model, tmp_path / "out", progress=disk_full)  # an OS error while writing
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "a_file").write_text("")  # the parent is not a directory: refused up front
+    with pytest.raises(ConvertError, match=r"a_file/out: .*a_file is a file, not a folder"):
         save_model(model, tmp_path / "a_file" / "out")
 
 

@@ -411,8 +411,9 @@ def inspect_cmd(
     rows = [("documents", f"{len(ds):,}"), ("tokens", f"{ds.num_tokens:,}"),
             ("shards", str(len(ds.index["shards"]))), ("dtype", ds.index["dtype"]),
             ("max token id", f"{max_id:,}"),
-            ("tokenizer", f"{ds.tokenizer['name']} (vocab {ds.tokenizer['vocab_size']:,}, "
-                          f"EOD {ds.tokenizer['eod_id']})")]
+            ("tokenizer", f"{ds.tokenizer['name']} (vocab "
+                          f"{_count(ds.tokenizer.get('vocab_size'))}, EOD "
+                          f"{ds.tokenizer.get('eod_id', 'unknown')})")]
     for name, counts in sorted(ds.index["sources"].items()):
         rows.append((f"source {name}", f"{counts['documents']:,} docs, "
                                        f"{counts['tokens']:,} tokens"))
@@ -445,6 +446,12 @@ def inspect_cmd(
         Console().print(f"[bold]document {document}[/bold] ({doc_id}, {source}, "
                         f"{len(ds.document(document))} tokens):")
         Console().print(text[:chars], markup=False, highlight=False)
+
+
+def _count(value: int | None) -> str:
+    """``value`` with thousands separators, or "unknown" (an imported dataset may not record
+    its tokenizer's size)."""
+    return "unknown" if value is None else f"{value:,}"
 
 
 def _show_dropped(rules: dict[str, dict], chars: int) -> None:

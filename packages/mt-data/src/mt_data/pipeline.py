@@ -41,7 +41,7 @@ import numpy as np
 import pyarrow as pa
 
 from mt_data.compressed import COMPRESSED
-from mt_data.errors import NoDocumentsError, PrepareError
+from mt_data.errors import DatasetError, NoDocumentsError, PrepareError
 from mt_data.filters import FILTERS
 from mt_data.fingerprint import changed_file, check_unchanged, file_record, same_run
 from mt_data.group_counts import write_group_counts
@@ -600,7 +600,16 @@ def read_dropped(data: str | Path) -> dict[str, dict[str, Any]]:
     if not path.exists():
         raise PrepareError(f"{data} has no {DROPPED_FILE}: it was prepared before dropped "
                            f"documents were recorded; prepare it again to see them")
-    return json.loads(path.read_text())["rules"]
+    try:
+        rules = json.loads(path.read_text(encoding="utf-8"))["rules"]
+    except (ValueError, KeyError, TypeError, IndexError, RecursionError) as err:
+        raise DatasetError(f"{path}: damaged ({type(err).__name__}: {err}); prepare the "
+                           "dataset again") from None
+    if not isinstance(rules, dict) or not all(
+            isinstance(r, dict) and isinstance(r.get("dropped"), int) for r in rules.values()):
+        raise DatasetError(f"{path}: damaged (its rules are not a mapping of rule -> count "
+                           "and samples); prepare the dataset again")
+    return rules
 
 
 def select_dropped(rules: dict[str, dict[str, Any]], rule: str) -> dict[str, dict[str, Any]]:

@@ -18,8 +18,8 @@ __all__ = ["GPTConfig", "GPTConfigError", "PRESETS", "preset"]
 _GELU_APPROXIMATIONS = ("none", "tanh")
 #: The most layers a config may have (the deepest GPTs have about a hundred).
 _MAX_LAYERS = 2**16
-#: The largest width, vocabulary or sequence length: a tensor dimension torch indexes in 32 bits.
-_MAX_SIZE = 2**31 - 1
+#: The largest width, vocabulary or sequence length: torch counts sizes in int64.
+_MAX_SIZE = 2**63 - 1
 
 
 class GPTConfigError(ValueError):

@@ -10,7 +10,15 @@ import typer
 from rich.console import Console
 
 from mt_pretrain.cli.failures import fail, one_line_errors, sampling_flags
-from mt_pretrain.cli.layout_options import Device, Nproc, Pp, Precision, Tp, placement_problems
+from mt_pretrain.cli.layout_options import (
+    Device,
+    Nproc,
+    Pp,
+    Precision,
+    Tp,
+    placement_problems,
+    process_problems,
+)
 from mt_pretrain.cli.outputs import unwritable
 
 __all__ = ["bias_command"]
@@ -116,6 +124,7 @@ def _problems(spec: object, output: Path) -> list[str]:
         problems.append(f"--samples must be at most {MAX_SAMPLES:,} per prompt (GPT-3's "
                         f"study drew 800), got {spec.samples:,}")
     problems += placement_problems(spec.device, spec.precision)
+    problems += process_problems(spec.tp, spec.pp, spec.nproc)
     try:
         Sampling(spec.max_new_tokens, spec.temperature, 0, spec.top_p)
     except ValueError as err:

@@ -10,7 +10,15 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from mt_pretrain.cli.layout_options import Device, Nproc, Pp, Precision, Tp, placement_problems
+from mt_pretrain.cli.layout_options import (
+    Device,
+    Nproc,
+    Pp,
+    Precision,
+    Tp,
+    placement_problems,
+    process_problems,
+)
 from mt_pretrain.cli.outputs import unwritable
 
 __all__ = ["eval_command"]
@@ -84,6 +92,7 @@ def eval_command(
     ] = None,
 ) -> None:
     from mt_data import output_clash
+    from mt_data.paths import foreign_entries
     from mt_eval import results_json, results_table, write_json
     from mt_pretrain.evaluation.rank import EvalSpec
     from mt_pretrain.evaluation.suites import SUITES
@@ -96,7 +105,16 @@ def eval_command(
                  ("limit", limit if limit is not None else 1)) if value < 1]
     if shots is not None and shots < 0:
         problems.append(f"--shots must be 0 or more, got {shots}")
-    problems += placement_problems(device, precision)
+    problems += placement_problems(device, precision) + process_problems(tp, pp, nproc)
+    if log_samples and output is None:  # was: accepted, and nothing written
+        problems.append("--log-samples adds every document's log-likelihoods to --output's "
+                        "JSON: give --output too")
+    for name in task:  # was: seconds of lm-eval's task index, then "not a task name"
+        if not name.strip():
+            problems.append("--task is empty: give a task name or a task file")
+        elif Path(name).is_dir():
+            problems.append(f"--task {name} is a folder; give a task file (a folder of task "
+                            "YAMLs is --include-path)")
     if output is not None and output.is_dir() and suite is None:  # found now, not later
         problems.append(f"--output {output} is a folder; name the JSON file to write")
     elif output is not None and (clash := output_clash(
@@ -118,6 +136,10 @@ def eval_command(
         engine = "harness"
         if output is not None and output.is_file():
             problems.append(f"--output {output} is a file; with --suite name a folder")
+        elif output is not None and (theirs := foreign_entries(output, _SUITE_WRITES)):
+            # was: the suite's files written among the user's own
+            problems.append(f"--output {output} holds files mt eval --suite did not write "
+                            f"({', '.join(theirs[:3])}); name an empty or new folder")
     chosen, problem = _engine(engine, task, include_path, data_dir)
     problems += [problem] if problem else []
     if problems:
@@ -156,6 +178,11 @@ def eval_command(
                   "tokenizer": tokenizer}
         write_json(output, results_json(results, config, samples=log_samples))
         _wrote(output, console)
+
+
+#: What `mt eval --suite` writes in its --output folder (with the digests of the results).
+_SUITE_WRITES = ("results_*.json", "results_*.json.sha256", "table.md", "table.png",
+                 "SHA256SUMS", ".*.tmp")
 
 
 def _harness_installed() -> bool:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
@@ -11,7 +13,15 @@ from rich.console import Console
 from rich.markup import escape
 
 from mt_pretrain.cli.failures import fail, one_line_errors, sampling_flags
-from mt_pretrain.cli.layout_options import Device, Nproc, Pp, Precision, Tp, placement_problems
+from mt_pretrain.cli.layout_options import (
+    Device,
+    Nproc,
+    Pp,
+    Precision,
+    Tp,
+    placement_problems,
+    process_problems,
+)
 from mt_pretrain.cli.outputs import unwritable
 
 __all__ = ["generate_command"]
@@ -85,7 +95,14 @@ def generate_command(
     elif 1 < in_flight < pp:
         problems.append(f"--in-flight {in_flight} cannot keep --pp {pp} stages busy: give 1 "
                         f"or at least {pp}")
-    problems += placement_problems(device, precision)
+    problems += placement_problems(device, precision) + process_problems(tp, pp, nproc)
+    if logprobs and prompt is not None:  # was: accepted, and nothing written
+        problems.append("--logprobs writes log-probabilities into the JSONL rows of --input; "
+                        "one --prompt streams text only: leave it out")
+    if temperature == 0 and (top_k or top_p != 1):  # was: accepted, and greedy anyway
+        given = " and ".join(f for f, on in (("--top-k", top_k), ("--top-p", top_p != 1)) if on)
+        problems.append(f"{given} choose among tokens to sample, and --temperature 0 is "
+                        "greedy: give --temperature > 0 too, or leave them out")
     if output is not None and input is not None and (
             clash := output_clash("--output", output, [checkpoint, input])):
         problems.append(clash)
@@ -126,11 +143,8 @@ def _run(checkpoint: str, prompt: str | None, input: Path | None,  # noqa: A002
         from mt_pretrain.launch import launch_generate
 
         tp, pp, nproc, in_flight = layout
-        if prompt is not None:
-            sys.stdout.write(prompt)
-            sys.stdout.flush()
-        with contextlib.nullcontext() if prompt is not None else console.status(
-                f"generating at tp {tp} x pp {pp} on {nproc} processes"):
+        with _streamed(prompt), contextlib.nullcontext() if prompt is not None else \
+                console.status(f"generating at tp {tp} x pp {pp} on {nproc} processes"):
             spec = GenerateSpec(checkpoint, tuple(prompts), sampling,  # type: ignore[arg-type]
                                 tuple(stop), batch_size, tp, pp, nproc, device, precision,
                                 tokenizer, stream=prompt is not None, in_flight=in_flight)
@@ -140,15 +154,13 @@ def _run(checkpoint: str, prompt: str | None, input: Path | None,  # noqa: A002
         return
     generator = Generator.load(checkpoint, tokenizer, device, precision)
     if prompt is not None:
-        sys.stdout.write(prompt)
-        sys.stdout.flush()
-
         def show(_row: int, text: str) -> None:
             sys.stdout.write(text)
             sys.stdout.flush()
 
-        _report(generator.complete([prompt], sampling, stop, on_text=show),  # type: ignore
-                prompt, output, logprobs, console)
+        with _streamed(prompt):
+            rows = generator.complete([prompt], sampling, stop, on_text=show)  # type: ignore
+        _report(rows, prompt, output, logprobs, console)
         return
     rows = []
     with Progress(TextColumn("generating"), BarColumn(), MofNCompleteColumn(),
@@ -159,6 +171,23 @@ def _run(checkpoint: str, prompt: str | None, input: Path | None,  # noqa: A002
             rows += generator.complete(chunk, sampling, stop)  # type: ignore[arg-type]
             bar.update(task, advance=len(chunk))
     _report(rows, prompt, output, logprobs, console)
+
+
+@contextmanager
+def _streamed(prompt: str | None) -> Iterator[None]:
+    """The prompt on stdout, the completion to follow it inside; a failure first ends the
+    line, so that its error line starts a line of its own (was: "Theerror: ...")."""
+    if prompt is None:
+        yield
+        return
+    sys.stdout.write(prompt)
+    sys.stdout.flush()
+    try:
+        yield
+    except BaseException:
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        raise
 
 
 def _report(rows: list[dict], prompt: str | None, output: Path | None, logprobs: bool,

@@ -7,7 +7,8 @@ from typing import Annotated
 
 import typer
 
-__all__ = ["Device", "Nproc", "Pp", "Precision", "Tp", "placement_problems"]
+__all__ = ["Device", "Nproc", "Pp", "Precision", "Tp", "placement_problems",
+           "process_problems"]
 
 Tp = Annotated[int, typer.Option(help="Tensor-parallel degree.")]
 Pp = Annotated[int, typer.Option(help="Pipeline-parallel degree.")]
@@ -36,3 +37,29 @@ def placement_problems(device: str, precision: str) -> list[str]:
         problems.append(f"--precision must be one of {', '.join(PRECISIONS)}, got "
                         f"{precision!r}")
     return problems
+
+
+def process_problems(tp: int, pp: int, nproc: int) -> list[str]:
+    """What is wrong with --nproc for --tp x --pp, found before any process is started (was:
+    --nproc 2**70 forked ranks without end, and a --nproc that --tp x --pp does not divide
+    started every rank first). Values below 1 are each command's to word."""
+    import os
+
+    from mt_dist import LaunchError, discover
+    from mt_plan.layout import MAX_WORLD_SIZE
+
+    if min(tp, pp, nproc) < 1:
+        return []
+    try:
+        local = discover(os.environ, use_mpi4py=False).launcher == "single"
+    except LaunchError:
+        local = True  # the command reports the launcher's variables itself
+    if tp * pp > MAX_WORLD_SIZE:
+        return [f"--tp x --pp must be at most {MAX_WORLD_SIZE:,} processes, got {tp * pp:,}"]
+    if not local:  # a launcher's ranks: --nproc is not used
+        return []
+    if nproc > MAX_WORLD_SIZE:
+        return [f"--nproc must be at most {MAX_WORLD_SIZE:,} processes, got {nproc:,}"]
+    if nproc % (tp * pp):
+        return [f"--nproc {nproc} is not divisible by --tp {tp} x --pp {pp} = {tp * pp}"]
+    return []

@@ -367,14 +367,19 @@ def plan(
         raise _fail("; ".join(problems))
     if calibrate is not None:
         from mt_data import output_clash
+        from mt_pretrain.cli.outputs import unwritable
 
         clash = output_clash("--calibrate", calibrate, [p for p in (config, gpu) if p and
                                                         Path(p).exists()])
         if clash:  # was: the --config file replaced by the measured rates
             raise _fail(clash)
+        if why := unwritable("--calibrate", calibrate):  # was: found after measuring
+            raise _fail(why)
     gpt = _model(model, config)
     try:
-        spec = load_gpu(gpu or (_local_gpu() if calibrate is not None else "a100-80gb"))
+        # An empty --gpu is refused by load_gpu (was: the default taken instead, unsaid).
+        spec = load_gpu(gpu if gpu is not None else
+                        (_local_gpu() if calibrate is not None else "a100-80gb"))
     except GPUSpecError as err:
         raise _fail(str(err)) from None
     if calibrate is not None:

@@ -9,7 +9,15 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from mt_pretrain.cli.layout_options import Device, Nproc, Pp, Precision, Tp, placement_problems
+from mt_pretrain.cli.layout_options import (
+    Device,
+    Nproc,
+    Pp,
+    Precision,
+    Tp,
+    placement_problems,
+    process_problems,
+)
 
 __all__ = ["serve_command"]
 
@@ -76,10 +84,19 @@ def serve_command(
                  ("max-waiting", max_waiting), ("max-body-bytes", max_body_bytes),
                  ("max-tokens", 1 if max_tokens is None else max_tokens),
                  ("request-timeout", request_timeout)) if not 0 < value < math.inf]
+    problems += [f"--{name} must be below 2**63, got {value}" for name, value in
+                 (("max-batch", max_batch), ("max-waiting", max_waiting),
+                  ("max-body-bytes", max_body_bytes), ("max-tokens", max_tokens or 1))
+                 if value >= 2**63]  # was: accepted, to overflow where torch takes them
     if not 0 <= port < 65536:
         problems.append(f"--port must be 0..65535, got {port}")
-    problems += _key_problems(host, api_key, allow_no_key)
-    problems += placement_problems(device, precision)
+    if not host.strip():  # was: called reachable from other machines
+        problems.append("--host is empty: give an address to listen on, e.g. 127.0.0.1")
+    if model_name is not None and not model_name.strip():  # was: the folder's name, unsaid
+        problems.append("--model-name is empty: give the model's name in the API, or leave "
+                        "it out for the checkpoint folder's name")
+    problems += _key_problems(host, api_key, allow_no_key) if host.strip() else []
+    problems += placement_problems(device, precision) + process_problems(tp, pp, nproc)
     missing = [m for m in ("starlette", "uvicorn") if importlib.util.find_spec(m) is None]
     if missing:
         problems.append(f"mt serve needs {' and '.join(missing)}: pip install "
@@ -107,6 +124,9 @@ def serve_command(
 def _key_problems(host: str, api_key: str | None, allow_no_key: bool) -> list[str]:
     """Why the key settings cannot serve ``host``: a blank key, or none on an address other
     machines can reach (unless ``allow_no_key``)."""
+    if api_key and allow_no_key:  # contradictory: which did the user mean?
+        return ["--allow-no-key serves without a key, and --api-key (or MT_API_KEY) gives one: "
+                "give one of them"]
     if api_key is not None:
         bad = sum(not 33 <= ord(c) <= 126 for c in api_key)
         why = f"{bad} of its {len(api_key)} characters are not" if api_key else "it is empty"

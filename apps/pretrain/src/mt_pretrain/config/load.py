@@ -13,6 +13,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from mt_data.paths import blocking_file, output_clash
 from mt_eval import TaskError, load_task
 from mt_pretrain.config.engines import unsupported
 from mt_pretrain.config.fields import field_docs, flat_fields
@@ -126,6 +127,7 @@ def build_config(nested: Mapping[str, Any], flat: Mapping[str, Any],
                           "pip install 'mt-pretrain[wandb]' (or leave out --wandb-project)")
     _check_paths(config)
     _check_blend(config.data)
+    _check_outputs(config, source)
     missing = [str(p) for p in dataset_paths(config.data) if not p.is_dir()]
     if missing:
         raise ConfigError(f"invalid configuration: data path(s) not found: {missing} (prepare "
@@ -187,6 +189,8 @@ def read_yaml(path: Path) -> Any:
         where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(err, "problem", None) or str(err).splitlines()[0]
         raise ConfigError(f"{path}{where}: YAML syntax error: {problem}") from None
+    except RecursionError:  # was: a traceback
+        raise ConfigError(f"{path}: YAML nested too deeply to read") from None
     return {} if loaded is None else loaded
 
 
@@ -205,8 +209,12 @@ def _unique_keys_loader() -> type:
             seen = set()
             for key_node, _ in node.value:
                 key = self.construct_object(key_node, deep=deep)
+                mark = key_node.start_mark
+                if not isinstance(key, (str, int, float, bool, type(None))):
+                    # was: a TypeError (a list or mapping as a key), a traceback
+                    raise ConfigError(f"line {mark.line + 1}: a key must be a name, got "
+                                      f"{type(key).__name__} {key!r}")
                 if key in seen:
-                    mark = key_node.start_mark
                     raise ConfigError(f"line {mark.line + 1}: {key} is given twice; keep "
                                       "one")
                 seen.add(key)
@@ -229,6 +237,12 @@ def _check_paths(config: PretrainConfig) -> None:
     if data.cache_dir is not None and Path(data.cache_dir).exists() and \
             not Path(data.cache_dir).is_dir():
         raise ConfigError(f"--cache-dir {data.cache_dir} is a file; name a folder")
+    for flag, path in (("--out-dir", ckpt.out_dir), ("--save", ckpt.save_dir),
+                       ("--metrics", metrics), ("--cache-dir", data.cache_dir)):
+        if path is not None and (blocker := blocking_file(path)) is not None:
+            # was: "[Errno 17] File exists" from a rank, exit 1
+            raise ConfigError(f"{flag} {path}: {blocker} is a file, not a folder; name a "
+                              "path in a folder")
     if data.tokenizer is None:
         return
     if data.data is not None:
@@ -246,6 +260,24 @@ def _check_paths(config: PretrainConfig) -> None:
             load_tokenizer(data.tokenizer)
         except (DataError, OSError, ValueError) as err:
             raise ConfigError(f"--tokenizer: {err}") from None
+
+
+def _check_outputs(config: PretrainConfig, source: str | None) -> None:
+    """No output of the run inside one of its inputs: a dataset folder, a blend, task or
+    tokenizer file, the config file (was: checkpoints written into the dataset, a metrics
+    file named as the config called "a previous run")."""
+    data, ckpt = config.data, config.checkpoint
+    inputs = [*dataset_paths(data), *(p for p in (data.data, data.tokenizer, source,
+                                                  *config.train.eval_tasks)
+                                      if p is not None and Path(p).exists())]
+    for flag, path in (("--out-dir", ckpt.out_dir), ("--save", ckpt.save_dir),
+                       ("--metrics", ckpt.metrics_path)):
+        if path is None:
+            continue
+        out = Path(path).resolve()
+        for given in inputs:  # a run folder holding its data is fine: nothing deletes it
+            if out == Path(given).resolve() or Path(given).resolve() in out.parents:
+                raise ConfigError(str(output_clash(flag, path, [given])))
 
 
 def _prepared_with(paths: list[Path]) -> list[str]:

@@ -113,6 +113,9 @@ class ModelArgs:
         _int64(problems, self)
         if self.dropout is not None and not 0.0 <= self.dropout < 1.0:
             problems.append(f"--dropout must be in [0, 1), got {self.dropout}")
+        if self.model is not None and not self.model.strip():  # was: taken as tiny, unsaid
+            problems.append("--model is empty: name a preset (tiny, gpt2-small, ...) or leave "
+                            "it out for tiny")
         _raise(problems, "model arguments")
 
     def gpt_config(self) -> Any:
@@ -441,6 +444,9 @@ class TrainArgs:
             if start > self.global_batch_size or (self.global_batch_size - start) % inc:
                 problems.append(f"ramp-up from {start} by {inc} does not reach global batch "
                                 f"size {self.global_batch_size} in whole increments")
+        if self.eval_task is not None and not self.eval_tasks:  # was: accepted, scored none
+            problems.append(f"--eval-task {self.eval_task!r} names no task; give task names or "
+                            "files, comma separated, or leave it out")
         if self.eval_interval < 0 or self.eval_iters < 0 or self.sample_tokens < 0:
             problems.append(f"--eval-interval ({self.eval_interval}), --eval-iters "
                             f"({self.eval_iters}) and --sample-tokens ({self.sample_tokens}) "
@@ -553,6 +559,9 @@ class CheckpointArgs:
                             f"got {self.log_level!r}")
         if self.wandb_project is not None and not self.wandb_project.strip():
             problems.append("--wandb-project must name a project, got an empty string")
+        if self.wandb_name is not None and self.wandb_project is None:  # was: unused, unsaid
+            problems.append(f"--wandb-name {self.wandb_name!r} names a Weights & Biases run, "
+                            "and no --wandb-project logs to one: give --wandb-project too")
         if self.save_interval < 0:
             problems.append(f"--save-interval must be >= 0, got {self.save_interval}")
         if self.peak_tflops is not None and not self.peak_tflops > 0:

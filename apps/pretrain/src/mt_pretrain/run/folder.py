@@ -97,6 +97,7 @@ def claim_run_folder(ckpt: CheckpointArgs) -> None:
     (only what mt pretrain wrote). A checkpoint folder holding a ``step-*`` folder mt pretrain
     did not name is refused in any case: saving prunes old ``step-*`` folders."""
     _refuse_foreign_steps(ckpt)
+    _refuse_foreign_metrics(ckpt)  # a resumed run rewrites the file too (was: lines lost)
     if _resumes_own(ckpt):
         return
     found = _previous(ckpt)
@@ -145,15 +146,20 @@ def _refuse_foreign_steps(ckpt: CheckpointArgs) -> None:
                                           choose=_CHOOSE))
 
 
-def _refuse_foreign(ckpt: CheckpointArgs) -> None:
-    """A ConfigError naming what --overwrite would delete that mt pretrain did not write."""
+def _refuse_foreign_metrics(ckpt: CheckpointArgs) -> None:
+    """A ConfigError when the metrics file holds lines mt pretrain did not write: a new run
+    (--overwrite) deletes the file, a resumed one keeps only its lines up to the step."""
     metrics = ckpt.metrics_path
     if metrics is not None and metrics.is_file() and metrics.stat().st_size > 0 and \
             not _metrics_file(metrics):
         raise ConfigError(f"--metrics {metrics} holds lines mt pretrain did not write (its "
-                          "first line is no metrics record): --overwrite deletes only a "
-                          f"metrics file mt pretrain wrote; move it away or choose another "
-                          "--metrics")
+                          "first line is no metrics record): --overwrite deletes, and a "
+                          "resumed run rewrites, only a metrics file mt pretrain wrote; move "
+                          "it away or choose another --metrics")
+
+
+def _refuse_foreign(ckpt: CheckpointArgs) -> None:
+    """A ConfigError naming what --overwrite would delete that mt pretrain did not write."""
     board = Path(ckpt.out_dir) / "tensorboard"
     events = [] if board.is_symlink() else foreign_entries(board, OWN_EVENTS)  # (a link:
     # rmtree deletes nothing through it)
