@@ -10,7 +10,7 @@ zero-shot, fp32, at the same batch size, on one process, alternating ``--repeats
 - **mt**: ``mt_eval.evaluate`` with ``mt pretrain``'s stage scorer (prompts, tokenization,
   length-sorted batches, the forward pass, per-token log-probabilities), model loaded once;
 - **mt-harness**: mt as lm-eval's model (``MTLM.loglikelihood``, what ``mt eval --engine
-  harness`` and ``python -m mt_pretrain.lm_eval --model mt`` run) on lm-eval's own requests of
+  harness`` and ``python -m mt_inference.lm_eval --model mt`` run) on lm-eval's own requests of
   the task, the very list the lm-eval side scores;
 - **lm-eval**: ``HFLM.loglikelihood`` on the task's requests (tokenization, its length-
   sorted batches, the forward pass, log-softmax), ``GPT2LMHeadModel`` with sdpa attention,
@@ -44,8 +44,9 @@ from mt_dist import LaunchInfo, free_port  # noqa: E402
 from mt_eval import builtin_task, evaluate, load_task  # noqa: E402
 from mt_formats import save_state_dict  # noqa: E402
 from mt_formats.hf_tokenizer import write_hf_tokenizer  # noqa: E402
+from mt_inference.placement import Placement  # noqa: E402
+from mt_inference.session import ScoringSession  # noqa: E402
 from mt_model import GPT, GPTConfig  # noqa: E402
-from mt_pretrain.evaluation.session import EvalSpec, ScoringSession  # noqa: E402
 
 SHAPES = {
     # name: (layers, hidden, heads, positions)
@@ -78,9 +79,8 @@ def write_task(root: Path, docs: int) -> Path:
 
 def mt_session(checkpoint: Path, batch: int) -> ScoringSession:
     """mt's model on this one process, as `mt eval` opens it."""
-    spec = EvalSpec(str(checkpoint), (), batch_size=batch, device="cpu", progress=False)
-    return ScoringSession(spec, LaunchInfo(0, 1, 0, 1, "127.0.0.1", free_port("127.0.0.1"),
-                                           "single"))
+    info = LaunchInfo(0, 1, 0, 1, "127.0.0.1", free_port("127.0.0.1"), "single")
+    return ScoringSession(Placement(str(checkpoint), device="cpu"), info)
 
 
 def mt_side(session: ScoringSession, task_file: Path, batch: int):  # noqa: ANN201
@@ -107,7 +107,7 @@ def lm_eval_requests(task_file: Path) -> list:
 
 def harness_side(session: ScoringSession, task_file: Path, batch: int):  # noqa: ANN201
     """mt as lm-eval's model (`mt eval --engine harness`): the same requests as HFLM's."""
-    from mt_pretrain.evaluation.harness import MTLM
+    from mt_inference.harness import MTLM
 
     lm, requests = MTLM(session=session, batch_size=batch), lm_eval_requests(task_file)
 

@@ -208,7 +208,7 @@ def server_comparison(hf, config: GPTConfig, args: argparse.Namespace) -> None: 
             os.path.abspath(p) for p in sys.path if p)}
         log = open(os.path.join(tmp, "serve.log"), "w")  # noqa: SIM115
         proc = subprocess.Popen(
-            [sys.executable, "-m", "mt_pretrain", "serve", tmp, "--port", str(port),
+            [sys.executable, "-m", "mt_inference", "serve", tmp, "--port", str(port),
              "--tokenizer", "gpt2", "--max-batch", str(n), "--model-name", "bench"],
             env=env, stdout=subprocess.DEVNULL, stderr=log)
         try:

@@ -31,7 +31,7 @@ class Server:
                    "PYTHONPATH": os.pathsep.join(os.path.abspath(p) for p in sys.path if p)}
         self.log = log
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mt_pretrain", "serve", str(ckpt), "--port",
+            [sys.executable, "-m", "mt_inference", "serve", str(ckpt), "--port",
              str(self.port), "--model-name", NAME, *args],
             env=environ, stdout=subprocess.DEVNULL, stderr=log.open("w"))
         deadline = time.monotonic() + 180

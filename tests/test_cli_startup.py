@@ -17,13 +17,16 @@ from pathlib import Path
 
 import pytest
 
-# `mt convert` is mounted from its entry point once installed; from the source tree, here.
+# `mt convert`, `mt eval` ... are mounted from their entry points once installed; from the
+# source tree, here (as tests/mt_cli.py does).
 _NO_TORCH = """
+import importlib
 import sys
 sys.modules["torch"] = None  # any `import torch` now raises ImportError
-from mt_convert.cli import app as convert_app
+from mt_inference.cli import COMMANDS
 from mt_pretrain.cli.app import app
-app.add_typer(convert_app, name="convert")
+for name, module in {{**COMMANDS, "convert": "mt_convert.cli"}}.items():
+    app.add_typer(importlib.import_module(module).app, name=name)
 sys.argv = ["mt", *{args!r}]
 app()
 """

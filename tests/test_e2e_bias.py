@@ -24,11 +24,12 @@ from typing import Any
 import pytest
 from bias_data import write_bias_data
 from e2e_models import single_threaded, trained_gpt2_vocab
+from mt_cli import app
 from typer.testing import CliRunner
 
-from mt_pretrain.cli.app import app
-from mt_pretrain.evaluation.bias import LIKELIHOOD_TASKS, BiasSpec
-from mt_pretrain.launch import launch_bias
+from mt_inference.bias import LIKELIHOOD_TASKS, BiasSpec, bias_rank
+from mt_inference.launch import launch
+from mt_inference.placement import Placement
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -79,7 +80,7 @@ def test_likelihood_probes_equal_lm_eval_hf(setup: dict[str, Path],
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    from mt_pretrain.evaluation.harness import local_task
+    from mt_inference.harness import local_task
 
     manager = TaskManager()
     theirs = single_threaded(
@@ -217,10 +218,10 @@ def test_statistics_recomputed_from_the_logged_samples(report: dict[str, Any]) -
 
 
 def test_same_report_at_tp2_pp2(setup: dict[str, Path], report: dict[str, Any]) -> None:
-    spec = BiasSpec(str(setup["ckpt"]), str(setup["data"]), probes=str(setup["probes"]),
-                    samples=SAMPLES, seed=5, max_new_tokens=12, batch_size=8, tp=2, pp=2,
-                    nproc=4, progress=False)
-    other = single_threaded(launch_bias, spec, {}, 600)
+    spec = BiasSpec(Placement(str(setup["ckpt"]), tp=2, pp=2, nproc=4), str(setup["data"]),
+                    probes=str(setup["probes"]), samples=SAMPLES, seed=5, max_new_tokens=12,
+                    batch_size=8, progress=False)
+    other = single_threaded(launch, spec, bias_rank, {}, 600)
     assert other["samples"] == report["samples"]
     assert other["occupation"] == report["occupation"]
     assert other["groups"] == report["groups"]

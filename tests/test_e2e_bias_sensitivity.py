@@ -23,9 +23,11 @@ from mt_data.filters import FilterConfig
 from mt_data.group_counts import read_group_counts
 from mt_data.pipeline import PrepareConfig, prepare
 from mt_data.stages import CleanConfig
+from mt_inference.bias import BiasSpec, bias_rank
+from mt_inference.launch import launch as launch_job
+from mt_inference.placement import Placement
 from mt_pretrain.config.load import load_config
-from mt_pretrain.evaluation.bias import BiasSpec
-from mt_pretrain.launch import launch, launch_bias
+from mt_pretrain.launch import launch
 
 OCCUPATIONS = ("plumber", "nurse", "teacher", "chef", "pilot", "baker")
 ENDINGS = ("who lived by the sea", "who kept a small garden", "who walked to work",
@@ -73,9 +75,9 @@ def reports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any
         probes = root / "probes.yaml"
         probes.write_text("occupation:\n  templates: ['The {occupation} was a']\n"
                           f"  occupations: [{', '.join(OCCUPATIONS)}]\n", encoding="utf-8")
-        spec = BiasSpec(_train(root, name == "planted"), likelihood=False, probes=str(probes),
-                        samples=SAMPLES, max_new_tokens=4, progress=False)
-        out[name] = single_threaded(launch_bias, spec, {}, 600)
+        spec = BiasSpec(Placement(_train(root, name == "planted")), likelihood=False,
+                        probes=str(probes), samples=SAMPLES, max_new_tokens=4, progress=False)
+        out[name] = single_threaded(launch_job, spec, bias_rank, {}, 600)
         out[name]["data"] = read_group_counts(root / "data")
     return out
 

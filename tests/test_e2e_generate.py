@@ -12,9 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 from e2e_models import trained_gpt2_vocab
+from mt_cli import app
 from typer.testing import CliRunner
-
-from mt_pretrain.cli.app import app
 
 PROMPTS = ["Call me Ishmael. Some years ago", "The whale", "It was the best of times, it was"]
 

@@ -17,9 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 from e2e_models import trained_gpt2_vocab
+from mt_cli import app
 from typer.testing import CliRunner
-
-from mt_pretrain.cli.app import app
 
 PROMPTS = ["Call me Ishmael.", "The whale swam", "It was the best of times, it was the worst",
            "A"]

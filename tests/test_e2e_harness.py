@@ -6,7 +6,7 @@ hellaswag, winogrande, anli_r1, wic: their YAMLs unchanged, Python hooks and mul
 scoring included) read local rows in each dataset's own schema through `mt eval --data-dir`.
 `mt eval` (the harness engine) scores the mt checkpoint, lm-eval's HF backend the export: every
 per-item log-likelihood within 1e-4 (fp32), greedy flags and metrics identical, at 0 and 2
-shots; the same at TP 2 x PP 2 (4 processes); `python -m mt_pretrain.lm_eval --model mt`
+shots; the same at TP 2 x PP 2 (4 processes); `python -m mt_inference.lm_eval --model mt`
 (lm-eval's own command line) writes lm-eval's numbers; a missing file is named.
 """
 
@@ -24,11 +24,12 @@ from typing import Any
 import pytest
 from e2e_models import single_threaded, trained_gpt2_vocab
 from harness_data import LAYOUT, rows, write_data
+from mt_cli import app
 from typer.testing import CliRunner
 
-from mt_pretrain.cli.app import app
-from mt_pretrain.evaluation.rank import EvalSpec
-from mt_pretrain.launch import launch_eval
+from mt_inference.launch import evaluate
+from mt_inference.placement import Placement
+from mt_inference.rank import EvalSpec
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -59,10 +60,10 @@ def _once(setup: dict[str, Any], key: tuple[Any, ...], run: Callable[[], dict]) 
 
 def _mt(setup: dict[str, Any], shots: int, **layout: Any) -> dict:
     def run() -> dict:
-        spec = EvalSpec(str(setup["ckpt"]), TASKS, shots=shots, batch_size=8, progress=False,
-                        engine="harness", data_dir=str(setup["data"]), log_samples=True,
-                        **layout)
-        return single_threaded(launch_eval, spec, {}, 900)
+        spec = EvalSpec(Placement(str(setup["ckpt"]), **layout), TASKS, shots=shots,
+                        batch_size=8, progress=False, engine="harness",
+                        data_dir=str(setup["data"]), log_samples=True)
+        return single_threaded(evaluate, spec, {}, 900)
 
     return _once(setup, ("mt", shots, *sorted(layout.items())), run)
 
@@ -75,7 +76,7 @@ def _hf_run(setup: dict[str, Any], shots: int) -> dict:
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    from mt_pretrain.evaluation.harness import local_task
+    from mt_inference.harness import local_task
 
     manager = TaskManager()
     tasks = [local_task(t, setup["data"], manager, shots) for t in TASKS]
@@ -129,12 +130,12 @@ def test_tp2_pp2_scores_like_one_process(setup: dict[str, Any]) -> None:
 
 
 def test_lm_eval_command_line_with_model_mt(setup: dict[str, Any], tmp_path: Path) -> None:
-    """`python -m mt_pretrain.lm_eval --model mt` is lm-eval's command line with mt
+    """`python -m mt_inference.lm_eval --model mt` is lm-eval's command line with mt
     registered: its results file holds lm-eval --model hf's numbers."""
     import yaml
     from lm_eval.tasks import TaskManager
 
-    from mt_pretrain.evaluation.harness import local_task
+    from mt_inference.harness import local_task
 
     config = local_task("boolq", setup["data"], TaskManager(), 2)
     config = {**{k: v for k, v in config.items() if not callable(v)}, "task": "boolq_local"}
@@ -143,7 +144,7 @@ def test_lm_eval_command_line_with_model_mt(setup: dict[str, Any], tmp_path: Pat
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(os.path.abspath(p) for p in sys.path if p)}
     run = subprocess.run(
-        [sys.executable, "-m", "mt_pretrain.lm_eval", "--model", "mt", "--model_args",
+        [sys.executable, "-m", "mt_inference.lm_eval", "--model", "mt", "--model_args",
          f"checkpoint={setup['ckpt']}", "--tasks", "boolq_local", "--include_path",
          str(tmp_path / "tasks"), "--num_fewshot", "2", "--device", "cpu",
          "--output_path", str(tmp_path / "out")],

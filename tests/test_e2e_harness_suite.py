@@ -14,11 +14,12 @@ from pathlib import Path
 import pytest
 from e2e_models import single_threaded, trained_gpt2_vocab
 from harness_data import SUITE_LAYOUT, rows, write_data
+from mt_cli import app
 from typer.testing import CliRunner
 
-from mt_pretrain.cli.app import app
-from mt_pretrain.evaluation.rank import EvalSpec
-from mt_pretrain.launch import launch_eval
+from mt_inference.launch import evaluate
+from mt_inference.placement import Placement
+from mt_inference.rank import EvalSpec
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -34,7 +35,7 @@ def test_the_mt_nlg_suite(setup: dict[str, Path], tmp_path: Path) -> None:
     """`mt eval --suite mt-nlg`: MT-NLG's eleven tasks (HANS from mt's own task file) at zero,
     one and few shots (the suite's counts), one command: lm-eval's results JSON per setting,
     the paper-like table and its plot."""
-    from mt_pretrain.evaluation.suites import SUITES
+    from mt_inference.suites import SUITES
 
     suite = SUITES["mt-nlg"]
     assert set(suite.tasks) == set(SUITE_LAYOUT)
@@ -77,9 +78,9 @@ def test_generate_until_equals_lm_eval_hf(setup: dict[str, Path], tmp_path: Path
         "doc_to_target: \"{{' '+text.split(' ')[-1]}}\"\n"
         "generation_kwargs:\n  until: [\"\\n\", \".\"]\n  max_gen_toks: 6\n"
         "  do_sample: false\nmetric_list:\n  - metric: exact_match\n", encoding="utf-8")
-    spec = EvalSpec(str(setup["ckpt"]), (str(tmp_path / "t_gen.yaml"),), progress=False,
-                    engine="harness", log_samples=True)
-    ours = single_threaded(launch_eval, spec, {}, 600)
+    spec = EvalSpec(Placement(str(setup["ckpt"])), (str(tmp_path / "t_gen.yaml"),),
+                    progress=False, engine="harness", log_samples=True)
+    ours = single_threaded(evaluate, spec, {}, 600)
 
     import lm_eval
     from lm_eval.tasks import TaskManager
@@ -95,7 +96,8 @@ def test_generate_until_equals_lm_eval_hf(setup: dict[str, Path], tmp_path: Path
         theirs["results"]["t_gen"]["exact_match,none"]
     # Decoded by two replicas (DP 2: each completes half the requests; TP and PP decoding are
     # test_e2e_generate_layouts.py's): the same texts.
-    parallel = EvalSpec(str(setup["ckpt"]), (str(tmp_path / "t_gen.yaml"),), progress=False,
-                        engine="harness", log_samples=True, nproc=2)
-    shared = single_threaded(launch_eval, parallel, {}, 600)
+    parallel = EvalSpec(Placement(str(setup["ckpt"]), nproc=2),
+                        (str(tmp_path / "t_gen.yaml"),), progress=False, engine="harness",
+                        log_samples=True)
+    shared = single_threaded(evaluate, parallel, {}, 600)
     assert [s["resps"][0][0] for s in shared["samples"]["t_gen"]] == texts

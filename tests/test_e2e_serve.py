@@ -81,7 +81,7 @@ def test_lm_eval_local_completions_scores_as_hf(model: dict[str, Path], server: 
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    from mt_pretrain.evaluation.harness import local_task
+    from mt_inference.harness import local_task
 
     data = model["root"] / "data"
     layout = {t: LAYOUT[t] for t in ("lambada_openai", "piqa")}
@@ -172,12 +172,11 @@ def test_bad_requests_get_json_errors(server: Server) -> None:
 
 
 def test_bad_flags_and_a_busy_port(model: dict[str, Path], server: Server) -> None:
+    from mt_cli import app
     from typer.testing import CliRunner
 
-    from mt_pretrain.cli.app import app
-
     busy = CliRunner().invoke(app, ["serve", str(model["ckpt"]), "--port", str(server.port)])
-    assert busy.exit_code == 1 and f"cannot serve on 127.0.0.1:{server.port}" in busy.output
+    assert busy.exit_code == 2 and f"cannot serve on 127.0.0.1:{server.port}" in busy.output
     bad = CliRunner().invoke(app, ["serve", str(model["ckpt"]), "--port", "70000",
                                    "--max-batch", "0", "--max-tokens", "0"])
     assert bad.exit_code == 2, bad.output

@@ -62,9 +62,8 @@ def server(model: Path) -> Iterator[Server]:
 
 
 def test_the_key_is_required(model: Path, server: Server) -> None:
+    from mt_cli import app
     from typer.testing import CliRunner
-
-    from mt_pretrain.cli.app import app
 
     deadline = time.monotonic() + 30  # the line follows the server's start by a moment
     while "an API key is required" not in server.log.read_text():

@@ -47,7 +47,7 @@ def test_from_my_text_to_an_evaluated_exported_model(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     assert "checkpoint run/checkpoints/step-00000004" in done.stdout, done.stdout
     done = _mt(tmp_path, "eval", "run/checkpoints", "--task", "mt-cloze", "--limit", "8",
-               "--output", "results.json")
+               "--output", "results.json", module="mt_inference")
     assert done.returncode == 0, done.stdout + done.stderr
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["results"]["mt-cloze"]["sample_len"] == 8  # lm-eval's results schema

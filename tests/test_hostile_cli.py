@@ -27,13 +27,8 @@ from typing import Any
 import pytest
 import torch
 from e2e_models import single_threaded, trained_gpt2_vocab
+from mt_cli import app
 from typer.testing import CliRunner
-
-from mt_convert.cli import app as convert_app
-from mt_pretrain.cli.app import app
-
-if "convert" not in {group.name for group in app.registered_groups}:
-    app.add_typer(convert_app, name="convert")  # what `mt` does from its entry point
 
 HUGE = str(2**70)  # beyond every integer type: int64, C int, size_t
 BIN = bytes(range(256)) * 4  # not UTF-8 (0x80 at offset 128), not JSON, not YAML, not Arrow

@@ -5,7 +5,8 @@ design: two modules that need each other are one concept split in two. The graph
 module of packages/*/src and apps/*/src, with an edge for every ``import mt_...`` and
 ``from mt_... import ...`` anywhere in the file (a ``from package import name`` counts as an
 edge to the submodule ``package.name`` when that is a module, else to the package). Imports
-under ``if TYPE_CHECKING:`` name a type for annotations and tools only, and are not edges.
+under ``if TYPE_CHECKING:`` are edges too: a module that names another's type depends on it
+as much as one that calls it.
 """
 
 from __future__ import annotations
@@ -27,25 +28,11 @@ def modules() -> dict[str, Path]:
     return found
 
 
-def _type_only(tree: ast.AST) -> set[int]:
-    """ids of the nodes inside ``if TYPE_CHECKING:`` blocks."""
-    inside = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and (
-                (isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING") or
-                (isinstance(node.test, ast.Attribute) and node.test.attr == "TYPE_CHECKING")):
-            inside |= {id(child) for stmt in node.body for child in ast.walk(stmt)}
-    return inside
-
-
 def import_graph(mods: dict[str, Path]) -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {name: set() for name in mods}
     for name, path in mods.items():
         tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-        type_only = _type_only(tree)
         for node in ast.walk(tree):
-            if id(node) in type_only:
-                continue
             if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                 targets = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in mods
                            else node.module for a in node.names]
@@ -103,11 +90,13 @@ def test_the_finder_sees_a_cycle_through_a_local_import() -> None:
     assert cycles(graph) == [["a", "b", "c"]]
 
 
-def test_local_imports_are_edges_and_type_only_imports_are_not(tmp_path: Path) -> None:
+def test_local_and_type_only_imports_are_edges(tmp_path: Path) -> None:
     a, b = tmp_path / "a.py", tmp_path / "b.py"
     a.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import mt_b\n")
     b.write_text("def f():\n    import mt_a\n")
-    assert import_graph({"mt_a": a, "mt_b": b}) == {"mt_a": set(), "mt_b": {"mt_a"}}
+    graph = import_graph({"mt_a": a, "mt_b": b})
+    assert graph == {"mt_a": {"mt_b"}, "mt_b": {"mt_a"}}
+    assert cycles(graph) == [["mt_a", "mt_b"]]
 
 
 def test_no_import_cycles() -> None:

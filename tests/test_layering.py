@@ -6,10 +6,11 @@
   materializes stages for; mt-plan
   imports mt-model and the parallel packages whose constants and simulator it uses; mt-eval
   imports only mt-data; mt-formats (every checkpoint format) sits on mt-checkpoint and what
-  it needs;
+  it needs; mt-inference (scoring, decoding, serving and their commands) on all of these;
 - mt-dist imports no mt package;
 - nothing imports an app (mt_pretrain, mt_convert) but the app itself;
-- inside mt_pretrain, each subpackage imports only those below it (:data:`PRETRAIN_STACK`).
+- inside mt_pretrain and mt_inference, each subpackage or module imports only those below it
+  (:data:`STACKS`).
 """
 
 from __future__ import annotations
@@ -40,8 +41,13 @@ ALLOWED: dict[str, set[str]] = {
     # define the model, its slicing and the training checkpoint.
     "mt_formats": {"mt_dist", "mt_model", "mt_data", "mt_tensor_parallel", "mt_pipeline",
                    "mt_zero", "mt_checkpoint"},
+    # A trained checkpoint put to use (scoring, decoding, serving, the bias report) and its
+    # commands: above every library it composes, below the apps (it imports none of them).
+    "mt_inference": {"mt_dist", "mt_model", "mt_data", "mt_tensor_parallel", "mt_pipeline",
+                     "mt_zero", "mt_checkpoint", "mt_plan", "mt_eval", "mt_formats"},
     "mt_pretrain": {"mt_dist", "mt_model", "mt_data", "mt_tensor_parallel", "mt_pipeline",
-                    "mt_zero", "mt_checkpoint", "mt_plan", "mt_eval", "mt_formats"},
+                    "mt_zero", "mt_checkpoint", "mt_plan", "mt_eval", "mt_formats",
+                    "mt_inference"},
     # The command line over the format library.
     "mt_convert": {"mt_formats"},
 }
@@ -114,15 +120,24 @@ def test_no_two_packages_export_one_name() -> None:
     assert len(owners) > 100 and not shared, shared
 
 
-#: mt_pretrain's subpackages (and top-level modules), bottom to top: each imports only the
-#: ones before it, function-local imports included. figures writes plots (atomically);
-#: config is pure data and the engine registry; data is what a run reads; engines run the
-#: model and write its checkpoints; evaluation scores through an engine; run is one rank's
-#: training loop (it scores tasks during training); launch starts ranks; contract (the layout
-#: matrix) launches runs; the command line sits on everything (lm_eval: lm-eval's command
-#: line with mt registered).
-PRETRAIN_STACK = ["figures", "config", "data", "engines", "evaluation", "run", "serving",
-                  "launch", "contract", "cli", "lm_eval", "__main__"]
+#: The subpackages and top-level modules of mt_pretrain and mt_inference, bottom to top: each
+#: imports only the ones before it, function-local imports included.
+#: mt_pretrain: config is pure data and the engine registry; data is what a run reads;
+#: engines run the model and write its checkpoints; run is one rank's training loop (it
+#: scores tasks during training through mt-inference's scorer); launch starts ranks; contract
+#: (the layout matrix) launches runs; the command line sits on everything.
+#: mt_inference: the placement; figures and text (plots written atomically, text as tokens
+#: come); the model read from a checkpoint; the scorer, then the session (a model's stage on
+#: this rank, with its scorer), decoding by stages, generation; evaluation (mt-eval's engine,
+#: the suites, lm-evaluation-harness), the bias report; the launcher; the server; lm-eval's
+#: command line with mt registered; the commands.
+STACKS = {
+    "mt_pretrain": ["config", "data", "engines", "run", "launch", "contract", "cli",
+                    "__main__"],
+    "mt_inference": ["placement", "figures", "text", "model", "scorer", "session", "decoder",
+                     "generation", "rank", "suites", "harness", "bias", "bias_report",
+                     "launch", "serving", "lm_eval", "cli", "__main__"],
+}
 
 
 def _part(path: Path, tree: Path) -> str:
@@ -130,11 +145,12 @@ def _part(path: Path, tree: Path) -> str:
     return rel.parts[0] if len(rel.parts) > 1 else rel.stem
 
 
-def test_mt_pretrain_is_a_stack_without_cycles() -> None:
-    tree = source_trees()["mt_pretrain"]
+@pytest.mark.parametrize("package", sorted(STACKS))
+def test_a_stack_without_cycles(package: str) -> None:
+    stack = STACKS[package]
+    tree = source_trees()[package]
     parts = {_part(p, tree) for p in tree.rglob("*.py")} - {"__init__"}
-    assert parts == set(PRETRAIN_STACK), f"place {sorted(parts - set(PRETRAIN_STACK))} " \
-        "in PRETRAIN_STACK"
+    assert parts == set(stack), f"place {sorted(parts - set(stack))} in STACKS[{package!r}]"
     violations = []
     for path in sorted(tree.rglob("*.py")):
         mine = _part(path, tree)
@@ -147,9 +163,9 @@ def test_mt_pretrain_is_a_stack_without_cycles() -> None:
                 continue
             for name in names:
                 bits = name.split(".")
-                if bits[0] != "mt_pretrain" or len(bits) < 2:
+                if bits[0] != package or len(bits) < 2:
                     continue
-                if PRETRAIN_STACK.index(bits[1]) > PRETRAIN_STACK.index(mine):
+                if stack.index(bits[1]) > stack.index(mine):
                     violations.append(f"{path.relative_to(ROOT)}:{node.lineno}: {mine} imports "
                                       f"{bits[1]}, which sits above it")
     assert not violations, "\n".join(violations)

@@ -1,11 +1,13 @@
 """The wheels of `pants package ::` install with plain pip into fresh virtualenvs.
 
-Run through Pants (`./pants test tests:wheels`), which builds the twelve wheels into the sandbox.
+Run through Pants (`./pants test tests:wheels`), which builds the thirteen wheels into the
+sandbox.
 """
 
 from __future__ import annotations
 
 import configparser
+import json
 import os
 import re
 import subprocess
@@ -20,7 +22,8 @@ from typing import Any
 import pytest
 
 DISTRIBUTIONS = ["mt_dist", "mt_model", "mt_data", "mt_tensor_parallel", "mt_pipeline", "mt_zero",
-                 "mt_checkpoint", "mt_plan", "mt_eval", "mt_formats", "mt_pretrain", "mt_convert"]
+                 "mt_checkpoint", "mt_plan", "mt_eval", "mt_formats", "mt_inference",
+                 "mt_pretrain", "mt_convert"]
 CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
 LOCAL_WHEELS = Path("/opt/wheels")  # where this kind of machine keeps the CPU build of torch
 ROOT = Path.cwd()  # the repository root (Pants' sandbox, or a checkout)
@@ -166,7 +169,8 @@ def test_all_wheels_install_and_mt_runs(tmp_path: Path) -> None:
     assert "(source)" not in done.stdout and "not installed" not in done.stdout, done.stdout
     helped = subprocess.run([str(mt), "--help"], capture_output=True, text=True, timeout=300)
     assert helped.returncode == 0, helped.stderr
-    assert "convert" in helped.stdout  # mounted from mt-convert's entry point
+    for command in ("convert", "eval", "generate", "serve", "bias"):  # from entry points
+        assert command in helped.stdout, helped.stdout
     # No wheel pulls an optional integration, and `mt convert --help` (the plug-in) starts
     # without torch as `mt --help` does.
     done = run(python, "import importlib.util as u; print([m for m in ('deepspeed', 'lm_eval', "
@@ -176,3 +180,43 @@ def test_all_wheels_install_and_mt_runs(tmp_path: Path) -> None:
                        "import main; sys.argv = ['mt', 'convert', '--help']; main()")
     assert done.returncode == 0 and "Usage:" in done.stdout, done.stdout + done.stderr
     assert sys.version_info >= (3, 10)
+
+
+def test_mt_inference_alone_scores_and_generates(tmp_path: Path) -> None:
+    """mt-inference's wheel and the libraries it needs, without mt-pretrain (the training
+    app) or mt-convert, in a fresh virtualenv: `python -m mt_inference generate` completes a
+    prompt from a checkpoint with the greedy text mt-model gives here, and `eval` scores a
+    built-in task into a results file."""
+    import torch
+
+    from mt_data import load_tokenizer
+    from mt_formats import save_model
+    from mt_model import GPT, GPTConfig, Sampling, generate
+
+    wheels = built_wheels()
+    python = make_venv(tmp_path / "venv")
+    pip_install(python, "torch==2.13.0", *(str(w) for dist, w in wheels.items()
+                                           if dist not in ("mt_pretrain", "mt_convert")))
+    found = run(python, "import importlib.util as u; print(u.find_spec('mt_pretrain'), "
+                        "u.find_spec('mt_convert'))")
+    assert found.stdout.split() == ["None", "None"], found.stdout + found.stderr
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(2, 64, 4, 1000, 64), seed=5).eval()
+    checkpoint = save_model(model, tmp_path / "model")
+    tokenizer = load_tokenizer("tokenizer-1k")
+    prompt = "Call me Ishmael."
+    with torch.no_grad():
+        tokens = generate(model, [tokenizer.encode(prompt)],
+                          Sampling(max_new_tokens=12, stop_ids=(tokenizer.eod_id,)))[0].tokens
+    common = [str(checkpoint), "--tokenizer", "tokenizer-1k"]
+    done = subprocess.run([str(python), "-m", "mt_inference", "generate", *common, "--prompt",
+                           prompt, "--max-new-tokens", "12"], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "COLUMNS": "200"})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.startswith(prompt + tokenizer.decode(tokens)), done.stdout
+    results = tmp_path / "results.json"
+    done = subprocess.run([str(python), "-m", "mt_inference", "eval", *common, "--task",
+                           "mt-cloze", "--limit", "4", "--engine", "mt", "--output",
+                           str(results)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert json.loads(results.read_text())["results"]["mt-cloze"]["sample_len"] == 4

@@ -173,7 +173,7 @@ def test_convert_pretrain_cli_defaults_to_pretrain_and_dry_run(
 def test_convert_refuses_a_pretrain_checkpoint_with_flipped_bytes(tmp_path: Path) -> None:
     """A checkpoint as mt pretrain now writes it (rank file and meta.json checksummed): it
     converts without a word; with 64 bytes of its weights inverted it is refused naming the
-    file, and nothing is written (was: converted with a fresh, valid checksum)."""
+    file, and nothing is written."""
     from mt_checkpoint import CheckpointMeta, SavedLayout, fresh_rng, save_rank, write_meta
 
     model, opt = _trained()
@@ -202,7 +202,7 @@ def test_convert_refuses_a_pretrain_checkpoint_with_flipped_bytes(tmp_path: Path
 
 def test_convert_folders_follow_the_umask(source: tuple[Path, GPT, dict[str, Any]],
                                           tmp_path: Path) -> None:
-    """Teammates on a shared cluster can read an export (was: mode 0700, from mkdtemp)."""
+    """Teammates on a shared cluster can read an export."""
     import os
 
     folder, _, _ = source

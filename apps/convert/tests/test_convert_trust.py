@@ -31,7 +31,7 @@ def _error(output: str) -> str:
 
 
 def test_convert_names_a_source_file_as_a_file(checkpoint: Path, tmp_path: Path) -> None:
-    """`mt convert FILE` (was: "checkpoint directory not found" for a file that exists): says
+    """`mt convert FILE`: says
     it is a file, not a checkpoint folder, what a folder holds, and the folder to give when the
     file is part of a checkpoint."""
     notes = tmp_path / "notes.txt"

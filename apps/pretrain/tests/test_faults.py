@@ -26,9 +26,9 @@ import pytest
 from conftest import run_pretrain
 
 from mt_checkpoint import CheckpointError
+from mt_dist.exits import LaunchFailed
 from mt_pretrain.config.schema import ConfigError
 from mt_pretrain.engines.failpoints import POINTS
-from mt_pretrain.launch import LaunchFailed
 from mt_pretrain.run.folder import LOCK_FILE, run_folder_lock
 from mt_pretrain.run.metrics import read_metrics
 
@@ -169,7 +169,7 @@ def test_a_damaged_meta_falls_back_or_is_one_clear_error(cache: Path, four_steps
 def test_meta_json_fields_of_the_wrong_type_are_one_clear_error(cache: Path, two_steps: Path,
                                                                tmp_path: Path) -> None:
     """A hand-edited meta.json (its checksum removed, as an old file has none) with a field
-    of the wrong type: one line naming the file (was: a GPTConfigError traceback)."""
+    of the wrong type: one line naming the file."""
     import json
 
     _copy_run(two_steps, tmp_path / "a")

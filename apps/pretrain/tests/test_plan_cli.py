@@ -100,8 +100,8 @@ def test_bad_inputs_name_the_value(tmp_path: Path) -> None:
     result = _plan("--config", str(config), "--gpus", "2", "--tp", "2", "--json")
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["tp"] == 2
-    # Not UTF-8 (was: a UnicodeDecodeError traceback); --calibrate onto the --config file
-    # (was: the config replaced by the measured rates).
+    # Not UTF-8; --calibrate onto the --config file
+    #.
     garbage = tmp_path / "garbage.yaml"
     garbage.write_bytes(bytes(range(128, 256)) * 4)
     result = _plan("--config", str(garbage))
@@ -211,9 +211,9 @@ def test_numeric_flags_name_the_flag_and_value() -> None:
 
 
 def test_flags_that_would_do_nothing_are_refused() -> None:
-    """The rule of mt pretrain (was: planned as if not given), and --search's own: it
+    """The rule of mt pretrain, and --search's own: it
     chooses the layout, so a --tp or --recompute given with it did nothing; it plans the
-    --precision given (was: bf16 whatever was given)."""
+    --precision given."""
     cases = [
         (["--sequence-parallel"], "--sequence-parallel shards activations over the "
                                   "tensor-parallel ranks, and --tp 1 has none"),

@@ -120,7 +120,7 @@ def test_mt_pretrain_dead_rank_fails_fast(tmp_path: Path, cache: Path) -> None:
 def test_under_a_launcher_only_rank_0_speaks_for_errors_every_rank_shares(
         tmp_path: Path) -> None:
     """Two ranks placed as torchrun places them, with a layout neither can run: the error
-    once (rank 0), exit 2 on both (was: every rank printed the banner and the error)."""
+    once (rank 0), exit 2 on both."""
     port = str(29_000 + os.getpid() % 1000)
     procs = []
     for rank in (0, 1):

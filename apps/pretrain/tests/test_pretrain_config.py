@@ -90,7 +90,7 @@ def test_yaml_sections_flat_keys_and_cli_overrides(tmp_path: Path) -> None:
     ({"nproc": 8, "compile": True, "activation_checkpointing": True, "dropout": 0.1},
      r"--compile with --activation-checkpointing and dropout 0.1 is not supported.*leave out "
      r"--compile"),
-    # The hostile-user sweep of session 8 (was: accepted silently, or a failure later).
+    # The hostile-user sweep of session 8.
     ({"nproc": 1, "train_steps": 2, "global_batch_size": 4, "seq_len": 32,
       "warmup_tokens": 999999999},
      r"--warmup-tokens 999,999,999 is longer than the decay: 256 tokens \(the whole run's "
@@ -156,7 +156,7 @@ def test_dry_run_prints_ranks_groups_stages_memory() -> None:
     assert "dp        [0, 2], [1, 3], [4, 6], [5, 7]" in text
     assert "rank    7: pp 1 dp 1 tp 1" in text
     assert "memory per rank" in text
-    # A run flag: not the demo, and said so (was: silently one process instead of eight).
+    # A run flag: not the demo, and said so.
     result = CliRunner().invoke(app, ["pretrain", "--train-steps", "5", "--dry-run"],
                                 env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
@@ -286,7 +286,7 @@ def test_too_few_processes_for_the_layout_says_what_to_pass() -> None:
 def test_paths_the_flags_name_are_checked_before_anything_starts(tmp_path: Path) -> None:
     """--metrics naming a folder, --cache-dir naming a file, --tokenizer naming no file or
     given with --data (where the dataset's own tokenizer applies): one line each, before any
-    rank starts (was: OS errors from a rank after start-up, or the flag silently ignored)."""
+    rank starts."""
     (tmp_path / "mdir").mkdir()
     (tmp_path / "afile").write_text("x")
     data = tmp_path / "data"
@@ -346,7 +346,7 @@ def test_numbers_that_would_overflow_or_do_nothing_are_refused(overrides: dict,
 
 
 def test_the_seed_range_holds_on_the_command_line_and_in_yaml(tmp_path: Path) -> None:
-    """`mt pretrain --seed -1` (was: accepted by the dry run; the run then blamed --seq-len)
+    """`mt pretrain --seed -1`
     and a YAML seed beyond 2**63 - 1; the largest seed itself is kept exactly (was: read
     through a float, 2**63 - 1 became 2**63)."""
     result = CliRunner().invoke(app, ["pretrain", "--seed", "-1", "--dry-run"],

@@ -27,7 +27,7 @@ def _error(output: str) -> str:
 
 
 def test_plot_never_writes_over_its_metrics(tmp_path: Path) -> None:
-    """`mt plot M -o M` (was: the metrics file replaced by a PNG): one line, exit 2."""
+    """`mt plot M -o M`: one line, exit 2."""
     for name in ("metrics", "metrics.png"):  # a suffix matplotlib writes, or none (PNG)
         metrics = tmp_path / name
         metrics.write_text(METRICS)
@@ -39,7 +39,7 @@ def test_plot_never_writes_over_its_metrics(tmp_path: Path) -> None:
 
 
 def test_plot_says_before_drawing_that_it_cannot_write(tmp_path: Path) -> None:
-    """An output under a regular file (was: FileExistsError, a traceback, after drawing), a
+    """An output under a regular file, a
     folder, or a format matplotlib does not write: one line, exit 2, checked before the
     metrics are read (a metrics file with a bad value is not what is reported)."""
     metrics = tmp_path / "m.jsonl"
@@ -82,7 +82,7 @@ def _claim(out: Path, **options: object) -> None:
 def test_pretrain_overwrite_deletes_only_what_mt_pretrain_wrote(tmp_path: Path) -> None:
     """--overwrite of a run folder holding the user's own things where mt pretrain's go
     (a tensorboard/ of another tool, a folder named step-..., a metrics file that is not
-    mt's): refused, naming them, nothing deleted (was: deleted with the previous run)."""
+    mt's): refused, naming them, nothing deleted."""
     run = tmp_path / "run"
     ckpts = run / "checkpoints"
     (ckpts / "step-00000002").mkdir(parents=True)

@@ -143,8 +143,8 @@ def test_damaged_files_are_one_line_and_latest_falls_back(tmp_path: Path) -> Non
         read_meta(step4)
     with pytest.raises(CheckpointError, match=r"no checkpoint at .*nowhere: no such folder"):
         find_checkpoint(tmp_path / "nowhere")
-    # A file given as the checkpoint (was: "no such folder"); a `latest` that is empty or
-    # names a path outside the folder (was: /etc followed, "latest names checkpoints").
+    # A file given as the checkpoint; a `latest` that is empty or
+    # names a path outside the folder.
     with pytest.raises(CheckpointError, match=r"rank-00001.pt: a file, not a checkpoint "
                                               r"folder"):
         find_checkpoint(step4 / rank_file(1))

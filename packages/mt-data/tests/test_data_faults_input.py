@@ -326,12 +326,12 @@ def test_overwrite_never_deletes_an_input(docs, tmp_path: Path) -> None:
                            env={"COLUMNS": "300"})
     assert result.exit_code == 2 and "holds the input" in result.output, result.output
     assert (tok / "tokenizer.json").read_bytes() == saved
-    # Without --overwrite too: the output is an input file (was: "Not a directory").
+    # Without --overwrite too: the output is an input file.
     result = runner.invoke(app, ["prepare", str(raw / "a.jsonl"), "-o", str(raw / "a.jsonl"),
                                  *FAST], env={"COLUMNS": "300"})
     assert result.exit_code == 2 and "is the input" in result.output, result.output
-    # train-tokenizer writing over its own corpus (was: the corpus replaced by the JSON) or
-    # onto a folder (was: "Is a directory" and a .tmp left).
+    # train-tokenizer writing over its own corpus or
+    # onto a folder.
     for output, words in ((raw / "a.jsonl", "is the input"), (tok, "is a folder")):
         result = runner.invoke(app, ["train-tokenizer", str(raw / "a.jsonl"), "--vocab-size",
                                      "300", "--output", str(output)], env={"COLUMNS": "300"})
@@ -361,7 +361,7 @@ def test_a_lone_surrogate_is_a_bad_line_naming_file_and_line(docs, tmp_path: Pat
 
 def test_a_full_disk_names_the_output(docs, tmp_path: Path) -> None:
     """Writes past a file-size limit fail as on a full disk: one line naming the output
-    folder (was: "[Errno 28] No space left on device", no path)."""
+    folder."""
     import resource
     import signal
     import subprocess
@@ -391,9 +391,9 @@ def _one_line_error(args: list[str]) -> str:
 
 def test_bad_inputs_and_options_found_by_the_hostile_sweep(docs, tmp_path: Path) -> None:
     """Session 8's sweep, each once: a missing input is not a failed write; an input of an
-    unknown kind is named; filter thresholds out of range are refused (was: accepted);
-    `inspect` of a document that does not exist or negative --chars (was: silent); an
-    index.json without its fields or of another version (was: KeyError tracebacks)."""
+    unknown kind is named; filter thresholds out of range are refused;
+    `inspect` of a document that does not exist or negative --chars; an
+    index.json without its fields or of another version."""
     raw = tmp_path / "raw.jsonl"
     raw.write_bytes(_lines(docs, 40))
     out = str(tmp_path / "out")

@@ -147,7 +147,7 @@ def test_merge_counts_adds_counts_of_the_same_lists() -> None:
 @pytest.mark.parametrize(("content", "message"), [
     (None, "not a readable group-words JSON file"),
     ("{oops", "not a readable group-words JSON file"),
-    ("[1, 2]", 'needs "dimensions"'),  # was: an AttributeError
+    ("[1, 2]", 'needs "dimensions"'),
     ('{"dimensions": {"gender": {"female": ["she"]}}}', "'gender' needs two groups"),
     ('{"dimensions": {"gender": {"female": ["She"], "male": ["he"]}}}',
      "gender.female must be a list of lowercase words"),

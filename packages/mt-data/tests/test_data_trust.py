@@ -53,7 +53,7 @@ def _error(output: str) -> str:
 
 def test_prepare_refuses_a_finished_dataset_whose_input_changed(docs, tmp_path: Path) -> None:
     """An input edited in place (same path, same size) after prepare: the rerun says which
-    input changed and how, exit 2 (was: 'prepared', the old dataset served as complete)."""
+    input changed and how, exit 2."""
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text(_jsonl(docs, 40))
     out = tmp_path / "out"

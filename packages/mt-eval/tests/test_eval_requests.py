@@ -183,7 +183,7 @@ def test_bad_tasks_name_the_file_line_and_field(tmp_path: Path) -> None:
     bad.write_text('{"context": "a", "choices": ["x", "y"], "label": 0}\n'
                    '{"context": "b", "choices": ["x", "y"], "label": true}\n')
     with pytest.raises(TaskError, match=r"bad.jsonl:2: 'label' must be an index into the 2 "
-                       r"choices, got True"):  # was: read as index 1
+                       r"choices, got True"):
         load_task(str(bad))
     bad.write_text('{"context": "a", "choices": ["x"], "label": 0}\n{"context": "b"}\n')
     with pytest.raises(TaskError, match=r"bad.jsonl:2: field 'choices' is missing"):
@@ -247,7 +247,7 @@ _GOOD_TASK = ("task: t\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    
                                                 "file(s)"),
     ("dataset_kwargs: {data_files: {test: [5]}}", "dataset_kwargs.data_files must name the "
                                                   "JSONL file(s)"),
-    ("1: x\nb: y", "1 is not supported by mt's own engine"),  # was: a TypeError sorting keys
+    ("1: x\nb: y", "1 is not supported by mt's own engine"),
 ])
 def test_task_file_fields_of_the_wrong_type_name_the_file_and_field(
         tmp_path: Path, change: str, message: str) -> None:
@@ -265,7 +265,7 @@ def test_task_file_fields_of_the_wrong_type_name_the_file_and_field(
 
 def test_a_task_file_that_is_not_utf8_is_one_line(tmp_path: Path) -> None:
     path = tmp_path / "t.yaml"
-    path.write_bytes(_GOOD_TASK.encode() + b"description: \xff\n")  # was: UnicodeDecodeError
+    path.write_bytes(_GOOD_TASK.encode() + b"description: \xff\n")
     with pytest.raises(TaskError, match=r"t.yaml: not UTF-8 text \(invalid start byte at "
                                         r"byte \d+\)"):
         load_task(str(path))

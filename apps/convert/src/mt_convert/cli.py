@@ -156,7 +156,7 @@ def convert(
     from mt_formats.pretrain_relayout import PretrainTarget, describe_pretrain
 
     try:
-        if dry_run:  # what the conversion would refuse, the dry run says (was: "ok")
+        if dry_run:  # what the conversion would refuse, the dry run says
             check_paths(src, dst, force)
         if to is None and (sharded or dp is not None or zero_stage is not None) and (
                 source or detect_format(src)) == "pretrain":

@@ -39,7 +39,7 @@ def parse_blend(spec: str | Sequence[object]) -> list[tuple[float, str]]:
         raise ValueError(f"blend {spec!r}: expected weight/path pairs")
     total = sum(w for w, _ in pairs)
     if not all(0 <= w < math.inf for w, _ in pairs) or not 0 < total < math.inf:
-        # was: nan and inf accepted (weights normalised to nan and 0)
+
         raise ValueError(f"blend weights must be finite numbers >= 0 with a positive sum, "
                          f"got {pairs}")
     return [(w / total, p) for w, p in pairs]

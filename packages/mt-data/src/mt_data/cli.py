@@ -167,7 +167,7 @@ def _bad_inputs(samples: list[str], total: int) -> None:
                       highlight=False)
 
 
-#: The most worker processes `mt data prepare` starts (was: an OverflowError for 2**70).
+#: The most worker processes `mt data prepare` starts.
 MAX_WORKERS = 1024
 
 
@@ -179,7 +179,7 @@ def _given(ctx: typer.Context, *names: str) -> list[str]:
 
 def _idle_prepare_options(ctx: typer.Context, quality_filters: bool, fuzzy_dedup: bool,
                           decontaminate: list[Path] | None) -> list[str]:
-    """Options given that would change nothing (was: accepted, and silently unused)."""
+    """Options given that would change nothing."""
     idle = []
     for off, flag, names in (
             (not quality_filters, "with --no-quality-filters",
@@ -252,7 +252,7 @@ def prepare_cmd(
         _fail("; ".join(idle))
     if workers > MAX_WORKERS:
         _fail(f"--workers must be at most {MAX_WORKERS:,}, got {workers:,}")
-    if (blocker := blocking_file(output)) is not None:  # was: "[Errno 20] Not a directory"
+    if (blocker := blocking_file(output)) is not None:
         _fail(f"--output {output}: {blocker} is a file, not a folder; name a path in a folder")
     with _errors(writing=output):
         if quality_filters:
@@ -304,7 +304,7 @@ def train_tokenizer_cmd(
         _fail(clash)
     if output.is_dir():
         _fail(f"--output {output} is a folder; name the tokenizer.json to write")
-    if (blocker := blocking_file(output)) is not None:  # was: "[Errno 17] File exists"
+    if (blocker := blocking_file(output)) is not None:
         _fail(f"--output {output}: {blocker} is a file, not a folder; name a path in a folder")
     log = ErrorLog("skip")
     docs, nbytes = 0, 0
@@ -397,12 +397,12 @@ def inspect_cmd(
     filters dropped, --dropped, or the group words it carries, --groups)."""
     if chars < 0:
         _fail(f"--chars must be 0 or more, got {chars}")
-    if (dropped is not None or groups) and _given(ctx, "document"):  # was: not shown, unsaid
+    if (dropped is not None or groups) and _given(ctx, "document"):
         _fail(f"--document {document} is the decoded document, which "
               f"{'--groups' if groups else '--dropped'} shows instead; give one of them")
     with _errors():
         ds = TokenDataset(data)
-    if not 0 <= document < max(len(ds), 1):  # was: the summary alone, nothing said
+    if not 0 <= document < max(len(ds), 1):
         _fail(f"--document {document}: {data} holds documents 0 to {len(ds) - 1}")
     with _errors():
         max_id = ds.max_token_id

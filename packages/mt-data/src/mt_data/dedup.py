@@ -56,7 +56,7 @@ class DedupConfig:
             raise ValueError(
                 f"num_perm ({self.num_perm}) must be a positive multiple of bands ({self.bands})"
             )
-        if self.num_perm > MAX_PERMUTATIONS:  # was: numpy's "Maximum allowed dimension"
+        if self.num_perm > MAX_PERMUTATIONS:
             raise ValueError(f"num_perm must be at most {MAX_PERMUTATIONS:,} (8 bytes per "
                              f"permutation per document), got {self.num_perm:,}")
         if self.ngram < 1:

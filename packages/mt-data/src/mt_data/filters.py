@@ -55,7 +55,7 @@ class FilterConfig:
                 raise ValueError(f"{name} must be >= 0, got {value}")
         for name in ("min_alpha_word_fraction", "max_repeated_line_fraction"):
             value = getattr(self, name)
-            if value is not None and not 0 <= value <= 1:  # was: 7 accepted (keeps all)
+            if value is not None and not 0 <= value <= 1:
                 raise ValueError(f"{name} is a fraction: it must be in [0, 1], got {value}")
 
     @classmethod

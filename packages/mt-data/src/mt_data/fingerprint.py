@@ -15,8 +15,8 @@ from typing import Any
 
 from mt_data.errors import PrepareError
 
-__all__ = ["changed_file", "check_unchanged", "file_record", "same_run", "sample_sha256",
-           "what_changed"]
+__all__ = ["changed_file", "check_recorded", "check_unchanged", "file_record", "same_run",
+           "sample_sha256", "what_changed"]
 
 
 SAMPLE_EDGE = 1 << 20
@@ -110,3 +110,27 @@ def check_unchanged(fingerprint: dict[str, Any]) -> None:
             raise PrepareError(f"{path} changed while it was being prepared ({what}): the "
                                "dataset would mix two versions of it; rerun with --overwrite "
                                "once it no longer changes")
+
+
+def check_recorded(recorded: dict[str, Any], fingerprint: dict[str, Any], output: Path,
+                   finished: bool) -> None:
+    """Raise :class:`PrepareError` unless the files ``recorded`` by a finished dataset (or
+    an unfinished run, ``finished`` False) in ``output`` are the files on disk now."""
+    if finished:
+        what, harm, way = ("was prepared by an earlier mt-data", "whether they changed since "
+                           "cannot be checked", "pass --overwrite to prepare it again")
+    else:
+        what, harm, way = ("holds an unfinished run of an earlier mt-data", "whether they "
+                           "changed since cannot be checked, and resuming could mix chunks of "
+                           "another input into the dataset", "pass --overwrite to start again")
+    if "files" not in recorded:
+        raise PrepareError(f"{output} {what}, which recorded no size, modified time or "
+                           f"content of its inputs: {harm}; {way}, or choose another --output")
+    change = changed_file(recorded["files"], fingerprint["files"])
+    if change and finished:
+        raise PrepareError(f"{output} was prepared from {change}: serving it would be stale; "
+                           f"{way}, or choose another --output")
+    if change:
+        raise PrepareError(f"{output} holds an unfinished run of {change}: resuming would mix "
+                           f"what it read before into the new dataset; {way}, or choose "
+                           "another --output")

@@ -81,7 +81,7 @@ def load_group_words(path: str | Path | None = None) -> GroupWords:
     except RecursionError:
         raise ValueError(f"{path}: not a readable group-words JSON file: nested too deeply "
                          "to read") from None
-    if not isinstance(raw, dict):  # was: an AttributeError on raw.get
+    if not isinstance(raw, dict):
         raw = {}
     dims, occupations = raw.get("dimensions"), raw.get("occupations", [])
     if not isinstance(dims, dict) or not dims or not isinstance(occupations, list):

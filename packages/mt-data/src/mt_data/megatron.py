@@ -126,7 +126,7 @@ def export_megatron(data: TokenDataset | str | Path, prefix: str | Path) -> dict
     """Write ``PREFIX.bin`` / ``PREFIX.idx``: one sequence per document, EOD included."""
     prefix = Path(prefix)
     bin_path, idx_path = Path(f"{prefix}.bin"), Path(f"{prefix}.idx")
-    if prefix.name in ("", ".", "..") or prefix.is_dir():  # was: '..bin' written in it
+    if prefix.name in ("", ".", "..") or prefix.is_dir():
         raise DataError(f"PREFIX {prefix} is a folder; give a path and a file name, e.g. "
                         f"{prefix / 'data'} (writes data.bin and data.idx there)")
     for path in (bin_path, idx_path):
@@ -137,7 +137,7 @@ def export_megatron(data: TokenDataset | str | Path, prefix: str | Path) -> dict
                         "PREFIX")
     if not isinstance(data, TokenDataset) and (
             clash := output_clash("PREFIX", prefix, [data])) is not None:
-        raise DataError(clash)  # was: the export written into the dataset folder
+        raise DataError(clash)
     ds = data if isinstance(data, TokenDataset) else TokenDataset(data)
     dtype = megatron_dtype(ds.dtype)
     prefix.parent.mkdir(parents=True, exist_ok=True)

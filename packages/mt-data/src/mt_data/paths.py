@@ -12,12 +12,13 @@ overwritten by a command pointed at the wrong folder.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from fnmatch import fnmatchcase
 from pathlib import Path
 
-__all__ = ["blocking_file", "foreign_entries", "foreign_message", "foreign_output",
-           "output_clash"]
+__all__ = ["blocking_file", "foreign_entries", "foreign_message", "foreign_output", "output_clash",
+           "unwritable"]
 
 #: How many of the foreign entries a message names.
 SHOWN = 3
@@ -103,3 +104,22 @@ def foreign_output(flag: str, output: str | Path, owned: Iterable[str], command:
                 f"folder; choose another {choose or flag or 'destination'}")
     foreign = foreign_entries(path, owned)
     return foreign_message(flag, output, foreign, command, option, choose) if foreign else None
+
+
+def unwritable(flag: str, path: Path, folder: bool = False) -> str | None:
+    """Why ``path`` (given as ``flag``; a file, or with ``folder`` a folder the command
+    creates and fills) cannot be written, or None: checked before a command's work starts,
+    so that a result that cannot be written is said then, not after hours of work. The
+    folders missing on the way are created by the command, so the nearest one that exists
+    must be a folder it may write in. (A ``folder`` that is a file is the caller's to
+    word.)"""
+    if not folder and path.is_dir():
+        return f"{flag} {path} is a folder; name the file to write"
+    probe = path if folder and path.is_dir() else path.parent
+    while not probe.exists() and probe.parent != probe:
+        probe = probe.parent
+    if not probe.is_dir():
+        return f"{flag} {path}: {probe} is a file, not a folder; name a path in a folder"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return f"{flag} {path}: no permission to write in {probe}"
+    return None

@@ -43,7 +43,7 @@ import pyarrow as pa
 from mt_data.compressed import COMPRESSED
 from mt_data.errors import DatasetError, NoDocumentsError, PrepareError
 from mt_data.filters import FILTERS
-from mt_data.fingerprint import changed_file, check_unchanged, file_record, same_run
+from mt_data.fingerprint import check_recorded, check_unchanged, file_record, same_run
 from mt_data.group_counts import write_group_counts
 from mt_data.groups import GroupCounter, GroupWords, load_group_words, merge_counts
 from mt_data.ingest import (
@@ -422,16 +422,7 @@ def _prepare_locked(inputs: Sequence[str | Path], files: list[Path], items: list
         recorded = (index.get("stats") or {}).get("fingerprint")
         if not isinstance(recorded, dict) or not same_run(recorded, fingerprint):
             raise PrepareError(f"{output} already holds a prepared dataset; pass --overwrite")
-        if "files" not in recorded:
-            raise PrepareError(
-                f"{output} was prepared by an earlier mt-data, which recorded no size, "
-                "modified time or content of its inputs: whether they changed since cannot be "
-                "checked; pass --overwrite to prepare it again, or choose another --output")
-        change = changed_file(recorded["files"], fingerprint["files"])
-        if change:
-            raise PrepareError(
-                f"{output} was prepared from {change}: serving it would be stale; pass "
-                "--overwrite to prepare it again, or choose another --output")
+        check_recorded(recorded, fingerprint, output, finished=True)
         return dict(index["stats"], resumed="already complete")
     check_output(output, fingerprint, config.overwrite)
     work = output / "work"

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from mt_data.errors import PrepareError
-from mt_data.fingerprint import changed_file, same_run
+from mt_data.fingerprint import check_recorded, same_run
 from mt_data.group_counts import GROUPS_FILE
 from mt_data.paths import foreign_entries, foreign_message
 from mt_data.shards import FORMAT, INDEX_FILE, PROGRESS_FILE, atomic_write_json
@@ -74,18 +74,7 @@ def check_output(output: Path, fingerprint: dict[str, Any], overwrite: bool) -> 
                 f"{output} holds an unfinished run with other inputs or settings; "
                 f"rerun the same command to resume, or pass --overwrite"
             )
-        if "files" not in earlier:
-            raise PrepareError(
-                f"{output} holds an unfinished run of an earlier mt-data, which recorded no "
-                "size, modified time or content of its inputs: whether they changed since "
-                "cannot be checked, and resuming could mix chunks of another input into the "
-                "dataset; pass --overwrite to start again, or choose another --output")
-        change = changed_file(earlier["files"], recorded["files"])
-        if change:
-            raise PrepareError(
-                f"{output} holds an unfinished run of {change}: resuming would mix what it "
-                "read before into the new dataset; pass --overwrite to start again, or "
-                "choose another --output")
+        check_recorded(earlier, recorded, output, finished=False)
     else:
         atomic_write_json(mark, recorded)
 
@@ -93,8 +82,8 @@ def check_output(output: Path, fingerprint: dict[str, Any], overwrite: bool) -> 
 @contextmanager
 def output_lock(output: Path) -> Iterator[None]:
     """Hold an exclusive lock on the output folder itself while preparing into it: a second
-    `prepare` into the same folder is refused at once (was: it failed later on a file the
-    first had removed). The kernel drops the lock when its holder ends, killed or not."""
+    `prepare` into the same folder is refused at once. The kernel drops the lock when its
+    holder ends, killed or not."""
     fd = os.open(output, os.O_RDONLY | os.O_CLOEXEC)
     try:
         try:

@@ -254,7 +254,7 @@ class ShardSetWriter:
         return index
 
 
-#: The fields of index.json a reader needs, with their JSON types (was: a KeyError).
+#: The fields of index.json a reader needs, with their JSON types.
 _INDEX_FIELDS = {"version": int, "documents": int, "tokens": int, "dtype": str,
                  "tokenizer": dict, "sources": dict, "shards": list}
 _SHARD_FIELDS = {"file": str, "sha256": str, "documents": int, "tokens": int}
@@ -276,7 +276,7 @@ def _check_index(index: dict[str, Any], path: Path) -> None:
     bad = [f"{name} ({kind.__name__})" for name, kind in _TOKENIZER_FIELDS.items()
            if (name == "name" or name in tokenizer) and (  # sizes may be unknown (imports)
                not isinstance(tokenizer.get(name), kind) or isinstance(tokenizer.get(name), bool))]
-    if bad:  # was: a KeyError (a traceback) where the tokenizer is read
+    if bad:
         raise DatasetError(f"{path}: field 'tokenizer' lacks {', '.join(bad)} (damaged? "
                            "prepare the dataset again)")
     for name, counts in index["sources"].items():
@@ -293,7 +293,7 @@ def _check_index(index: dict[str, Any], path: Path) -> None:
                                "the dataset again)")
         name = shard["file"]
         if Path(name).name != name or name in ("", ".", ".."):
-            # was: read wherever the name pointed, outside the dataset folder too
+
             raise DatasetError(f"{path}: shard {k} is named {name!r}, not a file of the "
                                "dataset folder (damaged? prepare the dataset again)")
 

@@ -220,10 +220,10 @@ def train_tokenizer(
             f"vocab_size {vocab_size} is too small: a byte-level BPE needs 256 byte tokens + 1 "
             f"EOD token = 257, plus at least one merge"
         )
-    if vocab_size > 2**32:  # was: an OverflowError from the trainer (a traceback)
+    if vocab_size > 2**32:
         raise TokenizerError(f"vocab_size {vocab_size} is too large: token ids are stored as "
                              f"uint32, so at most 2**32 = {2**32:,}")
-    if not 0 <= min_frequency < 2**32:  # was: an OverflowError from the trainer
+    if not 0 <= min_frequency < 2**32:
         raise TokenizerError(f"min_frequency must be between 0 and 2**32 - 1, got "
                              f"{min_frequency}")
     backend = HFTokenizer(models.BPE())

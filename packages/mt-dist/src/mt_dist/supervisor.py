@@ -1,7 +1,8 @@
 """One local process supervisor: start N ranks, collect their reports, name the root cause.
 
-``mt_dist.testing`` (tests) and ``mt pretrain --nproc`` (the app's local launcher) both run
-their ranks through :class:`LocalRanks`; what a failure is raised as stays with the caller.
+``mt_dist.testing`` (tests) and :func:`supervise` (``mt pretrain --nproc``, and the
+inference commands' ``--nproc``) run their ranks through :class:`LocalRanks`; which failures
+are raised as themselves (bad input every rank meets alike) is the caller's to say.
 
 - Each rank runs ``target(rank, *args, **kwargs)`` in its own process (forked where possible:
   a spawned child re-imports torch, seconds each on a small machine) and sends back one
@@ -39,7 +40,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["LocalRanks", "Outcome", "Report", "default_start_method"]
+from mt_dist.exits import Interrupted, LaunchFailed
+
+__all__ = ["LocalRanks", "Outcome", "Report", "default_start_method", "supervise"]
 
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 # After asking stuck ranks to dump their stacks (SIGUSR1), wait this long for the dumps.
@@ -283,3 +286,67 @@ def _read(path: str) -> str:
             return f.read()
     except OSError:
         return ""
+
+
+_OS_ERRORS = (OSError, FileNotFoundError, PermissionError, IsADirectoryError,
+              NotADirectoryError, FileExistsError)
+# After the first rank fails, give the others this long to report (their errors are usually
+# consequences) before killing them.
+_GRACE_S = 5.0
+
+
+def supervise(target: Callable[..., Any], nproc: int, args: tuple[Any, ...],
+              timeout: float | None = None,
+              expected: tuple[type[BaseException], ...] = ()) -> Any:
+    """Run ``target(rank, *args)`` on ``nproc`` local processes; returns rank 0's value.
+
+    SIGTERM / SIGINT are forwarded (the first asks the ranks to stop after their step, a
+    second kills them: :class:`~mt_dist.exits.Interrupted`); a failure of any rank stops the
+    others and is raised here with its root cause: one of ``expected`` (failures every rank
+    meets alike: a bad config, a damaged checkpoint) or of the operating system's refusals as
+    itself, one line; anything else as :class:`~mt_dist.exits.LaunchFailed` with the rank's
+    traceback.
+    """
+    interrupts: list[int] = []
+    with LocalRanks(target, nproc, args=args) as ranks:
+
+        def forward(signum: int, _frame: Any) -> None:
+            interrupts.append(signum)
+            ranks.signal(signal.SIGTERM if len(interrupts) == 1 else signal.SIGKILL)
+            if len(interrupts) == 1:
+                print("interrupted: the ranks stop after their current step (a training run "
+                      "saves a checkpoint first); interrupt again to stop them at once",
+                      file=sys.stderr, flush=True)
+
+        previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            outcome = ranks.collect(timeout, _GRACE_S)
+        finally:
+            for sig, old in previous.items():
+                signal.signal(sig, old)
+        if len(interrupts) > 1 and outcome.failures:
+            raise Interrupted("interrupted twice: the ranks were stopped at once, "
+                              "without a checkpoint of the current step")
+        _raise_failure(outcome, timeout, {kind.__name__: kind
+                                          for kind in (*expected, *_OS_ERRORS)})
+        return outcome.reports[0].value
+
+
+def _raise_failure(outcome: Outcome, timeout: float | None,
+                   expected: Mapping[str, type[BaseException]]) -> None:
+    n, silent, first = outcome.world_size, list(outcome.silent), outcome.root_cause()
+    if outcome.timed_out:
+        raise LaunchFailed(f"the run did not finish within {timeout} s; ranks {silent} killed")
+    if first is None:
+        return
+    failed = sorted(r.rank for r in outcome.failures)
+    if silent:
+        # Peers failed (typically: a collective timed out) while these ranks said nothing:
+        # they are stuck (stopped, deadlocked, in an endless loop); they are killed next.
+        raise LaunchFailed(f"rank {silent[0]} of {n} hung: it gave no report while ranks "
+                           f"{failed} failed waiting for it (stuck ranks {silent} killed); "
+                           f"rank {first.rank} reported:\n{first.detail}")
+    if first.kind in expected:
+        raise expected[first.kind](first.message)
+    raise LaunchFailed(f"rank {first.rank} of {n} failed first (failed ranks: {failed}):\n"
+                       f"{first.detail}")

@@ -123,7 +123,7 @@ def numbered_rows(path: Path) -> list[tuple[int, dict[str, Any]]]:
             row = json.loads(line)
         except json.JSONDecodeError as err:
             raise TaskError(f"{path}:{number}: not JSON ({err.msg})") from None
-        except RecursionError:  # was: a traceback
+        except RecursionError:
             raise TaskError(f"{path}:{number}: not a row (JSON nested too deeply to "
                             "read)") from None
         if not isinstance(row, dict):
@@ -192,8 +192,7 @@ _TYPES: dict[str, tuple[tuple[type, ...], str]] = {
 
 def _check_types(path: Path, config: dict[str, Any]) -> None:
     """Each typed key of ``config`` is of its type: a TaskError naming the file, the key and
-    the value (was: a TypeError, KeyError or AttributeError from deep in the run, or the value
-    used as it came: ``num_fewshot: three`` failed when the examples were drawn)."""
+    the value, when the file is read (not when the examples are drawn, deep in the run)."""
     for key, (kinds, what) in _TYPES.items():
         value = config.get(key)
         if value is None:
@@ -225,15 +224,15 @@ def yaml_task(path: Path) -> Task:
         config = yaml.safe_load(path.read_text(encoding="utf-8"))
     except OSError as err:
         raise TaskError(f"{path}: cannot read ({err.strerror})") from None
-    except UnicodeDecodeError as err:  # was: a traceback
+    except UnicodeDecodeError as err:
         raise TaskError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
     except yaml.YAMLError as err:
         if "!function" in str(err):
             raise TaskError(f"{path}: lm-eval's Python hooks (!function) are not run by mt's "
                             "own engine; lm-evaluation-harness runs them: mt eval --engine "
-                            "harness (pip install 'mt-pretrain[harness]')") from None
+                            "harness (pip install 'mt-inference[harness]')") from None
         raise TaskError(f"{path}: not YAML ({err})") from None
-    except RecursionError:  # was: a traceback
+    except RecursionError:
         raise TaskError(f"{path}: not YAML (nested too deeply to read)") from None
     if not isinstance(config, dict):
         raise TaskError(f"{path}: a task file must be a YAML mapping")
@@ -244,7 +243,7 @@ def yaml_task(path: Path) -> Task:
         raise TaskError(f"{path}: {unknown[0]!r} is not supported by mt's own engine (it "
                         f"reads {', '.join(sorted(_KEYS))}; dataset_name only as null); "
                         "lm-evaluation-harness runs every feature of its task files: mt eval "
-                        "--engine harness (pip install 'mt-pretrain[harness]')")
+                        "--engine harness (pip install 'mt-inference[harness]')")
     _check_types(path, config)
     if config.get("dataset_path") != "json":
         raise TaskError(f"{path}: dataset_path must be 'json' (local JSON/JSONL files), got "

@@ -39,7 +39,7 @@ CONVERT_OUTPUT = (
 def check_destination(destination: Path, overwrite: bool) -> None:
     """Raise :class:`ConvertError` (one line) unless ``destination`` is absent, or an empty
     folder or one mt convert wrote and ``overwrite`` (``--force``) is given."""
-    if (blocker := blocking_file(destination)) is not None:  # was: a failed write, exit 1
+    if (blocker := blocking_file(destination)) is not None:
         raise ConvertError(f"{destination}: {blocker} is a file, not a folder; choose a "
                            "destination in a folder")
     refusal = foreign_output("", destination, CONVERT_OUTPUT, "mt convert", option="--force")

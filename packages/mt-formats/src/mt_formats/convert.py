@@ -148,7 +148,7 @@ def make_writer(fmt: str, config: GPTConfig, specs: Mapping[str, TensorSpec],
     if fmt == "megatron" or (fmt == "hf" and not is_llama(config)):
         gpt2_only(config, f"writing the {fmt!r} format")
     pad = DEFAULT_PAD_MULTIPLE if pad_multiple is None else pad_multiple
-    if not 1 <= pad <= MAX_PAD_MULTIPLE:  # was: a TypeError from torch for 2**70
+    if not 1 <= pad <= MAX_PAD_MULTIPLE:
         raise ConvertError(f"--pad-multiple must be between 1 and {MAX_PAD_MULTIPLE:,} (the "
                            f"vocabulary is padded to a multiple of it x tp), got {pad:,}")
     if fmt == "tp":
@@ -295,7 +295,7 @@ def convert_checkpoint(source: Path, destination: Path, *, to: str = "consolidat
     """
     source, destination = Path(source), Path(destination)
     check_paths(source, destination, overwrite)  # fail before reading anything
-    if tokenizer is not None and to != "hf":  # was: accepted, and not written
+    if tokenizer is not None and to != "hf":
         raise ConvertError(f"--tokenizer only applies to the hf target, not {to!r}")
     if to == "pretrain" and (from_format or detect_format(source)) == "pretrain":
         return _to_pretrain(source, destination, pad_multiple, overwrite, progress,
@@ -303,7 +303,7 @@ def convert_checkpoint(source: Path, destination: Path, *, to: str = "consolidat
     if dp is not None or zero_stage is not None:
         raise ConvertError("--dp and --zero-stage only apply from an mt pretrain checkpoint "
                            f"to the pretrain format, not to {to!r}")
-    if drop_optimizer:  # was: accepted, and nothing to drop
+    if drop_optimizer:
         raise ConvertError("--drop-optimizer only applies from an mt pretrain checkpoint to "
                            f"the pretrain format, not to {to!r}")
     if to not in _WRITABLE:  # fail before reading anything

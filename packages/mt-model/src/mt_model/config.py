@@ -122,7 +122,7 @@ class GPTConfig:
             if not _is_int(value) or value <= 0:
                 problems.append(f"{name} must be a positive int, got {value!r}")
             elif value > (limit := _MAX_LAYERS if name == "n_layers" else _MAX_SIZE):
-                # was: accepted, then a reader listing 2**70 layers' tensors never returned
+
                 problems.append(f"{name} must be at most {limit:,}, got {value:,}")
         if not problems and self.hidden % self.n_heads != 0:
             problems.append(

@@ -203,7 +203,7 @@ def load_gpu(name_or_path: str) -> GPUSpec:
 
         try:
             data = yaml.safe_load(path.read_text(encoding="utf-8"))
-        except UnicodeDecodeError as err:  # was: a traceback
+        except UnicodeDecodeError as err:
             raise GPUSpecError(f"{path} is not UTF-8 text (byte {err.object[err.start]:#04x} "
                                f"at offset {err.start})") from None
         except (yaml.YAMLError, RecursionError) as err:

@@ -1,8 +1,9 @@
 """The root `mt` command line.
 
-Subcommands live with what they drive: `mt data` comes from mt-data, `mt pretrain` from this app.
-Other apps plug in through the `mt.commands` entry-point group (apps/convert registers
-`mt convert` there), so no app imports another.
+Subcommands live with what they drive: `mt data` comes from mt-data, `mt pretrain`, `mt plan`,
+`mt matrix` and `mt plot` from this app. Others plug in through the `mt.commands` entry-point
+group (mt-inference registers `mt eval`, `mt generate`, `mt serve` and `mt bias` there,
+apps/convert `mt convert`), so no app imports another.
 """
 
 from __future__ import annotations
@@ -17,19 +18,11 @@ import typer
 
 from mt_data.cli import HelpFitsTerminal
 from mt_data.cli import app as data_app
-from mt_pretrain.cli.bias import _HELP as _BIAS_HELP
-from mt_pretrain.cli.bias import bias_command
-from mt_pretrain.cli.eval import _HELP as _EVAL_HELP
-from mt_pretrain.cli.eval import eval_command
-from mt_pretrain.cli.generate import _HELP as _GENERATE_HELP
-from mt_pretrain.cli.generate import generate_command
 from mt_pretrain.cli.matrix import _HELP as _MATRIX_HELP
 from mt_pretrain.cli.matrix import matrix
 from mt_pretrain.cli.options import with_config_options
 from mt_pretrain.cli.plan import _HELP as _PLAN_HELP
 from mt_pretrain.cli.plan import plan
-from mt_pretrain.cli.serve import _HELP as _SERVE_HELP
-from mt_pretrain.cli.serve import serve_command
 
 #: Every distribution of the mt monorepo, with its import name.
 DISTRIBUTIONS: dict[str, str] = {
@@ -43,6 +36,7 @@ DISTRIBUTIONS: dict[str, str] = {
     "mt-data": "mt_data",
     "mt-model": "mt_model",
     "mt-formats": "mt_formats",
+    "mt-inference": "mt_inference",
     "mt-pretrain": "mt_pretrain",
     "mt-convert": "mt_convert",
 }
@@ -144,12 +138,6 @@ def plot(
 
 app.command("plan", help=_PLAN_HELP, context_settings={"max_content_width": 110})(plan)
 app.command("matrix", help=_MATRIX_HELP, context_settings={"max_content_width": 110})(matrix)
-app.command("eval", help=_EVAL_HELP, context_settings={"max_content_width": 110})(eval_command)
-app.command("generate", help=_GENERATE_HELP,
-            context_settings={"max_content_width": 110})(generate_command)
-app.command("serve", help=_SERVE_HELP,
-            context_settings={"max_content_width": 110})(serve_command)
-app.command("bias", help=_BIAS_HELP, context_settings={"max_content_width": 110})(bias_command)
 app.add_typer(data_app, name="data")
 
 

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from mt_pretrain.cli.outputs import unwritable
+from mt_data.paths import unwritable
 from mt_zero.precision import PRECISIONS
 
 __all__ = ["matrix", "markdown_table"]
@@ -40,7 +40,7 @@ def _cases(which: str, only: list[str], console: Console) -> list:
         raise typer.BadParameter(f"--set must be one of {sorted(sets)}, got {which!r}")
     cases = sets[which]()
     kept = [c for c in cases if all(word in c.name for word in only)]
-    if not kept:  # was: "0 of 0 cases pass", exit 0
+    if not kept:
         given = " ".join(f"--only {word!r}" for word in only)
         raise _fail(console, f"{given} matches none of the {len(cases)} cases of --set "
                     f"{which}; `mt matrix --set {which} --list` names them")
@@ -89,8 +89,7 @@ _UNUSED = {"--noise-floor measures the noise floors only": ("which", "only", "ma
 
 
 def _idle_flags(ctx: typer.Context, floor: bool, list_only: bool) -> str | None:
-    """Flags given with --noise-floor or --list that they would not use (was: accepted, and
-    silently unused: --noise-floor --list measured the floors for half a minute)."""
+    """Flags given with --noise-floor or --list that they would not use."""
     if not (floor or list_only):
         return None
     mode = list(_UNUSED)[0 if floor else 1]
@@ -126,11 +125,11 @@ def matrix(
     if not console.is_terminal:
         console.width = max(console.width, 150)  # the table's columns, whole, in a log
     errors = Console(stderr=True, soft_wrap=True)
-    if steps < 1:  # was: every case run, and failed, for nothing
+    if steps < 1:
         raise _fail(errors, f"--steps must be a positive integer, got {steps}")
-    if steps >= 2**63:  # was: a traceback from the noise floor's config
+    if steps >= 2**63:
         raise _fail(errors, f"--steps must be below 2**63, got {steps}")
-    if "" in only:  # was: matched every case, and filtered nothing
+    if "" in only:
         raise _fail(errors, "--only is empty: give text of the case names to keep")
     if (idle := _idle_flags(ctx, floor, list_only)) is not None:
         raise _fail(errors, idle)
@@ -139,7 +138,7 @@ def matrix(
         return
     if markdown is not None and not list_only and (
             why := unwritable("--markdown", markdown)):
-        raise _fail(errors, why)  # was: a traceback after every case had run
+        raise _fail(errors, why)
     cases = _cases(which, only, errors)
     if list_only:
         for case in cases:

@@ -89,7 +89,7 @@ def _model(name: str | None, config: Path | None) -> Any:
             data = read_yaml(config)
             if isinstance(data, dict) and "model" in data:  # an `mt pretrain` YAML
                 return load_config(config).model.gpt_config()
-        except ConfigError as err:  # not UTF-8, not YAML (was: a traceback), bad fields
+        except ConfigError as err:  # not UTF-8, not YAML, bad fields
             raise _fail(str(err)) from None
         if not isinstance(data, dict):
             raise _fail(f"{config}: expected a mapping of GPTConfig fields")
@@ -100,7 +100,7 @@ def _model(name: str | None, config: Path | None) -> Any:
 
 def _number_problems(numbers: dict[str, int | None], zero_stage: int) -> list[str]:
     """What is wrong with the numeric flags (``numbers``: flag -> value, None: not given),
-    each naming its flag and value (was: a negative --tp and --pp blamed on divisibility)."""
+    each naming its flag and value."""
     problems = [f"--{flag} must be a positive integer, got {value}"
                 for flag, value in numbers.items() if value is not None and value < 1]
     problems += [f"--{flag} must be below 2**63, got {value}"
@@ -109,7 +109,7 @@ def _number_problems(numbers: dict[str, int | None], zero_stage: int) -> list[st
         problems.append(f"--zero-stage must be 0, 1, 2 or 3, got {zero_stage}")
     if not problems:
         world = numbers["gpus"] or numbers["tp"] * numbers["cp"] * numbers["pp"]  # type: ignore
-        if world > MAX_WORLD_SIZE:  # was: a search enumerating for hours
+        if world > MAX_WORLD_SIZE:
             what = "--gpus" if numbers["gpus"] else "--tp x --cp x --pp"
             problems.append(f"{what} must be at most {MAX_WORLD_SIZE:,} GPUs, got {world:,}")
     return problems
@@ -177,8 +177,7 @@ def _cp_hint(seq_len: int, gpus: int) -> int:
 def _search(gpt: Any, gpu: GPUSpec, gpus: int, global_batch: int, zero: int, schedule: str,
             top: int, as_json: bool, max_cp: int, options: dict[str, Any]) -> None:
     def layouts_of(n: int, cp: int) -> list[ParallelLayout]:
-        # --precision, --chunked-loss and --main-grads hold for every layout (was: the
-        # layout's defaults, bf16, whatever was given).
+        # --precision, --chunked-loss and --main-grads hold for every layout.
         return [dataclasses.replace(lay, **options) for lay in enumerate_layouts(
             gpt, n, global_batch, gpu.gpus_per_node, zero, schedule, max_cp=cp)]
 
@@ -202,7 +201,7 @@ def _search(gpt: Any, gpu: GPUSpec, gpus: int, global_batch: int, zero: int, sch
             f"{gpt.n_layers} layers and dp the global batch {global_batch}"
             + (f"; {near} GPUs can" if near else ""))
     fewest = min(lay.num_micro_batches for lay in layouts)
-    if fewest > MAX_MICRO_BATCHES:  # was: a simulation of hours
+    if fewest > MAX_MICRO_BATCHES:
         raise _fail(f"--global-batch-size {global_batch:,} is at least {fewest:,} "
                     f"micro-batches per step in every layout on {gpus} GPUs; at most "
                     f"{MAX_MICRO_BATCHES:,} (a smaller --global-batch-size or more --gpus)")
@@ -355,11 +354,11 @@ def plan(
         "gpus": gpus, "tp": tp, "cp": cp, "pp": pp, "global-batch-size": global_batch_size,
         "micro-batch-size": micro_batch_size, "virtual-stages": virtual_stages, "top": top},
         zero_stage)
-    if search and (ignored := _search_ignores(ctx, calibrate)):  # was: not used, not said
+    if search and (ignored := _search_ignores(ctx, calibrate)):
         problems.append(f"--search chooses {', '.join(ignored)} itself: leave "
                         f"{'it' if len(ignored) == 1 else 'them'} out, or plan one layout "
                         "without --search")
-    else:  # the rule of mt pretrain (was: planned as if not given)
+    else:  # the rule of mt pretrain
         problems += idle_option_problems(
             tp=tp, pp=pp, virtual_stages=virtual_stages, sequence_parallel=sequence_parallel,
             main_grads=main_grads, precision=precision)
@@ -367,17 +366,17 @@ def plan(
         raise _fail("; ".join(problems))
     if calibrate is not None:
         from mt_data import output_clash
-        from mt_pretrain.cli.outputs import unwritable
+        from mt_data.paths import unwritable
 
         clash = output_clash("--calibrate", calibrate, [p for p in (config, gpu) if p and
                                                         Path(p).exists()])
-        if clash:  # was: the --config file replaced by the measured rates
+        if clash:
             raise _fail(clash)
-        if why := unwritable("--calibrate", calibrate):  # was: found after measuring
+        if why := unwritable("--calibrate", calibrate):
             raise _fail(why)
     gpt = _model(model, config)
     try:
-        # An empty --gpu is refused by load_gpu (was: the default taken instead, unsaid).
+        # An empty --gpu is refused by load_gpu.
         spec = load_gpu(gpu if gpu is not None else
                         (_local_gpu() if calibrate is not None else "a100-80gb"))
     except GPUSpecError as err:
@@ -400,7 +399,7 @@ def plan(
                                 micro_batch_size, zero_stage, schedule, virtual_stages,
                                 sequence_parallel, recompute, precision, chunked_loss,
                                 main_grads, cp)
-        if layout.num_micro_batches > MAX_MICRO_BATCHES:  # was: a simulation of hours
+        if layout.num_micro_batches > MAX_MICRO_BATCHES:
             raise _fail(f"--global-batch-size {global_batch_size:,} is "
                         f"{layout.num_micro_batches:,} micro-batches of {micro_batch_size:,} "
                         f"on each of dp {layout.dp:,} replicas per step; at most "

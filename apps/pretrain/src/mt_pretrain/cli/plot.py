@@ -34,7 +34,7 @@ def plot_metrics(paths: Sequence[str | Path], output: str | Path, key: str = "lo
         raise ValueError(f"--output {output}: {output.suffix!r} is not a format mt plot "
                          f"writes; end the name in one of {', '.join(sorted(formats))}")
 
-    from mt_pretrain.figures import save_figure
+    from mt_inference.figures import save_figure
 
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
     drawn = 0
@@ -96,7 +96,7 @@ def _number(value: Any) -> bool:
         return False
     try:
         return math.isfinite(value)
-    except OverflowError:  # an integer beyond any float (was: a traceback)
+    except OverflowError:  # an integer beyond any float
         return False
 
 

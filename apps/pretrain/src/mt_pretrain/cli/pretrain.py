@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from mt_pretrain.config.load import SHIPPED, load_config
-from mt_pretrain.config.schema import SECTIONS, ConfigError, PretrainConfig
+from mt_pretrain.config.schema import SECTIONS, PretrainConfig
 
 __all__ = ["DEMO_CONFIG", "dry_run", "pretrain_main"]
 
@@ -69,33 +69,31 @@ def pretrain_main(config_path: Path | None, overrides: dict[str, Any],
                   "process unless --nproc (add --config demo-3d to start from the demo)",
                   highlight=False, markup=False)
     from mt_checkpoint import CheckpointError
-    from mt_dist import LaunchError  # a launcher environment that does not add up
+    from mt_data import DataError
+    from mt_dist.exits import FAILED, exit_code
+    from mt_eval import TaskError
 
     try:
         config = load_config(config_path, overrides)
         if config.checkpoint.dry_run:
             Console(soft_wrap=True).print(dry_run(config, environ), highlight=False)
             return 0
-        from mt_pretrain.launch import Interrupted, LaunchFailed, launch
-        from mt_pretrain.run.train import NonFiniteLossError
-    except (ConfigError, LaunchError, CheckpointError) as err:
-        _error(console, str(err))
-        return 2
-    try:
+        from mt_pretrain.launch import launch
+
         with warnings.catch_warnings():
             if config.checkpoint.level == "error":  # asked for: errors only (ranks: run_rank)
                 warnings.simplefilter("ignore")
             summary = launch(config, environ)
-    except (ConfigError, LaunchError, CheckpointError) as err:  # bad input: fix and rerun
-        _error(console, str(err))
-        return 2
-    except (LaunchFailed, NonFiniteLossError, OSError) as err:  # disk full, permissions...
-        console.quiet = False  # this rank's own failure, perhaps its alone: always said
-        _error(console, str(err))
-        return 1
-    except (Interrupted, KeyboardInterrupt) as err:
+    except BaseException as err:  # noqa: BLE001 - mt-dist's one rule; a bug re-raised
+        from mt_pretrain.run.train import NonFiniteLossError
+
+        code = exit_code(err, expected=(CheckpointError, DataError, TaskError),
+                         failed=(NonFiniteLossError,))
+        if code is None:
+            raise
+        console.quiet = console.quiet and code != FAILED  # a rank's own failure: always said
         _error(console, str(err) or "interrupted")
-        return 130
+        return code
     if summary is not None and config.checkpoint.says("warning"):
         _print_summary(Console(soft_wrap=True), summary)
     return 0

@@ -15,8 +15,8 @@ from typing import Any
 
 from mt_data.paths import blocking_file, output_clash
 from mt_eval import TaskError, load_task
-from mt_pretrain.config.engines import unsupported
 from mt_pretrain.config.fields import field_docs, flat_fields
+from mt_pretrain.config.refusals import unsupported
 from mt_pretrain.config.resolve import resolve
 from mt_pretrain.config.schema import SECTIONS, ConfigError, DataArgs, PretrainConfig
 
@@ -189,7 +189,7 @@ def read_yaml(path: Path) -> Any:
         where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(err, "problem", None) or str(err).splitlines()[0]
         raise ConfigError(f"{path}{where}: YAML syntax error: {problem}") from None
-    except RecursionError:  # was: a traceback
+    except RecursionError:
         raise ConfigError(f"{path}: YAML nested too deeply to read") from None
     return {} if loaded is None else loaded
 
@@ -211,7 +211,7 @@ def _unique_keys_loader() -> type:
                 key = self.construct_object(key_node, deep=deep)
                 mark = key_node.start_mark
                 if not isinstance(key, (str, int, float, bool, type(None))):
-                    # was: a TypeError (a list or mapping as a key), a traceback
+
                     raise ConfigError(f"line {mark.line + 1}: a key must be a name, got "
                                       f"{type(key).__name__} {key!r}")
                 if key in seen:
@@ -227,8 +227,7 @@ def _unique_keys_loader() -> type:
 
 
 def _check_paths(config: PretrainConfig) -> None:
-    """Files and folders the flags name, checked before anything starts (was: an OS error
-    from a rank, or the flag silently ignored)."""
+    """Files and folders the flags name, checked before anything starts."""
     data, ckpt = config.data, config.checkpoint
     metrics = ckpt.metrics_path
     if metrics is not None and metrics.is_dir():
@@ -240,7 +239,7 @@ def _check_paths(config: PretrainConfig) -> None:
     for flag, path in (("--out-dir", ckpt.out_dir), ("--save", ckpt.save_dir),
                        ("--metrics", metrics), ("--cache-dir", data.cache_dir)):
         if path is not None and (blocker := blocking_file(path)) is not None:
-            # was: "[Errno 17] File exists" from a rank, exit 1
+
             raise ConfigError(f"{flag} {path}: {blocker} is a file, not a folder; name a "
                               "path in a folder")
     if data.tokenizer is None:
@@ -264,8 +263,7 @@ def _check_paths(config: PretrainConfig) -> None:
 
 def _check_outputs(config: PretrainConfig, source: str | None) -> None:
     """No output of the run inside one of its inputs: a dataset folder, a blend, task or
-    tokenizer file, the config file (was: checkpoints written into the dataset, a metrics
-    file named as the config called "a previous run")."""
+    tokenizer file, the config file."""
     data, ckpt = config.data, config.checkpoint
     inputs = [*dataset_paths(data), *(p for p in (data.data, data.tokenizer, source,
                                                   *config.train.eval_tasks)

@@ -30,7 +30,7 @@ from mt_pipeline import (
 from mt_plan.estimate import peak_in_flight, stage_memory
 from mt_plan.gpus import GPUSpec
 from mt_plan.layout import MAX_MICRO_BATCHES, MAX_WORLD_SIZE, LayoutError, ParallelLayout
-from mt_pretrain.config.engines import engine_of, unsupported
+from mt_pretrain.config.refusals import engine_of, unsupported
 from mt_pretrain.config.schema import (
     DEFAULT_MODEL,
     DEFAULT_TRAIN_STEPS,
@@ -127,7 +127,7 @@ def model_of(config: PretrainConfig) -> tuple[GPTConfig, int]:
 def resolve(config: PretrainConfig, world_size: int) -> RunPlan:
     """Check the config against ``world_size`` and derive the run plan."""
     par, train = config.parallel, config.train
-    if world_size > MAX_WORLD_SIZE:  # was: minutes enumerating its ranks and groups
+    if world_size > MAX_WORLD_SIZE:
         raise ConfigError(f"invalid layout: world size {world_size:,} (--nproc, --dp or the "
                           f"launcher's); at most {MAX_WORLD_SIZE:,} processes")
     refused = unsupported(config)
@@ -179,7 +179,7 @@ def resolve(config: PretrainConfig, world_size: int) -> RunPlan:
     if problems:
         raise ConfigError("invalid layout: " + "; ".join(problems))
     m = layout.num_micro_batches
-    if m > MAX_MICRO_BATCHES:  # was: a dry run simulating 1e10 micro-batches for minutes
+    if m > MAX_MICRO_BATCHES:
         raise ConfigError(f"invalid layout: global batch size {layout.global_batch:,} is "
                           f"{m:,} micro-batches of {layout.micro_batch} on each of dp "
                           f"{layout.dp} replicas per step; at most {MAX_MICRO_BATCHES:,} (a "
@@ -196,14 +196,14 @@ def resolve(config: PretrainConfig, world_size: int) -> RunPlan:
     except (PartitionError, ScheduleError) as err:
         raise ConfigError(f"invalid pipeline: {err}") from None
     steps, samples = _steps_and_samples(config, rampup, gpt.seq_len)
-    if samples * gpt.seq_len >= INT_LIMIT:  # was: an overflow in the data index, or a hang
+    if samples * gpt.seq_len >= INT_LIMIT:
         given = (f"--train-tokens {train.train_tokens:,} is {steps:,} steps"
                  if train.train_tokens is not None else f"{steps:,} steps")
         raise ConfigError(f"{given} of {train.global_batch_size:,} sequences of "
                           f"{gpt.seq_len:,} tokens: {samples * gpt.seq_len:,} tokens; at most "
                           "2**63 - 1 (fewer --train-steps or --train-tokens)")
     decay = train.decay_tokens if train.decay_tokens is not None else samples * gpt.seq_len
-    if train.warmup_tokens is not None and train.warmup_tokens > decay:  # was: cut silently
+    if train.warmup_tokens is not None and train.warmup_tokens > decay:
         where = ("--decay-tokens" if train.decay_tokens is not None else
                  f"the whole run's tokens ({steps:,} steps)")
         raise ConfigError(f"--warmup-tokens {train.warmup_tokens:,} is longer than the decay: "
@@ -211,7 +211,7 @@ def resolve(config: PretrainConfig, world_size: int) -> RunPlan:
                           "--lr. Use a shorter warmup, or a longer --decay-tokens")
     plan = RunPlan(layout, gpt, pipeline, stages, rampup, steps, samples, model)
     stage, memory = fullest_stage_memory(plan, "cpu")  # "cpu": no CUDA call in the parent
-    if memory["total"] >= INT_LIMIT:  # was: torch's "storage size calculation overflowed"
+    if memory["total"] >= INT_LIMIT:
         raise ConfigError(
             f"invalid model: {gpt.n_layers:,} layers, hidden {gpt.hidden:,}, vocab "
             f"{gpt.vocab_size:,}, seq {gpt.seq_len:,} at micro-batch {layout.micro_batch:,} "

@@ -113,7 +113,7 @@ class ModelArgs:
         _int64(problems, self)
         if self.dropout is not None and not 0.0 <= self.dropout < 1.0:
             problems.append(f"--dropout must be in [0, 1), got {self.dropout}")
-        if self.model is not None and not self.model.strip():  # was: taken as tiny, unsaid
+        if self.model is not None and not self.model.strip():
             problems.append("--model is empty: name a preset (tiny, gpt2-small, ...) or leave "
                             "it out for tiny")
         _raise(problems, "model arguments")
@@ -256,10 +256,10 @@ class ParallelArgs:
         if not self.timeout >= MIN_TIMEOUT_S:
             problems.append(f"--timeout must be at least {MIN_TIMEOUT_S:g} seconds (the "
                             f"ranks must first connect to each other), got {self.timeout}")
-        elif not self.timeout <= MAX_TIMEOUT_S:  # was: an OverflowError in every rank
+        elif not self.timeout <= MAX_TIMEOUT_S:
             problems.append(f"--timeout must be at most {MAX_TIMEOUT_S:g} seconds (about 31 "
                             f"years), got {self.timeout}")
-        problems += idle_option_problems(  # was: accepted in silence
+        problems += idle_option_problems(
             tp=self.tp, pp=self.pp, virtual_stages=self.virtual_stages,
             sequence_parallel=self.sequence_parallel, main_grads=self.main_grads,
             precision=self.precision)
@@ -407,13 +407,13 @@ class TrainArgs:
                   "eval_task_limit", allow_none=True)
         _int64(problems, self, "seed")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or \
-                not 0 <= self.seed < INT_LIMIT:  # was: a traceback, or -1 blamed --seq-len
+                not 0 <= self.seed < INT_LIMIT:
             problems.append(f"--seed must be between 0 and 2**63 - 1, got {self.seed!r}")
         if self.eval_task_interval < 0:
             problems.append(f"--eval-task-interval must be >= 0, got {self.eval_task_interval}")
         if self.exit_duration is not None and not self.exit_duration > 0:
             problems.append(f"--exit-duration must be > 0 minutes, got {self.exit_duration}")
-        elif self.exit_duration == math.inf:  # was: accepted, and never exited
+        elif self.exit_duration == math.inf:
             problems.append("--exit-duration must be a finite number of minutes, got inf "
                             "(leave it out to run to the end)")
         if self.warmup_tokens is not None and self.warmup_tokens < 0:
@@ -444,7 +444,7 @@ class TrainArgs:
             if start > self.global_batch_size or (self.global_batch_size - start) % inc:
                 problems.append(f"ramp-up from {start} by {inc} does not reach global batch "
                                 f"size {self.global_batch_size} in whole increments")
-        if self.eval_task is not None and not self.eval_tasks:  # was: accepted, scored none
+        if self.eval_task is not None and not self.eval_tasks:
             problems.append(f"--eval-task {self.eval_task!r} names no task; give task names or "
                             "files, comma separated, or leave it out")
         if self.eval_interval < 0 or self.eval_iters < 0 or self.sample_tokens < 0:
@@ -559,14 +559,14 @@ class CheckpointArgs:
                             f"got {self.log_level!r}")
         if self.wandb_project is not None and not self.wandb_project.strip():
             problems.append("--wandb-project must name a project, got an empty string")
-        if self.wandb_name is not None and self.wandb_project is None:  # was: unused, unsaid
+        if self.wandb_name is not None and self.wandb_project is None:
             problems.append(f"--wandb-name {self.wandb_name!r} names a Weights & Biases run, "
                             "and no --wandb-project logs to one: give --wandb-project too")
         if self.save_interval < 0:
             problems.append(f"--save-interval must be >= 0, got {self.save_interval}")
         if self.peak_tflops is not None and not self.peak_tflops > 0:
             problems.append(f"--peak-tflops must be > 0, got {self.peak_tflops}")
-        elif self.peak_tflops == math.inf:  # was: accepted, every MFU then 0
+        elif self.peak_tflops == math.inf:
             problems.append("--peak-tflops must be a finite number, got inf")
         _raise(problems, "checkpoint arguments")
 

@@ -35,7 +35,8 @@ from mt_plan.layout import ParallelLayout
 from mt_pretrain.config.engines import ENGINES, REFERENCE
 from mt_pretrain.config.schema import PRECISIONS, layout_flags
 
-__all__ = ["COMMON", "CP_CI", "ENGINE_CI", "LLAMA", "LLAMA_CI", "Case", "candidates",
+__all__ = ["COMMON", "CP_CI", "ENGINE_CI", "LLAMA", "LLAMA_CI", "TRAITS", "Case",
+           "EngineTraits", "candidates",
            "ci_matrix", "cp_rows", "full_matrix", "llama_rows", "matrix_layout",
            "pairwise_cover", "valid"]
 
@@ -48,6 +49,28 @@ COMMON: dict[str, Any] = {
     "log_interval": 1000, "save": "none", "timeout": 120.0,
 }
 DROPOUT = 0.1
+
+
+@dataclass(frozen=True)
+class EngineTraits:
+    """What the matrix needs to know of a training engine."""
+
+    keyed_dropout: bool
+    """It draws dropout masks from mt's keyed streams, equal at every layout (else its
+    dropout cases are left out: they cannot match one process)."""
+    own_reduction: bool
+    """It reduces 16-bit gradients its own way (the contract allows a wider 16-bit floor)."""
+    start_seconds: float
+    """Extra seconds it takes to start a run on a 2-core CPU (the matrix's costs)."""
+    tag: str
+    """Its mark in case names ("" for the reference engine)."""
+
+
+#: Every engine of mt_pretrain.config.engines, as the matrix sees it.
+TRAITS = {"mt": EngineTraits(keyed_dropout=True, own_reduction=False, start_seconds=0.0,
+                             tag=""),
+          "deepspeed": EngineTraits(keyed_dropout=False, own_reduction=True,
+                                    start_seconds=4.0, tag="ds")}
 
 
 @dataclass(frozen=True)
@@ -92,8 +115,8 @@ class Case:
             parts.append(lay.precision)
         if self.dropout:
             parts.append("drop")
-        if ENGINES[self.engine].tag:
-            parts.append(ENGINES[self.engine].tag)
+        if TRAITS[self.engine].tag:
+            parts.append(TRAITS[self.engine].tag)
         if self.model != "tiny":
             parts.append(self.model.split("-")[0])
         return " ".join(parts)
@@ -183,7 +206,7 @@ def candidates(cp: int = 1) -> list[Case]:
                 tuple(SCHEDULES) if pp > 1 else (DEFAULT_SCHEDULE,),
                 (False, True) if tp > 1 else (False,), ("none", "selective", "full"),
                 PRECISIONS, (0.0, DROPOUT), ENGINES):
-            if dropout and not ENGINES[engine].keyed_dropout:
+            if dropout and not TRAITS[engine].keyed_dropout:
                 continue
             layout = matrix_layout(tp, pp, dp, zero, schedule, sp, ac, precision,
                                    ENGINES[engine].chunked_loss, cp)
@@ -199,7 +222,7 @@ def _cost(case: Case) -> float:
     lay = case.layout
     return (0.3 * case.nproc + 1.5 * (lay.tp - 1) + 8.0 * (lay.precision == "fp16")
             + 1.0 * (lay.cp - 1)
-            + ENGINES[case.engine].start_seconds + 0.2 * case.checkpointing)
+            + TRAITS[case.engine].start_seconds + 0.2 * case.checkpointing)
 
 
 def pairwise_cover(cases: Iterable[Case] | None = None) -> list[Case]:

@@ -97,7 +97,7 @@ def claim_run_folder(ckpt: CheckpointArgs) -> None:
     (only what mt pretrain wrote). A checkpoint folder holding a ``step-*`` folder mt pretrain
     did not name is refused in any case: saving prunes old ``step-*`` folders."""
     _refuse_foreign_steps(ckpt)
-    _refuse_foreign_metrics(ckpt)  # a resumed run rewrites the file too (was: lines lost)
+    _refuse_foreign_metrics(ckpt)  # a resumed run rewrites the file too
     if _resumes_own(ckpt):
         return
     found = _previous(ckpt)

@@ -33,12 +33,11 @@ from mt_dist import (
     local_device,
 )
 from mt_model import count_parameters
-from mt_pretrain.config.engines import engine_of
+from mt_pretrain.config.refusals import engine_of
 from mt_pretrain.config.resolve import RunPlan, fullest_stage_memory, resolve
 from mt_pretrain.config.schema import CheckpointArgs, ConfigError, PretrainConfig, TrainArgs
 from mt_pretrain.data.inputs import ensure_data, make_loaders, tokenizer_for
 from mt_pretrain.engines.base import Engine
-from mt_pretrain.evaluation.training import task_scorer
 from mt_pretrain.run.folder import claim_run_folder, run_folder_lock
 from mt_pretrain.run.memory import MemoryPeaks, gather_memory, map_large_blocks
 from mt_pretrain.run.metrics import MetricsWriter, WandbTarget
@@ -49,6 +48,7 @@ from mt_pretrain.run.sample import (
     gather_weights,
     greedy_generate,
 )
+from mt_pretrain.run.tasks import task_scorer
 from mt_pretrain.run.train import StepStats, Trainer, stats_dict
 
 __all__ = ["RunSummary", "make_engine", "run_rank"]
@@ -241,7 +241,7 @@ def _train(config: PretrainConfig, plan: RunPlan, groups: ParallelGroups, device
     elif rank0 and ckpt.load and not resuming:
         reporter.print(f"no checkpoint in {ckpt.load} yet: starting at step 0")
     if rank0 and start_step >= plan.train_steps and ckpt.says("warning"):
-        # A warning's weight (was: exit 0 and nothing said): shown unless --log-level error.
+        # A warning's weight: shown unless --log-level error.
         print(f"nothing to train: {ckpt.load} is at step {start_step}, the run ends at step "
               f"{plan.train_steps} (raise --train-steps / --train-tokens to train on)",
               flush=True)

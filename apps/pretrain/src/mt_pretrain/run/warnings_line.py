@@ -1,6 +1,5 @@
 """Warnings as the rest of mt speaks: one ``warning: ...`` line each, every message once per
-process (was: Python's two-line form with the source line, and the same fallback warning
-once per caller that met it)."""
+process (not Python's two-line form with the source line)."""
 
 from __future__ import annotations
 

@@ -70,7 +70,7 @@ def load_probes(lists: GroupWords, path: str | Path | None = None) -> Probes:
         raw = yaml.safe_load(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
         raise _fail(path, f"not a readable probes YAML file: {err}") from None
-    except RecursionError:  # was: a traceback
+    except RecursionError:
         raise _fail(path, "not a readable probes YAML file: nested too deeply") from None
     unknown = sorted(set(raw) - {"occupation", "groups"}) if isinstance(raw, dict) else []
     if unknown:

@@ -1,0 +1,92 @@
+"""What the inference commands run: the model config, its full weights and its tokenizer,
+read from an `mt pretrain` checkpoint (the folder, its ``latest``, or one step), or from any
+folder `mt convert` reads (a Hugging Face GPT-2 folder, an mt consolidated or sharded folder, a
+Megatron-LM checkpoint), converted once into a temporary `mt pretrain` checkpoint by
+mt-formats, the library under `mt convert`, in process."""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mt_checkpoint import CheckpointError, find_checkpoint, read_meta
+from mt_formats import ConvertError, convert_checkpoint, load_state_dict
+from mt_model import GPTConfig
+
+__all__ = ["EvalModel", "as_pretrain_checkpoint", "load_eval_model", "whole_model"]
+
+
+@dataclass
+class EvalModel:
+    """A model to evaluate: ``weights`` are full (unsharded) fp32 tensors by mt name."""
+
+    config: GPTConfig
+    weights: dict[str, torch.Tensor]
+    tokenizer: str
+    source: str
+    step: int | None = None
+
+
+def _folder_tokenizer(folder: Path) -> str | None:
+    """The tokenizer a model folder carries (``tokenizer.json``, or GPT-2's vocab and merges
+    files), as ``mt_data.load_tokenizer`` takes it."""
+    if (folder / "tokenizer.json").is_file() or (
+            (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file()):
+        return str(folder)
+    return None
+
+
+@contextmanager
+def as_pretrain_checkpoint(path: str, tokenizer: str | None
+                           ) -> Iterator[tuple[str, str | None]]:
+    """(an `mt pretrain` checkpoint, tokenizer) for ``path``: itself, or a temporary
+    conversion of another format by mt-formats, in this process (deleted on exit), with the
+    tokenizer the folder carries unless ``tokenizer`` is given."""
+    try:
+        find_checkpoint(path)
+        yield path, tokenizer
+        return
+    except CheckpointError:
+        if not Path(path).is_dir():
+            raise
+    with tempfile.TemporaryDirectory(prefix="mt-eval-") as tmp:
+        target = Path(tmp) / "checkpoint"
+        try:
+            convert_checkpoint(path, target, to="pretrain")
+        except ConvertError as err:
+            raise CheckpointError(f"{path}: neither an mt pretrain checkpoint nor a folder mt "
+                                  f"convert reads ({err})") from None
+        yield str(target), tokenizer or _folder_tokenizer(Path(path))
+
+
+def load_eval_model(path: str | Path, tokenizer: str | None = None) -> EvalModel:
+    """Config, full weights and tokenizer of the checkpoint at ``path``."""
+    folder = find_checkpoint(path)
+    meta = read_meta(folder)
+    try:  # mt-formats: the one reader of pretrain checkpoints (checksums checked)
+        config, weights = load_state_dict(folder, "pretrain")
+    except ConvertError as err:
+        raise CheckpointError(str(err)) from None
+    name = tokenizer or meta.tokenizer
+    if name is None:
+        raise CheckpointError(f"{folder}: the tokenizer the run trained with is not recorded "
+                              "and its dataset is not here; pass --tokenizer (gpt2, "
+                              "tokenizer-1k, a tokenizer.json or a folder)")
+    return EvalModel(config, weights, name, str(folder), meta.step)
+
+
+def whole_model(loaded: EvalModel, device: torch.device, dtype: torch.dtype) -> Any:
+    """The whole model (mt-model's ``GPT``, eval mode) of ``loaded``'s weights, for decoding
+    on one process (its weights laid out for decoding's thin products on CPU)."""
+    from mt_model import GPT, decoding_layout_
+
+    model = GPT(loaded.config, seed=None)
+    model.load_state_dict(loaded.weights, strict=True)
+    model = model.to(device=device, dtype=dtype).eval()
+    return decoding_layout_(model) if device.type == "cpu" else model

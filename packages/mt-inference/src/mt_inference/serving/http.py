@@ -1,0 +1,253 @@
+"""`mt serve`'s HTTP side: a Starlette application served by uvicorn on a thread of rank 0.
+
+Routes: ``POST /v1/completions`` (:mod:`mt_inference.serving.api`; ``stream`` answers with
+server-sent events ending in ``data: [DONE]``), ``GET /v1/models``, ``GET /v1/models/{id}``,
+``GET /health`` (503 while draining), ``GET /openapi.json`` (:mod:`.openapi`). With an API key
+the /v1 routes need ``Authorization: Bearer KEY`` (compared in constant time; 401
+otherwise). Every refusal is a JSON error object: malformed JSON, a wrong or unknown field
+(400), a wrong key (401), an unknown model or route (404), another method (405, with
+``Allow``), a body over the limit (413), a full queue (429, with Retry-After), draining
+(503), a request past its time (504). A client that disconnects frees its rows at the
+engine's next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.applications import Starlette  # pants: no-infer-dep
+from starlette.exceptions import HTTPException  # pants: no-infer-dep
+from starlette.requests import Request  # pants: no-infer-dep
+from starlette.responses import JSONResponse, Response, StreamingResponse  # pants: no-infer-dep
+from starlette.routing import Route  # pants: no-infer-dep
+
+from mt_inference.serving.api import (
+    ApiError,
+    Choice,
+    Limits,
+    chunk_body,
+    completion_body,
+    error_body,
+    now,
+    parse_completion,
+    usage_body,
+)
+from mt_inference.serving.engine import Inbox, Job
+from mt_inference.serving.openapi import openapi_schema
+
+__all__ = ["ServerConfig", "build_app", "start_server"]
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """What the HTTP side needs to check and queue requests."""
+
+    model: str
+    limits: Limits
+    encode: Callable[[str], list[int]]
+    decode: Callable[[list[int]], str]
+    stop_ids: tuple[int, ...]
+    max_body_bytes: int = 1 << 20
+    request_timeout: float = 600.0
+    api_key: str | None = None
+    """The /v1 routes need ``Authorization: Bearer API_KEY`` (None: no key)."""
+
+
+def _error(error: ApiError, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(error.message, error.kind, error.param, error.code),
+                        status_code=error.status, headers=headers)
+
+
+async def _body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"the request body of {declared} bytes is over the limit of "
+                       f"{limit}")
+    body = bytearray()
+    async for piece in request.stream():
+        body += piece
+        if len(body) > limit:
+            raise ApiError(413, f"the request body is over the limit of {limit} bytes")
+    return bytes(body)
+
+
+def _json(raw: bytes) -> Any:
+    """The parsed body, or a 400 saying why not (malformed, not UTF-8, nested past the
+    parser's depth, a number of more digits than Python converts)."""
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise ApiError(400, "the request body is not valid JSON for mt serve (nested too "
+                       "deep)") from None
+    except ValueError as err:  # JSONDecodeError, UnicodeDecodeError, a 5,000-digit number
+        raise ApiError(400, f"the request body is not valid JSON ({err})") from None
+
+
+class _Handlers:
+    """The routes of one server (``inbox``: where checked requests wait for the engine)."""
+
+    def __init__(self, config: ServerConfig, inbox: Inbox) -> None:
+        self.config, self.inbox = config, inbox
+        self.model_card = {"id": config.model, "object": "model", "created": now(),
+                           "owned_by": "mt", "max_model_len": config.limits.max_positions}
+        self.schema = openapi_schema(config.model, config.limits, config.api_key is not None)
+
+    def refuse_key(self, request: Request) -> Response | None:
+        """401 unless the request carries the key (constant-time compare), or no key is
+        set."""
+        key = self.config.api_key
+        if key is None:
+            return None
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(),
+                                                              key.encode()):
+            return None
+        return _error(ApiError(401, "a valid API key is required: send the header "
+                               "'Authorization: Bearer KEY'", code="invalid_api_key"),
+                      {"WWW-Authenticate": "Bearer"})
+
+    async def health(self, _request: Request) -> Response:
+        inbox = self.inbox
+        if inbox.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return JSONResponse({"status": "ok", "waiting": len(inbox), "running": inbox.running,
+                             "gone": inbox.gone})
+
+    async def openapi(self, _request: Request) -> Response:
+        return JSONResponse(self.schema)
+
+    async def models(self, request: Request) -> Response:
+        refused = self.refuse_key(request)
+        return refused or JSONResponse({"object": "list", "data": [self.model_card]})
+
+    async def model(self, request: Request) -> Response:
+        refused = self.refuse_key(request)
+        if refused:
+            return refused
+        asked = request.path_params["model"]
+        if asked != self.config.model:
+            return _error(ApiError(404, f"the model '{asked}' does not exist; this server "
+                                   f"serves '{self.config.model}'", "model",
+                                   code="model_not_found"))
+        return JSONResponse(self.model_card)
+
+    async def completions(self, request: Request) -> Response:
+        refused = self.refuse_key(request)
+        if refused:
+            return refused
+        config = self.config
+        try:
+            body = _json(await _body(request, config.max_body_bytes))
+            completion = parse_completion(body, config.model, config.encode, config.decode,
+                                          config.limits, config.stop_ids)
+        except ApiError as err:
+            return _error(err)
+        job = Job(f"cmpl-{uuid.uuid4().hex}", completion, asyncio.get_running_loop(),
+                  time.monotonic() + config.request_timeout)
+        refusal = self.inbox.offer(job)
+        if refusal == "full":
+            return _error(ApiError(429, f"the queue is full ({self.inbox.max_waiting} "
+                                   "requests wait); try again shortly",
+                                   kind="rate_limit_exceeded"), {"Retry-After": "1"})
+        if refusal == "draining":
+            return _error(ApiError(503, "the server is shutting down", kind="unavailable"))
+        if completion.stream:
+            return StreamingResponse(self.events(job, now()), media_type="text/event-stream")
+        return await self.whole(job, now(), request)
+
+    async def whole(self, job: Job, created: int, request: Request) -> Response:
+        try:
+            while True:
+                try:
+                    kind, value = await asyncio.wait_for(job.queue.get(), 1.0)
+                except TimeoutError:
+                    if await request.is_disconnected():
+                        return Response(status_code=499)
+                    continue
+                if kind == "done":
+                    return JSONResponse(completion_body(job.ident, self.config.model,
+                                                        created, value))
+                if kind == "error":
+                    return _error(value)
+        finally:
+            if not job.finished:
+                job.cancelled = True
+
+    async def events(self, job: Job, created: int) -> AsyncIterator[str]:
+        usage = job.completion.include_usage
+
+        def event(choice: Choice | None, counts: dict[str, int] | None = None) -> str:
+            chunk = chunk_body(job.ident, self.config.model, created, choice, counts, usage)
+            return f"data: {json.dumps(chunk)}\n\n"
+
+        try:
+            while True:
+                kind, value = await job.queue.get()
+                if kind == "delta":
+                    yield event(value)
+                elif kind == "error":
+                    yield f"data: {json.dumps(error_body(value.message, value.kind))}\n\n"
+                    return
+                else:
+                    if usage:
+                        yield event(None, usage_body(value))
+                    yield "data: [DONE]\n\n"
+                    return
+        finally:
+            if not job.finished:  # the client went away mid-stream
+                job.cancelled = True
+
+
+def build_app(config: ServerConfig, inbox: Inbox) -> Starlette:
+    """The application: checks and queues requests; the engine (another thread) runs them."""
+    handlers = _Handlers(config, inbox)
+
+    async def http_error(_request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        return JSONResponse(error_body(exc.detail, "invalid_request_error"),
+                            status_code=exc.status_code, headers=exc.headers)
+
+    async def server_error(_request: Request, exc: Exception) -> Response:
+        return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}",
+                                       "server_error"), status_code=500)
+
+    return Starlette(routes=[
+        Route("/health", handlers.health, methods=["GET"]),
+        Route("/openapi.json", handlers.openapi, methods=["GET"]),
+        Route("/v1/models", handlers.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", handlers.model, methods=["GET"]),
+        Route("/v1/completions", handlers.completions, methods=["POST"]),
+    ], exception_handlers={HTTPException: http_error, Exception: server_error})
+
+
+def start_server(app: Starlette, host: str, port: int) -> tuple[Any, threading.Thread]:
+    """Serve ``app`` with uvicorn on a thread (signals stay with the main thread); returns
+    (the server, its thread) once it listens. Raises OSError if the port cannot be bound."""
+    import uvicorn  # pants: no-infer-dep
+
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                           access_log=False, timeout_graceful_shutdown=5))
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            server.run()
+        except BaseException as err:  # noqa: BLE001 - reported to the starting thread
+            failure.append(err)
+
+    thread = threading.Thread(target=run, name="mt-serve-http", daemon=True)
+    thread.start()
+    while not server.started and thread.is_alive():
+        time.sleep(0.02)
+    if not server.started:
+        raise OSError(f"cannot serve on {host}:{port}"
+                      + (f" ({failure[0]})" if failure else " (is the port in use?)"))
+    return server, thread

@@ -1,0 +1,122 @@
+"""mt serve's engine without HTTP: rank 0's dispatcher driving two data-parallel replicas
+(two engine loops in this process, one tiny model), as the ranks of a DP 2 server do: jobs go
+to the least loaded replica, each job gets the text it gets alone, a cancelled job and a job
+past its deadline free their rows, and a full batch leaves jobs waiting."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import torch
+
+from mt_inference.serving.api import Completion
+from mt_inference.serving.engine import Command, Dispatcher, Inbox, Job, ServeLoop
+from mt_model import GPT, GPTConfig, Sampling, WholeModel
+
+
+def _decode(tokens: list[int]) -> str:
+    return "".join(f"<{t}>" for t in tokens)
+
+
+class Replicas:
+    """Two replicas' loops driven one iteration at a time (broadcast: the same command to
+    both; gather: both results joined)."""
+
+    def __init__(self, model: GPT) -> None:
+        self.loops = [ServeLoop(WholeModel(model), r, True, lambda c: c, lambda x: x)
+                      for r in range(2)]
+
+    def iterate(self, dispatcher: Dispatcher) -> Command:
+        command = dispatcher.command()
+        dispatcher.deliver([item for loop in self.loops for item in loop.iterate(command)])
+        return command
+
+
+def _job(loop: asyncio.AbstractEventLoop, name: str, prompt: tuple[int, ...], tokens: int,
+         deadline: float = 1e9, rule: Sampling | None = None) -> Job:
+    completion = Completion("m", (prompt,), (_decode(list(prompt)),),
+                            (rule or Sampling(max_new_tokens=tokens),), (), None, False, False)
+    return Job(name, completion, loop, time.monotonic() + deadline)
+
+
+def test_one_failing_request_fails_alone() -> None:
+    """A request the engine cannot run (here one whose seed got past the checks, so that its
+    generator raises in the prefill, as an unchecked seed of 2**70 did) ends in an error of
+    its own; the requests beside it finish, and the loop serves the next ones."""
+    model = GPT(GPTConfig(2, 32, 4, 97, 48), seed=3).eval()
+    replicas = Replicas(model)
+    inbox = Inbox(max_waiting=8)
+    dispatcher = Dispatcher(inbox, _decode, replicas=2, max_batch=4,
+                            check=replicas.loops[0].batch.check)
+    loop = asyncio.new_event_loop()
+    bad_rule = Sampling(max_new_tokens=4, temperature=1.0)
+    object.__setattr__(bad_rule, "seed", 2**70)  # what the checks now refuse at the door
+    bad = _job(loop, "bad", (5, 9), 4, rule=bad_rule)
+    good = _job(loop, "good", (1, 2, 3), 5)
+    too_long = _job(loop, "long", (1,) * 40, 20)  # 40 + 20 > 48 positions
+    for job in (bad, good, too_long):
+        assert inbox.offer(job) is None
+    for _ in range(10):
+        replicas.iterate(dispatcher)
+    kind, error = _outcome(loop, bad)
+    assert kind == "error" and error.status == 500 and "decoding failed" in error.message
+    kind, error = _outcome(loop, too_long)
+    assert kind == "error" and error.status == 400 and "48 positions" in error.message
+    kind, choices = _outcome(loop, good)
+    assert kind == "done" and choices[0].completion_tokens == 5
+    assert dispatcher.load == [0, 0] and not dispatcher.rows
+    after = _job(loop, "after", (4, 4), 3)
+    assert inbox.offer(after) is None
+    for _ in range(5):
+        replicas.iterate(dispatcher)
+    assert _outcome(loop, after)[0] == "done"
+    loop.close()
+
+
+def _outcome(loop: asyncio.AbstractEventLoop, job: Job) -> tuple[str, object]:
+    loop.run_until_complete(asyncio.sleep(0))
+    kind, value = job.queue.get_nowait()
+    return kind, value
+
+
+def test_two_replicas_share_jobs_cancel_and_time_out() -> None:
+    model = GPT(GPTConfig(2, 32, 4, 97, 48), seed=3).eval()
+    replicas = Replicas(model)
+    inbox = Inbox(max_waiting=8)
+    dispatcher = Dispatcher(inbox, _decode, replicas=2, max_batch=2,
+                            check=replicas.loops[0].batch.check)
+    loop = asyncio.new_event_loop()
+    prompts = [(5, 9, 14), (1, 2, 3, 4), (42, 17), (7, 7, 7, 7, 7)]
+    jobs = [_job(loop, f"j{i}", p, 6 + i) for i, p in enumerate(prompts)]
+    late = _job(loop, "late", (3, 3), 4, deadline=-1.0)  # its time is up while it waits
+    gone = _job(loop, "gone", (8, 9), 30)
+    for job in [*jobs, late, gone]:
+        assert inbox.offer(job) is None
+    command = replicas.iterate(dispatcher)
+    placed = {key[0]: replica for replica, key, _ in command.admit}
+    assert placed == {"j0": 0, "j1": 1, "j2": 0, "j3": 1}  # least loaded, two rows each
+    assert len(inbox) == 2 and inbox.running == 4
+    gone.cancelled = True
+    for _ in range(40):
+        if all(job.finished for job in [*jobs, late, gone]):
+            break
+        replicas.iterate(dispatcher)
+    loop.run_until_complete(asyncio.sleep(0))
+    with torch.no_grad():
+        for i, (job, prompt) in enumerate(zip(jobs, prompts, strict=True)):
+            kind, choices = job.queue.get_nowait()
+            ids = list(prompt)
+            for _ in range(6 + i):  # greedy, alone, the full forward each token
+                ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+            assert kind == "done" and choices[0].text == _decode(ids[len(prompt):]), i
+            assert choices[0].finish_reason == "length"
+    kind, error = late.queue.get_nowait()
+    assert kind == "error" and error.status == 504
+    kind, error = gone.queue.get_nowait()
+    assert kind == "error" and error.status == 499 and inbox.gone == 1
+    assert inbox.running == 0 and dispatcher.load == [0, 0]
+    inbox.drain()
+    assert inbox.offer(_job(loop, "after", (1,), 1)) == "draining"
+    assert replicas.iterate(dispatcher).stop
+    loop.close()

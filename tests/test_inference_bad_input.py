@@ -1,0 +1,60 @@
+"""`mt generate`, `mt bias`, `mt eval` and `mt serve` on bad input: one line naming the flag
+and the value at fault, exit 2, before any model is read (no checkpoint needed: the options
+are checked first); their help names the extras to install."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mt_cli import app
+from typer.testing import CliRunner
+
+
+def _run(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(app, list(args), env={"COLUMNS": "300"})
+    return result.exit_code, " ".join(result.output.split())
+
+
+def test_generate_refuses_an_empty_stop_string_and_names_the_seed_flag(tmp_path: Path) -> None:
+    """--stop '' and --in-flight without a pipeline
+    and a --seed out of mt-model's range (its Sampling check, in the flag's name)."""
+    missing = str(tmp_path / "no-checkpoint")
+    code, text = _run("generate", missing, "--prompt", "The", "--stop", "\n", "--stop", "")
+    assert code == 2 and "--stop is empty: give the text to stop before" in text, text
+    code, text = _run("generate", missing, "--prompt", "The", "--in-flight", "4")
+    assert code == 2 and "--in-flight 4 keeps the stages of a pipeline busy, and --pp 1 has " \
+        "one stage" in text, text
+    for seed in ("-1", str(2**63)):
+        code, text = _run("generate", missing, "--prompt", "The", "--seed", seed)
+        assert code == 2 and "Traceback" not in text, text
+        assert "--seed must be" in text and f"got {seed}" in text, text
+        assert " seed must" not in text.replace("--seed must", ""), text  # renamed
+
+
+def test_generate_and_bias_refuse_an_output_they_cannot_write(tmp_path: Path) -> None:
+    """An --output under a regular file: refused before the model is read (was: an OS error
+    after every prompt was decoded; mt bias: a traceback after every probe had run)."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "The"}\n')
+    missing = str(tmp_path / "no-checkpoint")
+    out = blocker / "out.jsonl"
+    code, text = _run("generate", missing, "--input", str(prompts), "--output", str(out))
+    assert code == 2, text
+    assert f"--output {out}: {blocker} is a file, not a folder" in text, text
+    report = blocker / "report"
+    code, text = _run("bias", missing, "--output", str(report), "--no-likelihood")
+    assert code == 2, text
+    assert f"--output {report}: {blocker} is a file, not a folder" in text, text
+    assert blocker.read_text() == "x"
+    code, text = _run("bias", missing, "--output", str(tmp_path / "r"), "--no-likelihood",
+                      "--samples", str(2**70))
+    assert code == 2 and "--samples must be at most 10,000 per prompt" in text, text
+
+
+def test_help_keeps_the_extras_to_install() -> None:
+    """Square brackets are Rich markup: the help must still say 'mt-inference[harness]'."""
+    for command, extra in (("eval", "harness"), ("bias", "harness"), ("serve", "serve")):
+        result = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "200"})
+        assert result.exit_code == 0 and f"'mt-inference[{extra}]'" in result.output, command
