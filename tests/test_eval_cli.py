@@ -104,8 +104,7 @@ def test_bad_input_is_one_line(checkpoint: Path, tmp_path: Path) -> None:
     assert task.read_text() == '{"text": "one two three four"}\n'
     code, text = _eval(str(checkpoint), "--task", "mt-cloze", "--shots", "-1")
     assert code == 2 and "--shots must be 0 or more, got -1" in text, text
-    # --device cuda where torch has no GPU (was: "AssertionError: Torch not compiled with
-    # CUDA enabled", exit 1); the same check serves mt generate, serve and bias.
+    # --device cuda where torch has no GPU; the same check serves mt generate, serve and bias.
     if not torch.cuda.is_available():
         code, text = _eval(str(checkpoint), "--task", "mt-cloze", "--device", "cuda")
         assert code == 2 and "--device cuda: torch" in text and "Traceback" not in text, text
@@ -137,8 +136,7 @@ def test_auto_keeps_task_files_on_mts_engine(checkpoint: Path, tmp_path: Path) -
 
 def test_an_output_that_cannot_be_written_is_refused_before_the_work(tmp_path: Path) -> None:
     """--output under a regular file (root writes anywhere, so not a read-only folder): one
-    line naming it, exit 2, before the checkpoint is even read (was: a traceback after the
-    whole evaluation)."""
+    line naming it, exit 2, before the checkpoint is even read."""
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
     missing = tmp_path / "no-checkpoint"

@@ -32,8 +32,7 @@ def test_generate_refuses_an_empty_stop_string_and_names_the_seed_flag(tmp_path:
 
 
 def test_generate_and_bias_refuse_an_output_they_cannot_write(tmp_path: Path) -> None:
-    """An --output under a regular file: refused before the model is read (was: an OS error
-    after every prompt was decoded; mt bias: a traceback after every probe had run)."""
+    """An --output under a regular file: refused before the model is read."""
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
     prompts = tmp_path / "prompts.jsonl"

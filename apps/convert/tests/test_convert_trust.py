@@ -52,8 +52,8 @@ def test_convert_names_a_source_file_as_a_file(checkpoint: Path, tmp_path: Path)
 
 
 def test_convert_force_replaces_only_its_own_output(checkpoint: Path, tmp_path: Path) -> None:
-    """--force onto a folder holding the user's files, or onto a file (was: deleted and
-    replaced by the checkpoint): refused in one line naming them, exit 2, nothing touched.
+    """--force onto a folder holding the user's files, or onto a file: refused in one line naming
+    them, exit 2, nothing touched.
     A conversion's own output is still replaced."""
     mine = tmp_path / "mine"
     mine.mkdir()

@@ -319,8 +319,7 @@ def test_a_second_interrupt_stops_one_process_inside_a_long_native_operation(
         cache: Path, tmp_path: Path) -> None:
     """One process, stalled in one native operation of about 25 s (the train.stall
     failpoint: as the attention of a very long sequence), during which Python runs no signal
-    handler: the second SIGTERM still stops it within seconds, exit 130 (was: both ignored
-    until the operation ended, minutes at 32k tokens)."""
+    handler: the second SIGTERM still stops it within seconds, exit 130."""
     out = tmp_path / "run"
     proc = subprocess.Popen(
         [sys.executable, "-m", "mt_pretrain", "pretrain", "--seq-len", "32", "--train-steps",
@@ -352,8 +351,7 @@ def test_a_second_interrupt_stops_one_process_inside_a_long_native_operation(
 def test_ctrl_c_in_a_terminal_saves_once_and_exits_0(cache: Path, tmp_path: Path) -> None:
     """Ctrl-C in a terminal signals the whole foreground process group: the --nproc parent
     and (were they in it) every rank. One key press is one interrupt: the ranks save after
-    their step and the run exits 0 (was: each rank saw the terminal's SIGINT and the parent's
-    SIGTERM, "signal 15 received twice", exit 1, no checkpoint)."""
+    their step and the run exits 0."""
     out = tmp_path / "run"
     proc = _start(_mt("--train-steps", "100000", "--out-dir", str(out), "--cache-dir",
                       str(cache)), out, session=True)
@@ -380,8 +378,7 @@ def _file_size_limit(limit: int) -> Callable[[], None]:
 
 def test_a_full_disk_during_a_save_is_one_line_and_exit_1(prepared: Path,
                                                           tmp_path: Path) -> None:
-    """The rank files of a save do not fit (was: `RuntimeError: [enforce fail at
-    inline_container.cc]`, a traceback per rank): one line naming the file, exit 1 (the run
+    """The rank files of a save do not fit: one line naming the file, exit 1 (the run
     failed; the input was fine); `latest` names no half-written step."""
     cache = prepared  # the data cache, prepared: only the save can fill the disk
     out = tmp_path / "run"
@@ -400,8 +397,7 @@ def test_a_full_disk_during_a_save_is_one_line_and_exit_1(prepared: Path,
 def test_a_damaged_dataset_shard_is_refused_at_every_layout(prepared: Path, tmp_path: Path,
                                                            layout: dict[str, int]) -> None:
     """Bytes flipped inside a shard's token ids (its index.json untouched): refused before
-    training, naming the shard, at TP 1 and TP 2 alike (was: an IndexError naming nothing at
-    TP 1; at TP 2 the out-of-range ids were masked and a validation loss printed)."""
+    training, naming the shard, at TP 1 and TP 2 alike."""
     cache = prepared
     data = tmp_path / "data"
     shutil.copytree(next((cache / "data").glob("embedded-*")), data,
@@ -415,8 +411,7 @@ def test_a_damaged_dataset_shard_is_refused_at_every_layout(prepared: Path, tmp_
 
 
 def test_a_dataset_shorter_than_one_sample_is_one_line(cache: Path, tmp_path: Path) -> None:
-    """Two short documents, --seq-len 128: one line saying what to change (was: a
-    ValueError traceback from inside the rank)."""
+    """Two short documents, --seq-len 128: one line saying what to change."""
     import json
 
     from mt_data.filters import FilterConfig

@@ -48,8 +48,7 @@ def test_quiet_prints_only_the_summary(tmp_path: Path) -> None:
 
 def test_help_on_80_columns_keeps_every_flag_whole() -> None:
     """On a terminal narrower than 100 columns `mt pretrain --help` and `mt data prepare
-    --help` use click's plain layout: no line past the width, no flag name cut (was: rich's
-    table squeezed the help column and cut `--quality-filters` to `--quality-filte…`)."""
+    --help` use click's plain layout: no line past the width, no flag name cut."""
     for command, flags in ((["pretrain"], ["--sequence-parallel / --no-sequence-parallel",
                                            "--activation-checkpointing", "--micro-batch-size"]),
                            (["data", "prepare"], ["--quality-filters / --no-quality-filters",
@@ -66,8 +65,7 @@ def test_help_on_80_columns_keeps_every_flag_whole() -> None:
 
 def test_plot_names_the_line_of_a_bad_value(tmp_path: Path) -> None:
     """A metrics line whose step or loss is not a number, a loss that --log-y cannot draw, a
-    file that is not text: one line naming the file (and line), exit 2 (was: the values
-    dropped without a word, or a UnicodeDecodeError naming no file)."""
+    file that is not text: one line naming the file (and line), exit 2."""
     odd = tmp_path / "odd.jsonl"
     odd.write_text('{"step": 1, "loss": 2.0}\n{"step": "x", "loss": 1.5}\n')
     negative = tmp_path / "neg.jsonl"

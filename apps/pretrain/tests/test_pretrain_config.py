@@ -347,8 +347,7 @@ def test_numbers_that_would_overflow_or_do_nothing_are_refused(overrides: dict,
 
 def test_the_seed_range_holds_on_the_command_line_and_in_yaml(tmp_path: Path) -> None:
     """`mt pretrain --seed -1`
-    and a YAML seed beyond 2**63 - 1; the largest seed itself is kept exactly (was: read
-    through a float, 2**63 - 1 became 2**63)."""
+    and a YAML seed beyond 2**63 - 1; the largest seed itself is kept exactly."""
     result = CliRunner().invoke(app, ["pretrain", "--seed", "-1", "--dry-run"],
                                 env={"COLUMNS": "200"})
     assert result.exit_code == 2, result.output

@@ -17,10 +17,7 @@ import pytest
 import torch
 from rich.console import Console
 
-from mt_pretrain.cli.pretrain import pretrain_main
-from mt_pretrain.config.load import load_config
-from mt_pretrain.config.resolve import describe, fullest_stage_memory, resolve
-from mt_pretrain.run.memory import (
+from mt_plan.memory import (
     GIB,
     MemoryPeaks,
     gather_memory,
@@ -28,6 +25,9 @@ from mt_pretrain.run.memory import (
     read_memory,
     summary_line,
 )
+from mt_pretrain.cli.pretrain import pretrain_main
+from mt_pretrain.config.load import load_config
+from mt_pretrain.config.resolve import describe, fullest_stage_memory, resolve
 from mt_pretrain.run.metrics import read_metrics
 from mt_pretrain.run.progress import Reporter
 
@@ -141,8 +141,11 @@ def test_dry_run_says_what_the_run_measures() -> None:
 # back when freed. An 8 MiB block freed first raises glibc's own threshold past 1 MiB, as a
 # training step's activations do.
 _PROBE = """
-import sys, tempfile, torch
-from mt_pretrain.run.memory import _current_rss
+import os, sys, tempfile, torch
+def _current_rss():  # as mt_plan.memory reads it; the control imports torch alone (more
+    # imports leave holes in the heap that the small blocks fill, and glibc trims the rest)
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 if sys.argv[1] == "run":
     from mt_pretrain.config.load import load_config
     from mt_pretrain.launch import launch
@@ -165,7 +168,7 @@ print((before - _current_rss()) / 2**20)
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
 def test_cpu_training_ranks_give_freed_blocks_back() -> None:
-    """A CPU rank maps every block of 64 KiB or more on its own (run/memory.py): freed
+    """A CPU rank maps every block of 64 KiB or more on its own (mt_plan.memory): freed
     activations leave the RSS, which then follows the live bytes `mt plan` counts (glibc's
     default keeps them in its heap: peak RSS 13-21% above the plan at CP 2 and 4 in
     benchmarks/cp.py). Measured here: 98-100 of 100 MiB given back after a run, 0 without one;

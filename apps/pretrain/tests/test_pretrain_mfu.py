@@ -70,8 +70,7 @@ def test_progress_line_shows_mfu() -> None:
 
 def test_live_progress_line_keeps_step_bar_and_eta_on_80_columns() -> None:
     """On a terminal of 80 columns the live line stays one row with the step, the bar and
-    the ETA; the numbers that do not fit are left out, the loss first to stay (was: the
-    step, bar and ETA were pushed out by the numbers)."""
+    the ETA; the numbers that do not fit are left out, the loss first to stay."""
     out = io.StringIO()
     console = Console(file=out, width=80, force_terminal=True, color_system=None)
     reporter = Reporter(300, 0, True, True, 1, console=console)

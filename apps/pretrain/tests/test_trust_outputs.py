@@ -76,7 +76,7 @@ def _claim(out: Path, **options: object) -> None:
     from mt_pretrain.run.folder import claim_run_folder, run_folder_lock
 
     with run_folder_lock(config.checkpoint.save_dir or out):
-        claim_run_folder(config.checkpoint)
+        claim_run_folder(config.checkpoint, config.metrics_path)
 
 
 def test_pretrain_overwrite_deletes_only_what_mt_pretrain_wrote(tmp_path: Path) -> None:

@@ -342,8 +342,7 @@ def test_overwrite_never_deletes_an_input(docs, tmp_path: Path) -> None:
 
 def test_a_lone_surrogate_is_a_bad_line_naming_file_and_line(docs, tmp_path: Path) -> None:
     """JSON can escape half a UTF-16 pair (\\ud800), which is no UTF-8 text: a bad line,
-    counted under --on-error skip and named under stop (was: the whole run aborted with
-    "'utf-8' codec can't encode", no file, no line)."""
+    counted under --on-error skip and named under stop."""
     path = tmp_path / "s.jsonl"
     good = _lines(docs, 40).decode().splitlines()
     good.insert(7, '{"text": "a lone \\ud800 surrogate among words"}')
@@ -428,8 +427,8 @@ def test_bad_inputs_and_options_found_by_the_hostile_sweep(docs, tmp_path: Path)
 
 
 def test_two_prepares_into_one_folder(docs, tmp_path: Path) -> None:
-    """The second is refused at once while the first holds the folder (was: it failed later
-    on a work file the first removed); a lock left by a killed process blocks nothing."""
+    """The second is refused at once while the first holds the folder; a lock left by a killed
+    process blocks nothing."""
     from mt_data.prepare_output import output_lock
 
     raw = tmp_path / "raw.jsonl"

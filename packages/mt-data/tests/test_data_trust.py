@@ -87,8 +87,7 @@ def test_prepare_refuses_a_finished_dataset_whose_input_changed(docs, tmp_path: 
 
 def test_prepare_refuses_to_resume_a_run_whose_input_was_cut(docs, tmp_path: Path) -> None:
     """A run stopped midway (its work/ folder kept), its input then cut: resuming is refused,
-    naming the input and its sizes (was: 'rerun the same command to resume', and the chunks of
-    the old input mixed into the new dataset)."""
+    naming the input and its sizes."""
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text(_jsonl(docs, 60))
     out = tmp_path / "out"
@@ -157,9 +156,8 @@ def test_prepare_refuses_an_input_changed_while_it_was_read(docs, tmp_path: Path
 
 def test_prepare_never_writes_into_or_empties_a_folder_it_did_not_write(docs,
                                                                       tmp_path: Path) -> None:
-    """--overwrite -o DIR with the user's own files in DIR: refused, naming them (was: DIR
-    emptied, thesis.txt deleted); without --overwrite too (was: the user's work/ folder
-    deleted at the end of the run)."""
+    """--overwrite -o DIR with the user's own files in DIR: refused, naming them; without
+    --overwrite too."""
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text(_jsonl(docs, 30))
     mine = tmp_path / "mine"
@@ -185,8 +183,8 @@ def test_prepare_never_writes_into_or_empties_a_folder_it_did_not_write(docs,
 
 
 def test_import_megatron_refuses_a_folder_holding_files(docs, tmp_path: Path) -> None:
-    """import-megatron into an existing dataset (was: its index.json replaced, its shards
-    orphaned) or a folder with other files: one line, exit 2, nothing touched."""
+    """import-megatron into an existing dataset or a folder with other files: one line, exit 2,
+    nothing touched."""
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text(_jsonl(docs, 30))
     data = tmp_path / "data"
@@ -213,8 +211,8 @@ def test_import_megatron_refuses_a_folder_holding_files(docs, tmp_path: Path) ->
 
 
 def test_a_json_line_nested_too_deep_is_one_bad_input(docs, tmp_path: Path) -> None:
-    """A line of 200,000 '[': one bad input with its file:line (was: RecursionError, a
-    traceback) in prepare, train-tokenizer and the decontamination sets."""
+    """A line of 200,000 '[': one bad input with its file:line in prepare, train-tokenizer and the
+    decontamination sets."""
     corpus = tmp_path / "deep.jsonl"
     good = _jsonl(docs, 20)
     corpus.write_text(good + DEEP + "\n" + '{"a": ' * 100_000 + "\n")

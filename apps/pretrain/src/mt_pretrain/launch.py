@@ -54,7 +54,7 @@ def launch(config: PretrainConfig, environ: Mapping[str, str] | None = None,
     plan = resolve(config, nproc)  # fail before starting anything
     ckpt = config.checkpoint
     with run_folder_lock(ckpt.save_dir or ckpt.out_dir):  # no --overwrite of a running run
-        claim_run_folder(ckpt)
+        claim_run_folder(ckpt, config.metrics_path)
     # Once, here, not racing per rank.
     check_vocab(plan, ensure_data(config.data, plan.gpt.vocab_size, cache))
     # Building a meta GPT imports torch's Python reference ops (seconds); do it once before

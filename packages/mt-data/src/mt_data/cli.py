@@ -193,6 +193,19 @@ def _idle_prepare_options(ctx: typer.Context, quality_filters: bool, fuzzy_dedup
     return idle
 
 
+def _basic_filters(on: bool, rule_sets: str | None, given: FilterConfig) -> FilterConfig:
+    """The mt-basic filters of the flags (``given``), or with --no-quality-filters none of
+    them but the normalisation (contradicted by --filters)."""
+    if on:
+        return given
+    if rule_sets is not None:
+        raise ValueError(f"--no-quality-filters and --filters {rule_sets} contradict each "
+                         "other; give one")
+    if given.normalize is None:
+        return FilterConfig.disabled()
+    return FilterConfig(given.normalize, None, None, None, None, None, None, None)
+
+
 @app.command("prepare", cls=HelpFitsTerminal)
 def prepare_cmd(
     ctx: typer.Context,
@@ -255,17 +268,9 @@ def prepare_cmd(
     if (blocker := blocking_file(output)) is not None:
         _fail(f"--output {output}: {blocker} is a file, not a folder; name a path in a folder")
     with _errors(writing=output):
-        if quality_filters:
-            basic = FilterConfig("NFC" if normalize else None, min_chars, max_chars, min_words,
-                                 max_symbol_ratio, min_alpha_words, max_html_ratio,
-                                 max_repeated_lines)
-        else:
-            if filters is not None:
-                raise ValueError(f"--no-quality-filters and --filters {filters} contradict "
-                                 f"each other; give one")
-            basic = FilterConfig.disabled()
-            if normalize:
-                basic = FilterConfig("NFC", None, None, None, None, None, None, None)
+        basic = _basic_filters(quality_filters, filters, FilterConfig(
+            "NFC" if normalize else None, min_chars, max_chars, min_words, max_symbol_ratio,
+            min_alpha_words, max_html_ratio, max_repeated_lines))
         clean = CleanConfig(
             ingest=IngestConfig(text_key=text_key),
             filters=basic,

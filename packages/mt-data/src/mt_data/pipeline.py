@@ -27,7 +27,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import ExitStack, suppress
 from dataclasses import asdict, dataclass
@@ -68,6 +68,7 @@ from mt_data.shards import (
     file_sha256,
     write_shard,
 )
+from mt_data.sharing import run_shared
 from mt_data.stages import (
     ChunkStats,
     CleanConfig,
@@ -188,118 +189,9 @@ def _fingerprint(inputs: list[Path], config: PrepareConfig) -> dict[str, Any]:
 def _run_tasks(fn: Callable[..., Any], tasks: list[tuple[Any, ...]], sizes: list[float],
                pool: ProcessPoolExecutor | None, progress: ProgressHook,
                on_result: Callable[[Any], None] = lambda result: None) -> list[Any]:
-    """``fn(*task)`` for every task: in this process and in the pool's, when there is a pool
-    and more than one task.
-
-    Tasks are started in input order, by the pool's processes and by this process, which runs
-    the next task itself whenever it has no result to collect (with ``workers`` = N, N - 1 pool
-    processes and this one share the work). Each pool process is kept with one task: a task
-    finishing in the pool hands the next one to the pool at once (from the pool's thread), so
-    the pool never waits for this process to finish its own task. ``on_result`` sees each
-    result (in this process) as soon as it is collected (so finished work is recorded even if
-    a later task fails or the run is interrupted); results are returned in task order. When
-    tasks fail, the error raised is that of the first failing task in input order, as in a
-    serial run, whatever order they finished in.
-    """
-    results: list[Any] = [None] * len(tasks)
-    if pool is None or len(tasks) <= 1:
-        for i, task in enumerate(tasks):
-            results[i] = fn(*task)
-            on_result(results[i])
-            progress.advance(sizes[i])
-        return results
-    depth = max(1, getattr(pool, "_max_workers", 1))
-    lock = threading.Lock()
-    futures: dict[Future[Any], int] = {}
-    errors: dict[int, BaseException] = {}
-    state = {"next": 0, "running": 0, "stop": False}
-
-    def take() -> int | None:
-        with lock:
-            if state["stop"] or state["next"] >= len(tasks):
-                return None
-            state["next"] += 1
-            return state["next"] - 1
-
-    def feed(finished: Future[Any] | None = None) -> None:
-        """Hand tasks to the pool until it holds ``depth`` (also a finished task's callback)."""
-        while True:
-            with lock:
-                if finished is not None:
-                    state["running"] -= 1
-                    finished = None
-                if (state["stop"] or state["next"] >= len(tasks)
-                        or state["running"] >= depth):
-                    return
-                i = state["next"]
-                try:
-                    future = pool.submit(fn, *tasks[i])
-                except BaseException as exc:  # a broken pool: this task fails with it
-                    errors[i] = exc
-                    state["stop"] = True
-                    return
-                state["next"] += 1
-                state["running"] += 1
-                futures[future] = i
-            future.add_done_callback(feed)
-
-    collected: set[int] = set()
-
-    def collect() -> None:
-        with lock:
-            done = [(f, i) for f, i in futures.items() if f.done() and i not in collected]
-        for future, i in sorted(done, key=lambda item: item[1]):
-            collected.add(i)
-            if future.exception() is not None:
-                errors[i] = future.exception()
-                continue
-            results[i] = future.result()
-            on_result(results[i])
-            progress.advance(sizes[i])
-
-    try:
-        feed()
-        while not errors:
-            collect()
-            if errors:
-                break
-            i = take()
-            if i is not None:  # run the next task here
-                try:
-                    results[i] = fn(*tasks[i])
-                except Exception as exc:  # reported in input order below
-                    errors[i] = exc
-                    break
-                on_result(results[i])
-                progress.advance(sizes[i])
-                continue
-            with lock:
-                pending = [f for f, j in futures.items() if j not in collected]
-            if not pending:
-                break
-            wait(pending, return_when=FIRST_COMPLETED)
-    except BaseException:
-        with lock:
-            state["stop"] = True
-        for future in list(futures):  # interrupted: do not start queued tasks
-            future.cancel()
-        raise
-    with lock:
-        state["stop"] = True
-        started = dict(futures)
-    if errors:
-        # Every task before the earliest failure so far was started (in order): run those to
-        # the end, drop the later ones, and report the earliest failure.
-        first = min(errors)
-        for future, i in started.items():
-            if i > first:
-                future.cancel()
-        wait([f for f in started if not f.cancelled()])
-        for future, i in started.items():
-            if not future.cancelled() and future.exception() is not None:
-                errors[i] = future.exception()
-        raise errors[min(errors)]
-    return results
+    """``fn(*task)`` for every task, shared with ``pool`` (:func:`mt_data.sharing.run_shared`),
+    advancing ``progress`` by each task's size."""
+    return run_shared(fn, tasks, pool, lambda i: progress.advance(sizes[i]), on_result)
 
 
 def _run_clean(items: list[WorkItem], config: PrepareConfig, work: Path,

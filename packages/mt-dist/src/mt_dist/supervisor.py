@@ -61,6 +61,7 @@ class Report:
     message: str = ""
     traceback: str = ""
     exitcode: int | None = None  # set when the rank died without a report
+    errno: int | None = None  # an OSError's: a full disk fails the run, a missing file is input
 
     @property
     def detail(self) -> str:
@@ -252,7 +253,8 @@ def _rank_main(target: Callable[..., Any], rank: int, args: tuple[Any, ...],
             ok = True
         except BaseException as err:  # noqa: BLE001 - even SystemExit goes to the parent
             payload = pickle.dumps(Report(rank, False, time.monotonic(), kind=type(err).__name__,
-                                          message=str(err), traceback=traceback.format_exc()))
+                                          message=str(err), traceback=traceback.format_exc(),
+                                          errno=getattr(err, "errno", None)))
             ok = False
         conn.send_bytes(payload)
         if teardown is not None:
@@ -347,6 +349,9 @@ def _raise_failure(outcome: Outcome, timeout: float | None,
                            f"{failed} failed waiting for it (stuck ranks {silent} killed); "
                            f"rank {first.rank} reported:\n{first.detail}")
     if first.kind in expected:
-        raise expected[first.kind](first.message)
+        err = expected[first.kind](first.message)
+        if isinstance(err, OSError):
+            err.errno = first.errno  # what mt_dist.exits decides the exit status by
+        raise err
     raise LaunchFailed(f"rank {first.rank} of {n} failed first (failed ranks: {failed}):\n"
                        f"{first.detail}")

@@ -49,8 +49,7 @@ __all__ = [
 FEW_ROWS = 64
 #: Output features per product when :func:`linear` splits a large weight (the output head).
 WEIGHT_BLOCK = 4096
-#: The batch size oneDNN lays a packed weight out for (any number of rows runs on it; 1 to
-#: 64 measured the same within noise).
+#: The batch size oneDNN lays a packed weight out for (any number of rows runs on it).
 PACK_ROWS = 16
 
 
@@ -311,8 +310,7 @@ class CoreAttention(nn.Module):
         keys, values, mask = cache.extend(k, v)
         if mask is None and keys.shape[1] == q.shape[1]:
             # One new token per row, no padding: two batched products read the cache's slots
-            # in place (SDPA's kernel is slower on them: 0.79 -> 0.59 s over a GPT-2-small
-            # decode of 16 x 64 tokens).
+            # in place (SDPA's kernel is slower on them).
             scores = torch.matmul(q, keys.transpose(-1, -2)) * (q.shape[-1] ** -0.5)
             return torch.matmul(torch.softmax(scores, dim=-1), values)
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,

@@ -13,6 +13,8 @@
   at a model's shapes and stores them as such a YAML (``mt plan --calibrate``).
 - :func:`measure_peak_flops`, :func:`model_flops_utilization`: a run's MFU against a given
   or probed peak (what ``mt pretrain`` reports beside the plan's prediction).
+- :mod:`mt_plan.memory`: the peak memory a run measures on every rank (CUDA allocator or RSS),
+  the counterpart of the estimate, and the end-of-run line that sets the two side by side.
 
 Bucket sizes, vocabulary padding and the stage split come from the packages that own them
 (mt-zero, mt-tensor-parallel, mt-pipeline). ``mt plan`` and ``mt pretrain --dry-run`` are thin

@@ -395,12 +395,12 @@ def attention_flops(gpt: GPTConfig, micro_batch: int, fused: bool) -> tuple[floa
     return (full / 2, full / 2 * 2.5) if fused else (full, 2.0 * full)
 
 
-def _times(gpt: GPTConfig, layout: ParallelLayout, gpu: GPUSpec, efficiency: float) -> dict:
-    """Per-stage chunk forward / backward seconds, P2P, TP, CP and DP communication."""
-    c = layout.cp
-    s, b, h, t = gpt.seq_len // c, layout.micro_batch, gpt.hidden, layout.tp
-    width = PRECISIONS[layout.precision].bytes
-    lat = gpu.link_latency_s
+def _layer_seconds(gpt: GPTConfig, layout: ParallelLayout, gpu: GPUSpec,
+                   efficiency: float) -> tuple[float, float]:
+    """Matmul and attention seconds of one layer on one micro-batch: forward, and backward
+    with what recomputation adds to it."""
+    c, b, t = layout.cp, layout.micro_batch, layout.tp
+    s = gpt.seq_len // c
     # Matmul rates of the t GPUs of a tensor-parallel group (measured or planned).
     gemm_f, gemm_b, attn_f, attn_b = (t * r for r in gpu.rates(efficiency))
     # Causal attention of the whole sequence, a 1 / cp share per rank (balanced chunks).
@@ -416,6 +416,17 @@ def _times(gpt: GPTConfig, layout: ParallelLayout, gpu: GPUSpec, efficiency: flo
                  "selective": 2.0 * dropped / gpu.memory_bytes_per_s
                  + (0.0 if gpu.fused_attention else attn_fwd / attn_f),
                  "none": 0.0}
+    return layer_fwd, layer_bwd + recompute[layout.recompute]
+
+
+def _times(gpt: GPTConfig, layout: ParallelLayout, gpu: GPUSpec, efficiency: float) -> dict:
+    """Per-stage chunk forward / backward seconds, P2P, TP, CP and DP communication."""
+    c = layout.cp
+    s, b, h, t = gpt.seq_len // c, layout.micro_batch, gpt.hidden, layout.tp
+    width = PRECISIONS[layout.precision].bytes
+    lat = gpu.link_latency_s
+    layer_fwd, layer_bwd = _layer_seconds(gpt, layout, gpu, efficiency)
+    gemm_f, gemm_b = (t * r for r in gpu.rates(efficiency)[:2])  # the LM head's matmuls
     message = float(b * s * h * width)
     intra = t <= gpu.gpus_per_node
     tp_bw = gpu.nvlink_bytes_per_s if intra else gpu.ib_bytes_per_s
@@ -461,7 +472,7 @@ def _times(gpt: GPTConfig, layout: ParallelLayout, gpu: GPUSpec, efficiency: flo
                    + (head_over + micro) / 3.0 + 3.0 * logits * last)
         # A chunked loss computes each chunk's logits again in backward (one more head GEMM).
         again = head / gemm_f if layout.chunked_loss else 0.0
-        bwd.append(n * (layer_bwd + recompute[layout.recompute]) + 2 * head / gemm_b + again
+        bwd.append(n * layer_bwd + 2 * head / gemm_b + again
                    + n * ((2 + n_recomp) * allreduce + (1 + n_recomp // 2) * exchange
                           + ew_bwd * traffic + over_b)
                    + (head_over + micro) * 2.0 / 3.0 + 4.0 * logits * last + tied)
@@ -474,6 +485,21 @@ def _times(gpt: GPTConfig, layout: ParallelLayout, gpu: GPUSpec, efficiency: flo
     bulk = gpu.bulk_latency_s or lat
     # Tied embedding: its gradient is summed over the first and last stage every step.
     tied = (gpt.vocab_size / t * h * width / p2p_bw + bulk) if layout.pp > 1 else 0.0
+    m = layout.num_micro_batches
+    layers_per_stage = sum(stage_layers(gpt.n_layers, layout)) / layout.pp
+    tp_total = m * layers_per_stage * (4 + n_recomp) * allreduce
+    cp_total = m * layers_per_stage * (2 + n_recomp // 2) * exchange
+    return {"fwd": fwd, "bwd": bwd, "p2p": p2p, "tp": tp_total, "cp": cp_total, "tied": tied,
+            **_step_costs(gpt, layout, gpu)}
+
+
+def _step_costs(gpt: GPTConfig, layout: ParallelLayout, gpu: GPUSpec) -> dict:
+    """Seconds of the once-per-step work: the data-parallel collectives (``dp``), the Adam
+    step (``optimizer``) and the framework's bookkeeping (``framework``)."""
+    c, t = layout.cp, layout.tp
+    width = PRECISIONS[layout.precision].bytes
+    lat = gpu.link_latency_s
+    bulk = gpu.bulk_latency_s or lat
     d = layout.dp * c  # gradients are reduced over data and context parallelism
     dp_bw = gpu.nvlink_bytes_per_s if t * d <= gpu.gpus_per_node else gpu.ib_bytes_per_s
     stage_params = max(_stage_params(gpt, layout))
@@ -493,10 +519,6 @@ def _times(gpt: GPTConfig, layout: ParallelLayout, gpu: GPUSpec, efficiency: flo
     dp_time = (moved * (d - 1) / d / dp_bw + passes * buckets * bulk) if d > 1 else 0.0
     # Small collectives every step: the loss mean, the gradient norm, the loss broadcast.
     dp_time += 3.0 * lat if layout.world_size > 1 else 0.0
-    m = layout.num_micro_batches
-    layers_per_stage = sum(stage_layers(gpt.n_layers, layout)) / layout.pp
-    tp_total = m * layers_per_stage * (4 + n_recomp) * allreduce
-    cp_total = m * layers_per_stage * (2 + n_recomp // 2) * exchange
     # Adam step: throughput per parameter of the rank's shard, plus a fixed cost per tensor.
     shard_div = d if layout.zero_stage >= 1 else 1
     shard = max(_stage_params(gpt, layout)) / shard_div
@@ -506,8 +528,7 @@ def _times(gpt: GPTConfig, layout: ParallelLayout, gpu: GPUSpec, efficiency: flo
     # Framework work per step and per parameter tensor (hooks, bucket bookkeeping).
     framework = (gpu.step_overhead_s
                  + max(_stage_tensors(gpt, layout)) * gpu.param_overhead_s)
-    return {"fwd": fwd, "bwd": bwd, "p2p": p2p, "dp": dp_time, "tp": tp_total,
-            "cp": cp_total, "optimizer": optimizer, "tied": tied, "framework": framework}
+    return {"dp": dp_time, "optimizer": optimizer, "framework": framework}
 
 
 def estimate(gpt: GPTConfig, layout: ParallelLayout, gpu: GPUSpec, efficiency: float = EFFICIENCY,

@@ -100,8 +100,7 @@ class FlatBucket:
         # With one data-parallel rank (stages 0-1) nothing is reduced, so the flat gradient
         # is kept between steps and zeroed: autograd accumulates straight into its views.
         # Releasing it instead (as with several ranks, for memory) costs a copy per gradient
-        # plus first-touch page faults on the fresh buffer every step (~5% of single-process
-        # tokens/s measured on tiny and gpt2-small shapes).
+        # plus first-touch page faults on the fresh buffer every step.
         self._keep_grads = stage < 2 and group_size(group) == 1
         self._absorb = self._main or (stage < 2 and not self._keep_grads)
         self.start, self.end = layout.shard_range(rank)

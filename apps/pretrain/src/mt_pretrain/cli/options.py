@@ -19,7 +19,7 @@ __all__ = ["CONFIG_OPTION", "with_config_options"]
 
 CONFIG_OPTION = "config"
 _PANELS = {"model": "Model", "parallel": "Parallelism", "train": "Training", "data": "Data",
-           "checkpoint": "Checkpoints and output"}
+           "checkpoint": "Checkpoints", "log": "Logging and metrics"}
 
 
 def _base_type(f: dataclasses.Field) -> type:

@@ -304,6 +304,27 @@ def _calibrate(gpt: Any, base: GPUSpec, explicit: str | None, path: Path, micro_
     return spec
 
 
+def _check_calibrate(calibrate: Path, inputs: list[str | Path]) -> None:
+    """--calibrate writes a new file: not over the model config or GPU file it reads, and
+    somewhere writable (checked before the measurement, not after)."""
+    from mt_data import output_clash
+    from mt_data.paths import unwritable
+
+    if clash := output_clash("--calibrate", calibrate, inputs):
+        raise _fail(clash)
+    if why := unwritable("--calibrate", calibrate):
+        raise _fail(why)
+
+
+def _check_micro_batches(layout: ParallelLayout) -> None:
+    if layout.num_micro_batches > MAX_MICRO_BATCHES:
+        raise _fail(f"--global-batch-size {layout.global_batch:,} is "
+                    f"{layout.num_micro_batches:,} micro-batches of {layout.micro_batch:,} "
+                    f"on each of dp {layout.dp:,} replicas per step; at most "
+                    f"{MAX_MICRO_BATCHES:,} (a larger --micro-batch-size or --gpus, or a "
+                    "smaller --global-batch-size)")
+
+
 def plan(
     ctx: typer.Context,
     model: Annotated[str | None, typer.Option(help="Model preset (tiny .. mt-nlg-530b).")] = None,
@@ -365,15 +386,7 @@ def plan(
     if problems:
         raise _fail("; ".join(problems))
     if calibrate is not None:
-        from mt_data import output_clash
-        from mt_data.paths import unwritable
-
-        clash = output_clash("--calibrate", calibrate, [p for p in (config, gpu) if p and
-                                                        Path(p).exists()])
-        if clash:
-            raise _fail(clash)
-        if why := unwritable("--calibrate", calibrate):
-            raise _fail(why)
+        _check_calibrate(calibrate, [p for p in (config, gpu) if p and Path(p).exists()])
     gpt = _model(model, config)
     try:
         # An empty --gpu is refused by load_gpu.
@@ -399,12 +412,7 @@ def plan(
                                 micro_batch_size, zero_stage, schedule, virtual_stages,
                                 sequence_parallel, recompute, precision, chunked_loss,
                                 main_grads, cp)
-        if layout.num_micro_batches > MAX_MICRO_BATCHES:
-            raise _fail(f"--global-batch-size {global_batch_size:,} is "
-                        f"{layout.num_micro_batches:,} micro-batches of {micro_batch_size:,} "
-                        f"on each of dp {layout.dp:,} replicas per step; at most "
-                        f"{MAX_MICRO_BATCHES:,} (a larger --micro-batch-size or --gpus, or a "
-                        "smaller --global-batch-size)")
+        _check_micro_batches(layout)
         est = estimate(gpt, layout, spec)
     except LayoutError as err:
         raise _fail(str(err)) from None

@@ -75,13 +75,13 @@ def pretrain_main(config_path: Path | None, overrides: dict[str, Any],
 
     try:
         config = load_config(config_path, overrides)
-        if config.checkpoint.dry_run:
+        if config.log.dry_run:
             Console(soft_wrap=True).print(dry_run(config, environ), highlight=False)
             return 0
         from mt_pretrain.launch import launch
 
         with warnings.catch_warnings():
-            if config.checkpoint.level == "error":  # asked for: errors only (ranks: run_rank)
+            if config.log.level == "error":  # asked for: errors only (ranks: run_rank)
                 warnings.simplefilter("ignore")
             summary = launch(config, environ)
     except BaseException as err:  # noqa: BLE001 - mt-dist's one rule; a bug re-raised
@@ -94,7 +94,7 @@ def pretrain_main(config_path: Path | None, overrides: dict[str, Any],
         console.quiet = console.quiet and code != FAILED  # a rank's own failure: always said
         _error(console, str(err) or "interrupted")
         return code
-    if summary is not None and config.checkpoint.says("warning"):
+    if summary is not None and config.log.says("warning"):
         _print_summary(Console(soft_wrap=True), summary)
     return 0
 
@@ -124,7 +124,7 @@ def _print_summary(console: Console, summary: Any) -> None:
             f"{losses[0]:.4f} -> {losses[-1]:.4f}, {summary.tokens:,} tokens, "
             f"{summary.tokens_per_s:,.0f} tokens/s, {summary.wall_time:.1f} s", highlight=False)
     if summary.memory is not None:
-        from mt_pretrain.run.memory import summary_line
+        from mt_plan.memory import summary_line
 
         console.print(summary_line(summary.memory, summary.planned_memory,
                                    summary.planned_stage), highlight=False, markup=False)

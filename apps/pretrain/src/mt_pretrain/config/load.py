@@ -118,10 +118,10 @@ def build_config(nested: Mapping[str, Any], flat: Mapping[str, Any],
     except TypeError as err:
         raise ConfigError(str(err)) from None
     config = PretrainConfig(**sections)
-    if config.checkpoint.tensorboard and importlib.util.find_spec("tensorboard") is None:
+    if config.log.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise ConfigError("--tensorboard needs the tensorboard package, which is not "
                           "installed: pip install tensorboard (or leave out --tensorboard)")
-    if config.checkpoint.wandb_project is not None and \
+    if config.log.wandb_project is not None and \
             importlib.util.find_spec("wandb") is None:
         raise ConfigError("--wandb-project needs the wandb package, which is not installed: "
                           "pip install 'mt-pretrain[wandb]' (or leave out --wandb-project)")
@@ -229,7 +229,7 @@ def _unique_keys_loader() -> type:
 def _check_paths(config: PretrainConfig) -> None:
     """Files and folders the flags name, checked before anything starts."""
     data, ckpt = config.data, config.checkpoint
-    metrics = ckpt.metrics_path
+    metrics = config.metrics_path
     if metrics is not None and metrics.is_dir():
         raise ConfigError(f"--metrics {metrics} is a folder; name the JSONL file to write "
                           "(or 'none')")
@@ -269,7 +269,7 @@ def _check_outputs(config: PretrainConfig, source: str | None) -> None:
                                                   *config.train.eval_tasks)
                                       if p is not None and Path(p).exists())]
     for flag, path in (("--out-dir", ckpt.out_dir), ("--save", ckpt.save_dir),
-                       ("--metrics", ckpt.metrics_path)):
+                       ("--metrics", config.metrics_path)):
         if path is None:
             continue
         out = Path(path).resolve()

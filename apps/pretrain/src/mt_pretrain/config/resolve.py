@@ -138,28 +138,7 @@ def resolve(config: PretrainConfig, world_size: int) -> RunPlan:
     refused = unsupported(config, gpt)  # the options passed above: the architecture
     if refused:
         raise ConfigError("invalid configuration: " + "; ".join(refused))
-    try:
-        cp = f" x cp {par.cp}" if par.cp > 1 else ""
-        if par.dp is not None and par.tp * par.cp * par.pp * par.dp != world_size:
-            raise TopologyError(
-                f"tp {par.tp} x pp {par.pp} x dp {par.dp}{cp} = "
-                f"{par.tp * par.cp * par.pp * par.dp} processes, but the world size is "
-                f"{world_size}")
-        layout = par.layout(world_size, train.global_batch_size, train.micro_batch_size)
-        layout.check(gpt)
-    except TopologyError as err:
-        hint = ""
-        if world_size % (par.tp * par.pp * par.cp):
-            tp = math.gcd(par.tp, world_size)
-            pp = math.gcd(par.pp, world_size // tp)
-            hint = (f"; with {world_size} process{'es' if world_size > 1 else ''} pass --tp "
-                    f"and --pp whose product divides {world_size}, e.g. --tp {tp} --pp {pp}")
-            if par.cp > 1:
-                hint = (f"; with {world_size} process{'es' if world_size > 1 else ''} pass "
-                        f"--tp, --cp and --pp whose product divides {world_size}")
-        raise ConfigError(f"invalid layout: {err}{hint}") from None
-    except LayoutError as err:
-        raise ConfigError(str(err)) from None
+    layout = _layout_of(config, world_size, gpt)
     problems: list[str] = []
     if par.compile and par.recompute_mode == "full" and (gpt.dropout or gpt.attention_dropout):
         problems.append(f"--compile with --activation-checkpointing and dropout {gpt.dropout} "
@@ -196,19 +175,7 @@ def resolve(config: PretrainConfig, world_size: int) -> RunPlan:
     except (PartitionError, ScheduleError) as err:
         raise ConfigError(f"invalid pipeline: {err}") from None
     steps, samples = _steps_and_samples(config, rampup, gpt.seq_len)
-    if samples * gpt.seq_len >= INT_LIMIT:
-        given = (f"--train-tokens {train.train_tokens:,} is {steps:,} steps"
-                 if train.train_tokens is not None else f"{steps:,} steps")
-        raise ConfigError(f"{given} of {train.global_batch_size:,} sequences of "
-                          f"{gpt.seq_len:,} tokens: {samples * gpt.seq_len:,} tokens; at most "
-                          "2**63 - 1 (fewer --train-steps or --train-tokens)")
-    decay = train.decay_tokens if train.decay_tokens is not None else samples * gpt.seq_len
-    if train.warmup_tokens is not None and train.warmup_tokens > decay:
-        where = ("--decay-tokens" if train.decay_tokens is not None else
-                 f"the whole run's tokens ({steps:,} steps)")
-        raise ConfigError(f"--warmup-tokens {train.warmup_tokens:,} is longer than the decay: "
-                          f"{decay:,} tokens ({where}); the learning rate would never reach "
-                          "--lr. Use a shorter warmup, or a longer --decay-tokens")
+    _check_length(config, steps, samples, gpt.seq_len)
     plan = RunPlan(layout, gpt, pipeline, stages, rampup, steps, samples, model)
     stage, memory = fullest_stage_memory(plan, "cpu")  # "cpu": no CUDA call in the parent
     if memory["total"] >= INT_LIMIT:
@@ -219,6 +186,53 @@ def resolve(config: PretrainConfig, world_size: int) -> RunPlan:
             "bytes (past what torch can address); use a smaller --n-layers / --hidden / "
             "--vocab-size / --seq-len / --micro-batch-size, or more parallelism")
     return plan
+
+
+def _layout_of(config: PretrainConfig, world_size: int, gpt: GPTConfig) -> ParallelLayout:
+    """The layout of ``config`` on ``world_size`` processes, checked against ``gpt``; a
+    world the degrees do not divide names degrees that would."""
+    par, train = config.parallel, config.train
+    try:
+        cp = f" x cp {par.cp}" if par.cp > 1 else ""
+        if par.dp is not None and par.tp * par.cp * par.pp * par.dp != world_size:
+            raise TopologyError(
+                f"tp {par.tp} x pp {par.pp} x dp {par.dp}{cp} = "
+                f"{par.tp * par.cp * par.pp * par.dp} processes, but the world size is "
+                f"{world_size}")
+        layout = par.layout(world_size, train.global_batch_size, train.micro_batch_size)
+        layout.check(gpt)
+    except TopologyError as err:
+        hint = ""
+        if world_size % (par.tp * par.pp * par.cp):
+            tp = math.gcd(par.tp, world_size)
+            pp = math.gcd(par.pp, world_size // tp)
+            hint = (f"; with {world_size} process{'es' if world_size > 1 else ''} pass --tp "
+                    f"and --pp whose product divides {world_size}, e.g. --tp {tp} --pp {pp}")
+            if par.cp > 1:
+                hint = (f"; with {world_size} process{'es' if world_size > 1 else ''} pass "
+                        f"--tp, --cp and --pp whose product divides {world_size}")
+        raise ConfigError(f"invalid layout: {err}{hint}") from None
+    except LayoutError as err:
+        raise ConfigError(str(err)) from None
+    return layout
+
+
+def _check_length(config: PretrainConfig, steps: int, samples: int, seq_len: int) -> None:
+    """The run's tokens fit an int64, and its warmup ends before its decay does."""
+    train = config.train
+    if samples * seq_len >= INT_LIMIT:
+        given = (f"--train-tokens {train.train_tokens:,} is {steps:,} steps"
+                 if train.train_tokens is not None else f"{steps:,} steps")
+        raise ConfigError(f"{given} of {train.global_batch_size:,} sequences of "
+                          f"{seq_len:,} tokens: {samples * seq_len:,} tokens; at most "
+                          "2**63 - 1 (fewer --train-steps or --train-tokens)")
+    decay = train.decay_tokens if train.decay_tokens is not None else samples * seq_len
+    if train.warmup_tokens is not None and train.warmup_tokens > decay:
+        where = ("--decay-tokens" if train.decay_tokens is not None else
+                 f"the whole run's tokens ({steps:,} steps)")
+        raise ConfigError(f"--warmup-tokens {train.warmup_tokens:,} is longer than the decay: "
+                          f"{decay:,} tokens ({where}); the learning rate would never reach "
+                          "--lr. Use a shorter warmup, or a longer --decay-tokens")
 
 
 def activation_shape(plan: RunPlan) -> tuple[int, int, int]:

@@ -30,6 +30,7 @@ __all__ = [
     "CheckpointArgs",
     "ConfigError",
     "DataArgs",
+    "LogArgs",
     "ModelArgs",
     "ParallelArgs",
     "PretrainConfig",
@@ -497,7 +498,7 @@ class DataArgs:
 
 @dataclass(frozen=True)
 class CheckpointArgs:
-    """Outputs: checkpoints, metrics, logging."""
+    """Checkpoints: where the run saves, how often, how many it keeps, where it resumes."""
 
     out_dir: str = "mt-run"
     """Run folder: checkpoints and metrics go here unless --save / --metrics say otherwise."""
@@ -515,6 +516,27 @@ class CheckpointArgs:
     overwrite: bool = False
     """Start a new run in a run folder that holds a previous one (checkpoints or metrics):
     delete them first. Without it such a run is refused, offering --load."""
+    def __post_init__(self) -> None:
+        problems: list[str] = []
+        _positive(problems, self, "keep_last")
+        _int64(problems, self)
+        if self.save_interval < 0:
+            problems.append(f"--save-interval must be >= 0, got {self.save_interval}")
+        _raise(problems, "checkpoint arguments")
+
+    @property
+    def save_dir(self) -> Path | None:
+        """Resolved checkpoint folder (None: saving disabled)."""
+        if self.save is not None and self.save.lower() == "none":
+            return None
+        return Path(self.save) if self.save else Path(self.out_dir) / "checkpoints"
+
+
+@dataclass(frozen=True)
+class LogArgs:
+    """What the run reports: printed lines, metrics file, TensorBoard, W&B, the MFU's peak
+    (with --dry-run: the plan alone, and no training)."""
+
     metrics: str | None = None
     """Metrics JSONL, one object per step (default: OUT_DIR/metrics.jsonl; 'none'
     disables)."""
@@ -549,7 +571,7 @@ class CheckpointArgs:
 
     def __post_init__(self) -> None:
         problems: list[str] = []
-        _positive(problems, self, "keep_last", "log_interval")
+        _positive(problems, self, "log_interval")
         _int64(problems, self)
         if self.quiet and self.log_level != "info":
             problems.append(f"--quiet is --log-level warning; give one of them, not --quiet "
@@ -562,13 +584,11 @@ class CheckpointArgs:
         if self.wandb_name is not None and self.wandb_project is None:
             problems.append(f"--wandb-name {self.wandb_name!r} names a Weights & Biases run, "
                             "and no --wandb-project logs to one: give --wandb-project too")
-        if self.save_interval < 0:
-            problems.append(f"--save-interval must be >= 0, got {self.save_interval}")
         if self.peak_tflops is not None and not self.peak_tflops > 0:
             problems.append(f"--peak-tflops must be > 0, got {self.peak_tflops}")
         elif self.peak_tflops == math.inf:
             problems.append("--peak-tflops must be a finite number, got inf")
-        _raise(problems, "checkpoint arguments")
+        _raise(problems, "logging arguments")
 
     @property
     def level(self) -> str:
@@ -579,20 +599,6 @@ class CheckpointArgs:
         """Whether lines of ``level`` are printed at this run's log level."""
         return LOG_LEVELS.index(level) >= LOG_LEVELS.index(self.level)
 
-    @property
-    def save_dir(self) -> Path | None:
-        """Resolved checkpoint folder (None: saving disabled)."""
-        if self.save is not None and self.save.lower() == "none":
-            return None
-        return Path(self.save) if self.save else Path(self.out_dir) / "checkpoints"
-
-    @property
-    def metrics_path(self) -> Path | None:
-        """Resolved metrics file (None: disabled)."""
-        if self.metrics is not None and self.metrics.lower() == "none":
-            return None
-        return Path(self.metrics) if self.metrics else Path(self.out_dir) / "metrics.jsonl"
-
 
 SECTIONS: dict[str, type] = {
     "model": ModelArgs,
@@ -600,6 +606,7 @@ SECTIONS: dict[str, type] = {
     "train": TrainArgs,
     "data": DataArgs,
     "checkpoint": CheckpointArgs,
+    "log": LogArgs,
 }
 
 
@@ -612,6 +619,7 @@ class PretrainConfig:
     train: TrainArgs = field(default_factory=TrainArgs)
     data: DataArgs = field(default_factory=DataArgs)
     checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
+    log: LogArgs = field(default_factory=LogArgs)
 
     def __post_init__(self) -> None:
         self.model.gpt_config()  # raises ConfigError for a bad shape
@@ -621,6 +629,14 @@ class PretrainConfig:
             _raise([f"--eval-task with --cp {self.parallel.cp} is not supported (task scoring "
                     "runs whole sequences on each rank); score the checkpoint after training "
                     "with `mt eval`"], "configuration")
+
+    @property
+    def metrics_path(self) -> Path | None:
+        """Resolved metrics file (None: disabled); by default in the run folder."""
+        metrics = self.log.metrics
+        if metrics is not None and metrics.lower() == "none":
+            return None
+        return Path(metrics) if metrics else Path(self.checkpoint.out_dir) / "metrics.jsonl"
 
     def world_size_hint(self) -> int:
         """World size implied by the config alone (a launcher may say otherwise)."""

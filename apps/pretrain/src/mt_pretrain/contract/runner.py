@@ -62,23 +62,22 @@ FP32 = Tolerance(loss=1e-5, grad_norm=1e-5, params=1e-5)
 #: micro-batches of 1 (the worst of them is the floor).
 GROUPINGS = (2, 4, 8)
 #: The multiple of the floor a 16-bit case may reach, by what it adds to the floor's
-#: reordering (the worst ratio the full matrix measured in brackets; README):
+#: reordering (each above the worst ratio the full matrix measured: apps/pretrain/README.md,
+#: "Tolerances"):
 #: - nothing beyond summing in another order (data/pipeline parallel, ZeRO, checkpointing,
-#:   dropout): 3 (1.95, the fp16 grad norm at DP 8: eight partial sums);
-#: - DeepSpeed's engine: it reduces 16-bit gradients its own way: 6 (4.7 at PP 2 x DP 4);
+#:   dropout): 3;
+#: - DeepSpeed's engine: it reduces 16-bit gradients its own way: 6;
 #: - tensor parallelism: each row-parallel all-reduce rounds partial sums to 16 bits once
-#:   more per layer, t partial sums at TP t: 8 (6.3, fp16 grad norm at TP 4); context
-#:   parallelism likewise: each layer's key/value gradients are cp partial sums rounded to 16
-#:   bits, reduce-scattered, and each run's attention output two 16-bit partial results
-#:   merged (3.9, fp16 parameters at CP 2 x DP 4; float32 key/value reductions or float32
-#:   attention parts do not bring fp16 under 3x: apps/pretrain/README.md).
+#:   more per layer, t partial sums at TP t: 8; context parallelism likewise: each layer's
+#:   key/value gradients are cp partial sums rounded to 16 bits, reduce-scattered, and each
+#:   run's attention output two 16-bit partial results merged.
 FLOOR_FACTORS = {"plain": 3.0, "own_reduction": 6.0, "tp": 8.0}
 
 
 #: fp32 weights of the Llama rows: the one-process floor of llama-test (10 steps, worst over
-#: micro-batches of 2, 4 and 8 against 1: 2.2e-5; loss 1.4e-7 and grad norm 1.5e-6 stay far
-#: inside FP32), above the GPT-2 tiny's: no biases and SwiGLU leave more gradient elements
-#: made of cancelling sums, which Adam turns into equal-sized steps.
+#: micro-batches of 2, 4 and 8 against 1; loss and grad norm stay far inside FP32), above
+#: the GPT-2 tiny's: no biases and SwiGLU leave more gradient elements made of cancelling
+#: sums, which Adam turns into equal-sized steps.
 LLAMA_FP32_PARAMS_FLOOR = 2.2e-5
 
 

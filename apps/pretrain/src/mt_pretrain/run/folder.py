@@ -82,25 +82,25 @@ def _resumes_own(ckpt: CheckpointArgs) -> bool:
     return load == save or save in load.parents
 
 
-def _previous(ckpt: CheckpointArgs) -> list[str]:
+def _previous(ckpt: CheckpointArgs, metrics: Path | None) -> list[str]:
     found = []
     if ckpt.save_dir is not None and has_checkpoints(ckpt.save_dir):
         found.append(f"checkpoints in {ckpt.save_dir}")
-    metrics = ckpt.metrics_path
     if metrics is not None and metrics.is_file() and metrics.stat().st_size > 0:
         found.append(f"metrics in {metrics}")
     return found
 
 
-def claim_run_folder(ckpt: CheckpointArgs) -> None:
+def claim_run_folder(ckpt: CheckpointArgs, metrics: Path | None) -> None:
     """Refuse to write over a previous run's outputs, or with ``--overwrite`` delete them
     (only what mt pretrain wrote). A checkpoint folder holding a ``step-*`` folder mt pretrain
-    did not name is refused in any case: saving prunes old ``step-*`` folders."""
+    did not name is refused in any case: saving prunes old ``step-*`` folders. ``metrics``:
+    the run's metrics file (``PretrainConfig.metrics_path``)."""
     _refuse_foreign_steps(ckpt)
-    _refuse_foreign_metrics(ckpt)  # a resumed run rewrites the file too
+    _refuse_foreign_metrics(metrics)  # a resumed run rewrites the file too
     if _resumes_own(ckpt):
         return
-    found = _previous(ckpt)
+    found = _previous(ckpt, metrics)
     if not found:
         return
     if not ckpt.overwrite:
@@ -112,8 +112,8 @@ def claim_run_folder(ckpt: CheckpointArgs) -> None:
     _refuse_foreign(ckpt)  # before anything is deleted
     if ckpt.save_dir is not None and ckpt.save_dir.is_dir():
         remove_checkpoints(ckpt.save_dir)
-    if ckpt.metrics_path is not None:
-        ckpt.metrics_path.unlink(missing_ok=True)
+    if metrics is not None:
+        metrics.unlink(missing_ok=True)
     shutil.rmtree(Path(ckpt.out_dir) / "tensorboard", ignore_errors=True)
 
 
@@ -146,10 +146,9 @@ def _refuse_foreign_steps(ckpt: CheckpointArgs) -> None:
                                           choose=_CHOOSE))
 
 
-def _refuse_foreign_metrics(ckpt: CheckpointArgs) -> None:
+def _refuse_foreign_metrics(metrics: Path | None) -> None:
     """A ConfigError when the metrics file holds lines mt pretrain did not write: a new run
     (--overwrite) deletes the file, a resumed one keeps only its lines up to the step."""
-    metrics = ckpt.metrics_path
     if metrics is not None and metrics.is_file() and metrics.stat().st_size > 0 and \
             not _metrics_file(metrics):
         raise ConfigError(f"--metrics {metrics} holds lines mt pretrain did not write (its "

@@ -4,7 +4,7 @@ Only rank 0 writes. Every line has at least ``step``, ``loss``, ``lr``,
 ``global_batch_size``, ``tokens`` (consumed so far) and ``tokens_per_s``; lines of
 validation steps also carry ``val_loss`` and ``val_ppl``.
 
-Peak memory so far (:mod:`mt_pretrain.run.memory`, gathered from every rank once per step):
+Peak memory so far (:mod:`mt_plan.memory`, gathered from every rank once per step):
 ``peak_mem_gib``, the largest over the ranks, and ``peak_mem_gib_per_rank``, a list in rank
 order (GiB; on CUDA the caching allocator's peak allocated bytes, on CPU the process's peak
 RSS, which includes the Python interpreter and torch); on CUDA also ``peak_reserved_gib`` and

@@ -33,13 +33,13 @@ from mt_dist import (
     local_device,
 )
 from mt_model import count_parameters
+from mt_plan.memory import MemoryPeaks, gather_memory, map_large_blocks
 from mt_pretrain.config.refusals import engine_of
 from mt_pretrain.config.resolve import RunPlan, fullest_stage_memory, resolve
-from mt_pretrain.config.schema import CheckpointArgs, ConfigError, PretrainConfig, TrainArgs
+from mt_pretrain.config.schema import ConfigError, PretrainConfig, TrainArgs
 from mt_pretrain.data.inputs import ensure_data, make_loaders, tokenizer_for
 from mt_pretrain.engines.base import Engine
 from mt_pretrain.run.folder import claim_run_folder, run_folder_lock
-from mt_pretrain.run.memory import MemoryPeaks, gather_memory, map_large_blocks
 from mt_pretrain.run.metrics import MetricsWriter, WandbTarget
 from mt_pretrain.run.progress import Reporter
 from mt_pretrain.run.sample import (
@@ -166,7 +166,7 @@ def run_rank(config: PretrainConfig, info: LaunchInfo, cache_dir: Path,
              keep_weights: bool = False) -> RunSummary | None:
     """Train as rank ``info.rank``; returns the summary on rank 0, None elsewhere (with the
     final full weights in it when ``keep_weights``)."""
-    if config.checkpoint.level == "error":  # --log-level error: errors only
+    if config.log.level == "error":  # --log-level error: errors only
         warnings.simplefilter("ignore")
     use_cuda = {"auto": None, "cpu": False, "cuda": True}[config.parallel.device]
     device = local_device(info, use_cuda=use_cuda)
@@ -174,7 +174,7 @@ def run_rank(config: PretrainConfig, info: LaunchInfo, cache_dir: Path,
         raise ConfigError(f"local rank {info.local_rank} needs GPU {info.local_rank} but this "
                           f"node has {torch.cuda.device_count()}; use --device cpu or fewer "
                           "processes per node")
-    if device.type == "cpu":  # freed activations leave the RSS (run/memory.py)
+    if device.type == "cpu":  # freed activations leave the RSS (mt_plan.memory)
         map_large_blocks(os.environ)
     init_distributed(info, device, timeout=config.parallel.timeout)
     completed = False
@@ -182,7 +182,7 @@ def run_rank(config: PretrainConfig, info: LaunchInfo, cache_dir: Path,
         plan = resolve(config, info.world_size)
         groups = build_groups(plan.topology, device, timeout=config.parallel.timeout)
         with ExitStack() as held:
-            _claim_run_folder(config.checkpoint, groups, held)
+            _claim_run_folder(config, groups, held)
             flag = StopFlag()
             with _stop_on_signals(flag):
                 summary = _train(config, plan, groups, device, cache_dir, flag, info.launcher,
@@ -193,16 +193,18 @@ def run_rank(config: PretrainConfig, info: LaunchInfo, cache_dir: Path,
         finalize_distributed(completed=completed)
 
 
-def _claim_run_folder(ckpt: CheckpointArgs, groups: ParallelGroups, held: ExitStack) -> None:
+def _claim_run_folder(config: PretrainConfig, groups: ParallelGroups,
+                      held: ExitStack) -> None:
     """Rank 0 locks the run folder for the run (``held`` keeps the lock), then checks (and
     with --overwrite clears) it; every rank gets its verdict, so all fail alike."""
+    ckpt = config.checkpoint
     verdict: list[str | None] = [None]
     if groups.rank == 0:
         try:
             # The checkpoint folder is what two jobs of one run would fight over (its
             # --out-dir may be shared by runs that save elsewhere).
             held.enter_context(run_folder_lock(ckpt.save_dir or ckpt.out_dir))
-            claim_run_folder(ckpt)
+            claim_run_folder(ckpt, config.metrics_path)
         except ConfigError as err:
             verdict[0] = str(err)
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -224,31 +226,15 @@ def _train(config: PretrainConfig, plan: RunPlan, groups: ParallelGroups, device
     if resuming:
         start_step, state = engine.load(ckpt.load)
     loader, valid = make_loaders(config.data, config.train, plan, paths, groups.dp_rank, state)
-    debug = ckpt.says("debug")
-    reporter = Reporter(plan.train_steps, start_step, rank0 and ckpt.says("info"),
-                        ckpt.progress and not debug, 1 if debug else ckpt.log_interval)
-    topo = plan.topology
-    if debug:  # every rank: where it sits (printed as the ranks reach this point)
-        coords = groups.coord
-        print(f"rank {groups.rank}: tp {coords.tp} pp {coords.pp} dp {coords.dp}, "
-              f"{device}, pid {os.getpid()}", flush=True)
-    if rank0:  # which launcher placed the ranks ("single": this command's --nproc)
-        source = "--nproc" if launcher == "single" else launcher
-        reporter.print(f"{topo.world_size} ranks from {source}: {topo.describe()} on "
-                       f"{device.type}")
-    if rank0 and start_step:
-        reporter.print(f"resumed from {ckpt.load} at step {start_step}")
-    elif rank0 and ckpt.load and not resuming:
-        reporter.print(f"no checkpoint in {ckpt.load} yet: starting at step 0")
-    if rank0 and start_step >= plan.train_steps and ckpt.says("warning"):
-        # A warning's weight: shown unless --log-level error.
-        print(f"nothing to train: {ckpt.load} is at step {start_step}, the run ends at step "
-              f"{plan.train_steps} (raise --train-steps / --train-tokens to train on)",
-              flush=True)
-    tb_dir = Path(ckpt.out_dir) / "tensorboard" if ckpt.tensorboard else None
-    wandb = WandbTarget(ckpt.wandb_project, ckpt.wandb_name or Path(ckpt.out_dir).resolve().name,
-                        Path(ckpt.out_dir), asdict(config)) if ckpt.wandb_project else None
-    metrics = MetricsWriter(ckpt.metrics_path, tb_dir, start_step, wandb) if rank0 else None
+    log = config.log
+    debug = log.says("debug")
+    reporter = Reporter(plan.train_steps, start_step, rank0 and log.says("info"),
+                        log.progress and not debug, 1 if debug else log.log_interval)
+    _announce(config, plan, groups, device, launcher, reporter, start_step, resuming)
+    tb_dir = Path(ckpt.out_dir) / "tensorboard" if log.tensorboard else None
+    wandb = WandbTarget(log.wandb_project, log.wandb_name or Path(ckpt.out_dir).resolve().name,
+                        Path(ckpt.out_dir), asdict(config)) if log.wandb_project else None
+    metrics = MetricsWriter(config.metrics_path, tb_dir, start_step, wandb) if rank0 else None
     if metrics is not None and metrics.wandb_line:
         reporter.print(metrics.wandb_line)
     summary = RunSummary(start_step=start_step, final_step=start_step)
@@ -276,8 +262,8 @@ def _train(config: PretrainConfig, plan: RunPlan, groups: ParallelGroups, device
     score_tasks = None
     if config.train.eval_tasks:
         score_tasks = task_scorer(config.train, plan, groups, engine, tokenizer_for(paths))
-    trainer = Trainer(config.train, ckpt, plan, groups, engine, loader, valid, on_step, flag,
-                      save, started, score_tasks)
+    trainer = Trainer(config.train, ckpt, config.log, plan, groups, engine, loader, valid,
+                      on_step, flag, save, started, score_tasks)
     try:
         stats, stopped = trainer.run()
     finally:
@@ -301,17 +287,50 @@ def _train(config: PretrainConfig, plan: RunPlan, groups: ParallelGroups, device
     memory = gather_memory(device)  # collective: every rank, after everything above
     if not rank0:
         return None
+    summary.memory = memory
     summary.checkpoint = str(saver.last_saved) if saver and saver.last_saved else None
-    summary.tokens = loader.state.consumed_samples * plan.gpt.seq_len
+    _totals(summary, plan, loader.state, stats, started, device)
+    return summary
+
+
+def _announce(config: PretrainConfig, plan: RunPlan, groups: ParallelGroups,
+              device: torch.device, launcher: str, reporter: Reporter, start_step: int,
+              resuming: bool) -> None:
+    """The start-up lines: where each rank sits (``--log-level debug``), which launcher
+    placed the ranks, where training resumes and whether anything is left to train."""
+    ckpt, rank0 = config.checkpoint, groups.rank == 0
+    debug = config.log.says("debug")
+    topo = plan.topology
+    if debug:  # every rank: where it sits (printed as the ranks reach this point)
+        coords = groups.coord
+        print(f"rank {groups.rank}: tp {coords.tp} pp {coords.pp} dp {coords.dp}, "
+              f"{device}, pid {os.getpid()}", flush=True)
+    if rank0:  # which launcher placed the ranks ("single": this command's --nproc)
+        source = "--nproc" if launcher == "single" else launcher
+        reporter.print(f"{topo.world_size} ranks from {source}: {topo.describe()} on "
+                       f"{device.type}")
+    if rank0 and start_step:
+        reporter.print(f"resumed from {ckpt.load} at step {start_step}")
+    elif rank0 and ckpt.load and not resuming:
+        reporter.print(f"no checkpoint in {ckpt.load} yet: starting at step 0")
+    if rank0 and start_step >= plan.train_steps and config.log.says("warning"):
+        # A warning's weight: shown unless --log-level error.
+        print(f"nothing to train: {ckpt.load} is at step {start_step}, the run ends at step "
+              f"{plan.train_steps} (raise --train-steps / --train-tokens to train on)",
+              flush=True)
+
+
+def _totals(summary: RunSummary, plan: RunPlan, state: DataLoaderState,
+            stats: list[StepStats], started: float, device: torch.device) -> None:
+    """Rank 0's run totals: tokens, throughput, wall time, planned memory."""
+    summary.tokens = state.consumed_samples * plan.gpt.seq_len
     timed = stats[1:] or stats
     if timed:
         summary.tokens_per_s = sum(s.global_batch_size * plan.gpt.seq_len for s in timed) / \
             sum(s.step_time for s in timed)
     summary.wall_time = time.perf_counter() - started
-    summary.memory = memory
     summary.planned_stage, planned = fullest_stage_memory(plan, device.type)
     summary.planned_memory = planned["total"]
-    return summary
 
 
 def make_engine(config: PretrainConfig, plan: RunPlan, groups: ParallelGroups,

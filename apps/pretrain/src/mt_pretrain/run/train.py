@@ -21,13 +21,13 @@ import torch.distributed as dist
 from mt_data import DPDataLoader
 from mt_dist import ParallelGroups
 from mt_model import model_flops_per_token_training
+from mt_plan.memory import gather_memory
 from mt_plan.mfu import measure_peak_flops, model_flops_utilization
 from mt_pretrain.config.resolve import RunPlan, activation_shape
-from mt_pretrain.config.schema import CheckpointArgs, TrainArgs
+from mt_pretrain.config.schema import CheckpointArgs, LogArgs, TrainArgs
 from mt_pretrain.engines.base import Engine
 from mt_pretrain.engines.failpoints import failpoint
 from mt_pretrain.run.evaluate import evaluate
-from mt_pretrain.run.memory import gather_memory
 from mt_zero import LRSchedule
 from mt_zero.precision import compute_dtype
 
@@ -74,7 +74,7 @@ class Trainer:
     """Runs the optimizer steps of one rank.
 
     Args:
-        train, ckpt: the run's training and checkpoint / output config sections.
+        train, ckpt, log: the run's training, checkpoint and logging config sections.
         plan, groups, engine: the resolved plan, the process groups, and the engine running
             this rank's model stage and optimizer.
         loader: this DP rank's training loader (already at the resume position).
@@ -89,7 +89,7 @@ class Trainer:
             it; default: now).
     """
 
-    def __init__(self, train: TrainArgs, ckpt: CheckpointArgs, plan: RunPlan,
+    def __init__(self, train: TrainArgs, ckpt: CheckpointArgs, log: LogArgs, plan: RunPlan,
                  groups: ParallelGroups, engine: Engine, loader: DPDataLoader,
                  valid: DPDataLoader | None,
                  on_step: Callable[[StepStats], None], should_stop: Callable[[], bool],
@@ -112,7 +112,7 @@ class Trainer:
         self.activation_shape = activation_shape(plan)
         self._flops_per_token = model_flops_per_token_training(gpt)
         # MFU denominator: given, or probed once on rank 0 (the rank that reports it).
-        peak = ckpt.peak_tflops
+        peak = log.peak_tflops
         self._peak_flops = peak * 1e12 if peak is not None else (
             measure_peak_flops(self.dtype, self.device) if groups.rank == 0 else float("nan"))
 

@@ -51,10 +51,9 @@ def map_large_blocks(environ: Mapping[str, str], threshold: int = MMAP_THRESHOLD
     own, returned to the system when freed (``mallopt(M_MMAP_THRESHOLD)``).
 
     glibc's default raises its threshold as mapped blocks are freed (up to 32 MB), after which
-    a rank's activations come from its heap and, once freed, stay there: peak RSS measured
-    13-21% above the planner's live bytes at context parallelism 2 and 4 and 16k tokens
-    (mapped: 5-9%; benchmarks/cp.py), 5% above mapped blocks' with GPT-2 small. The price is
-    0-10% of tokens/s (the pages of a new mapping are faulted in afresh). Returns whether it
+    a rank's activations come from its heap and, once freed, stay there: the peak RSS then
+    sits well above the planner's live bytes (figures: benchmarks/cp.py). The price is some
+    tokens/s (the pages of a new mapping are faulted in afresh). Returns whether it
     was set: not where the C library is not glibc, nor where the user chose a threshold
     (``MALLOC_MMAP_THRESHOLD_`` or ``GLIBC_TUNABLES=glibc.malloc.mmap_threshold=...``), which
     wins."""
