@@ -338,7 +338,8 @@ def _raise_failure(outcome: Outcome, timeout: float | None,
                    expected: Mapping[str, type[BaseException]]) -> None:
     n, silent, first = outcome.world_size, list(outcome.silent), outcome.root_cause()
     if outcome.timed_out:
-        raise LaunchFailed(f"the run did not finish within {timeout} s; ranks {silent} killed")
+        raise LaunchFailed(f"the run did not finish within {timeout} s; ranks {silent} killed",
+                           f"the run did not finish within {timeout} s")
     if first is None:
         return
     failed = sorted(r.rank for r in outcome.failures)
@@ -347,11 +348,25 @@ def _raise_failure(outcome: Outcome, timeout: float | None,
         # they are stuck (stopped, deadlocked, in an endless loop); they are killed next.
         raise LaunchFailed(f"rank {silent[0]} of {n} hung: it gave no report while ranks "
                            f"{failed} failed waiting for it (stuck ranks {silent} killed); "
-                           f"rank {first.rank} reported:\n{first.detail}")
+                           f"rank {first.rank} reported:\n{first.detail}",
+                           f"rank {silent[0]} of {n} hung")
     if first.kind in expected:
         err = expected[first.kind](first.message)
         if isinstance(err, OSError):
             err.errno = first.errno  # what mt_dist.exits decides the exit status by
         raise err
     raise LaunchFailed(f"rank {first.rank} of {n} failed first (failed ranks: {failed}):\n"
-                       f"{first.detail}")
+                       f"{first.detail}", f"rank {first.rank} of {n} {_how(first)}")
+
+
+def _how(report: Report) -> str:
+    """How a rank failed, in a few words."""
+    if report.killed_by_signal:
+        try:
+            return f"killed by {signal.Signals(-report.exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-report.exitcode}"
+    if report.exitcode is not None:
+        return f"exited with code {report.exitcode} without a report"
+    line = report.message.splitlines()[0] if report.message else ""
+    return f"raised {report.kind}" + (f": {line}" if line else "")

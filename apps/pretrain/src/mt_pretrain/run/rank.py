@@ -54,6 +54,21 @@ from mt_pretrain.run.train import StepStats, Trainer, stats_dict
 __all__ = ["RunSummary", "make_engine", "run_rank"]
 
 
+@dataclass(frozen=True)
+class Restart:
+    """A run started again after a failure: the ``count``-th restart (of ``limit``; 0: the
+    launcher's own, unbounded here) and what failed (``cause``, a few words)."""
+
+    count: int
+    limit: int
+    cause: str
+
+    def line(self, resumed: str) -> str:
+        """The one line rank 0 prints: which restart, after what, from where."""
+        of = f" of {self.limit}" if self.limit else ""
+        return f"restart {self.count}{of} after {self.cause}: {resumed}"
+
+
 @dataclass
 class RunSummary:
     """What rank 0 reports at the end of a run.
@@ -80,6 +95,8 @@ class RunSummary:
     planned_memory: float | None = None
     """The planner's bytes per rank of the fullest pipeline stage (``planned_stage``)."""
     planned_stage: int | None = None
+    restarts: int = 0
+    """Restarts before this run (the summary covers the steps since the last one)."""
 
 
 class StopFlag:
@@ -163,9 +180,10 @@ def _stop_native_code_at_the_second_signal() -> Iterator[None]:
 
 
 def run_rank(config: PretrainConfig, info: LaunchInfo, cache_dir: Path,
-             keep_weights: bool = False) -> RunSummary | None:
+             keep_weights: bool = False, restart: Restart | None = None) -> RunSummary | None:
     """Train as rank ``info.rank``; returns the summary on rank 0, None elsewhere (with the
-    final full weights in it when ``keep_weights``)."""
+    final full weights in it when ``keep_weights``). ``restart``: this run continues one
+    that failed (said in one line, and in the first metrics record)."""
     if config.log.level == "error":  # --log-level error: errors only
         warnings.simplefilter("ignore")
     use_cuda = {"auto": None, "cpu": False, "cuda": True}[config.parallel.device]
@@ -186,7 +204,7 @@ def run_rank(config: PretrainConfig, info: LaunchInfo, cache_dir: Path,
             flag = StopFlag()
             with _stop_on_signals(flag):
                 summary = _train(config, plan, groups, device, cache_dir, flag, info.launcher,
-                                 keep_weights)
+                                 keep_weights, restart)
         completed = True
         return summary
     finally:
@@ -214,8 +232,8 @@ def _claim_run_folder(config: PretrainConfig, groups: ParallelGroups,
 
 
 def _train(config: PretrainConfig, plan: RunPlan, groups: ParallelGroups, device: torch.device,
-           cache_dir: Path, flag: StopFlag, launcher: str,
-           keep_weights: bool) -> RunSummary | None:
+           cache_dir: Path, flag: StopFlag, launcher: str, keep_weights: bool,
+           restart: Restart | None) -> RunSummary | None:
     started = time.perf_counter()
     rank0 = groups.rank == 0
     ckpt = config.checkpoint
@@ -230,19 +248,23 @@ def _train(config: PretrainConfig, plan: RunPlan, groups: ParallelGroups, device
     debug = log.says("debug")
     reporter = Reporter(plan.train_steps, start_step, rank0 and log.says("info"),
                         log.progress and not debug, 1 if debug else log.log_interval)
-    _announce(config, plan, groups, device, launcher, reporter, start_step, resuming)
+    _announce(config, plan, groups, device, launcher, reporter, start_step, resuming, restart)
     tb_dir = Path(ckpt.out_dir) / "tensorboard" if log.tensorboard else None
     wandb = WandbTarget(log.wandb_project, log.wandb_name or Path(ckpt.out_dir).resolve().name,
                         Path(ckpt.out_dir), asdict(config)) if log.wandb_project else None
     metrics = MetricsWriter(config.metrics_path, tb_dir, start_step, wandb) if rank0 else None
     if metrics is not None and metrics.wandb_line:
         reporter.print(metrics.wandb_line)
-    summary = RunSummary(start_step=start_step, final_step=start_step)
+    summary = RunSummary(start_step=start_step, final_step=start_step,
+                         restarts=restart.count if restart else 0)
     saver = engine.saver(ckpt.save_dir, ckpt.keep_last) if ckpt.save_dir is not None else None
+
+    restarted = {"restart": restart.count, "restart_cause": restart.cause} if restart else {}
 
     def on_step(stats: StepStats) -> None:
         summary.losses.append(stats.loss)
-        summary.records.append(stats_dict(stats))
+        summary.records.append({**stats_dict(stats), **restarted})
+        restarted.clear()  # the first record after a restart says so
         if metrics is not None:
             metrics.write(summary.records[-1])
         reporter.step(stats)
@@ -295,7 +317,7 @@ def _train(config: PretrainConfig, plan: RunPlan, groups: ParallelGroups, device
 
 def _announce(config: PretrainConfig, plan: RunPlan, groups: ParallelGroups,
               device: torch.device, launcher: str, reporter: Reporter, start_step: int,
-              resuming: bool) -> None:
+              resuming: bool, restart: Restart | None) -> None:
     """The start-up lines: where each rank sits (``--log-level debug``), which launcher
     placed the ranks, where training resumes and whether anything is left to train."""
     ckpt, rank0 = config.checkpoint, groups.rank == 0
@@ -309,10 +331,13 @@ def _announce(config: PretrainConfig, plan: RunPlan, groups: ParallelGroups,
         source = "--nproc" if launcher == "single" else launcher
         reporter.print(f"{topo.world_size} ranks from {source}: {topo.describe()} on "
                        f"{device.type}")
-    if rank0 and start_step:
-        reporter.print(f"resumed from {ckpt.load} at step {start_step}")
-    elif rank0 and ckpt.load and not resuming:
-        reporter.print(f"no checkpoint in {ckpt.load} yet: starting at step 0")
+    resumed = (f"resumed from {ckpt.load} at step {start_step}" if start_step else
+               f"no checkpoint in {ckpt.load} yet: starting at step 0"
+               if ckpt.load and not resuming else None)
+    if rank0 and restart is not None and config.log.says("warning"):
+        print(restart.line(resumed or "starting at step 0"), flush=True)
+    elif rank0 and resumed:
+        reporter.print(resumed)
     if rank0 and start_step >= plan.train_steps and config.log.says("warning"):
         # A warning's weight: shown unless --log-level error.
         print(f"nothing to train: {ckpt.load} is at step {start_step}, the run ends at step "
