@@ -91,8 +91,12 @@ def test_a_lost_rank_restarts_the_run_from_its_newest_checkpoint(
     cause = f"rank {victim} of {NPROC} killed by SIGKILL" if how == "SIGKILL" else \
         f"rank {victim} of {NPROC} hung"
     lines = [line for line in stdout.splitlines() if line.startswith("restart ")]
-    assert len(lines) == 1 and lines[0].startswith(f"restart 1 of 2 after {cause}: "), (
-        where, stdout + stderr)
+    kept = out / "failure-0"  # every rank's traceback, or stack if it hung
+    assert len(lines) == 1 and lines[0].startswith(
+        f"restart 1 of 2 after {cause} (every rank's stack: {kept}): "), (where, stdout + stderr)
+    assert sorted(p.name for p in kept.iterdir()) == [f"rank-{r}.txt" for r in range(NPROC)]
+    if how == "SIGSTOP":  # the stopped rank's Python stack, dumped before it was killed
+        assert "File " in (kept / f"rank-{victim}.txt").read_text(), where
     records, weights = _outcome(out)
     whole_records, whole_weights = uninterrupted
     assert [r["step"] for r in records] == list(range(1, STEPS + 1)), where

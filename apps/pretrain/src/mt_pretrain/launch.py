@@ -96,11 +96,29 @@ def spawn(config: PretrainConfig, nproc: int, cache: Path, timeout: float | None
                              timeout, expected=EXPECTED)
         except LaunchFailed as err:
             done = restart.count if restart is not None else 0
+            kept = _keep_last_words(err, Path(config.checkpoint.out_dir), done)
             limit = config.checkpoint.max_restarts
             if done >= limit:
-                raise
-            restart = Restart(done + 1, limit, err.cause)
+                raise LaunchFailed(f"{err}\n(every rank's stack: {kept})" if kept else str(err),
+                                   err.cause, err.stacks) from None
+            restart = Restart(done + 1, limit, err.cause, str(kept) if kept else "")
             config = replace(config, checkpoint=config.checkpoint.resuming_own())
+
+
+def _keep_last_words(err: LaunchFailed, out_dir: Path, attempt: int) -> Path | None:
+    """Every rank's traceback or stack of a failed attempt, one file per rank, in the run
+    folder (``failure-<attempt>/rank-N.txt``); None when there are none or the folder cannot
+    be written."""
+    if not err.stacks:
+        return None
+    folder = out_dir / f"failure-{attempt}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        for rank, text in sorted(err.stacks.items()):
+            (folder / f"rank-{rank}.txt").write_text(text + "\n", encoding="utf-8")
+    except OSError:
+        return None
+    return folder
 
 
 def _after_launcher_restart(config: PretrainConfig, launcher: str, environ: Mapping[str, str]

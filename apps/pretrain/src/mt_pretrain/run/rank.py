@@ -57,16 +57,19 @@ __all__ = ["RunSummary", "make_engine", "run_rank"]
 @dataclass(frozen=True)
 class Restart:
     """A run started again after a failure: the ``count``-th restart (of ``limit``; 0: the
-    launcher's own, unbounded here) and what failed (``cause``, a few words)."""
+    launcher's own, unbounded here), what failed (``cause``, a few words) and where every
+    rank's traceback or stack of the failed attempt was kept (``stacks``, or "")."""
 
     count: int
     limit: int
     cause: str
+    stacks: str = ""
 
     def line(self, resumed: str) -> str:
         """The one line rank 0 prints: which restart, after what, from where."""
         of = f" of {self.limit}" if self.limit else ""
-        return f"restart {self.count}{of} after {self.cause}: {resumed}"
+        kept = f" (every rank's stack: {self.stacks})" if self.stacks else ""
+        return f"restart {self.count}{of} after {self.cause}{kept}: {resumed}"
 
 
 @dataclass
@@ -276,10 +279,16 @@ def _train(config: PretrainConfig, plan: RunPlan, groups: ParallelGroups, device
             reporter.print(f"step {stats.step}: validation loss {stats.val_loss:.4f}, "
                            f"perplexity {stats.val_ppl:.2f}")
 
-    def save(step: int) -> None:
-        if saver is not None:
-            saver.save(step, loader.state)
-            reporter.print(f"saved checkpoint {saver.last_saved}")
+    def save(step: int, background: bool = False) -> float:
+        """Save ``step`` (in the background if asked and --async-save); the seconds a whole
+        save takes (for --exit-duration: the longest background write counts)."""
+        if saver is None:
+            return 0.0
+        began, background = time.perf_counter(), background and ckpt.async_save
+        saver.save(step, loader.state, background)
+        reporter.print(f"saving checkpoint {saver.last_saved} in the background" if background
+                       else f"saved checkpoint {saver.last_saved}")
+        return max(time.perf_counter() - began, saver.longest_write)
 
     score_tasks = None
     if config.train.eval_tasks:
@@ -292,6 +301,8 @@ def _train(config: PretrainConfig, plan: RunPlan, groups: ParallelGroups, device
         reporter.close()
         if metrics is not None:
             metrics.close()
+    if saver is not None:
+        saver.wait()  # the last background save published (or its error raised)
     summary.final_step, summary.stopped = loader.state.step, stopped
     if saver is not None and stats and not stopped and saver.last_step != loader.state.step:
         save(loader.state.step)
