@@ -4,14 +4,18 @@ Under torchrun, mpirun/mpiexec (mpi4py) or SLURM srun, this process is one rank:
 comes from ``mt_dist.discover(os.environ)``. Otherwise ``--nproc N`` forks N local ranks
 joined by gloo over a free TCP port on 127.0.0.1 (mt-dist's ``supervise``);
 the parent prepares the data once, waits, forwards SIGTERM / SIGINT (the ranks save a
-checkpoint and stop), and if a rank fails it stops the others and reports the root cause.
-This module and the CLI are the only places that read ``os.environ``.
+checkpoint and stop), and if a rank fails it stops the others and reports the root cause, or
+with ``--max-restarts N`` starts the ranks again from the newest complete checkpoint (at most
+N times). A job its launcher restarted (torchrun's ``--max-restarts``, a requeued SLURM job)
+resumes from its ``--save`` folder by itself. This module and the CLI are the only places
+that read ``os.environ``.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -19,6 +23,7 @@ import torch
 from mt_checkpoint import sharding_styles
 from mt_data.tokenizer import TokenizerError
 from mt_dist import LaunchInfo, discover, free_port
+from mt_dist.exits import LaunchFailed
 from mt_dist.supervisor import supervise
 from mt_eval import TaskError
 from mt_pretrain.config.refusals import engine_of
@@ -27,15 +32,17 @@ from mt_pretrain.config.schema import ConfigError, PretrainConfig
 from mt_pretrain.data.inputs import check_vocab, default_cache_dir, ensure_data
 from mt_pretrain.engines.checkpoint import CheckpointError
 from mt_pretrain.run.folder import claim_run_folder, run_folder_lock
-from mt_pretrain.run.rank import RunSummary, run_rank
+from mt_pretrain.run.rank import Restart, RunSummary, run_rank
 from mt_pretrain.run.train import NonFiniteLossError
 from mt_pretrain.run.warnings_line import one_line_warnings
 
-__all__ = ["EXPECTED", "launch", "spawn"]
+__all__ = ["EXPECTED", "RESTART_COUNTS", "launch", "spawn"]
 
 #: Failures every rank meets alike (bad config, damaged checkpoint, bad data or tokenizer):
 #: re-raised in the parent as they are, one line, no traceback (mt-dist's supervise).
 EXPECTED = (ConfigError, CheckpointError, NonFiniteLossError, TaskError, TokenizerError)
+#: How a launcher tells a process it was restarted: its count of restarts so far.
+RESTART_COUNTS = {"TORCHELASTIC_RESTART_COUNT": "torchrun", "SLURM_RESTART_COUNT": "SLURM"}
 
 
 def launch(config: PretrainConfig, environ: Mapping[str, str] | None = None,
@@ -49,7 +56,8 @@ def launch(config: PretrainConfig, environ: Mapping[str, str] | None = None,
     cache = Path(config.data.cache_dir) if config.data.cache_dir else default_cache_dir(environ)
     info = discover(environ)
     if info.launcher != "single":
-        return run_rank(config, info, cache, keep_weights)
+        config, restart = _after_launcher_restart(config, info.launcher, environ)
+        return run_rank(config, info, cache, keep_weights, restart)
     nproc = config.world_size_hint()
     plan = resolve(config, nproc)  # fail before starting anything
     ckpt = config.checkpoint
@@ -60,7 +68,7 @@ def launch(config: PretrainConfig, environ: Mapping[str, str] | None = None,
     # Building a meta GPT imports torch's Python reference ops (seconds); do it once before
     # forking so that every rank inherits them.
     sharding_styles(plan.model, plan.topology.tp)
-    if nproc == 1:
+    if nproc == 1 and not ckpt.max_restarts:
         single = LaunchInfo(0, 1, 0, 1, "127.0.0.1", free_port("127.0.0.1"), "single")
         return run_rank(config, single, cache, keep_weights)
     engine_of(config).load().preload(config)  # likewise, the engine's own imports
@@ -68,16 +76,65 @@ def launch(config: PretrainConfig, environ: Mapping[str, str] | None = None,
 
 
 def _rank(rank: int, config: PretrainConfig, nproc: int, port: int, cache: Path,
-          threads: int, keep_weights: bool) -> RunSummary | None:
+          threads: int, keep_weights: bool, restart: Restart | None) -> RunSummary | None:
     torch.set_num_threads(threads)
     one_line_warnings()  # a spawned rank speaks as the command does
     info = LaunchInfo(rank, nproc, rank, nproc, "127.0.0.1", port, "single")
-    return run_rank(config, info, cache, keep_weights)
+    return run_rank(config, info, cache, keep_weights, restart)
 
 
 def spawn(config: PretrainConfig, nproc: int, cache: Path, timeout: float | None = None,
           keep_weights: bool = False) -> RunSummary | None:
-    """Run ``nproc`` local ranks (forked when possible: no second torch import)."""
+    """Run ``nproc`` local ranks (forked when possible: no second torch import); a failed
+    run starts again from its newest checkpoint, ``--max-restarts`` times at most."""
     threads = max(1, (os.cpu_count() or 1) // nproc)
-    return supervise(_rank, nproc, (config, nproc, free_port("127.0.0.1"), cache, threads,
-                                    keep_weights), timeout, expected=EXPECTED)
+    restart = None
+    while True:
+        try:
+            return supervise(_rank, nproc, (config, nproc, free_port("127.0.0.1"), cache,
+                                            threads, keep_weights, restart),
+                             timeout, expected=EXPECTED)
+        except LaunchFailed as err:
+            done = restart.count if restart is not None else 0
+            kept = _keep_last_words(err, Path(config.checkpoint.out_dir), done)
+            limit = config.checkpoint.max_restarts
+            if done >= limit:
+                raise LaunchFailed(f"{err}\n(every rank's stack: {kept})" if kept else str(err),
+                                   err.cause, err.stacks) from None
+            restart = Restart(done + 1, limit, err.cause, str(kept) if kept else "")
+            config = replace(config, checkpoint=config.checkpoint.resuming_own())
+
+
+def _keep_last_words(err: LaunchFailed, out_dir: Path, attempt: int) -> Path | None:
+    """Every rank's traceback or stack of a failed attempt, one file per rank, in the run
+    folder (``failure-<attempt>/rank-N.txt``); None when there are none or the folder cannot
+    be written."""
+    if not err.stacks:
+        return None
+    folder = out_dir / f"failure-{attempt}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        for rank, text in sorted(err.stacks.items()):
+            (folder / f"rank-{rank}.txt").write_text(text + "\n", encoding="utf-8")
+    except OSError:
+        return None
+    return folder
+
+
+def _after_launcher_restart(config: PretrainConfig, launcher: str, environ: Mapping[str, str]
+                            ) -> tuple[PretrainConfig, Restart | None]:
+    """Under a launcher: --max-restarts is the launcher's to do; a process it restarted
+    continues the run from its --save folder (unless --load says where)."""
+    ckpt = config.checkpoint
+    if ckpt.max_restarts:
+        raise ConfigError(f"--max-restarts restarts the ranks of --nproc runs; under {launcher} "
+                          "the launcher restarts them (torchrun --max-restarts N, a requeued "
+                          "SLURM job): leave out --max-restarts, a restarted job resumes from "
+                          "--save by itself")
+    for name, who in RESTART_COUNTS.items():
+        count = environ.get(name, "0")
+        if count.isdigit() and int(count) > 0 and ckpt.load is None and \
+                ckpt.save_dir is not None:
+            return (replace(config, checkpoint=ckpt.resuming_own()),
+                    Restart(int(count), 0, f"{who} restarted the job"))
+    return config, None

@@ -6,6 +6,9 @@
   moved to another layout).
 - :mod:`mt_checkpoint.format`: finding the step to load (falling back to the newest complete
   one), writing and weights-only reading of rank files, the atomic publish protocol.
+- :mod:`mt_checkpoint.background`: asynchronous saves: the state snapshotted to host memory,
+  written by a thread while training goes on (``wait_for_ranks``: publishing without a
+  collective).
 - :mod:`mt_checkpoint.checksums`: every rank file's size and CRC-32C in ``meta.json`` (and
   ``meta.json``'s own), checked whenever a file is read.
 - :mod:`mt_checkpoint.manifest`: the same checksums for a folder another library wrote
@@ -23,6 +26,7 @@
 them with it. Neither knows a file name or the rank formula.
 """
 
+from mt_checkpoint.background import BackgroundWrite, snapshot
 from mt_checkpoint.format import (
     clean_stale,
     find_checkpoint,
@@ -35,6 +39,7 @@ from mt_checkpoint.format import (
     remove_checkpoints,
     save_rank,
     verify_rank_file,
+    wait_for_ranks,
     write_meta,
     write_synced,
 )
@@ -72,6 +77,7 @@ __all__ = [
     "MANIFEST",
     "META",
     "RANK_FORMAT",
+    "BackgroundWrite",
     "Built",
     "CheckpointError",
     "CheckpointMeta",
@@ -99,10 +105,12 @@ __all__ = [
     "save_rank",
     "sharding_styles",
     "sidecar_rank_file",
+    "snapshot",
     "step_dir",
     "sum_files",
     "verify_files",
     "verify_rank_file",
+    "wait_for_ranks",
     "write_manifest",
     "write_meta",
     "write_synced",

@@ -52,8 +52,11 @@ class ChecksumWriter:
     def record(self, path: Path) -> None:
         """Store the size and checksum of ``path`` (just written through this wrapper) in
         its sidecar, for :func:`collect_sums`."""
-        _sidecar(path).write_text(json.dumps({"bytes": self.size,
-                                              "crc32c": crc_text(self.crc)}), encoding="utf-8")
+        side = _sidecar(path)
+        tmp = side.with_name(side.name + ".tmp")  # whole or absent: a writer waits for it
+        tmp.write_text(json.dumps({"bytes": self.size, "crc32c": crc_text(self.crc)}),
+                       encoding="utf-8")
+        tmp.replace(side)
 
 
 def json_crc(body: dict[str, Any]) -> str:
@@ -65,6 +68,12 @@ def json_crc(body: dict[str, Any]) -> str:
 
 def _sidecar(path: Path) -> Path:
     return path.with_name(f".{path.name}.sum")
+
+
+def not_recorded(folder: Path, names: list[str]) -> list[str]:
+    """Those of ``names`` in ``folder`` whose checksum is not recorded yet (still being
+    written)."""
+    return [name for name in names if not _sidecar(folder / name).is_file()]
 
 
 def collect_sums(folder: Path, names: list[str]) -> dict[str, dict[str, Any]]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import replace
@@ -28,7 +29,7 @@ from typing import Any
 
 import torch
 
-from mt_checkpoint.checksums import ChecksumWriter, collect_sums, verify_file
+from mt_checkpoint.checksums import ChecksumWriter, collect_sums, not_recorded, verify_file
 from mt_checkpoint.meta import CheckpointMeta, read_meta
 from mt_checkpoint.names import (
     LATEST,
@@ -212,6 +213,22 @@ def write_meta(folder: Path, meta: CheckpointMeta) -> CheckpointMeta:
     meta = replace(meta, files=collect_sums(folder, names))
     write_synced(folder / META, meta.as_json())
     return meta
+
+
+def wait_for_ranks(folder: Path, world_size: int, timeout: float,
+                   poll: float = 0.05) -> None:
+    """Block until every rank's file of ``folder`` is written (its checksum recorded): how an
+    asynchronous save's publisher learns that the others are done without a collective (their
+    writers run beside training, whose collectives they must not interleave with). A
+    :class:`CheckpointError` naming the missing ranks after ``timeout`` seconds."""
+    names = [rank_file(r) for r in range(world_size)]
+    deadline = time.monotonic() + timeout
+    while missing := not_recorded(folder, names):
+        if time.monotonic() > deadline:
+            raise CheckpointError(f"{folder}: {len(missing)} rank files not written within "
+                                  f"{timeout:g} s ({', '.join(missing[:4])}...); this step is "
+                                  "not published, the previous one stays the newest")
+        time.sleep(poll)
 
 
 def fresh_rng(seed: int, pp_rank: int, dp_rank: int) -> dict[str, Any]:

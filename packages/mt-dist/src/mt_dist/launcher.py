@@ -52,6 +52,10 @@ class LaunchInfo:
         master_addr: host of the rendezvous store (where rank 0 runs).
         master_port: TCP port of the rendezvous store (0: any free port, single process only).
         launcher: one of ``"torchrun"``, ``"mpi"``, ``"slurm"``, ``"single"``.
+        attempt: how many times the launcher restarted the job (torchrun's
+            ``TORCHELASTIC_RESTART_COUNT``); the rendezvous keys of each attempt are its own.
+        agent_store: the launcher's agent hosts the rendezvous store (torchrun's
+            ``TORCHELASTIC_USE_AGENT_STORE``), so rank 0 does not.
     """
 
     rank: int
@@ -61,6 +65,8 @@ class LaunchInfo:
     master_addr: str
     master_port: int
     launcher: str
+    attempt: int = 0
+    agent_store: bool = False
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -144,6 +150,8 @@ def _from_torchrun(environ: Mapping[str, str]) -> LaunchInfo:
         master_addr=environ.get("MASTER_ADDR", DEFAULT_MASTER_ADDR),
         master_port=_int(environ, "MASTER_PORT", default=DEFAULT_MASTER_PORT),
         launcher="deepspeed" if deepspeed else "torchrun",
+        attempt=_int(environ, "TORCHELASTIC_RESTART_COUNT", default=0),
+        agent_store=environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
     )
 
 
@@ -272,9 +280,12 @@ def init_distributed(
 ) -> None:
     """Initialize the default process group for ``info`` (gloo on CPU, nccl on CUDA).
 
-    Rendezvous is ``tcp://master_addr:master_port`` (rank 0 hosts the store); the
-    environment is neither read nor modified. ``timeout`` (a timedelta or seconds) bounds
-    the rendezvous and every collective, so a missing rank fails instead of hanging.
+    Rendezvous is a TCP store at ``master_addr:master_port`` (hosted by rank 0, or by the
+    launcher's agent), its keys under a prefix of their own per launcher attempt: the ranks a
+    launcher restarted never read the addresses their predecessors left in the agent's
+    store. The environment is neither read nor modified. ``timeout`` (a timedelta or
+    seconds) bounds the rendezvous and every collective, so a missing rank fails instead of
+    hanging.
     """
     if dist.is_initialized():
         raise RuntimeError("the default process group is already initialized")
@@ -286,12 +297,12 @@ def init_distributed(
         if device.index is None:
             device = torch.device("cuda", info.local_rank)
         torch.cuda.set_device(device)
-    host = info.master_addr
-    if ":" in host and not host.startswith("["):
-        host = f"[{host}]"  # IPv6 literal inside a URL
+    store = dist.TCPStore(info.master_addr.strip("[]"), info.master_port, info.world_size,
+                          is_master=info.rank == 0 and not info.agent_store, timeout=timeout,
+                          multi_tenant=True)
     dist.init_process_group(
         backend,
-        init_method=f"tcp://{host}:{info.master_port}",
+        store=dist.PrefixStore(f"mt/attempt-{info.attempt}", store),
         rank=info.rank,
         world_size=info.world_size,
         timeout=timeout,

@@ -196,10 +196,12 @@ class LocalRanks:
         return Outcome(self.world_size, reports, tuple(sorted(pending)), timed_out)
 
     def stacks(self, ranks: Sequence[int]) -> dict[int, str]:
-        """Python stacks of ``ranks`` (still running), "" where none could be dumped."""
+        """Python stacks of ``ranks`` (still running; a stopped one is continued first), ""
+        where none could be dumped."""
         for rank in ranks:
             proc = self._ranks[rank].proc
             if proc.is_alive() and hasattr(signal, "SIGUSR1"):
+                os.kill(proc.pid, signal.SIGCONT)
                 os.kill(proc.pid, signal.SIGUSR1)
         time.sleep(_STACK_DUMP_WAIT_S)
         return {rank: _read(self._ranks[rank].stack_file) for rank in ranks}
@@ -329,16 +331,25 @@ def supervise(target: Callable[..., Any], nproc: int, args: tuple[Any, ...],
         if len(interrupts) > 1 and outcome.failures:
             raise Interrupted("interrupted twice: the ranks were stopped at once, "
                               "without a checkpoint of the current step")
+        # Hung ranks (no report while others failed, or time ran out): their stacks, asked
+        # for before the ranks are killed.
+        stacks = ranks.stacks(outcome.silent) if outcome.silent and (
+            outcome.failures or outcome.timed_out) else {}
         _raise_failure(outcome, timeout, {kind.__name__: kind
-                                          for kind in (*expected, *_OS_ERRORS)})
+                                          for kind in (*expected, *_OS_ERRORS)}, stacks)
         return outcome.reports[0].value
 
 
 def _raise_failure(outcome: Outcome, timeout: float | None,
-                   expected: Mapping[str, type[BaseException]]) -> None:
+                   expected: Mapping[str, type[BaseException]],
+                   stacks: Mapping[int, str]) -> None:
     n, silent, first = outcome.world_size, list(outcome.silent), outcome.root_cause()
+    last_words = {**{r.rank: r.detail for r in outcome.failures},
+                  **{r: stacks.get(r) or "no stack: the rank did not answer (stopped?)"
+                     for r in silent}}
     if outcome.timed_out:
-        raise LaunchFailed(f"the run did not finish within {timeout} s; ranks {silent} killed")
+        raise LaunchFailed(f"the run did not finish within {timeout} s; ranks {silent} killed",
+                           f"the run did not finish within {timeout} s", last_words)
     if first is None:
         return
     failed = sorted(r.rank for r in outcome.failures)
@@ -347,11 +358,26 @@ def _raise_failure(outcome: Outcome, timeout: float | None,
         # they are stuck (stopped, deadlocked, in an endless loop); they are killed next.
         raise LaunchFailed(f"rank {silent[0]} of {n} hung: it gave no report while ranks "
                            f"{failed} failed waiting for it (stuck ranks {silent} killed); "
-                           f"rank {first.rank} reported:\n{first.detail}")
+                           f"rank {first.rank} reported:\n{first.detail}",
+                           f"rank {silent[0]} of {n} hung", last_words)
     if first.kind in expected:
         err = expected[first.kind](first.message)
         if isinstance(err, OSError):
             err.errno = first.errno  # what mt_dist.exits decides the exit status by
         raise err
     raise LaunchFailed(f"rank {first.rank} of {n} failed first (failed ranks: {failed}):\n"
-                       f"{first.detail}")
+                       f"{first.detail}", f"rank {first.rank} of {n} {_how(first)}",
+                       last_words)
+
+
+def _how(report: Report) -> str:
+    """How a rank failed, in a few words."""
+    if report.killed_by_signal:
+        try:
+            return f"killed by {signal.Signals(-report.exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-report.exitcode}"
+    if report.exitcode is not None:
+        return f"exited with code {report.exitcode} without a report"
+    line = report.message.splitlines()[0] if report.message else ""
+    return f"raised {report.kind}" + (f": {line}" if line else "")

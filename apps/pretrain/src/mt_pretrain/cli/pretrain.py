@@ -122,7 +122,9 @@ def _print_summary(console: Console, summary: Any) -> None:
         console.print(
             f"trained steps {summary.start_step + 1}-{summary.final_step}: loss "
             f"{losses[0]:.4f} -> {losses[-1]:.4f}, {summary.tokens:,} tokens, "
-            f"{summary.tokens_per_s:,.0f} tokens/s, {summary.wall_time:.1f} s", highlight=False)
+            f"{summary.tokens_per_s:,.0f} tokens/s, {summary.wall_time:.1f} s"
+            + (f" (since restart {summary.restarts})" if summary.restarts else ""),
+            highlight=False)
     if summary.memory is not None:
         from mt_plan.memory import summary_line
 

@@ -46,6 +46,9 @@ def _deepspeed_refuses(config: PretrainConfig) -> list[str]:
         problems.append(f"--cp {par.cp} is not supported with --engine deepspeed (its engines "
                         "reduce gradients over their own data-parallel group, not over the "
                         "context-parallel ranks); use --engine mt")
+    if config.checkpoint.async_save:
+        problems.append("--async-save is not supported with --engine deepspeed (its engine "
+                        "writes its own checkpoints, in the foreground); use --engine mt")
     if config.train.rampup_start is not None:
         problems.append(f"--rampup-start {config.train.rampup_start}: batch-size ramp-up is "
                         "not supported with --engine deepspeed (its gradient accumulation "

@@ -508,6 +508,19 @@ class CheckpointArgs:
     """Save every this many steps (0: only at the end and on SIGTERM/SIGINT)."""
     keep_last: int = 2
     """Keep this many most recent checkpoints."""
+    async_save: bool = False
+    """Write the checkpoints of --save-interval in the background: the ranks copy their
+    state to host memory (pinned on CUDA) and training goes on while a thread writes,
+    checksums and publishes it; a save waits for the one before it, and the saves that end a
+    run (its last step, a signal, --exit-*) are written in the foreground. A crash during a
+    write leaves the previous checkpoint the newest."""
+    max_restarts: int = 0
+    """Restart the run by itself, at most this many times, when a rank dies, hangs past
+    --timeout or raises what no one expected: the ranks are stopped and the run resumes from
+    its newest complete checkpoint (from step 0 if it saved none yet), each restart one line
+    and a `restart` field in the metrics. For --nproc runs; under torchrun use its
+    --max-restarts (a restarted torchrun or requeued SLURM job resumes from --save by
+    itself)."""
     load: str | None = None
     """Resume from this checkpoint folder (its `latest`) or one step folder; the layout may
     differ from the saved one (with --engine deepspeed it must be the same). The run's own
@@ -522,7 +535,19 @@ class CheckpointArgs:
         _int64(problems, self)
         if self.save_interval < 0:
             problems.append(f"--save-interval must be >= 0, got {self.save_interval}")
+        if self.max_restarts < 0:
+            problems.append(f"--max-restarts must be >= 0, got {self.max_restarts}")
+        elif self.max_restarts and self.save_dir is None:
+            problems.append(f"--max-restarts {self.max_restarts} resumes from the run's "
+                            "checkpoints, and --save none keeps none: a restart would start "
+                            "over at step 0; save (--save-interval N) or leave out "
+                            "--max-restarts")
         _raise(problems, "checkpoint arguments")
+
+    def resuming_own(self) -> CheckpointArgs:
+        """These arguments continuing the run from its own checkpoint folder (a restart):
+        ``--load`` the save folder, nothing deleted."""
+        return dataclasses.replace(self, load=str(self.save_dir), overwrite=False)
 
     @property
     def save_dir(self) -> Path | None:

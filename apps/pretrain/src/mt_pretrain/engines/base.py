@@ -35,9 +35,15 @@ class Saver(Protocol):
 
     last_saved: Path | None
     last_step: int | None
+    longest_write: float
+    """Seconds the longest background write took (0: none yet, or none in the background)."""
 
-    def save(self, step: int, data_state: DataLoaderState) -> Path:
-        """Write the checkpoint of ``step``; returns its folder."""
+    def save(self, step: int, data_state: DataLoaderState, background: bool = False) -> Path:
+        """Write the checkpoint of ``step`` (``background``: its files by a thread, training
+        going on); returns its folder."""
+
+    def wait(self) -> None:
+        """Until the background write, if any, has ended (its error raised here)."""
 
 
 class Engine(ABC):

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from mt_checkpoint import (
     DATA_ORDER,
+    BackgroundWrite,
     Built,
     CheckpointError,
     CheckpointMeta,
@@ -31,7 +32,9 @@ from mt_checkpoint import (
     publish_step,
     read_meta,
     save_rank,
+    snapshot,
     step_dir,
+    wait_for_ranks,
 )
 from mt_data import DataLoaderState
 from mt_dist import ParallelGroups
@@ -62,7 +65,15 @@ def all_stage_names(plan: RunPlan, full_names: list[str]) -> dict[int, list[str]
 
 
 class Checkpointer:
-    """Writes the checkpoints of one run (every rank calls :meth:`save` together)."""
+    """Writes the checkpoints of one run (every rank calls :meth:`save` together).
+
+    A save in the background (``--async-save``) takes the collective part (the full weights
+    gathered over data parallelism) and a copy of the rank's state into host memory on the
+    training thread; a thread then writes the rank file, and rank 0's publishes the step once
+    every rank's file is written (:func:`mt_checkpoint.wait_for_ranks`: no collective beside
+    training's). A save waits for the one before it; a step whose write did not finish (a
+    crash, a kill) is never published, and the previous one stays the newest.
+    """
 
     def __init__(self, root: Path, keep_last: int, config: PretrainConfig, plan: RunPlan,
                  groups: ParallelGroups, built: Built, optimizer: ZeroOptimizer) -> None:
@@ -71,9 +82,22 @@ class Checkpointer:
         self.optimizer = optimizer
         self.last_saved: Path | None = None
         self.last_step: int | None = None
+        self.writer = BackgroundWrite()
 
-    def save(self, step: int, data_state: DataLoaderState) -> Path:
-        """Write the checkpoint of ``step`` (collective); returns its folder."""
+    @property
+    def longest_write(self) -> float:
+        """Seconds the longest background write took (what waiting for one costs)."""
+        return self.writer.longest
+
+    def wait(self) -> None:
+        """Until the background write, if any, is published here (rank 0) or written."""
+        self.writer.wait()
+
+    def save(self, step: int, data_state: DataLoaderState, background: bool = False) -> Path:
+        """Write the checkpoint of ``step`` (collective); returns its folder. With
+        ``background`` the files are written (and the step published) by a thread, and
+        training goes on."""
+        self.wait()
         groups, opt = self.groups, self.optimizer
         tmp = self.root / f".{step_dir(step)}.tmp"
         if groups.rank == 0:
@@ -87,19 +111,38 @@ class Checkpointer:
         rng = {"torch": torch.get_rng_state(),
                "cuda": torch.cuda.get_rng_state() if groups.device.type == "cuda" else None,
                "tracker": self.built.tracker.state_dict() if self.built.tracker else {}}
-        model, shard, rng = _to_cpu((weights if groups.grad_rank == 0 else {},
-                                     optimizer_shard_state(opt), rng))
+        state = (weights if groups.grad_rank == 0 else {}, optimizer_shard_state(opt), rng)
         coord = groups.coord if groups.cp_size > 1 else groups.coord[:3]  # (pp, dp, tp[, cp])
-        save_rank(tmp, groups.rank, coord, model, shard, rng)
-        failpoint("checkpoint.write", groups.rank)
-        _barrier(groups)
+        meta = self._meta(step, data_state) if groups.rank == 0 else None
         final = self.root / step_dir(step)
-        if groups.rank == 0:
-            publish_step(self.root, tmp, self._meta(step, data_state), self.keep_last,
-                         phase=lambda name: failpoint(f"checkpoint.{name}", 0))
-        _barrier(groups)
+        if background:
+            model, shard, rng = snapshot(state)  # training may now change the live state
+            self.writer.start(lambda: self._write(tmp, coord, model, shard, rng, meta))
+        else:
+            save_rank(tmp, groups.rank, coord, *_to_cpu(state))
+            failpoint("checkpoint.write", groups.rank)
+            _barrier(groups)
+            if meta is not None:
+                self._publish(tmp, meta)
+            _barrier(groups)
         self.last_saved, self.last_step = final, step
         return final
+
+    def _write(self, tmp: Path, coord: tuple[int, ...], model: dict[str, Any],
+               shard: dict[str, Any], rng: dict[str, Any], meta: CheckpointMeta | None
+               ) -> None:
+        """The background part of a save: this rank's file; on rank 0 (``meta``), the
+        publication once every rank's file is written."""
+        failpoint("checkpoint.background", self.groups.rank)
+        save_rank(tmp, self.groups.rank, coord, model, shard, rng)
+        failpoint("checkpoint.write", self.groups.rank)
+        if meta is not None:
+            wait_for_ranks(tmp, self.plan.topology.world_size, self.config.parallel.timeout)
+            self._publish(tmp, meta)
+
+    def _publish(self, tmp: Path, meta: CheckpointMeta) -> None:
+        publish_step(self.root, tmp, meta, self.keep_last,
+                     phase=lambda name: failpoint(f"checkpoint.{name}", 0))
 
     def _meta(self, step: int, data_state: DataLoaderState) -> CheckpointMeta:
         return CheckpointMeta(
@@ -121,6 +164,18 @@ def _to_cpu(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(_to_cpu(v) for v in value)
     return value
+
+
+def _say_unfinished(root: Path, step: int) -> None:
+    """One line when the run's newest save did not finish (a crash or a kill during its
+    write, typically in the background): resuming from ``step``, the newest complete one."""
+    unfinished = sorted(int(tmp.name[len(".step-"):-len(".tmp")])
+                        for tmp in root.glob(".step-*.tmp")
+                        if tmp.name[len(".step-"):-len(".tmp")].isdigit())
+    if unfinished and unfinished[-1] > step:
+        warnings.warn(f"{root}: the save of step {unfinished[-1]} did not finish (the run "
+                      f"stopped during its write); resuming from step {step}, the newest "
+                      "complete checkpoint", stacklevel=2)
 
 
 def _check_model(meta: CheckpointMeta, plan: RunPlan) -> None:
@@ -170,6 +225,8 @@ def load(path: str | Path, train: TrainArgs, plan: RunPlan, groups: ParallelGrou
     """
     folder = find_checkpoint(path)
     meta = read_meta(folder)
+    if groups.rank == 0:
+        _say_unfinished(Path(path), meta.step)
     _check_model(meta, plan)
     names = [n for n, p in built.stage.named_parameters() if p.requires_grad]
     state = _optimizer_state(folder, meta, plan, groups, names, built.styles)

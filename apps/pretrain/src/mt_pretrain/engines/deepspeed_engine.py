@@ -272,9 +272,14 @@ class DeepSpeedCheckpointer:
         self.root, self.ds, self.groups, self.tracker = root, ds, groups, tracker
         self.last_saved: Path | None = None
         self.last_step: int | None = None
+        self.longest_write = 0.0  # DeepSpeed's engine writes in the foreground
 
-    def save(self, step: int, data_state: DataLoaderState) -> Path:
-        """Write the checkpoint of ``step`` (collective); returns its folder."""
+    def wait(self) -> None:
+        pass
+
+    def save(self, step: int, data_state: DataLoaderState, background: bool = False) -> Path:
+        """Write the checkpoint of ``step`` (collective; never in the background:
+        --async-save is refused with this engine); returns its folder."""
         tag = step_dir(step)
         folder = self.root / tag
         topo = self.groups.topology

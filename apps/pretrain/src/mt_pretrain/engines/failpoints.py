@@ -15,11 +15,13 @@ import os
 import signal
 import sys
 
-__all__ = ["POINTS", "STALLS", "failpoint"]
+__all__ = ["BACKGROUND", "POINTS", "STALLS", "failpoint"]
 
 #: The points, in the order a checkpoint save passes them.
 POINTS = ("checkpoint.write", "checkpoint.meta", "checkpoint.replace", "checkpoint.rename",
           "checkpoint.pointer", "checkpoint.prune")
+#: The start of a background write (--async-save), before the rank file: training has gone on.
+BACKGROUND = ("checkpoint.background",)
 #: Points that stall in native code instead of killing (before each training step).
 STALLS = ("train.stall",)
 

@@ -54,6 +54,24 @@ from mt_pretrain.run.train import StepStats, Trainer, stats_dict
 __all__ = ["RunSummary", "make_engine", "run_rank"]
 
 
+@dataclass(frozen=True)
+class Restart:
+    """A run started again after a failure: the ``count``-th restart (of ``limit``; 0: the
+    launcher's own, unbounded here), what failed (``cause``, a few words) and where every
+    rank's traceback or stack of the failed attempt was kept (``stacks``, or "")."""
+
+    count: int
+    limit: int
+    cause: str
+    stacks: str = ""
+
+    def line(self, resumed: str) -> str:
+        """The one line rank 0 prints: which restart, after what, from where."""
+        of = f" of {self.limit}" if self.limit else ""
+        kept = f" (every rank's stack: {self.stacks})" if self.stacks else ""
+        return f"restart {self.count}{of} after {self.cause}{kept}: {resumed}"
+
+
 @dataclass
 class RunSummary:
     """What rank 0 reports at the end of a run.
@@ -80,6 +98,8 @@ class RunSummary:
     planned_memory: float | None = None
     """The planner's bytes per rank of the fullest pipeline stage (``planned_stage``)."""
     planned_stage: int | None = None
+    restarts: int = 0
+    """Restarts before this run (the summary covers the steps since the last one)."""
 
 
 class StopFlag:
@@ -163,9 +183,10 @@ def _stop_native_code_at_the_second_signal() -> Iterator[None]:
 
 
 def run_rank(config: PretrainConfig, info: LaunchInfo, cache_dir: Path,
-             keep_weights: bool = False) -> RunSummary | None:
+             keep_weights: bool = False, restart: Restart | None = None) -> RunSummary | None:
     """Train as rank ``info.rank``; returns the summary on rank 0, None elsewhere (with the
-    final full weights in it when ``keep_weights``)."""
+    final full weights in it when ``keep_weights``). ``restart``: this run continues one
+    that failed (said in one line, and in the first metrics record)."""
     if config.log.level == "error":  # --log-level error: errors only
         warnings.simplefilter("ignore")
     use_cuda = {"auto": None, "cpu": False, "cuda": True}[config.parallel.device]
@@ -186,7 +207,7 @@ def run_rank(config: PretrainConfig, info: LaunchInfo, cache_dir: Path,
             flag = StopFlag()
             with _stop_on_signals(flag):
                 summary = _train(config, plan, groups, device, cache_dir, flag, info.launcher,
-                                 keep_weights)
+                                 keep_weights, restart)
         completed = True
         return summary
     finally:
@@ -214,8 +235,8 @@ def _claim_run_folder(config: PretrainConfig, groups: ParallelGroups,
 
 
 def _train(config: PretrainConfig, plan: RunPlan, groups: ParallelGroups, device: torch.device,
-           cache_dir: Path, flag: StopFlag, launcher: str,
-           keep_weights: bool) -> RunSummary | None:
+           cache_dir: Path, flag: StopFlag, launcher: str, keep_weights: bool,
+           restart: Restart | None) -> RunSummary | None:
     started = time.perf_counter()
     rank0 = groups.rank == 0
     ckpt = config.checkpoint
@@ -230,19 +251,23 @@ def _train(config: PretrainConfig, plan: RunPlan, groups: ParallelGroups, device
     debug = log.says("debug")
     reporter = Reporter(plan.train_steps, start_step, rank0 and log.says("info"),
                         log.progress and not debug, 1 if debug else log.log_interval)
-    _announce(config, plan, groups, device, launcher, reporter, start_step, resuming)
+    _announce(config, plan, groups, device, launcher, reporter, start_step, resuming, restart)
     tb_dir = Path(ckpt.out_dir) / "tensorboard" if log.tensorboard else None
     wandb = WandbTarget(log.wandb_project, log.wandb_name or Path(ckpt.out_dir).resolve().name,
                         Path(ckpt.out_dir), asdict(config)) if log.wandb_project else None
     metrics = MetricsWriter(config.metrics_path, tb_dir, start_step, wandb) if rank0 else None
     if metrics is not None and metrics.wandb_line:
         reporter.print(metrics.wandb_line)
-    summary = RunSummary(start_step=start_step, final_step=start_step)
+    summary = RunSummary(start_step=start_step, final_step=start_step,
+                         restarts=restart.count if restart else 0)
     saver = engine.saver(ckpt.save_dir, ckpt.keep_last) if ckpt.save_dir is not None else None
+
+    restarted = {"restart": restart.count, "restart_cause": restart.cause} if restart else {}
 
     def on_step(stats: StepStats) -> None:
         summary.losses.append(stats.loss)
-        summary.records.append(stats_dict(stats))
+        summary.records.append({**stats_dict(stats), **restarted})
+        restarted.clear()  # the first record after a restart says so
         if metrics is not None:
             metrics.write(summary.records[-1])
         reporter.step(stats)
@@ -254,10 +279,16 @@ def _train(config: PretrainConfig, plan: RunPlan, groups: ParallelGroups, device
             reporter.print(f"step {stats.step}: validation loss {stats.val_loss:.4f}, "
                            f"perplexity {stats.val_ppl:.2f}")
 
-    def save(step: int) -> None:
-        if saver is not None:
-            saver.save(step, loader.state)
-            reporter.print(f"saved checkpoint {saver.last_saved}")
+    def save(step: int, background: bool = False) -> float:
+        """Save ``step`` (in the background if asked and --async-save); the seconds a whole
+        save takes (for --exit-duration: the longest background write counts)."""
+        if saver is None:
+            return 0.0
+        began, background = time.perf_counter(), background and ckpt.async_save
+        saver.save(step, loader.state, background)
+        reporter.print(f"saving checkpoint {saver.last_saved} in the background" if background
+                       else f"saved checkpoint {saver.last_saved}")
+        return max(time.perf_counter() - began, saver.longest_write)
 
     score_tasks = None
     if config.train.eval_tasks:
@@ -270,6 +301,8 @@ def _train(config: PretrainConfig, plan: RunPlan, groups: ParallelGroups, device
         reporter.close()
         if metrics is not None:
             metrics.close()
+    if saver is not None:
+        saver.wait()  # the last background save published (or its error raised)
     summary.final_step, summary.stopped = loader.state.step, stopped
     if saver is not None and stats and not stopped and saver.last_step != loader.state.step:
         save(loader.state.step)
@@ -295,7 +328,7 @@ def _train(config: PretrainConfig, plan: RunPlan, groups: ParallelGroups, device
 
 def _announce(config: PretrainConfig, plan: RunPlan, groups: ParallelGroups,
               device: torch.device, launcher: str, reporter: Reporter, start_step: int,
-              resuming: bool) -> None:
+              resuming: bool, restart: Restart | None) -> None:
     """The start-up lines: where each rank sits (``--log-level debug``), which launcher
     placed the ranks, where training resumes and whether anything is left to train."""
     ckpt, rank0 = config.checkpoint, groups.rank == 0
@@ -309,10 +342,13 @@ def _announce(config: PretrainConfig, plan: RunPlan, groups: ParallelGroups,
         source = "--nproc" if launcher == "single" else launcher
         reporter.print(f"{topo.world_size} ranks from {source}: {topo.describe()} on "
                        f"{device.type}")
-    if rank0 and start_step:
-        reporter.print(f"resumed from {ckpt.load} at step {start_step}")
-    elif rank0 and ckpt.load and not resuming:
-        reporter.print(f"no checkpoint in {ckpt.load} yet: starting at step 0")
+    resumed = (f"resumed from {ckpt.load} at step {start_step}" if start_step else
+               f"no checkpoint in {ckpt.load} yet: starting at step 0"
+               if ckpt.load and not resuming else None)
+    if rank0 and restart is not None and config.log.says("warning"):
+        print(restart.line(resumed or "starting at step 0"), flush=True)
+    elif rank0 and resumed:
+        reporter.print(resumed)
     if rank0 and start_step >= plan.train_steps and config.log.says("warning"):
         # A warning's weight: shown unless --log-level error.
         print(f"nothing to train: {ckpt.load} is at step {start_step}, the run ends at step "

@@ -82,7 +82,8 @@ class Trainer:
         on_step: called with every :class:`StepStats` (rank 0 writes metrics there); on
             validation steps they carry the validation loss and perplexity.
         should_stop: local stop request (e.g. a signal arrived); agreed on by all ranks.
-        save: called with the step number to write a checkpoint.
+        save: called with the step number to write a checkpoint and whether it may be
+            written in the background; returns the seconds a whole save takes.
         score_tasks: scores the --eval-task tasks (collective), or None; called every
             ``train.eval_task_interval`` steps and after the last one.
         started: ``time.perf_counter()`` at the run's start (``--exit-duration`` counts from
@@ -93,7 +94,7 @@ class Trainer:
                  groups: ParallelGroups, engine: Engine, loader: DPDataLoader,
                  valid: DPDataLoader | None,
                  on_step: Callable[[StepStats], None], should_stop: Callable[[], bool],
-                 save: Callable[[int], None], started: float | None = None,
+                 save: Callable[[int, bool], float], started: float | None = None,
                  score_tasks: Callable[[], dict[str, float]] | None = None) -> None:
         self.train, self.ckpt = train, ckpt
         self.score_tasks = score_tasks
@@ -144,7 +145,7 @@ class Trainer:
                 self._save(step)
                 return stats, reason
             if interval and step % interval == 0 and step < self.plan.train_steps:
-                self._save(step)
+                self._save(step, background=True)
         return stats, None
 
     def _early_exit(self, step: int) -> str | None:
@@ -161,10 +162,8 @@ class Trainer:
             return "exit-interval"
         return None
 
-    def _save(self, step: int) -> None:
-        start = time.perf_counter()
-        self.save(step)
-        self._longest_save = max(self._longest_save, time.perf_counter() - start)
+    def _save(self, step: int, background: bool = False) -> None:
+        self._longest_save = max(self._longest_save, self.save(step, background))
 
     def evaluate(self) -> tuple[float, float]:
         """Validation loss and perplexity (every rank gets the same numbers)."""

@@ -63,7 +63,8 @@ def serve_command(
 ) -> None:
     console = Console(stderr=True)
     sizes = {"max-batch": max_batch, "max-waiting": max_waiting,
-             "max-body-bytes": max_body_bytes, "max-tokens": max_tokens or 1,
+             "max-body-bytes": max_body_bytes,
+             "max-tokens": max_tokens if max_tokens is not None else 1,
              "request-timeout": request_timeout}
     problems = [f"--{name} must be positive, got {value}" for name, value in sizes.items()
                 if not 0 < value < math.inf]
