@@ -4,7 +4,7 @@ Each test asserts the exact outcome: resumable from the last complete step (and 
 same losses as a run that was never interrupted), or one clear error line and its exit
 status, with nothing left half-written where a later run would read it.
 
-Kills use the failpoints of mt_pretrain.engines.failpoints (MT_FAILPOINT=<point>@<rank>): the rank
+Kills use the failpoints of mt_dist.failpoints (MT_FAILPOINT=<point>@<rank>): the rank
 SIGKILLs itself there, exactly like a crash; the --nproc parent reports it and stops.
 """
 
@@ -27,8 +27,8 @@ from conftest import run_pretrain
 
 from mt_checkpoint import CheckpointError
 from mt_dist.exits import LaunchFailed
+from mt_dist.failpoints import POINTS
 from mt_pretrain.config.schema import ConfigError
-from mt_pretrain.engines.failpoints import POINTS
 from mt_pretrain.run.folder import LOCK_FILE, run_folder_lock
 from mt_pretrain.run.metrics import read_metrics
 

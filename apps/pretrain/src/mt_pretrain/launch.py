@@ -17,14 +17,14 @@ import os
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from mt_checkpoint import sharding_styles
 from mt_data.tokenizer import TokenizerError
 from mt_dist import LaunchInfo, discover, free_port
-from mt_dist.exits import LaunchFailed
-from mt_dist.supervisor import supervise
+from mt_dist.restarts import Restart, launcher_restart, supervise_restarting
 from mt_eval import TaskError
 from mt_pretrain.config.refusals import engine_of
 from mt_pretrain.config.resolve import resolve
@@ -32,17 +32,15 @@ from mt_pretrain.config.schema import ConfigError, PretrainConfig
 from mt_pretrain.data.inputs import check_vocab, default_cache_dir, ensure_data
 from mt_pretrain.engines.checkpoint import CheckpointError
 from mt_pretrain.run.folder import claim_run_folder, run_folder_lock
-from mt_pretrain.run.rank import Restart, RunSummary, run_rank
+from mt_pretrain.run.rank import RunSummary, run_rank
 from mt_pretrain.run.train import NonFiniteLossError
 from mt_pretrain.run.warnings_line import one_line_warnings
 
-__all__ = ["EXPECTED", "RESTART_COUNTS", "launch", "spawn"]
+__all__ = ["EXPECTED", "launch", "spawn"]
 
 #: Failures every rank meets alike (bad config, damaged checkpoint, bad data or tokenizer):
 #: re-raised in the parent as they are, one line, no traceback (mt-dist's supervise).
 EXPECTED = (ConfigError, CheckpointError, NonFiniteLossError, TaskError, TokenizerError)
-#: How a launcher tells a process it was restarted: its count of restarts so far.
-RESTART_COUNTS = {"TORCHELASTIC_RESTART_COUNT": "torchrun", "SLURM_RESTART_COUNT": "SLURM"}
 
 
 def launch(config: PretrainConfig, environ: Mapping[str, str] | None = None,
@@ -88,37 +86,14 @@ def spawn(config: PretrainConfig, nproc: int, cache: Path, timeout: float | None
     """Run ``nproc`` local ranks (forked when possible: no second torch import); a failed
     run starts again from its newest checkpoint, ``--max-restarts`` times at most."""
     threads = max(1, (os.cpu_count() or 1) // nproc)
-    restart = None
-    while True:
-        try:
-            return supervise(_rank, nproc, (config, nproc, free_port("127.0.0.1"), cache,
-                                            threads, keep_weights, restart),
-                             timeout, expected=EXPECTED)
-        except LaunchFailed as err:
-            done = restart.count if restart is not None else 0
-            kept = _keep_last_words(err, Path(config.checkpoint.out_dir), done)
-            limit = config.checkpoint.max_restarts
-            if done >= limit:
-                raise LaunchFailed(f"{err}\n(every rank's stack: {kept})" if kept else str(err),
-                                   err.cause, err.stacks) from None
-            restart = Restart(done + 1, limit, err.cause, str(kept) if kept else "")
-            config = replace(config, checkpoint=config.checkpoint.resuming_own())
 
+    def args(restart: Restart | None) -> tuple[Any, ...]:
+        run = replace(config, checkpoint=config.checkpoint.resuming_own()) if restart else config
+        return run, nproc, free_port("127.0.0.1"), cache, threads, keep_weights, restart
 
-def _keep_last_words(err: LaunchFailed, out_dir: Path, attempt: int) -> Path | None:
-    """Every rank's traceback or stack of a failed attempt, one file per rank, in the run
-    folder (``failure-<attempt>/rank-N.txt``); None when there are none or the folder cannot
-    be written."""
-    if not err.stacks:
-        return None
-    folder = out_dir / f"failure-{attempt}"
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        for rank, text in sorted(err.stacks.items()):
-            (folder / f"rank-{rank}.txt").write_text(text + "\n", encoding="utf-8")
-    except OSError:
-        return None
-    return folder
+    ckpt = config.checkpoint
+    return supervise_restarting(_rank, nproc, args, ckpt.max_restarts, Path(ckpt.out_dir),
+                                timeout, expected=EXPECTED)
 
 
 def _after_launcher_restart(config: PretrainConfig, launcher: str, environ: Mapping[str, str]
@@ -131,10 +106,7 @@ def _after_launcher_restart(config: PretrainConfig, launcher: str, environ: Mapp
                           "the launcher restarts them (torchrun --max-restarts N, a requeued "
                           "SLURM job): leave out --max-restarts, a restarted job resumes from "
                           "--save by itself")
-    for name, who in RESTART_COUNTS.items():
-        count = environ.get(name, "0")
-        if count.isdigit() and int(count) > 0 and ckpt.load is None and \
-                ckpt.save_dir is not None:
-            return (replace(config, checkpoint=ckpt.resuming_own()),
-                    Restart(int(count), 0, f"{who} restarted the job"))
-    return config, None
+    restart = launcher_restart(environ)
+    if restart is None or ckpt.load is not None or ckpt.save_dir is None:
+        return config, None
+    return replace(config, checkpoint=ckpt.resuming_own()), restart

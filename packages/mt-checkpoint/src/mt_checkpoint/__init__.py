@@ -26,7 +26,7 @@
 them with it. Neither knows a file name or the rank formula.
 """
 
-from mt_checkpoint.background import BackgroundWrite, snapshot
+from mt_checkpoint.background import BackgroundWrite, snapshot, to_host
 from mt_checkpoint.format import (
     clean_stale,
     find_checkpoint,
@@ -38,6 +38,7 @@ from mt_checkpoint.format import (
     publish_step,
     remove_checkpoints,
     save_rank,
+    unfinished_step,
     verify_rank_file,
     wait_for_ranks,
     write_meta,
@@ -107,6 +108,8 @@ __all__ = [
     "sidecar_rank_file",
     "snapshot",
     "step_dir",
+    "to_host",
+    "unfinished_step",
     "sum_files",
     "verify_files",
     "verify_rank_file",

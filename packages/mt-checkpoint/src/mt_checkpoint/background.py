@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["BackgroundWrite", "snapshot"]
+__all__ = ["BackgroundWrite", "snapshot", "to_host"]
 
 
 def snapshot(value: Any) -> Any:
@@ -48,6 +48,18 @@ def snapshot(value: Any) -> Any:
         return item
 
     return walk(value)
+
+
+def to_host(value: Any) -> Any:
+    """``value`` with every tensor on the CPU (those already there as they are, not copied:
+    for a write in the foreground, files must load anywhere)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: to_host(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(to_host(v) for v in value)
+    return value
 
 
 class BackgroundWrite:

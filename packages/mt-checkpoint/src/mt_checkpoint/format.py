@@ -215,6 +215,13 @@ def write_meta(folder: Path, meta: CheckpointMeta) -> CheckpointMeta:
     return meta
 
 
+def unfinished_step(root: Path) -> int | None:
+    """The newest step whose save into ``root`` did not finish (its ``.step-*.tmp`` folder
+    left by a crash or a kill during the write), or None."""
+    steps = [tmp.name[len(".step-"):-len(".tmp")] for tmp in root.glob(".step-*.tmp")]
+    return max((int(step) for step in steps if step.isdigit()), default=None)
+
+
 def wait_for_ranks(folder: Path, world_size: int, timeout: float,
                    poll: float = 0.05) -> None:
     """Block until every rank's file of ``folder`` is written (its checksum recorded): how an

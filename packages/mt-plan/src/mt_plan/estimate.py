@@ -198,6 +198,41 @@ class Estimate:
         out["world_size"] = self.layout.world_size
         return out
 
+    def report(self) -> str:
+        """The figures as the lines ``mt plan`` prints."""
+        lay = self.layout
+        cp = f" x cp {lay.cp}" if lay.cp > 1 else ""
+        lines = [
+            f"layout      tp {lay.tp} x pp {lay.pp} x dp {lay.dp}{cp} = {lay.world_size} x "
+            f"{self.gpu}; "
+            f"global batch {lay.global_batch} = micro {lay.micro_batch} x dp {lay.dp} x "
+            f"{lay.num_micro_batches} micro-batches; {lay.schedule}"
+            + (f" v={lay.virtual_stages}" if lay.virtual_stages > 1 else "")
+            + f", ZeRO {lay.zero_stage}, recompute {lay.recompute}"
+            + (", sequence parallel" if lay.sequence_parallel else ""),
+            f"parameters  {self.parameters:,} total, {self.parameters_per_gpu:,} on the fullest "
+            "GPU",
+            f"memory      {self.memory_per_gpu_gb:.2f} GB per GPU (weights "
+            f"{self.memory_weights_gb:.2f}, grads {self.memory_grads_gb:.2f}, optimizer "
+            f"{self.memory_optimizer_gb:.2f}, activations {self.memory_activations_gb:.2f}, "
+            f"temporaries {self.memory_temporaries_gb:.2f}) of "
+            f"{self.gpu_memory_gb:.1f} GB: " + ("fits" if self.fits else "DOES NOT FIT"),
+            f"flops       {self.model_flops_per_iteration:.4g} model FLOPs per iteration",
+            f"pipeline    bubble fraction {self.bubble_fraction:.3f}; pipeline "
+            f"{self.pipeline_time_s:.3f} s (TP comm {self.tp_comm_time_s:.3f} s, "
+            + (f"CP key/value exchange {self.cp_comm_time_s:.3f} s, " if lay.cp > 1 else "")
+            + f"P2P {self.p2p_time_s:.3f} s inside), DP comm {self.dp_comm_time_s:.3f} s, "
+            f"optimizer {self.optimizer_time_s:.3f} s"
+            + (f", framework {self.framework_time_s:.3f} s" if self.framework_time_s else ""),
+            f"speed       {self.iteration_time_s:.3f} s per iteration, {self.tflops_per_gpu:.1f} "
+            f"TFLOP/s per GPU, {self.tokens_per_s:,.0f} tokens/s",
+            (f"assumes     matmuls and attention at the rates measured on {self.gpu}"
+             if self.calibrated else
+             f"assumes     matmuls at {self.efficiency} x peak bf16 FLOP/s (one constant, "
+             "calibrated on MT-NLG 530B)") + "; communication not overlapped",
+        ]
+        return "\n".join(lines)
+
 
 def _sharded_activation_units(gpt: GPTConfig, tp: int) -> float:
     """Korthikanti's tensor-parallel activation term (``24`` in units of sbh for the GPT-2

@@ -27,7 +27,8 @@ if TYPE_CHECKING:  # mt-dist, mt-tensor-parallel and mt-zero import torch: done 
 
 __all__ = ["MAX_MICRO_BATCHES", "MAX_WORLD_SIZE", "RECOMPUTE", "SCHEDULES", "ZERO_STAGES",
            "LayoutError", "ParallelLayout", "idle_option_problems",
-           "cp_problems", "enumerate_layouts", "option_problems", "stage_layers"]
+           "cp_hint", "cp_problems", "divisors", "enumerate_layouts", "nearest_gpu_count",
+           "option_problems", "stage_layers"]
 
 RECOMPUTE = ("full", "selective", "none")
 SCHEDULES = tuple(PIPELINE_SCHEDULES)  # mt-pipeline's registry: gpipe, 1f1b, interleaved
@@ -222,11 +223,6 @@ def stage_layers(n_layers: int, layout: ParallelLayout) -> list[int]:
         raise LayoutError(f"invalid layout for this model: {err}") from None
 
 
-def _divisors(n: int) -> list[int]:
-    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-    return sorted({*small, *(n // d for d in small)})
-
-
 def enumerate_layouts(gpt: GPTConfig, gpus: int, global_batch: int, gpus_per_node: int = 8,
                       zero_stage: int = 1, schedule: str = DEFAULT_SCHEDULE,
                       micro_batches: tuple[int, ...] = (1, 2, 4, 8), max_cp: int = 1
@@ -236,9 +232,9 @@ def enumerate_layouts(gpt: GPTConfig, gpus: int, global_batch: int, gpus_per_nod
     micro-batch in ``micro_batches``, all three recompute modes, sequence parallelism
     whenever TP > 1 divides the rank's tokens."""
     cps = [c for c in (2 ** i for i in range(max(1, max_cp).bit_length())) if c <= max_cp]
-    for tp in _divisors(min(gpus, gpus_per_node)):
+    for tp in divisors(min(gpus, gpus_per_node)):
         for cp in (c for c in cps if gpus % (tp * c) == 0):
-            for pp in _divisors(gpus // (tp * cp)):
+            for pp in divisors(gpus // (tp * cp)):
                 dp = gpus // (tp * cp * pp)
                 for b in micro_batches:
                     for recompute in RECOMPUTE:
@@ -252,3 +248,32 @@ def enumerate_layouts(gpt: GPTConfig, gpus: int, global_batch: int, gpus_per_nod
                         except LayoutError:
                             continue
                         yield layout
+
+
+def divisors(n: int) -> list[int]:
+    """Every divisor of ``n``, ascending."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted({*small, *(n // d for d in small)})
+
+
+def cp_hint(seq_len: int, gpus: int) -> int:
+    """The largest power-of-two CP degree worth suggesting to a search: it divides ``gpus``
+    and splits ``seq_len`` into 2 cp chunks of at least 512 tokens (1: none)."""
+    cp = 1
+    while gpus % (2 * cp) == 0 and seq_len % (4 * cp) == 0 and seq_len // (4 * cp) >= 512:
+        cp *= 2
+    return cp
+
+
+def nearest_gpu_count(gpt: GPTConfig, gpus: int, global_batch: int, gpus_per_node: int,
+                      zero_stage: int, schedule: str, max_cp: int = 1) -> int | None:
+    """The GPU count nearest ``gpus`` that has a layout: a count is tp (at most the heads and
+    a node) x cp x pp (dividing the layers) x dp (dividing the global batch); the nearest
+    below first, else the nearest above (up to 2 gpus + 1); None: none."""
+    counts = {t * c * p * d for t in range(1, min(gpus_per_node, gpt.n_heads) + 1)
+              for c in (2 ** i for i in range(max_cp.bit_length())) if c <= max_cp
+              for p in divisors(gpt.n_layers) for d in divisors(global_batch)}
+    order = [*sorted((n for n in counts if n < gpus), reverse=True),
+             *sorted(n for n in counts if gpus < n <= 2 * gpus + 1)]
+    return next((n for n in order if any(True for _ in enumerate_layouts(
+        gpt, n, global_batch, gpus_per_node, zero_stage, schedule, max_cp=max_cp))), None)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 from pathlib import Path
 from typing import Annotated, Any
@@ -16,7 +15,7 @@ from typing import Annotated, Any
 import typer
 
 from mt_pipeline import DEFAULT_SCHEDULE, chunked_schedules
-from mt_plan.estimate import EFFICIENCY, Estimate, estimate
+from mt_plan.estimate import EFFICIENCY, estimate
 from mt_plan.gpus import GPUS, GPUSpec, GPUSpecError, load_gpu
 from mt_plan.layout import (
     MAX_MICRO_BATCHES,
@@ -26,8 +25,10 @@ from mt_plan.layout import (
     ZERO_STAGES,
     LayoutError,
     ParallelLayout,
+    cp_hint,
     enumerate_layouts,
     idle_option_problems,
+    nearest_gpu_count,
 )
 from mt_zero.precision import PRECISIONS
 
@@ -126,54 +127,6 @@ def _search_ignores(ctx: typer.Context, calibrate: Path | None) -> list[str]:
             if getattr(ctx.get_parameter_source(name), "name", None) == "COMMANDLINE"]
 
 
-def _report(est: Estimate) -> str:
-    lay = est.layout
-    cp = f" x cp {lay.cp}" if lay.cp > 1 else ""
-    lines = [
-        f"layout      tp {lay.tp} x pp {lay.pp} x dp {lay.dp}{cp} = {lay.world_size} x "
-        f"{est.gpu}; "
-        f"global batch {lay.global_batch} = micro {lay.micro_batch} x dp {lay.dp} x "
-        f"{lay.num_micro_batches} micro-batches; {lay.schedule}"
-        + (f" v={lay.virtual_stages}" if lay.virtual_stages > 1 else "")
-        + f", ZeRO {lay.zero_stage}, recompute {lay.recompute}"
-        + (", sequence parallel" if lay.sequence_parallel else ""),
-        f"parameters  {est.parameters:,} total, {est.parameters_per_gpu:,} on the fullest GPU",
-        f"memory      {est.memory_per_gpu_gb:.2f} GB per GPU (weights "
-        f"{est.memory_weights_gb:.2f}, grads {est.memory_grads_gb:.2f}, optimizer "
-        f"{est.memory_optimizer_gb:.2f}, activations {est.memory_activations_gb:.2f}, "
-        f"temporaries {est.memory_temporaries_gb:.2f}) of "
-        f"{est.gpu_memory_gb:.1f} GB: " + ("fits" if est.fits else "DOES NOT FIT"),
-        f"flops       {est.model_flops_per_iteration:.4g} model FLOPs per iteration",
-        f"pipeline    bubble fraction {est.bubble_fraction:.3f}; pipeline "
-        f"{est.pipeline_time_s:.3f} s (TP comm {est.tp_comm_time_s:.3f} s, "
-        + (f"CP key/value exchange {est.cp_comm_time_s:.3f} s, " if lay.cp > 1 else "")
-        + f"P2P {est.p2p_time_s:.3f} s inside), DP comm {est.dp_comm_time_s:.3f} s, optimizer "
-        f"{est.optimizer_time_s:.3f} s" + (f", framework {est.framework_time_s:.3f} s"
-                                           if est.framework_time_s else ""),
-        f"speed       {est.iteration_time_s:.3f} s per iteration, {est.tflops_per_gpu:.1f} "
-        f"TFLOP/s per GPU, {est.tokens_per_s:,.0f} tokens/s",
-        (f"assumes     matmuls and attention at the rates measured on {est.gpu}"
-         if est.calibrated else
-         f"assumes     matmuls at {est.efficiency} x peak bf16 FLOP/s (one constant, "
-         "calibrated on MT-NLG 530B)") + "; communication not overlapped",
-    ]
-    return "\n".join(lines)
-
-
-def _divisors(n: int) -> list[int]:
-    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-    return sorted({*small, *(n // d for d in small)})
-
-
-def _cp_hint(seq_len: int, gpus: int) -> int:
-    """The largest power-of-two CP degree worth suggesting to a search: it divides ``gpus``
-    and splits ``seq_len`` into 2 cp chunks of at least 512 tokens (1: none)."""
-    cp = 1
-    while gpus % (2 * cp) == 0 and seq_len % (4 * cp) == 0 and seq_len // (4 * cp) >= 512:
-        cp *= 2
-    return cp
-
-
 def _search(gpt: Any, gpu: GPUSpec, gpus: int, global_batch: int, zero: int, schedule: str,
             top: int, as_json: bool, max_cp: int, options: dict[str, Any]) -> None:
     def layouts_of(n: int, cp: int) -> list[ParallelLayout]:
@@ -185,16 +138,8 @@ def _search(gpt: Any, gpu: GPUSpec, gpus: int, global_batch: int, zero: int, sch
     # Rank all by the closed form, then simulate the best few for exact figures.
     grid = "tp x cp x pp x dp" if max_cp > 1 else "tp x pp x dp"
     if not layouts:
-        # A layout's GPU count is tp (<= the heads, a node) x cp x pp (dividing the layers)
-        # x dp (dividing the global batch): the nearest such count below gpus that has a
-        # layout, else the nearest above (up to 2 gpus + 1).
-        counts = {t * c * p * d for t in range(1, min(gpu.gpus_per_node, gpt.n_heads) + 1)
-                  for c in (2 ** i for i in range(max_cp.bit_length())) if c <= max_cp
-                  for p in _divisors(gpt.n_layers) for d in _divisors(global_batch)}
-        order = [*sorted((n for n in counts if n < gpus), reverse=True),
-                 *sorted(n for n in counts if gpus < n <= 2 * gpus + 1)]
-        near = next((n for n in order if any(True for _ in enumerate_layouts(
-            gpt, n, global_batch, gpu.gpus_per_node, zero, schedule, max_cp=max_cp))), None)
+        near = nearest_gpu_count(gpt, gpus, global_batch, gpu.gpus_per_node, zero, schedule,
+                                 max_cp)
         raise _fail(
             f"no layout splits this run over {gpus} GPUs: {grid} = {gpus} needs tp to "
             f"divide the {gpt.n_heads} heads (at most {gpu.gpus_per_node} per node), pp the "
@@ -213,7 +158,7 @@ def _search(gpt: Any, gpu: GPUSpec, gpus: int, global_batch: int, zero: int, sch
         lay = least.layout
         with_cp = f" x cp {lay.cp}" if lay.cp > 1 else ""
         remedies = ["more GPUs"] + (["ZeRO stage 3"] if zero < 3 else [])
-        if max_cp == 1 and (hint := _cp_hint(gpt.seq_len, gpus)) > 1:
+        if max_cp == 1 and (hint := cp_hint(gpt.seq_len, gpus)) > 1:
             split = [e for e in (estimate(gpt, other, gpu, simulate_pipeline=False)
                                  for other in layouts_of(gpus, hint)) if e.fits]
             if split:
@@ -416,4 +361,4 @@ def plan(
         est = estimate(gpt, layout, spec)
     except LayoutError as err:
         raise _fail(str(err)) from None
-    typer.echo(json.dumps(est.to_dict()) if as_json else _report(est))
+    typer.echo(json.dumps(est.to_dict()) if as_json else est.report())

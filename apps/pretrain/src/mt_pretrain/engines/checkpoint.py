@@ -34,15 +34,17 @@ from mt_checkpoint import (
     save_rank,
     snapshot,
     step_dir,
+    to_host,
+    unfinished_step,
     wait_for_ranks,
 )
 from mt_data import DataLoaderState
 from mt_dist import ParallelGroups
+from mt_dist.failpoints import failpoint
 from mt_model import GPTConfig, parameter_stages
 from mt_pretrain.config.resolve import RunPlan
 from mt_pretrain.config.schema import ConfigError, PretrainConfig, TrainArgs
 from mt_pretrain.data.inputs import run_tokenizer
-from mt_pretrain.engines.failpoints import failpoint
 from mt_zero import ZeroOptimizer, consolidate, load_consolidated, optimizer_shard_state
 
 __all__ = ["CheckpointError", "Checkpointer", "find_checkpoint", "load"]
@@ -119,7 +121,7 @@ class Checkpointer:
             model, shard, rng = snapshot(state)  # training may now change the live state
             self.writer.start(lambda: self._write(tmp, coord, model, shard, rng, meta))
         else:
-            save_rank(tmp, groups.rank, coord, *_to_cpu(state))
+            save_rank(tmp, groups.rank, coord, *to_host(state))
             failpoint("checkpoint.write", groups.rank)
             _barrier(groups)
             if meta is not None:
@@ -153,29 +155,6 @@ class Checkpointer:
             tokens=data_state.consumed_samples * self.plan.gpt.seq_len,
             config=self.config.to_dict(),
             tokenizer=run_tokenizer(self.config.data, self.plan.gpt.vocab_size))
-
-
-def _to_cpu(value: Any) -> Any:
-    """``value`` with every tensor moved to the CPU (files must load anywhere)."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if isinstance(value, dict):
-        return {k: _to_cpu(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_cpu(v) for v in value)
-    return value
-
-
-def _say_unfinished(root: Path, step: int) -> None:
-    """One line when the run's newest save did not finish (a crash or a kill during its
-    write, typically in the background): resuming from ``step``, the newest complete one."""
-    unfinished = sorted(int(tmp.name[len(".step-"):-len(".tmp")])
-                        for tmp in root.glob(".step-*.tmp")
-                        if tmp.name[len(".step-"):-len(".tmp")].isdigit())
-    if unfinished and unfinished[-1] > step:
-        warnings.warn(f"{root}: the save of step {unfinished[-1]} did not finish (the run "
-                      f"stopped during its write); resuming from step {step}, the newest "
-                      "complete checkpoint", stacklevel=2)
 
 
 def _check_model(meta: CheckpointMeta, plan: RunPlan) -> None:
@@ -225,8 +204,11 @@ def load(path: str | Path, train: TrainArgs, plan: RunPlan, groups: ParallelGrou
     """
     folder = find_checkpoint(path)
     meta = read_meta(folder)
-    if groups.rank == 0:
-        _say_unfinished(Path(path), meta.step)
+    unfinished = unfinished_step(Path(path))
+    if groups.rank == 0 and unfinished is not None and unfinished > meta.step:
+        warnings.warn(f"{path}: the save of step {unfinished} did not finish (the run stopped "
+                      f"during its write); resuming from step {meta.step}, the newest "
+                      "complete checkpoint", stacklevel=2)
     _check_model(meta, plan)
     names = [n for n, p in built.stage.named_parameters() if p.requires_grad]
     state = _optimizer_state(folder, meta, plan, groups, names, built.styles)

@@ -32,6 +32,7 @@ from mt_dist import (
     init_distributed,
     local_device,
 )
+from mt_dist.restarts import Restart
 from mt_model import count_parameters
 from mt_plan.memory import MemoryPeaks, gather_memory, map_large_blocks
 from mt_pretrain.config.refusals import engine_of
@@ -52,24 +53,6 @@ from mt_pretrain.run.tasks import task_scorer
 from mt_pretrain.run.train import StepStats, Trainer, stats_dict
 
 __all__ = ["RunSummary", "make_engine", "run_rank"]
-
-
-@dataclass(frozen=True)
-class Restart:
-    """A run started again after a failure: the ``count``-th restart (of ``limit``; 0: the
-    launcher's own, unbounded here), what failed (``cause``, a few words) and where every
-    rank's traceback or stack of the failed attempt was kept (``stacks``, or "")."""
-
-    count: int
-    limit: int
-    cause: str
-    stacks: str = ""
-
-    def line(self, resumed: str) -> str:
-        """The one line rank 0 prints: which restart, after what, from where."""
-        of = f" of {self.limit}" if self.limit else ""
-        kept = f" (every rank's stack: {self.stacks})" if self.stacks else ""
-        return f"restart {self.count}{of} after {self.cause}{kept}: {resumed}"
 
 
 @dataclass
@@ -237,9 +220,7 @@ def _claim_run_folder(config: PretrainConfig, groups: ParallelGroups,
 def _train(config: PretrainConfig, plan: RunPlan, groups: ParallelGroups, device: torch.device,
            cache_dir: Path, flag: StopFlag, launcher: str, keep_weights: bool,
            restart: Restart | None) -> RunSummary | None:
-    started = time.perf_counter()
-    rank0 = groups.rank == 0
-    ckpt = config.checkpoint
+    started, rank0, ckpt, log = time.perf_counter(), groups.rank == 0, config.checkpoint, config.log
     engine = make_engine(config, plan, groups, device)
     paths = ensure_data(config.data, plan.gpt.vocab_size, cache_dir)
     start_step, state = 0, DataLoaderState()
@@ -247,21 +228,14 @@ def _train(config: PretrainConfig, plan: RunPlan, groups: ParallelGroups, device
     if resuming:
         start_step, state = engine.load(ckpt.load)
     loader, valid = make_loaders(config.data, config.train, plan, paths, groups.dp_rank, state)
-    log = config.log
     debug = log.says("debug")
     reporter = Reporter(plan.train_steps, start_step, rank0 and log.says("info"),
                         log.progress and not debug, 1 if debug else log.log_interval)
     _announce(config, plan, groups, device, launcher, reporter, start_step, resuming, restart)
-    tb_dir = Path(ckpt.out_dir) / "tensorboard" if log.tensorboard else None
-    wandb = WandbTarget(log.wandb_project, log.wandb_name or Path(ckpt.out_dir).resolve().name,
-                        Path(ckpt.out_dir), asdict(config)) if log.wandb_project else None
-    metrics = MetricsWriter(config.metrics_path, tb_dir, start_step, wandb) if rank0 else None
-    if metrics is not None and metrics.wandb_line:
-        reporter.print(metrics.wandb_line)
+    metrics = _metrics_writer(config, start_step, reporter) if rank0 else None
     summary = RunSummary(start_step=start_step, final_step=start_step,
                          restarts=restart.count if restart else 0)
     saver = engine.saver(ckpt.save_dir, ckpt.keep_last) if ckpt.save_dir is not None else None
-
     restarted = {"restart": restart.count, "restart_cause": restart.cause} if restart else {}
 
     def on_step(stats: StepStats) -> None:
@@ -309,12 +283,8 @@ def _train(config: PretrainConfig, plan: RunPlan, groups: ParallelGroups, device
     if keep_weights:
         summary.weights = gather_weights(engine.full_parameters(), engine.built.styles, groups,
                                          plan.model)
-    if stopped == "signal":
-        reporter.print(f"stopped by signal after step {loader.state.step}")
-    elif stopped:
-        reporter.print(f"exiting after step {loader.state.step} (--{stopped}); continue with "
-                       f"--load {ckpt.save_dir}" if saver is not None else
-                       f"exiting after step {loader.state.step} (--{stopped})")
+    if stopped:
+        reporter.print(_stopped_line(stopped, loader.state.step, ckpt.save_dir, saver))
     elif config.train.sample_tokens and count_parameters(plan.model) <= MAX_SAMPLE_PARAMETERS:
         summary.sample = _sample(config.train, engine, groups, plan, paths)
     memory = gather_memory(device)  # collective: every rank, after everything above
@@ -324,6 +294,26 @@ def _train(config: PretrainConfig, plan: RunPlan, groups: ParallelGroups, device
     summary.checkpoint = str(saver.last_saved) if saver and saver.last_saved else None
     _totals(summary, plan, loader.state, stats, started, device)
     return summary
+
+
+def _metrics_writer(config: PretrainConfig, start_step: int,
+                    reporter: Reporter) -> MetricsWriter:
+    """Rank 0's metrics: the JSONL file, TensorBoard and W&B as the flags ask."""
+    log, out = config.log, Path(config.checkpoint.out_dir)
+    wandb = WandbTarget(log.wandb_project, log.wandb_name or out.resolve().name, out,
+                        asdict(config)) if log.wandb_project else None
+    metrics = MetricsWriter(config.metrics_path, out / "tensorboard" if log.tensorboard
+                            else None, start_step, wandb)
+    if metrics.wandb_line:
+        reporter.print(metrics.wandb_line)
+    return metrics
+
+
+def _stopped_line(stopped: str, step: int, save_dir: Path | None, saver: Any) -> str:
+    if stopped == "signal":
+        return f"stopped by signal after step {step}"
+    resume = f"; continue with --load {save_dir}" if saver is not None else ""
+    return f"exiting after step {step} (--{stopped}){resume}"
 
 
 def _announce(config: PretrainConfig, plan: RunPlan, groups: ParallelGroups,

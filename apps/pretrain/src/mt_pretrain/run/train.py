@@ -20,13 +20,13 @@ import torch.distributed as dist
 
 from mt_data import DPDataLoader
 from mt_dist import ParallelGroups
+from mt_dist.failpoints import failpoint
 from mt_model import model_flops_per_token_training
 from mt_plan.memory import gather_memory
 from mt_plan.mfu import measure_peak_flops, model_flops_utilization
 from mt_pretrain.config.resolve import RunPlan, activation_shape
 from mt_pretrain.config.schema import CheckpointArgs, LogArgs, TrainArgs
 from mt_pretrain.engines.base import Engine
-from mt_pretrain.engines.failpoints import failpoint
 from mt_pretrain.run.evaluate import evaluate
 from mt_zero import LRSchedule
 from mt_zero.precision import compute_dtype

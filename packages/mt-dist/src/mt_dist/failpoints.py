@@ -6,7 +6,8 @@
 every phase of a checkpoint save leaves a resumable state. A stall point (``train.stall``)
 instead runs one native operation of about half a minute, during which Python runs no signal
 handler, as the attention of a very long sequence does. Unset, it costs one dict lookup.
-Besides launch.py and the CLI, this is the only module that reads the environment.
+Read by mt pretrain's checkpoint writer and training loop; the one module of mt-dist that
+reads ``os.environ`` itself (the others are given the environment).
 """
 
 from __future__ import annotations

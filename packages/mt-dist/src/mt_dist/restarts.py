@@ -1,0 +1,90 @@
+"""A run that survives its machines: local ranks started again after a failure, and a process
+that learns its launcher restarted it.
+
+:func:`supervise_restarting` is :func:`~mt_dist.supervisor.supervise` that, when a rank dies,
+hangs or raises what no one expected (:class:`~mt_dist.exits.LaunchFailed`), keeps every
+rank's last words (traceback, or the Python stack of a hung rank) in a folder and starts the
+ranks again, at most ``max_restarts`` times: what to resume from is the caller's (its
+``args`` are built anew for each attempt). :func:`launcher_restart` reads the restart count
+torchrun (``TORCHELASTIC_RESTART_COUNT``) or SLURM (``SLURM_RESTART_COUNT``, a requeued job)
+give a restarted process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mt_dist.exits import LaunchFailed
+from mt_dist.supervisor import supervise
+
+__all__ = ["RESTART_COUNTS", "Restart", "keep_last_words", "launcher_restart",
+           "supervise_restarting"]
+
+#: How a launcher tells a process it was restarted: its count of restarts so far.
+RESTART_COUNTS = {"TORCHELASTIC_RESTART_COUNT": "torchrun", "SLURM_RESTART_COUNT": "SLURM"}
+
+
+@dataclass(frozen=True)
+class Restart:
+    """A run started again after a failure: the ``count``-th restart (of ``limit``; 0: the
+    launcher's own, unbounded here), what failed (``cause``, a few words) and where every
+    rank's traceback or stack of the failed attempt was kept (``stacks``, or "")."""
+
+    count: int
+    limit: int
+    cause: str
+    stacks: str = ""
+
+    def line(self, resumed: str) -> str:
+        """The one line a run prints: which restart, after what, from where."""
+        of = f" of {self.limit}" if self.limit else ""
+        kept = f" (every rank's stack: {self.stacks})" if self.stacks else ""
+        return f"restart {self.count}{of} after {self.cause}{kept}: {resumed}"
+
+
+def launcher_restart(environ: Mapping[str, str]) -> Restart | None:
+    """The restart this process is, when its launcher restarted it (else None)."""
+    for name, who in RESTART_COUNTS.items():
+        count = environ.get(name, "0")
+        if count.isdigit() and int(count) > 0:
+            return Restart(int(count), 0, f"{who} restarted the job")
+    return None
+
+
+def keep_last_words(err: LaunchFailed, folder: Path) -> Path | None:
+    """``err``'s every-rank tracebacks and stacks, one ``rank-N.txt`` each, in ``folder``;
+    None when there are none or the folder cannot be written."""
+    if not err.stacks:
+        return None
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        for rank, text in sorted(err.stacks.items()):
+            (folder / f"rank-{rank}.txt").write_text(text + "\n", encoding="utf-8")
+    except OSError:
+        return None
+    return folder
+
+
+def supervise_restarting(target: Callable[..., Any], nproc: int,
+                         args: Callable[[Restart | None], tuple[Any, ...]],
+                         max_restarts: int, last_words: Path,
+                         timeout: float | None = None,
+                         expected: tuple[type[BaseException], ...] = ()) -> Any:
+    """``supervise(target, nproc, args(restart))``, started again after a failed attempt at
+    most ``max_restarts`` times (``args`` learns which restart it builds for); each failed
+    attempt's last words go to ``last_words/failure-<attempt>``. The last failure is raised
+    with where they were kept."""
+    restart = None
+    while True:
+        try:
+            return supervise(target, nproc, args(restart), timeout, expected=expected)
+        except LaunchFailed as err:
+            done = restart.count if restart is not None else 0
+            kept = keep_last_words(err, last_words / f"failure-{done}")
+            if done >= max_restarts:
+                raise LaunchFailed(f"{err}\n(every rank's stack: {kept})" if kept else str(err),
+                                   err.cause, err.stacks) from None
+            restart = Restart(done + 1, max_restarts, err.cause, str(kept) if kept else "")

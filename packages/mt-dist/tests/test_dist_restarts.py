@@ -1,0 +1,48 @@
+"""mt_dist.restarts: a failed attempt of real local ranks is started again, with its every
+rank's last words kept; the launcher's restart count is read from its variable."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mt_dist.exits import LaunchFailed
+from mt_dist.restarts import Restart, launcher_restart, supervise_restarting
+
+
+def _dies_once(rank: int, marker: str, restart: Restart | None) -> Any:
+    """Rank 1 SIGKILLs itself on the first attempt (the marker file says it did)."""
+    if rank == 1 and not Path(marker).exists():
+        Path(marker).write_text("died")
+        os.kill(os.getpid(), signal.SIGKILL)
+    return None if restart is None else (restart.count, restart.cause)
+
+
+def test_a_killed_rank_is_restarted_and_its_last_words_kept(tmp_path: Path) -> None:
+    marker = str(tmp_path / "died")
+    value = supervise_restarting(_dies_once, 2, lambda r: (marker, r), 1, tmp_path, 60)
+    assert value == (1, "rank 1 of 2 killed by SIGKILL")
+    kept = sorted(p.name for p in (tmp_path / "failure-0").iterdir())
+    assert "rank-1.txt" in kept
+    assert "died with exit code -9" in (tmp_path / "failure-0" / "rank-1.txt").read_text()
+
+
+def test_restarts_run_out(tmp_path: Path) -> None:
+    with pytest.raises(LaunchFailed, match="every rank's stack: .*failure-0"):
+        supervise_restarting(_dies_once, 2, lambda r: (str(tmp_path / "died"), r), 0,
+                             tmp_path, 60)
+
+
+def test_launcher_restart_counts() -> None:
+    assert launcher_restart({}) is None
+    assert launcher_restart({"TORCHELASTIC_RESTART_COUNT": "0"}) is None
+    assert launcher_restart({"TORCHELASTIC_RESTART_COUNT": "2"}) == Restart(
+        2, 0, "torchrun restarted the job")
+    assert launcher_restart({"SLURM_RESTART_COUNT": "1"}).cause == "SLURM restarted the job"
+    assert Restart(1, 2, "rank 0 of 2 hung", "run/failure-0").line("resumed at step 4") == (
+        "restart 1 of 2 after rank 0 of 2 hung (every rank's stack: run/failure-0): resumed "
+        "at step 4")
