@@ -46,3 +46,40 @@ def test_launcher_restart_counts() -> None:
     assert Restart(1, 2, "rank 0 of 2 hung", "run/failure-0").line("resumed at step 4") == (
         "restart 1 of 2 after rank 0 of 2 hung (every rank's stack: run/failure-0): resumed "
         "at step 4")
+
+
+def _slot_dies(rank: int, marker: str, victim: int, restart: Restart | None) -> Any:
+    """The rank on slot ``victim`` SIGKILLs itself whenever it runs; the others report the
+    slot they run on and the world size."""
+    slots = restart.slots if restart is not None and restart.slots else None
+    slot = slots[rank] if slots else rank
+    if slot == victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return slots
+
+
+def test_elastic_restarts_leave_the_failed_slots_out(tmp_path: Path) -> None:
+    """4 ranks, slot 1 always fails: the next attempt runs on slots (0, 2, 3) with 3 ranks;
+    an ``elastic`` that takes only even sizes continues on 2 of them; too few left: raised."""
+    seen: list[int] = []
+
+    def any_size(left: int) -> int | None:
+        seen.append(left)
+        return left
+
+    assert supervise_restarting(_slot_dies, 4, lambda r: ("", 1, r), 1, tmp_path, 60,
+                                elastic=any_size) == (0, 2, 3)
+    assert seen == [3]
+
+    def even(left: int) -> int | None:
+        return left - left % 2 or None
+
+    assert supervise_restarting(_slot_dies, 4, lambda r: ("", 2, r), 1, tmp_path, 60,
+                                elastic=even) == (0, 1)
+    with pytest.raises(LaunchFailed, match=r"1 ranks left: too few to continue"):
+        supervise_restarting(_slot_dies, 2, lambda r: ("", 0, r), 2, tmp_path, 60,
+                             elastic=lambda left: None if left < 2 else left)
+    line = Restart(1, 2, "rank 1 of 4 killed by SIGKILL", "", (0, 2, 3), 4).line(
+        "resumed from ck at step 6")
+    assert line == ("restart 1 of 2 after rank 1 of 4 killed by SIGKILL: continuing on 3 of 4 "
+                    "ranks, resumed from ck at step 6")

@@ -27,7 +27,7 @@ from mt_dist import LaunchInfo, discover, free_port
 from mt_dist.restarts import Restart, launcher_restart, supervise_restarting
 from mt_eval import TaskError
 from mt_pretrain.config.refusals import engine_of
-from mt_pretrain.config.resolve import resolve
+from mt_pretrain.config.resolve import elastic_world, resolve
 from mt_pretrain.config.schema import ConfigError, PretrainConfig
 from mt_pretrain.data.inputs import check_vocab, default_cache_dir, ensure_data
 from mt_pretrain.engines.checkpoint import CheckpointError
@@ -77,6 +77,11 @@ def _rank(rank: int, config: PretrainConfig, nproc: int, port: int, cache: Path,
           threads: int, keep_weights: bool, restart: Restart | None) -> RunSummary | None:
     torch.set_num_threads(threads)
     one_line_warnings()  # a spawned rank speaks as the command does
+    if restart is not None and restart.slots:  # elastic: the GPUs of the ranks left
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        gpus = visible.split(",") if visible else [str(i) for i in range(restart.started)]
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[s] for s in restart.slots
+                                                      if s < len(gpus))
     info = LaunchInfo(rank, nproc, rank, nproc, "127.0.0.1", port, "single")
     return run_rank(config, info, cache, keep_weights, restart)
 
@@ -84,16 +89,25 @@ def _rank(rank: int, config: PretrainConfig, nproc: int, port: int, cache: Path,
 def spawn(config: PretrainConfig, nproc: int, cache: Path, timeout: float | None = None,
           keep_weights: bool = False) -> RunSummary | None:
     """Run ``nproc`` local ranks (forked when possible: no second torch import); a failed
-    run starts again from its newest checkpoint, ``--max-restarts`` times at most."""
-    threads = max(1, (os.cpu_count() or 1) // nproc)
+    run starts again from its newest checkpoint, ``--max-restarts`` times at most (with
+    ``--min-nproc``, without the ranks that failed)."""
 
     def args(restart: Restart | None) -> tuple[Any, ...]:
-        run = replace(config, checkpoint=config.checkpoint.resuming_own()) if restart else config
-        return run, nproc, free_port("127.0.0.1"), cache, threads, keep_weights, restart
+        size = len(restart.slots) if restart is not None and restart.slots else nproc
+        run = config
+        if restart is not None:
+            run = replace(config, checkpoint=config.checkpoint.resuming_own(),
+                          parallel=replace(config.parallel, nproc=size))
+        threads = max(1, (os.cpu_count() or 1) // size)
+        return run, size, free_port("127.0.0.1"), cache, threads, keep_weights, restart
 
     ckpt = config.checkpoint
+    elastic = None
+    if config.parallel.min_nproc is not None:
+        def elastic(left: int) -> int | None:
+            return elastic_world(config, left)
     return supervise_restarting(_rank, nproc, args, ckpt.max_restarts, Path(ckpt.out_dir),
-                                timeout, expected=EXPECTED)
+                                timeout, expected=EXPECTED, elastic=elastic)
 
 
 def _after_launcher_restart(config: PretrainConfig, launcher: str, environ: Mapping[str, str]
@@ -102,10 +116,13 @@ def _after_launcher_restart(config: PretrainConfig, launcher: str, environ: Mapp
     continues the run from its --save folder (unless --load says where)."""
     ckpt = config.checkpoint
     if ckpt.max_restarts:
-        raise ConfigError(f"--max-restarts restarts the ranks of --nproc runs; under {launcher} "
-                          "the launcher restarts them (torchrun --max-restarts N, a requeued "
-                          "SLURM job): leave out --max-restarts, a restarted job resumes from "
-                          "--save by itself")
+        elastic = " and --min-nproc" if config.parallel.min_nproc is not None else ""
+        raise ConfigError(f"--max-restarts{elastic} restart the ranks of --nproc runs; under "
+                          f"{launcher} the launcher restarts them (torchrun --max-restarts N, "
+                          "elastic with --nnodes MIN:MAX; a requeued SLURM job): leave them "
+                          "out, a restarted job resumes from --save by itself, at the world "
+                          "size it is given")
+
     restart = launcher_restart(environ)
     if restart is None or ckpt.load is not None or ckpt.save_dir is None:
         return config, None

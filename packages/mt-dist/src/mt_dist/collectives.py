@@ -17,10 +17,15 @@ all-gather 0.55 s, reduce-scatter 0.9 s); the results are exact (an all-gather s
 rank's shard with zeros, a reduce-scatter keeps its slice of the full sum). Collectives that
 torch offers under a newer (``*_single``) and an older (``*_tensor``) name are found by
 either, so both torch generations work.
+
+:attr:`Handle.blocked` adds up the seconds this process spent blocked in
+:meth:`Handle.wait`: waiting for peers, not working (what :mod:`mt_dist.stragglers` leaves
+out of a rank's time).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -138,6 +143,10 @@ class Handle:
     ``then`` runs once, right after the collective finished (e.g. copying a result out).
     """
 
+    #: Seconds every handle of this process spent blocked in :meth:`wait` (a process-wide
+    #: sum, read as differences: :class:`mt_dist.stragglers.BusyClock`).
+    blocked = 0.0
+
     def __init__(
         self, work: dist.Work | None = None, then: Callable[[], object] | None = None
     ) -> None:
@@ -147,7 +156,9 @@ class Handle:
     def wait(self) -> None:
         """Block until the collective finished (idempotent)."""
         if self._work is not None:
+            began = time.perf_counter()
             self._work.wait()
+            Handle.blocked += time.perf_counter() - began
             self._work = None
         if self._then is not None:
             then, self._then = self._then, None

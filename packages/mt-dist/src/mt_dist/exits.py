@@ -33,15 +33,17 @@ _OUT_OF_ROOM = frozenset({errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.ENOMEM,
 class LaunchFailed(RuntimeError):
     """A rank of a local multi-process run failed; the message holds its traceback, ``cause``
     says in a few words which rank failed how (``rank 2 of 4 killed by SIGKILL``), ``stacks``
-    what every rank was doing."""
+    what every rank was doing, ``ranks`` which ranks were at fault (the one that failed
+    first, or those that hung; none when the whole run ran out of time)."""
 
     def __init__(self, message: str, cause: str | None = None,
-                 stacks: dict[int, str] | None = None) -> None:
+                 stacks: dict[int, str] | None = None, ranks: tuple[int, ...] = ()) -> None:
         super().__init__(message)
         self.cause = cause or (message.splitlines() or [""])[0]
         #: Every rank's last words by rank: the traceback of a rank that failed, the Python
         #: stack of one that hung (dumped on request before it was killed).
         self.stacks = dict(stacks or {})
+        self.ranks = tuple(ranks)
 
 
 class Interrupted(RuntimeError):

@@ -5,7 +5,9 @@
 ``finally``, exactly like a power cut or an OOM kill. Tests use it to prove that a kill at
 every phase of a checkpoint save leaves a resumable state. A stall point (``train.stall``)
 instead runs one native operation of about half a minute, during which Python runs no signal
-handler, as the attention of a very long sequence does. Unset, it costs one dict lookup.
+handler, as the attention of a very long sequence does; a slow point (``train.slow``) adds a
+quarter of a second to every step of the rank, as a throttled GPU or a busy host would.
+Unset, it costs one dict lookup.
 Read by mt pretrain's checkpoint writer and training loop; the one module of mt-dist that
 reads ``os.environ`` itself (the others are given the environment).
 """
@@ -15,8 +17,9 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 
-__all__ = ["BACKGROUND", "POINTS", "STALLS", "failpoint"]
+__all__ = ["BACKGROUND", "POINTS", "SLOWS", "STALLS", "failpoint"]
 
 #: The points, in the order a checkpoint save passes them.
 POINTS = ("checkpoint.write", "checkpoint.meta", "checkpoint.replace", "checkpoint.rename",
@@ -25,10 +28,14 @@ POINTS = ("checkpoint.write", "checkpoint.meta", "checkpoint.replace", "checkpoi
 BACKGROUND = ("checkpoint.background",)
 #: Points that stall in native code instead of killing (before each training step).
 STALLS = ("train.stall",)
+#: Points that slow every pass by :data:`SLOW_S` (inside each training step's work).
+SLOWS = ("train.slow",)
+SLOW_S = 0.25
 
 
 def failpoint(name: str, rank: int) -> None:
-    """Die here (SIGKILL) if ``MT_FAILPOINT`` names this point (and this rank, if given)."""
+    """Die here (SIGKILL) if ``MT_FAILPOINT`` names this point (and this rank, if given);
+    stall or slow down instead at the points that do."""
     wanted = os.environ.get("MT_FAILPOINT")
     if not wanted:
         return
@@ -36,6 +43,8 @@ def failpoint(name: str, rank: int) -> None:
     if point == name and (not only or int(only) == rank):
         if name in STALLS:
             _native_stall()
+        elif name in SLOWS:
+            time.sleep(SLOW_S)
         else:
             os.kill(os.getpid(), signal.SIGKILL)
 

@@ -5,7 +5,9 @@ that learns its launcher restarted it.
 hangs or raises what no one expected (:class:`~mt_dist.exits.LaunchFailed`), keeps every
 rank's last words (traceback, or the Python stack of a hung rank) in a folder and starts the
 ranks again, at most ``max_restarts`` times: what to resume from is the caller's (its
-``args`` are built anew for each attempt). :func:`launcher_restart` reads the restart count
+``args`` are built anew for each attempt). An elastic run (``elastic`` given) leaves the
+slots of the ranks at fault out of the next attempt and continues on as many of the others
+as ``elastic`` allows. :func:`launcher_restart` reads the restart count
 torchrun (``TORCHELASTIC_RESTART_COUNT``) or SLURM (``SLURM_RESTART_COUNT``, a requeued job)
 give a restarted process.
 """
@@ -31,18 +33,25 @@ RESTART_COUNTS = {"TORCHELASTIC_RESTART_COUNT": "torchrun", "SLURM_RESTART_COUNT
 class Restart:
     """A run started again after a failure: the ``count``-th restart (of ``limit``; 0: the
     launcher's own, unbounded here), what failed (``cause``, a few words) and where every
-    rank's traceback or stack of the failed attempt was kept (``stacks``, or "")."""
+    rank's traceback or stack of the failed attempt was kept (``stacks``, or ""). An elastic
+    restart runs on ``slots`` (rank r on slot ``slots[r]``: the GPU index of a local run)
+    out of the ``started`` the run began with; empty when every slot is kept."""
 
     count: int
     limit: int
     cause: str
     stacks: str = ""
+    slots: tuple[int, ...] = ()
+    started: int = 0
 
     def line(self, resumed: str) -> str:
-        """The one line a run prints: which restart, after what, from where."""
+        """The one line a run prints: which restart, after what, on how many ranks, from
+        where."""
         of = f" of {self.limit}" if self.limit else ""
         kept = f" (every rank's stack: {self.stacks})" if self.stacks else ""
-        return f"restart {self.count}{of} after {self.cause}{kept}: {resumed}"
+        fewer = f"continuing on {len(self.slots)} of {self.started} ranks, " if \
+            0 < len(self.slots) < self.started else ""
+        return f"restart {self.count}{of} after {self.cause}{kept}: {fewer}{resumed}"
 
 
 def launcher_restart(environ: Mapping[str, str]) -> Restart | None:
@@ -72,19 +81,33 @@ def supervise_restarting(target: Callable[..., Any], nproc: int,
                          args: Callable[[Restart | None], tuple[Any, ...]],
                          max_restarts: int, last_words: Path,
                          timeout: float | None = None,
-                         expected: tuple[type[BaseException], ...] = ()) -> Any:
+                         expected: tuple[type[BaseException], ...] = (),
+                         elastic: Callable[[int], int | None] | None = None) -> Any:
     """``supervise(target, nproc, args(restart))``, started again after a failed attempt at
     most ``max_restarts`` times (``args`` learns which restart it builds for); each failed
     attempt's last words go to ``last_words/failure-<attempt>``. The last failure is raised
-    with where they were kept."""
-    restart = None
+    with where they were kept.
+
+    ``elastic``: the ranks at fault are taken out of the run (a GPU that failed is not
+    trusted again); given how many slots are left, it says how many ranks the next attempt
+    runs on (None: too few, the failure is raised).
+    """
+    restart, slots = None, tuple(range(nproc))
     while True:
         try:
-            return supervise(target, nproc, args(restart), timeout, expected=expected)
+            return supervise(target, len(slots), args(restart), timeout, expected=expected)
         except LaunchFailed as err:
             done = restart.count if restart is not None else 0
             kept = keep_last_words(err, last_words / f"failure-{done}")
-            if done >= max_restarts:
-                raise LaunchFailed(f"{err}\n(every rank's stack: {kept})" if kept else str(err),
-                                   err.cause, err.stacks) from None
-            restart = Restart(done + 1, max_restarts, err.cause, str(kept) if kept else "")
+            size = len(slots)
+            if elastic is not None:
+                slots = tuple(s for r, s in enumerate(slots) if r not in err.ranks)
+                size = elastic(len(slots)) or 0
+            if done >= max_restarts or size < 1:
+                where = f"\n(every rank's stack: {kept})" if kept else ""
+                why = "" if size else f"\n({len(slots)} ranks left: too few to continue)"
+                raise LaunchFailed(f"{err}{where}{why}", err.cause, err.stacks,
+                                   err.ranks) from None
+            slots = slots[:size]
+            restart = Restart(done + 1, max_restarts, err.cause, str(kept) if kept else "",
+                              slots if elastic is not None else (), nproc)

@@ -359,7 +359,7 @@ def _raise_failure(outcome: Outcome, timeout: float | None,
         raise LaunchFailed(f"rank {silent[0]} of {n} hung: it gave no report while ranks "
                            f"{failed} failed waiting for it (stuck ranks {silent} killed); "
                            f"rank {first.rank} reported:\n{first.detail}",
-                           f"rank {silent[0]} of {n} hung", last_words)
+                           f"rank {silent[0]} of {n} hung", last_words, tuple(silent))
     if first.kind in expected:
         err = expected[first.kind](first.message)
         if isinstance(err, OSError):
@@ -367,7 +367,7 @@ def _raise_failure(outcome: Outcome, timeout: float | None,
         raise err
     raise LaunchFailed(f"rank {first.rank} of {n} failed first (failed ranks: {failed}):\n"
                        f"{first.detail}", f"rank {first.rank} of {n} {_how(first)}",
-                       last_words)
+                       last_words, (first.rank,))
 
 
 def _how(report: Report) -> str:

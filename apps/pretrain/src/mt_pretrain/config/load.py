@@ -17,7 +17,7 @@ from mt_data.paths import blocking_file, output_clash
 from mt_eval import TaskError, load_task
 from mt_pretrain.config.fields import field_docs, flat_fields
 from mt_pretrain.config.refusals import unsupported
-from mt_pretrain.config.resolve import resolve
+from mt_pretrain.config.resolve import elastic_world, resolve
 from mt_pretrain.config.schema import SECTIONS, ConfigError, DataArgs, PretrainConfig
 
 # field_docs and flat_fields live in config.fields (pure); re-exported here.
@@ -139,9 +139,25 @@ def build_config(nested: Mapping[str, Any], flat: Mapping[str, Any],
             raise ConfigError(f"--eval-task: {err}") from None
     if config.parallel.nproc is not None or config.parallel.dp is not None:
         resolve(config, config.world_size_hint())  # the flags fix the world size: check now
+        _check_elastic(config)
     elif unsupported(config):  # resolve checks this too; without a world size, here
         raise ConfigError("invalid configuration: " + "; ".join(unsupported(config)))
     return config
+
+
+def _check_elastic(config: PretrainConfig) -> None:
+    """An elastic run can continue on fewer ranks than it starts with: else refused now,
+    not after the first failure."""
+    par = config.parallel
+    if par.min_nproc is None or par.nproc is None or par.min_nproc == par.nproc:
+        return
+    if elastic_world(config, par.nproc - 1) is None:
+        raise ConfigError(
+            f"--min-nproc {par.min_nproc}: no world size from {par.nproc - 1} down to "
+            f"{par.min_nproc} fits the layout (tp {par.tp} x cp {par.cp} x pp {par.pp} "
+            f"divides it; global batch {config.train.global_batch_size} splits into "
+            f"micro-batches of {config.train.micro_batch_size} per data-parallel rank): the "
+            "run could not continue after a failure")
 
 
 def replace_config(config: PretrainConfig, **flat: Any) -> PretrainConfig:

@@ -8,7 +8,7 @@ the layout cannot work. Every rank calls it; ``--dry-run`` prints :func:`describ
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from mt_checkpoint import CheckpointError, find_checkpoint, fresh_start, read_meta
@@ -39,8 +39,8 @@ from mt_pretrain.config.schema import (
     PretrainConfig,
 )
 
-__all__ = ["RunPlan", "activation_shape", "describe", "memory_estimate", "model_of", "resolve",
-           "runtime_spec"]
+__all__ = ["RunPlan", "activation_shape", "describe", "elastic_world", "memory_estimate",
+           "model_of", "resolve", "runtime_spec"]
 
 
 @dataclass(frozen=True)
@@ -186,6 +186,21 @@ def resolve(config: PretrainConfig, world_size: int) -> RunPlan:
             "bytes (past what torch can address); use a smaller --n-layers / --hidden / "
             "--vocab-size / --seq-len / --micro-batch-size, or more parallelism")
     return plan
+
+
+def elastic_world(config: PretrainConfig, left: int) -> int | None:
+    """The world size an elastic run (``--min-nproc``) continues on when ``left`` processes
+    remain: the largest, down to --min-nproc, on which its layout resolves (the degrees
+    divide it; the global batch splits into whole micro-batches per data-parallel rank);
+    None when none does."""
+    low = config.parallel.min_nproc or left
+    for size in range(left, low - 1, -1):
+        try:
+            resolve(replace(config, parallel=replace(config.parallel, nproc=size)), size)
+        except ConfigError:
+            continue
+        return size
+    return None
 
 
 def _layout_of(config: PretrainConfig, world_size: int, gpt: GPTConfig) -> ParallelLayout:

@@ -180,6 +180,13 @@ class ParallelArgs:
     nproc: int | None = None
     """Local processes to spawn when not under a launcher (torchrun, mpirun, srun). Default:
     tp x cp x pp x dp (dp 1 unless given). Ignored under a launcher."""
+    min_nproc: int | None = None
+    """Elastic --nproc run (with --max-restarts): a rank that fails is left out of the run
+    (a GPU that failed is not trusted again) and the run continues from its newest
+    checkpoint at the largest data-parallel degree the ranks left allow, down to this many
+    processes, keeping the global batch (more micro-batches per rank) and the data order.
+    Under torchrun the launcher sets the world size (--nnodes MIN:MAX): a job it restarts
+    at another size continues at that size by itself."""
     tp: int = 1
     """Tensor-parallel degree (slices every layer; keep it inside a node)."""
     cp: int = 1
@@ -244,8 +251,14 @@ class ParallelArgs:
     def __post_init__(self) -> None:
         problems: list[str] = []
         _positive(problems, self, "tp", "cp", "pp", "virtual_stages")
-        _positive(problems, self, "nproc", "dp", allow_none=True)
+        _positive(problems, self, "nproc", "dp", "min_nproc", allow_none=True)
         _int64(problems, self)
+        if self.min_nproc is not None and self.nproc is not None and \
+                self.min_nproc > self.nproc:
+            problems.append(f"--min-nproc {self.min_nproc} exceeds --nproc {self.nproc}")
+        if self.min_nproc is not None and self.dp is not None:
+            problems.append(f"--min-nproc: an elastic run sets the data-parallel degree by "
+                            f"the ranks it has; leave out --dp {self.dp}")
         schedule, virtual_stages = self.pipeline_options()
         problems += option_problems(zero_stage=self.zero_stage, schedule=schedule,
                                     virtual_stages=virtual_stages,
@@ -590,6 +603,14 @@ class LogArgs:
     """Peak TFLOP/s of one rank's device, the denominator of the MFU (model FLOPs
     utilization) shown next to tokens/s and written as `mfu` in the metrics; default:
     measured once at start by a short matmul probe in the compute precision on rank 0."""
+    straggler_steps: int = 20
+    """Each step every rank times its own work (forward, backward and optimizer step, less
+    its waits for peers in data-parallel collectives); a rank whose median over this many
+    steps exceeds --straggler-factor times its data-parallel peers' (the ranks holding the
+    same layers) is named in one line and in the metrics (`stragglers`), once until it recovers. Per-rank times are in the metrics
+    as `busy_s_per_rank`. 0: off."""
+    straggler_factor: float = 1.25
+    """How much slower than its peers a rank must be to be named (see --straggler-steps)."""
     dry_run: bool = False
     """Validate the config and layout and print the plan (ranks, groups, stages, memory
     estimate) without training."""
@@ -597,6 +618,11 @@ class LogArgs:
     def __post_init__(self) -> None:
         problems: list[str] = []
         _positive(problems, self, "log_interval")
+        if self.straggler_steps < 0:
+            problems.append(f"--straggler-steps must be >= 0, got {self.straggler_steps}")
+        if not 1.0 < self.straggler_factor < math.inf:
+            problems.append(f"--straggler-factor must be a finite number above 1 (1.25: 25% "
+                            f"slower than its peers), got {self.straggler_factor}")
         _int64(problems, self)
         if self.quiet and self.log_level != "info":
             problems.append(f"--quiet is --log-level warning; give one of them, not --quiet "
@@ -650,6 +676,10 @@ class PretrainConfig:
         self.model.gpt_config()  # raises ConfigError for a bad shape
         if self.train.eval_interval and self.train.eval_iters == 0:
             _raise(["--eval-interval needs --eval-iters >= 1"], "configuration")
+        if self.parallel.min_nproc is not None and not self.checkpoint.max_restarts:
+            _raise([f"--min-nproc {self.parallel.min_nproc} continues after a rank fails, "
+                    "which is a restart: give --max-restarts N (how many failures the run "
+                    "may survive)"], "configuration")
         if self.parallel.cp > 1 and self.train.eval_tasks:
             _raise([f"--eval-task with --cp {self.parallel.cp} is not supported (task scoring "
                     "runs whole sequences on each rank); score the checkpoint after training "

@@ -245,6 +245,11 @@ def _train(config: PretrainConfig, plan: RunPlan, groups: ParallelGroups, device
         if metrics is not None:
             metrics.write(summary.records[-1])
         reporter.step(stats)
+        for note in stats.notes if rank0 and log.says("warning") else ():  # a warning
+            if reporter.enabled:
+                reporter.print(note)  # above the bar
+            else:
+                print(note, flush=True)
         if stats.tasks:
             reporter.print(f"step {stats.step}: " + ", ".join(
                 f"{key} {value:.4g}" for key, value in stats.tasks.items()))

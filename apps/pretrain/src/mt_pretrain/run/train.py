@@ -10,6 +10,7 @@ rank leaves a collective behind.
 from __future__ import annotations
 
 import math
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
@@ -21,6 +22,7 @@ import torch.distributed as dist
 from mt_data import DPDataLoader
 from mt_dist import ParallelGroups
 from mt_dist.failpoints import failpoint
+from mt_dist.stragglers import BusyClock, StragglerWatch, gather_busy
 from mt_model import model_flops_per_token_training
 from mt_plan.memory import gather_memory
 from mt_plan.mfu import measure_peak_flops, model_flops_utilization
@@ -68,6 +70,14 @@ class StepStats:
     val_ppl: float | None = None
     tasks: dict[str, float] | None = None
     """--eval-task metrics by ``TASK/METRIC`` (on the steps that score them)."""
+    busy_s_per_rank: list[float] | None = None
+    """Each rank's seconds of work in the step (forward, backward and optimizer step, less
+    its waits for peers in data-parallel collectives), in rank order
+    (:mod:`mt_dist.stragglers`)."""
+    stragglers: list[int] | None = None
+    """The ranks slower than their peers, on the steps where that set changed."""
+    notes: tuple[str, ...] = ()
+    """Lines to print with this step (not metrics): a straggler named, or recovered."""
 
 
 class Trainer:
@@ -112,6 +122,10 @@ class Trainer:
         self.device = groups.device
         self.activation_shape = activation_shape(plan)
         self._flops_per_token = model_flops_per_token_training(gpt)
+        self._busy = BusyClock()
+        self._watch = StragglerWatch(plan.topology.dp_groups(), log.straggler_steps,
+                                     log.straggler_factor) if log.straggler_steps else None
+        self._hosts: list[str] = []
         # MFU denominator: given, or probed once on rank 0 (the rank that reports it).
         peak = log.peak_tflops
         self._peak_flops = peak * 1e12 if peak is not None else (
@@ -190,16 +204,23 @@ class Trainer:
         lr = self.lr(tokens)
         engine.set_lr(lr)
         keys = self._micro_batch_keys(consumed, global_batch)
-        loss = self._mean_over_dp(engine.forward_backward(self.loader.next(), keys))
+        self._busy.start()
+        failpoint("train.slow", self.groups.rank)
+        local_loss = engine.forward_backward(self.loader.next(), keys)
+        self._busy.stop()
+        loss = self._mean_over_dp(local_loss)
         if not math.isfinite(loss) and not engine.skips_nonfinite:
             raise NonFiniteLossError(
                 f"loss is {loss} at step {self.loader.state.step} (lr {lr:.3g}, tokens "
                 f"{tokens:,}); stopping (only fp16 loss scaling skips such steps). Lower "
                 "--lr or set --clip-grad, then resume from the last checkpoint")
+        self._busy.start()
         result = engine.step()
+        self._busy.stop()
         elapsed = time.perf_counter() - start
-        # After the timing: one all-gather of 3 numbers per rank, outside the step's time.
+        # After the timing: all-gathers of 4 numbers per rank, outside the step's time.
         memory = gather_memory(self.device).metrics()
+        busy = gather_busy(self._busy.take(), self.device)
         tokens_per_s = global_batch * seq / elapsed
         world = self.plan.topology.world_size
         flops_per_rank = self._flops_per_token * tokens_per_s / world
@@ -209,7 +230,24 @@ class Trainer:
             step_time=elapsed,
             tflops_per_rank=flops_per_rank / 1e12,
             mfu=model_flops_utilization(flops_per_rank, self._peak_flops),
-            skipped=result.skipped, loss_scale=result.loss_scale, **memory)
+            skipped=result.skipped, loss_scale=result.loss_scale, **memory,
+            busy_s_per_rank=[round(b, 6) for b in busy], **self._stragglers(busy))
+
+    def _stragglers(self, busy: list[float]) -> dict[str, Any]:
+        """The ranks named slow or recovered at this step (the same on every rank: each
+        has the whole table): ``stragglers`` and the lines saying so, or nothing."""
+        if self._watch is None:
+            return {}
+        new, recovered = self._watch.add(busy)
+        if not (new or recovered):
+            return {}
+        if not self._hosts:  # a collective, reached by every rank at the same step
+            self._hosts = [""] * self.plan.topology.world_size
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                dist.all_gather_object(self._hosts, socket.gethostname())
+        notes = [s.line(self._hosts[s.rank]) for s in new]
+        notes += [f"rank {r} is no longer a straggler" for r in recovered]
+        return {"stragglers": sorted(self._watch.slow), "notes": tuple(notes)}
 
     def _micro_batch_keys(self, consumed: int, global_batch: int) -> list[int] | None:
         """The dropout key of each of this rank's micro-batches: the run-wide index of its
@@ -231,6 +269,7 @@ class Trainer:
 def stats_dict(stats: StepStats) -> dict[str, Any]:
     """The metrics line of a step (validation and task keys only on the steps that have
     them; task metrics as ``eval/TASK/METRIC``)."""
-    line = {k: v for k, v in asdict(stats).items() if v is not None and k != "tasks"}
+    line = {k: v for k, v in asdict(stats).items()
+            if v is not None and k not in ("tasks", "notes")}
     line.update({f"eval/{key}": value for key, value in (stats.tasks or {}).items()})
     return line

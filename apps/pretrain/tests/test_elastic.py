@@ -1,0 +1,139 @@
+"""--min-nproc: an elastic --nproc 4 run (tp 1 x pp 1 x dp 4, ZeRO 1, keyed dropout on)
+loses a random rank at a random moment, then another: it continues from its newest checkpoint
+at dp 3, then at dp 2, the global batch kept by more micro-batches per rank and the ZeRO
+optimizer state resharded, and ends within the correctness contract's fp32 limits of the run
+that was never interrupted (per-step loss and grad norm, every parameter): the same samples
+in the same steps. And the rules: --min-nproc needs --max-restarts, refuses --dp, a layout
+that cannot shrink, and a launcher's run."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mt_formats import load_state_dict
+from mt_model import gradient_free_slices
+from mt_pretrain.config.load import load_config
+from mt_pretrain.config.resolve import elastic_world
+from mt_pretrain.config.schema import ConfigError
+from mt_pretrain.contract.runner import FP32, Trace, compare
+from mt_pretrain.launch import _after_launcher_restart
+from mt_pretrain.run.metrics import read_metrics
+
+STEPS = 14
+NPROC = 4
+FLAGS = ["--model", "tiny", "--seq-len", "32", "--dropout", "0.1", "--global-batch-size", "12",
+         "--micro-batch-size", "1", "--tp", "1", "--pp", "1", "--zero-stage", "1",
+         "--eval-interval", "0", "--sample-tokens", "0", "--no-progress", "--save-interval",
+         "2", "--train-steps", str(STEPS), "--nproc", str(NPROC)]
+
+
+def _mt(out: Path, cache: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "mt_pretrain", "pretrain", *FLAGS, "--out-dir", str(out),
+            "--cache-dir", str(cache), *args]
+
+
+def _children(pid: int) -> list[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(p) for p in path.read_text().split()] if path.is_file() else []
+
+
+def _trace(out: Path) -> Trace:
+    return Trace(read_metrics(out / "metrics.jsonl"), None,
+                 load_state_dict(out / "checkpoints")[1], 0.0)
+
+
+def _kill_one(proc: subprocess.Popen[str], metrics: Path, ranks: int, restarts: int,
+              step: int, rng: random.Random, where: str) -> int:
+    """Waits until the attempt on ``ranks`` ranks (after ``restarts`` restarts) has written
+    step ``step``, then SIGKILLs one of its ranks at random; returns the victim's rank."""
+    deadline = time.monotonic() + 300
+    while True:
+        assert proc.poll() is None, (where, proc.communicate())
+        assert time.monotonic() < deadline, (where, f"no step {step} on {ranks} ranks")
+        records = read_metrics(metrics) if metrics.is_file() else []
+        children = _children(proc.pid)
+        if len(records) >= step and len(children) == ranks and sum(
+                "restart" in r for r in records) == restarts:
+            break
+        time.sleep(0.05)
+    time.sleep(rng.random() * 0.5)
+    victim = rng.randrange(ranks)
+    os.kill(children[victim], signal.SIGKILL)
+    return victim
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc")
+def test_an_elastic_run_loses_two_ranks_and_ends_as_the_whole_run(
+        cache: Path, tmp_path: Path) -> None:
+    whole = tmp_path / "whole"
+    done = subprocess.run(_mt(whole, cache), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    seed = random.randrange(2**32)
+    rng = random.Random(seed)
+    first = rng.randint(2, 5)
+    second = rng.randint(first + 3, STEPS - 4)
+    out = tmp_path / "elastic"
+    proc = subprocess.Popen(_mt(out, cache, "--max-restarts", "2", "--min-nproc", "2"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = out / "metrics.jsonl"
+    try:
+        victims = [_kill_one(proc, metrics, 4, 0, first, rng, f"seed {seed}")]
+        victims.append(_kill_one(proc, metrics, 3, 1, second, rng, f"seed {seed}"))
+        stdout, stderr = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    where = f"seed {seed}: rank {victims[0]} of 4 after step {first}, rank {victims[1]} " \
+            f"of 3 after step {second}"
+    assert proc.returncode == 0, (where, stdout + stderr)
+    lines = [line for line in stdout.splitlines() if line.startswith("restart ")]
+    assert len(lines) == 2, (where, stdout)
+    assert lines[0].startswith(f"restart 1 of 2 after rank {victims[0]} of 4 killed by SIGKILL"
+                               f" (every rank's stack: {out / 'failure-0'}): continuing on 3 "
+                               "of 4 ranks, resumed from "), (where, lines)
+    assert lines[1].startswith(f"restart 2 of 2 after rank {victims[1]} of 3 killed by SIGKILL"
+                               f" (every rank's stack: {out / 'failure-1'}): continuing on 2 "
+                               "of 4 ranks, resumed from "), (where, lines)
+    for ranks in (4, 3, 2):
+        assert f"{ranks} ranks from --nproc: tp 1 x pp 1 x dp {ranks} on cpu" in stdout, where
+    trace, reference = _trace(out), _trace(whole)
+    assert [r["step"] for r in trace.records] == list(range(1, STEPS + 1)), where
+    assert [r["global_batch_size"] for r in trace.records] == [12] * STEPS, where
+    restarted = [r for r in trace.records if "restart" in r]
+    assert [r["restart"] for r in restarted] == [1, 2], (where, restarted)
+    tiny = load_config(None, {"model": "tiny", "seq_len": 32}).model.gpt_config()
+    diff = compare(trace, reference, gradient_free_slices(tiny))
+    assert diff.within(FP32), (where, diff)
+
+
+def _config(**options: Any) -> Any:
+    return load_config(None, {"model": "tiny", "nproc": 4, "max_restarts": 1,
+                              "global_batch_size": 12, "micro_batch_size": 1, **options})
+
+
+def test_elastic_rules() -> None:
+    """The sizes an elastic run continues on, and what it refuses before starting."""
+    config = _config(min_nproc=2)
+    assert [elastic_world(config, left) for left in (4, 3, 2, 1)] == [4, 3, 2, None]
+    # 8 samples in micro-batches of 1 do not split over 3 ranks: down to 2.
+    assert elastic_world(_config(min_nproc=2, global_batch_size=8), 3) == 2
+    assert elastic_world(_config(min_nproc=1, tp=2), 3) == 2  # tp 2 divides 2, not 3
+    with pytest.raises(ConfigError, match="give --max-restarts N"):
+        _config(min_nproc=2, max_restarts=0)
+    with pytest.raises(ConfigError, match="--min-nproc 5 exceeds --nproc 4"):
+        _config(min_nproc=5)
+    with pytest.raises(ConfigError, match="leave out --dp 4"):
+        _config(min_nproc=2, dp=4)
+    with pytest.raises(ConfigError, match="no world size from 3 down to 3 fits the layout"):
+        _config(min_nproc=3, tp=2)
+    with pytest.raises(ConfigError, match="--max-restarts and --min-nproc restart the ranks"):
+        _after_launcher_restart(config, "torchrun", {})
