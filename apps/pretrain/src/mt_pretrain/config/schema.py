@@ -607,8 +607,8 @@ class LogArgs:
     """Each step every rank times its own work (forward, backward and optimizer step, less
     its waits for peers in data-parallel collectives); a rank whose median over this many
     steps exceeds --straggler-factor times its data-parallel peers' (the ranks holding the
-    same layers) is named in one line and in the metrics (`stragglers`), once until it recovers. Per-rank times are in the metrics
-    as `busy_s_per_rank`. 0: off."""
+    same layers) is named in one line and in the metrics (`stragglers`), once until it
+    recovers. Per-rank times are in the metrics as `busy_s_per_rank`. 0: off."""
     straggler_factor: float = 1.25
     """How much slower than its peers a rank must be to be named (see --straggler-steps)."""
     dry_run: bool = False
