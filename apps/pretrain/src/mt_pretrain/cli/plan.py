@@ -15,7 +15,8 @@ from typing import Annotated, Any
 import typer
 
 from mt_pipeline import DEFAULT_SCHEDULE, chunked_schedules
-from mt_plan.estimate import EFFICIENCY, estimate
+from mt_plan.checkpoints import failure_costs, save_costs
+from mt_plan.estimate import EFFICIENCY, Estimate, estimate
 from mt_plan.gpus import GPUS, GPUSpec, GPUSpecError, load_gpu
 from mt_plan.layout import (
     MAX_MICRO_BATCHES,
@@ -57,6 +58,12 @@ JSON_KEYS: dict[str, str] = {
     "simulated": "true when the schedule ran through mt-pipeline's simulator",
     "calibrated": "true when the rates were measured (--calibrate, or a --gpu file it wrote) "
                   "rather than efficiency x peak",
+    "checkpoint": "one save (mt_plan.checkpoints.SaveCosts): checkpoint_bytes, rank_bytes, "
+                  "node_bytes, sync_s (training stopped by a synchronous save), async_s (by an "
+                  "asynchronous one: the copy to host memory), write_s, host_bytes_per_node",
+    "failures": "with --save-interval and --failures-per-day, for sync and async saves: "
+                "interval_s, saving_fraction, failure_fraction, total_fraction, "
+                "lost_per_failure_s, best_interval_steps",
 }
 
 _HELP = (
@@ -314,12 +321,28 @@ def plan(
              "and --micro-batch-size / --tp / --precision: matmul, attention, memory and "
              "AdamW rates; write them to this YAML (--gpu gives capacity and links) and plan "
              "with them. Later runs reuse it as --gpu FILE.")] = None,
+    save_interval: Annotated[int, typer.Option(
+        help="Steps between checkpoints: with --failures-per-day, the work saves and "
+             "failures are expected to cost, synchronous and asynchronous.")] = 0,
+    failures_per_day: Annotated[float, typer.Option(
+        help="Failures of the whole job per day (MT-NLG: about one node a day).")] = 0.0,
+    restart_minutes: Annotated[float, typer.Option(
+        help="Minutes from a failure to training again (requeue, start, load).")] = 10.0,
+    write_gb_per_s: Annotated[float, typer.Option(
+        help="Checkpoint write bandwidth of one node to its storage, GB/s.")] = 5.0,
+    host_gb_per_s: Annotated[float, typer.Option(
+        help="Copy bandwidth of one GPU to pinned host memory, GB/s (PCIe 4 x16: ~25).")
+    ] = 25.0,
 ) -> None:
     """Plan a run: memory, FLOPs, bubble, communication, iteration time (see --help)."""
     problems = _number_problems({
         "gpus": gpus, "tp": tp, "cp": cp, "pp": pp, "global-batch-size": global_batch_size,
         "micro-batch-size": micro_batch_size, "virtual-stages": virtual_stages, "top": top},
         zero_stage)
+    saves = {"save-interval": save_interval, "failures-per-day": failures_per_day,
+             "restart-minutes": restart_minutes, "write-gb-per-s": write_gb_per_s,
+             "host-gb-per-s": host_gb_per_s}
+    problems += _save_problems(saves)
     if search and (ignored := _search_ignores(ctx, calibrate)):
         problems.append(f"--search chooses {', '.join(ignored)} itself: leave "
                         f"{'it' if len(ignored) == 1 else 'them'} out, or plan one layout "
@@ -361,4 +384,51 @@ def plan(
         est = estimate(gpt, layout, spec)
     except LayoutError as err:
         raise _fail(str(err)) from None
-    typer.echo(json.dumps(est.to_dict()) if as_json else est.report())
+    figures, lines = _saving(est, spec, saves)
+    typer.echo(json.dumps({**est.to_dict(), **figures}) if as_json else
+               "\n".join([est.report(), *lines]))
+
+
+def _save_problems(saves: dict[str, float]) -> list[str]:
+    """The checkpoint options' bounds, one message each."""
+    problems = [f"--{name} must be a finite number >= 0, got {value}"
+                for name, value in saves.items() if not 0 <= value < float("inf")]
+    problems += [f"--{name} must be > 0, got {saves[name]}"
+                 for name in ("write-gb-per-s", "host-gb-per-s") if saves[name] == 0]
+    if saves["save-interval"] != int(saves["save-interval"]):
+        problems.append(f"--save-interval must be whole steps, got {saves['save-interval']}")
+    return problems
+
+
+def _saving(est: Estimate, spec: GPUSpec, saves: dict[str, float]
+            ) -> tuple[dict[str, Any], list[str]]:
+    """The checkpoint figures of ``est`` (JSON keys ``checkpoint`` and ``failures``) and the
+    report's lines about them."""
+    lay, gb = est.layout, 1e9
+    cost = save_costs(est.parameters, est.parameters_per_gpu, lay, spec,
+                      saves["write-gb-per-s"] * gb, saves["host-gb-per-s"] * gb)
+    figures: dict[str, Any] = {"checkpoint": cost.to_dict()}
+    lines = [
+        f"checkpoint  {cost.checkpoint_bytes / gb:,.1f} GB per save; the fullest rank writes "
+        f"{cost.rank_bytes / gb:,.2f} GB, its node {cost.node_bytes / gb:,.1f} GB",
+        f"saving      synchronous: training stops {cost.sync_s:,.1f} s per save (a node's "
+        f"bytes at {saves['write-gb-per-s']:g} GB/s); asynchronous: {cost.async_s:,.2f} s "
+        f"(the copy to host at {saves['host-gb-per-s']:g} GB/s per GPU), "
+        f"{cost.host_bytes_per_node / gb:,.1f} GB of pinned host memory per node, the write "
+        f"{cost.write_s:,.1f} s behind"]
+    interval, rate = int(saves["save-interval"]), saves["failures-per-day"]
+    if interval and rate:
+        restart = saves["restart-minutes"] * 60.0
+        sync = failure_costs(cost.sync_s, 0.0, est.iteration_time_s, interval, rate, restart)
+        background = failure_costs(cost.async_s, cost.write_s, est.iteration_time_s, interval,
+                                   rate, restart)
+        figures["failures"] = {"sync": sync.to_dict(), "async": background.to_dict()}
+        lines.append(
+            f"failures    {rate:g} a day, a save every {interval:,} steps ({sync.interval_s:,.0f}"
+            f" s): synchronous saves cost {sync.saving_fraction:.2%} of the time and failures "
+            f"{sync.failure_fraction:.2%} (each {sync.lost_per_failure_s:,.0f} s of work and "
+            f"restart); asynchronous {background.saving_fraction:.2%} and "
+            f"{background.failure_fraction:.2%}; the least costly interval: "
+            f"{sync.best_interval_steps:,} steps synchronous, "
+            f"{background.best_interval_steps:,} asynchronous")
+    return figures, lines
