@@ -14,8 +14,8 @@ hide behind); each side saves the same model and optimizer state dict:
   the returned future is waited for before the next save and before the clock stops).
 The figure is (time of the steps with saves - time of the same steps without) / saves, the
 sides alternated and repeated (--repeats), medians printed; the bytes each side wrote are
-printed beside it. mt's files are fsynced before they count as written (a checkpoint that
-survives a power cut); DCP's are left to the page cache.
+printed beside it. Both sides fsync their files before they count as written (DCP's
+`FileSystemWriter` syncs by default).
 
     PYTHONPATH=$(ls -d packages/*/src apps/*/src | tr '\\n' ':') python3 benchmarks/async_save.py
 """
