@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from mt_pretrain.run.metrics import read_metrics
 
 
@@ -34,3 +36,15 @@ def test_a_slow_rank_is_named(cache: Path, tmp_path: Path) -> None:
     assert all(r["busy_s_per_rank"][1] > r["busy_s_per_rank"][0] + 0.2 for r in records)
     assert [r["step"] for r in records if "stragglers" in r] == [4]
     assert records[3]["stragglers"] == [1]
+
+
+def test_straggler_flags_are_checked() -> None:
+    from mt_pretrain.config.load import load_config
+    from mt_pretrain.config.schema import ConfigError
+
+    for bad in (1.0, float("nan"), float("inf"), 0.5):
+        with pytest.raises(ConfigError, match="--straggler-factor must be a finite number "
+                                              "above 1"):
+            load_config(None, {"straggler_factor": bad})
+    with pytest.raises(ConfigError, match="--straggler-steps must be >= 0, got -1"):
+        load_config(None, {"straggler_steps": -1})

@@ -102,7 +102,7 @@ class StragglerWatch:
     """
 
     def __init__(self, groups: Sequence[Sequence[int]], window: int = 20,
-                 factor: float = 1.25) -> None:
+                 factor: float = 1.5) -> None:
         if window < 1 or not factor > 1.0:
             raise ValueError(f"need window >= 1 and factor > 1, got {window} and {factor}")
         self.groups = [tuple(g) for g in groups if len(g) > 1]

@@ -609,7 +609,7 @@ class LogArgs:
     steps exceeds --straggler-factor times its data-parallel peers' (the ranks holding the
     same layers) is named in one line and in the metrics (`stragglers`), once until it
     recovers. Per-rank times are in the metrics as `busy_s_per_rank`. 0: off."""
-    straggler_factor: float = 1.25
+    straggler_factor: float = 1.5
     """How much slower than its peers a rank must be to be named (see --straggler-steps)."""
     dry_run: bool = False
     """Validate the config and layout and print the plan (ranks, groups, stages, memory
@@ -621,7 +621,7 @@ class LogArgs:
         if self.straggler_steps < 0:
             problems.append(f"--straggler-steps must be >= 0, got {self.straggler_steps}")
         if not 1.0 < self.straggler_factor < math.inf:
-            problems.append(f"--straggler-factor must be a finite number above 1 (1.25: 25% "
+            problems.append(f"--straggler-factor must be a finite number above 1 (1.5: 50% "
                             f"slower than its peers), got {self.straggler_factor}")
         _int64(problems, self)
         if self.quiet and self.log_level != "info":
