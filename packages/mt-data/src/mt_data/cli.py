@@ -256,6 +256,13 @@ def prepare_cmd(
         "--group-words", metavar="FILE",
         help="Group-words JSON file to count (default: mt's lists, the schema of "
              "mt_data/assets/group_words.json).")] = None,
+    executor: Annotated[str, typer.Option(
+        help="Where the tasks run: 'local' (this machine's --workers processes) or 'ray' "
+             "(a Ray cluster: needs pip install 'mt-data[ray]' and storage every node sees "
+             "for the inputs and --output; the same dataset, byte for byte).")] = "local",
+    ray_address: Annotated[str | None, typer.Option(
+        help="With --executor ray: 'auto' (the cluster this node is in), HOST:PORT of its "
+             "head, or leave out for a Ray started on this machine for the run.")] = None,
 ) -> None:
     """Run the pipeline: ingest, clean/filter, dedup, decontaminate, tokenize, write shards.
 
@@ -285,8 +292,12 @@ def prepare_cmd(
         if group_words is not None and not group_counts:
             raise ValueError("--group-words and --no-group-counts contradict each other; "
                              "give one")
+        if executor == "ray" and _given(ctx, "workers"):
+            raise ValueError("--workers counts local processes; with --executor ray the "
+                             "cluster's CPUs run the tasks: leave out --workers")
         config = PrepareConfig(clean, tokenizer, workers, keep_work, overwrite, group_counts,
-                               str(group_words) if group_words is not None else None)
+                               str(group_words) if group_words is not None else None,
+                               executor, ray_address)
         load_tokenizer(tokenizer)  # fail before the long stages
         with _progress() as progress:
             summary = prepare(inputs, output, config, RichProgress(progress))

@@ -27,7 +27,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Executor, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import ExitStack, suppress
 from dataclasses import asdict, dataclass
@@ -107,6 +107,10 @@ class NoProgress:
         """Ignored."""
 
 
+#: Where ``prepare`` runs its tasks.
+EXECUTORS = ("local", "ray")
+
+
 @dataclass(frozen=True)
 class PrepareConfig:
     """Settings of one ``prepare`` run."""
@@ -125,10 +129,21 @@ class PrepareConfig:
     ``OUTPUT/groups.json``, ``mt data inspect DIR --groups``."""
     group_words: str | None = None
     """The group-words JSON file counted (None: mt's lists, ``groups.GROUP_WORDS``)."""
+    executor: str = "local"
+    """``local`` (this machine's processes, ``workers``) or ``ray`` (the tasks on a Ray
+    cluster: :mod:`mt_data.ray_executor`; the same dataset)."""
+    ray_address: str | None = None
+    """With ``executor="ray"``: ``auto`` (the cluster this node is in), ``HOST:PORT``, or None
+    (a local Ray started for the run)."""
 
     def __post_init__(self) -> None:
         if self.workers < 0:
             raise ValueError(f"workers must be >= 0, got {self.workers}")
+        if self.executor not in EXECUTORS:
+            raise ValueError(f"executor must be one of {', '.join(EXECUTORS)}, got "
+                             f"{self.executor!r}")
+        if self.ray_address is not None and self.executor != "ray":
+            raise ValueError(f"a Ray address ({self.ray_address}) is for --executor ray")
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "encoder.json", "vocab.bpe")
@@ -168,8 +183,8 @@ def _fingerprint(inputs: list[Path], config: PrepareConfig) -> dict[str, Any]:
     (``files``: size, modified time and :func:`sample_sha256`), which tells whether a finished
     dataset or an unfinished run still matches the files on disk."""
     settings = asdict(config)
-    for key in ("workers", "keep_work", "overwrite"):
-        settings.pop(key)
+    for key in ("workers", "keep_work", "overwrite", "executor", "ray_address"):
+        settings.pop(key)  # where and how fast it runs, not what it makes
     if config.group_counts:  # the default: fingerprints of earlier releases stay valid
         settings.pop("group_counts")
     if config.group_words is None:
@@ -187,7 +202,7 @@ def _fingerprint(inputs: list[Path], config: PrepareConfig) -> dict[str, Any]:
 
 
 def _run_tasks(fn: Callable[..., Any], tasks: list[tuple[Any, ...]], sizes: list[float],
-               pool: ProcessPoolExecutor | None, progress: ProgressHook,
+               pool: Executor | None, progress: ProgressHook,
                on_result: Callable[[Any], None] = lambda result: None) -> list[Any]:
     """``fn(*task)`` for every task, shared with ``pool`` (:func:`mt_data.sharing.run_shared`),
     advancing ``progress`` by each task's size."""
@@ -195,7 +210,7 @@ def _run_tasks(fn: Callable[..., Any], tasks: list[tuple[Any, ...]], sizes: list
 
 
 def _run_clean(items: list[WorkItem], config: PrepareConfig, work: Path,
-               pool: ProcessPoolExecutor | None, progress: ProgressHook,
+               pool: Executor | None, progress: ProgressHook,
                lists: GroupWords | None) -> list[dict[str, Any]]:
     sizes = [item.nbytes / 1e6 for item in items]
     progress.stage("clean + fingerprint", sum(sizes), "MB")
@@ -205,7 +220,7 @@ def _run_clean(items: list[WorkItem], config: PrepareConfig, work: Path,
     return results
 
 
-def _run_dedup(chunks: list[Path], config: PrepareConfig, work: Path,
+def _run_dedup(chunks: list[Path], config: PrepareConfig, work: Path, pool: Executor | None,
                progress: ProgressHook) -> tuple[np.ndarray, dict[str, int]]:
     keep_path, stats_path = work / "keep.npy", work / "dedup.json"
     names = [p.name for p in chunks]
@@ -214,8 +229,10 @@ def _run_dedup(chunks: list[Path], config: PrepareConfig, work: Path,
         if recorded.get("chunks") == names:
             return np.load(keep_path), recorded["stats"]
     progress.stage("dedup (exact + MinHash/LSH)", None, "")
-    # Spills signatures to work/ from stages.BOUNDED_DEDUP_MIN_DOCS documents (same result).
-    keep, stats = global_dedup(chunks, config.clean.dedup, spill_dir=work)
+    # Spills signatures to work/ from stages.BOUNDED_DEDUP_MIN_DOCS documents (same result);
+    # on a cluster, LSH bands are tasks that read the signatures where they lie.
+    keep, stats = global_dedup(chunks, config.clean.dedup, spill_dir=work,
+                               pool=pool if config.executor == "ray" else None)
     tmp = work / f".keep.{os.getpid()}.tmp.npy"
     np.save(tmp, keep)
     atomic_replace(tmp, keep_path)
@@ -252,7 +269,7 @@ def tokenize_chunk(chunk: str, keep: np.ndarray, shard: str, tokenizer: str,
 
 
 def _run_tokenize(chunks: list[Path], keep: np.ndarray, writer: ShardSetWriter,
-                  config: PrepareConfig, pool: ProcessPoolExecutor | None,
+                  config: PrepareConfig, pool: Executor | None,
                   progress: ProgressHook, lists: GroupWords | None) -> list[dict[str, Any]]:
     """Tokenize the kept documents; returns the group counts of each chunk's kept documents
     (of the shards an earlier run finished too: counted here, from their chunks)."""
@@ -299,6 +316,10 @@ def prepare(inputs: Sequence[str | Path], output: str | Path,
                f"{', '.join(COMPRESSED)})") if unknown else ""
         raise PrepareError(f"no readable input files among the {len(files)} found in "
                            f"{', '.join(map(str, inputs))}{why}")
+    if config.executor == "ray":  # before the output folder is made
+        from mt_data.ray_executor import check_ray
+
+        check_ray(config.ray_address)
     output.mkdir(parents=True, exist_ok=True)
     with output_lock(output):
         return _prepare_locked(inputs, files, items, unknown, output, fingerprint, config,
@@ -322,11 +343,7 @@ def _prepare_locked(inputs: Sequence[str | Path], files: list[Path], items: list
     workers = config.workers or (os.cpu_count() or 1)
     try:
         with ExitStack() as stack:
-            # One pool for both parallel stages; worker start-up is paid once. This process
-            # runs tasks too (see _run_tasks): the pool has one process fewer than ``workers``.
-            pool = (stack.enter_context(ProcessPoolExecutor(workers - 1,
-                                                            mp_context=_pool_context()))
-                    if workers > 1 else None)
+            pool = _pool(config, workers, stack)
             summary = _stages(items, unknown, files, fingerprint, output, config, pool, progress,
                               _label(inputs), lists)
     except BrokenProcessPool as exc:
@@ -341,6 +358,20 @@ def _prepare_locked(inputs: Sequence[str | Path], files: list[Path], items: list
     if not config.keep_work:
         shutil.rmtree(work)
     return summary
+
+
+def _pool(config: PrepareConfig, workers: int, stack: ExitStack) -> Executor | None:
+    """The run's one executor for every parallel stage (worker start-up paid once): a Ray
+    cluster's, or local processes, one fewer than ``workers`` since this process runs tasks
+    too (see _run_tasks)."""
+    if config.executor == "ray":
+        from mt_data.ray_executor import RayExecutor
+
+        return stack.enter_context(RayExecutor(config.ray_address))
+    if workers > 1:
+        return stack.enter_context(ProcessPoolExecutor(workers - 1,
+                                                       mp_context=_pool_context()))
+    return None
 
 
 _FORK_UNSAFE = ("torch", "jax", "tensorflow")
@@ -395,7 +426,7 @@ def check_documents(totals: ChunkStats, label: str) -> None:
 
 def _stages(items: list[WorkItem], unknown: list[Path], files: list[Path],
             fingerprint: dict[str, Any], output: Path, config: PrepareConfig,
-            pool: ProcessPoolExecutor | None, progress: ProgressHook,
+            pool: Executor | None, progress: ProgressHook,
             label: str, lists: GroupWords | None) -> dict[str, Any]:
     work = output / "work"
     times: dict[str, float] = {}
@@ -423,7 +454,7 @@ def _stages(items: list[WorkItem], unknown: list[Path], files: list[Path],
     if pool is not None:  # the pool's processes load the tokenizer while this one dedups
         for _ in range(max(1, getattr(pool, "_max_workers", 1))):
             pool.submit(warm_tokenizer, config.tokenizer)
-    keep, dedup_stats = _run_dedup(chunks, config, work, progress)
+    keep, dedup_stats = _run_dedup(chunks, config, work, pool, progress)
     times["dedup"] = time.perf_counter() - t1
     tokenizer = _worker_tokenizer(config.tokenizer)
     writer = ShardSetWriter(output, tokenizer.describe(), tokenizer.dtype.name, resume=True)

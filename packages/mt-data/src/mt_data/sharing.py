@@ -19,15 +19,17 @@ def run_shared(fn: Callable[..., Any], tasks: list[tuple[Any, ...]], pool: Execu
 
     Tasks are started in input order, by the pool's processes and by this process, which runs
     the next task itself whenever it has no result to collect (with ``workers`` = N, N - 1 pool
-    processes and this one share the work). Each pool process is kept with one task: a task
-    finishing in the pool hands the next one to the pool at once (from the pool's thread), so
-    the pool never waits for this process to finish its own task. ``on_result`` sees each
-    result (in this process) as soon as it is collected (so finished work is recorded even if
-    a later task fails or the run is interrupted), then ``done`` the task's index; results are
-    returned in task order. When tasks fail, the error raised is that of the first failing
-    task in input order, as in a serial run, whatever order they finished in.
+    processes and this one share the work), unless the pool says ``shares_work = False`` (a
+    cluster's executor: its tasks run on the cluster only). Each pool process is kept with one
+    task: a task finishing in the pool hands the next one to the pool at once (from the pool's
+    thread), so the pool never waits for this process to finish its own task. ``on_result``
+    sees each result (in this process) as soon as it is collected (so finished work is
+    recorded even if a later task fails or the run is interrupted), then ``done`` the task's
+    index; results are returned in task order. When tasks fail, the error raised is that of
+    the first failing task in input order, as in a serial run, whatever order they finished
+    in.
     """
-    if pool is None or len(tasks) <= 1:
+    if pool is None or (len(tasks) <= 1 and getattr(pool, "shares_work", True)):
         results = []
         for i, task in enumerate(tasks):
             results.append(fn(*task))
@@ -46,6 +48,7 @@ class _Shared:
         self.fn, self.tasks, self.pool, self.done, self.on_result = (fn, tasks, pool, done,
                                                                      on_result)
         self.depth = max(1, getattr(pool, "_max_workers", 1))
+        self.here = getattr(pool, "shares_work", True)  # this process runs tasks too
         self.lock = threading.Lock()
         self.futures: dict[Future[Any], int] = {}
         self.errors: dict[int, BaseException] = {}
@@ -77,7 +80,7 @@ class _Shared:
         self.collect()
         if self.errors:
             return False
-        i = self.take()
+        i = self.take() if self.here else None
         if i is not None:
             try:
                 result = self.fn(*self.tasks[i])

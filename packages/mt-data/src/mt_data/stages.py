@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 from collections import Counter
+from concurrent.futures import Executor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ from mt_data.dedup import (
     fuzzy_dedup,
     fuzzy_dedup_bounded,
 )
+from mt_data.dedup_tasks import fuzzy_dedup_tasks
 from mt_data.filters import FilterConfig, normalize_batch
 from mt_data.groups import GroupCounter, GroupWords, merge_counts
 from mt_data.ingest import ErrorLog, IngestConfig, WorkItem, iter_documents, read_work_item
@@ -269,14 +271,16 @@ def _spill_chunks(chunk_paths: list[Path], num_perm: int, spill_dir: Path) -> Sp
 
 
 def global_dedup(chunk_paths: list[Path], config: DedupConfig, spill_dir: Path | None = None,
-                 bounded_min_docs: int | None = None,
+                 bounded_min_docs: int | None = None, pool: Executor | None = None,
                  ) -> tuple[np.ndarray, dict[str, int]]:
     """Keep mask over all documents of all chunks (in order) and dedup counts.
 
     With ``spill_dir`` and at least ``bounded_min_docs`` documents left after exact dedup, fuzzy
     dedup runs band by band over signatures spilled to ``spill_dir`` (removed afterwards):
     the same keep mask and counts as in memory, without holding every signature.
-    ``bounded_min_docs`` defaults to ``BOUNDED_DEDUP_MIN_DOCS``.
+    ``bounded_min_docs`` defaults to ``BOUNDED_DEDUP_MIN_DOCS``. With a ``pool`` (an executor
+    over several machines) fuzzy dedup runs as tasks of a few LSH bands each on it
+    (:mod:`mt_data.dedup_tasks`), the signatures read where they lie: the same result.
     """
     if bounded_min_docs is None:
         bounded_min_docs = BOUNDED_DEDUP_MIN_DOCS
@@ -299,7 +303,12 @@ def global_dedup(chunk_paths: list[Path], config: DedupConfig, spill_dir: Path |
         stats["exact_duplicates"] = int(n - keep.sum())
     if config.fuzzy:
         alive = np.flatnonzero(keep)
-        if spill_dir is not None and len(alive) >= bounded_min_docs:
+        if pool is not None:
+            del sigs, has
+            result = fuzzy_dedup_tasks([str(p) for p in chunk_paths], config.num_perm, alive,
+                                       config.bands, config.threshold, pool,
+                                       getattr(pool, "_max_workers", 1))
+        elif spill_dir is not None and len(alive) >= bounded_min_docs:
             # Drop every view of the mapped chunks, so that the chunks' pages read while
             # spilling are unmapped chunk by chunk instead of staying resident.
             del sigs, has, hashes, batch, minhash
