@@ -122,7 +122,6 @@ def _after_launcher_restart(config: PretrainConfig, launcher: str, environ: Mapp
                           "elastic with --nnodes MIN:MAX; a requeued SLURM job): leave them "
                           "out, a restarted job resumes from --save by itself, at the world "
                           "size it is given")
-
     restart = launcher_restart(environ)
     if restart is None or ckpt.load is not None or ckpt.save_dir is None:
         return config, None
