@@ -66,7 +66,10 @@ def test_a_lost_rank_restarts_the_run_from_its_newest_checkpoint(
         how: str, uninterrupted: Any, cache: Path, tmp_path: Path) -> None:
     seed = random.randrange(2**32)
     rng = random.Random(seed)
-    victim, after_step, delay = rng.randrange(NPROC), rng.randint(1, STEPS - 4), rng.random()
+    # A moment within the step after ``after_step``, early enough that steps are left when
+    # the kill lands (a step takes 0.1-0.3 s here).
+    victim, after_step, delay = rng.randrange(NPROC), rng.randint(1, STEPS - 6), \
+        0.3 * rng.random()
     where = f"seed {seed}: rank {victim} after step {after_step} + {delay:.2f} s"
     out = tmp_path / "run"
     # A stopped rank is found when its peers' collective times out (--timeout).
