@@ -2,8 +2,9 @@
 and a worker node, one CPU each, as `ray start` makes them): every stage on (quality filters,
 exact and fuzzy dedup, decontamination, group counts, tokenization), the dataset equal byte
 for byte to the local executor's (the run's own timings in index.json aside); a Ray worker
-killed in the middle of a task, the same dataset (Ray runs the task again); fuzzy dedup as
-band tasks equal to the in-memory clustering on the same signatures."""
+killed in the middle of a task, the same dataset (Ray runs the task again); the driver killed
+and run again, the same dataset; fuzzy dedup as band tasks equal to the in-memory clustering
+on the same signatures; the refusals."""
 
 from __future__ import annotations
 
@@ -218,3 +219,34 @@ def test_executor_flags_are_checked(corpus: dict[str, Any], tmp_path: Path) -> N
         assert result.exit_code == 2, (extra, result.output)
         assert message in " ".join(result.output.split()), (extra, result.output)
         assert not (tmp_path / "out").exists()
+
+
+def test_a_killed_driver_resumes_on_ray(corpus: dict[str, Any], cluster: str,
+                                        tmp_path: Path) -> None:
+    """The driver (`python -m mt_data.cli prepare --executor ray`) SIGKILLed once some chunks
+    are written; the same command again resumes from them and makes the dataset of the same
+    command with the local executor."""
+    def command(out: Path, *extra: str) -> list[str]:
+        return [sys.executable, "-m", "mt_data.cli", "prepare",
+                *(str(p) for p in corpus["files"]), "--output", str(out), "--tokenizer",
+                "tokenizer-1k", "--decontaminate", str(corpus["eval"]), *extra]
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    local = subprocess.run(command(tmp_path / "local"), env=env, capture_output=True,
+                           text=True, timeout=600)
+    assert local.returncode == 0, local.stdout + local.stderr
+    out = tmp_path / "ray"
+    on_ray = command(out, "--executor", "ray", "--ray-address", cluster)
+    driver = subprocess.Popen(on_ray, env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while len(list((out / "work").glob("clean-*.arrow"))) < 2:
+        assert driver.poll() is None, driver.communicate()
+        assert time.monotonic() < deadline, "no chunk was written"
+        time.sleep(0.05)
+    driver.kill()
+    driver.wait()
+    assert not (out / "index.json").exists()  # killed before the end
+    again = subprocess.run(on_ray, env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stdout + again.stderr
+    _same_dataset(tmp_path / "local", out)
