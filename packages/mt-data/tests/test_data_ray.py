@@ -133,6 +133,9 @@ def test_ray_makes_the_local_dataset_byte_for_byte(corpus: dict[str, Any], clust
     try:
         assert len([n for n in ray.nodes() if n["Alive"]]) == 2
         assert ray.cluster_resources()["CPU"] == 2
+        # A program that joined the cluster itself keeps its session after a prepare.
+        prepare(corpus["files"][:1], tmp_path / "mine", _config(corpus, executor="ray"))
+        assert ray.is_initialized()
     finally:
         ray.shutdown()
 

@@ -37,24 +37,26 @@ def check_ray(address: str | None) -> None:
     _reachable(address)
 
 
-def connect(address: str | None) -> Any:
+def connect(address: str | None) -> tuple[Any, bool]:
     """Join the Ray cluster at ``address`` (``auto``: the one this node belongs to;
-    ``HOST:PORT``), or start a local one (None); returns the ``ray`` module."""
+    ``HOST:PORT``), or start a local one (None); returns the ``ray`` module and whether this
+    call joined (False: the program had joined one itself, and keeps it)."""
     try:
         import ray  # pants: no-infer-dep (optional: mt-data[ray])
     except ImportError:
         raise ValueError("--executor ray needs Ray, which is not installed: pip install "
                          "'mt-data[ray]'") from None
-    if not ray.is_initialized():
-        _reachable(address)  # Ray itself retries an unreachable head for minutes
-        try:
-            ray.init(address=address, log_to_driver=False, include_dashboard=False,
-                     configure_logging=False)
-        except (ConnectionError, RuntimeError, ValueError) as err:
-            where = f"--ray-address {address}" if address else "a local Ray"
-            first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-            raise ValueError(f"{where}: cannot join a Ray cluster ({first})") from None
-    return ray
+    if ray.is_initialized():
+        return ray, False
+    _reachable(address)  # Ray itself retries an unreachable head for minutes
+    try:
+        ray.init(address=address, log_to_driver=False, include_dashboard=False,
+                 configure_logging=False)
+    except (ConnectionError, RuntimeError, ValueError) as err:
+        where = f"--ray-address {address}" if address else "a local Ray"
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise ValueError(f"{where}: cannot join a Ray cluster ({first})") from None
+    return ray, True
 
 
 def _reachable(address: str | None) -> None:
@@ -81,7 +83,7 @@ class RayExecutor(Executor):
     shares_work = False
 
     def __init__(self, address: str | None = None) -> None:
-        self._ray = connect(address)
+        self._ray, self._joined = connect(address)
         self._max_workers = max(1, int(self._ray.cluster_resources().get("CPU", 1)))
         self._remote: dict[Callable[..., Any], Any] = {}
 
@@ -116,5 +118,6 @@ class RayExecutor(Executor):
         return future
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        """Leaves the cluster (a local one started for this run stops)."""
-        self._ray.shutdown()
+        """Leaves the cluster if it joined it (a local one started for this run stops)."""
+        if self._joined:
+            self._ray.shutdown()
