@@ -131,6 +131,8 @@ def test_elastic_rules() -> None:
         _config(min_nproc=2, max_restarts=0)
     with pytest.raises(ConfigError, match="--min-nproc 5 exceeds --nproc 4"):
         _config(min_nproc=5)
+    with pytest.raises(ConfigError, match="give --nproc N"):
+        load_config(None, {"model": "tiny", "max_restarts": 1, "min_nproc": 1})
     with pytest.raises(ConfigError, match="leave out --dp 4"):
         _config(min_nproc=2, dp=4)
     with pytest.raises(ConfigError, match="no world size from 3 down to 3 fits the layout"):

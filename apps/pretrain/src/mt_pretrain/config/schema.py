@@ -256,6 +256,9 @@ class ParallelArgs:
         if self.min_nproc is not None and self.nproc is not None and \
                 self.min_nproc > self.nproc:
             problems.append(f"--min-nproc {self.min_nproc} exceeds --nproc {self.nproc}")
+        if self.min_nproc is not None and self.nproc is None:
+            problems.append(f"--min-nproc {self.min_nproc} makes a --nproc run elastic: give "
+                            "--nproc N (the ranks it starts with)")
         if self.min_nproc is not None and self.dp is not None:
             problems.append(f"--min-nproc: an elastic run sets the data-parallel degree by "
                             f"the ranks it has; leave out --dp {self.dp}")
