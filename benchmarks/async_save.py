@@ -7,15 +7,23 @@ every --every steps (never at the last: each save has --every steps of training 
 hide behind); each side saves the same model and optimizer state dict:
 - mt, foreground: `mt_checkpoint.save_rank` (one file, CRC-32C on the way, fsync), as
   `mt pretrain` without --async-save;
-- mt, background: `mt_checkpoint.snapshot` to host memory on the training thread, then
-  `save_rank` on `mt_checkpoint.BackgroundWrite`'s thread, as `mt pretrain --async-save`
-  (a save waits for the one before it; the last is waited for before the clock stops);
-- torch DCP `save` and `async_save` (its own staging to host memory and writer thread;
-  the returned future is waited for before the next save and before the clock stops).
-The figure is (time of the steps with saves - time of the same steps without) / saves, the
-sides alternated and repeated (--repeats), medians printed; the bytes each side wrote are
-printed beside it. Both sides fsync their files before they count as written (DCP's
-`FileSystemWriter` syncs by default).
+- mt, background: `mt_checkpoint.HostBuffers.snapshot` of the rank file's payload (host
+  memory reused from save to save) on the training thread, then `save_payload` in
+  `mt_checkpoint.BackgroundWrite`'s writer process, as `mt pretrain --async-save` (a save
+  waits for the one before it; the last is waited for before the clock stops);
+- torch DCP `save`, and `async_save` twice: as torch defaults it (its writer a thread, fresh
+  staging memory each save), and with its writer a process (`AsyncCheckpointerType.PROCESS`)
+  and its staging kept in shared memory from save to save (`DefaultStager` with
+  `use_shared_memory`), mt's own arrangement; the returned future is waited for before the
+  next save and before the clock stops.
+Every side saves once before the clock starts (first-save costs paid: host memory touched,
+writer processes started), as training's first step is taken before it. The figure is what
+the saves cost the training loop: the seconds each save call blocked it (and the wait for the
+last write at the end), plus what the steps that began while a write was in flight took
+beyond the median step of the same run, per save; the sides alternated and repeated
+(--repeats), medians printed; the bytes each side wrote are printed beside it. Both
+sides fsync their files before they count as written (DCP's `FileSystemWriter` syncs by
+default).
 
     PYTHONPATH=$(ls -d packages/*/src apps/*/src | tr '\\n' ':') python3 benchmarks/async_save.py
 """
@@ -25,18 +33,22 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import socket
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-from mt_checkpoint import BackgroundWrite, save_rank, snapshot
+from mt_checkpoint import BackgroundWrite, HostBuffers, rank_payload, save_payload, save_rank
 from mt_model import GPT, preset
 
 
@@ -61,6 +73,8 @@ class Side:
         self.name, self.root = name, root
         self.pending: Any = None
         self.writer = BackgroundWrite()
+        self.buffers = HostBuffers()
+        self.stager: DefaultStager | None = None
 
     def folder(self, step: int) -> Path:
         path = self.root / self.name / f"step-{step:08d}"
@@ -73,14 +87,25 @@ class Side:
         if self.name == "mt-foreground":
             save_rank(folder, 0, (0, 0, 0), state["model"], state["optimizer"], {})
         elif self.name == "mt-background":
-            model, opt = snapshot((state["model"], state["optimizer"]))
-            self.writer.start(lambda: save_rank(folder, 0, (0, 0, 0), model, opt, {}))
+            self.writer.wait()  # like mt pretrain: a save waits for the one before it
+            payload = self.buffers.snapshot(
+                rank_payload(0, (0, 0, 0), state["model"], state["optimizer"], {}))
+            self.writer.start(save_payload, folder, 0, payload)
         elif self.name == "dcp-save":
             dcp.save(state, checkpoint_id=str(folder))
-        elif self.name == "dcp-async_save":
+        elif self.name.startswith("dcp-async_save"):
             if self.pending is not None:
                 self.pending.result()  # like mt: a save waits for the one before it
-            self.pending = dcp.async_save(state, checkpoint_id=str(folder))
+            if self.name == "dcp-async_save":
+                self.pending = dcp.async_save(state, checkpoint_id=str(folder))
+            else:
+                if self.stager is None:
+                    self.stager = DefaultStager(StagingOptions(
+                        use_pinned_memory=False, use_shared_memory=True,
+                        use_async_staging=False, use_non_blocking_copy=False))
+                self.pending = dcp.async_save(
+                    state, checkpoint_id=str(folder), async_stager=self.stager,
+                    async_checkpointer_type=AsyncCheckpointerType.PROCESS)
         else:
             raise ValueError(self.name)
 
@@ -90,13 +115,41 @@ class Side:
             self.pending.result()
             self.pending = None
 
+    def in_flight(self) -> bool:
+        """Whether a background write is still running (never blocks)."""
+        if self.name == "mt-background":
+            return self.writer.running
+        return self.pending is not None and not self.pending.done()
 
-SIDES = ("mt-foreground", "mt-background", "dcp-save", "dcp-async_save")
+    def close(self) -> None:
+        self.writer.close()
+        if self.stager is not None:
+            self.stager.close()
 
 
-def _train(steps: int, every: int, seq: int, save: Callable[[int, dict[str, Any]], None] | None,
-           finish: Callable[[], None] | None) -> float:
-    """Seconds of ``steps`` training steps (and the saves every ``every`` steps)."""
+SIDES = ("mt-foreground", "mt-background", "dcp-save", "dcp-async_save",
+         "dcp-async_save-process")
+
+
+@dataclass
+class Timing:
+    """One side's run: seconds the saves blocked the training loop, the steps' seconds and
+    whether a write was in flight when each began."""
+
+    blocked: float = 0.0
+    steps: list[float] = field(default_factory=list)
+    during_write: list[bool] = field(default_factory=list)
+
+    def lost(self, saves: int) -> float:
+        """Training seconds lost per save: the blocking, plus what the steps that began
+        during a write took beyond the median of the run's other steps."""
+        clean = statistics.median(t for t, w in zip(self.steps, self.during_write) if not w)
+        slowed = sum(t - clean for t, w in zip(self.steps, self.during_write) if w)
+        return (self.blocked + slowed) / saves
+
+
+def _train(steps: int, every: int, seq: int, side: Side) -> Timing:
+    """``steps`` training steps and the saves every ``every`` steps, timed."""
     torch.manual_seed(0)
     config = preset("gpt2-small").replace(seq_len=seq)
     model = GPT(config)
@@ -110,14 +163,22 @@ def _train(steps: int, every: int, seq: int, save: Callable[[int, dict[str, Any]
         opt.zero_grad(set_to_none=True)
 
     step()  # the optimizer's state exists, first-touch costs paid
-    began = time.perf_counter()
+    side.save(0, _state(model, opt))  # and so are the first save's
+    side.finish()
+    timing = Timing()
     for i in range(1, steps + 1):
+        timing.during_write.append(side.in_flight())
+        began = time.perf_counter()
         step()
-        if save is not None and i % every == 0 and i < steps:  # training goes on after it
-            save(i, _state(model, opt))
-    if finish is not None:
-        finish()
-    return time.perf_counter() - began
+        timing.steps.append(time.perf_counter() - began)
+        if i % every == 0 and i < steps:  # training goes on after it
+            began = time.perf_counter()
+            side.save(i, _state(model, opt))
+            timing.blocked += time.perf_counter() - began
+    began = time.perf_counter()
+    side.finish()
+    timing.blocked += time.perf_counter() - began
+    return timing
 
 
 def main() -> None:
@@ -130,6 +191,10 @@ def main() -> None:
                         "temporary folder on the same disk as /tmp)")
     args = parser.parse_args()
     torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))  # one core left to a writer
+    # A process group of one: DCP's process-based writer joins it from its own process.
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {_load()}, "
           f"{os.cpu_count()} cores, torch {torch.__version__}; GPT-2 small, seq {args.seq}, "
           f"{args.steps} steps, a save every {args.every}")
@@ -140,21 +205,32 @@ def main() -> None:
         root = Path(tmp)
         for repeat in range(args.repeats):
             order = SIDES if repeat % 2 == 0 else tuple(reversed(SIDES))
-            base = _train(args.steps, args.every, args.seq, None, None)
             for name in order:
                 side = Side(name, root)
-                took = _train(args.steps, args.every, args.seq, side.save, side.finish)
-                lost[name].append((took - base) / saves)
+                try:
+                    timing = _train(args.steps, args.every, args.seq, side)
+                finally:
+                    side.close()
+                lost[name].append(timing.lost(saves))
                 sizes[name] = _size(root / name / f"step-{args.every:08d}")
-                print(f"  repeat {repeat + 1}: {name:<15} {took:7.2f} s (no saves "
-                      f"{base:.2f} s): {lost[name][-1]:.2f} s lost per save", flush=True)
+                slowed = sum(timing.during_write)
+                print(f"  repeat {repeat + 1}: {name:<22} {sum(timing.steps):6.2f} s of steps "
+                      f"({slowed} during a write), {timing.blocked:5.2f} s blocked: "
+                      f"{lost[name][-1]:.2f} s lost per save", flush=True)
                 shutil.rmtree(root / name)
+    dist.destroy_process_group()
     print(f"training time lost per save (median of {args.repeats}), {_load()}:")
     fore = statistics.median(lost["mt-foreground"])
     for name in SIDES:
         value = statistics.median(lost[name])
-        print(f"  {name:<15} {value:6.2f} s  ({value / fore:5.0%} of mt's foreground save; "
+        print(f"  {name:<22} {value:6.2f} s  ({value / fore:5.0%} of mt's foreground save; "
               f"{sizes[name] / 1e9:.2f} GB written)")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 if __name__ == "__main__":

@@ -6,9 +6,9 @@
   moved to another layout).
 - :mod:`mt_checkpoint.format`: finding the step to load (falling back to the newest complete
   one), writing and weights-only reading of rank files, the atomic publish protocol.
-- :mod:`mt_checkpoint.background`: asynchronous saves: the state snapshotted to host memory,
-  written by a thread while training goes on (``wait_for_ranks``: publishing without a
-  collective).
+- :mod:`mt_checkpoint.background`: asynchronous saves: the state snapshotted into host memory
+  kept from save to save, written by a writer process while training goes on
+  (``wait_for_ranks``: publishing without a collective).
 - :mod:`mt_checkpoint.checksums`: every rank file's size and CRC-32C in ``meta.json`` (and
   ``meta.json``'s own), checked whenever a file is read.
 - :mod:`mt_checkpoint.manifest`: the same checksums for a folder another library wrote
@@ -26,7 +26,7 @@
 them with it. Neither knows a file name or the rank formula.
 """
 
-from mt_checkpoint.background import BackgroundWrite, snapshot, to_host
+from mt_checkpoint.background import BackgroundWrite, HostBuffers, snapshot, to_host
 from mt_checkpoint.format import (
     clean_stale,
     find_checkpoint,
@@ -36,7 +36,9 @@ from mt_checkpoint.format import (
     has_checkpoints,
     load_rank,
     publish_step,
+    rank_payload,
     remove_checkpoints,
+    save_payload,
     save_rank,
     unfinished_step,
     verify_rank_file,
@@ -82,6 +84,7 @@ __all__ = [
     "Built",
     "CheckpointError",
     "CheckpointMeta",
+    "HostBuffers",
     "SavedLayout",
     "__version__",
     "canonical_optimizer",
@@ -102,7 +105,9 @@ __all__ = [
     "rank_seed",
     "read_manifest",
     "read_meta",
+    "rank_payload",
     "remove_checkpoints",
+    "save_payload",
     "save_rank",
     "sharding_styles",
     "sidecar_rank_file",

@@ -42,8 +42,8 @@ from mt_checkpoint.names import (
 )
 
 __all__ = ["clean_stale", "find_checkpoint", "fresh_rng", "fresh_start", "fsync_dir",
-           "has_checkpoints", "load_rank", "publish_step", "save_rank", "verify_rank_file",
-           "write_meta", "write_synced"]
+           "has_checkpoints", "load_rank", "publish_step", "rank_payload", "save_payload",
+           "save_rank", "verify_rank_file", "write_meta", "write_synced"]
 
 
 def fsync_dir(path: Path) -> None:
@@ -188,8 +188,21 @@ def save_rank(folder: Path, rank: int, coord: tuple[int, ...], model: dict[str, 
     ``optimizer``: its ZeRO shard (``mt_zero.optimizer_shard_state``); ``rng``: ``torch``,
     ``cuda`` (or None) and ``tracker`` (tensor-parallel streams, or empty) states.
     """
-    payload = {"format": RANK_FORMAT, "rank": rank, "coord": list(coord), "model": model,
-               "optimizer": optimizer, "rng": rng}
+    return save_payload(folder, rank, rank_payload(rank, coord, model, optimizer, rng))
+
+
+def rank_payload(rank: int, coord: tuple[int, ...], model: dict[str, Any],
+                 optimizer: dict[str, Any], rng: dict[str, Any]) -> dict[str, Any]:
+    """What :func:`save_rank` pickles into rank ``rank``'s file."""
+    return {"format": RANK_FORMAT, "rank": rank, "coord": list(coord), "model": model,
+            "optimizer": optimizer, "rng": rng}
+
+
+def save_payload(folder: Path, rank: int, payload: dict[str, Any]) -> int:
+    """Write :func:`rank_payload`'s ``payload`` as rank ``rank``'s file of ``folder``
+    durably; returns its size in bytes. Built in one process and written in another (an
+    asynchronous save's writer), the file has the same bytes: the payload crosses as one
+    object, so its strings and tensors keep the sharing that the pickle records."""
     path = folder / rank_file(rank)
     with open(path, "wb") as f:
         checked = ChecksumWriter(f)

@@ -7,7 +7,8 @@ every phase of a checkpoint save leaves a resumable state. A stall point (``trai
 instead runs one native operation of about half a minute, during which Python runs no signal
 handler, as the attention of a very long sequence does; a slow point (``train.slow``) adds a
 quarter of a second to every step of the rank, as a throttled GPU or a busy host would.
-Unset, it costs one dict lookup.
+Unset, it costs one dict lookup. A helper process of a rank (the checkpoint writer of
+``--async-save``) sets ``MT_FAILPOINT_PID`` to its rank's pid: a kill there kills the rank too.
 Read by mt pretrain's checkpoint writer and training loop; the one module of mt-dist that
 reads ``os.environ`` itself (the others are given the environment).
 """
@@ -46,6 +47,8 @@ def failpoint(name: str, rank: int) -> None:
         elif name in SLOWS:
             time.sleep(SLOW_S)
         else:
+            if rank_pid := int(os.environ.get("MT_FAILPOINT_PID") or 0):
+                os.kill(rank_pid, signal.SIGKILL)  # the rank this helper process serves
             os.kill(os.getpid(), signal.SIGKILL)
 
 

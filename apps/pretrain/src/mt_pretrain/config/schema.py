@@ -526,10 +526,11 @@ class CheckpointArgs:
     """Keep this many most recent checkpoints."""
     async_save: bool = False
     """Write the checkpoints of --save-interval in the background: the ranks copy their
-    state to host memory (pinned on CUDA) and training goes on while a thread writes,
-    checksums and publishes it; a save waits for the one before it, and the saves that end a
-    run (its last step, a signal, --exit-*) are written in the foreground. A crash during a
-    write leaves the previous checkpoint the newest."""
+    state to host memory (kept from save to save; pinned on CUDA) and training goes on while
+    a writer process of each rank writes, checksums and publishes it; a save waits for the
+    one before it, and the saves that end a run (its last step, a signal, --exit-*) are
+    written in the foreground. A crash during a write leaves the previous checkpoint the
+    newest."""
     max_restarts: int = 0
     """Restart the run by itself, at most this many times, when a rank dies, hangs past
     --timeout or raises what no one expected: the ranks are stopped and the run resumes from

@@ -39,11 +39,14 @@ class Saver(Protocol):
     """Seconds the longest background write took (0: none yet, or none in the background)."""
 
     def save(self, step: int, data_state: DataLoaderState, background: bool = False) -> Path:
-        """Write the checkpoint of ``step`` (``background``: its files by a thread, training
-        going on); returns its folder."""
+        """Write the checkpoint of ``step`` (``background``: its files by a writer process,
+        training going on); returns its folder."""
 
     def wait(self) -> None:
         """Until the background write, if any, has ended (its error raised here)."""
+
+    def close(self) -> None:
+        """Wait, then release what background writes hold (a writer process)."""
 
 
 class Engine(ABC):

@@ -23,6 +23,7 @@ from mt_checkpoint import (
     Built,
     CheckpointError,
     CheckpointMeta,
+    HostBuffers,
     SavedLayout,
     canonical_optimizer,
     clean_stale,
@@ -30,9 +31,10 @@ from mt_checkpoint import (
     load_rank,
     local_optimizer,
     publish_step,
+    rank_payload,
     read_meta,
+    save_payload,
     save_rank,
-    snapshot,
     step_dir,
     to_host,
     unfinished_step,
@@ -71,10 +73,11 @@ class Checkpointer:
 
     A save in the background (``--async-save``) takes the collective part (the full weights
     gathered over data parallelism) and a copy of the rank's state into host memory on the
-    training thread; a thread then writes the rank file, and rank 0's publishes the step once
-    every rank's file is written (:func:`mt_checkpoint.wait_for_ranks`: no collective beside
-    training's). A save waits for the one before it; a step whose write did not finish (a
-    crash, a kill) is never published, and the previous one stays the newest.
+    training thread (:class:`mt_checkpoint.HostBuffers`, allocated at the first save and
+    reused); the rank's writer process then writes the rank file, and rank 0's publishes the
+    step once every rank's file is written (:func:`mt_checkpoint.wait_for_ranks`: no
+    collective beside training's). A save waits for the one before it; a step whose write did
+    not finish (a crash, a kill) is never published, and the previous one stays the newest.
     """
 
     def __init__(self, root: Path, keep_last: int, config: PretrainConfig, plan: RunPlan,
@@ -85,6 +88,7 @@ class Checkpointer:
         self.last_saved: Path | None = None
         self.last_step: int | None = None
         self.writer = BackgroundWrite()
+        self.buffers = HostBuffers()
 
     @property
     def longest_write(self) -> float:
@@ -95,10 +99,14 @@ class Checkpointer:
         """Until the background write, if any, is published here (rank 0) or written."""
         self.writer.wait()
 
+    def close(self) -> None:
+        """Wait for the background write, then end the writer process."""
+        self.writer.close()
+
     def save(self, step: int, data_state: DataLoaderState, background: bool = False) -> Path:
         """Write the checkpoint of ``step`` (collective); returns its folder. With
-        ``background`` the files are written (and the step published) by a thread, and
-        training goes on."""
+        ``background`` the files are written (and the step published) by the writer process,
+        and training goes on."""
         self.wait()
         groups, opt = self.groups, self.optimizer
         tmp = self.root / f".{step_dir(step)}.tmp"
@@ -118,8 +126,12 @@ class Checkpointer:
         meta = self._meta(step, data_state) if groups.rank == 0 else None
         final = self.root / step_dir(step)
         if background:
-            model, shard, rng = snapshot(state)  # training may now change the live state
-            self.writer.start(lambda: self._write(tmp, coord, model, shard, rng, meta))
+            # The payload as the foreground would pickle it, its tensors copied: training
+            # may now change the live state.
+            payload = self.buffers.snapshot(rank_payload(groups.rank, coord, *state))
+            self.writer.start(write_in_background, tmp, groups.rank, payload, meta,
+                              self.plan.topology.world_size,
+                              self.config.parallel.timeout, self.root, self.keep_last)
         else:
             save_rank(tmp, groups.rank, coord, *to_host(state))
             failpoint("checkpoint.write", groups.rank)
@@ -130,21 +142,8 @@ class Checkpointer:
         self.last_saved, self.last_step = final, step
         return final
 
-    def _write(self, tmp: Path, coord: tuple[int, ...], model: dict[str, Any],
-               shard: dict[str, Any], rng: dict[str, Any], meta: CheckpointMeta | None
-               ) -> None:
-        """The background part of a save: this rank's file; on rank 0 (``meta``), the
-        publication once every rank's file is written."""
-        failpoint("checkpoint.background", self.groups.rank)
-        save_rank(tmp, self.groups.rank, coord, model, shard, rng)
-        failpoint("checkpoint.write", self.groups.rank)
-        if meta is not None:
-            wait_for_ranks(tmp, self.plan.topology.world_size, self.config.parallel.timeout)
-            self._publish(tmp, meta)
-
     def _publish(self, tmp: Path, meta: CheckpointMeta) -> None:
-        publish_step(self.root, tmp, meta, self.keep_last,
-                     phase=lambda name: failpoint(f"checkpoint.{name}", 0))
+        _publish(self.root, tmp, meta, self.keep_last)
 
     def _meta(self, step: int, data_state: DataLoaderState) -> CheckpointMeta:
         return CheckpointMeta(
@@ -155,6 +154,24 @@ class Checkpointer:
             tokens=data_state.consumed_samples * self.plan.gpt.seq_len,
             config=self.config.to_dict(),
             tokenizer=run_tokenizer(self.config.data, self.plan.gpt.vocab_size))
+
+
+def write_in_background(tmp: Path, rank: int, payload: dict[str, Any],
+                        meta: CheckpointMeta | None, world_size: int, timeout: float,
+                        root: Path, keep_last: int) -> None:
+    """The background part of a save, in the rank's writer process: this rank's file; on
+    rank 0 (``meta``), the publication once every rank's file is written."""
+    failpoint("checkpoint.background", rank)
+    save_payload(tmp, rank, payload)
+    failpoint("checkpoint.write", rank)
+    if meta is not None:
+        wait_for_ranks(tmp, world_size, timeout)
+        _publish(root, tmp, meta, keep_last)
+
+
+def _publish(root: Path, tmp: Path, meta: CheckpointMeta, keep_last: int) -> None:
+    publish_step(root, tmp, meta, keep_last,
+                 phase=lambda name: failpoint(f"checkpoint.{name}", 0))
 
 
 def _check_model(meta: CheckpointMeta, plan: RunPlan) -> None:

@@ -277,6 +277,9 @@ class DeepSpeedCheckpointer:
     def wait(self) -> None:
         pass
 
+    def close(self) -> None:
+        pass
+
     def save(self, step: int, data_state: DataLoaderState, background: bool = False) -> Path:
         """Write the checkpoint of ``step`` (collective; never in the background:
         --async-save is refused with this engine); returns its folder."""

@@ -285,6 +285,8 @@ def _train(config: PretrainConfig, plan: RunPlan, groups: ParallelGroups, device
     summary.final_step, summary.stopped = loader.state.step, stopped
     if saver is not None and stats and not stopped and saver.last_step != loader.state.step:
         save(loader.state.step)
+    if saver is not None:
+        saver.close()  # the writer process of --async-save ended
     if keep_weights:
         summary.weights = gather_weights(engine.full_parameters(), engine.built.styles, groups,
                                          plan.model)
