@@ -14,9 +14,9 @@ write, kept for the next): the write's pickling, checksums and system calls neve
 training process's interpreter lock nor its core. The writer dies with the process that
 started it (a killed rank leaves no writer behind to publish a step), ignores the signals
 meant for training (Ctrl-C, SIGTERM: the rank decides), runs at a lower priority than
-training (nice 10), and a failed write is raised in the
-training process at the next :meth:`BackgroundWrite.wait` (the next save, or the end of the
-run); a writer that died is one line with its exit code.
+training (nice 10); a failed write is raised in the training process at the next
+:meth:`BackgroundWrite.wait` (the next save, or the end of the run); a writer that died is
+one line with its exit code.
 """
 
 from __future__ import annotations
@@ -89,7 +89,6 @@ class HostBuffers:
         copied = _walk(value, copy)
         self._buffers = used
         return copied
-
 
     def _check_room(self, value: Any) -> None:
         """One line, before anything is copied, where shared memory cannot hold the new
