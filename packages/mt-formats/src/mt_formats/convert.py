@@ -1,7 +1,8 @@
 """Conversions between checkpoint formats, and saving / loading models in them.
 
 Formats: ``"consolidated"`` (one full safetensors file, :mod:`mt_formats.consolidated`),
-``"hf"`` (Hugging Face GPT-2, :mod:`mt_formats.hf`), ``"tp"`` (one file per pipeline stage
+``"hf"`` (Hugging Face GPT-2, :mod:`mt_formats.hf`), ``"dcp"`` (torch Distributed
+Checkpoint folders, :mod:`mt_formats.dcp`), ``"tp"`` (one file per pipeline stage
 x tensor-parallel rank, :mod:`mt_formats.sharded`), ``"megatron"`` (Megatron-LM style
 ``iter_XXXXXXX/mp_rank_XX[_YYY]``, :mod:`mt_formats.megatron`), ``"pretrain"`` (``mt
 pretrain`` checkpoints, :mod:`mt_formats.pretrain`, written by
@@ -31,6 +32,7 @@ from mt_formats.canonical import (
     canonical_shapes,
 )
 from mt_formats.consolidated import CONSOLIDATED_FORMAT, ConsolidatedReader, ConsolidatedWriter
+from mt_formats.dcp import DCP_FORMAT, DCPReader, DCPWriter, is_dcp_checkpoint
 from mt_formats.deepspeed_universal import DeepSpeedUniversalReader, is_deepspeed_checkpoint
 from mt_formats.errors import ConvertError, WriteFailed, gpt2_only
 from mt_formats.hf import HFWriter, open_hf
@@ -63,26 +65,32 @@ __all__ = [
 
 #: The largest --pad-multiple (Megatron-LM pads to 128 x tp).
 MAX_PAD_MULTIPLE = 2**16
-FORMATS: tuple[str, ...] = ("consolidated", "hf", "tp", "megatron", "pretrain", "deepspeed")
+FORMATS: tuple[str, ...] = ("consolidated", "hf", "tp", "megatron", "pretrain", "dcp",
+                             "deepspeed")
 _READERS: dict[str, Callable[[Path], CheckpointReader]] = {
     "consolidated": ConsolidatedReader,
     "hf": open_hf,
     "tp": ShardedReader,
     "megatron": MegatronReader,
     "pretrain": PretrainReader,
+    "dcp": DCPReader,
     "deepspeed": DeepSpeedUniversalReader,
 }
-_WRITABLE = ("consolidated", "hf", "tp", "megatron", "pretrain")
+_WRITABLE = ("consolidated", "hf", "tp", "megatron", "pretrain", "dcp")
+#: Formats that record no model config: ``--model`` gives it.
+_NEEDS_MODEL = {"deepspeed": DeepSpeedUniversalReader, "dcp": DCPReader}
 
 
 def detect_format(path: Path) -> str:
     """``"consolidated"``, ``"tp"`` or ``"hf"`` from ``path/config.json``; ``"megatron"``
-    (``latest_checkpointed_iteration.txt``) or ``"pretrain"`` (``mt pretrain``'s
-    ``meta.json`` or ``latest``)."""
+    (``latest_checkpointed_iteration.txt``), ``"dcp"`` (``.metadata``) or ``"pretrain"``
+    (``mt pretrain``'s ``meta.json`` or ``latest``)."""
     path = Path(path)
     _check_folder(path)
     if (path / LATEST_FILE).is_file():
         return "megatron"
+    if is_dcp_checkpoint(path):
+        return DCP_FORMAT
     if is_deepspeed_checkpoint(path):  # before pretrain: both may have `latest`
         return "deepspeed"
     if is_pretrain_checkpoint(path):
@@ -99,8 +107,8 @@ def detect_format(path: Path) -> str:
 
 
 _EXPECTED = ("a folder holding config.json (mt consolidated or tp, Hugging Face GPT-2 or "
-             "Llama), latest_checkpointed_iteration.txt (Megatron-LM), meta.json or latest "
-             "(mt pretrain) or zero/ (DeepSpeed universal)")
+             "Llama), latest_checkpointed_iteration.txt (Megatron-LM), .metadata (torch DCP), "
+             "meta.json or latest (mt pretrain) or zero/ (DeepSpeed universal)")
 
 
 def _check_folder(path: Path) -> None:
@@ -112,7 +120,8 @@ def _check_folder(path: Path) -> None:
         raise ConvertError(f"{path}: checkpoint directory not found")
     hint = ""
     if path.parent != path and any((path.parent / name).is_file() for name in
-                                   (CONFIG_FILE, LATEST_FILE, "meta.json", "latest")):
+                                   (CONFIG_FILE, LATEST_FILE, "meta.json", "latest",
+                                                            ".metadata")):
         hint = f"; give the folder {path.parent}, which holds it"
     raise ConvertError(f"{path} is a file, not a checkpoint folder: mt convert reads "
                        f"{_EXPECTED}{hint}")
@@ -129,10 +138,11 @@ def open_checkpoint(path: Path, fmt: str | None = None,
     fmt = detect_format(path) if fmt is None else fmt
     _check_format(fmt)
     _check_folder(Path(path))
-    if model is not None:  # only DeepSpeed checkpoints lack a model config
-        if fmt != "deepspeed":
-            raise ConvertError(f"--model only applies to deepspeed sources, not {fmt!r}")
-        return DeepSpeedUniversalReader(Path(path), model)
+    if model is not None:  # only DeepSpeed and DCP checkpoints lack a model config
+        if fmt not in _NEEDS_MODEL:
+            raise ConvertError(f"--model only applies to deepspeed and dcp sources, not "
+                               f"{fmt!r}")
+        return _NEEDS_MODEL[fmt](Path(path), model)
     return _READERS[fmt](Path(path))
 
 
@@ -167,6 +177,8 @@ def make_writer(fmt: str, config: GPTConfig, specs: Mapping[str, TensorSpec],
         return PretrainWriter(config, dict(specs))
     if fmt == "consolidated":
         return ConsolidatedWriter(config, dict(specs))
+    if fmt == DCP_FORMAT:
+        return DCPWriter(config, dict(specs))
     return (HFWriter if config.architecture == "gpt2" else LlamaWriter)(config, dict(specs))
 
 

@@ -38,6 +38,7 @@ from mt_model import GPTConfig, preset
 __all__ = [
     "DEEPSPEED_FORMAT",
     "DeepSpeedUniversalReader",
+    "config_fields",
     "is_deepspeed_checkpoint",
     "universal_folder",
 ]
@@ -124,9 +125,11 @@ def _read_json(path: Path) -> Any:
         raise ConvertError(f"{path}: not valid JSON: {err}") from None
 
 
-def _config_source(model: GPTConfig | str | Mapping[str, Any] | None, root: Path,
+def config_fields(model: GPTConfig | str | Mapping[str, Any] | None, root: Path,
                    client: Mapping[str, Any]) -> tuple[dict[str, Any] | None, str]:
-    """GPTConfig fields from the first available source, and where they came from."""
+    """GPTConfig fields from the first available source (``model``, the client state's
+    ``mt_model``, an mt ``config.json`` in ``root``), and where they came from; (None, "")
+    when there is none. Also used for torch DCP folders, which record no config either."""
     if isinstance(model, GPTConfig):
         return model.to_dict(), "the given config"
     if isinstance(model, Mapping):
@@ -161,7 +164,7 @@ def resolve_config(model: GPTConfig | str | Mapping[str, Any] | None, root: Path
     """The GPTConfig of a universal checkpoint: sizes from ``shapes``, the rest (heads,
     norms, activation, init) from the first config source (see the module docstring)."""
     sizes = _infer_sizes(shapes, root)
-    fields, origin = _config_source(model, root, client)
+    fields, origin = config_fields(model, root, client)
     if fields is None:
         found = ", ".join(f"{k} {v}" for k, v in sizes.items())
         raise ConvertError(f"{root}: a DeepSpeed checkpoint does not record the model config "

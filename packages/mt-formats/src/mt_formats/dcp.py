@@ -1,0 +1,356 @@
+"""torch Distributed Checkpoint (DCP) folders: ``.metadata`` + ``__R_I.distcp`` files, as
+``torch.distributed.checkpoint.save`` writes them (torchtitan's checkpoints, FSDP2 / TP
+training scripts).
+
+Read at any source sharding: each canonical tensor is loaded whole through DCP's own
+planner (``dcp.load`` of that key, no process group), which assembles it from the chunks
+every saving rank wrote. The names are recognised (:mod:`mt_formats.dcp_names`:
+torchtitan's Llama, transformers' GPT-2 and Llama, mt's); other entries saved beside the
+model (torchtitan's ``optimizer.*``, ``lr_scheduler.*``, ``train_state``) are not read.
+
+Trust: DCP's own reader unpickles ``.metadata`` with ``pickle.load``; here it is unpickled
+by an allow-list of DCP's metadata classes, and anything else is refused in one line.
+Every chunk must lie in a plain file of the folder and the chunks of a tensor must tile
+it exactly (no gap a reader would leave uninitialised). Tensor items are read by DCP with
+``torch.load(weights_only=True)``; pickled non-tensor items are never loaded. DCP records
+no checksums: a folder mt wrote carries ``mt.json`` (the model config, and the CRC-32C of
+every stored tensor, checked when read); a foreign folder records no config either, which
+``--model`` gives (sizes are read from the tensors).
+
+Written: one ``__0_0.distcp`` (``dcp.save`` without a process group) and ``mt.json``,
+loadable by ``dcp.load`` into the model's own state dict (torchtitan's Llama, transformers'
+``GPT2LMHeadModel``). ``dcp.save`` takes the state dict at once, so the writer holds the
+whole model until :meth:`DCPWriter.finish`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from mt_formats.canonical import CheckpointReader, CheckpointWriter, TensorRef, canonical_shapes
+from mt_formats.crc import CHECKSUM_ALGORITHM
+from mt_formats.dcp_names import Naming, Part, detect_naming, writer_naming
+from mt_formats.deepspeed_universal import config_fields
+from mt_formats.errors import ConvertError
+from mt_formats.manifest import read_json
+from mt_formats.tensors import TensorSpec, check_names, tensor_checksum
+from mt_model import GPTConfig
+
+__all__ = ["DCP_FORMAT", "DCPReader", "DCPWriter", "is_dcp_checkpoint", "read_metadata"]
+
+DCP_FORMAT = "dcp"
+METADATA_FILE = ".metadata"
+SIDECAR = "mt.json"
+SIDECAR_FORMAT = "mt-dcp"
+DATA_FILE = "__0_0.distcp"
+
+_METADATA_CLASSES = {
+    ("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+        "MetadataIndex", "StorageMeta", "TensorProperties", "_MEM_FORMAT_ENCODING")
+} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+     ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+     ("pathlib", "PurePosixPath"), ("collections", "OrderedDict")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's metadata classes, torch dtypes and sizes; refuses any other global."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _METADATA_CLASSES or (
+                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+
+def is_dcp_checkpoint(path: Path) -> bool:
+    """Whether ``path`` holds a DCP ``.metadata`` file."""
+    return (Path(path) / METADATA_FILE).is_file()
+
+
+def read_metadata(root: Path) -> Metadata:
+    """The DCP metadata of folder ``root``, unpickled by the allow-list, with every storage
+    location checked (a plain file of the folder, within its size)."""
+    path = root / METADATA_FILE
+    try:
+        with path.open("rb") as file:
+            metadata = _MetadataUnpickler(file).load()
+    except pickle.UnpicklingError as err:
+        raise ConvertError(f"{path}: holds {err}, which DCP metadata does not; refusing to "
+                           "unpickle it") from None
+    except Exception as err:  # noqa: BLE001 - any malformation of untrusted bytes: one line
+        raise ConvertError(f"{path}: not readable DCP metadata (malformed or truncated): "
+                           f"{type(err).__name__}: {err}") from None
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
+        raise ConvertError(f"{path}: holds a {type(metadata).__name__}, not DCP metadata")
+    sizes: dict[str, int] = {}
+    for index, info in metadata.storage_data.items():
+        file = str(getattr(info, "relative_path", ""))
+        if Path(file).name != file or file in ("", ".", ".."):
+            raise ConvertError(f"{path}: tensor {index.fqn!r} is stored in {file!r}, not a "
+                               "plain file name of the folder")
+        if file not in sizes:
+            if not (root / file).is_file():
+                raise ConvertError(f"{root / file}: file not found (tensor {index.fqn!r})")
+            sizes[file] = (root / file).stat().st_size
+        if info.offset < 0 or info.length < 0 or info.offset + info.length > sizes[file]:
+            raise ConvertError(f"{root / file}: tensor {index.fqn!r} would be bytes "
+                               f"{info.offset}..{info.offset + info.length}, the file has "
+                               f"{sizes[file]} (truncated?)")
+    return metadata
+
+
+def _volume(extent: tuple[int, ...]) -> int:
+    count = 1
+    for n in extent:
+        count *= n
+    return count
+
+
+def _check_chunks(root: Path, key: str, meta: TensorStorageMetadata) -> None:
+    """The chunks of tensor ``key`` lie inside it and tile it without gap or overlap."""
+    size = tuple(meta.size)
+    boxes = []
+    for chunk in meta.chunks:
+        start, extent = tuple(chunk.offsets), tuple(chunk.sizes)
+        if len(start) != len(size) or len(extent) != len(size) or any(
+                o < 0 or n < 0 or o + n > s for o, n, s in zip(start, extent, size, strict=True)):
+            raise ConvertError(f"{root / METADATA_FILE}: tensor {key!r}: chunk at {list(start)} "
+                               f"of size {list(extent)} lies outside its shape {list(size)}")
+        if _volume(extent):
+            boxes.append((start, extent))
+    boxes.sort()
+    for i, (start, extent) in enumerate(boxes):  # sorted by the first offset: a sweep
+        for other, other_extent in boxes[i + 1:]:
+            if size and other[0] >= start[0] + extent[0]:
+                break
+            if all(a < b + m and b < a + n for a, n, b, m in
+                   zip(start, extent, other, other_extent, strict=True)):
+                raise ConvertError(f"{root / METADATA_FILE}: tensor {key!r}: chunks at "
+                                   f"{list(start)} and {list(other)} overlap")
+    held = sum(_volume(extent) for _, extent in boxes)
+    if held != _volume(size):
+        raise ConvertError(f"{root / METADATA_FILE}: tensor {key!r}: its chunks hold {held} "
+                           f"of its {_volume(size)} elements (a rank's file missing from the "
+                           "save?)")
+
+
+class _Storage(FileSystemReader):
+    """DCP's file reader, given the metadata already read and checked (so ``dcp.load``
+    never runs ``pickle.load`` on it)."""
+
+    def __init__(self, root: Path, metadata: Metadata) -> None:
+        super().__init__(root)
+        self._checked = metadata
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        return self._checked
+
+
+class DCPReader(CheckpointReader):
+    """A DCP folder as canonical mt tensors (see the module docstring). ``model`` gives the
+    config of a folder mt did not write (a ``GPTConfig``, preset name or JSON file)."""
+
+    format = DCP_FORMAT
+
+    def __init__(self, root: Path, model: GPTConfig | str | Mapping[str, Any] | None = None
+                 ) -> None:
+        self.root = Path(root)
+        metadata = read_metadata(self.root)
+        self._tensors = {key: meta for key, meta in metadata.state_dict_metadata.items()
+                         if isinstance(meta, TensorStorageMetadata)}
+        self.naming = detect_naming(set(self._tensors), self.root / METADATA_FILE)
+        shapes = {key: tuple(meta.size) for key, meta in self._tensors.items()}
+        sidecar = self._sidecar()
+        if sidecar is not None:
+            if model is not None:
+                raise ConvertError(f"{self.root / SIDECAR}: this checkpoint records its model "
+                                   "config; --model does not apply")
+            self.config = self._config(sidecar.get("model"), self.root / SIDECAR)
+            self._checksums: dict[str, str] = dict(sidecar.get("checksums") or {})
+        else:
+            fields, _ = config_fields(model, self.root, {})
+            if fields is None:
+                raise ConvertError(
+                    f"{self.root}: a DCP checkpoint does not record the model config ("
+                    f"{self.naming.family} names); give it with --model PRESET or --model "
+                    "CONFIG.json (GPTConfig fields; sizes are read from the tensors)")
+            sizes = self.naming.sizes(shapes, fields, self.root / METADATA_FILE)
+            self.config = self._config({**fields, **sizes}, self.root / METADATA_FILE)
+            self._checksums = {}
+        self._shapes = canonical_shapes(self.config)
+        self._parts = {name: self.naming.parts(name, self.config) for name in self._shapes}
+        self._tied = self.naming.tied_copy(self.config)
+        self._check(shapes)
+        self._storage = _Storage(self.root, metadata)
+
+    def _sidecar(self) -> dict[str, Any] | None:
+        path = self.root / SIDECAR
+        if not path.is_file():
+            return None
+        data = read_json(path)
+        if data.get("format") != SIDECAR_FORMAT or data.get("format_version") != 1:
+            raise ConvertError(f"{path}: format {data.get('format')!r} version "
+                               f"{data.get('format_version')!r}; this mt reads "
+                               f"{SIDECAR_FORMAT!r} version 1")
+        return data
+
+    @staticmethod
+    def _config(fields: Any, where: Path) -> GPTConfig:
+        if not isinstance(fields, dict):
+            raise ConvertError(f"{where}: no model config object")
+        try:
+            return GPTConfig.from_dict(fields)
+        except (TypeError, ValueError, KeyError) as err:
+            raise ConvertError(f"{where}: the model config does not fit the stored tensors: "
+                               f"{err}") from None
+
+    def _check(self, shapes: dict[str, tuple[int, ...]]) -> None:
+        where = self.root / METADATA_FILE
+        expected = [part.key for parts in self._parts.values() for part in parts]
+        found = [key for key in shapes if self.naming.owns(key) and key != self._tied]
+        check_names(where, found, expected)
+        for name, parts in self._parts.items():
+            for part in parts:
+                wanted = part.shape(self._shapes[name])
+                if shapes[part.key] != wanted:
+                    raise ConvertError(f"{where}: tensor {part.key!r} has shape "
+                                       f"{list(shapes[part.key])}, the model config needs "
+                                       f"{list(wanted)}")
+        if self._tied is not None and self._tied in shapes:
+            if shapes[self._tied] != self._shapes["embed.tokens.weight"]:
+                raise ConvertError(f"{where}: {self._tied!r} has shape "
+                                   f"{list(shapes[self._tied])}, not the embedding's: an "
+                                   "untied output head for a tied config")
+        for parts in self._parts.values():
+            for part in parts:
+                _check_chunks(self.root, part.key, self._tensors[part.key])
+
+    def names(self) -> list[str]:
+        return list(self._shapes)
+
+    def spec(self, name: str) -> TensorSpec:
+        dtype = self._tensors[self._parts[name][0].key].properties.dtype
+        return TensorSpec(self._shapes[name], dtype)
+
+    def _files(self, key: str) -> str:
+        files = sorted({info.relative_path for index, info in self._storage._checked
+                        .storage_data.items() if index.fqn == key})
+        return files[0] if len(files) == 1 else f"{len(files)} files ({files[0]}, ...)"
+
+    def sources(self, name: str) -> list[TensorRef]:
+        refs = [TensorRef(self._files(part.key), part.key,
+                          TensorSpec(part.shape(self._shapes[name]),
+                                     self._tensors[part.key].properties.dtype), part.transform)
+                for part in self._parts[name]]
+        if name == "embed.tokens.weight" and self._tied in self._tensors:
+            meta = self._tensors[self._tied]
+            refs.append(TensorRef(self._files(self._tied), self._tied,
+                                  TensorSpec(tuple(meta.size), meta.properties.dtype),
+                                  "tied: must equal the embedding"))
+        return refs
+
+    def _load(self, key: str) -> torch.Tensor:
+        """Stored tensor ``key``, whole, from however many chunks it was saved in."""
+        meta = self._tensors[key]
+        out = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "...assuming the intent is to load in a
+                # single process": it is
+                dcp.load({key: out}, storage_reader=self._storage, no_dist=True)
+        except (CheckpointException, RuntimeError, OSError, EOFError, ValueError,
+                AssertionError, pickle.UnpicklingError) as err:
+            cause: BaseException = err
+            if isinstance(err, CheckpointException) and err.failures:  # DCP wraps the cause
+                cause = next(iter(err.failures.values()))[0]
+            first = f"{type(cause).__name__}: " + next(iter(str(cause).splitlines()), "")
+            raise ConvertError(f"{self.root / self._files(key)}: tensor {key!r}: not readable "
+                               f"(malformed or truncated): {first}") from None
+        expected = self._checksums.get(key)
+        if expected is not None and tensor_checksum(out, expected.split(":")[0]) != expected:
+            raise ConvertError(f"{self.root / self._files(key)}: tensor {key!r}: checksum "
+                               f"mismatch (recorded {expected} in {SIDECAR}): the file is "
+                               "corrupted")
+        return out
+
+    def read(self, name: str) -> torch.Tensor:
+        pieces = [part.load(self._load(part.key)) for part in self._parts[name]]
+        tensor = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        if name == "embed.tokens.weight" and self._tied in self._tensors:
+            if not torch.equal(self._load(self._tied), tensor):
+                raise ConvertError(f"{self.root}: {self._tied!r} differs from the embedding: "
+                                   "an untied output head is not supported for a tied config")
+        return tensor
+
+
+class DCPWriter(CheckpointWriter):
+    """Writes a DCP folder with the names of :func:`~mt_formats.dcp_names.writer_naming`."""
+
+    format = DCP_FORMAT
+
+    def __init__(self, config: GPTConfig, specs: dict[str, TensorSpec]) -> None:
+        super().__init__(config, specs)
+        self.naming: Naming = writer_naming(config)
+        self._parts = {name: self.naming.parts(name, config) for name in self.specs}
+        self._tied = self.naming.tied_copy(config)
+        self._state: dict[str, torch.Tensor] = {}
+        self._directory: Path | None = None
+
+    def _spec(self, name: str, part: Part) -> TensorSpec:
+        return TensorSpec(part.shape(self.specs[name].shape), self.specs[name].dtype)
+
+    def targets(self, name: str) -> list[TensorRef]:
+        refs = [TensorRef(DATA_FILE, part.key, self._spec(name, part), part.transform)
+                for part in self._parts[name]]
+        if name == "embed.tokens.weight" and self._tied is not None:
+            refs.append(TensorRef(DATA_FILE, self._tied, self.specs[name], "tied copy"))
+        return refs
+
+    def open(self, directory: Path) -> None:
+        self._directory = Path(directory)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        start = 0
+        for part in self._parts[name]:
+            rows = tensor.shape[0] if part.rows < 0 else part.rows
+            self._state[part.key] = part.store(tensor[start:start + rows]).clone()
+            start += rows
+        if name == "embed.tokens.weight" and self._tied is not None:
+            self._state[self._tied] = self._state[self._parts[name][0].key]
+
+    def finish(self) -> None:
+        assert self._directory is not None, "open() first"
+        missing = [name for name in self.specs if self._parts[name][0].key not in self._state]
+        if missing:
+            raise ConvertError(f"{self._directory}: tensors never written: {missing}")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "...to save in a single process": it is
+            dcp.save(self._state, storage_writer=FileSystemWriter(
+                self._directory, single_file_per_rank=True, sync_files=True), no_dist=True)
+        sidecar = {"format": SIDECAR_FORMAT, "format_version": 1, "names": self.naming.family,
+                   "model": self.config.to_dict(),
+                   "checksums": {key: tensor_checksum(tensor, CHECKSUM_ALGORITHM)
+                                 for key, tensor in self._state.items()}}
+        body = json.dumps(sidecar, indent=1) + "\n"
+        with open(self._directory / SIDECAR, "w", encoding="utf-8") as file:
+            file.write(body)
+            file.flush()
+            os.fsync(file.fileno())
+        self._state.clear()
+
+    def abort(self) -> None:
+        self._state.clear()
+

@@ -1,0 +1,276 @@
+"""torch Distributed Checkpoint folders: written by torch's own ``dcp.save`` (from a
+transformers GPT-2, from torchtitan-named Llama weights, from two ranks holding DTensor
+shards) and read by mt; written by mt and loaded by ``dcp.load`` into the other library's
+state dict. Logits are compared against transformers and against a Llama forward written
+the way Meta's and torchtitan's are (complex-number RoPE over adjacent pairs), which shares
+no code with mt's rotate-half RoPE, so the q/k row permutation is checked, not assumed."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+
+from mt_formats import ConvertError, convert_checkpoint, load_model, open_checkpoint, save_model
+from mt_formats.dcp_names import from_interleaved, to_interleaved
+from mt_model import GPT, GPTConfig, preset
+
+transformers = pytest.importorskip("transformers")
+
+LLAMA = GPTConfig(n_layers=2, hidden=64, n_heads=4, n_kv_heads=2, vocab_size=97, seq_len=24,
+                  ffn_hidden=96, position="rope", norm="rmsnorm", mlp="swiglu", bias=False,
+                  tied_embeddings=False, layernorm_eps=1e-6, rope_theta=500000.0)
+
+#: What a GPT-2 DCP folder does not record: heads, activation (transformers' defaults).
+GPT2_FIELDS = GPTConfig(n_layers=2, hidden=48, n_heads=6, vocab_size=211, seq_len=32,
+                        gelu_approximate="tanh", layernorm_eps=1e-5)
+
+
+def _tokens(vocab: int, seq: int) -> torch.Tensor:
+    return torch.randint(0, vocab, (2, seq), generator=torch.Generator().manual_seed(7))
+
+
+def _titan_logits(sd: dict[str, torch.Tensor], tokens: torch.Tensor, config: GPTConfig,
+                  prefix: str = "", legacy: bool = False) -> torch.Tensor:
+    """A Llama 3 forward as Meta's reference and torchtitan write it, on torchtitan names."""
+    wq = "attention.wq.weight" if legacy else "attention.qkv_linear.wq.weight"
+    heads, kv, eps = config.n_heads, config.n_kv_heads, config.layernorm_eps
+    h = sd[prefix + "tok_embeddings.weight"][tokens]
+    batch, seq, dim = h.shape
+    head_dim = dim // heads
+    freqs = 1.0 / config.rope_theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    angles = torch.outer(torch.arange(seq).float(), freqs)
+    cis = torch.polar(torch.ones_like(angles), angles)
+
+    def rope(x: torch.Tensor) -> torch.Tensor:
+        pairs = torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2))
+        return torch.view_as_real(pairs * cis[None, :, None, :]).flatten(3)
+
+    def norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+    for layer in range(config.n_layers):
+        p = f"{prefix}layers.{layer}."
+        x = norm(h, sd[p + "attention_norm.weight"])
+        q = (x @ sd[p + wq].T).view(batch, seq, heads, head_dim)
+        k = (x @ sd[p + wq.replace("wq", "wk")].T).view(batch, seq, kv, head_dim)
+        v = (x @ sd[p + wq.replace("wq", "wv")].T).view(batch, seq, kv, head_dim)
+        q, k = rope(q), rope(k)
+        k, v = (t.repeat_interleave(heads // kv, dim=2) for t in (k, v))
+        att = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                             v.transpose(1, 2), is_causal=True)
+        h = h + att.transpose(1, 2).reshape(batch, seq, dim) @ sd[p + "attention.wo.weight"].T
+        x = norm(h, sd[p + "ffn_norm.weight"])
+        gate, up = x @ sd[p + "feed_forward.w1.weight"].T, x @ sd[p + "feed_forward.w3.weight"].T
+        h = h + (F.silu(gate) * up) @ sd[p + "feed_forward.w2.weight"].T
+    head = sd[prefix + ("output.weight" if legacy else "lm_head.weight")]
+    return norm(h, sd[prefix + "norm.weight"]) @ head.T
+
+
+def _titan_state(config: GPTConfig, prefix: str = "", legacy: bool = False,
+                 seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random torchtitan-named Llama weights (norm weights away from 1, so they count)."""
+    gen = torch.Generator().manual_seed(seed)
+    dim, ffn, kv = config.hidden, config.ffn_hidden, config.n_kv_heads * config.head_dim
+    qkv = "attention." if legacy else "attention.qkv_linear."
+    shapes = {"tok_embeddings.weight": (config.vocab_size, dim), "norm.weight": (dim,),
+              ("output.weight" if legacy else "lm_head.weight"): (config.vocab_size, dim)}
+    for layer in range(config.n_layers):
+        p = f"layers.{layer}."
+        shapes.update({p + qkv + "wq.weight": (dim, dim), p + qkv + "wk.weight": (kv, dim),
+                       p + qkv + "wv.weight": (kv, dim), p + "attention.wo.weight": (dim, dim),
+                       p + "feed_forward.w1.weight": (ffn, dim),
+                       p + "feed_forward.w3.weight": (ffn, dim),
+                       p + "feed_forward.w2.weight": (dim, ffn),
+                       p + "attention_norm.weight": (dim,), p + "ffn_norm.weight": (dim,)})
+    return {prefix + key: (1 + 0.1 * torch.randn(shape, generator=gen)) if len(shape) == 1
+            else 0.1 * torch.randn(shape, generator=gen) for key, shape in shapes.items()}
+
+
+def test_interleave_is_the_rope_pair_order() -> None:
+    # per head of 8 rows: rotate-half order [a0 a1 a2 a3 b0 b1 b2 b3] <-> pairs [a0 b0 a1 b1 ...]
+    rows = torch.arange(16.0)[:, None]
+    titan = to_interleaved(rows, heads=2).flatten().tolist()
+    assert titan == [0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15]
+    assert torch.equal(from_interleaved(to_interleaved(rows, 2), 2), rows)
+
+
+@pytest.mark.parametrize(("prefix", "legacy"), [("", False), ("model.", True)])
+def test_torchtitan_dcp_saved_by_torch_reads_with_equal_logits(tmp_path: Path, prefix: str,
+                                                               legacy: bool) -> None:
+    state = _titan_state(LLAMA, prefix, legacy)
+    saved = {**state, "optimizer.state.layers.0.attention_norm.weight.exp_avg": torch.ones(64),
+             "train_state": {"step": 5}}  # what torchtitan saves beside the model
+    dcp.save(saved, checkpoint_id=tmp_path / "titan", no_dist=True)
+    convert_checkpoint(tmp_path / "titan", tmp_path / "mt", model=LLAMA.replace(n_kv_heads=None))
+    model = load_model(tmp_path / "mt").eval()
+    assert model.config == LLAMA  # sizes and grouped-query heads read from the tensors
+    tokens = _tokens(LLAMA.vocab_size, LLAMA.seq_len)
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), _titan_logits(state, tokens, LLAMA, prefix,
+                                                                legacy), atol=1e-5, rtol=0)
+
+
+def test_mt_llama_to_dcp_loads_into_torchtitan_names(tmp_path: Path) -> None:
+    model = GPT(LLAMA, seed=3).eval()
+    save_model(model, tmp_path / "dcp", to="dcp")
+    target = {key: torch.zeros_like(t) for key, t in _titan_state(LLAMA).items()}
+    dcp.load(target, checkpoint_id=tmp_path / "dcp", no_dist=True)  # torch's own loader
+    stored = dcp.FileSystemReader(tmp_path / "dcp").read_metadata().state_dict_metadata
+    assert set(stored) == set(target)  # every torchtitan key, nothing else
+    tokens = _tokens(LLAMA.vocab_size, LLAMA.seq_len)
+    with torch.no_grad():
+        torch.testing.assert_close(_titan_logits(target, tokens, LLAMA), model(tokens),
+                                   atol=1e-5, rtol=0)
+    back = load_model(tmp_path / "dcp")  # mt.json: the config travels, no --model
+    for key, tensor in model.state_dict().items():
+        assert torch.equal(back.state_dict()[key], tensor), key
+
+
+def _hf_gpt2(seed: int = 0) -> transformers.GPT2LMHeadModel:
+    torch.manual_seed(seed)  # HF's random init uses the global RNG
+    config = transformers.GPT2Config(n_layer=2, n_embd=48, n_head=6, vocab_size=211,
+                                     n_positions=32, activation_function="gelu_new",
+                                     bos_token_id=None, eos_token_id=None)
+    return transformers.GPT2LMHeadModel(config).eval()
+
+
+def test_gpt2_dcp_saved_by_torch_from_transformers(tmp_path: Path) -> None:
+    hf = _hf_gpt2()
+    dcp.save(hf.state_dict(), checkpoint_id=tmp_path / "hf-dcp", no_dist=True)
+    fields = GPT2_FIELDS.replace(n_layers=1, vocab_size=64, seq_len=8)  # sizes: the tensors'
+    convert_checkpoint(tmp_path / "hf-dcp", tmp_path / "mt", model=fields)
+    model = load_model(tmp_path / "mt").eval()
+    assert (model.config.n_layers, model.config.hidden, model.config.vocab_size,
+            model.config.seq_len) == (2, 48, 211, 32)
+    tokens = _tokens(211, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), hf(tokens).logits, atol=1e-4, rtol=0)
+
+
+def test_mt_gpt2_to_dcp_loads_into_transformers(tmp_path: Path) -> None:
+    model = GPT(preset("tiny").replace(gelu_approximate="tanh"), seed=5).eval()
+    save_model(model, tmp_path / "mt")
+    convert_checkpoint(tmp_path / "mt", tmp_path / "hf", to="hf")  # only for HF's config
+    convert_checkpoint(tmp_path / "mt", tmp_path / "dcp", to="dcp")
+    hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
+    state = hf.state_dict()
+    for tensor in state.values():
+        tensor.zero_()
+    dcp.load(state, checkpoint_id=tmp_path / "dcp", no_dist=True)
+    tokens = _tokens(model.config.vocab_size, 48)
+    with torch.no_grad():
+        torch.testing.assert_close(hf(tokens).logits, model(tokens), atol=1e-4, rtol=0)
+    # dcp -> consolidated -> dcp: the same stored bytes
+    convert_checkpoint(tmp_path / "dcp", tmp_path / "again")
+    convert_checkpoint(tmp_path / "again", tmp_path / "dcp2", to="dcp")
+    assert (tmp_path / "dcp" / "mt.json").read_bytes() == (tmp_path / "dcp2" / "mt.json"
+                                                          ).read_bytes()
+
+
+def _save_sharded(directory: str) -> None:
+    """On each of 2 ranks: the HF GPT-2 state dict as DTensors sharded over the ranks (rows,
+    columns or replicated, by tensor), saved with torch's dcp.save."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2,))
+    placements = [Shard(0), Shard(1), Replicate()]
+    sharded = {}
+    for i, (key, tensor) in enumerate(_hf_gpt2().state_dict().items()):
+        place = placements[i % 3] if tensor.dim() > 1 else placements[(i % 2) * 2]
+        sharded[key] = distribute_tensor(tensor, mesh, [place])
+    dcp.save(sharded, checkpoint_id=directory)
+
+
+def test_dcp_saved_by_two_ranks_reads_whole(tmp_path: Path) -> None:
+    from mt_dist.testing import run_distributed
+
+    run_distributed(_save_sharded, 2, str(tmp_path / "sharded"))
+    assert len(list((tmp_path / "sharded").glob("*.distcp"))) == 2
+    fields = GPT2_FIELDS
+    hf = _hf_gpt2()
+    with open_checkpoint(tmp_path / "sharded", model=fields) as reader:
+        assert "2 files" in reader.sources("blocks.0.attn.qkv.weight")[0].file
+        for name in reader.names():  # bit for bit: no arithmetic, only chunks put together
+            ref, tensor = reader.sources(name)[0], reader.read(name)
+            stored = hf.state_dict()[ref.key]
+            assert torch.equal(tensor, stored.t() if ref.transform == "transpose" else stored)
+    # a rank's file gone, or metadata whose chunks leave a gap or overlap: one line each
+    metadata = dcp.FileSystemReader(tmp_path / "sharded").read_metadata()  # trusted here
+    chunks = metadata.state_dict_metadata["transformer.h.0.mlp.c_fc.weight"].chunks
+    for edit, message in ((chunks.pop, "chunks hold 4608 of its 9216 elements"),
+                          (lambda: chunks.extend([chunks[0], chunks[0]]), "overlap")):
+        edit()
+        with (tmp_path / "sharded" / ".metadata").open("wb") as file:
+            pickle.dump(metadata, file)
+        with pytest.raises(ConvertError, match=message):
+            open_checkpoint(tmp_path / "sharded", model=fields)
+    (tmp_path / "sharded" / "__1_0.distcp").unlink()
+    with pytest.raises(ConvertError, match=r"__1_0\.distcp: file not found"):
+        open_checkpoint(tmp_path / "sharded", model=fields)
+
+
+def test_dcp_hostile_inputs_are_one_line_errors(tmp_path: Path) -> None:
+    save_model(GPT(preset("tiny"), seed=1), tmp_path / "ok", to="dcp")
+    folder = tmp_path / "ok"
+    meta = (folder / ".metadata").read_bytes()
+
+    # a metadata pickle that would call os.system: refused before anything runs
+    class Evil:
+        def __reduce__(self):  # noqa: ANN204
+            return (__import__("os").system, ("touch " + str(tmp_path / "pwned"),))
+
+    bad = tmp_path / "evil"
+    bad.mkdir()
+    (bad / ".metadata").write_bytes(pickle.dumps(Evil()))
+    with pytest.raises(ConvertError, match=r"\.metadata: holds posix\.system.*refusing"):
+        open_checkpoint(bad, model=preset("tiny"))
+    assert not (tmp_path / "pwned").exists()
+
+    # a chunk stored outside the folder
+    escape = tmp_path / "escape"
+    escape.mkdir()
+    (escape / "__0_0.distcp").write_bytes((folder / "__0_0.distcp").read_bytes())
+    (escape / ".metadata").write_bytes(meta.replace(b"__0_0.distcp", b"../_0.distcp"))
+    with pytest.raises(ConvertError, match="not a plain file name"):
+        open_checkpoint(escape)
+
+    # truncated data file
+    short = tmp_path / "short"
+    short.mkdir()
+    (short / ".metadata").write_bytes(meta)
+    (short / "mt.json").write_bytes((folder / "mt.json").read_bytes())
+    (short / "__0_0.distcp").write_bytes((folder / "__0_0.distcp").read_bytes()[:5000])
+    with pytest.raises(ConvertError, match=r"__0_0\.distcp: tensor .* \(truncated\?\)"):
+        open_checkpoint(short)
+
+    # a flipped byte inside a tensor: DCP cannot tell, mt.json's checksum can
+    data = bytearray((folder / "__0_0.distcp").read_bytes())
+    with open_checkpoint(folder) as reader:
+        info = next(info for index, info in reader._storage._checked.storage_data.items()
+                    if index.fqn == "transformer.h.0.mlp.c_fc.weight")
+        values = reader.read("blocks.0.mlp.fc.weight").t().contiguous().numpy().tobytes()
+    at = bytes(data).index(values[:64], info.offset)
+    assert at < info.offset + info.length
+    data[at + 5] ^= 0x40
+    (folder / "__0_0.distcp").write_bytes(bytes(data))
+    with open_checkpoint(folder) as reader, pytest.raises(ConvertError,
+                                                          match="checksum mismatch"):
+        reader.read("blocks.0.mlp.fc.weight")
+    # an item whose serialized form is damaged: torch.load's failure, in one line
+    data[info.offset:info.offset + 64] = bytes(64)
+    (folder / "__0_0.distcp").write_bytes(bytes(data))
+    with open_checkpoint(folder) as reader, pytest.raises(ConvertError, match=(
+            r"__0_0\.distcp: tensor 'transformer\.h\.0\.mlp\.c_fc\.weight': not readable")):
+        reader.read("blocks.0.mlp.fc.weight")
+
+    # no config recorded and none given
+    plain = tmp_path / "plain"
+    dcp.save(_titan_state(LLAMA), checkpoint_id=plain, no_dist=True)
+    with pytest.raises(ConvertError, match="does not record the model config.*--model"):
+        open_checkpoint(plain)
