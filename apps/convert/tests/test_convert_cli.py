@@ -125,3 +125,33 @@ def test_convert_cli_python_dash_m(checkpoint: Path, tmp_path: Path) -> None:
                           capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "transformer.wte.weight" in proc.stdout
+
+
+def test_convert_cli_dcp_folders(tmp_path: Path) -> None:
+    # mt's own state dict saved by torch's dcp.save (no model config): exit 2 with one
+    # line asking for --model; with it, the same tensors
+    import json
+
+    import torch.distributed.checkpoint as dcp
+
+    model = GPT(preset("tiny"), seed=6)
+    dcp.save(model.state_dict(), checkpoint_id=tmp_path / "plain", no_dist=True)
+    result = runner.invoke(app, [str(tmp_path / "plain"), str(tmp_path / "out")])
+    assert result.exit_code == 2
+    assert len(result.output.strip().splitlines()) == 1
+    assert "does not record the model config" in result.output
+    (tmp_path / "fields.json").write_text(json.dumps({"n_heads": 4}))
+    result = runner.invoke(app, [str(tmp_path / "plain"), str(tmp_path / "out"), "--model",
+                                 str(tmp_path / "fields.json")])
+    assert result.exit_code == 0, result.output
+    _, state = load_state_dict(tmp_path / "out")
+    for name, tensor in model.state_dict().items():
+        assert state[name].equal(tensor), name
+    # --to dcp, read back by detection; the dry run names torchtitan / HF keys and files
+    result = runner.invoke(app, [str(tmp_path / "out"), str(tmp_path / "dcp"), "--to", "dcp"])
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(app, [str(tmp_path / "dcp"), str(tmp_path / "x"), "--dry-run"])
+    assert result.exit_code == 0, result.output
+    assert "(dcp) -> " in result.output.splitlines()[0]
+    assert ("  <- __0_0.distcp:transformer.h.0.mlp.c_fc.weight [64, 256] F32 (transpose)"
+            in result.output.splitlines())

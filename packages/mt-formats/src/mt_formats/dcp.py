@@ -276,7 +276,9 @@ class DCPReader(CheckpointReader):
             cause: BaseException = err
             if isinstance(err, CheckpointException) and err.failures:  # DCP wraps the cause
                 cause = next(iter(err.failures.values()))[0]
-            first = f"{type(cause).__name__}: " + next(iter(str(cause).splitlines()), "")
+            first = (f"{type(cause).__name__}: " + next(iter(str(cause).splitlines()), "")
+                     if not isinstance(cause, pickle.UnpicklingError) else "not a plain "
+                     "tensor (damaged, or other pickled objects, which are refused)")
             raise ConvertError(f"{self.root / self._files(key)}: tensor {key!r}: not readable "
                                f"(malformed or truncated): {first}") from None
         expected = self._checksums.get(key)
