@@ -6,8 +6,8 @@ CRC-32 checksums), ``"tp"`` (``[pp_rank_XX_]tp_rank_YY/model.safetensors``, slic
 as mt_tensor_parallel and mt_pipeline slice the model), ``"hf"`` (Hugging Face
 ``GPT2LMHeadModel`` or ``LlamaForCausalLM``), ``"megatron"`` (Megatron-LM style
 ``mp_rank_XX[_YYY]`` files), ``"dcp"`` (torch Distributed Checkpoint folders, torchtitan's
-names) and ``"pretrain"`` (``mt pretrain`` checkpoints; from another one at a new TP x PP x DP / ZeRO
-layout with the optimizer state, :mod:`mt_formats.pretrain_relayout`).
+names) and ``"pretrain"`` (``mt pretrain`` checkpoints; from another one at a new TP x PP x
+DP / ZeRO layout with the optimizer state, :mod:`mt_formats.pretrain_relayout`).
 Conversions stream one tensor at a time, verify checksums on read, write checksums, and
 write atomically; every expected failure is a :class:`ConvertError` naming file and tensor.
 """
