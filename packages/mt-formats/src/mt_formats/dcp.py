@@ -17,17 +17,19 @@ no checksums: a folder mt wrote carries ``mt.json`` (the model config, and the C
 every stored tensor, checked when read); a foreign folder records no config either, which
 ``--model`` gives (sizes are read from the tensors).
 
-Written: one ``__0_0.distcp`` (``dcp.save`` without a process group) and ``mt.json``,
-loadable by ``dcp.load`` into the model's own state dict (torchtitan's Llama, transformers'
-``GPT2LMHeadModel``). ``dcp.save`` takes the state dict at once, so the writer holds the
-whole model until :meth:`DCPWriter.finish`.
+Written one tensor at a time (:class:`DCPFileWriter`: each chunk ``torch.save``d into
+``__0_0.distcp`` as ``dcp.save`` stores it, then torch's own ``Metadata`` pickled into
+``.metadata``), plus ``mt.json``; ``dcp.load`` fills the model's own state dict with it
+(torchtitan's Llama, transformers' ``GPT2LMHeadModel``).
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pickle
+import uuid
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -35,9 +37,18 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 
 from mt_formats.canonical import CheckpointReader, CheckpointWriter, TensorRef, canonical_shapes
 from mt_formats.crc import CHECKSUM_ALGORITHM
@@ -48,7 +59,8 @@ from mt_formats.manifest import read_json
 from mt_formats.tensors import TensorSpec, check_names, tensor_checksum
 from mt_model import GPTConfig
 
-__all__ = ["DCP_FORMAT", "DCPReader", "DCPWriter", "is_dcp_checkpoint", "read_metadata"]
+__all__ = ["DCP_FORMAT", "DCPFileWriter", "DCPReader", "DCPWriter", "is_dcp_checkpoint",
+           "read_metadata"]
 
 DCP_FORMAT = "dcp"
 METADATA_FILE = ".metadata"
@@ -298,8 +310,84 @@ class DCPReader(CheckpointReader):
         return tensor
 
 
+class DCPFileWriter:
+    """Writes a DCP folder one chunk at a time: each chunk is ``torch.save``d into
+    ``__0_0.distcp`` as ``dcp.save`` does, and :meth:`close` pickles torch's own
+    :class:`Metadata` into ``.metadata``. ``dcp.load`` (and Megatron-core's loader, which
+    uses it) reads the result; memory stays at the chunk being written."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = Path(directory)
+        self._file = open(self.directory / DATA_FILE, "wb")  # noqa: SIM115 - closed in close()
+        self._tensors: dict[str, TensorStorageMetadata] = {}
+        self._objects: dict[str, BytesStorageMetadata] = {}
+        self._storage: dict[MetadataIndex, _StorageInfo] = {}
+
+    def _append(self, index: MetadataIndex, payload: Any) -> None:
+        start = self._file.tell()
+        torch.save(payload, self._file)
+        self._storage[index] = _StorageInfo(DATA_FILE, start, self._file.tell() - start)
+
+    def add_chunk(self, key: str, chunk: torch.Tensor, size: tuple[int, ...] | None = None,
+                  offsets: tuple[int, ...] | None = None) -> None:
+        """Store ``chunk`` as the part of tensor ``key`` (whole shape ``size``, default the
+        chunk's own) that starts at ``offsets`` (default: the origin)."""
+        size = tuple(chunk.shape) if size is None else tuple(size)
+        offsets = (0,) * len(size) if offsets is None else tuple(offsets)
+        meta = self._tensors.get(key)
+        if meta is None:
+            meta = self._tensors[key] = TensorStorageMetadata(
+                TensorProperties(dtype=chunk.dtype), torch.Size(size), [])
+        chunk = chunk.detach().contiguous()
+        if chunk.untyped_storage().nbytes() != chunk.numel() * chunk.element_size():
+            chunk = chunk.clone()  # torch.save writes a view's whole storage
+        index = MetadataIndex(key, torch.Size(offsets), len(meta.chunks))
+        meta.chunks.append(ChunkStorageMetadata(torch.Size(offsets), chunk.shape))
+        self._append(index, chunk)
+
+    def add_object(self, key: str, value: Any) -> None:
+        """Store a plain value (``torch.save`` bytes, as DCP stores non-tensors)."""
+        self._objects[key] = BytesStorageMetadata()
+        buffer = io.BytesIO()
+        torch.save(value, buffer)
+        start = self._file.tell()
+        self._file.write(buffer.getbuffer())
+        self._storage[MetadataIndex(key)] = _StorageInfo(DATA_FILE, start,
+                                                          self._file.tell() - start)
+
+    def close(self) -> None:
+        """Sync the data file and write ``.metadata`` (torch's pickle of :class:`Metadata`)."""
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        entries: dict[str, Any] = {**self._tensors, **self._objects}
+        metadata = Metadata(state_dict_metadata=entries,
+                            planner_data={key: (key,) for key in entries},
+                            storage_data=self._storage,
+                            storage_meta=StorageMeta(save_id=str(uuid.uuid4())),
+                            version="1.0.0")
+        with open(self.directory / METADATA_FILE, "wb") as file:
+            pickle.dump(metadata, file)
+            file.flush()
+            os.fsync(file.fileno())
+
+    def abort(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+
+
+def write_sidecar(directory: Path, body: dict[str, Any]) -> None:
+    """``mt.json`` (durable: fsynced) beside a DCP folder's files."""
+    with open(directory / SIDECAR, "w", encoding="utf-8") as file:
+        file.write(json.dumps({"format": SIDECAR_FORMAT, "format_version": 1, **body},
+                              indent=1) + "\n")
+        file.flush()
+        os.fsync(file.fileno())
+
+
 class DCPWriter(CheckpointWriter):
-    """Writes a DCP folder with the names of :func:`~mt_formats.dcp_names.writer_naming`."""
+    """Writes a DCP folder with the names of :func:`~mt_formats.dcp_names.writer_naming`,
+    one tensor at a time (:class:`DCPFileWriter`)."""
 
     format = DCP_FORMAT
 
@@ -308,8 +396,8 @@ class DCPWriter(CheckpointWriter):
         self.naming: Naming = writer_naming(config)
         self._parts = {name: self.naming.parts(name, config) for name in self.specs}
         self._tied = self.naming.tied_copy(config)
-        self._state: dict[str, torch.Tensor] = {}
-        self._directory: Path | None = None
+        self._files: DCPFileWriter | None = None
+        self._checksums: dict[str, str] = {}
 
     def _spec(self, name: str, part: Part) -> TensorSpec:
         return TensorSpec(part.shape(self.specs[name].shape), self.specs[name].dtype)
@@ -322,37 +410,34 @@ class DCPWriter(CheckpointWriter):
         return refs
 
     def open(self, directory: Path) -> None:
-        self._directory = Path(directory)
+        self._files = DCPFileWriter(Path(directory))
+
+    def _store(self, key: str, tensor: torch.Tensor) -> None:
+        assert self._files is not None, "open() first"
+        self._files.add_chunk(key, tensor)
+        self._checksums[key] = tensor_checksum(tensor, CHECKSUM_ALGORITHM)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         start = 0
         for part in self._parts[name]:
             rows = tensor.shape[0] if part.rows < 0 else part.rows
-            self._state[part.key] = part.store(tensor[start:start + rows]).clone()
+            stored = part.store(tensor[start:start + rows])
+            self._store(part.key, stored)
             start += rows
         if name == "embed.tokens.weight" and self._tied is not None:
-            self._state[self._tied] = self._state[self._parts[name][0].key]
+            self._store(self._tied, tensor)
 
     def finish(self) -> None:
-        assert self._directory is not None, "open() first"
-        missing = [name for name in self.specs if self._parts[name][0].key not in self._state]
+        assert self._files is not None, "open() first"
+        missing = [name for name in self.specs if self._parts[name][0].key not in
+                   self._checksums]
         if missing:
-            raise ConvertError(f"{self._directory}: tensors never written: {missing}")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "...to save in a single process": it is
-            dcp.save(self._state, storage_writer=FileSystemWriter(
-                self._directory, single_file_per_rank=True, sync_files=True), no_dist=True)
-        sidecar = {"format": SIDECAR_FORMAT, "format_version": 1, "names": self.naming.family,
-                   "model": self.config.to_dict(),
-                   "checksums": {key: tensor_checksum(tensor, CHECKSUM_ALGORITHM)
-                                 for key, tensor in self._state.items()}}
-        body = json.dumps(sidecar, indent=1) + "\n"
-        with open(self._directory / SIDECAR, "w", encoding="utf-8") as file:
-            file.write(body)
-            file.flush()
-            os.fsync(file.fileno())
-        self._state.clear()
+            raise ConvertError(f"{self._files.directory}: tensors never written: {missing}")
+        self._files.close()
+        write_sidecar(self._files.directory, {"names": self.naming.family,
+                                              "model": self.config.to_dict(),
+                                              "checksums": self._checksums})
 
     def abort(self) -> None:
-        self._state.clear()
-
+        if self._files is not None:
+            self._files.abort()
