@@ -142,7 +142,7 @@ def test_convert_deepspeed_errors_name_file_and_tensor(universal: tuple[Path, An
         convert_checkpoint(root, tmp_path / "out")
     with pytest.raises(ConvertError, match=r"native \(per-rank\) layout.*ds_to_universal"):
         convert_checkpoint(root / f"global_step{STEPS}", tmp_path / "out", model=CONFIG)
-    with pytest.raises(ConvertError, match="--model only applies to deepspeed"):
+    with pytest.raises(ConvertError, match="--model only applies to deepspeed, dcp and mcore"):
         convert_checkpoint(root / "universal", tmp_path / "out", from_format="hf",
                            model=CONFIG)
     broken = tmp_path / "broken"

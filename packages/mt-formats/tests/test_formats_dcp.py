@@ -252,7 +252,7 @@ def test_dcp_hostile_inputs_are_one_line_errors(tmp_path: Path) -> None:
     # a flipped byte inside a tensor: DCP cannot tell, mt.json's checksum can
     data = bytearray((folder / "__0_0.distcp").read_bytes())
     with open_checkpoint(folder) as reader:
-        info = next(info for index, info in reader._storage._checked.storage_data.items()
+        info = next(info for index, info in reader._folder.metadata.storage_data.items()
                     if index.fqn == "transformer.h.0.mlp.c_fc.weight")
         values = reader.read("blocks.0.mlp.fc.weight").t().contiguous().numpy().tobytes()
     at = bytes(data).index(values[:64], info.offset)

@@ -37,6 +37,7 @@ class Format(StrEnum):
     megatron = "megatron"
     pretrain = "pretrain"
     dcp = "dcp"
+    mcore = "mcore"
     deepspeed = "deepspeed"
 
 
@@ -126,7 +127,8 @@ def convert(
         "--force", help="Replace an existing destination (only once the new one is "
         "complete).")] = False,
     model: Annotated[str | None, typer.Option(
-        "--model", help="deepspeed or dcp source (they record no model config): model preset "
+        "--model", help="deepspeed, dcp or mcore source (they record no mt model config): "
+        "model preset "
         "or JSON file of GPTConfig fields (sizes are read from the tensors).")] = None,
     dp: Annotated[int | None, typer.Option(
         "--dp", min=1, help="Data-parallel degree of the pretrain target (pretrain source; "
@@ -143,8 +145,9 @@ def convert(
         "trained with).")] = None,
 ) -> None:
     """Convert a GPT checkpoint: mt consolidated, mt sharded (TP x PP), Hugging Face
-    GPT-2 or Llama, Megatron-LM, an mt pretrain checkpoint, torch DCP (torchtitan's Llama,
-    transformers' GPT-2) or (read only) a DeepSpeed universal checkpoint, tensor by tensor,
+    GPT-2 or Llama, Megatron-LM, Megatron-core torch_dist, an mt pretrain checkpoint, torch
+    DCP (torchtitan's Llama, transformers' GPT-2) or (read only) a DeepSpeed universal
+    checkpoint, tensor by tensor,
     verified, written atomically."""
     sharded = tp is not None or pp is not None
     target = to.value if to is not None else ("tp" if sharded else "consolidated")

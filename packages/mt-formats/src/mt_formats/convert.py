@@ -2,7 +2,8 @@
 
 Formats: ``"consolidated"`` (one full safetensors file, :mod:`mt_formats.consolidated`),
 ``"hf"`` (Hugging Face GPT-2, :mod:`mt_formats.hf`), ``"dcp"`` (torch Distributed
-Checkpoint folders, :mod:`mt_formats.dcp`), ``"tp"`` (one file per pipeline stage
+Checkpoint folders, :mod:`mt_formats.dcp`), ``"mcore"`` (Megatron-core ``torch_dist``,
+:mod:`mt_formats.mcore`), ``"tp"`` (one file per pipeline stage
 x tensor-parallel rank, :mod:`mt_formats.sharded`), ``"megatron"`` (Megatron-LM style
 ``iter_XXXXXXX/mp_rank_XX[_YYY]``, :mod:`mt_formats.megatron`), ``"pretrain"`` (``mt
 pretrain`` checkpoints, :mod:`mt_formats.pretrain`, written by
@@ -38,6 +39,7 @@ from mt_formats.errors import ConvertError, WriteFailed, gpt2_only
 from mt_formats.hf import HFWriter, open_hf
 from mt_formats.hf_llama import LlamaWriter, is_llama
 from mt_formats.manifest import CONFIG_FILE, read_json
+from mt_formats.mcore import MCORE_FORMAT, McoreReader, McoreWriter, is_mcore_checkpoint
 from mt_formats.megatron import LATEST_FILE, MegatronReader, MegatronWriter
 from mt_formats.pretrain import PretrainReader, is_pretrain_checkpoint
 from mt_formats.pretrain_from_weights import PretrainWriter
@@ -66,7 +68,7 @@ __all__ = [
 #: The largest --pad-multiple (Megatron-LM pads to 128 x tp).
 MAX_PAD_MULTIPLE = 2**16
 FORMATS: tuple[str, ...] = ("consolidated", "hf", "tp", "megatron", "pretrain", "dcp",
-                             "deepspeed")
+                             "mcore", "deepspeed")
 _READERS: dict[str, Callable[[Path], CheckpointReader]] = {
     "consolidated": ConsolidatedReader,
     "hf": open_hf,
@@ -74,21 +76,25 @@ _READERS: dict[str, Callable[[Path], CheckpointReader]] = {
     "megatron": MegatronReader,
     "pretrain": PretrainReader,
     "dcp": DCPReader,
+    "mcore": McoreReader,
     "deepspeed": DeepSpeedUniversalReader,
 }
-_WRITABLE = ("consolidated", "hf", "tp", "megatron", "pretrain", "dcp")
-#: Formats that record no model config: ``--model`` gives it.
-_NEEDS_MODEL = {"deepspeed": DeepSpeedUniversalReader, "dcp": DCPReader}
+_WRITABLE = ("consolidated", "hf", "tp", "megatron", "pretrain", "dcp", "mcore")
+#: Formats that may record no model config: ``--model`` gives it.
+_NEEDS_MODEL = {"deepspeed": DeepSpeedUniversalReader, "dcp": DCPReader, "mcore": McoreReader}
 
 
 def detect_format(path: Path) -> str:
     """``"consolidated"``, ``"tp"`` or ``"hf"`` from ``path/config.json``; ``"megatron"``
-    (``latest_checkpointed_iteration.txt``), ``"dcp"`` (``.metadata``) or ``"pretrain"``
+    (``latest_checkpointed_iteration.txt``), ``"mcore"`` (``metadata.json`` of the
+    ``torch_dist`` backend), ``"dcp"`` (``.metadata``) or ``"pretrain"``
     (``mt pretrain``'s ``meta.json`` or ``latest``)."""
     path = Path(path)
     _check_folder(path)
     if (path / LATEST_FILE).is_file():
         return "megatron"
+    if is_mcore_checkpoint(path):  # before dcp: a Megatron-core folder is a DCP folder too
+        return MCORE_FORMAT
     if is_dcp_checkpoint(path):
         return DCP_FORMAT
     if is_deepspeed_checkpoint(path):  # before pretrain: both may have `latest`
@@ -140,8 +146,8 @@ def open_checkpoint(path: Path, fmt: str | None = None,
     _check_folder(Path(path))
     if model is not None:  # only DeepSpeed and DCP checkpoints lack a model config
         if fmt not in _NEEDS_MODEL:
-            raise ConvertError(f"--model only applies to deepspeed and dcp sources, not "
-                               f"{fmt!r}")
+            raise ConvertError(f"--model only applies to deepspeed, dcp and mcore sources, "
+                               f"not {fmt!r}")
         return _NEEDS_MODEL[fmt](Path(path), model)
     return _READERS[fmt](Path(path))
 
@@ -179,6 +185,8 @@ def make_writer(fmt: str, config: GPTConfig, specs: Mapping[str, TensorSpec],
         return ConsolidatedWriter(config, dict(specs))
     if fmt == DCP_FORMAT:
         return DCPWriter(config, dict(specs))
+    if fmt == MCORE_FORMAT:
+        return McoreWriter(config, dict(specs))
     return (HFWriter if config.architecture == "gpt2" else LlamaWriter)(config, dict(specs))
 
 

@@ -59,8 +59,8 @@ from mt_formats.manifest import read_json
 from mt_formats.tensors import TensorSpec, check_names, tensor_checksum
 from mt_model import GPTConfig
 
-__all__ = ["DCP_FORMAT", "DCPFileWriter", "DCPReader", "DCPWriter", "is_dcp_checkpoint",
-           "read_metadata"]
+__all__ = ["DCP_FORMAT", "DCPFileWriter", "DCPFolder", "DCPReader", "DCPWriter", "config_from",
+           "is_dcp_checkpoint", "read_metadata", "read_sidecar", "write_sidecar"]
 
 DCP_FORMAT = "dcp"
 METADATA_FILE = ".metadata"
@@ -72,6 +72,9 @@ _METADATA_CLASSES = {
     ("torch.distributed.checkpoint.metadata", name) for name in (
         "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
         "MetadataIndex", "StorageMeta", "TensorProperties", "_MEM_FORMAT_ENCODING")
+} | {("torch.distributed.checkpoint.planner", name) for name in (
+    # Megatron-core keeps every rank's save plan in the metadata (``all_local_plans``)
+    "SavePlan", "WriteItem", "WriteItemType", "TensorWriteData")
 } | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
      ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
      ("pathlib", "PurePosixPath"), ("collections", "OrderedDict")}
@@ -171,6 +174,100 @@ class _Storage(FileSystemReader):
         return self._checked
 
 
+class DCPFolder:
+    """A checked DCP folder (:func:`read_metadata`) and the reads mt makes of it: whole
+    tensors through ``dcp.load``, and single layers of tensors stacked along a leading axis
+    (Megatron-core's) from the chunks that hold them. ``checksums`` (key -> CRC string),
+    when known, are checked on every read."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self.metadata = read_metadata(self.root)
+        self.tensors = {key: meta for key, meta in self.metadata.state_dict_metadata.items()
+                        if isinstance(meta, TensorStorageMetadata)}
+        self.checksums: dict[str, str] = {}
+        self._storage = _Storage(self.root, self.metadata)
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {key: tuple(meta.size) for key, meta in self.tensors.items()}
+
+    def spec(self, key: str) -> TensorSpec:
+        meta = self.tensors[key]
+        return TensorSpec(tuple(meta.size), meta.properties.dtype)
+
+    def file_of(self, key: str) -> str:
+        """The file holding tensor ``key`` (or how many do)."""
+        files = sorted({info.relative_path for index, info in self.metadata.storage_data.items()
+                        if index.fqn == key})
+        return files[0] if len(files) == 1 else f"{len(files)} files ({files[0]}, ...)"
+
+    def check(self, key: str) -> None:
+        """Tensor ``key``'s chunks tile it (see :func:`_check_chunks`)."""
+        _check_chunks(self.root, key, self.tensors[key])
+
+    def _failed(self, key: str, err: BaseException) -> ConvertError:
+        cause = err
+        if isinstance(err, CheckpointException) and err.failures:  # DCP wraps the cause
+            cause = next(iter(err.failures.values()))[0]
+        first = (f"{type(cause).__name__}: " + next(iter(str(cause).splitlines()), "")
+                 if not isinstance(cause, pickle.UnpicklingError) else "not a plain tensor "
+                 "(damaged, or other pickled objects, which are refused)")
+        return ConvertError(f"{self.root / self.file_of(key)}: tensor {key!r}: not readable "
+                            f"(malformed or truncated): {first}")
+
+    def load(self, key: str) -> torch.Tensor:
+        """Tensor ``key``, whole, from however many chunks it was saved in (``dcp.load``)."""
+        meta = self.tensors[key]
+        out = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "...assuming the intent is to load in a
+                # single process": it is
+                dcp.load({key: out}, storage_reader=self._storage, no_dist=True)
+        except (CheckpointException, RuntimeError, OSError, EOFError, ValueError,
+                AssertionError, pickle.UnpicklingError) as err:
+            raise self._failed(key, err) from None
+        expected = self.checksums.get(key)
+        if expected is not None and tensor_checksum(out, expected.split(":")[0]) != expected:
+            raise ConvertError(f"{self.root / self.file_of(key)}: tensor {key!r}: checksum "
+                               f"mismatch (recorded {expected} in {SIDECAR}): the file is "
+                               "corrupted")
+        return out
+
+    def load_layer(self, key: str, layer: int) -> torch.Tensor:
+        """``tensor[layer]`` of a tensor stacked along its first axis, read from the chunks
+        that hold that layer only (each ``torch.load(weights_only=True)``)."""
+        meta = self.tensors[key]
+        out = torch.empty(tuple(meta.size)[1:], dtype=meta.properties.dtype)
+        for chunk in meta.chunks:
+            start, extent = tuple(chunk.offsets), tuple(chunk.sizes)
+            if not start[0] <= layer < start[0] + extent[0]:
+                continue
+            info = self.metadata.storage_data.get(MetadataIndex(key, torch.Size(start)))
+            if info is None or getattr(info, "transform_descriptors", None):
+                raise ConvertError(f"{self.root / METADATA_FILE}: tensor {key!r}: chunk at "
+                                   f"{list(start)} has no plain storage entry")
+            try:
+                with open(self.root / info.relative_path, "rb") as file:
+                    file.seek(info.offset)
+                    raw = file.read(info.length)
+                piece = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+            except (RuntimeError, OSError, EOFError, ValueError, pickle.UnpicklingError) as err:
+                raise self._failed(key, err) from None
+            if not isinstance(piece, torch.Tensor) or tuple(piece.shape) != extent:
+                raise ConvertError(f"{self.root / info.relative_path}: tensor {key!r}: chunk at "
+                                   f"{list(start)} holds {getattr(piece, 'shape', piece)!r}, "
+                                   f"not a tensor of shape {list(extent)}")
+            out[tuple(slice(o, o + n) for o, n in zip(start[1:], extent[1:], strict=True))] = (
+                piece[layer - start[0]])
+        expected = self.checksums.get(f"{key}[{layer}]")
+        if expected is not None and tensor_checksum(out, expected.split(":")[0]) != expected:
+            raise ConvertError(f"{self.root / self.file_of(key)}: tensor {key!r} layer {layer}: "
+                               f"checksum mismatch (recorded {expected} in {SIDECAR}): the "
+                               "file is corrupted")
+        return out
+
+
 class DCPReader(CheckpointReader):
     """A DCP folder as canonical mt tensors (see the module docstring). ``model`` gives the
     config of a folder mt did not write (a ``GPTConfig``, preset name or JSON file)."""
@@ -180,18 +277,16 @@ class DCPReader(CheckpointReader):
     def __init__(self, root: Path, model: GPTConfig | str | Mapping[str, Any] | None = None
                  ) -> None:
         self.root = Path(root)
-        metadata = read_metadata(self.root)
-        self._tensors = {key: meta for key, meta in metadata.state_dict_metadata.items()
-                         if isinstance(meta, TensorStorageMetadata)}
-        self.naming = detect_naming(set(self._tensors), self.root / METADATA_FILE)
-        shapes = {key: tuple(meta.size) for key, meta in self._tensors.items()}
-        sidecar = self._sidecar()
+        self._folder = DCPFolder(self.root)
+        self.naming = detect_naming(set(self._folder.tensors), self.root / METADATA_FILE)
+        shapes = self._folder.shapes()
+        sidecar = read_sidecar(self.root)
         if sidecar is not None:
             if model is not None:
                 raise ConvertError(f"{self.root / SIDECAR}: this checkpoint records its model "
                                    "config; --model does not apply")
-            self.config = self._config(sidecar.get("model"), self.root / SIDECAR)
-            self._checksums: dict[str, str] = dict(sidecar.get("checksums") or {})
+            self.config = config_from(sidecar.get("model"), self.root / SIDECAR)
+            self._folder.checksums = dict(sidecar.get("checksums") or {})
         else:
             fields, _ = config_fields(model, self.root, {})
             if fields is None:
@@ -200,34 +295,11 @@ class DCPReader(CheckpointReader):
                     f"{self.naming.family} names); give it with --model PRESET or --model "
                     "CONFIG.json (GPTConfig fields; sizes are read from the tensors)")
             sizes = self.naming.sizes(shapes, fields, self.root / METADATA_FILE)
-            self.config = self._config({**fields, **sizes}, self.root / METADATA_FILE)
-            self._checksums = {}
+            self.config = config_from({**fields, **sizes}, self.root / METADATA_FILE)
         self._shapes = canonical_shapes(self.config)
         self._parts = {name: self.naming.parts(name, self.config) for name in self._shapes}
         self._tied = self.naming.tied_copy(self.config)
         self._check(shapes)
-        self._storage = _Storage(self.root, metadata)
-
-    def _sidecar(self) -> dict[str, Any] | None:
-        path = self.root / SIDECAR
-        if not path.is_file():
-            return None
-        data = read_json(path)
-        if data.get("format") != SIDECAR_FORMAT or data.get("format_version") != 1:
-            raise ConvertError(f"{path}: format {data.get('format')!r} version "
-                               f"{data.get('format_version')!r}; this mt reads "
-                               f"{SIDECAR_FORMAT!r} version 1")
-        return data
-
-    @staticmethod
-    def _config(fields: Any, where: Path) -> GPTConfig:
-        if not isinstance(fields, dict):
-            raise ConvertError(f"{where}: no model config object")
-        try:
-            return GPTConfig.from_dict(fields)
-        except (TypeError, ValueError, KeyError) as err:
-            raise ConvertError(f"{where}: the model config does not fit the stored tensors: "
-                               f"{err}") from None
 
     def _check(self, shapes: dict[str, tuple[int, ...]]) -> None:
         where = self.root / METADATA_FILE
@@ -241,73 +313,61 @@ class DCPReader(CheckpointReader):
                     raise ConvertError(f"{where}: tensor {part.key!r} has shape "
                                        f"{list(shapes[part.key])}, the model config needs "
                                        f"{list(wanted)}")
+                self._folder.check(part.key)
         if self._tied is not None and self._tied in shapes:
             if shapes[self._tied] != self._shapes["embed.tokens.weight"]:
                 raise ConvertError(f"{where}: {self._tied!r} has shape "
                                    f"{list(shapes[self._tied])}, not the embedding's: an "
                                    "untied output head for a tied config")
-        for parts in self._parts.values():
-            for part in parts:
-                _check_chunks(self.root, part.key, self._tensors[part.key])
+            self._folder.check(self._tied)
 
     def names(self) -> list[str]:
         return list(self._shapes)
 
     def spec(self, name: str) -> TensorSpec:
-        dtype = self._tensors[self._parts[name][0].key].properties.dtype
-        return TensorSpec(self._shapes[name], dtype)
-
-    def _files(self, key: str) -> str:
-        files = sorted({info.relative_path for index, info in self._storage._checked
-                        .storage_data.items() if index.fqn == key})
-        return files[0] if len(files) == 1 else f"{len(files)} files ({files[0]}, ...)"
+        return TensorSpec(self._shapes[name], self._folder.spec(self._parts[name][0].key).dtype)
 
     def sources(self, name: str) -> list[TensorRef]:
-        refs = [TensorRef(self._files(part.key), part.key,
-                          TensorSpec(part.shape(self._shapes[name]),
-                                     self._tensors[part.key].properties.dtype), part.transform)
-                for part in self._parts[name]]
-        if name == "embed.tokens.weight" and self._tied in self._tensors:
-            meta = self._tensors[self._tied]
-            refs.append(TensorRef(self._files(self._tied), self._tied,
-                                  TensorSpec(tuple(meta.size), meta.properties.dtype),
-                                  "tied: must equal the embedding"))
+        folder = self._folder
+        refs = [TensorRef(folder.file_of(part.key), part.key, folder.spec(part.key),
+                          part.transform) for part in self._parts[name]]
+        if name == "embed.tokens.weight" and self._tied in folder.tensors:
+            refs.append(TensorRef(folder.file_of(self._tied), self._tied,
+                                  folder.spec(self._tied), "tied: must equal the embedding"))
         return refs
 
-    def _load(self, key: str) -> torch.Tensor:
-        """Stored tensor ``key``, whole, from however many chunks it was saved in."""
-        meta = self._tensors[key]
-        out = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # "...assuming the intent is to load in a
-                # single process": it is
-                dcp.load({key: out}, storage_reader=self._storage, no_dist=True)
-        except (CheckpointException, RuntimeError, OSError, EOFError, ValueError,
-                AssertionError, pickle.UnpicklingError) as err:
-            cause: BaseException = err
-            if isinstance(err, CheckpointException) and err.failures:  # DCP wraps the cause
-                cause = next(iter(err.failures.values()))[0]
-            first = (f"{type(cause).__name__}: " + next(iter(str(cause).splitlines()), "")
-                     if not isinstance(cause, pickle.UnpicklingError) else "not a plain "
-                     "tensor (damaged, or other pickled objects, which are refused)")
-            raise ConvertError(f"{self.root / self._files(key)}: tensor {key!r}: not readable "
-                               f"(malformed or truncated): {first}") from None
-        expected = self._checksums.get(key)
-        if expected is not None and tensor_checksum(out, expected.split(":")[0]) != expected:
-            raise ConvertError(f"{self.root / self._files(key)}: tensor {key!r}: checksum "
-                               f"mismatch (recorded {expected} in {SIDECAR}): the file is "
-                               "corrupted")
-        return out
-
     def read(self, name: str) -> torch.Tensor:
-        pieces = [part.load(self._load(part.key)) for part in self._parts[name]]
+        pieces = [part.load(self._folder.load(part.key)) for part in self._parts[name]]
         tensor = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-        if name == "embed.tokens.weight" and self._tied in self._tensors:
-            if not torch.equal(self._load(self._tied), tensor):
+        if name == "embed.tokens.weight" and self._tied in self._folder.tensors:
+            if not torch.equal(self._folder.load(self._tied), tensor):
                 raise ConvertError(f"{self.root}: {self._tied!r} differs from the embedding: "
                                    "an untied output head is not supported for a tied config")
         return tensor
+
+
+def read_sidecar(root: Path) -> dict[str, Any] | None:
+    """``mt.json`` of a folder mt wrote, or None."""
+    path = root / SIDECAR
+    if not path.is_file():
+        return None
+    data = read_json(path)
+    if data.get("format") != SIDECAR_FORMAT or data.get("format_version") != 1:
+        raise ConvertError(f"{path}: format {data.get('format')!r} version "
+                           f"{data.get('format_version')!r}; this mt reads "
+                           f"{SIDECAR_FORMAT!r} version 1")
+    return data
+
+
+def config_from(fields: Any, where: Path) -> GPTConfig:
+    """A GPTConfig from a dict of fields, or a one-line error naming ``where``."""
+    if not isinstance(fields, dict):
+        raise ConvertError(f"{where}: no model config object")
+    try:
+        return GPTConfig.from_dict(fields)
+    except (TypeError, ValueError, KeyError) as err:
+        raise ConvertError(f"{where}: the model config does not fit the stored tensors: "
+                           f"{err}") from None
 
 
 class DCPFileWriter:

@@ -1,0 +1,335 @@
+"""Megatron-core distributed checkpoints (``megatron.core.dist_checkpointing``, backend
+``torch_dist``), as Megatron-LM and NeMo save them: a DCP folder (``.metadata``,
+``__R_I.distcp``) plus ``metadata.json`` (``{"sharded_backend": "torch_dist", ...}``) and
+``common.pt`` (what every rank shares).
+
+Names: ``megatron.core.models.gpt.GPTModel``'s sharded state dict, which is the same for the
+Transformer Engine and the local layer specs (the local spec's norms are saved under TE's
+names): ``embedding.word_embeddings.weight``, ``embedding.position_embeddings.weight``,
+``decoder.layers.self_attention.linear_qkv.{weight,bias,layer_norm_weight,layer_norm_bias}``,
+``decoder.layers.self_attention.linear_proj.*``, ``decoder.layers.mlp.linear_fc1.*`` (its
+``layer_norm_*`` are the second norm; a gated MLP's rows are [gate; up], as mt's),
+``decoder.layers.mlp.linear_fc2.*``, ``decoder.final_layernorm.*``, ``output_layer.weight``
+(absent when tied). Every ``decoder.layers.*`` tensor is stacked over the layers along a
+leading axis, whatever TP / PP split saved it; mt reads one layer at a time from the chunks
+that hold it (:meth:`~mt_formats.dcp.DCPFolder.load_layer`). ``linear_qkv``'s rows are
+ordered per query group, [groups, heads/groups q heads + 1 k + 1 v, head_dim] (mt: all q,
+then all k, then all v); Megatron's RoPE rotates halves, as mt's, so no other permutation.
+
+The model config: ``--model`` (sizes, grouped-query heads, norm kind, biases, positions and
+tying are read from the tensors), or ``mt.json`` in a folder mt wrote. Written: per-layer
+chunks as Megatron-core saves them, the ``_extra_state`` entries its loader expects,
+``metadata.json``, an empty ``common.pt`` and ``mt.json`` (config, CRC-32C of every chunk).
+The vocabulary is stored unpadded (Megatron-LM pads it to a multiple of 128 x TP; such a
+padded source is read with its padding rows as part of the vocabulary).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mt_formats.canonical import CheckpointReader, CheckpointWriter, TensorRef, canonical_shapes
+from mt_formats.crc import CHECKSUM_ALGORITHM
+from mt_formats.dcp import (
+    DATA_FILE,
+    METADATA_FILE,
+    SIDECAR,
+    DCPFileWriter,
+    DCPFolder,
+    config_from,
+    read_sidecar,
+    write_sidecar,
+)
+from mt_formats.deepspeed_universal import config_fields
+from mt_formats.errors import ConvertError
+from mt_formats.manifest import read_json
+from mt_formats.tensors import TensorSpec, check_names, tensor_checksum
+from mt_model import GPTConfig
+
+__all__ = ["MCORE_FORMAT", "McoreReader", "McoreWriter", "is_mcore_checkpoint", "mcore_parts"]
+
+MCORE_FORMAT = "mcore"
+METADATA_JSON = "metadata.json"
+COMMON_FILE = "common.pt"
+BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+           "common_backend": "torch", "common_backend_version": 1}
+LAYERS = "decoder.layers."
+_BLOCK = re.compile(r"^blocks\.(\d+)\.(.+)$")
+_TOP = {"embed.tokens.weight": "embedding.word_embeddings.weight",
+        "embed.positions.weight": "embedding.position_embeddings.weight",
+        "ln_f.weight": "decoder.final_layernorm.weight",
+        "ln_f.bias": "decoder.final_layernorm.bias", "head.weight": "output_layer.weight"}
+_MODULES = {"ln1": "self_attention.linear_qkv.layer_norm_", "ln2": "mlp.linear_fc1.layer_norm_",
+            "attn.qkv": "self_attention.linear_qkv.", "attn.q": "self_attention.linear_qkv.",
+            "attn.kv": "self_attention.linear_qkv.", "attn.proj": "self_attention.linear_proj.",
+            "mlp.fc": "mlp.linear_fc1.", "mlp.proj": "mlp.linear_fc2."}
+#: Modules whose (empty, for a plain torch model) ``_extra_state`` Megatron-core saves per layer.
+_EXTRA_STATE = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",
+                "mlp.linear_fc2")
+
+
+@dataclass(frozen=True)
+class McorePart:
+    """Where canonical tensor lives: ``key``, its ``layer`` along the stacked axis (-1: not
+    stacked) and which rows of a fused ``linear_qkv`` (``select``: ``qkv``, ``q``, ``kv``
+    or ``""`` for all rows as stored)."""
+
+    key: str
+    layer: int = -1
+    select: str = ""
+
+    def describe(self) -> str:
+        where = f"[{self.layer}]" if self.layer >= 0 else ""
+        return f"{where} {self.select} per-group rows".strip() if self.select else where
+
+
+def mcore_parts(name: str) -> McorePart:
+    """The Megatron-core tensor canonical tensor ``name`` is (a layer of)."""
+    if name in _TOP:
+        return McorePart(_TOP[name])
+    match = _BLOCK.match(name)
+    if match:
+        layer, rest = match.groups()
+        module, _, leaf = rest.rpartition(".")
+        if module in _MODULES:
+            select = module.removeprefix("attn.") if module in ("attn.qkv", "attn.q",
+                                                                "attn.kv") else ""
+            return McorePart(LAYERS + _MODULES[module] + leaf, int(layer), select)
+    raise ConvertError(f"tensor {name!r} has no Megatron-core equivalent")
+
+
+def _grouped(config: GPTConfig) -> tuple[int, int, int]:
+    """(query groups, q heads per group, head_dim)."""
+    groups = config.n_kv_heads or config.n_heads
+    return groups, config.n_heads // groups, config.head_dim
+
+
+def from_groups(stored: torch.Tensor, select: str, config: GPTConfig) -> torch.Tensor:
+    """mt's rows (``qkv``: [q; k; v], ``q``, ``kv``: [k; v]) of a per-group ``linear_qkv``."""
+    groups, per, dim = _grouped(config)
+    rest = stored.shape[1:]
+    parts = stored.reshape(groups, per + 2, dim, *rest)
+    q = parts[:, :per].reshape(groups * per * dim, *rest)
+    k = parts[:, per].reshape(groups * dim, *rest)
+    v = parts[:, per + 1].reshape(groups * dim, *rest)
+    chosen = {"qkv": (q, k, v), "q": (q,), "kv": (k, v)}[select]
+    return torch.cat(chosen).contiguous()
+
+
+def to_groups(q: torch.Tensor, kv: torch.Tensor, config: GPTConfig) -> torch.Tensor:
+    """The per-group ``linear_qkv`` rows of mt's q rows and [k; v] rows."""
+    groups, per, dim = _grouped(config)
+    rest = q.shape[1:]
+    k, v = kv.reshape(2, groups, 1, dim, *rest).unbind(0)
+    return torch.cat([q.reshape(groups, per, dim, *rest), k, v], dim=1).reshape(
+        groups * (per + 2) * dim, *rest).contiguous()
+
+
+def is_mcore_checkpoint(path: Path) -> bool:
+    """A DCP folder whose ``metadata.json`` names the ``torch_dist`` backend."""
+    path = Path(path)
+    if not ((path / METADATA_JSON).is_file() and (path / METADATA_FILE).is_file()):
+        return False
+    try:
+        return json.loads((path / METADATA_JSON).read_text("utf-8")).get(
+            "sharded_backend") == "torch_dist"
+    except (ValueError, AttributeError, UnicodeDecodeError):
+        return False
+
+
+def _sizes(shapes: Mapping[str, tuple[int, ...]], fields: Mapping[str, Any],
+           where: Path) -> dict[str, Any]:
+    """Config fields the stored tensors decide, given ``n_heads`` and ``mlp`` from fields."""
+    def shape(key: str) -> tuple[int, ...]:
+        if key not in shapes:
+            raise ConvertError(f"{where}: no tensor {key!r}: not a Megatron-core GPT")
+        return shapes[key]
+
+    vocab, hidden = shape(_TOP["embed.tokens.weight"])
+    layers = shape(LAYERS + "self_attention.linear_proj.weight")[0]
+    heads = fields.get("n_heads")
+    if not isinstance(heads, int) or heads < 1 or hidden % heads:
+        raise ConvertError(f"{where}: n_heads {heads!r} of the given config does not divide "
+                           f"the hidden size {hidden}")
+    qkv_rows = shape(LAYERS + "self_attention.linear_qkv.weight")[1]
+    fc_rows = shape(LAYERS + "mlp.linear_fc1.weight")[1]
+    sizes: dict[str, Any] = {
+        "n_layers": layers, "hidden": hidden, "vocab_size": vocab,
+        "n_kv_heads": (qkv_rows // (hidden // heads) - heads) // 2,
+        "ffn_hidden": fc_rows // 2 if fields.get("mlp") == "swiglu" else fc_rows,
+        "norm": "layernorm" if LAYERS + "self_attention.linear_qkv.layer_norm_bias" in shapes
+        else "rmsnorm",
+        "bias": LAYERS + "self_attention.linear_proj.bias" in shapes,
+        "tied_embeddings": _TOP["head.weight"] not in shapes,
+        "position": "learned" if _TOP["embed.positions.weight"] in shapes else "rope"}
+    if sizes["position"] == "learned":
+        sizes["seq_len"] = shapes[_TOP["embed.positions.weight"]][0]
+    return sizes
+
+
+class McoreReader(CheckpointReader):
+    """A Megatron-core ``torch_dist`` checkpoint as canonical mt tensors (see the module
+    docstring); ``model`` gives the config where the folder does not record one."""
+
+    format = MCORE_FORMAT
+
+    def __init__(self, root: Path, model: GPTConfig | str | Mapping[str, Any] | None = None
+                 ) -> None:
+        self.root = Path(root)
+        backend = read_json(self.root / METADATA_JSON)
+        if backend.get("sharded_backend") != "torch_dist":
+            raise ConvertError(f"{self.root / METADATA_JSON}: sharded_backend "
+                               f"{backend.get('sharded_backend')!r}; mt reads 'torch_dist'")
+        self._folder = DCPFolder(self.root)
+        shapes = self._folder.shapes()
+        sidecar = read_sidecar(self.root)
+        if sidecar is not None:
+            if model is not None:
+                raise ConvertError(f"{self.root / SIDECAR}: this checkpoint records its model "
+                                   "config; --model does not apply")
+            self.config = config_from(sidecar.get("model"), self.root / SIDECAR)
+            self._folder.checksums = dict(sidecar.get("checksums") or {})
+        else:
+            fields, _ = config_fields(model, self.root, {})
+            if fields is None:
+                raise ConvertError(
+                    f"{self.root}: this Megatron-core checkpoint does not record mt's model "
+                    "config; give it with --model PRESET or --model CONFIG.json (GPTConfig "
+                    "fields: heads, activation, norm epsilon; sizes are read from the tensors)")
+            self.config = config_from({**fields, **_sizes(shapes, fields, self.root)},
+                                      self.root / METADATA_FILE)
+        self._shapes = canonical_shapes(self.config)
+        self._parts = {name: mcore_parts(name) for name in self._shapes}
+        self._check(shapes)
+        self._cached: tuple[tuple[str, int], torch.Tensor] | None = None
+
+    def _stored_shape(self, name: str) -> tuple[int, ...]:
+        part, shape = self._parts[name], self._shapes[name]
+        if part.select:
+            groups, per, dim = _grouped(self.config)
+            shape = (groups * (per + 2) * dim, *shape[1:])
+        return (self.config.n_layers, *shape) if part.layer >= 0 else shape
+
+    def _check(self, shapes: dict[str, tuple[int, ...]]) -> None:
+        where = self.root / METADATA_FILE
+        expected = sorted({part.key for part in self._parts.values()})
+        found = [key for key in shapes if key.startswith(("embedding.", "decoder.",
+                                                          "output_layer."))]
+        check_names(where, found, expected)
+        for name, part in self._parts.items():
+            if shapes[part.key] != self._stored_shape(name):
+                raise ConvertError(f"{where}: tensor {part.key!r} has shape "
+                                   f"{list(shapes[part.key])}, the model config needs "
+                                   f"{list(self._stored_shape(name))}")
+        for key in expected:
+            self._folder.check(key)
+
+    def names(self) -> list[str]:
+        return list(self._shapes)
+
+    def spec(self, name: str) -> TensorSpec:
+        return TensorSpec(self._shapes[name], self._folder.spec(self._parts[name].key).dtype)
+
+    def sources(self, name: str) -> list[TensorRef]:
+        part = self._parts[name]
+        return [TensorRef(self._folder.file_of(part.key), part.key,
+                          self._folder.spec(part.key), part.describe())]
+
+    def read(self, name: str) -> torch.Tensor:
+        part = self._parts[name]
+        if part.layer < 0:
+            return self._folder.load(part.key)
+        at = (part.key, part.layer)
+        if self._cached is None or self._cached[0] != at:  # q then kv read one qkv layer once
+            self._cached = (at, self._folder.load_layer(*at))
+        stored = self._cached[1]
+        return from_groups(stored, part.select, self.config) if part.select else stored
+
+    def close(self) -> None:
+        self._cached = None
+
+
+class McoreWriter(CheckpointWriter):
+    """Writes a Megatron-core ``torch_dist`` folder that ``dist_checkpointing.load`` reads
+    into a ``GPTModel`` of the same config, one layer at a time."""
+
+    format = MCORE_FORMAT
+
+    def __init__(self, config: GPTConfig, specs: dict[str, TensorSpec]) -> None:
+        super().__init__(config, specs)
+        self._parts = {name: mcore_parts(name) for name in self.specs}
+        self._files: DCPFileWriter | None = None
+        self._checksums: dict[str, str] = {}
+        self._pending: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
+
+    def targets(self, name: str) -> list[TensorRef]:
+        part, spec = self._parts[name], self.specs[name]
+        shape = spec.shape
+        if part.select:
+            groups, per, dim = _grouped(self.config)
+            shape = (groups * (per + 2) * dim, *shape[1:])
+        if part.layer >= 0:
+            shape = (self.config.n_layers, *shape)
+        return [TensorRef(DATA_FILE, part.key, TensorSpec(shape, spec.dtype), part.describe())]
+
+    def open(self, directory: Path) -> None:
+        self._files = DCPFileWriter(Path(directory))
+
+    def _store(self, part: McorePart, tensor: torch.Tensor) -> None:
+        assert self._files is not None, "open() first"
+        if part.layer < 0:
+            self._files.add_chunk(part.key, tensor)
+            self._checksums[part.key] = tensor_checksum(tensor, CHECKSUM_ALGORITHM)
+            return
+        layers = self.config.n_layers
+        self._files.add_chunk(part.key, tensor[None], (layers, *tensor.shape),
+                              (part.layer,) + (0,) * tensor.dim())
+        self._checksums[f"{part.key}[{part.layer}]"] = tensor_checksum(tensor,
+                                                                       CHECKSUM_ALGORITHM)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        part = self._parts[name]
+        if part.select == "qkv":
+            groups, per, dim = _grouped(self.config)
+            q_rows = groups * per * dim
+            self._store(part, to_groups(tensor[:q_rows], tensor[q_rows:], self.config))
+        elif part.select:  # q and kv arrive separately: the layer's qkv once both are here
+            pending = self._pending.setdefault((part.key, part.layer), {})
+            pending[part.select] = tensor
+            if len(pending) == 2:
+                del self._pending[(part.key, part.layer)]
+                self._store(part, to_groups(pending["q"], pending["kv"], self.config))
+        else:
+            self._store(part, tensor)
+
+    def finish(self) -> None:
+        assert self._files is not None, "open() first"
+        if self._pending:
+            raise ConvertError(f"{self._files.directory}: half-written layers "
+                               f"{sorted(self._pending)}")
+        layers = self.config.n_layers
+        for layer in range(layers):
+            for module in _EXTRA_STATE:
+                self._files.add_object(  # as Megatron-core stores a torch module's: [None]
+                    f"{LAYERS}{module}._extra_state/shard_{layer}_{layers}", [None])
+        self._files.close()
+        directory = self._files.directory
+        torch.save({}, directory / COMMON_FILE)
+        with open(directory / METADATA_JSON, "w", encoding="utf-8") as file:
+            file.write(json.dumps(BACKEND))
+            file.flush()
+            os.fsync(file.fileno())
+        write_sidecar(directory, {"names": "megatron-core", "model": self.config.to_dict(),
+                                  "checksums": self._checksums})
+
+    def abort(self) -> None:
+        if self._files is not None:
+            self._files.abort()
