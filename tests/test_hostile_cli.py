@@ -709,7 +709,7 @@ CASES = [
     C("idle-inspect-document-groups", "data inspect {ds} --groups --document 0",
       "--document 0 is the decoded document, which --groups shows instead"),
     C("idle-convert-tokenizer-consolidated", "convert {hf} {t}/out --tokenizer gpt2",
-      "--tokenizer only applies to the hf target, not 'consolidated'"),
+      "--tokenizer only applies to the hf and gguf targets, not 'consolidated'"),
     C("idle-convert-drop-optimizer", "convert {hf} {t}/out --drop-optimizer",
       "--drop-optimizer only applies from an mt pretrain checkpoint"),
     C("idle-convert-pad-consolidated", "convert {hf} {t}/out --to consolidated "

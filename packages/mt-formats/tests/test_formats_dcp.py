@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-import torch.nn.functional as F
+from reference_llama import titan_logits, titan_state
 
 from mt_formats import ConvertError, convert_checkpoint, load_model, open_checkpoint, save_model
 from mt_formats.dcp_names import from_interleaved, to_interleaved
@@ -34,63 +34,6 @@ def _tokens(vocab: int, seq: int) -> torch.Tensor:
     return torch.randint(0, vocab, (2, seq), generator=torch.Generator().manual_seed(7))
 
 
-def _titan_logits(sd: dict[str, torch.Tensor], tokens: torch.Tensor, config: GPTConfig,
-                  prefix: str = "", legacy: bool = False) -> torch.Tensor:
-    """A Llama 3 forward as Meta's reference and torchtitan write it, on torchtitan names."""
-    wq = "attention.wq.weight" if legacy else "attention.qkv_linear.wq.weight"
-    heads, kv, eps = config.n_heads, config.n_kv_heads, config.layernorm_eps
-    h = sd[prefix + "tok_embeddings.weight"][tokens]
-    batch, seq, dim = h.shape
-    head_dim = dim // heads
-    freqs = 1.0 / config.rope_theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
-    angles = torch.outer(torch.arange(seq).float(), freqs)
-    cis = torch.polar(torch.ones_like(angles), angles)
-
-    def rope(x: torch.Tensor) -> torch.Tensor:
-        pairs = torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2))
-        return torch.view_as_real(pairs * cis[None, :, None, :]).flatten(3)
-
-    def norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
-
-    for layer in range(config.n_layers):
-        p = f"{prefix}layers.{layer}."
-        x = norm(h, sd[p + "attention_norm.weight"])
-        q = (x @ sd[p + wq].T).view(batch, seq, heads, head_dim)
-        k = (x @ sd[p + wq.replace("wq", "wk")].T).view(batch, seq, kv, head_dim)
-        v = (x @ sd[p + wq.replace("wq", "wv")].T).view(batch, seq, kv, head_dim)
-        q, k = rope(q), rope(k)
-        k, v = (t.repeat_interleave(heads // kv, dim=2) for t in (k, v))
-        att = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                             v.transpose(1, 2), is_causal=True)
-        h = h + att.transpose(1, 2).reshape(batch, seq, dim) @ sd[p + "attention.wo.weight"].T
-        x = norm(h, sd[p + "ffn_norm.weight"])
-        gate, up = x @ sd[p + "feed_forward.w1.weight"].T, x @ sd[p + "feed_forward.w3.weight"].T
-        h = h + (F.silu(gate) * up) @ sd[p + "feed_forward.w2.weight"].T
-    head = sd[prefix + ("output.weight" if legacy else "lm_head.weight")]
-    return norm(h, sd[prefix + "norm.weight"]) @ head.T
-
-
-def _titan_state(config: GPTConfig, prefix: str = "", legacy: bool = False,
-                 seed: int = 0) -> dict[str, torch.Tensor]:
-    """Random torchtitan-named Llama weights (norm weights away from 1, so they count)."""
-    gen = torch.Generator().manual_seed(seed)
-    dim, ffn, kv = config.hidden, config.ffn_hidden, config.n_kv_heads * config.head_dim
-    qkv = "attention." if legacy else "attention.qkv_linear."
-    shapes = {"tok_embeddings.weight": (config.vocab_size, dim), "norm.weight": (dim,),
-              ("output.weight" if legacy else "lm_head.weight"): (config.vocab_size, dim)}
-    for layer in range(config.n_layers):
-        p = f"layers.{layer}."
-        shapes.update({p + qkv + "wq.weight": (dim, dim), p + qkv + "wk.weight": (kv, dim),
-                       p + qkv + "wv.weight": (kv, dim), p + "attention.wo.weight": (dim, dim),
-                       p + "feed_forward.w1.weight": (ffn, dim),
-                       p + "feed_forward.w3.weight": (ffn, dim),
-                       p + "feed_forward.w2.weight": (dim, ffn),
-                       p + "attention_norm.weight": (dim,), p + "ffn_norm.weight": (dim,)})
-    return {prefix + key: (1 + 0.1 * torch.randn(shape, generator=gen)) if len(shape) == 1
-            else 0.1 * torch.randn(shape, generator=gen) for key, shape in shapes.items()}
-
-
 def test_interleave_is_the_rope_pair_order() -> None:
     # per head of 8 rows: rotate-half order [a0 a1 a2 a3 b0 b1 b2 b3] <-> pairs [a0 b0 a1 b1 ...]
     rows = torch.arange(16.0)[:, None]
@@ -102,7 +45,7 @@ def test_interleave_is_the_rope_pair_order() -> None:
 @pytest.mark.parametrize(("prefix", "legacy"), [("", False), ("model.", True)])
 def test_torchtitan_dcp_saved_by_torch_reads_with_equal_logits(tmp_path: Path, prefix: str,
                                                                legacy: bool) -> None:
-    state = _titan_state(LLAMA, prefix, legacy)
+    state = titan_state(LLAMA, prefix, legacy)
     saved = {**state, "optimizer.state.layers.0.attention_norm.weight.exp_avg": torch.ones(64),
              "train_state": {"step": 5}}  # what torchtitan saves beside the model
     dcp.save(saved, checkpoint_id=tmp_path / "titan", no_dist=True)
@@ -111,20 +54,20 @@ def test_torchtitan_dcp_saved_by_torch_reads_with_equal_logits(tmp_path: Path, p
     assert model.config == LLAMA  # sizes and grouped-query heads read from the tensors
     tokens = _tokens(LLAMA.vocab_size, LLAMA.seq_len)
     with torch.no_grad():
-        torch.testing.assert_close(model(tokens), _titan_logits(state, tokens, LLAMA, prefix,
+        torch.testing.assert_close(model(tokens), titan_logits(state, tokens, LLAMA, prefix,
                                                                 legacy), atol=1e-5, rtol=0)
 
 
 def test_mt_llama_to_dcp_loads_into_torchtitan_names(tmp_path: Path) -> None:
     model = GPT(LLAMA, seed=3).eval()
     save_model(model, tmp_path / "dcp", to="dcp")
-    target = {key: torch.zeros_like(t) for key, t in _titan_state(LLAMA).items()}
+    target = {key: torch.zeros_like(t) for key, t in titan_state(LLAMA).items()}
     dcp.load(target, checkpoint_id=tmp_path / "dcp", no_dist=True)  # torch's own loader
     stored = dcp.FileSystemReader(tmp_path / "dcp").read_metadata().state_dict_metadata
     assert set(stored) == set(target)  # every torchtitan key, nothing else
     tokens = _tokens(LLAMA.vocab_size, LLAMA.seq_len)
     with torch.no_grad():
-        torch.testing.assert_close(_titan_logits(target, tokens, LLAMA), model(tokens),
+        torch.testing.assert_close(titan_logits(target, tokens, LLAMA), model(tokens),
                                    atol=1e-5, rtol=0)
     back = load_model(tmp_path / "dcp")  # mt.json: the config travels, no --model
     for key, tensor in model.state_dict().items():
@@ -271,6 +214,6 @@ def test_dcp_hostile_inputs_are_one_line_errors(tmp_path: Path) -> None:
 
     # no config recorded and none given
     plain = tmp_path / "plain"
-    dcp.save(_titan_state(LLAMA), checkpoint_id=plain, no_dist=True)
+    dcp.save(titan_state(LLAMA), checkpoint_id=plain, no_dist=True)
     with pytest.raises(ConvertError, match="does not record the model config.*--model"):
         open_checkpoint(plain)

@@ -38,6 +38,7 @@ class Format(StrEnum):
     pretrain = "pretrain"
     dcp = "dcp"
     mcore = "mcore"
+    gguf = "gguf"
     deepspeed = "deepspeed"
 
 
@@ -55,12 +56,12 @@ Layout = tuple[int | None, int | None, int | None]
 
 
 def _dry_run(src: Path, dst: Path, to: str, from_format: str | None, layout: Layout,
-             console: Console, model: str | None = None) -> None:
+             console: Console, model: str | None = None, gguf_type: str | None = None) -> None:
     from mt_formats.convert import make_writer, open_checkpoint, plan_conversion
 
     with open_checkpoint(src, from_format, model) as reader:
         specs = {name: reader.spec(name) for name in reader.names()}
-        writer = make_writer(to, reader.config, specs, *layout)
+        writer = make_writer(to, reader.config, specs, *layout, gguf_type)
         entries = plan_conversion(reader, writer)
         size = sum(spec.nbytes for spec in specs.values())
         # Plain lines, not a table: greppable and never folded by the terminal width.
@@ -75,7 +76,8 @@ def _dry_run(src: Path, dst: Path, to: str, from_format: str | None, layout: Lay
 
 def _convert(src: Path, dst: Path, to: str, from_format: str | None, layout: Layout,
              force: bool, console: Console, model: str | None = None,
-             optimizer: dict[str, Any] | None = None, tokenizer: str | None = None) -> None:
+             optimizer: dict[str, Any] | None = None, tokenizer: str | None = None,
+             gguf_type: str | None = None) -> None:
     from mt_formats.convert import convert_checkpoint
 
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -90,7 +92,7 @@ def _convert(src: Path, dst: Path, to: str, from_format: str | None, layout: Lay
         result = convert_checkpoint(src, dst, to=to, from_format=from_format, tp=tp, pp=pp,
                                     pad_multiple=pad_multiple, overwrite=force,
                                     progress=progress, model=model, tokenizer=tokenizer,
-                                    **(optimizer or {}))
+                                    gguf_type=gguf_type, **(optimizer or {}))
     console.print(f"wrote {result.destination} ({result.target_format}): {result.tensors} "
                   f"tensors, {result.bytes / 2**20:.1f} MiB in {result.seconds:.1f} s",
                   markup=False, highlight=False, soft_wrap=True)
@@ -98,6 +100,9 @@ def _convert(src: Path, dst: Path, to: str, from_format: str | None, layout: Lay
         console.print("note: no tokenizer written (the source records none); pass --tokenizer "
                       "so that transformers and lm-eval load the folder unaided",
                       markup=False, highlight=False, soft_wrap=True)
+    if to == "gguf" and result.tokenizer is None:
+        console.print("note: no tokenizer written (the source records none); llama.cpp needs "
+                      "one: pass --tokenizer", markup=False, highlight=False, soft_wrap=True)
 
 
 @app.callback(invoke_without_command=True, subcommand_metavar="",
@@ -140,9 +145,12 @@ def convert(
         "--drop-optimizer", help="pretrain -> pretrain: write the weights with a fresh "
         "optimizer (no Adam moments) instead of carrying the optimizer state.")] = False,
     tokenizer: Annotated[str | None, typer.Option(
-        "--tokenizer", help="hf target: the tokenizer to write beside the weights (gpt2, "
+        "--tokenizer", help="hf or gguf target: the tokenizer to write beside the weights (gpt2, "
         "tokenizer-1k, a tokenizer.json or a folder; default: the one an mt pretrain source "
         "trained with).")] = None,
+    gguf_type: Annotated[str | None, typer.Option(
+        "--gguf-type", help="gguf target: how matrices are stored: f32, f16 (default), bf16 "
+        "or q8_0 (norms and biases stay f32).")] = None,
 ) -> None:
     """Convert a GPT checkpoint: mt consolidated, mt sharded (TP x PP), Hugging Face
     GPT-2 or Llama, Megatron-LM, Megatron-core torch_dist, an mt pretrain checkpoint, torch
@@ -170,10 +178,10 @@ def convert(
                                                           drop_optimizer))
             Console().print("\n".join(lines), markup=False, highlight=False, soft_wrap=True)
         elif dry_run:
-            _dry_run(src, dst, target, source, layout, Console(), model)
+            _dry_run(src, dst, target, source, layout, Console(), model, gguf_type)
         else:
             _convert(src, dst, target, source, layout, force, console, model, optimizer,
-                     tokenizer)
+                     tokenizer, gguf_type)
     except ConvertError as err:  # bad input exits 2, a failed write 1 (as mt pretrain)
         console.print(f"[bold red]error:[/] {escape(str(err))}", highlight=False,
                       soft_wrap=True)

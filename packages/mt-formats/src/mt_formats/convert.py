@@ -36,6 +36,7 @@ from mt_formats.consolidated import CONSOLIDATED_FORMAT, ConsolidatedReader, Con
 from mt_formats.dcp import DCP_FORMAT, DCPReader, DCPWriter, is_dcp_checkpoint
 from mt_formats.deepspeed_universal import DeepSpeedUniversalReader, is_deepspeed_checkpoint
 from mt_formats.errors import ConvertError, WriteFailed, gpt2_only
+from mt_formats.gguf_file import GGUF_FORMAT, GGUFReader, GGUFWriter
 from mt_formats.hf import HFWriter, open_hf
 from mt_formats.hf_llama import LlamaWriter, is_llama
 from mt_formats.manifest import CONFIG_FILE, read_json
@@ -68,7 +69,7 @@ __all__ = [
 #: The largest --pad-multiple (Megatron-LM pads to 128 x tp).
 MAX_PAD_MULTIPLE = 2**16
 FORMATS: tuple[str, ...] = ("consolidated", "hf", "tp", "megatron", "pretrain", "dcp",
-                             "mcore", "deepspeed")
+                             "mcore", "gguf", "deepspeed")
 _READERS: dict[str, Callable[[Path], CheckpointReader]] = {
     "consolidated": ConsolidatedReader,
     "hf": open_hf,
@@ -77,9 +78,10 @@ _READERS: dict[str, Callable[[Path], CheckpointReader]] = {
     "pretrain": PretrainReader,
     "dcp": DCPReader,
     "mcore": McoreReader,
+    "gguf": GGUFReader,
     "deepspeed": DeepSpeedUniversalReader,
 }
-_WRITABLE = ("consolidated", "hf", "tp", "megatron", "pretrain", "dcp", "mcore")
+_WRITABLE = ("consolidated", "hf", "tp", "megatron", "pretrain", "dcp", "mcore", "gguf")
 #: Formats that may record no model config: ``--model`` gives it.
 _NEEDS_MODEL = {"deepspeed": DeepSpeedUniversalReader, "dcp": DCPReader, "mcore": McoreReader}
 
@@ -90,6 +92,8 @@ def detect_format(path: Path) -> str:
     ``torch_dist`` backend), ``"dcp"`` (``.metadata``) or ``"pretrain"``
     (``mt pretrain``'s ``meta.json`` or ``latest``)."""
     path = Path(path)
+    if path.suffix == ".gguf" and path.is_file() or (path / "model.gguf").is_file():
+        return GGUF_FORMAT
     _check_folder(path)
     if (path / LATEST_FILE).is_file():
         return "megatron"
@@ -118,9 +122,9 @@ _EXPECTED = ("a folder holding config.json (mt consolidated or tp, Hugging Face 
 
 
 def _check_folder(path: Path) -> None:
-    """A one-line :class:`ConvertError` when ``path`` is not a folder: not found, or a file
-    (naming what a checkpoint is and, for a file of one, its folder)."""
-    if path.is_dir():
+    """A one-line :class:`ConvertError` when ``path`` is not a folder (or a ``.gguf`` file):
+    not found, or a file (naming what a checkpoint is and, for a file of one, its folder)."""
+    if path.is_dir() or (path.suffix == ".gguf" and path.is_file()):
         return
     if not path.exists():
         raise ConvertError(f"{path}: checkpoint directory not found")
@@ -154,11 +158,14 @@ def open_checkpoint(path: Path, fmt: str | None = None,
 
 def make_writer(fmt: str, config: GPTConfig, specs: Mapping[str, TensorSpec],
                 tp: int | None = None, pp: int | None = None,
-                pad_multiple: int | None = None) -> CheckpointWriter:
+                pad_multiple: int | None = None, gguf_type: str | None = None
+                ) -> CheckpointWriter:
     """A writer for ``fmt``. ``tp`` / ``pp`` / ``pad_multiple`` apply to the sharded
     ``"tp"`` format (which needs ``tp`` or ``pp``) and ``"megatron"``; unset ones default
-    to 1, 1 and 128."""
+    to 1, 1 and 128. ``gguf_type`` (f32, f16, bf16, q8_0; default f16) to ``"gguf"``."""
     _check_format(fmt)
+    if gguf_type is not None and fmt != GGUF_FORMAT:
+        raise ConvertError(f"--gguf-type only applies to the gguf target, not {fmt!r}")
     if fmt not in _WRITABLE:
         raise ConvertError(f"cannot write the {fmt!r} format; writable: {list(_WRITABLE)}")
     if fmt == "megatron" or (fmt == "hf" and not is_llama(config)):
@@ -187,6 +194,8 @@ def make_writer(fmt: str, config: GPTConfig, specs: Mapping[str, TensorSpec],
         return DCPWriter(config, dict(specs))
     if fmt == MCORE_FORMAT:
         return McoreWriter(config, dict(specs))
+    if fmt == GGUF_FORMAT:
+        return GGUFWriter(config, dict(specs), gguf_type or "f16")
     return (HFWriter if config.architecture == "gpt2" else LlamaWriter)(config, dict(specs))
 
 
@@ -209,6 +218,8 @@ class ConversionResult:
     tensors: int
     bytes: int
     seconds: float
+    tokenizer: str | None = None
+    """The tokenizer written beside the weights (hf, gguf), if any."""
 
 
 def _specs(reader: CheckpointReader) -> dict[str, TensorSpec]:
@@ -301,7 +312,8 @@ def convert_checkpoint(source: Path, destination: Path, *, to: str = "consolidat
                        overwrite: bool = False, progress: ProgressFn | None = None,
                        model: GPTConfig | str | None = None, dp: int | None = None,
                        zero_stage: int | None = None, drop_optimizer: bool = False,
-                       tokenizer: str | None = None) -> ConversionResult:
+                       tokenizer: str | None = None, gguf_type: str | None = None
+                       ) -> ConversionResult:
     """Convert the checkpoint at ``source`` into format ``to`` at ``destination``.
 
     Streams tensor by tensor; ``destination`` appears only when everything succeeded (an
@@ -310,13 +322,13 @@ def convert_checkpoint(source: Path, destination: Path, *, to: str = "consolidat
     ZeRO stage ``zero_stage`` (unset ones keep the source's), optimizer state included
     unless ``drop_optimizer``; from other formats it writes weights only (a fresh
     optimizer, see :mod:`mt_formats.pretrain_from_weights`). ``tokenizer`` (default: the
-    one the source records) is written beside Hugging Face weights. Raises
-    :class:`ConvertError`.
+    one the source records) is written beside Hugging Face weights and into GGUF files;
+    ``gguf_type`` is the GGUF target's matrix type. Raises :class:`ConvertError`.
     """
     source, destination = Path(source), Path(destination)
     check_paths(source, destination, overwrite)  # fail before reading anything
-    if tokenizer is not None and to != "hf":
-        raise ConvertError(f"--tokenizer only applies to the hf target, not {to!r}")
+    if tokenizer is not None and to not in ("hf", GGUF_FORMAT):
+        raise ConvertError(f"--tokenizer only applies to the hf and gguf targets, not {to!r}")
     if to == "pretrain" and (from_format or detect_format(source)) == "pretrain":
         return _to_pretrain(source, destination, pad_multiple, overwrite, progress,
                             PretrainTarget(tp, pp, dp, zero_stage, drop_optimizer))
@@ -330,14 +342,16 @@ def convert_checkpoint(source: Path, destination: Path, *, to: str = "consolidat
         raise ConvertError(f"cannot write the {to!r} format; writable: {list(_WRITABLE)}")
     start = time.perf_counter()
     with open_checkpoint(source, from_format, model) as reader:
-        writer = make_writer(to, reader.config, _specs(reader), tp, pp, pad_multiple)
+        writer = make_writer(to, reader.config, _specs(reader), tp, pp, pad_multiple,
+                             gguf_type)
         writer.tokenizer = tokenizer or reader.tokenizer
         get: Callable[[str], _Read] = reader.read_deferred
         if writer.accepts_pieces:  # tensors stored as-is go file to file
             get = lambda name: reader.read_pieces(name) or reader.read_deferred(name)  # noqa: E731
         moved = _write(writer, reader.names(), get, destination, overwrite, progress)
         return ConversionResult(reader.format, writer.format, destination,
-                                len(reader.names()), moved, time.perf_counter() - start)
+                                len(reader.names()), moved, time.perf_counter() - start,
+                                writer.tokenizer)
 
 
 def _to_pretrain(source: Path, destination: Path, pad_multiple: int | None, overwrite: bool,
@@ -355,8 +369,10 @@ def _to_pretrain(source: Path, destination: Path, pad_multiple: int | None, over
 def save_state_dict(state_dict: Mapping[str, torch.Tensor], config: GPTConfig,
                     destination: Path, *, to: str = "consolidated", tp: int | None = None,
                     pp: int | None = None, pad_multiple: int | None = None,
-                    overwrite: bool = False, progress: ProgressFn | None = None) -> Path:
-    """Save an unsharded ``mt_model.GPT`` state dict in format ``to`` (atomically)."""
+                    overwrite: bool = False, progress: ProgressFn | None = None,
+                    gguf_type: str | None = None, tokenizer: str | None = None) -> Path:
+    """Save an unsharded ``mt_model.GPT`` state dict in format ``to`` (atomically);
+    ``gguf_type`` and ``tokenizer`` as :func:`convert_checkpoint`'s."""
     shapes = canonical_shapes(config)
     check_names(Path(destination), list(state_dict), list(shapes))
     for name, shape in shapes.items():
@@ -364,7 +380,8 @@ def save_state_dict(state_dict: Mapping[str, torch.Tensor], config: GPTConfig,
             raise ConvertError(f"tensor {name!r} has shape {list(state_dict[name].shape)}, "
                                f"the config needs {list(shape)}")
     specs = {name: TensorSpec.of(state_dict[name]) for name in shapes}
-    writer = make_writer(to, config, specs, tp, pp, pad_multiple)
+    writer = make_writer(to, config, specs, tp, pp, pad_multiple, gguf_type)
+    writer.tokenizer = tokenizer
     _write(writer, list(shapes), lambda n: (state_dict[n].detach(), None), Path(destination),
            overwrite, progress)
     return Path(destination)

@@ -65,7 +65,7 @@ __all__ = ["DCP_FORMAT", "DCPFileWriter", "DCPFolder", "DCPReader", "DCPWriter",
 DCP_FORMAT = "dcp"
 METADATA_FILE = ".metadata"
 SIDECAR = "mt.json"
-SIDECAR_FORMAT = "mt-dcp"
+SIDECAR_FORMAT = "mt-sidecar"  # mt.json beside files of formats without checksums
 DATA_FILE = "__0_0.distcp"
 
 _METADATA_CLASSES = {

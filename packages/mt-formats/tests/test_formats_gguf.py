@@ -1,0 +1,132 @@
+"""GGUF export read back by the ``gguf`` package's own ``GGUFReader`` (names, types, keys,
+tokenizer, values) and by mt (round trips); a Llama's q / k rows, which GGUF stores in the
+adjacent-pair RoPE order llama.cpp computes, drive a Meta-style forward to mt's logits.
+llama.cpp's own forward on these files: ``benchmarks/gguf_llama_cpp.py``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from reference_llama import titan_logits
+
+from mt_formats import ConvertError, convert_checkpoint, load_model, open_checkpoint, save_model
+from mt_model import GPT, GPTConfig, preset
+
+gguf = pytest.importorskip("gguf")
+
+LLAMA = GPTConfig(n_layers=2, hidden=64, n_heads=4, n_kv_heads=2, vocab_size=1000, seq_len=32,
+                  ffn_hidden=96, position="rope", norm="rmsnorm", mlp="swiglu", bias=False,
+                  tied_embeddings=False, layernorm_eps=1e-5)
+
+
+def _stored(reader: gguf.GGUFReader) -> dict[str, gguf.ReaderTensor]:
+    return {tensor.name: tensor for tensor in reader.tensors}
+
+
+def _values(tensor: gguf.ReaderTensor) -> np.ndarray:
+    shape = tuple(reversed(tensor.shape.tolist()))
+    if tensor.tensor_type == gguf.GGMLQuantizationType.BF16:
+        raw = np.ascontiguousarray(tensor.data).view(np.uint16).astype(np.uint32) << 16
+        return raw.view(np.float32).reshape(shape)
+    return gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+
+
+@pytest.mark.parametrize("kind", ["f32", "f16", "bf16", "q8_0"])
+def test_gpt2_gguf_read_by_gguf_reader(tmp_path: Path, kind: str) -> None:
+    model = GPT(preset("tiny").replace(hidden=48, n_heads=4), seed=2).eval()
+    save_model(model, tmp_path / "mt")
+    convert_checkpoint(tmp_path / "mt", tmp_path / "g", to="gguf", gguf_type=kind,
+                       tokenizer="tokenizer-1k")
+    reader = gguf.GGUFReader(tmp_path / "g" / "model.gguf")
+    fields = {name: field.contents() for name, field in reader.fields.items()}
+    assert fields["general.architecture"] == "gpt2"
+    assert (fields["gpt2.block_count"], fields["gpt2.embedding_length"],
+            fields["gpt2.attention.head_count"]) == (model.config.n_layers, 48, 4)
+    assert fields["tokenizer.ggml.model"] == "gpt2"
+    assert len(fields["tokenizer.ggml.tokens"]) == model.config.vocab_size
+    stored, state = _stored(reader), model.state_dict()
+    assert set(stored) == {  # llama.cpp's names; the tied head is token_embd's
+        "token_embd.weight", "position_embd.weight", "output_norm.weight", "output_norm.bias",
+        *(f"blk.{i}.{t}.{p}" for i in range(model.config.n_layers) for t in (
+            "attn_norm", "attn_qkv", "attn_output", "ffn_norm", "ffn_up", "ffn_down")
+          for p in ("weight", "bias"))}
+    for key, name in (("blk.1.attn_qkv.weight", "blocks.1.attn.qkv.weight"),
+                      ("blk.0.ffn_down.weight", "blocks.0.mlp.proj.weight"),
+                      ("output_norm.bias", "ln_f.bias")):
+        tensor, want = stored[key], state[name].numpy()
+        got = _values(tensor)
+        assert got.shape == want.shape
+        if want.ndim == 1 or kind == "f32":
+            assert tensor.tensor_type.name == "F32" and np.array_equal(got, want)
+        elif kind in ("f16", "bf16"):
+            dtype = {"f16": torch.float16, "bf16": torch.bfloat16}[kind]
+            assert np.array_equal(got, torch.from_numpy(want).to(dtype).float().numpy())
+        elif want.shape[1] % 32:  # q8_0 blocks need rows of 32: 48 columns stay f16
+            assert tensor.tensor_type.name == "F16"
+        else:  # q8_0: each block of 32 within half a step of its scale max|x| / 127, the
+            # scale itself an f16 (relative error <= 2^-11, times up to 127 steps)
+            assert tensor.tensor_type.name == "Q8_0"
+            blocks, approx = want.reshape(-1, 32), got.reshape(-1, 32)
+            step = np.abs(blocks).max(axis=1, keepdims=True) / 127
+            assert (np.abs(approx - blocks) <= step * 0.5 + np.abs(blocks) * 2**-11).all()
+    back = load_model(tmp_path / "g").float().eval()  # mt reads the file back
+    tokens = torch.randint(0, 1000, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours, again = model(tokens), back(tokens)
+    if kind == "f32":
+        for name, tensor in state.items():
+            assert torch.equal(back.state_dict()[name], tensor), name
+    else:
+        limit = {"f16": 1e-2, "bf16": 5e-2, "q8_0": 5e-2}[kind]
+        assert (ours - again).abs().max() < limit
+        assert (ours.argmax(-1) == again.argmax(-1)).float().mean() > 0.9
+
+
+def test_llama_gguf_rows_are_llama_cpp_rope_order(tmp_path: Path) -> None:
+    model = GPT(LLAMA, seed=3).eval()
+    save_model(model, tmp_path / "g", to="gguf", gguf_type="f32")
+    stored = _stored(gguf.GGUFReader(tmp_path / "g" / "model.gguf"))
+    names = {"tok_embeddings.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    for i in range(LLAMA.n_layers):
+        for titan, ours in (("attention.qkv_linear.wq", "attn_q"),
+                            ("attention.qkv_linear.wk", "attn_k"),
+                            ("attention.qkv_linear.wv", "attn_v"), ("attention.wo", "attn_output"),
+                            ("feed_forward.w1", "ffn_gate"), ("feed_forward.w3", "ffn_up"),
+                            ("feed_forward.w2", "ffn_down"), ("attention_norm", "attn_norm"),
+                            ("ffn_norm", "ffn_norm")):
+            names[f"layers.{i}.{titan}.weight"] = f"blk.{i}.{ours}.weight"
+    assert set(names.values()) == set(stored)
+    state = {key: torch.from_numpy(_values(stored[gguf_key]).copy())
+             for key, gguf_key in names.items()}
+    tokens = torch.randint(0, 1000, (2, 24), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(titan_logits(state, tokens, LLAMA), model(tokens),
+                                   atol=1e-5, rtol=0)
+    back = load_model(tmp_path / "g")
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(back.state_dict()[name], tensor), name
+
+
+def test_gguf_refusals(tmp_path: Path) -> None:
+    save_model(GPT(preset("tiny"), seed=1), tmp_path / "mt")
+    with pytest.raises(ConvertError, match="--gguf-type 'q4_k': one of"):
+        convert_checkpoint(tmp_path / "mt", tmp_path / "g", to="gguf", gguf_type="q4_k")
+    with pytest.raises(ConvertError, match="--gguf-type only applies to the gguf target"):
+        convert_checkpoint(tmp_path / "mt", tmp_path / "g", to="hf", gguf_type="q8_0")
+    convert_checkpoint(tmp_path / "mt", tmp_path / "g", to="gguf")
+    data = (tmp_path / "g" / "model.gguf").read_bytes()
+    (tmp_path / "bad.gguf").write_bytes(data[:len(data) // 2])  # a .gguf file is a source too
+    with pytest.raises(ConvertError, match=r"bad\.gguf: not a readable GGUF file \(truncated"):
+        open_checkpoint(tmp_path / "bad.gguf")
+    # a flipped bit in a tensor: GGUF cannot tell, the CRC-32C in mt.json can
+    stored = _stored(gguf.GGUFReader(tmp_path / "g" / "model.gguf"))["blk.0.ffn_up.weight"]
+    damaged = bytearray(data)
+    damaged[stored.data_offset + 7] ^= 0x04
+    (tmp_path / "g" / "model.gguf").write_bytes(bytes(damaged))
+    with open_checkpoint(tmp_path / "g") as reader, pytest.raises(
+            ConvertError, match=r"model\.gguf: tensor 'blk\.0\.ffn_up\.weight': checksum"):
+        reader.read("blocks.0.mlp.fc.weight")
