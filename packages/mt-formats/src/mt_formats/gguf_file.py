@@ -59,7 +59,7 @@ _TOP = {"embed.tokens.weight": "token_embd.weight", "embed.positions.weight":
 
 def _gguf() -> Any:
     try:
-        import gguf
+        import gguf  # pants: no-infer-dep (optional: mt-formats[gguf])
     except ImportError:
         raise ConvertError("the gguf format needs the gguf package: pip install "
                            "'mt-formats[gguf]'") from None
