@@ -4,6 +4,7 @@ names and per-head qkv order, and weights-only reading that refuses other pickle
 from __future__ import annotations
 
 import argparse
+import pickle
 from pathlib import Path
 
 import pytest
@@ -69,9 +70,9 @@ def test_convert_megatron_refuses_other_pickles(tmp_path: Path) -> None:
     save_model(GPT(preset("tiny"), seed=9), tmp_path / "meg", to="megatron")
     path = tmp_path / "meg/iter_0000000/mp_rank_00/model_optim_rng.pt"
     data = _load(path)
-    torch.save({**data, "args": argparse.Namespace(num_layers=4)}, path)  # as Megatron does
-    with pytest.raises(ConvertError, match=r"mp_rank_00/model_optim_rng\.pt: holds objects "
-                                           "other than tensors and plain containers; refusing"):
+    torch.save({**data, "args": argparse.Namespace(num_layers=4, save=Path("/x"))}, path)
+    with pytest.raises(ConvertError, match=r"mp_rank_00/model_optim_rng\.pt: holds a pickled "
+                                           r"object outside the allow-list.*refusing.*PosixPath"):
         convert_checkpoint(tmp_path / "meg", tmp_path / "out")
     layers = data["model"]["language_model"]["encoder"]
     layers["layers.0.mlp.dense_h_to_4h.weight"] = layers["layers.0.mlp.dense_h_to_4h.weight"][1:]
@@ -84,3 +85,65 @@ def test_convert_megatron_refuses_other_pickles(tmp_path: Path) -> None:
     with pytest.raises(ConvertError, match="not a readable torch checkpoint"):
         convert_checkpoint(tmp_path / "meg", tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def _genuine(folder: str, vocab: int | None) -> None:
+    """Turn mt's megatron files into what Megatron-LM itself saves: its ``args`` (with a
+    real Megatron-core enum and a torch dtype), RNG states (Python, numpy, torch) and
+    scheduler state instead of mt's entry. Run in its own process: importing megatron.core
+    widens torch's weights-only allow-list for the whole process."""
+    import random
+
+    import numpy as np
+    from megatron.core.transformer.enums import AttnBackend
+
+    args = argparse.Namespace(
+        num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256,
+        max_position_embeddings=128, seq_length=128, norm_epsilon=1e-5, init_method_std=0.02,
+        tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+        make_vocab_size_divisible_by=128, padded_vocab_size=1024, vocab_size=vocab,
+        swiglu=False, normalization="LayerNorm", position_embedding_type="learned_absolute",
+        untie_embeddings_and_output_weights=False, add_bias_linear=True, openai_gelu=False,
+        params_dtype=torch.float32, attention_backend=AttnBackend.auto, lr=3e-4,
+        data_path=["1.0", "corpus_text_document"], tokenizer_type="GPT2BPETokenizer")
+    for path in sorted(Path(folder).rglob("model_optim_rng.pt")):
+        data = torch.load(path, weights_only=True)
+        data.pop("mt", None)
+        np.random.seed(1)
+        data.update(args=args, num_floating_point_operations_so_far=0,
+                    opt_param_scheduler={"max_lr": 3e-4, "num_steps": 10},
+                    rng_state=[{"random_rng_state": random.getstate(),
+                                "np_rng_state": np.random.get_state(),
+                                "torch_rng_state": torch.get_rng_state(),
+                                "rng_tracker_states": {}}])
+        torch.save(data, path)
+
+
+def test_convert_genuine_megatron_lm_reads_its_args(tmp_path: Path) -> None:
+    from mt_dist.testing import run_distributed
+
+    model = GPT(preset("tiny").replace(seq_len=128), seed=9).eval()
+    save_model(model, tmp_path / "meg", to="megatron", tp=2, pp=2)
+    run_distributed(_genuine, 1, str(tmp_path / "meg"), 1000, timeout=120)
+    with pytest.raises(pickle.UnpicklingError):  # plain weights-only loading refuses it
+        _load(tmp_path / "meg/iter_0000000/mp_rank_00_000/model_optim_rng.pt")
+    back = load_model(tmp_path / "meg")  # config and layout from args, vocab padding dropped
+    assert back.config == model.config.replace(init_std=0.02)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(back.state_dict()[name], tensor), name
+    run_distributed(_genuine, 1, str(tmp_path / "meg"), None, timeout=120)
+    assert load_model(tmp_path / "meg").config.vocab_size == 1024  # no vocab_size: padded
+
+
+def test_megatron_args_outside_the_gpt2_layout_are_refused_by_name() -> None:
+    from mt_formats.megatron_args import config_from_args
+
+    base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, padded_vocab_size=128,
+                max_position_embeddings=32)
+    assert config_from_args(argparse.Namespace(**base), Path("f.pt")).n_layers == 2
+    for field, value, what in (("swiglu", True, "a SwiGLU MLP"),
+                               ("normalization", "RMSNorm", "RMSNorm"),
+                               ("position_embedding_type", "rope", "non-learned positions"),
+                               ("group_query_attention", True, "grouped-query attention")):
+        with pytest.raises(ConvertError, match=rf"f\.pt: args\.{field}={value!r}: {what}"):
+            config_from_args(argparse.Namespace(**base, **{field: value}), Path("f.pt"))

@@ -18,10 +18,11 @@ stage ``YYY`` otherwise. Each file is ``torch.save`` of plain containers and ten
 
 As in Megatron, layer numbers are local to the stage, ``query_key_value`` rows are ordered
 per head ``[heads, 3 (q, k, v), head_dim]`` (mt stores ``[3, heads, head_dim]``), and the
-word embeddings are padded to a multiple of ``pad_multiple * tp`` rows. Megatron's own
-``args`` (an ``argparse.Namespace``) and RNG state cannot be read weights-only, so the
-model config travels in the ``"mt"`` entry. Files are read only with
-``torch.load(weights_only=True)``: any other pickled object is refused.
+word embeddings are padded to a multiple of ``pad_multiple * tp`` rows. mt's files carry
+the model config in the ``"mt"`` entry; genuine Megatron-LM files carry ``args`` (an
+``argparse.Namespace``) and RNG states, read with weights-only loading plus an explicit
+allow-list (:mod:`mt_formats.megatron_args`), and the config and layout come from ``args``.
+Any other pickled object is refused.
 """
 
 from __future__ import annotations
@@ -34,9 +35,9 @@ import torch
 
 from mt_formats.canonical import CheckpointReader, CheckpointWriter, TensorRef, canonical_shapes
 from mt_formats.errors import ConvertError
+from mt_formats.megatron_args import config_from_args, layout_from_args, load_megatron_file
 from mt_formats.sharded import stage_layers, stages_of
 from mt_formats.tensors import TensorSpec, tensor_sha256
-from mt_formats.torch_io import load_weights_only
 from mt_model import GPTConfig
 from mt_tensor_parallel import (
     DEFAULT_PAD_MULTIPLE,
@@ -250,8 +251,9 @@ class MegatronWriter(CheckpointWriter):
 
 
 def _load(path: Path) -> dict[str, Any]:
-    """A weights-only ``torch.load`` (memory-mapped), errors naming the file."""
-    data = load_weights_only(path)
+    """A weights-only ``torch.load`` (memory-mapped) with the allow-list of Megatron-LM's
+    pickled objects (:mod:`mt_formats.megatron_args`), errors naming the file."""
+    data = load_megatron_file(path)
     if not isinstance(data, dict) or not isinstance(data.get("model"), dict):
         raise ConvertError(f"{path}: not a Megatron-LM checkpoint (no 'model' dict)")
     return data
@@ -284,17 +286,25 @@ class MegatronReader(CheckpointReader):
         first = sorted(folder.glob(f"mp_rank_*/{MODEL_FILE}"))
         if not first:
             raise ConvertError(f"{folder}: no mp_rank_*/{MODEL_FILE} files")
-        info = _load(first[0]).get("mt")
+        head = _load(first[0])
+        info = head.get("mt")
         try:
-            self.config = GPTConfig.from_dict(info["model"])
-            layout = info["layout"]
+            if info is None and "args" in head:  # genuine Megatron-LM: its own args
+                self.config = config_from_args(head["args"], first[0])
+                layout = layout_from_args(head["args"], self.config, first[0])
+                version = float(head.get("checkpoint_version", 0))
+                if version < 2.0:
+                    raise ConvertError(f"{first[0]}: checkpoint_version {version}: mt reads "
+                                       "2.0 and later (query_key_value rows per head)")
+            else:
+                self.config = GPTConfig.from_dict(info["model"])
+                layout = info["layout"]
             tp, pp = int(layout["tp"]), int(layout["pp"])
             pad = int(layout["pad_multiple"])
             ranges = [(int(a), int(b)) for a, b in layout["stage_layers"]]
         except (TypeError, KeyError, ValueError) as err:
-            raise ConvertError(f"{first[0]}: no usable 'mt' entry (model config and layout; "
-                               f"Megatron's own args cannot be read weights-only): "
-                               f"{err!r}") from None
+            raise ConvertError(f"{first[0]}: neither a usable 'mt' entry nor Megatron-LM "
+                               f"'args' (model config and layout): {err!r}") from None
         self._shapes = canonical_shapes(self.config)
         specs = {name: TensorSpec(shape, torch.float32) for name, shape in self._shapes.items()}
         self._plan = _Plan(self.config, specs, tp, pp, pad, ranges, iteration)

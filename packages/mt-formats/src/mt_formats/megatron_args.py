@@ -1,0 +1,157 @@
+"""Genuine Megatron-LM checkpoint files: an explicit allow-list for the Python objects they
+pickle beside the tensors, and the mt config their ``args`` describe.
+
+Megatron-LM's ``model_optim_rng.pt`` (and a Megatron-core ``common.pt``) carries ``args``,
+an ``argparse.Namespace`` of every command-line setting (torch dtypes, and Megatron-core
+enums such as ``AttnBackend``), and RNG states (Python's ``random`` tuple, numpy's
+``(name, uint32 array, ...)``). ``torch.load(weights_only=True)`` refuses all of them. They
+are loaded here with that same weights-only unpickler and a named allow-list: the
+Namespace, numpy's array and dtype reconstruction, and the Megatron-core enums below as
+inert stand-ins that only keep their value (nothing of Megatron is imported). Any other
+class is refused in one line naming it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pickle
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from mt_formats.errors import ConvertError
+from mt_model import GPTConfig
+
+__all__ = ["MegatronEnum", "config_from_args", "layout_from_args", "load_megatron_file"]
+
+#: Megatron-core enums that ``args`` may hold (by their pickled module path).
+MEGATRON_ENUMS = (
+    "megatron.core.transformer.enums.AttnBackend",
+    "megatron.core.transformer.enums.AttnMaskType",
+    "megatron.core.transformer.enums.AttnType",
+    "megatron.core.transformer.enums.LayerType",
+    "megatron.core.transformer.enums.CudaGraphScope",
+    "megatron.core.enums.ModelType",
+    "megatron.core.enums.Fp8Recipe",
+    "megatron.core.model_parallel_config.ModelParallelConfig",
+)
+
+
+class MegatronEnum:
+    """An inert stand-in for a Megatron-core enum member in ``args``: its value only."""
+
+    def __init__(self, value: Any = None) -> None:
+        self.value = value
+
+    def __repr__(self) -> str:
+        return f"MegatronEnum({self.value!r})"
+
+
+def _numpy_globals() -> list[Any]:
+    """numpy's array reconstruction (an RNG state's uint32 key), under numpy 1 and 2 names."""
+    core = getattr(np, "_core", None) or np.core  # numpy 2 / 1
+    reconstruct = core.multiarray._reconstruct
+    dtypes = [type(np.dtype(kind)) for kind in ("uint32", "float64", "int64")]
+    return [(reconstruct, "numpy.core.multiarray._reconstruct"),
+            (reconstruct, "numpy._core.multiarray._reconstruct"), np.ndarray, np.dtype, *dtypes]
+
+
+def load_megatron_file(path: Path) -> Any:
+    """``torch.load`` of a Megatron-LM file, weights-only plus the allow-list above; a
+    missing, damaged or other-object file raises a one-line ConvertError naming it."""
+    if not path.is_file():
+        raise ConvertError(f"{path}: file not found")
+    allowed = [argparse.Namespace, *_numpy_globals(),
+               *((MegatronEnum, name) for name in MEGATRON_ENUMS)]
+    try:
+        with torch.serialization.safe_globals(allowed):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as err:
+        lines = str(err).splitlines()
+        what = next((line.strip() for line in lines if "GLOBAL" in line or "Unsupported" in
+                     line), lines[0] if lines else "")
+        raise ConvertError(f"{path}: holds a pickled object outside the allow-list for "
+                           f"Megatron-LM files (argparse.Namespace, numpy arrays, "
+                           f"Megatron-core enums); refusing to unpickle it: {what}") from None
+    except (RuntimeError, OSError, EOFError, ValueError) as err:
+        first = next(iter(str(err).splitlines()), type(err).__name__)
+        raise ConvertError(f"{path}: not a readable torch checkpoint (malformed or "
+                           f"truncated): {first}") from None
+
+
+def _get(args: Any, *names: str, default: Any = None) -> Any:
+    for name in names:
+        if hasattr(args, name) and getattr(args, name) is not None:
+            return getattr(args, name)
+    return default
+
+
+def config_from_args(args: Any, where: Path) -> GPTConfig:
+    """The mt GPT-2 config Megatron-LM's ``args`` describe; what mt's megatron layout does
+    not hold (SwiGLU, RMSNorm, RoPE, grouped-query attention, post-norm residuals, other
+    activations) is refused naming the setting."""
+    if not isinstance(args, argparse.Namespace):
+        raise ConvertError(f"{where}: 'args' is a {type(args).__name__}, not Megatron-LM's "
+                           "argparse.Namespace")
+    refusals = [
+        ("swiglu", bool(_get(args, "swiglu", default=False)), "a SwiGLU MLP"),
+        ("normalization", _get(args, "normalization", default="LayerNorm") != "LayerNorm",
+         "RMSNorm"),
+        ("position_embedding_type", _get(args, "position_embedding_type",
+                                         default="learned_absolute") != "learned_absolute",
+         "non-learned positions"),
+        ("group_query_attention", bool(_get(args, "group_query_attention", default=False)),
+         "grouped-query attention"),
+        ("apply_residual_connection_post_layernorm",
+         bool(_get(args, "apply_residual_connection_post_layernorm", default=False)),
+         "post-norm residuals"),
+        ("squared_relu", bool(_get(args, "squared_relu", default=False)), "squared ReLU"),
+    ]
+    for name, bad, what in refusals:
+        if bad:
+            raise ConvertError(f"{where}: args.{name}={getattr(args, name)!r}: {what} is not in "
+                               "mt's megatron (GPT-2) layout; convert it through mcore instead")
+    padded = _get(args, "padded_vocab_size")
+    vocab = _get(args, "vocab_size", default=padded)
+    hidden = _get(args, "hidden_size")
+    try:
+        return GPTConfig(
+            n_layers=int(_get(args, "num_layers")), hidden=int(hidden),
+            n_heads=int(_get(args, "num_attention_heads")), vocab_size=int(vocab),
+            seq_len=int(_get(args, "max_position_embeddings", "seq_length")),
+            ffn_hidden=int(_get(args, "ffn_hidden_size", default=4 * int(hidden))),
+            layernorm_eps=float(_get(args, "norm_epsilon", "layernorm_epsilon", default=1e-5)),
+            gelu_approximate="tanh" if _get(args, "openai_gelu", default=False) else "none",
+            bias=bool(_get(args, "add_bias_linear", default=True)),
+            tied_embeddings=not _get(args, "untie_embeddings_and_output_weights",
+                                     default=False),
+            init_std=float(_get(args, "init_method_std", default=0.02)))
+    except (TypeError, ValueError) as err:
+        raise ConvertError(f"{where}: Megatron-LM's args do not make an mt config: "
+                           f"{err}") from None
+
+
+def layout_from_args(args: Any, config: GPTConfig, where: Path) -> dict[str, Any]:
+    """``{"tp", "pp", "pad_multiple", "stage_layers"}`` of a Megatron-LM run (uniform
+    stages, as Megatron splits the layers by default)."""
+    tp = int(_get(args, "tensor_model_parallel_size", default=1))
+    pp = int(_get(args, "pipeline_model_parallel_size", default=1))
+    for name in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+                 "virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage"):
+        if _get(args, name) is not None:
+            raise ConvertError(f"{where}: args.{name}={getattr(args, name)!r}: only uniform, "
+                               "non-interleaved pipeline stages are read")
+    if config.n_layers % pp:
+        raise ConvertError(f"{where}: {config.n_layers} layers do not split evenly over "
+                           f"{pp} pipeline stages")
+    per = config.n_layers // pp
+    padded = _get(args, "padded_vocab_size", default=config.vocab_size)
+    multiple = int(_get(args, "make_vocab_size_divisible_by", default=128))
+    if padded != config.vocab_size and -(-config.vocab_size // (multiple * tp)) * (
+            multiple * tp) != padded:
+        raise ConvertError(f"{where}: padded_vocab_size {padded} is not vocab_size "
+                           f"{config.vocab_size} padded to a multiple of {multiple} x {tp}")
+    return {"tp": tp, "pp": pp, "pad_multiple": multiple if padded != config.vocab_size else 1,
+            "stage_layers": [[s * per, (s + 1) * per] for s in range(pp)]}
