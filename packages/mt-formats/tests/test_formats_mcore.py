@@ -72,8 +72,8 @@ def _mcore_model(config: GPTConfig, tp: int) -> Any:
                     parallel_output=False).eval()
 
 
-def _logits(model: Any) -> torch.Tensor:
-    tokens = _tokens(model.vocab_size)
+def _logits(model: Any, vocab: int | None = None) -> torch.Tensor:
+    tokens = _tokens(vocab or model.vocab_size)
     seq = tokens.shape[1]
     positions = torch.arange(seq)[None].expand_as(tokens)
     mask = torch.triu(torch.ones(1, 1, seq, seq), diagonal=1).bool()
@@ -81,7 +81,29 @@ def _logits(model: Any) -> torch.Tensor:
         return model(tokens, positions, attention_mask=mask)
 
 
-def _save_tp2(directory: str) -> torch.Tensor:
+def _megatron_lm_args(config: GPTConfig, tp: int, vocab: int) -> Any:
+    """The ``args`` Megatron-LM puts in a checkpoint's common state (the settings that
+    describe the model and layout, and a real Megatron-core enum and torch dtype)."""
+    import argparse
+
+    from megatron.core.transformer.enums import AttnBackend
+
+    return argparse.Namespace(
+        num_layers=config.n_layers, hidden_size=config.hidden,
+        num_attention_heads=config.n_heads, ffn_hidden_size=config.ffn_hidden,
+        max_position_embeddings=config.seq_len, seq_length=config.seq_len,
+        norm_epsilon=config.layernorm_eps, normalization="LayerNorm", swiglu=False,
+        position_embedding_type="learned_absolute", group_query_attention=False,
+        add_bias_linear=True, untie_embeddings_and_output_weights=False,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
+        padded_vocab_size=config.vocab_size, vocab_size=vocab, make_vocab_size_divisible_by=64,
+        params_dtype=torch.float32, attention_backend=AttnBackend.auto, init_method_std=0.05)
+
+
+def _save_tp2(directory: str, vocab: int | None = None) -> torch.Tensor:
+    """GPT2 at TP 2 saved by ``dist_checkpointing.save``; with ``vocab``, as Megatron-LM
+    saves it: ``args`` and the iteration in the common state, the vocabulary padded from
+    ``vocab`` to the model's rows."""
     from megatron.core import dist_checkpointing
 
     model = _mcore_model(GPT2, tp=2)
@@ -90,8 +112,12 @@ def _save_tp2(directory: str) -> torch.Tensor:
             if "norm" in name or name.endswith("bias"):
                 param.add_(torch.randn(param.shape, generator=torch.Generator().manual_seed(
                     len(name))) * 0.1)
-    dist_checkpointing.save(model.sharded_state_dict(), directory)
-    return _logits(model)
+    state = model.sharded_state_dict()
+    if vocab is not None:
+        state.update(args=_megatron_lm_args(GPT2, 2, vocab), checkpoint_version=3.0,
+                     iteration=10)
+    dist_checkpointing.save(state, directory)
+    return _logits(model, vocab)
 
 
 def _load(directory: str, config: dict[str, Any]) -> torch.Tensor:
@@ -110,7 +136,7 @@ def test_mcore_tp2_save_reads_with_mcore_logits(tmp_path: Path) -> None:
     (tmp_path / "ckpt").mkdir()
     logits = run_distributed(_save_tp2, 2, str(tmp_path / "ckpt"), timeout=300)
     assert torch.equal(logits[0], logits[1])
-    with pytest.raises(ConvertError, match="does not record mt's model config.*--model"):
+    with pytest.raises(ConvertError, match="records no model config.*--model"):
         open_checkpoint(tmp_path / "ckpt")
     fields = tmp_path / "fields.json"
     fields.write_text(json.dumps({"n_heads": 4, "n_layers": 1, "hidden": 64, "vocab_size": 8,
@@ -139,3 +165,14 @@ def test_mt_llama_to_mcore_loads_into_megatron_core(tmp_path: Path) -> None:
     back = load_model(tmp_path / "mcore")  # mt.json: the config travels; checksums checked
     for name, tensor in model.state_dict().items():
         assert torch.equal(back.state_dict()[name], tensor), name
+
+
+def test_megatron_lm_torch_dist_reads_its_args(tmp_path: Path) -> None:
+    (tmp_path / "ckpt").mkdir()
+    logits = run_distributed(_save_tp2, 2, str(tmp_path / "ckpt"), 120, timeout=300)[0]
+    with open_checkpoint(tmp_path / "ckpt") as reader:  # no --model: Megatron-LM's args
+        assert reader.config == GPT2.replace(vocab_size=120, init_std=0.05)
+    model = load_model(tmp_path / "ckpt").eval()
+    tokens = _tokens(120)
+    with torch.no_grad():  # the 8 padding rows of Megatron's vocabulary are dropped
+        torch.testing.assert_close(model(tokens), logits[..., :120], atol=1e-5, rtol=0)

@@ -141,9 +141,16 @@ def test_megatron_args_outside_the_gpt2_layout_are_refused_by_name() -> None:
     base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, padded_vocab_size=128,
                 max_position_embeddings=32)
     assert config_from_args(argparse.Namespace(**base), Path("f.pt")).n_layers == 2
-    for field, value, what in (("swiglu", True, "a SwiGLU MLP"),
-                               ("normalization", "RMSNorm", "RMSNorm"),
-                               ("position_embedding_type", "rope", "non-learned positions"),
+    for field, value, what in (("swiglu", True, "a SwiGLU MLP"), ("normalization", "RMSNorm",
+                                                                  "norm"),
+                               ("position_embedding_type", "rope", "positions"),
                                ("group_query_attention", True, "grouped-query attention")):
-        with pytest.raises(ConvertError, match=rf"f\.pt: args\.{field}={value!r}: {what}"):
+        with pytest.raises(ConvertError, match=rf"f\.pt: args\.{field}={value!r} \({what}\) "
+                                               r"is not supported by mt's megatron \(GPT-2\)"):
             config_from_args(argparse.Namespace(**base, **{field: value}), Path("f.pt"))
+        # a Megatron-core checkpoint holds them: mt's Llama-family settings
+        config_from_args(argparse.Namespace(**base, **{field: value}), Path("f.pt"),
+                         gpt2_only=False)
+    with pytest.raises(ConvertError, match=r"args\.rotary_percent=0\.5 \(partial RoPE\)"):
+        config_from_args(argparse.Namespace(**base, rotary_percent=0.5), Path("f.pt"),
+                         gpt2_only=False)

@@ -16,12 +16,13 @@ that hold it (:meth:`~mt_formats.dcp.DCPFolder.load_layer`). ``linear_qkv``'s ro
 ordered per query group, [groups, heads/groups q heads + 1 k + 1 v, head_dim] (mt: all q,
 then all k, then all v); Megatron's RoPE rotates halves, as mt's, so no other permutation.
 
-The model config: ``--model`` (sizes, grouped-query heads, norm kind, biases, positions and
-tying are read from the tensors), or ``mt.json`` in a folder mt wrote. Written: per-layer
+The model config: ``mt.json`` in a folder mt wrote, Megatron-LM's ``args`` in ``common.pt``
+(allow-listed unpickling, :mod:`mt_formats.megatron_args`; its padded vocabulary's extra rows
+are dropped when ``args.vocab_size`` is recorded), or ``--model`` (sizes, grouped-query
+heads, norm kind, biases, positions and tying are read from the tensors). Written: per-layer
 chunks as Megatron-core saves them, the ``_extra_state`` entries its loader expects,
 ``metadata.json``, an empty ``common.pt`` and ``mt.json`` (config, CRC-32C of every chunk).
-The vocabulary is stored unpadded (Megatron-LM pads it to a multiple of 128 x TP; such a
-padded source is read with its padding rows as part of the vocabulary).
+The vocabulary is stored unpadded.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from mt_formats.dcp import (
 from mt_formats.deepspeed_universal import config_fields
 from mt_formats.errors import ConvertError
 from mt_formats.manifest import read_json
+from mt_formats.megatron_args import config_from_args, load_megatron_file
 from mt_formats.tensors import TensorSpec, check_names, tensor_checksum
 from mt_model import GPTConfig
 
@@ -197,22 +199,38 @@ class McoreReader(CheckpointReader):
                                    "config; --model does not apply")
             self.config = config_from(sidecar.get("model"), self.root / SIDECAR)
             self._folder.checksums = dict(sidecar.get("checksums") or {})
+        elif model is None and (args := self._args()) is not None:  # Megatron-LM's own
+            self.config = config_from_args(args, self.root / COMMON_FILE, gpt2_only=False)
         else:
             fields, _ = config_fields(model, self.root, {})
             if fields is None:
                 raise ConvertError(
-                    f"{self.root}: this Megatron-core checkpoint does not record mt's model "
-                    "config; give it with --model PRESET or --model CONFIG.json (GPTConfig "
-                    "fields: heads, activation, norm epsilon; sizes are read from the tensors)")
+                    f"{self.root}: this Megatron-core checkpoint records no model config "
+                    f"(no mt.json, no Megatron-LM args in {COMMON_FILE}); give it with "
+                    "--model PRESET or --model CONFIG.json (GPTConfig fields: heads, "
+                    "activation, norm epsilon; sizes are read from the tensors)")
             self.config = config_from({**fields, **_sizes(shapes, fields, self.root)},
                                       self.root / METADATA_FILE)
+        self._rows = shapes.get(_TOP["embed.tokens.weight"], (self.config.vocab_size,))[0]
+        if self.config.vocab_size > self._rows:
+            raise ConvertError(f"{self.root / METADATA_FILE}: the embedding has {self._rows} "
+                               f"rows, fewer than the vocabulary of {self.config.vocab_size}")
         self._shapes = canonical_shapes(self.config)
         self._parts = {name: mcore_parts(name) for name in self._shapes}
         self._check(shapes)
         self._cached: tuple[tuple[str, int], torch.Tensor] | None = None
 
+    def _args(self) -> Any:
+        """Megatron-LM's ``args`` from ``common.pt`` (allow-listed unpickling), or None."""
+        if not (self.root / COMMON_FILE).is_file():
+            return None
+        common = load_megatron_file(self.root / COMMON_FILE)
+        return common.get("args") if isinstance(common, dict) else None
+
     def _stored_shape(self, name: str) -> tuple[int, ...]:
         part, shape = self._parts[name], self._shapes[name]
+        if name in ("embed.tokens.weight", "head.weight"):  # Megatron-LM pads the vocabulary
+            shape = (self._rows, *shape[1:])
         if part.select:
             groups, per, dim = _grouped(self.config)
             shape = (groups * (per + 2) * dim, *shape[1:])
@@ -246,7 +264,10 @@ class McoreReader(CheckpointReader):
     def read(self, name: str) -> torch.Tensor:
         part = self._parts[name]
         if part.layer < 0:
-            return self._folder.load(part.key)
+            tensor = self._folder.load(part.key)
+            if name in ("embed.tokens.weight", "head.weight"):
+                return tensor[:self.config.vocab_size].contiguous()  # padding rows dropped
+            return tensor
         at = (part.key, part.layer)
         if self._cached is None or self._cached[0] != at:  # q then kv read one qkv layer once
             self._cached = (at, self._folder.load_layer(*at))

@@ -88,38 +88,52 @@ def _get(args: Any, *names: str, default: Any = None) -> Any:
     return default
 
 
-def config_from_args(args: Any, where: Path) -> GPTConfig:
-    """The mt GPT-2 config Megatron-LM's ``args`` describe; what mt's megatron layout does
-    not hold (SwiGLU, RMSNorm, RoPE, grouped-query attention, post-norm residuals, other
-    activations) is refused naming the setting."""
+def config_from_args(args: Any, where: Path, gpt2_only: bool = True) -> GPTConfig:
+    """The mt config Megatron-LM's ``args`` describe. ``gpt2_only`` (the legacy megatron
+    layout): SwiGLU, RMSNorm, RoPE and grouped-query attention are refused by setting name;
+    otherwise (Megatron-core checkpoints) they map to mt's Llama-family settings. Either
+    way post-norm residuals, other activations, partial or interleaved RoPE and q/k norms
+    are refused."""
     if not isinstance(args, argparse.Namespace):
         raise ConvertError(f"{where}: 'args' is a {type(args).__name__}, not Megatron-LM's "
                            "argparse.Namespace")
+    swiglu = bool(_get(args, "swiglu", default=False))
+    norm = _get(args, "normalization", default="LayerNorm")
+    position = _get(args, "position_embedding_type", default="learned_absolute")
+    grouped = bool(_get(args, "group_query_attention", default=False))
     refusals = [
-        ("swiglu", bool(_get(args, "swiglu", default=False)), "a SwiGLU MLP"),
-        ("normalization", _get(args, "normalization", default="LayerNorm") != "LayerNorm",
-         "RMSNorm"),
-        ("position_embedding_type", _get(args, "position_embedding_type",
-                                         default="learned_absolute") != "learned_absolute",
-         "non-learned positions"),
-        ("group_query_attention", bool(_get(args, "group_query_attention", default=False)),
-         "grouped-query attention"),
+        ("swiglu", gpt2_only and swiglu, "a SwiGLU MLP"),
+        ("normalization", norm not in (("LayerNorm",) if gpt2_only else ("LayerNorm",
+                                                                         "RMSNorm")), "norm"),
+        ("position_embedding_type", position not in (
+            ("learned_absolute",) if gpt2_only else ("learned_absolute", "rope")),
+         "positions"),
+        ("group_query_attention", gpt2_only and grouped, "grouped-query attention"),
         ("apply_residual_connection_post_layernorm",
          bool(_get(args, "apply_residual_connection_post_layernorm", default=False)),
          "post-norm residuals"),
         ("squared_relu", bool(_get(args, "squared_relu", default=False)), "squared ReLU"),
+        ("qk_layernorm", bool(_get(args, "qk_layernorm", default=False)), "q/k norms"),
+        ("rotary_interleaved", bool(_get(args, "rotary_interleaved", default=False)),
+         "interleaved RoPE"),
+        ("rotary_percent", float(_get(args, "rotary_percent", default=1.0)) != 1.0,
+         "partial RoPE"),
     ]
     for name, bad, what in refusals:
         if bad:
-            raise ConvertError(f"{where}: args.{name}={getattr(args, name)!r}: {what} is not in "
-                               "mt's megatron (GPT-2) layout; convert it through mcore instead")
+            where_to = ("; convert it through mcore instead" if gpt2_only else "")
+            raise ConvertError(f"{where}: args.{name}={getattr(args, name)!r} ({what}) is not "
+                               f"supported by mt's "
+                               f"{'megatron (GPT-2) layout' if gpt2_only else 'models'}"
+                               f"{where_to}")
     padded = _get(args, "padded_vocab_size")
     vocab = _get(args, "vocab_size", default=padded)
     hidden = _get(args, "hidden_size")
+    heads = _get(args, "num_attention_heads")
     try:
         return GPTConfig(
-            n_layers=int(_get(args, "num_layers")), hidden=int(hidden),
-            n_heads=int(_get(args, "num_attention_heads")), vocab_size=int(vocab),
+            n_layers=int(_get(args, "num_layers")), hidden=int(hidden), n_heads=int(heads),
+            vocab_size=int(vocab),
             seq_len=int(_get(args, "max_position_embeddings", "seq_length")),
             ffn_hidden=int(_get(args, "ffn_hidden_size", default=4 * int(hidden))),
             layernorm_eps=float(_get(args, "norm_epsilon", "layernorm_epsilon", default=1e-5)),
@@ -127,7 +141,11 @@ def config_from_args(args: Any, where: Path) -> GPTConfig:
             bias=bool(_get(args, "add_bias_linear", default=True)),
             tied_embeddings=not _get(args, "untie_embeddings_and_output_weights",
                                      default=False),
-            init_std=float(_get(args, "init_method_std", default=0.02)))
+            init_std=float(_get(args, "init_method_std", default=0.02)),
+            mlp="swiglu" if swiglu else "gelu", norm="rmsnorm" if norm == "RMSNorm" else
+            "layernorm", position="rope" if position == "rope" else "learned",
+            rope_theta=float(_get(args, "rotary_base", default=10000)),
+            n_kv_heads=int(_get(args, "num_query_groups", default=heads)) if grouped else None)
     except (TypeError, ValueError) as err:
         raise ConvertError(f"{where}: Megatron-LM's args do not make an mt config: "
                            f"{err}") from None
