@@ -8,6 +8,8 @@ timed, alternately and ``--repeats`` times each on the same disk:
 - reshape: ``convert_checkpoint(src, dst, to="tp", tp=2, pp=2)``: TP 1 -> TP 2 x PP 2
   (read, slice, pad the vocabulary, checksum, write and fsync 4 files + manifest);
 - merge: the TP 2 x PP 2 checkpoint back to consolidated;
+- to / from each of ``--formats`` (default dcp, mcore, gguf at f32): the consolidated
+  checkpoint written in that format, and read back into a consolidated one;
 - crc32c: one ``crc32c.crc32c`` pass over the source file, the checksum conversions record
   (a conversion verifies the checksum of every byte it reads and records one for every
   byte it writes; for most tensors one pass serves both, see ``mt_formats.crc``).
@@ -89,6 +91,8 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=50257)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--formats", default="dcp,mcore,gguf",
+                        help="formats to write and read back (gguf at f32: the same bytes)")
     parser.add_argument("--dir", type=Path, default=None,
                         help="parent of the scratch directory, created if missing (default: the "
                              "system temporary directory); the scratch directory is removed after")
@@ -109,6 +113,9 @@ def main() -> None:
         print(f"checkpoint: {config.n_layers} layers, hidden {config.hidden}, vocab "
               f"{config.vocab_size}: {size / 1e9:.3f} GB fp32")
         copies, reshapes, merges, hashes = [], [], [], []
+        formats = [f for f in args.formats.split(",") if f]
+        writes: dict[str, list[float]] = {f: [] for f in formats}
+        reads: dict[str, list[float]] = {f: [] for f in formats}
         reshape_peak = 0
         for repeat in range(args.repeats):
             copies.append(_copy(source / "model.safetensors", scratch / f"copy{repeat}"))
@@ -121,10 +128,21 @@ def main() -> None:
             merges.append(_timed(convert_checkpoint, scratch / "tp2pp2", scratch / "back"))
             shutil.rmtree(scratch / "tp2pp2")
             shutil.rmtree(scratch / "back")
+            for fmt in formats:
+                extra = {"gguf_type": "f32"} if fmt == "gguf" else {}
+                writes[fmt].append(_timed(convert_checkpoint, source, scratch / fmt, to=fmt,
+                                          **extra))
+                reads[fmt].append(_timed(convert_checkpoint, scratch / fmt, scratch / "back"))
+                shutil.rmtree(scratch / fmt)
+                shutil.rmtree(scratch / "back")
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         copy = size / min(copies) / 1e9
-        for label, times in (("reshape TP1 -> TP2 x PP2", reshapes),
-                             ("merge TP2 x PP2 -> consolidated", merges)):
+        rows = [("reshape TP1 -> TP2 x PP2", reshapes),
+                ("merge TP2 x PP2 -> consolidated", merges)]
+        for fmt in formats:
+            rows += [(f"consolidated -> {fmt}", writes[fmt]),
+                     (f"{fmt} -> consolidated", reads[fmt])]
+        for label, times in rows:
             speed = size / min(times) / 1e9
             print(f"{label:32s} {min(times):6.2f} s  {speed:5.2f} GB/s  "
                   f"{speed / copy:4.2f}x copy")

@@ -217,3 +217,22 @@ def test_dcp_hostile_inputs_are_one_line_errors(tmp_path: Path) -> None:
     dcp.save(titan_state(LLAMA), checkpoint_id=plain, no_dist=True)
     with pytest.raises(ConvertError, match="does not record the model config.*--model"):
         open_checkpoint(plain)
+
+
+def test_compressed_dcp_reads_through_dcp_itself(tmp_path: Path) -> None:
+    # chunks stored with a DCP stream transform (zstd) are read by dcp.load, not by mt's
+    # own chunk reader: the same tensors
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint._extension import ZStandard
+
+    state = titan_state(LLAMA)
+    dcp.save(state, storage_writer=FileSystemWriter(tmp_path / "zst", _extensions=[ZStandard()]),
+             no_dist=True)
+    plain = tmp_path / "plain"
+    dcp.save(state, checkpoint_id=plain, no_dist=True)
+    assert (tmp_path / "zst" / "__0_0.distcp").stat().st_size != (
+        plain / "__0_0.distcp").stat().st_size
+    with open_checkpoint(tmp_path / "zst", model=LLAMA) as zst, \
+            open_checkpoint(plain, model=LLAMA) as ref:
+        for name in ref.names():
+            assert torch.equal(zst.read(name), ref.read(name)), name

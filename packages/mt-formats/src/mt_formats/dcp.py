@@ -216,7 +216,21 @@ class DCPFolder:
                             f"(malformed or truncated): {first}")
 
     def load(self, key: str) -> torch.Tensor:
-        """Tensor ``key``, whole, from however many chunks it was saved in (``dcp.load``)."""
+        """Tensor ``key``, whole, from however many chunks it was saved in (each chunk
+        ``torch.load(weights_only=True)``-ed and copied into place; chunks stored with a
+        DCP transform, e.g. compression, go through ``dcp.load`` itself)."""
+        meta = self.tensors[key]
+        if any(getattr(info, "transform_descriptors", None) for index, info in
+               self.metadata.storage_data.items() if index.fqn == key):
+            return self._checked(key, None, self._dcp_load(key))
+        out = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+        for chunk in meta.chunks:
+            start, extent = tuple(chunk.offsets), tuple(chunk.sizes)
+            out[tuple(slice(o, o + n) for o, n in zip(start, extent, strict=True))] = (
+                self._chunk(key, start, extent))
+        return self._checked(key, None, out)
+
+    def _dcp_load(self, key: str) -> torch.Tensor:
         meta = self.tensors[key]
         out = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
         try:
@@ -227,45 +241,49 @@ class DCPFolder:
         except (CheckpointException, RuntimeError, OSError, EOFError, ValueError,
                 AssertionError, pickle.UnpicklingError) as err:
             raise self._failed(key, err) from None
-        expected = self.checksums.get(key)
-        if expected is not None and tensor_checksum(out, expected.split(":")[0]) != expected:
-            raise ConvertError(f"{self.root / self.file_of(key)}: tensor {key!r}: checksum "
-                               f"mismatch (recorded {expected} in {SIDECAR}): the file is "
-                               "corrupted")
         return out
+
+    def _chunk(self, key: str, start: tuple[int, ...], extent: tuple[int, ...]
+               ) -> torch.Tensor:
+        """The stored chunk of ``key`` at ``start`` (a tensor of shape ``extent``)."""
+        info = self.metadata.storage_data.get(MetadataIndex(key, torch.Size(start)))
+        if info is None or getattr(info, "transform_descriptors", None):
+            raise ConvertError(f"{self.root / METADATA_FILE}: tensor {key!r}: chunk at "
+                               f"{list(start)} has no plain storage entry")
+        try:
+            with open(self.root / info.relative_path, "rb") as file:
+                file.seek(info.offset)
+                raw = file.read(info.length)
+            piece = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+        except (RuntimeError, OSError, EOFError, ValueError, pickle.UnpicklingError) as err:
+            raise self._failed(key, err) from None
+        if not isinstance(piece, torch.Tensor) or tuple(piece.shape) != extent:
+            raise ConvertError(f"{self.root / info.relative_path}: tensor {key!r}: chunk at "
+                               f"{list(start)} holds {getattr(piece, 'shape', piece)!r}, "
+                               f"not a tensor of shape {list(extent)}")
+        return piece
+
+    def _checked(self, key: str, layer: int | None, tensor: torch.Tensor) -> torch.Tensor:
+        name = key if layer is None else f"{key}[{layer}]"
+        expected = self.checksums.get(name)
+        if expected is not None and tensor_checksum(tensor, expected.split(":")[0]) != expected:
+            what = "" if layer is None else f" layer {layer}"
+            raise ConvertError(f"{self.root / self.file_of(key)}: tensor {key!r}{what}: "
+                               f"checksum mismatch (recorded {expected} in {SIDECAR}): the "
+                               "file is corrupted")
+        return tensor
 
     def load_layer(self, key: str, layer: int) -> torch.Tensor:
         """``tensor[layer]`` of a tensor stacked along its first axis, read from the chunks
-        that hold that layer only (each ``torch.load(weights_only=True)``)."""
+        that hold that layer only."""
         meta = self.tensors[key]
         out = torch.empty(tuple(meta.size)[1:], dtype=meta.properties.dtype)
         for chunk in meta.chunks:
             start, extent = tuple(chunk.offsets), tuple(chunk.sizes)
-            if not start[0] <= layer < start[0] + extent[0]:
-                continue
-            info = self.metadata.storage_data.get(MetadataIndex(key, torch.Size(start)))
-            if info is None or getattr(info, "transform_descriptors", None):
-                raise ConvertError(f"{self.root / METADATA_FILE}: tensor {key!r}: chunk at "
-                                   f"{list(start)} has no plain storage entry")
-            try:
-                with open(self.root / info.relative_path, "rb") as file:
-                    file.seek(info.offset)
-                    raw = file.read(info.length)
-                piece = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
-            except (RuntimeError, OSError, EOFError, ValueError, pickle.UnpicklingError) as err:
-                raise self._failed(key, err) from None
-            if not isinstance(piece, torch.Tensor) or tuple(piece.shape) != extent:
-                raise ConvertError(f"{self.root / info.relative_path}: tensor {key!r}: chunk at "
-                                   f"{list(start)} holds {getattr(piece, 'shape', piece)!r}, "
-                                   f"not a tensor of shape {list(extent)}")
-            out[tuple(slice(o, o + n) for o, n in zip(start[1:], extent[1:], strict=True))] = (
-                piece[layer - start[0]])
-        expected = self.checksums.get(f"{key}[{layer}]")
-        if expected is not None and tensor_checksum(out, expected.split(":")[0]) != expected:
-            raise ConvertError(f"{self.root / self.file_of(key)}: tensor {key!r} layer {layer}: "
-                               f"checksum mismatch (recorded {expected} in {SIDECAR}): the "
-                               "file is corrupted")
-        return out
+            if start[0] <= layer < start[0] + extent[0]:
+                out[tuple(slice(o, o + n) for o, n in zip(start[1:], extent[1:], strict=True))] = (
+                    self._chunk(key, start, extent)[layer - start[0]])
+        return self._checked(key, layer, out)
 
 
 class DCPReader(CheckpointReader):

@@ -24,6 +24,7 @@ are streamed: the header is written from the specs, then each tensor as it arriv
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -217,6 +218,8 @@ class GGUFWriter(CheckpointWriter):
             raise ConvertError(f"tensors never written: {self._order[self._next:][:5]}")
         self._writer.close()
         assert self._directory is not None
+        with open(self._directory / GGUF_FILE, "rb+") as file:  # durable before it is published
+            os.fsync(file.fileno())
         write_sidecar(self._directory, {"names": "gguf", "file": GGUF_FILE,
                                         "checksums": self._checksums})
 

@@ -343,7 +343,10 @@ class McoreWriter(CheckpointWriter):
                     f"{LAYERS}{module}._extra_state/shard_{layer}_{layers}", [None])
         self._files.close()
         directory = self._files.directory
-        torch.save({}, directory / COMMON_FILE)
+        with open(directory / COMMON_FILE, "wb") as file:
+            torch.save({}, file)
+            file.flush()
+            os.fsync(file.fileno())
         with open(directory / METADATA_JSON, "w", encoding="utf-8") as file:
             file.write(json.dumps(BACKEND))
             file.flush()
