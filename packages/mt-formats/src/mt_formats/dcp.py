@@ -223,6 +223,10 @@ class DCPFolder:
         if any(getattr(info, "transform_descriptors", None) for index, info in
                self.metadata.storage_data.items() if index.fqn == key):
             return self._checked(key, None, self._dcp_load(key))
+        if len(meta.chunks) == 1:  # saved whole (chunks tile the tensor: it is all of it)
+            chunk = meta.chunks[0]
+            return self._checked(key, None, self._chunk(key, tuple(chunk.offsets),
+                                                        tuple(chunk.sizes)))
         out = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
         for chunk in meta.chunks:
             start, extent = tuple(chunk.offsets), tuple(chunk.sizes)
@@ -358,7 +362,12 @@ class DCPReader(CheckpointReader):
         pieces = [part.load(self._folder.load(part.key)) for part in self._parts[name]]
         tensor = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
         if name == "embed.tokens.weight" and self._tied in self._folder.tensors:
-            if not torch.equal(self._folder.load(self._tied), tensor):
+            recorded = self._folder.checksums
+            if self._parts[name][0].key in recorded and self._tied in recorded:
+                same = recorded[self._tied] == recorded[self._parts[name][0].key]
+            else:  # a foreign folder: compare the copy itself
+                same = torch.equal(self._folder.load(self._tied), tensor)
+            if not same:
                 raise ConvertError(f"{self.root}: {self._tied!r} differs from the embedding: "
                                    "an untied output head is not supported for a tied config")
         return tensor
