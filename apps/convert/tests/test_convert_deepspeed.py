@@ -24,11 +24,12 @@ import torch
 import torch.distributed as dist
 from typer.testing import CliRunner
 
+from mt_checkpoint import load_rank
 from mt_convert.cli import app
 from mt_dist.testing import run_distributed
 from mt_formats import ConvertError, convert_checkpoint, load_model, open_checkpoint
 from mt_model import GPT, preset
-from mt_zero import ZeroConfig, decay_param_groups
+from mt_zero import ZeroConfig, consolidate, decay_param_groups
 from mt_zero.deepspeed_engine import deepspeed_config, deepspeed_environ, initialize_deepspeed
 
 # n_heads 2 differs from the tiny preset's 4: the config must come from --model, not a guess.
@@ -115,7 +116,8 @@ def test_convert_deepspeed_universal_logits_match(universal: tuple[Path, Any],
     assert (hf_logits - reference).abs().max() <= 1e-5
 
 
-def test_convert_deepspeed_universal_weights_and_moments(universal: tuple[Path, Any]) -> None:
+def test_convert_deepspeed_universal_weights_and_moments(universal: tuple[Path, Any],
+                                                          tmp_path: Path) -> None:
     root, _ = universal
     folder = root / "universal"
     module = torch.load(folder / "mp_rank_00_model_states.pt", weights_only=True)["module"]
@@ -132,6 +134,15 @@ def test_convert_deepspeed_universal_weights_and_moments(universal: tuple[Path, 
         assert avg.shape == (CONFIG.ffn_hidden, CONFIG.hidden) and avg.abs().sum() > 0
         assert reader.read_state("ln_f.bias", "exp_avg_sq").min() >= 0
         assert int(reader.read_state("ln_f.bias", "step")) == STEPS
+        avg_sq = reader.read_state("blocks.1.attn.qkv.weight", "exp_avg_sq")
+    # --to pretrain carries Adam's state: a run loading it continues DeepSpeed's optimizer
+    convert_checkpoint(folder, tmp_path / "pre", to="pretrain", model="tiny")
+    full = consolidate([load_rank(tmp_path / "pre", 0)["optimizer"]])
+    state = full["state"]["blocks.0.mlp.fc.weight"]
+    assert torch.equal(state["sharded"]["exp_avg"], avg)
+    assert torch.equal(full["state"]["blocks.1.attn.qkv.weight"]["sharded"]["exp_avg_sq"],
+                       avg_sq)
+    assert int(state["replicated"]["step"]) == STEPS
 
 
 def test_convert_deepspeed_errors_name_file_and_tensor(universal: tuple[Path, Any],

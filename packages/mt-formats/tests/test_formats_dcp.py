@@ -236,3 +236,54 @@ def test_compressed_dcp_reads_through_dcp_itself(tmp_path: Path) -> None:
             open_checkpoint(plain, model=LLAMA) as ref:
         for name in ref.names():
             assert torch.equal(zst.read(name), ref.read(name)), name
+
+
+def test_torchtitan_optimizer_state_carried_to_pretrain(tmp_path: Path) -> None:
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    from mt_checkpoint import load_rank
+    from mt_zero import consolidate
+
+    # torchtitan's model names are FQNs of its modules: a module tree with the same names
+    state = titan_state(LLAMA)
+    root = torch.nn.Module()
+    for key, tensor in state.items():
+        *path, leaf = key.split(".")
+        module = root
+        for part in path:
+            if not hasattr(module, part):
+                module.add_module(part, torch.nn.Module())
+            module = getattr(module, part)
+        module.register_parameter(leaf, torch.nn.Parameter(tensor.clone()))
+    adamw = torch.optim.AdamW(root.parameters(), lr=1e-2)
+    tokens = torch.randint(0, LLAMA.vocab_size, (2, 16), generator=torch.Generator().manual_seed(4))
+    for _ in range(3):  # three real steps: moments and step counts worth carrying
+        params = dict(root.named_parameters())
+        titan_logits(params, tokens, LLAMA).logsumexp(-1).mean().backward()
+        adamw.step()
+        adamw.zero_grad()
+    options = StateDictOptions(flatten_optimizer_state_dict=True)
+    saved = {**get_model_state_dict(root), "optimizer": get_optimizer_state_dict(
+        root, adamw, options=options)}
+    dcp.save(saved, checkpoint_id=tmp_path / "titan", no_dist=True)
+    convert_checkpoint(tmp_path / "titan", tmp_path / "pre", to="pretrain", model=LLAMA)
+    full = consolidate([load_rank(tmp_path / "pre", 0)["optimizer"]])
+    theirs = adamw.state_dict()["state"]
+    index = {name: i for i, (name, _) in enumerate(root.named_parameters())}
+    wq = theirs[index["layers.1.attention.qkv_linear.wq.weight"]]
+    ours = full["state"]["blocks.1.attn.q.weight"]
+    assert torch.equal(ours["sharded"]["exp_avg"], from_interleaved(wq["exp_avg"], 4))
+    assert torch.equal(ours["sharded"]["exp_avg_sq"], from_interleaved(wq["exp_avg_sq"], 4))
+    assert float(ours["replicated"]["step"]) == 3.0
+    up, gate = (theirs[index[f"layers.0.feed_forward.{w}.weight"]]["exp_avg"]
+                for w in ("w3", "w1"))
+    assert torch.equal(full["state"]["blocks.0.mlp.fc.weight"]["sharded"]["exp_avg"],
+                       torch.cat([gate, up]))  # mt's fused [gate; up]
+    convert_checkpoint(tmp_path / "titan", tmp_path / "fresh", to="pretrain", model=LLAMA,
+                       drop_optimizer=True)
+    fresh = consolidate([load_rank(tmp_path / "fresh", 0)["optimizer"]])
+    assert fresh["state"]["blocks.1.attn.q.weight"]["sharded"] == {}

@@ -125,6 +125,12 @@ class CheckpointReader(ABC):
         or None where its bytes are not stored as-is (the caller then uses :meth:`read`)."""
         return None
 
+    def optimizer_state(self, name: str) -> dict[str, torch.Tensor] | None:
+        """Adam's state of canonical parameter ``name`` where the source holds one:
+        ``exp_avg`` and ``exp_avg_sq`` (the parameter's canonical shape) and ``step`` (a
+        scalar); None where it holds none (weights-only formats)."""
+        return None
+
     def close(self) -> None:  # noqa: B027 - optional hook, no-op by default
         """Release open files."""
 

@@ -335,9 +335,9 @@ def convert_checkpoint(source: Path, destination: Path, *, to: str = "consolidat
     if dp is not None or zero_stage is not None:
         raise ConvertError("--dp and --zero-stage only apply from an mt pretrain checkpoint "
                            f"to the pretrain format, not to {to!r}")
-    if drop_optimizer:
-        raise ConvertError("--drop-optimizer only applies from an mt pretrain checkpoint to "
-                           f"the pretrain format, not to {to!r}")
+    if drop_optimizer and to != "pretrain":
+        raise ConvertError("--drop-optimizer only applies to the pretrain format, not to "
+                           f"{to!r}")
     if to not in _WRITABLE:  # fail before reading anything
         raise ConvertError(f"cannot write the {to!r} format; writable: {list(_WRITABLE)}")
     start = time.perf_counter()
@@ -345,6 +345,8 @@ def convert_checkpoint(source: Path, destination: Path, *, to: str = "consolidat
         writer = make_writer(to, reader.config, _specs(reader), tp, pp, pad_multiple,
                              gguf_type)
         writer.tokenizer = tokenizer or reader.tokenizer
+        if isinstance(writer, PretrainWriter) and not drop_optimizer:
+            writer.state_source = reader  # Adam's state, where the source holds it
         get: Callable[[str], _Read] = reader.read_deferred
         if writer.accepts_pieces:  # tensors stored as-is go file to file
             get = lambda name: reader.read_pieces(name) or reader.read_deferred(name)  # noqa: E731

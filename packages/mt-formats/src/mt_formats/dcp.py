@@ -6,7 +6,8 @@ Read at any source sharding: each canonical tensor is loaded whole through DCP's
 planner (``dcp.load`` of that key, no process group), which assembles it from the chunks
 every saving rank wrote. The names are recognised (:mod:`mt_formats.dcp_names`:
 torchtitan's Llama, transformers' GPT-2 and Llama, mt's); other entries saved beside the
-model (torchtitan's ``optimizer.*``, ``lr_scheduler.*``, ``train_state``) are not read.
+model are not read, except Adam's moments under ``optimizer.state.<parameter>.*`` (torch's
+flattened optimizer state dict, as torchtitan saves it), which ``--to pretrain`` carries.
 
 Trust: DCP's own reader unpickles ``.metadata`` with ``pickle.load``; here it is unpickled
 by an allow-list of DCP's metadata classes, and anything else is refused in one line.
@@ -371,6 +372,42 @@ class DCPReader(CheckpointReader):
                 raise ConvertError(f"{self.root}: {self._tied!r} differs from the embedding: "
                                    "an untied output head is not supported for a tied config")
         return tensor
+
+
+    def _state_key(self, key: str, state: str) -> str | None:
+        """The DCP key of optimizer state ``state`` of stored parameter ``key``: torch's
+        flattened optimizer state dict (``get_optimizer_state_dict(...,
+        flatten_optimizer_state_dict=True)``, as torchtitan saves it) under ``optimizer``."""
+        for fqn in (key, key.removeprefix(self.naming.prefix)):
+            candidate = f"optimizer.state.{fqn}.{state}"
+            if candidate in self._folder.tensors:
+                return candidate
+        return None
+
+    def optimizer_state(self, name: str) -> dict[str, torch.Tensor] | None:
+        parts = self._parts[name]
+        keys = {(part.key, state): self._state_key(part.key, state) for part in parts
+                for state in ("exp_avg", "exp_avg_sq", "step")}
+        if not any(keys.values()):
+            return None
+        missing = [f"{key} {state}" for (key, state), found in keys.items() if found is None]
+        if missing:
+            raise ConvertError(f"{self.root / METADATA_FILE}: optimizer state incomplete: no "
+                               f"{', '.join(missing[:4])}")
+        result: dict[str, torch.Tensor] = {}
+        for state in ("exp_avg", "exp_avg_sq"):
+            pieces = [part.load(self._folder.load(keys[(part.key, state)])) for part in parts]
+            result[state] = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+            if tuple(result[state].shape) != self._shapes[name]:
+                raise ConvertError(f"{self.root / METADATA_FILE}: {state} of {name!r} has shape "
+                                   f"{list(result[state].shape)}, the parameter "
+                                   f"{list(self._shapes[name])}")
+        steps = {float(self._folder.load(keys[(part.key, "step")])) for part in parts}
+        if len(steps) != 1:
+            raise ConvertError(f"{self.root / METADATA_FILE}: the parts of {name!r} were "
+                               f"stepped {sorted(steps)} times")
+        result["step"] = torch.tensor(steps.pop())
+        return result
 
 
 def read_sidecar(root: Path) -> dict[str, Any] | None:

@@ -251,5 +251,12 @@ class DeepSpeedUniversalReader(CheckpointReader):
                                f"the parameter has {list(self._shapes[name])}")
         return tensor.contiguous()
 
+    def optimizer_state(self, name: str) -> dict[str, torch.Tensor] | None:
+        """Adam's ``exp_avg``, ``exp_avg_sq`` and ``step`` of ``name`` (None when the
+        universal folder holds no moments for it)."""
+        if not self._file(name, "exp_avg").is_file():
+            return None
+        return {key: self.read_state(name, key) for key in ("exp_avg", "exp_avg_sq", "step")}
+
     def close(self) -> None:
         self._params.clear()

@@ -9,8 +9,10 @@ it to the run's own (TP, PP, DP, ZeRO) layout, so one file serves every layout. 
 file holds the fp32 weights under ``"model"`` (what
 :class:`~mt_formats.pretrain.PretrainReader` reads) and, under ``"optimizer"``, the same
 weights as a one-rank mt-zero optimizer shard of an AdamW that has not stepped
-(``mt_zero.initial_state``: fp32 masters, no Adam moments yet, as for a new run); the run
-sets its own learning rate, weight decay, betas and eps. The data position is 0: training
+(``mt_zero.initial_state``: fp32 masters, no Adam moments yet, as for a new run), or,
+when the source holds Adam's state (a DeepSpeed universal checkpoint, a torchtitan DCP
+folder), its ``exp_avg``, ``exp_avg_sq`` and ``step`` per parameter; the run sets its own
+learning rate, weight decay, betas and eps. The data position is 0: training
 starts at step 1 of the run's data.
 
 ``torch.save`` needs the whole file, so the writer buffers the tensors until
@@ -31,7 +33,7 @@ from mt_checkpoint import (
     save_rank,
     write_meta,
 )
-from mt_formats.canonical import CheckpointWriter, TensorRef
+from mt_formats.canonical import CheckpointReader, CheckpointWriter, TensorRef
 from mt_formats.errors import ConvertError
 from mt_formats.tensors import TensorSpec
 from mt_model import GPTConfig
@@ -52,6 +54,9 @@ class PretrainWriter(CheckpointWriter):
         super().__init__(config, specs)
         self._directory: Path | None = None
         self._tensors: dict[str, torch.Tensor] = {}
+        self.state_source: CheckpointReader | None = None
+        """A reader whose Adam state (:meth:`CheckpointReader.optimizer_state`) the rank
+        file carries; None (or a source without one): an optimizer that has not stepped."""
 
     def targets(self, name: str) -> list[TensorRef]:
         spec = TensorSpec(self.specs[name].shape, torch.float32)
@@ -75,7 +80,17 @@ class PretrainWriter(CheckpointWriter):
                                f"{missing}")
         shapes = {name: tuple(spec.shape) for name, spec in self.specs.items()}
         weights = {name: self._tensors[name] for name in self.specs}
-        optimizer = split_consolidated(initial_state(weights), 1, 0)[0]
+        full = initial_state(weights)
+        if self.state_source is not None:
+            for name in self.specs:
+                state = self.state_source.optimizer_state(name)
+                if state is not None:
+                    full["state"][name] = {
+                        "sharded": {key: state[key].detach().to(torch.float32).contiguous()
+                                    for key in ("exp_avg", "exp_avg_sq")},
+                        "replicated": {"step": torch.as_tensor(state["step"],
+                                                               dtype=torch.float32)}}
+        optimizer = split_consolidated(full, 1, 0)[0]
         save_rank(self._directory, 0, (0, 0, 0), weights, optimizer, fresh_rng(0, 0, 0))
         meta = CheckpointMeta(step=0, layout=SavedLayout(1, 1, 1), model=self.config.to_dict(),
                               styles=param_styles(shapes, decoder_plan(self.config, 1)),
