@@ -2,9 +2,9 @@
 ``torch.distributed.checkpoint.save`` writes them (torchtitan's checkpoints, FSDP2 / TP
 training scripts).
 
-Read at any source sharding: each canonical tensor is loaded whole through DCP's own
-planner (``dcp.load`` of that key, no process group), which assembles it from the chunks
-every saving rank wrote. The names are recognised (:mod:`mt_formats.dcp_names`:
+Read at any source sharding, without a process group: each tensor is assembled from the
+chunks every saving rank wrote (each chunk read with ``torch.load(weights_only=True)``;
+chunks stored through a DCP stream transform, e.g. zstd, are read by ``dcp.load`` itself). The names are recognised (:mod:`mt_formats.dcp_names`:
 torchtitan's Llama, transformers' GPT-2 and Llama, mt's); other entries saved beside the
 model are not read, except Adam's moments under ``optimizer.state.<parameter>.*`` (torch's
 flattened optimizer state dict, as torchtitan saves it), which ``--to pretrain`` carries.
@@ -12,8 +12,8 @@ flattened optimizer state dict, as torchtitan saves it), which ``--to pretrain``
 Trust: DCP's own reader unpickles ``.metadata`` with ``pickle.load``; here it is unpickled
 by an allow-list of DCP's metadata classes, and anything else is refused in one line.
 Every chunk must lie in a plain file of the folder and the chunks of a tensor must tile
-it exactly (no gap a reader would leave uninitialised). Tensor items are read by DCP with
-``torch.load(weights_only=True)``; pickled non-tensor items are never loaded. DCP records
+it exactly (no gap a reader would leave uninitialised). Pickled non-tensor items are never
+loaded. DCP records
 no checksums: a folder mt wrote carries ``mt.json`` (the model config, and the CRC-32C of
 every stored tensor, checked when read); a foreign folder records no config either, which
 ``--model`` gives (sizes are read from the tensors).
@@ -113,6 +113,10 @@ def read_metadata(root: Path) -> Metadata:
         raise ConvertError(f"{path}: holds a {type(metadata).__name__}, not DCP metadata")
     sizes: dict[str, int] = {}
     for index, info in metadata.storage_data.items():
+        if not (isinstance(getattr(info, "offset", None), int)
+                and isinstance(getattr(info, "length", None), int)):
+            raise ConvertError(f"{path}: tensor {getattr(index, 'fqn', index)!r}: its storage "
+                               "entry has no integer offset and length")
         file = str(getattr(info, "relative_path", ""))
         if Path(file).name != file or file in ("", ".", ".."):
             raise ConvertError(f"{path}: tensor {index.fqn!r} is stored in {file!r}, not a "
