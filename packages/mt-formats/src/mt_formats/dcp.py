@@ -6,8 +6,9 @@ Read at any source sharding, without a process group: each tensor is assembled f
 chunks every saving rank wrote (each chunk read with ``torch.load(weights_only=True)``;
 chunks stored through a DCP stream transform, e.g. zstd, are read by ``dcp.load`` itself).
 The names are recognised (:mod:`mt_formats.dcp_names`: torchtitan's Llama, transformers'
-GPT-2 and Llama, mt's); other entries saved beside the model are not read, except Adam's moments under ``optimizer.state.<parameter>.*`` (torch's
-flattened optimizer state dict, as torchtitan saves it), which ``--to pretrain`` carries.
+GPT-2 and Llama, mt's); of the other entries saved beside the model only Adam's state under
+``optimizer.state.<parameter>.*`` (torch's flattened optimizer state dict, as torchtitan
+saves it) is read, for ``--to pretrain``.
 
 Trust: DCP's own reader unpickles ``.metadata`` with ``pickle.load``; here it is unpickled
 by an allow-list of DCP's metadata classes, and anything else is refused in one line.
