@@ -13,8 +13,8 @@
 
 Run: ``python3 benchmarks/pp.py [--trace DIR]`` (it relaunches itself under torchrun with
 2 processes; needs mt-dist, mt-model and mt-pipeline importable, e.g. via PYTHONPATH).
-DeepSpeed's first use JIT-builds its shm comm op (about 35 s); set TORCH_EXTENSIONS_DIR to
-keep it. Wall-clock numbers on a shared machine are noisy: compare the CPU seconds too.
+DeepSpeed starts without its shm inference allreduce op (nothing is JIT-built). Wall-clock
+numbers on a shared machine are noisy: compare the CPU seconds too.
 """
 
 from __future__ import annotations
@@ -159,7 +159,9 @@ class DeepSpeedRunner:
         import deepspeed
         from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
-        deepspeed.init_distributed(dist_backend="gloo")  # wraps the existing process group
+        from mt_zero.deepspeed_engine import init_deepspeed_distributed
+
+        init_deepspeed_distributed(deepspeed, "gloo")  # wraps the existing process group
         cfg = model.config
         layers = [TiedLayerSpec("embed", Embedding, cfg, tied_weight_attr="tokens.weight")]
         layers += [LayerSpec(Block, cfg) for _ in range(cfg.n_layers)]

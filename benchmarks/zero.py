@@ -24,8 +24,8 @@ per stage holds the medians over the rounds and the mt/ds ratios of tokens/s, cp
 delta.
 
 DeepSpeed is a pinned peer (benchmarks/requirements.txt): missing, it is an error unless
-``--no-deepspeed`` is given (mt rows only). Example (DeepSpeed's shm op is JIT-built once,
-about 35 s, into ~/.cache/mt/torch_extensions)::
+``--no-deepspeed`` is given (mt rows only). Example (mt starts DeepSpeed without its shm
+inference allreduce op: nothing is JIT-built)::
 
     PYTHONPATH=packages/mt-dist/src:packages/mt-model/src:packages/mt-zero/src \\
         python3 benchmarks/zero.py --layers 6 --hidden 512 --seq 256

@@ -5,8 +5,8 @@ client-optimizer engine of ``mt_zero.deepspeed_engine``) on 2 gloo processes, sa
 engine's on a fixed batch (fp32; measured max |diff| 0, asserted 1e-5).
 
 DeepSpeed's environment (DS_ACCELERATOR=cpu, LOCAL_RANK...) is set in the child processes
-and the ``ds_to_universal`` subprocess only; its shm comm op is JIT-built once (about 35 s)
-into ~/.cache/mt/torch_extensions.
+and the ``ds_to_universal`` subprocess only; nothing is JIT-built (mt starts DeepSpeed
+without its shm inference allreduce op).
 """
 
 from __future__ import annotations

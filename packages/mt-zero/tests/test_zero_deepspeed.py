@@ -8,7 +8,8 @@ the global loss curves and final weights. Measured (fp32, every stage): losses a
 within 1.1e-7 relative, final weights within 1.7e-7 relative L2; asserted 1e-5 for both.
 
 DeepSpeed runs with DS_ACCELERATOR=cpu, set (with LOCAL_RANK etc.) in the child processes
-only; its shm comm op is JIT-built once (about 35 s) into ~/.cache/mt/torch_extensions.
+only, with an empty TORCH_EXTENSIONS_DIR: nothing may be JIT-built (its shm inference
+allreduce, 35-150 s, is skipped by :func:`mt_zero.deepspeed_engine.init_deepspeed_distributed`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ STEPS = 10
 MICRO = 2  # gradient accumulation steps
 BATCHES = make_batches(STEPS, batch=8, seq=6, vocab=32)
 STAGES = (0, 1, 2, 3)
-EXTENSIONS = Path.home() / ".cache" / "mt" / "torch_extensions"
 
 
 # ----------------------------------------------------------------- pure config translation
@@ -132,22 +132,34 @@ def _train_deepspeed(stage: int) -> tuple[list[float], dict[str, torch.Tensor]]:
     return losses, params
 
 
-def _compare_engines(stages: tuple[int, ...]) -> dict[int, Any]:
-    """Child process: DeepSpeed's environment, then both engines for every stage."""
+def _compare_engines(stages: tuple[int, ...], extensions: str) -> dict[Any, Any]:
+    """Child process: DeepSpeed's environment, then both engines for every stage; and
+    whether DeepSpeed's backend holds a shm op and anything was JIT-built."""
     os.environ.update(deepspeed_environ(dist.get_rank(), dist.get_world_size(),
                                         dist.get_rank()))
-    os.environ["TORCH_EXTENSIONS_DIR"] = str(EXTENSIONS)
-    return {s: (_train_mt(s), _train_deepspeed(s)) for s in stages}
+    os.environ["TORCH_EXTENSIONS_DIR"] = extensions
+    result: dict[Any, Any] = {s: (_train_mt(s), _train_deepspeed(s)) for s in stages}
+    import deepspeed.comm.comm as ds_comm
+
+    result["no_shm_op"] = ds_comm.cdb.shm_comm_op is None
+    result["built"] = sorted(p.name for p in Path(extensions).glob("*"))
+    return result
 
 
 @pytest.fixture(scope="module")
-def curves() -> dict[int, Any]:
+def curves(tmp_path_factory: pytest.TempPathFactory) -> dict[Any, Any]:
     pytest.importorskip("deepspeed")
-    return run_distributed(_compare_engines, 2, STAGES, timeout=240.0)[0]
+    extensions = tmp_path_factory.mktemp("torch_extensions")
+    return run_distributed(_compare_engines, 2, STAGES, str(extensions), timeout=240.0)[0]
+
+
+def test_deepspeed_builds_no_op(curves: dict[Any, Any]) -> None:
+    assert curves["no_shm_op"]  # DeepSpeed started without its shm inference op
+    assert curves["built"] == []  # and compiled nothing
 
 
 @pytest.mark.parametrize("stage", STAGES)
-def test_deepspeed_matches_mt_zero(curves: dict[int, Any], stage: int) -> None:
+def test_deepspeed_matches_mt_zero(curves: dict[Any, Any], stage: int) -> None:
     (mt_losses, mt_params), (ds_losses, ds_params) = curves[stage]
     assert len(mt_losses) == len(ds_losses) == STEPS
     for step, (a, b) in enumerate(zip(mt_losses, ds_losses), start=1):

@@ -25,7 +25,13 @@ from torch import nn
 
 from mt_zero.optimizer import ZeroConfig
 
-__all__ = ["deepspeed_config", "deepspeed_environ", "initialize_deepspeed"]
+__all__ = ["deepspeed_config", "deepspeed_environ", "init_deepspeed_distributed",
+           "initialize_deepspeed"]
+
+#: DeepSpeed's shared-memory allreduce op: its torch backend JIT-compiles it when it starts
+#: on CPU (35 s, and up to 150 s on a loaded machine, again whenever the install path
+#: changes), but only its inference ``inference_all_reduce`` uses it; mt never calls that.
+SHM_COMM_OP = "deepspeed_shm_comm"
 
 #: Printing every N steps: effectively never (mt reports its own metrics).
 _QUIET_STEPS = 2**31 - 1
@@ -144,7 +150,16 @@ def initialize_deepspeed(
         raise ImportError("the DeepSpeed engine needs the deepspeed package "
                           "(pip install deepspeed==0.19.8)") from err
 
-    deepspeed.init_distributed(dist_backend=dist_backend)
+    init_deepspeed_distributed(deepspeed, dist_backend)
     engine, _opt, _loader, _sched = deepspeed.initialize(
         model=model, optimizer=optimizer, config=config, mpu=mpu)
     return engine
+
+
+def init_deepspeed_distributed(deepspeed: Any, dist_backend: str = "gloo") -> None:
+    """``deepspeed.init_distributed`` (wrapping the default process group) without building
+    DeepSpeed's shared-memory inference allreduce (:data:`SHM_COMM_OP`): the op is marked
+    incompatible in DeepSpeed's own table (which its start probes anyway), so its backend
+    does not JIT-compile it. Training collectives go through torch.distributed either way."""
+    deepspeed.ops.__compatible_ops__[SHM_COMM_OP] = False
+    deepspeed.init_distributed(dist_backend=dist_backend)

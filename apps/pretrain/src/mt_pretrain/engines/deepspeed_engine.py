@@ -58,7 +58,12 @@ from mt_pretrain.engines.base import Engine, Saver
 from mt_pretrain.engines.build import build_model_stage, seed_everything
 from mt_pretrain.engines.deepspeed_pipe import build_pipeline_module, micro_batches
 from mt_zero import StepResult, decay_param_groups
-from mt_zero.deepspeed_engine import deepspeed_config, deepspeed_environ, initialize_deepspeed
+from mt_zero.deepspeed_engine import (
+    deepspeed_config,
+    deepspeed_environ,
+    init_deepspeed_distributed,
+    initialize_deepspeed,
+)
 from mt_zero.deepspeed_mpu import GroupsMpu
 
 __all__ = ["DeepSpeedCheckpointer", "DeepSpeedEngine", "load_deepspeed_checkpoint"]
@@ -181,7 +186,8 @@ def _set_environment(groups: ParallelGroups) -> None:
                             "cuda" if groups.device.type == "cuda" else "cpu")
     for key, value in env.items():
         os.environ.setdefault(key, value)
-    # The shm comm op DeepSpeed JIT-builds on first use (about 35 s) is cached here.
+    # Where DeepSpeed would cache ops it JIT-builds (its shm inference allreduce, the one it
+    # builds on CPU, is skipped: init_deepspeed_distributed).
     os.environ.setdefault("TORCH_EXTENSIONS_DIR",
                           str(default_cache_dir(os.environ) / "torch_extensions"))
     _clear_stale_build_locks(Path(os.environ["TORCH_EXTENSIONS_DIR"]))  # every node's
@@ -222,7 +228,7 @@ def _initialize(config: PretrainConfig, plan: RunPlan, stage: nn.Module,
     if layout.pp > 1:
         import deepspeed  # pants: no-infer-dep (optional engine)
 
-        deepspeed.init_distributed(dist_backend=backend)
+        init_deepspeed_distributed(deepspeed, backend)
         # DeepSpeed sends 1/tp of each activation and all-gathers it over TP after the
         # hop, assuming activations are replicated over TP; with sequence parallelism each
         # TP rank holds its own sequence slice, so send them whole.
