@@ -89,8 +89,8 @@ _NEEDS_MODEL = {"deepspeed": DeepSpeedUniversalReader, "dcp": DCPReader, "mcore"
 def detect_format(path: Path) -> str:
     """``"consolidated"``, ``"tp"`` or ``"hf"`` from ``path/config.json``; ``"megatron"``
     (``latest_checkpointed_iteration.txt``), ``"mcore"`` (``metadata.json`` of the
-    ``torch_dist`` backend), ``"dcp"`` (``.metadata``) or ``"pretrain"``
-    (``mt pretrain``'s ``meta.json`` or ``latest``)."""
+    ``torch_dist`` backend), ``"dcp"`` (``.metadata``), ``"gguf"`` (``model.gguf`` or a
+    ``.gguf`` file) or ``"pretrain"`` (``mt pretrain``'s ``meta.json`` or ``latest``)."""
     path = Path(path)
     if path.suffix == ".gguf" and path.is_file() or (path / "model.gguf").is_file():
         return GGUF_FORMAT
@@ -117,7 +117,8 @@ def detect_format(path: Path) -> str:
 
 
 _EXPECTED = ("a folder holding config.json (mt consolidated or tp, Hugging Face GPT-2 or "
-             "Llama), latest_checkpointed_iteration.txt (Megatron-LM), .metadata (torch DCP), "
+             "Llama), latest_checkpointed_iteration.txt (Megatron-LM), metadata.json and "
+             ".metadata (Megatron-core), .metadata (torch DCP), model.gguf (or a .gguf file), "
              "meta.json or latest (mt pretrain) or zero/ (DeepSpeed universal)")
 
 
@@ -129,9 +130,8 @@ def _check_folder(path: Path) -> None:
     if not path.exists():
         raise ConvertError(f"{path}: checkpoint directory not found")
     hint = ""
-    if path.parent != path and any((path.parent / name).is_file() for name in
-                                   (CONFIG_FILE, LATEST_FILE, "meta.json", "latest",
-                                                            ".metadata")):
+    markers = (CONFIG_FILE, LATEST_FILE, "meta.json", "latest", ".metadata")
+    if path.parent != path and any((path.parent / name).is_file() for name in markers):
         hint = f"; give the folder {path.parent}, which holds it"
     raise ConvertError(f"{path} is a file, not a checkpoint folder: mt convert reads "
                        f"{_EXPECTED}{hint}")
@@ -148,7 +148,7 @@ def open_checkpoint(path: Path, fmt: str | None = None,
     fmt = detect_format(path) if fmt is None else fmt
     _check_format(fmt)
     _check_folder(Path(path))
-    if model is not None:  # only DeepSpeed and DCP checkpoints lack a model config
+    if model is not None:  # only DeepSpeed, DCP and Megatron-core folders may lack one
         if fmt not in _NEEDS_MODEL:
             raise ConvertError(f"--model only applies to deepspeed, dcp and mcore sources, "
                                f"not {fmt!r}")
