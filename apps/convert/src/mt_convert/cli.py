@@ -132,9 +132,9 @@ def convert(
         "--force", help="Replace an existing destination (only once the new one is "
         "complete).")] = False,
     model: Annotated[str | None, typer.Option(
-        "--model", help="deepspeed, dcp or mcore source (they record no mt model config): "
-        "model preset "
-        "or JSON file of GPTConfig fields (sizes are read from the tensors).")] = None,
+        "--model", help="deepspeed, dcp or mcore source (they may record no model config): "
+        "model preset or JSON file of GPTConfig fields (sizes are read from the tensors).")
+    ] = None,
     dp: Annotated[int | None, typer.Option(
         "--dp", min=1, help="Data-parallel degree of the pretrain target (pretrain source; "
         "default: the source's).")] = None,
@@ -142,8 +142,9 @@ def convert(
         "--zero-stage", min=0, max=3, help="ZeRO stage of the pretrain target (pretrain "
         "source; default: the source's).")] = None,
     drop_optimizer: Annotated[bool, typer.Option(
-        "--drop-optimizer", help="pretrain -> pretrain: write the weights with a fresh "
-        "optimizer (no Adam moments) instead of carrying the optimizer state.")] = False,
+        "--drop-optimizer", help="pretrain target: write the weights with a fresh optimizer "
+        "(no Adam moments) instead of carrying the source's (an mt pretrain checkpoint, a "
+        "DeepSpeed universal one, a DCP folder with torch's optimizer state).")] = False,
     tokenizer: Annotated[str | None, typer.Option(
         "--tokenizer", help="hf or gguf target: the tokenizer to write beside the weights (gpt2, "
         "tokenizer-1k, a tokenizer.json or a folder; default: the one an mt pretrain source "
