@@ -35,7 +35,6 @@ MEGATRON_ENUMS = (
     "megatron.core.transformer.enums.CudaGraphScope",
     "megatron.core.enums.ModelType",
     "megatron.core.enums.Fp8Recipe",
-    "megatron.core.model_parallel_config.ModelParallelConfig",
 )
 
 
