@@ -194,6 +194,18 @@ class DCPFolder:
         self.checksums: dict[str, str] = {}
         self._storage = _Storage(self.root, self.metadata)
 
+    def recorded_config(self, model: object) -> GPTConfig | None:
+        """The config ``mt.json`` records (its checksums then checked on every read), or
+        None for a folder mt did not write; ``model`` (``--model``) is refused beside it."""
+        sidecar = read_sidecar(self.root)
+        if sidecar is None:
+            return None
+        if model is not None:
+            raise ConvertError(f"{self.root / SIDECAR}: this checkpoint records its model "
+                               "config; --model does not apply")
+        self.checksums = dict(sidecar.get("checksums") or {})
+        return config_from(sidecar.get("model"), self.root / SIDECAR)
+
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return {key: tuple(meta.size) for key, meta in self.tensors.items()}
 
@@ -308,13 +320,9 @@ class DCPReader(CheckpointReader):
         self._folder = DCPFolder(self.root)
         self.naming = detect_naming(set(self._folder.tensors), self.root / METADATA_FILE)
         shapes = self._folder.shapes()
-        sidecar = read_sidecar(self.root)
-        if sidecar is not None:
-            if model is not None:
-                raise ConvertError(f"{self.root / SIDECAR}: this checkpoint records its model "
-                                   "config; --model does not apply")
-            self.config = config_from(sidecar.get("model"), self.root / SIDECAR)
-            self._folder.checksums = dict(sidecar.get("checksums") or {})
+        recorded = self._folder.recorded_config(model)
+        if recorded is not None:
+            self.config = recorded
         else:
             fields, _ = config_fields(model, self.root, {})
             if fields is None:

@@ -42,11 +42,9 @@ from mt_formats.crc import CHECKSUM_ALGORITHM
 from mt_formats.dcp import (
     DATA_FILE,
     METADATA_FILE,
-    SIDECAR,
     DCPFileWriter,
     DCPFolder,
     config_from,
-    read_sidecar,
     write_sidecar,
 )
 from mt_formats.deepspeed_universal import config_fields
@@ -192,13 +190,9 @@ class McoreReader(CheckpointReader):
                                f"{backend.get('sharded_backend')!r}; mt reads 'torch_dist'")
         self._folder = DCPFolder(self.root)
         shapes = self._folder.shapes()
-        sidecar = read_sidecar(self.root)
-        if sidecar is not None:
-            if model is not None:
-                raise ConvertError(f"{self.root / SIDECAR}: this checkpoint records its model "
-                                   "config; --model does not apply")
-            self.config = config_from(sidecar.get("model"), self.root / SIDECAR)
-            self._folder.checksums = dict(sidecar.get("checksums") or {})
+        recorded = self._folder.recorded_config(model)
+        if recorded is not None:
+            self.config = recorded
         elif model is None and (args := self._args()) is not None:  # Megatron-LM's own
             self.config = config_from_args(args, self.root / COMMON_FILE, gpt2_only=False)
         else:

@@ -29,8 +29,8 @@ __all__ = ["deepspeed_config", "deepspeed_environ", "init_deepspeed_distributed"
            "initialize_deepspeed"]
 
 #: DeepSpeed's shared-memory allreduce op: its torch backend JIT-compiles it when it starts
-#: on CPU (35 s, and up to 150 s on a loaded machine, again whenever the install path
-#: changes), but only its inference ``inference_all_reduce`` uses it; mt never calls that.
+#: on CPU (tens of seconds, and again for every new install path), but only its inference
+#: ``inference_all_reduce`` uses it; mt never calls that.
 SHM_COMM_OP = "deepspeed_shm_comm"
 
 #: Printing every N steps: effectively never (mt reports its own metrics).
