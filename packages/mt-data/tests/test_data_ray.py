@@ -27,7 +27,7 @@ import pytest
 from mt_data.corpus import iter_corpus
 from mt_data.decontam import DecontamConfig
 from mt_data.dedup import fuzzy_dedup
-from mt_data.dedup_tasks import fuzzy_dedup_tasks
+from mt_data.dedup_tasks import _Chunks, fuzzy_dedup_tasks
 from mt_data.ingest import IngestConfig
 from mt_data.pipeline import PrepareConfig, prepare
 from mt_data.stages import CleanConfig
@@ -180,7 +180,8 @@ def test_a_killed_worker_leaves_the_dataset_unchanged(corpus: dict[str, Any], cl
 
 def test_band_tasks_cluster_as_in_memory(corpus: dict[str, Any], tmp_path: Path) -> None:
     """fuzzy dedup as 1, 3 and 16 band tasks (run here, one after the other) against
-    :func:`fuzzy_dedup` on the concatenated signatures of the same chunk files."""
+    :func:`fuzzy_dedup` on the concatenated signatures of the same chunk files; the chunk
+    files are not left mapped by a task's reads."""
     config = _config(corpus, workers=1, keep_work=True)
     prepare(corpus["files"], tmp_path / "out", config)
     chunks = sorted(str(p) for p in (tmp_path / "out" / "work").glob("clean-*.arrow"))
@@ -202,6 +203,15 @@ def test_band_tasks_cluster_as_in_memory(corpus: dict[str, Any], tmp_path: Path)
                                                                       want.cluster)
         assert (got.candidate_pairs, got.duplicate_pairs) == (want.candidate_pairs,
                                                               want.duplicate_pairs)
+
+
+    # A task reads every page of every chunk file for each band: it must not keep them
+    # mapped (they would stay in its resident memory, all the signatures by the last band).
+    del sigs, has, batch
+    rows = _Chunks(chunks, num_perm)
+    assert np.array_equal(rows.rows(docs[::-1], 8, 16), sig[docs[::-1], 8:16])
+    mapped = {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()}
+    assert not mapped & set(chunks), "chunk files stay mapped"
 
 
 def test_executor_flags_are_checked(corpus: dict[str, Any], tmp_path: Path) -> None:

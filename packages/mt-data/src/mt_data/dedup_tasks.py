@@ -32,25 +32,41 @@ _PAIR_CHUNK = 1 << 16
 
 
 class _Chunks:
-    """The signatures of chunk files, memory-mapped, addressed by global document index."""
+    """The signatures of chunk files, addressed by global document index.
+
+    Each read maps the chunk files it needs and lets them go before it returns: a band's
+    columns are a few bytes of every row, so reading one touches every page of every file,
+    and pages left mapped would stay in the task's resident memory (all the signatures, by
+    the last band). Unmapped, they are the kernel's page cache, shared and reclaimable.
+    """
 
     def __init__(self, paths: Sequence[str], num_perm: int) -> None:
-        self.sigs, self.has = [], []
-        for path in paths:
-            batch = pa.ipc.open_file(pa.memory_map(path, "r")).get_batch(0)
-            self.sigs.append(batch.column("minhash").values.to_numpy()
-                             .reshape(-1, num_perm)[: batch.num_rows])
-            self.has.append(batch.column("has_shingles").to_numpy(zero_copy_only=False))
+        self.paths, self.num_perm = list(paths), num_perm
+        self.has = [self._batch(path).column("has_shingles").to_numpy(zero_copy_only=False)
+                    for path in self.paths]
         self.starts = np.concatenate([[0], np.cumsum([len(h) for h in self.has])]
                                      ).astype(np.int64)
+
+    @staticmethod
+    def _batch(path: str) -> pa.RecordBatch:
+        return pa.ipc.open_file(pa.memory_map(path, "r")).get_batch(0)
+
+    def _read(self, c: int, rows: np.ndarray, lo: int, hi: int) -> np.ndarray:
+        """A copy of columns ``lo:hi`` of rows ``rows`` of chunk ``c``; the file is unmapped
+        when this returns (nothing else refers to it)."""
+        batch = self._batch(self.paths[c])
+        sig = batch.column("minhash").values.to_numpy().reshape(-1, self.num_perm)
+        return sig[rows, lo:hi]
 
     def rows(self, docs: np.ndarray, lo: int, hi: int) -> np.ndarray:
         """Signature columns ``lo:hi`` of documents ``docs`` (ascending or not)."""
         out = np.empty((len(docs), hi - lo), dtype=np.uint32)
         where = np.searchsorted(self.starts, docs, side="right") - 1
-        for c in np.unique(where):
-            pick = where == c
-            out[pick] = self.sigs[c][docs[pick] - self.starts[c], lo:hi]
+        order = np.argsort(where, kind="stable")  # the documents of each chunk together
+        chunks, first = np.unique(where[order], return_index=True)
+        for c, a, b in zip(chunks, first, [*first[1:], len(order)], strict=True):
+            pick = order[a:b]
+            out[pick] = self._read(int(c), docs[pick] - self.starts[c], lo, hi)
         return out
 
     def has_shingles(self, docs: np.ndarray) -> np.ndarray:
