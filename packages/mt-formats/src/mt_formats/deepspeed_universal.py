@@ -1,16 +1,20 @@
 """Reading DeepSpeed *universal* checkpoints of mt's GPT as a conversion source.
 
 ``python -m deepspeed.checkpoint.ds_to_universal --input_folder CKPT/global_stepN
---output_folder OUT --inject_missing_state`` turns a DeepSpeed checkpoint of any ZeRO stage
-and DP size into one folder per parameter: ``OUT/zero/<param name>/fp32.pt`` holds
-``{"param": full fp32 tensor, "cat_dim": ...}`` (the fp32 master weights), beside
-``exp_avg.pt`` / ``exp_avg_sq.pt`` (Adam's moments, same layout) and ``step.pt``; the
-engine's ``mp_rank_00_model_states.pt`` is copied next to ``zero/``. mt trains through
-DeepSpeed with tp = pp = 1 (``mt_zero.deepspeed_engine``), so the parameter names are
-``mt_model.GPT``'s own (``embed.tokens.weight``, ``blocks.0.attn.qkv.weight``, ...); a
-``module.`` prefix (a wrapped model) is accepted too.
+--output_folder OUT`` turns a DeepSpeed checkpoint of any ZeRO stage, DP, TP and PP size
+into one folder per parameter: ``OUT/zero/<param name>/fp32.pt`` holds ``{"param": full fp32
+tensor, ...}`` (the fp32 master weights), beside ``exp_avg.pt`` / ``exp_avg_sq.pt`` (Adam's
+moments, same layout) and ``step.pt``; the engine's ``mp_rank_*_model_states.pt`` are copied
+next to ``zero/``. It joins each parameter's tensor-parallel slices by the rules of the
+checkpoint's ``universal_checkpoint_info``, which ``mt pretrain --engine deepspeed`` writes
+(``mt_zero.deepspeed_universal``) with the model config (``mt_model``); without it
+(``--inject_missing_state``) only a tp = 1 checkpoint joins right. The parameter names are
+``mt_model.GPT``'s own (``embed.tokens.weight``, ``blocks.0.attn.qkv.weight``, ...; a
+``module.`` prefix, of a wrapped model, is accepted too), or, from pipeline stages,
+DeepSpeed's ``PipelineModule`` names (``3.attn.qkv.weight``,
+``tied_modules.embed.inner.tokens.weight``) with mt's name of each in ``mt_names``.
 
-DeepSpeed does not record the model's configuration. The sizes (layers, hidden, ffn,
+DeepSpeed itself does not record the model's configuration. The sizes (layers, hidden, ffn,
 vocabulary, sequence length) are read from the tensors; the rest (attention heads above
 all) comes, in this order, from the ``model`` argument (a ``GPTConfig``, a preset name or a
 JSON file of ``GPTConfig`` fields, ``mt convert --model``), an ``"mt_model"`` entry of the
@@ -50,7 +54,9 @@ LATEST_UNIVERSAL = "latest_universal"
 MODEL_STATES = "mp_rank_*_model_states.pt"
 _PREFIX = "module."
 _CONVERT_HINT = ("convert it first: python -m deepspeed.checkpoint.ds_to_universal "
-                 "--input_folder {src} --output_folder OUT --inject_missing_state")
+                 "--input_folder {src} --output_folder OUT (with --inject_missing_state if "
+                 "it has no universal_checkpoint_info: tensor-parallel degree 1 only)")
+UNIVERSAL_INFO = "universal_checkpoint_info"
 
 
 def _native_step(path: Path) -> Path | None:
@@ -87,9 +93,19 @@ def universal_folder(path: Path) -> Path:
     raise ConvertError(f"{path}: not a DeepSpeed universal checkpoint (no {ZERO_DIR}/ folder)")
 
 
+class SubparamShape:
+    """An inert stand-in for DeepSpeed's record, in a universal file, of how a fused
+    parameter's blocks were joined (``sub_param_shape``: patterns, shape, partition_dim);
+    unpickled under DeepSpeed's name without importing DeepSpeed, its fields only."""
+
+
+_UNIVERSAL_GLOBALS = [(SubparamShape, "deepspeed.checkpoint.universal_checkpoint.SubparamShape")]
+
+
 def _load_param(path: Path, name: str) -> torch.Tensor:
     """The ``"param"`` tensor of a universal ``<state>.pt`` file of parameter ``name``."""
-    data = load_weights_only(path, missing=f"file not found (tensor {name!r})")
+    data = load_weights_only(path, missing=f"file not found (tensor {name!r})",
+                             allowed=_UNIVERSAL_GLOBALS)
     tensor = data.get("param") if isinstance(data, dict) else None
     if not isinstance(tensor, torch.Tensor):
         got = sorted(map(str, data)) if isinstance(data, dict) else type(data).__name__
@@ -187,6 +203,17 @@ def _client_state(root: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
+def _mt_names(client: Mapping[str, Any], root: Path) -> dict[str, str]:
+    """mt's name of each parameter DeepSpeed named otherwise (``mt_names`` of a checkpoint
+    of mt's pipeline stages: ``3.attn.qkv.weight`` -> ``blocks.2.attn.qkv.weight``)."""
+    names = client.get("mt_names", {})
+    if not isinstance(names, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in names.items()):
+        raise ConvertError(f"{root}: the model-states file's mt_names is not a mapping of "
+                           "names to names")
+    return names
+
+
 class DeepSpeedUniversalReader(CheckpointReader):
     """The fp32 master weights of a DeepSpeed universal checkpoint of mt's GPT.
 
@@ -202,11 +229,22 @@ class DeepSpeedUniversalReader(CheckpointReader):
         self.root = universal_folder(Path(root))
         zero = self.root / ZERO_DIR
         folders = sorted(p.name for p in zero.iterdir() if p.is_dir())
-        self._stored = {name.removeprefix(_PREFIX): name for name in folders}
+        client = _client_state(self.root)
+        renamed = _mt_names(client, self.root)
+        self._stored = {renamed.get(name) or name.removeprefix(_PREFIX): name
+                        for name in folders}
         self._params = {name: _load_param(zero / stored / FP32_FILE, name)
                         for name, stored in self._stored.items()}
         shapes = {name: tuple(t.shape) for name, t in self._params.items()}
-        self.config = resolve_config(model, self.root, shapes, _client_state(self.root))
+        dims = client.get("checkpoint_parallel_dimensions")
+        tp = dims.get("tp_degree", 1) if isinstance(dims, dict) else 1
+        if tp != 1 and not client.get(UNIVERSAL_INFO):
+            raise ConvertError(f"{self.root}: made from a tensor-parallel degree {tp} "
+                               f"checkpoint without {UNIVERSAL_INFO} (--inject_missing_state): its "
+                               "slices were joined without their rules (replicated, row, "
+                               "fused blocks, padded vocabulary); convert a checkpoint that "
+                               "carries them (mt pretrain --engine deepspeed writes them)")
+        self.config = resolve_config(model, self.root, shapes, client)
         self._shapes = canonical_shapes(self.config)
         missing = sorted(set(self._shapes) - set(self._params))
         extra = sorted(set(self._params) - set(self._shapes))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -11,13 +12,17 @@ import torch
 from mt_formats.errors import ConvertError
 
 
-def load_weights_only(path: Path, missing: str = "file not found") -> Any:
+def load_weights_only(path: Path, missing: str = "file not found",
+                      allowed: Sequence[Any] = ()) -> Any:
     """``torch.load`` memory-mapped with ``weights_only=True``: tensors and plain containers
-    only; anything else, a malformed or truncated file raises a ConvertError naming ``path``."""
+    only (and the ``allowed`` globals: torch's ``safe_globals`` entries, e.g. an inert
+    stand-in class under the name a file uses); anything else, a malformed or truncated file
+    raises a ConvertError naming ``path``."""
     if not path.is_file():
         raise ConvertError(f"{path}: {missing}")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        with torch.serialization.safe_globals(list(allowed)):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as err:
         raise ConvertError(f"{path}: holds objects other than tensors and plain containers; "
                            f"refusing to unpickle it ({str(err).splitlines()[0]})") from None

@@ -51,12 +51,18 @@ from mt_checkpoint import (
 )
 from mt_data import DataLoaderState
 from mt_dist import ParallelGroups
+from mt_model import GPT
+from mt_pipeline import ModelLayout
 from mt_pretrain.config.resolve import RunPlan
 from mt_pretrain.config.schema import PretrainConfig
 from mt_pretrain.data.inputs import default_cache_dir, to_batch
 from mt_pretrain.engines.base import Engine, Saver
 from mt_pretrain.engines.build import build_model_stage, seed_everything
-from mt_pretrain.engines.deepspeed_pipe import build_pipeline_module, micro_batches
+from mt_pretrain.engines.deepspeed_pipe import (
+    build_pipeline_module,
+    deepspeed_names,
+    micro_batches,
+)
 from mt_zero import StepResult, decay_param_groups
 from mt_zero.deepspeed_engine import (
     deepspeed_config,
@@ -65,6 +71,7 @@ from mt_zero.deepspeed_engine import (
     initialize_deepspeed,
 )
 from mt_zero.deepspeed_mpu import GroupsMpu
+from mt_zero.deepspeed_universal import UNIVERSAL_CHECKPOINT_INFO, universal_checkpoint_info
 
 __all__ = ["DeepSpeedCheckpointer", "DeepSpeedEngine", "load_deepspeed_checkpoint"]
 
@@ -155,10 +162,35 @@ class DeepSpeedEngine(Engine):
                              self.plan.layout.zero_stage == 3)
 
     def saver(self, root: Path, keep_last: int) -> Saver:
-        return DeepSpeedCheckpointer(root, self.ds, self.groups, self.built.tracker)
+        return DeepSpeedCheckpointer(root, self.ds, self.groups, self.built.tracker,
+                                     universal_state(self.plan, self.built.stage.layout
+                                                     if self.pipelined else None))
 
     def load(self, path: str | Path) -> tuple[int, DataLoaderState]:
         return load_deepspeed_checkpoint(path, self.ds, self.groups, self.built.tracker)
+
+
+def universal_state(plan: RunPlan, pipeline: ModelLayout | None) -> dict[str, Any]:
+    """What a DeepSpeed checkpoint of mt's model carries beside DeepSpeed's own state, for
+    ``ds_to_universal`` and ``mt convert``: the rules that join mt's tensor-parallel slices
+    (:func:`mt_zero.deepspeed_universal.universal_checkpoint_info`), the model config
+    (``mt_model``) and, with pipeline stages (``pipeline``: the stages' module layout), mt's
+    name of each parameter DeepSpeed names (``mt_names``)."""
+    from mt_tensor_parallel import padded_vocab_size
+
+    gpt, tp = plan.gpt, plan.layout.tp
+    styles = sharding_styles(gpt, tp)
+    with torch.device("meta"):
+        shapes = {n: tuple(p.shape) for n, p in GPT(gpt, seed=None).named_parameters()}
+    names = (deepspeed_names(styles, gpt.n_layers, pipeline) if pipeline is not None
+             else {n: n for n in styles})
+    info = universal_checkpoint_info({names[n]: s for n, s in styles.items()},
+                                     {names[n]: shape for n, shape in shapes.items()},
+                                     gpt.vocab_size, padded_vocab_size(gpt.vocab_size, tp))
+    state: dict[str, Any] = {UNIVERSAL_CHECKPOINT_INFO: info, "mt_model": gpt.to_dict()}
+    if pipeline is not None:
+        state["mt_names"] = {ds: mt for mt, ds in names.items()}
+    return state
 
 
 def _fp32_weights(named: Iterator[tuple[str, nn.Parameter]],
@@ -274,8 +306,9 @@ class DeepSpeedCheckpointer:
     position and RNG states (default generator, TP streams)."""
 
     def __init__(self, root: Path, ds: Any, groups: ParallelGroups,
-                 tracker: Any = None) -> None:
+                 tracker: Any = None, client: dict[str, Any] | None = None) -> None:
         self.root, self.ds, self.groups, self.tracker = root, ds, groups, tracker
+        self.client = client or {}  # saved in DeepSpeed's model-states files
         self.last_saved: Path | None = None
         self.last_step: int | None = None
         self.longest_write = 0.0  # DeepSpeed's engine writes in the foreground
@@ -302,7 +335,7 @@ class DeepSpeedCheckpointer:
         tmp.replace(_rank_file(folder, self.groups.rank))
         # DeepSpeed writes `latest` (rank 0) after its shards: our files come first.
         self.ds.save_checkpoint(str(self.root), tag=tag,
-                                client_state={"data": data_state.to_dict()})
+                                client_state={**self.client, "data": data_state.to_dict()})
         _write_checksums(folder, self.groups)
         self.last_saved, self.last_step = folder, step
         return folder

@@ -22,6 +22,7 @@ counts them on every TP rank and replicated ones on TP rank 0 only.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from functools import partial
 from typing import Any
 
@@ -34,7 +35,7 @@ from mt_pretrain.config.resolve import RunPlan
 from mt_pretrain.data.inputs import to_batch
 from mt_zero.deepspeed_mpu import grid_mismatches, pipe_topology
 
-__all__ = ["build_pipeline_module", "layer_parts", "micro_batches"]
+__all__ = ["build_pipeline_module", "deepspeed_names", "layer_parts", "micro_batches"]
 
 TIE_KEY = "embed"
 
@@ -74,6 +75,26 @@ def layer_parts(plan: RunPlan, layout: ModelLayout) -> list[int]:
                          "stages)")
     total = 1 + plan.gpt.n_layers + len(layout.final) + 1
     return [0, *(1 + s.chunks[0][0] for s in stages[1:]), total]
+
+
+def deepspeed_names(names: Iterable[str], n_layers: int, layout: ModelLayout) -> dict[str, str]:
+    """The name DeepSpeed's ``PipelineModule`` gives each of mt's parameters ``names`` (of
+    every stage; the layer list above): ``embed.X`` -> ``tied_modules.embed.inner.X``,
+    ``blocks.i.X`` -> ``{i + 1}.X``, the k-th final module's ``X`` -> ``{n_layers + 1 + k}.X``
+    (the head holds only the tied weight)."""
+    out = {}
+    for name in names:
+        module, _, rest = name.partition(".")
+        if module == layout.embed:
+            out[name] = f"tied_modules.{TIE_KEY}.inner.{rest}"
+        elif module == layout.layers:
+            index, _, leaf = rest.partition(".")
+            out[name] = f"{int(index) + 1}.{leaf}"
+        elif module in layout.final:
+            out[name] = f"{n_layers + 1 + layout.final.index(module)}.{rest}"
+        else:
+            raise ValueError(f"{name}: no layer of the DeepSpeed pipeline holds it")
+    return out
 
 
 def _module_class() -> Any:
@@ -135,11 +156,16 @@ def build_pipeline_module(stage: PipelineStage, plan: RunPlan, groups: ParallelG
     problems = grid_mismatches(module.mpu(), groups)
     if problems:
         raise RuntimeError("DeepSpeed's pipeline groups differ from mt's: " + "; ".join(problems))
-    mine = {id(p) for p in stage.parameters()}
-    theirs = {id(p) for p in module.parameters()}
-    if mine != theirs:
+    mine = {id(p): name for name, p in stage.named_parameters()}
+    theirs = {id(p): name for name, p in module.named_parameters()}
+    if mine.keys() != theirs.keys():
         raise RuntimeError(f"DeepSpeed's stage holds {len(theirs)} parameters, mt's stage "
                            f"{len(mine)}; they must be the same tensors")
+    named = deepspeed_names(mine.values(), plan.gpt.n_layers, layout)
+    wrong = [(n, theirs[i]) for i, n in mine.items() if named[n] != theirs[i]]
+    if wrong:  # checkpoints record DeepSpeed's names; converters map them by this rule
+        ours, ds_name = wrong[0]
+        raise RuntimeError(f"DeepSpeed names {ours!r} {ds_name!r}, not {named[ours]!r}")
     return module
 
 
