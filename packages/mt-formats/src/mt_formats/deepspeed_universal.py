@@ -12,19 +12,26 @@ checkpoint's ``universal_checkpoint_info``, which ``mt pretrain --engine deepspe
 ``mt_model.GPT``'s own (``embed.tokens.weight``, ``blocks.0.attn.qkv.weight``, ...; a
 ``module.`` prefix, of a wrapped model, is accepted too), or, from pipeline stages,
 DeepSpeed's ``PipelineModule`` names (``3.attn.qkv.weight``,
-``tied_modules.embed.inner.tokens.weight``) with mt's name of each in ``mt_names``.
+``tied_modules.embed.inner.tokens.weight``) with mt's name of each in ``mt_names``, or
+Megatron-DeepSpeed's ``GPTModelPipe`` names (``tied_modules.embed.word_embeddings.weight``,
+``2.self_attention.query_key_value.weight``, ...: the format MT-NLG was trained in), whose
+per-head ``query_key_value`` rows become mt's [q; k; v] order.
 
 DeepSpeed itself does not record the model's configuration. The sizes (layers, hidden, ffn,
 vocabulary, sequence length) are read from the tensors; the rest (attention heads above
 all) comes, in this order, from the ``model`` argument (a ``GPTConfig``, a preset name or a
 JSON file of ``GPTConfig`` fields, ``mt convert --model``), an ``"mt_model"`` entry of the
-model-states file's client state, or an mt ``config.json`` in the folder.
+model-states file's client state, Megatron-LM's ``args`` there (Megatron-DeepSpeed), or an
+mt ``config.json`` in the folder.
 
-Every file is read with ``torch.load(weights_only=True, mmap=True)``.
+Every file is read with ``torch.load(weights_only=True, mmap=True)``; the model-states file
+with the allow-list of Megatron-LM files (:mod:`mt_formats.megatron_args`), the parameter
+files with an inert stand-in for DeepSpeed's ``SubparamShape`` record.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 from collections.abc import Mapping
@@ -35,6 +42,8 @@ import torch
 
 from mt_formats.canonical import CheckpointReader, TensorRef, canonical_shapes, follow_pointer
 from mt_formats.errors import ConvertError
+from mt_formats.megatron import _LAYER, _from_megatron_qkv
+from mt_formats.megatron_args import config_from_args, load_megatron_file
 from mt_formats.tensors import TensorSpec
 from mt_formats.torch_io import load_weights_only
 from mt_model import GPTConfig, preset
@@ -144,7 +153,8 @@ def _read_json(path: Path) -> Any:
 def config_fields(model: GPTConfig | str | Mapping[str, Any] | None, root: Path,
                    client: Mapping[str, Any]) -> tuple[dict[str, Any] | None, str]:
     """GPTConfig fields from the first available source (``model``, the client state's
-    ``mt_model``, an mt ``config.json`` in ``root``), and where they came from; (None, "")
+    ``mt_model`` or Megatron-LM ``args``, an mt ``config.json`` in ``root``), and where they
+    came from; (None, "")
     when there is none. Also used for torch DCP folders, which record no config either."""
     if isinstance(model, GPTConfig):
         return model.to_dict(), "the given config"
@@ -166,6 +176,12 @@ def config_fields(model: GPTConfig | str | Mapping[str, Any] | None, root: Path,
                                f"({err})") from None
     if isinstance(client.get("mt_model"), dict):
         return dict(client["mt_model"]), "the model-states file's mt_model entry"
+    if isinstance(client.get("args"), argparse.Namespace):  # Megatron-DeepSpeed
+        args = argparse.Namespace(**vars(client["args"]))
+        norm = str(getattr(args, "normalization", "layernorm")).lower()
+        args.normalization = {"layernorm": "LayerNorm", "rmsnorm": "RMSNorm"}.get(norm, norm)
+        where = client.get("_path", root)
+        return config_from_args(args, where).to_dict(), f"{where} (Megatron-LM args)"
     config_json = root / "config.json"
     if config_json.is_file():
         data = _read_json(config_json)
@@ -195,12 +211,54 @@ def resolve_config(model: GPTConfig | str | Mapping[str, Any] | None, root: Path
 
 
 def _client_state(root: Path) -> dict[str, Any]:
-    """The engine's model-states file (copied beside ``zero/``), when present."""
+    """The engine's model-states file (copied beside ``zero/``), when present: weights-only,
+    plus the allow-list of Megatron-LM's pickled ``args`` (Megatron-DeepSpeed saves them
+    there), with where it was read as ``"_path"``."""
     files = sorted(root.glob(MODEL_STATES))
     if not files:
         return {}
-    data = load_weights_only(files[0])
-    return data if isinstance(data, dict) else {}
+    data = load_megatron_file(files[0])
+    return {**data, "_path": files[0]} if isinstance(data, dict) else {}
+
+
+#: Megatron-DeepSpeed's names inside a transformer layer -> mt's (``megatron._LAYER``).
+_MDS_LEAF = {meg + mt[len(prefix):]: mt
+             for prefix, (meg, _) in _LAYER.items()
+             for mt in ((prefix,) if prefix.endswith(("weight", "bias"))
+                        else (prefix + ".weight", prefix + ".bias"))}
+
+
+def _megatron_deepspeed_names(names: list[str], root: Path) -> dict[str, str]:
+    """mt's name of each parameter of Megatron-DeepSpeed's ``GPTModelPipe`` (its layer list:
+    a cast, the embedding, the transformer layers, the final norm, the head), e.g.
+    ``tied_modules.embed.word_embeddings.weight`` -> ``embed.tokens.weight``,
+    ``2.self_attention.query_key_value.weight`` -> ``blocks.0.attn.qkv.weight``,
+    ``{last + 1}.weight`` -> ``ln_f.weight``; {} when ``names`` are not its."""
+    layers = sorted({int(m[1]) for n in names
+                     if (m := re.fullmatch(r"(\d+)\.input_layernorm\.weight", n))})
+    if not layers:
+        return {}
+    if layers != list(range(layers[0], layers[0] + len(layers))):
+        raise ConvertError(f"{root / ZERO_DIR}: Megatron-DeepSpeed layers {layers} are not "
+                           "consecutive")
+    out = {}
+    for name in names:
+        top = re.fullmatch(r"(?:tied_modules\.embed|\d+)\.(word|position)_embeddings\.weight",
+                           name)
+        numbered = re.fullmatch(r"(\d+)\.(.+)", name)
+        if top:
+            out[name] = f"embed.{'tokens' if top[1] == 'word' else 'positions'}.weight"
+        elif numbered and numbered[2] == "lm_head.weight":
+            out[name] = "head.weight"
+        elif numbered and int(numbered[1]) == layers[-1] + 1 and numbered[2] in ("weight",
+                                                                               "bias"):
+            out[name] = f"ln_f.{numbered[2]}"
+        elif numbered and int(numbered[1]) in layers and numbered[2] in _MDS_LEAF:
+            out[name] = f"blocks.{int(numbered[1]) - layers[0]}.{_MDS_LEAF[numbered[2]]}"
+        else:
+            raise ConvertError(f"{root / ZERO_DIR / name}: not a parameter of "
+                               "Megatron-DeepSpeed's GPTModelPipe that mt reads")
+    return out
 
 
 def _mt_names(client: Mapping[str, Any], root: Path) -> dict[str, str]:
@@ -230,7 +288,9 @@ class DeepSpeedUniversalReader(CheckpointReader):
         zero = self.root / ZERO_DIR
         folders = sorted(p.name for p in zero.iterdir() if p.is_dir())
         client = _client_state(self.root)
-        renamed = _mt_names(client, self.root)
+        mds = _megatron_deepspeed_names(folders, self.root)
+        renamed = mds or _mt_names(client, self.root)
+        self._per_head_qkv = bool(mds)  # Megatron's [heads, 3, head_dim] rows
         self._stored = {renamed.get(name) or name.removeprefix(_PREFIX): name
                         for name in folders}
         self._params = {name: _load_param(zero / stored / FP32_FILE, name)
@@ -270,8 +330,14 @@ class DeepSpeedUniversalReader(CheckpointReader):
         file = self._file(name).relative_to(self.root).as_posix()
         return [TensorRef(file, "param", self.spec(name))]
 
+    def _mt_layout(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Megatron's per-head ``query_key_value`` rows in mt's [q; k; v] order."""
+        if self._per_head_qkv and ".attn.qkv." in name:
+            return _from_megatron_qkv(tensor, self.config.n_heads)
+        return tensor.contiguous()
+
     def read(self, name: str) -> torch.Tensor:
-        return self._params[name].contiguous()
+        return self._mt_layout(name, self._params[name])
 
     def read_state(self, name: str, key: str) -> torch.Tensor:
         """Optimizer state ``key`` (``exp_avg``, ``exp_avg_sq``: full tensors shaped like
@@ -287,7 +353,7 @@ class DeepSpeedUniversalReader(CheckpointReader):
         if tuple(tensor.shape) != self._shapes[name]:
             raise ConvertError(f"{path}: tensor {name!r} has shape {list(tensor.shape)}, "
                                f"the parameter has {list(self._shapes[name])}")
-        return tensor.contiguous()
+        return self._mt_layout(name, tensor)
 
     def optimizer_state(self, name: str) -> dict[str, torch.Tensor] | None:
         """Adam's ``exp_avg``, ``exp_avg_sq`` and ``step`` of ``name`` (None when the
