@@ -14,10 +14,16 @@ timed, alternately and ``--repeats`` times each on the same disk:
   (a conversion verifies the checksum of every byte it reads and records one for every
   byte it writes; for most tensors one pass serves both, see ``mt_formats.crc``).
 
-Speeds are source bytes / best time. Peak RSS is ``resource.getrusage`` of this process
-(it includes the page-cache pages of memory-mapped source files it touched), once after the
-first reshape and once at the end (the merge maps and merges the shards). The load
-average is printed too: on a shared machine it explains most of the spread. Example:
+Before each timed run its source files are dropped from the page cache (fsync, then
+``POSIX_FADV_DONTNEED``), so that every side reads its source from disk, as a checkpoint
+larger than memory is read. Without it the copy read a source the previous copy had left
+in the cache, while the merge read shards the reshape had just written past it (measured
+2026-12-05 on this machine: the merge of cached shards 0.85-1.29 s, of uncached ones
+1.35-3.16 s). Speeds are source bytes / best time. Peak RSS is ``resource.getrusage`` of
+this process (it includes the page-cache pages of memory-mapped source files it touched),
+once after the first reshape and once at the end (the merge maps and merges the shards).
+The load average is printed too: on a shared machine it explains most of the spread.
+Example:
 
     PYTHONPATH=$(ls -d packages/*/src apps/*/src | tr '\\n' ':') python3 benchmarks/convert.py
 """
@@ -60,6 +66,7 @@ def _build(config_dict: dict, directory: str) -> None:
 
 
 def _copy(source: Path, target: Path) -> float:
+    _evict(source)
     start = time.perf_counter()
     shutil.copyfile(source, target)
     with open(target, "rb+") as handle:  # the converter fsyncs what it writes: so do we
@@ -77,9 +84,23 @@ def _hash(path: Path) -> float:
     return time.perf_counter() - start
 
 
-def _timed(fn: object, *args: object, **kwargs: object) -> float:
+def _evict(source: Path) -> None:
+    """Drop ``source`` (a file, or every file under a folder) from the page cache."""
+    for path in [source] if source.is_file() else sorted(source.rglob("*")):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def _timed(fn: object, source: Path, *args: object, **kwargs: object) -> float:
+    """Seconds of ``fn(source, *args, **kwargs)``, ``source`` read from disk."""
+    _evict(source)
     start = time.perf_counter()
-    fn(*args, **kwargs)  # type: ignore[operator]
+    fn(source, *args, **kwargs)  # type: ignore[operator]
     return time.perf_counter() - start
 
 

@@ -14,8 +14,10 @@ directory."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +48,7 @@ from mt_formats.pretrain import PretrainReader, is_pretrain_checkpoint
 from mt_formats.pretrain_from_weights import PretrainWriter
 from mt_formats.pretrain_relayout import PretrainTarget, convert_pretrain
 from mt_formats.sharded import SHARDED_FORMAT, ShardedReader, ShardedWriter
+from mt_formats.spans import FileSpan
 from mt_formats.tensors import TensorSpec, check_names
 from mt_model import GPT, GPTConfig
 from mt_tensor_parallel import DEFAULT_PAD_MULTIPLE
@@ -238,13 +241,20 @@ def _stream(names: list[str], get: Callable[[str], _Read]) -> Iterator[tuple[str
     release the GIL, so reading and writing overlap. At most two tensors are alive."""
     if not names:
         return
+
+    def fetch(name: str) -> _Read:
+        item = get(name)
+        if isinstance(item, Pieces):  # copied by the writer: have the kernel read them now
+            _read_ahead(item.spans)
+        return item
+
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="mt-convert-read") as pool:
-        pending: Future[_Read] = pool.submit(get, names[0])
+        pending: Future[_Read] = pool.submit(fetch, names[0])
         try:
             for index, name in enumerate(names):
                 tensor = pending.result()
                 if index + 1 < len(names):
-                    pending = pool.submit(get, names[index + 1])
+                    pending = pool.submit(fetch, names[index + 1])
                 yield name, tensor
                 del tensor
         finally:
@@ -252,6 +262,20 @@ def _stream(names: list[str], get: Callable[[str], _Read]) -> Iterator[tuple[str
 
 
 _Read = tuple[torch.Tensor, Deferred | None] | Pieces
+
+
+def _read_ahead(spans: Sequence[FileSpan]) -> None:
+    """Start reading the byte ranges ``spans`` cover, file by file, into the page cache
+    (``POSIX_FADV_WILLNEED``: asynchronous), so that the kernel copy of these pieces, made
+    while the tensor before them is written, finds them there instead of reading from disk
+    in turn with its writes."""
+    ranges: dict[int, tuple[int, int]] = {}
+    for span in spans:
+        lo, hi = ranges.get(span.fd, (span.offset, span.offset + span.length))
+        ranges[span.fd] = min(lo, span.offset), max(hi, span.offset + span.length)
+    for fd, (lo, hi) in ranges.items():
+        with contextlib.suppress(AttributeError, OSError):  # advice only
+            os.posix_fadvise(fd, lo, hi - lo, os.POSIX_FADV_WILLNEED)
 
 
 def _write(writer: CheckpointWriter, names: list[str], get: Callable[[str], _Read],

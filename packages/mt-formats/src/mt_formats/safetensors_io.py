@@ -20,6 +20,7 @@ turned into a :class:`~mt_formats.errors.ConvertError` naming the file and the t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import struct
@@ -337,6 +338,9 @@ class SafetensorsReader:
         """Load ``key`` (a CPU tensor) and verify its checksums (unless ``verify`` is
         false: then the caller must call :meth:`verify`)."""
         self._check_key(key)
+        span = self.span(key)
+        with contextlib.suppress(AttributeError, OSError):  # advice: read it in large I/Os
+            os.posix_fadvise(span.fd, span.offset, span.length, os.POSIX_FADV_WILLNEED)
         try:
             tensor = self._file.get_tensor(key)
         except Exception as err:
