@@ -113,3 +113,24 @@ def test_convert_pretrain_carries_optimizer_to_another_layout(checkpoints: Path,
     fresh = _pretrain(tmp_path / "fresh", cache, load=str(tmp_path / "dropped"), **layout)
     assert fresh.losses[0] == pytest.approx(reference.losses[0], rel=1e-5)  # same weights
     assert fresh.losses[1] != pytest.approx(reference.losses[1], rel=1e-5)
+
+
+def test_convert_pretrain_optimizer_state_to_dcp(checkpoints: Path, tmp_path: Path) -> None:
+    """The run's AdamW state (TP 2 x PP 2 shards) is written into DCP under torch's flattened
+    optimizer keys (transformers' GPT-2 names, Conv1D's transposed storage): the moments and
+    step counts of the same checkpoint resharded to one rank by ``--tp 1 --pp 1`` (whose
+    resumed training the test above checks), bit for bit; ``--drop-optimizer`` writes none."""
+    convert_checkpoint(checkpoints, tmp_path / "dcp", to="dcp")
+    convert_checkpoint(checkpoints, tmp_path / "one", to="pretrain", tp=1, pp=1, dp=1,
+                       zero_stage=0)
+    with open_checkpoint(tmp_path / "dcp") as stored, open_checkpoint(tmp_path / "one") as one:
+        assert stored.names() == one.names()
+        for name in one.names():
+            ours, want = stored.optimizer_state(name), one.optimizer_state(name)
+            assert ours is not None and want is not None, name
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(ours[key], want[key]), (name, key)
+            assert float(ours["step"]) == float(want["step"]) == 2.0, name
+    convert_checkpoint(checkpoints, tmp_path / "weights", to="dcp", drop_optimizer=True)
+    with open_checkpoint(tmp_path / "weights") as stored:
+        assert all(stored.optimizer_state(name) is None for name in stored.names())

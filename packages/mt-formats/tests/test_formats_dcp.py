@@ -238,11 +238,13 @@ def test_compressed_dcp_reads_through_dcp_itself(tmp_path: Path) -> None:
             assert torch.equal(zst.read(name), ref.read(name)), name
 
 
-def test_torchtitan_optimizer_state_carried_to_pretrain(tmp_path: Path) -> None:
+def test_torchtitan_optimizer_state_to_pretrain_and_back(tmp_path: Path) -> None:
+    from torch.distributed.checkpoint import DefaultLoadPlanner
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
         get_optimizer_state_dict,
+        set_optimizer_state_dict,
     )
 
     from mt_checkpoint import load_rank
@@ -287,3 +289,23 @@ def test_torchtitan_optimizer_state_carried_to_pretrain(tmp_path: Path) -> None:
                        drop_optimizer=True)
     fresh = consolidate([load_rank(tmp_path / "fresh", 0)["optimizer"]])
     assert fresh["state"]["blocks.1.attn.q.weight"]["sharded"] == {}
+
+    # And back: pretrain -> DCP writes the state under torch's flattened optimizer keys;
+    # torch loads it into a fresh AdamW of the same module tree: every tensor of the first
+    # AdamW's state, bit for bit (the RoPE row permutation undone on the way).
+    convert_checkpoint(tmp_path / "pre", tmp_path / "back", to="dcp")
+    again = torch.optim.AdamW(root.parameters(), lr=1e-2)
+    flat = get_optimizer_state_dict(root, again, options=options)
+    wanted = {"optimizer": {k: torch.empty_like(v) for k, v in flat.items()
+                            if k.startswith("state.")}}
+    dcp.load(wanted, checkpoint_id=tmp_path / "back", no_dist=True,
+             planner=DefaultLoadPlanner(allow_partial_load=True))  # param_groups: not stored
+    set_optimizer_state_dict(root, again, {**flat, **wanted["optimizer"]}, options=options)
+    loaded = again.state_dict()["state"]
+    assert loaded.keys() == theirs.keys()
+    for index_, state_ in theirs.items():
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(loaded[index_][key], state_[key]), (index_, key)
+    convert_checkpoint(tmp_path / "pre", tmp_path / "weights", to="dcp", drop_optimizer=True)
+    stored = dcp.FileSystemReader(tmp_path / "weights").read_metadata().state_dict_metadata
+    assert stored and not any(key.startswith("optimizer.") for key in stored)

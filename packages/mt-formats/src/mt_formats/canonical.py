@@ -154,6 +154,13 @@ class CheckpointWriter(ABC):
         self.specs = dict(specs)
         self.tokenizer: str | None = None
         """The tokenizer to store beside the weights (formats that carry one)."""
+        self.state_source: CheckpointReader | None = None
+        """Where :attr:`holds_optimizer_state`: a reader whose Adam state
+        (:meth:`CheckpointReader.optimizer_state`) is stored beside the weights; None (or a
+        source without one): weights only."""
+
+    holds_optimizer_state: bool = False
+    """Whether the format stores Adam's state beside the weights (:attr:`state_source`)."""
 
     @abstractmethod
     def targets(self, name: str) -> list[TensorRef]:

@@ -344,8 +344,9 @@ def convert_checkpoint(source: Path, destination: Path, *, to: str = "consolidat
     existing one is replaced only with ``overwrite``). ``to="pretrain"`` from an ``mt
     pretrain`` checkpoint writes a step folder at layout ``tp`` x ``pp`` x ``dp`` with
     ZeRO stage ``zero_stage`` (unset ones keep the source's), optimizer state included
-    unless ``drop_optimizer``; from other formats it writes weights only (a fresh
-    optimizer, see :mod:`mt_formats.pretrain_from_weights`). ``tokenizer`` (default: the
+    unless ``drop_optimizer``; from other formats it carries Adam's state where the source
+    holds one (pretrain, DCP, DeepSpeed universal) and the target can (pretrain, DCP),
+    unless ``drop_optimizer``. ``tokenizer`` (default: the
     one the source records) is written beside Hugging Face weights and into GGUF files;
     ``gguf_type`` is the GGUF target's matrix type. Raises :class:`ConvertError`.
     """
@@ -359,9 +360,9 @@ def convert_checkpoint(source: Path, destination: Path, *, to: str = "consolidat
     if dp is not None or zero_stage is not None:
         raise ConvertError("--dp and --zero-stage only apply from an mt pretrain checkpoint "
                            f"to the pretrain format, not to {to!r}")
-    if drop_optimizer and to != "pretrain":
-        raise ConvertError("--drop-optimizer only applies to the pretrain format, not to "
-                           f"{to!r}")
+    if drop_optimizer and to not in ("pretrain", DCP_FORMAT):
+        raise ConvertError("--drop-optimizer only applies to the formats that hold optimizer "
+                           f"state (pretrain, dcp), not to {to!r}")
     if to not in _WRITABLE:  # fail before reading anything
         raise ConvertError(f"cannot write the {to!r} format; writable: {list(_WRITABLE)}")
     start = time.perf_counter()
@@ -369,7 +370,7 @@ def convert_checkpoint(source: Path, destination: Path, *, to: str = "consolidat
         writer = make_writer(to, reader.config, _specs(reader), tp, pp, pad_multiple,
                              gguf_type)
         writer.tokenizer = tokenizer or reader.tokenizer
-        if isinstance(writer, PretrainWriter) and not drop_optimizer:
+        if writer.holds_optimizer_state and not drop_optimizer:
             writer.state_source = reader  # Adam's state, where the source holds it
         get: Callable[[str], _Read] = reader.read_deferred
         if writer.accepts_pieces:  # tensors stored as-is go file to file

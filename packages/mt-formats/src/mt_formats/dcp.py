@@ -33,7 +33,7 @@ import os
 import pickle
 import uuid
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +62,8 @@ from mt_formats.tensors import TensorSpec, check_names, tensor_checksum
 from mt_model import GPTConfig
 
 __all__ = ["DCP_FORMAT", "DCPFileWriter", "DCPFolder", "DCPReader", "DCPWriter", "config_from",
-           "is_dcp_checkpoint", "read_metadata", "read_sidecar", "write_sidecar"]
+           "is_dcp_checkpoint", "optimizer_key", "read_metadata", "read_sidecar",
+           "write_sidecar"]
 
 DCP_FORMAT = "dcp"
 METADATA_FILE = ".metadata"
@@ -388,11 +389,10 @@ class DCPReader(CheckpointReader):
 
 
     def _state_key(self, key: str, state: str) -> str | None:
-        """The DCP key of optimizer state ``state`` of stored parameter ``key``: torch's
-        flattened optimizer state dict (``get_optimizer_state_dict(...,
-        flatten_optimizer_state_dict=True)``, as torchtitan saves it) under ``optimizer``."""
+        """The DCP key of optimizer state ``state`` of stored parameter ``key``
+        (:func:`optimizer_key`, with or without the model's prefix)."""
         for fqn in (key, key.removeprefix(self.naming.prefix)):
-            candidate = f"optimizer.state.{fqn}.{state}"
+            candidate = optimizer_key(fqn, state)
             if candidate in self._folder.tensors:
                 return candidate
         return None
@@ -421,6 +421,14 @@ class DCPReader(CheckpointReader):
                                f"stepped {sorted(steps)} times")
         result["step"] = torch.tensor(steps.pop())
         return result
+
+
+def optimizer_key(fqn: str, state: str) -> str:
+    """The DCP key of Adam's ``state`` (``exp_avg``, ``exp_avg_sq``, ``step``) of the
+    parameter stored as ``fqn``: torch's flattened optimizer state dict
+    (``get_optimizer_state_dict(..., flatten_optimizer_state_dict=True)``, as torchtitan
+    saves it) under ``optimizer``."""
+    return f"optimizer.state.{fqn}.{state}"
 
 
 def read_sidecar(root: Path) -> dict[str, Any] | None:
@@ -554,15 +562,27 @@ class DCPWriter(CheckpointWriter):
         self._files.add_chunk(key, tensor)
         self._checksums[key] = tensor_checksum(tensor, CHECKSUM_ALGORITHM)
 
-    def write(self, name: str, tensor: torch.Tensor) -> None:
+    holds_optimizer_state = True  # torch's flattened optimizer state dict, as torchtitan's
+
+    def _store_parts(self, name: str, tensor: torch.Tensor, key: Callable[[str], str]) -> None:
         start = 0
         for part in self._parts[name]:
             rows = tensor.shape[0] if part.rows < 0 else part.rows
-            stored = part.store(tensor[start:start + rows])
-            self._store(part.key, stored)
+            self._store(key(part.key), part.store(tensor[start:start + rows]))
             start += rows
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        self._store_parts(name, tensor, lambda key: key)
         if name == "embed.tokens.weight" and self._tied is not None:
             self._store(self._tied, tensor)
+        state = None if self.state_source is None else self.state_source.optimizer_state(name)
+        if state is not None:  # under each stored parameter's key, as the reader finds it
+            for moment in ("exp_avg", "exp_avg_sq"):
+                self._store_parts(name, state[moment].to(tensor.dtype),
+                                  lambda key, m=moment: optimizer_key(key, m))
+            step = torch.as_tensor(state["step"], dtype=torch.float32).reshape(())
+            for part in self._parts[name]:
+                self._store(optimizer_key(part.key, "step"), step.clone())
 
     def finish(self) -> None:
         assert self._files is not None, "open() first"

@@ -21,6 +21,7 @@ from mt_checkpoint import (
     META,
     CheckpointError,
     CheckpointMeta,
+    canonical_optimizer,
     rank_file,
     read_meta,
     verify_rank_file,
@@ -32,7 +33,8 @@ from mt_formats.torch_io import load_weights_only
 from mt_model import GPTConfig
 from mt_tensor_parallel import decoder_plan, merge_shards, param_styles
 
-__all__ = ["PretrainReader", "is_pretrain_checkpoint", "load_rank_file", "step_folder"]
+__all__ = ["PretrainReader", "StageOptimizer", "is_pretrain_checkpoint", "load_rank_file",
+           "step_folder"]
 
 def is_pretrain_checkpoint(path: Path) -> bool:
     """Whether ``path`` is an mt pretrain step folder or a folder with a ``latest`` file."""
@@ -109,6 +111,7 @@ class PretrainReader(CheckpointReader):
         missing = sorted(name for name, stages in self._stages.items() if not stages)
         if missing:
             raise ConvertError(f"{self.root}: no rank holds {missing}")
+        self._optimizer: StageOptimizer | None = None  # on first use
 
     def names(self) -> list[str]:
         return list(self._shapes)
@@ -149,5 +152,69 @@ class PretrainReader(CheckpointReader):
                                f"the model config needs {list(self._shapes[name])}")
         return full
 
+    def optimizer_state(self, name: str) -> dict[str, torch.Tensor] | None:
+        """Adam's state of ``name`` from the ranks' mt-zero shards, consolidated over DP and
+        merged over TP one pipeline stage at a time (the stage last asked for is kept, as
+        the names come in stage order); None for a checkpoint whose optimizer has not
+        stepped (written with --drop-optimizer, or from weights only)."""
+        if self._optimizer is None:
+            self._optimizer = StageOptimizer(self)
+        state, _ = self._optimizer.state_of(name)
+        moments = state["sharded"].get(name) or {}
+        if "exp_avg" not in moments:
+            return None
+        return {"exp_avg": moments["exp_avg"], "exp_avg_sq": moments["exp_avg_sq"],
+                "step": torch.as_tensor(state["replicated"][name]["step"])}
+
     def close(self) -> None:
         self._parts.clear()
+        self._optimizer = None
+
+
+SHARD_FORMAT = "mt-zero-shard/1"  # what a rank file's optimizer entry must be
+
+
+class StageOptimizer:
+    """The source checkpoint's optimizer state, consolidated one pipeline stage at a time
+    (the last stage is cached: target stages walk the layers in order)."""
+
+    def __init__(self, reader: PretrainReader) -> None:
+        self.reader, self.root, self.meta = reader, reader.root, reader.meta
+        self.layout = reader.meta.layout
+        self.tp, self.pp, self.dp = self.layout.tp, self.layout.pp, self.layout.dp
+        self.styles: dict[str, str] = dict(reader.styles)
+        self.vocab = reader.config.vocab_size
+        self.stage_names = {s: list(v) for s, v in reader.meta.stage_params.items()}
+        self._cached: tuple[int, dict[str, Any]] | None = None
+
+    def _shards(self, stage: int, tp_rank: int) -> list[dict[str, Any]]:
+        shards = []
+        for rank in self.layout.replicas(stage, tp_rank):  # ZeRO shard order (dp x cp)
+            path = self.root / rank_file(rank)
+            data = load_rank_file(self.root, self.meta, rank)
+            state = data.get("optimizer") if isinstance(data, dict) else None
+            if not isinstance(state, dict) or state.get("format") != SHARD_FORMAT:
+                raise ConvertError(f"{path}: no {SHARD_FORMAT!r} optimizer shard")
+            shards.append(state)
+        return shards
+
+    def stage(self, stage: int) -> dict[str, Any]:
+        """Canonical (unsharded) optimizer state of every parameter of source ``stage``."""
+        if self._cached is not None and self._cached[0] == stage:
+            return self._cached[1]
+        self._cached = None  # free the previous stage first
+        try:
+            out = canonical_optimizer([self._shards(stage, t) for t in range(self.tp)],
+                                      self.stage_names[stage], self.styles, self.vocab)
+        except ValueError as err:
+            raise ConvertError(f"{self.root}: optimizer shards of pipeline stage {stage}: "
+                               f"{err}") from None
+        self._cached = (stage, out)
+        return out
+
+    def state_of(self, name: str) -> tuple[dict[str, Any], int]:
+        """(canonical state of the stage holding ``name``, that stage)."""
+        for stage, names in sorted(self.stage_names.items()):
+            if name in names:
+                return self.stage(stage), stage
+        raise ConvertError(f"{self.root / META}: no pipeline stage lists parameter {name!r}")

@@ -33,7 +33,7 @@ from mt_checkpoint import (
     save_rank,
     write_meta,
 )
-from mt_formats.canonical import CheckpointReader, CheckpointWriter, TensorRef
+from mt_formats.canonical import CheckpointWriter, TensorRef
 from mt_formats.errors import ConvertError
 from mt_formats.tensors import TensorSpec
 from mt_model import GPTConfig
@@ -54,9 +54,8 @@ class PretrainWriter(CheckpointWriter):
         super().__init__(config, specs)
         self._directory: Path | None = None
         self._tensors: dict[str, torch.Tensor] = {}
-        self.state_source: CheckpointReader | None = None
-        """A reader whose Adam state (:meth:`CheckpointReader.optimizer_state`) the rank
-        file carries; None (or a source without one): an optimizer that has not stepped."""
+
+    holds_optimizer_state = True  # in the rank file's mt-zero shard
 
     def targets(self, name: str) -> list[TensorRef]:
         spec = TensorSpec(self.specs[name].shape, torch.float32)

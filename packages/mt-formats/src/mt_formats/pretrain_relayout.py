@@ -33,9 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from mt_checkpoint import (
-    META,
     SavedLayout,
-    canonical_optimizer,
     cut,
     fresh_rng,
     local_optimizer,
@@ -46,14 +44,13 @@ from mt_checkpoint import (
 from mt_formats.atomic import atomic_directory
 from mt_formats.canonical import ProgressFn, canonical_shapes
 from mt_formats.errors import ConvertError, WriteFailed
-from mt_formats.pretrain import PretrainReader, load_rank_file
+from mt_formats.pretrain import PretrainReader, StageOptimizer, load_rank_file
 from mt_formats.sharded import _check_tp, stage_layers, stages_of
 from mt_tensor_parallel import decoder_plan, param_styles
 from mt_zero import split_consolidated
 
 __all__ = ["PretrainTarget", "convert_pretrain", "describe_pretrain"]
 
-SHARD_FORMAT = "mt-zero-shard/1"  # what a rank file's optimizer entry must be
 
 
 @dataclass(frozen=True)
@@ -75,60 +72,14 @@ class PretrainTarget:
             raise ConvertError(f"--zero-stage must be 0, 1, 2 or 3, got {self.zero_stage}")
 
 
-class _Source:
-    """The source checkpoint's optimizer state, consolidated one pipeline stage at a time
-    (the last stage is cached: target stages walk the layers in order)."""
-
-    def __init__(self, reader: PretrainReader) -> None:
-        self.reader, self.root, self.meta = reader, reader.root, reader.meta
-        self.layout = reader.meta.layout
-        self.tp, self.pp, self.dp = self.layout.tp, self.layout.pp, self.layout.dp
-        self.styles: dict[str, str] = dict(reader.styles)
-        self.vocab = reader.config.vocab_size
-        self.stage_names = {s: list(v) for s, v in reader.meta.stage_params.items()}
-        self._cached: tuple[int, dict[str, Any]] | None = None
-
-    def _shards(self, stage: int, tp_rank: int) -> list[dict[str, Any]]:
-        shards = []
-        for rank in self.layout.replicas(stage, tp_rank):  # ZeRO shard order (dp x cp)
-            path = self.root / rank_file(rank)
-            data = load_rank_file(self.root, self.meta, rank)
-            state = data.get("optimizer") if isinstance(data, dict) else None
-            if not isinstance(state, dict) or state.get("format") != SHARD_FORMAT:
-                raise ConvertError(f"{path}: no {SHARD_FORMAT!r} optimizer shard")
-            shards.append(state)
-        return shards
-
-    def stage(self, stage: int) -> dict[str, Any]:
-        """Canonical (unsharded) optimizer state of every parameter of source ``stage``."""
-        if self._cached is not None and self._cached[0] == stage:
-            return self._cached[1]
-        self._cached = None  # free the previous stage first
-        try:
-            out = canonical_optimizer([self._shards(stage, t) for t in range(self.tp)],
-                                      self.stage_names[stage], self.styles, self.vocab)
-        except ValueError as err:
-            raise ConvertError(f"{self.root}: optimizer shards of pipeline stage {stage}: "
-                               f"{err}") from None
-        self._cached = (stage, out)
-        return out
-
-    def state_of(self, name: str) -> tuple[dict[str, Any], int]:
-        """(canonical state of the stage holding ``name``, that stage)."""
-        for stage, names in sorted(self.stage_names.items()):
-            if name in names:
-                return self.stage(stage), stage
-        raise ConvertError(f"{self.root / META}: no pipeline stage lists parameter {name!r}")
-
-
-def _rng(source: _Source, same: bool, rank: int, pp: int, dp: int) -> dict[str, Any]:
+def _rng(source: StageOptimizer, same: bool, rank: int, pp: int, dp: int) -> dict[str, Any]:
     """The rank's saved RNG states when the layout is unchanged, else fresh ones."""
     if same:
         return load_rank_file(source.root, source.meta, rank)["rng"]
     return fresh_rng(source.meta.seed, pp, dp)
 
 
-def _stage_state(source: _Source, names: Sequence[str], drop: bool) -> dict[str, Any]:
+def _stage_state(source: StageOptimizer, names: Sequence[str], drop: bool) -> dict[str, Any]:
     """The canonical (unsharded) optimizer state of one target stage's parameters, gathered
     from the source stages holding them (``mt_checkpoint.canonical_optimizer``'s form);
     ``drop``: the master weights only (fresh Adam moments and step counts)."""
@@ -146,7 +97,7 @@ def _stage_state(source: _Source, names: Sequence[str], drop: bool) -> dict[str,
     return out
 
 
-def _write_stage(source: _Source, staging: Path, stage: int, names: list[str],
+def _write_stage(source: StageOptimizer, staging: Path, stage: int, names: list[str],
                  target: SavedLayout, drop: bool, same: bool) -> int:
     """Write every rank file of target pipeline ``stage``; returns the bytes written."""
     canonical = _stage_state(source, names, drop)
@@ -168,7 +119,7 @@ def _write_stage(source: _Source, staging: Path, stage: int, names: list[str],
     return written
 
 
-def _target(src: _Source, target: PretrainTarget) -> SavedLayout:
+def _target(src: StageOptimizer, target: PretrainTarget) -> SavedLayout:
     zero = src.layout.zero_stage if target.zero_stage is None else target.zero_stage
     return SavedLayout(target.tp or src.tp, target.pp or src.pp, target.dp or src.dp,
                        zero_stage=zero, precision=src.layout.precision)
@@ -181,7 +132,7 @@ def convert_pretrain(source: Path, destination: Path, target: PretrainTarget,
     ``latest``) as a step folder ``destination`` at the ``target`` layout, atomically.
     Returns (source format, parameters, bytes written)."""
     with PretrainReader(Path(source)) as reader:
-        src = _Source(reader)
+        src = StageOptimizer(reader)
         new = _target(src, target)
         ranges = stage_layers(reader.config.n_layers, new.pp)
         names = [n for n in canonical_shapes(reader.config) if n in src.styles]
@@ -209,7 +160,7 @@ def describe_pretrain(source: Path, target: PretrainTarget) -> list[str]:
     """What :func:`convert_pretrain` would write (for ``--dry-run``): one line per target
     rank file with the source rank files its pipeline stage reads."""
     with PretrainReader(Path(source)) as reader:
-        src = _Source(reader)
+        src = StageOptimizer(reader)
         new = _target(src, target)
         tp, pp, dp, zero = new.tp, new.pp, new.dp, new.zero_stage
         ranges = stage_layers(reader.config.n_layers, pp)
