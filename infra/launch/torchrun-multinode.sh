@@ -7,7 +7,10 @@
 # size when a node leaves or joins; such a restart is not counted as one, so also pass --load
 # with the run's own checkpoint folder (--load OUT_DIR/checkpoints: step 0 while it is empty),
 # and each start continues from the newest checkpoint at the data-parallel degree it is given.
+# Every round of the rendezvous gets its own workers' store: torch's agents otherwise keep the
+# store address of the first round they saw, which a node joining a running job never finds.
 set -euo pipefail
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 : "${NNODES:?number of nodes}" "${NODE_RANK:?the index of this node}" "${MASTER_ADDR:?rank-0 host}"
 exec torchrun --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "${GPUS_PER_NODE:-8}" \
   --max-restarts "${MAX_RESTARTS:-3}" \

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -29,6 +30,7 @@ from mt_pretrain.launch import _after_launcher_restart
 from mt_pretrain.run.metrics import read_metrics
 
 STEPS = 14
+TORCHRUN_STEPS = 30
 NPROC = 4
 FLAGS = ["--model", "tiny", "--seq-len", "32", "--dropout", "0.1", "--global-batch-size", "12",
          "--micro-batch-size", "1", "--tp", "1", "--pp", "1", "--zero-stage", "1",
@@ -113,6 +115,109 @@ def test_an_elastic_run_loses_two_ranks_and_ends_as_the_whole_run(
     tiny = load_config(None, {"model": "tiny", "seq_len": 32}).model.gpt_config()
     diff = compare(trace, reference, gradient_free_slices(tiny))
     assert diff.within(FP32), (where, diff)
+
+
+def _agent(out: Path, cache: Path, port: int, host: bool, log: Path) -> subprocess.Popen[str]:
+    """One torchrun agent of an elastic job of 1 to 2 nodes, one worker: mt's flags without
+    --nproc. Both agents of the test run on this host, so which one hosts the rendezvous store
+    is said (``is_host``); torch 2.13's agents keep the address of the workers' store of the
+    first round they saw, which a node joining later never finds: each round's own store
+    (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``, as the torchrun launch template sets)."""
+    flags = [f for f in FLAGS if f not in ("--nproc", str(NPROC))]
+    assert len(flags) == len(FLAGS) - 2
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2",
+               "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+               f"127.0.0.1:{port}", "--rdzv-id", "mt-elastic-test", "--max-restarts", "3",
+               "--monitor-interval", "1", "--rdzv-conf",
+               f"join_timeout=120,last_call_timeout=2,is_host={str(host).lower()}",
+               "-m", "mt_pretrain", "pretrain", *flags, "--train-steps", str(TORCHRUN_STEPS),
+               "--out-dir", str(out), "--cache-dir", str(cache)]
+    env = {k: v for k, v in os.environ.items() if k not in (
+        "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID",
+        "PMI_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_RESTART_COUNT")}
+    env.update(OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    with open(log, "w") as handle:
+        return subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, text=True,
+                                env=env, start_new_session=True)
+
+
+def _tree(pid: int) -> list[int]:
+    return [pid, *(p for child in _children(pid) for p in _tree(child))]
+
+
+def _wait_for(what: str, ready: Any, agents: list[subprocess.Popen[str]],
+              logs: list[Path]) -> None:
+    deadline = time.monotonic() + 300
+    while not ready():
+        for agent, log in zip(agents, logs, strict=True):
+            assert agent.poll() is None, (what, log.read_text()[-3000:])
+        assert time.monotonic() < deadline, (what, logs[0].read_text()[-3000:])
+        time.sleep(0.05)
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc")
+def test_a_torchrun_elastic_job_shrinks_and_grows_back(cache: Path, tmp_path: Path) -> None:
+    """Two torchrun agents (--nnodes 1:2, one worker each) train one job at dp 2; the second
+    agent's node is lost (agent and worker SIGKILLed) after step 4: torchrun restarts the job
+    on the first alone, which resumes from its newest checkpoint at dp 1; a new agent joins:
+    torchrun restarts the job on both, at dp 2 again (its worker continues the run too,
+    though its agent never restarted anything). Both agents exit 0, and the run ends within
+    the correctness contract's fp32 limits of the run that was never interrupted: the same
+    samples in the same steps, the global batch kept."""
+    whole = tmp_path / "whole"
+    command = _mt(whole, cache, "--train-steps", str(TORCHRUN_STEPS), "--nproc", "2")
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    out, port = tmp_path / "elastic", _free_port()
+    metrics = out / "metrics.jsonl"
+    logs = [tmp_path / name for name in ("first.log", "second.log", "third.log")]
+
+    def steps() -> list[dict[str, Any]]:
+        return read_metrics(metrics) if metrics.is_file() else []
+
+    first = _agent(out, cache, port, True, logs[0])
+    second = _agent(out, cache, port, False, logs[1])
+    third = None
+    try:
+        _wait_for("step 4 on 2 ranks", lambda: len(steps()) >= 4 and len(
+            _tree(second.pid)) >= 2, [first, second], logs[:2])
+        for pid in _tree(second.pid):  # the node is lost: its agent and its worker
+            os.kill(pid, signal.SIGKILL)
+        second.wait()
+        def two_after_restart() -> bool:
+            records = steps()
+            shrunk = [i for i, r in enumerate(records) if "restart" in r]
+            return bool(shrunk) and len(records) >= shrunk[0] + 2
+
+        _wait_for("2 steps on 1 rank", two_after_restart, [first], logs[:1])
+        third = _agent(out, cache, port, False, logs[2])
+        assert first.wait(timeout=400) == 0, logs[0].read_text()[-3000:]
+        assert third.wait(timeout=400) == 0, logs[2].read_text()[-3000:]
+    finally:
+        for agent in (first, second, third):
+            if agent is not None and agent.poll() is None:
+                os.killpg(agent.pid, signal.SIGKILL)
+    text = logs[0].read_text()
+    sizes = [line.split(" x dp ")[1].split()[0] for line in text.splitlines()
+             if " ranks from torchrun: " in line]
+    # Each attempt once (the first agent may start alone for a moment): no attempt failed
+    # but the one that lost a node.
+    assert sizes in (["2", "1", "2"], ["1", "2", "1", "2"]), (sizes, text[-3000:])
+    trace, reference = _trace(out), _trace(whole)
+    assert [r["step"] for r in trace.records] == list(range(1, TORCHRUN_STEPS + 1))
+    assert [r["global_batch_size"] for r in trace.records] == [12] * TORCHRUN_STEPS
+    causes = {r.get("restart_cause") for r in trace.records if "restart" in r}
+    assert causes == {"torchrun restarted the job"}, trace.records
+    assert sum("restart" in r for r in trace.records) >= 2  # lost a node, then grew back
+    tiny = load_config(None, {"model": "tiny", "seq_len": 32}).model.gpt_config()
+    diff = compare(trace, reference, gradient_free_slices(tiny))
+    assert diff.within(FP32), diff
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def _config(**options: Any) -> Any:

@@ -281,11 +281,11 @@ def init_distributed(
     """Initialize the default process group for ``info`` (gloo on CPU, nccl on CUDA).
 
     Rendezvous is a TCP store at ``master_addr:master_port`` (hosted by rank 0, or by the
-    launcher's agent), its keys under a prefix of their own per launcher attempt: the ranks a
-    launcher restarted never read the addresses their predecessors left in the agent's
-    store. The environment is neither read nor modified. ``timeout`` (a timedelta or
-    seconds) bounds the rendezvous and every collective, so a missing rank fails instead of
-    hanging.
+    launcher's agent); in the agent's store, the keys of each launcher attempt are under
+    a prefix of their own: the ranks a launcher restarted never read the addresses their
+    predecessors left there. The environment is neither read nor modified. ``timeout`` (a
+    timedelta or seconds) bounds the rendezvous and every collective, so a missing rank
+    fails instead of hanging.
     """
     if dist.is_initialized():
         raise RuntimeError("the default process group is already initialized")
@@ -300,9 +300,13 @@ def init_distributed(
     store = dist.TCPStore(info.master_addr.strip("[]"), info.master_port, info.world_size,
                           is_master=info.rank == 0 and not info.agent_store, timeout=timeout,
                           multi_tenant=True)
+    # The agent's store outlives an attempt: each attempt keys its rendezvous apart. A store
+    # of rank 0's own is new with every attempt, and the agents' restart counts may differ
+    # (one that joined an elastic job later counts from 0): there, one prefix for all.
+    prefix = f"mt/attempt-{info.attempt}" if info.agent_store else "mt"
     dist.init_process_group(
         backend,
-        store=dist.PrefixStore(f"mt/attempt-{info.attempt}", store),
+        store=dist.PrefixStore(prefix, store),
         rank=info.rank,
         world_size=info.world_size,
         timeout=timeout,

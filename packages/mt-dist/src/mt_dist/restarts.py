@@ -22,7 +22,7 @@ from typing import Any
 from mt_dist.exits import LaunchFailed
 from mt_dist.supervisor import supervise
 
-__all__ = ["RESTART_COUNTS", "Restart", "keep_last_words", "launcher_restart",
+__all__ = ["RESTART_COUNTS", "Restart", "agreed_restart", "keep_last_words", "launcher_restart",
            "supervise_restarting"]
 
 #: How a launcher tells a process it was restarted: its count of restarts so far.
@@ -61,6 +61,26 @@ def launcher_restart(environ: Mapping[str, str]) -> Restart | None:
         if count.isdigit() and int(count) > 0:
             return Restart(int(count), 0, f"{who} restarted the job")
     return None
+
+
+def agreed_restart(restart: Restart | None, launcher: str, device: Any) -> Restart | None:
+    """The restart every rank of the job agrees it is (collective over the default group):
+    under an elastic launcher an agent that joined the job later counts its own restarts
+    from 0 while its peers continue a run, so the job is a restart for every rank when it is
+    one for any, numbered by the largest count. ``restart``: this rank's own view;
+    ``device``: where the default group's collectives run."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return restart
+    count = torch.tensor([restart.count if restart else 0], dtype=torch.int64, device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    largest = int(count.item())
+    if largest == 0 or (restart is not None and restart.count == largest):
+        return restart
+    who = dict((v.lower(), v) for v in RESTART_COUNTS.values()).get(launcher, launcher)
+    return Restart(largest, 0, f"{who} restarted the job")
 
 
 def keep_last_words(err: LaunchFailed, folder: Path) -> Path | None:

@@ -15,7 +15,7 @@ import time
 import warnings
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,7 @@ from mt_dist import (
     init_distributed,
     local_device,
 )
-from mt_dist.restarts import Restart
+from mt_dist.restarts import Restart, agreed_restart
 from mt_model import count_parameters
 from mt_plan.memory import MemoryPeaks, gather_memory, map_large_blocks
 from mt_pretrain.config.refusals import engine_of
@@ -183,6 +183,11 @@ def run_rank(config: PretrainConfig, info: LaunchInfo, cache_dir: Path,
     init_distributed(info, device, timeout=config.parallel.timeout)
     completed = False
     try:
+        agreed = agreed_restart(restart, info.launcher, device)
+        ckpt = config.checkpoint
+        if agreed is not restart and ckpt.load is None and ckpt.save_dir is not None:
+            # a rank of an agent that joined an elastic job later: it continues the run too
+            config, restart = replace(config, checkpoint=ckpt.resuming_own()), agreed
         plan = resolve(config, info.world_size)
         groups = build_groups(plan.topology, device, timeout=config.parallel.timeout)
         with ExitStack() as held:
