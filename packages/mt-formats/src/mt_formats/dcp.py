@@ -578,7 +578,7 @@ class DCPWriter(CheckpointWriter):
         state = None if self.state_source is None else self.state_source.optimizer_state(name)
         if state is not None:  # under each stored parameter's key, as the reader finds it
             for moment in ("exp_avg", "exp_avg_sq"):
-                self._store_parts(name, state[moment].to(tensor.dtype),
+                self._store_parts(name, state[moment],  # in its own dtype (fp32 masters')
                                   lambda key, m=moment: optimizer_key(key, m))
             step = torch.as_tensor(state["step"], dtype=torch.float32).reshape(())
             for part in self._parts[name]:
