@@ -16,10 +16,9 @@ timed, alternately and ``--repeats`` times each on the same disk:
 
 Before each timed run its source files are dropped from the page cache (fsync, then
 ``POSIX_FADV_DONTNEED``), so that every side reads its source from disk, as a checkpoint
-larger than memory is read. Without it the copy read a source the previous copy had left
-in the cache, while the merge read shards the reshape had just written past it (measured
-2026-12-05 on this machine: the merge of cached shards 0.85-1.29 s, of uncached ones
-1.35-3.16 s). Speeds are source bytes / best time. Peak RSS is ``resource.getrusage`` of
+larger than memory is read (otherwise the copy would read a source the previous copy left
+in the cache, and the merge shards the reshape wrote past it). Speeds are source bytes /
+best time. Peak RSS is ``resource.getrusage`` of
 this process (it includes the page-cache pages of memory-mapped source files it touched),
 once after the first reshape and once at the end (the merge maps and merges the shards).
 The load average is printed too: on a shared machine it explains most of the spread.

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from mt_dist import free_port
 from mt_formats import load_state_dict
 from mt_model import gradient_free_slices
 from mt_pretrain.config.load import load_config
@@ -168,7 +168,7 @@ def test_a_torchrun_elastic_job_shrinks_and_grows_back(cache: Path, tmp_path: Pa
     command = _mt(whole, cache, "--train-steps", str(TORCHRUN_STEPS), "--nproc", "2")
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
-    out, port = tmp_path / "elastic", _free_port()
+    out, port = tmp_path / "elastic", free_port("127.0.0.1")
     metrics = out / "metrics.jsonl"
     logs = [tmp_path / name for name in ("first.log", "second.log", "third.log")]
 
@@ -212,12 +212,6 @@ def test_a_torchrun_elastic_job_shrinks_and_grows_back(cache: Path, tmp_path: Pa
     tiny = load_config(None, {"model": "tiny", "seq_len": 32}).model.gpt_config()
     diff = compare(trace, reference, gradient_free_slices(tiny))
     assert diff.within(FP32), diff
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _config(**options: Any) -> Any:

@@ -229,8 +229,9 @@ def _train_and_save(folder: str, extensions: str) -> None:
                             topology=PipeModelDataParallelTopology(num_pp=PP, num_mp=TP,
                                                                    num_dp=1),
                             partition_method="type:ParallelTransformerLayerPipe")
-    for _, param in module.named_parameters():  # counted once per TP rank in the norm
-        param.model_parallel = param.dim() == 2  # type: ignore[attr-defined]
+    for name, param in module.named_parameters():  # sliced: counted on every TP rank
+        param.model_parallel = (  # type: ignore[attr-defined]
+            param.dim() == 2 and "position_embeddings" not in name)
     config = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2,
               "gradient_accumulation_steps": 2, "zero_optimization": {"stage": 1},
               "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}

@@ -14,10 +14,8 @@ directory."""
 
 from __future__ import annotations
 
-import contextlib
-import os
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,7 +46,7 @@ from mt_formats.pretrain import PretrainReader, is_pretrain_checkpoint
 from mt_formats.pretrain_from_weights import PretrainWriter
 from mt_formats.pretrain_relayout import PretrainTarget, convert_pretrain
 from mt_formats.sharded import SHARDED_FORMAT, ShardedReader, ShardedWriter
-from mt_formats.spans import FileSpan
+from mt_formats.spans import read_ahead
 from mt_formats.tensors import TensorSpec, check_names
 from mt_model import GPT, GPTConfig
 from mt_tensor_parallel import DEFAULT_PAD_MULTIPLE
@@ -245,7 +243,7 @@ def _stream(names: list[str], get: Callable[[str], _Read]) -> Iterator[tuple[str
     def fetch(name: str) -> _Read:
         item = get(name)
         if isinstance(item, Pieces):  # copied by the writer: have the kernel read them now
-            _read_ahead(item.spans)
+            read_ahead(item.spans)
         return item
 
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="mt-convert-read") as pool:
@@ -262,20 +260,6 @@ def _stream(names: list[str], get: Callable[[str], _Read]) -> Iterator[tuple[str
 
 
 _Read = tuple[torch.Tensor, Deferred | None] | Pieces
-
-
-def _read_ahead(spans: Sequence[FileSpan]) -> None:
-    """Start reading the byte ranges ``spans`` cover, file by file, into the page cache
-    (``POSIX_FADV_WILLNEED``: asynchronous), so that the kernel copy of these pieces, made
-    while the tensor before them is written, finds them there instead of reading from disk
-    in turn with its writes."""
-    ranges: dict[int, tuple[int, int]] = {}
-    for span in spans:
-        lo, hi = ranges.get(span.fd, (span.offset, span.offset + span.length))
-        ranges[span.fd] = min(lo, span.offset), max(hi, span.offset + span.length)
-    for fd, (lo, hi) in ranges.items():
-        with contextlib.suppress(AttributeError, OSError):  # advice only
-            os.posix_fadvise(fd, lo, hi - lo, os.POSIX_FADV_WILLNEED)
 
 
 def _write(writer: CheckpointWriter, names: list[str], get: Callable[[str], _Read],
@@ -346,9 +330,9 @@ def convert_checkpoint(source: Path, destination: Path, *, to: str = "consolidat
     ZeRO stage ``zero_stage`` (unset ones keep the source's), optimizer state included
     unless ``drop_optimizer``; from other formats it carries Adam's state where the source
     holds one (pretrain, DCP, DeepSpeed universal) and the target can (pretrain, DCP),
-    unless ``drop_optimizer``. ``tokenizer`` (default: the
-    one the source records) is written beside Hugging Face weights and into GGUF files;
-    ``gguf_type`` is the GGUF target's matrix type. Raises :class:`ConvertError`.
+    unless ``drop_optimizer``. ``tokenizer`` (default: the one the source records) is
+    written beside Hugging Face weights and into GGUF files; ``gguf_type`` is the GGUF
+    target's matrix type. Raises :class:`ConvertError`.
     """
     source, destination = Path(source), Path(destination)
     check_paths(source, destination, overwrite)  # fail before reading anything

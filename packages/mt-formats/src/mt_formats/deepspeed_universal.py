@@ -180,7 +180,7 @@ def config_fields(model: GPTConfig | str | Mapping[str, Any] | None, root: Path,
         args = argparse.Namespace(**vars(client["args"]))
         norm = str(getattr(args, "normalization", "layernorm")).lower()
         args.normalization = {"layernorm": "LayerNorm", "rmsnorm": "RMSNorm"}.get(norm, norm)
-        where = client.get("_path", root)
+        where = next(iter(sorted(root.glob(MODEL_STATES))), root)  # the file they came from
         return config_from_args(args, where).to_dict(), f"{where} (Megatron-LM args)"
     config_json = root / "config.json"
     if config_json.is_file():
@@ -213,12 +213,12 @@ def resolve_config(model: GPTConfig | str | Mapping[str, Any] | None, root: Path
 def _client_state(root: Path) -> dict[str, Any]:
     """The engine's model-states file (copied beside ``zero/``), when present: weights-only,
     plus the allow-list of Megatron-LM's pickled ``args`` (Megatron-DeepSpeed saves them
-    there), with where it was read as ``"_path"``."""
+    there)."""
     files = sorted(root.glob(MODEL_STATES))
     if not files:
         return {}
     data = load_megatron_file(files[0])
-    return {**data, "_path": files[0]} if isinstance(data, dict) else {}
+    return data if isinstance(data, dict) else {}
 
 
 #: Megatron-DeepSpeed's names inside a transformer layer -> mt's (``megatron._LAYER``).

@@ -20,7 +20,6 @@ turned into a :class:`~mt_formats.errors.ConvertError` naming the file and the t
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import struct
@@ -34,7 +33,7 @@ from safetensors import safe_open
 
 from mt_formats.crc import CHECKSUM_ALGORITHM, _Hasher, algorithm_of, crc_combine, crc_kind, digest
 from mt_formats.errors import ConvertError
-from mt_formats.spans import FileSpan, copy_span
+from mt_formats.spans import FileSpan, copy_span, read_ahead
 from mt_formats.tensors import TensorSpec, dtype_from_name, dtype_name, raw_bytes
 
 __all__ = [
@@ -338,9 +337,7 @@ class SafetensorsReader:
         """Load ``key`` (a CPU tensor) and verify its checksums (unless ``verify`` is
         false: then the caller must call :meth:`verify`)."""
         self._check_key(key)
-        span = self.span(key)
-        with contextlib.suppress(AttributeError, OSError):  # advice: read it in large I/Os
-            os.posix_fadvise(span.fd, span.offset, span.length, os.POSIX_FADV_WILLNEED)
+        read_ahead([self.span(key)])  # read in large requests, not page fault by page fault
         try:
             tensor = self._file.get_tensor(key)
         except Exception as err:

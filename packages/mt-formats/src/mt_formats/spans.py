@@ -10,12 +10,13 @@ faults every page in, and on a busy machine those faults cost more than the hash
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["FileSpan", "copy_span", "crc_span"]
+__all__ = ["FileSpan", "copy_span", "crc_span", "read_ahead"]
 
 
 @dataclass(frozen=True)
@@ -84,3 +85,17 @@ def _copy(src: int, dst: int, src_offset: int, dst_offset: int, chunk: memoryvie
     copied = _kernel_copy(src, dst, src_offset, dst_offset, len(chunk))
     while copied < len(chunk):
         copied += os.pwrite(dst, chunk[copied:], dst_offset + copied)
+
+
+def read_ahead(spans: Iterable[FileSpan]) -> None:
+    """Start reading the byte ranges ``spans`` cover (file by file, first to last byte)
+    into the page cache (``POSIX_FADV_WILLNEED``: asynchronous, in large requests), so that
+    a read or kernel copy of them made next finds them there instead of waiting for the disk
+    request by request. Advice only: where the platform has none, nothing happens."""
+    ranges: dict[int, tuple[int, int]] = {}
+    for span in spans:
+        lo, hi = ranges.get(span.fd, (span.offset, span.offset + span.length))
+        ranges[span.fd] = min(lo, span.offset), max(hi, span.offset + span.length)
+    for fd, (lo, hi) in ranges.items():
+        with contextlib.suppress(AttributeError, OSError):
+            os.posix_fadvise(fd, lo, hi - lo, os.POSIX_FADV_WILLNEED)
