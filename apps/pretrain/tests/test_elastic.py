@@ -8,6 +8,7 @@ that cannot shrink, and a launcher's run."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -122,7 +123,8 @@ def _agent(out: Path, cache: Path, port: int, host: bool, log: Path) -> subproce
     --nproc. Both agents of the test run on this host, so which one hosts the rendezvous store
     is said (``is_host``); torch 2.13's agents keep the address of the workers' store of the
     first round they saw, which a node joining later never finds: each round's own store
-    (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``, as the torchrun launch template sets)."""
+    (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``, as the torchrun launch template sets). The
+    agents log at INFO, where torchrun says it saw a node waiting to join."""
     flags = [f for f in FLAGS if f not in ("--nproc", str(NPROC))]
     assert len(flags) == len(FLAGS) - 2
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2",
@@ -135,7 +137,7 @@ def _agent(out: Path, cache: Path, port: int, host: bool, log: Path) -> subproce
     env = {k: v for k, v in os.environ.items() if k not in (
         "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID",
         "PMI_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_RESTART_COUNT")}
-    env.update(OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    env.update(OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", LOGLEVEL="INFO")
     with open(log, "w") as handle:
         return subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, text=True,
                                 env=env, start_new_session=True)
@@ -190,7 +192,20 @@ def test_a_torchrun_elastic_job_shrinks_and_grows_back(cache: Path, tmp_path: Pa
             return bool(shrunk) and len(records) >= shrunk[0] + 2
 
         _wait_for("2 steps on 1 rank", two_after_restart, [first], logs[:1])
-        third = _agent(out, cache, port, False, logs[2])
+        # The run alone must not end before the third node has joined (on a busy machine
+        # its agent's start took longer than the run's remaining steps): its workers pause
+        # until the first agent has seen the newcomer waiting (which it logs at INFO).
+        paused = _tree(first.pid)[1:]
+        for pid in paused:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            third = _agent(out, cache, port, False, logs[2])
+            _wait_for("the third node waiting", lambda: "new nodes from group_rank=" in
+                      logs[0].read_text(), [first, third], [logs[0], logs[2]])
+        finally:
+            for pid in paused:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
         assert first.wait(timeout=400) == 0, logs[0].read_text()[-3000:]
         assert third.wait(timeout=400) == 0, logs[2].read_text()[-3000:]
     finally:
