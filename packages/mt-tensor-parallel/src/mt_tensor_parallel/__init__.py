@@ -6,6 +6,9 @@ Public API:
   :func:`reduce_from_tp`, :func:`scatter_to_tp`, :func:`gather_from_tp`,
   :func:`scatter_to_sequence`, :func:`gather_from_sequence`,
   :func:`reduce_scatter_to_sequence`;
+- replicated parameters with partial gradients (norms under sequence parallelism ...):
+  :func:`partial_grad_params`, :func:`defer_replicated_grads` (summed once per step by the
+  optimizer instead of in every backward);
 - layers: :class:`ColumnParallelLinear`, :class:`RowParallelLinear`,
   :class:`VocabParallelEmbedding`, :class:`VocabParallelHead`,
   :func:`vocab_parallel_cross_entropy` / :class:`VocabParallelCrossEntropy`,
@@ -37,6 +40,7 @@ from mt_tensor_parallel.mappings import (
     copy_to_tp,
     gather_from_sequence,
     gather_from_tp,
+    partial_use,
     reduce_from_tp,
     reduce_scatter_to_sequence,
     scatter_to_sequence,
@@ -53,6 +57,7 @@ from mt_tensor_parallel.plan import (
     param_styles,
     shard_state_dict,
 )
+from mt_tensor_parallel.replicated import defer_replicated_grads, partial_grad_params
 from mt_tensor_parallel.rng import TP_RNG, KeyedRNG, RNGTracker, mix_seed
 from mt_tensor_parallel.sequence import (
     RNGRegion,
@@ -101,6 +106,7 @@ __all__ = [
     "apply_tensor_parallel",
     "attach_context",
     "decoder_plan",
+    "defer_replicated_grads",
     "check_divisibility",
     "copy_to_tp",
     "cp_chunks",
@@ -108,6 +114,8 @@ __all__ = [
     "gather_from_sequence",
     "gather_from_tp",
     "match_plan",
+    "partial_grad_params",
+    "partial_use",
     "merge_shards",
     "merge_state_dicts",
     "mix_seed",

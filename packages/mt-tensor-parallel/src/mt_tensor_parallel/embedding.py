@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from mt_dist.collectives import group_rank, group_size
-from mt_tensor_parallel.mappings import copy_to_tp
+from mt_tensor_parallel.mappings import partial_use
 from mt_tensor_parallel.rng import RNGTracker
 from mt_tensor_parallel.sharding import DEFAULT_PAD_MULTIPLE
 from mt_tensor_parallel.vocab import VocabParallelEmbedding
@@ -27,8 +27,9 @@ class ParallelTokenPositionEmbedding(nn.Module):
     Without sequence parallelism the token partial sums are all-reduced and the output is
     replicated [b, s, h]; dropout uses the default generator (same mask on every rank).
     With it the partial sums are reduce-scattered along the sequence, this rank's position
-    rows are added (the position weight goes through copy_to_tp so its gradient is summed
-    over ranks) and the output [b, s/tp, h] gets dropout from the TP stream of ``tracker``.
+    rows are added (the position weight's gradient is then a partial sum: summed over the
+    ranks per backward, or once per step when deferred) and the output [b, s/tp, h] gets
+    dropout from the TP stream of ``tracker``.
     ``context`` (None: ``idx`` holds whole sequences) is a context-parallel slice
     (:class:`~mt_tensor_parallel.ContextParallel`): the tokens are at its positions.
     """
@@ -44,6 +45,14 @@ class ParallelTokenPositionEmbedding(nn.Module):
         self.group, self.sequence_parallel = group, sequence_parallel
         object.__setattr__(self, "tracker", tracker)
         self.context: Any = None
+
+    defer_grad_reduce = False
+
+    def partial_grad_names(self) -> tuple[str, ...]:
+        """Parameters whose gradient on this rank is a partial sum over the group: the
+        position rows under sequence parallelism (this rank's slice of them)."""
+        partial = self.sequence_parallel and self.positions is not None
+        return ("positions.weight",) if partial and group_size(self.group) > 1 else ()
 
     @classmethod
     def from_module(cls, embed: nn.Module, group: ProcessGroup | None, *,
@@ -86,7 +95,7 @@ class ParallelTokenPositionEmbedding(nn.Module):
         local = seq // size
         x = self.tokens(idx)
         if self.positions is not None:
-            weight = copy_to_tp(self.positions.weight, self.group)
+            weight = partial_use(self.positions.weight, self.group, self.defer_grad_reduce)
             x = x + (weight[rank * local:(rank + 1) * local] if positions is None else
                      F.embedding(positions[rank * local:(rank + 1) * local], weight))
         if self.tracker is None or not self.training:

@@ -20,6 +20,7 @@ from mt_tensor_parallel.mappings import (
     copy_to_tp,
     gather_from_sequence,
     gather_from_tp,
+    partial_use,
     reduce_from_tp,
     reduce_scatter_to_sequence,
     scatter_to_tp,
@@ -145,6 +146,13 @@ class RowParallelLinear(nn.Module):
         self.bias = _empty_param((out_features,), device, dtype) if bias else None
 
     param_style = "row"
+    defer_grad_reduce = False
+
+    def partial_grad_names(self) -> tuple[str, ...]:
+        """Parameters whose gradient on this rank is a partial sum over the group: the bias
+        under sequence parallelism (it meets this rank's sequence slice only)."""
+        partial = self.sequence_parallel and self.tp_size > 1 and self.bias is not None
+        return ("bias",) if partial else ()
 
     @torch.no_grad()
     def load_full_(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
@@ -173,9 +181,10 @@ class RowParallelLinear(nn.Module):
         y = F.linear(x, self.weight)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence(y, self.group)
-            # The bias now meets only this rank's sequence slice: copy_to_tp all-reduces its
-            # gradient so every rank gets the full-sequence gradient.
-            bias = None if self.bias is None else copy_to_tp(self.bias, self.group)
+            # The bias now meets only this rank's sequence slice: its gradient is a partial
+            # sum, summed over the ranks per backward (copy_to_tp) or deferred to the step.
+            bias = None if self.bias is None else partial_use(self.bias, self.group,
+                                                              self.defer_grad_reduce)
         else:
             y = reduce_from_tp(y, self.group)
             bias = self.bias
@@ -197,9 +206,18 @@ class ReplicatedKVLinear(nn.Module):
     :func:`copy_to_tp`: each rank's gradient covers its own query heads and the backward
     all-reduce sums them, so every rank holds the full gradient and the copies stay equal;
     the input's gradient is summed over ranks the same way (or reduce-scattered with
-    sequence parallelism)."""
+    sequence parallelism). Deferred (:func:`~mt_tensor_parallel.defer_replicated_grads`),
+    the weight's partial gradients are summed once per step instead."""
 
     param_style = "replicate"
+    defer_grad_reduce = False
+
+    def partial_grad_names(self) -> tuple[str, ...]:
+        """Parameters whose gradient on this rank is a partial sum over the group (this
+        rank's key/value head's rows only)."""
+        if group_size(self.group) == 1:
+            return ()
+        return ("weight",) if self.bias is None else ("weight", "bias")
 
     def __init__(self, linear: nn.Linear, group: ProcessGroup | None, kv_heads: int,
                  sequence_parallel: bool = False) -> None:
@@ -219,8 +237,10 @@ class ReplicatedKVLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = gather_from_sequence(x, self.group) if self.sequence_parallel \
             else copy_to_tp(x, self.group)
-        weight = copy_to_tp(self.weight, self.group)[self.rows]
-        bias = None if self.bias is None else copy_to_tp(self.bias, self.group)[self.rows]
+        deferred = self.defer_grad_reduce
+        weight = partial_use(self.weight, self.group, deferred)[self.rows]
+        bias = None if self.bias is None else partial_use(self.bias, self.group,
+                                                          deferred)[self.rows]
         return F.linear(x, weight, bias)
 
     def extra_repr(self) -> str:

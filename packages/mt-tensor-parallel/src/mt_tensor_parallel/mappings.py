@@ -36,6 +36,7 @@ from mt_dist.collectives import (
 
 __all__ = [
     "copy_to_tp",
+    "partial_use",
     "reduce_from_tp",
     "scatter_to_tp",
     "gather_from_tp",
@@ -124,6 +125,15 @@ def copy_to_tp(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     column-parallel layer, or a replicated parameter used on sharded data).
     """
     return _CopyToTP.apply(x, group)
+
+
+def partial_use(param: torch.Tensor, group: ProcessGroup | None, deferred: bool
+                ) -> torch.Tensor:
+    """A replicated parameter used on this rank's share of the work, whose gradient here is
+    therefore a partial sum: through :func:`copy_to_tp` (summed over ``group`` in every
+    backward), or as it is when ``deferred`` (the gradients accumulate locally and whoever
+    steps sums them once per step: :func:`~mt_tensor_parallel.defer_replicated_grads`)."""
+    return param if deferred else copy_to_tp(param, group)
 
 
 def reduce_from_tp(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:

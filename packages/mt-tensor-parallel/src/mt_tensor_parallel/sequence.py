@@ -6,7 +6,9 @@ each rank's slice of the sequence, [b, s/tp, h]: the same maths on 1/tp of the d
 The LayerNorm parameters stay replicated but each rank only sees its slice of the
 sequence, so their gradient is a partial sum: using the parameters through
 :func:`copy_to_tp` (identity forward, all-reduce backward) makes autograd produce the
-full gradient on every rank, with no separate synchronisation step.
+full gradient on every rank, with no separate synchronisation step; or, once
+:func:`~mt_tensor_parallel.defer_replicated_grads` has switched them, the partial sums
+accumulate locally and the optimizer sums them once per step.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from mt_tensor_parallel.mappings import copy_to_tp
+from mt_dist.collectives import group_size
+from mt_tensor_parallel.mappings import partial_use
 from mt_tensor_parallel.rng import TP_RNG, RNGTracker
 
 __all__ = ["SequenceParallelLayerNorm", "SequenceParallelRMSNorm", "RNGRegion"]
@@ -43,6 +46,11 @@ class SequenceParallelLayerNorm(nn.Module):
             if elementwise_affine and bias else None
 
     param_style = "replicate"
+    defer_grad_reduce = False
+
+    def partial_grad_names(self) -> tuple[str, ...]:
+        """Parameters whose gradient on this rank is a partial sum over the group."""
+        return _partial(self, ("weight", "bias"))
 
     @classmethod
     def from_layernorm(cls, norm: nn.LayerNorm, group: ProcessGroup | None
@@ -58,8 +66,9 @@ class SequenceParallelLayerNorm(nn.Module):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = None if self.weight is None else copy_to_tp(self.weight, self.group)
-        bias = None if self.bias is None else copy_to_tp(self.bias, self.group)
+        deferred = self.defer_grad_reduce
+        weight = None if self.weight is None else partial_use(self.weight, self.group, deferred)
+        bias = None if self.bias is None else partial_use(self.bias, self.group, deferred)
         return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)
 
     def extra_repr(self) -> str:
@@ -72,6 +81,11 @@ class SequenceParallelRMSNorm(nn.Module):
     :class:`SequenceParallelLayerNorm`)."""
 
     param_style = "replicate"
+    defer_grad_reduce = False
+
+    def partial_grad_names(self) -> tuple[str, ...]:
+        """Parameters whose gradient on this rank is a partial sum over the group."""
+        return _partial(self, ("weight",))
 
     def __init__(self, norm: nn.RMSNorm, group: ProcessGroup | None) -> None:
         super().__init__()
@@ -79,11 +93,18 @@ class SequenceParallelRMSNorm(nn.Module):
         self.weight, self.group = norm.weight, group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = None if self.weight is None else copy_to_tp(self.weight, self.group)
+        weight = None if self.weight is None else partial_use(self.weight, self.group,
+                                                              self.defer_grad_reduce)
         return F.rms_norm(x, self.normalized_shape, weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.normalized_shape}, eps={self.eps}, sequence_parallel=True"
+
+
+def _partial(module: nn.Module, names: tuple[str, ...]) -> tuple[str, ...]:
+    if group_size(module.group) == 1:
+        return ()
+    return tuple(n for n in names if getattr(module, n) is not None)
 
 
 def _device_of(module: nn.Module) -> torch.device | None:

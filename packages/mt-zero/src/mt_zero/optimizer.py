@@ -28,7 +28,13 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from mt_dist.collectives import all_gather_flat, all_reduce_over, group_rank, group_size
+from mt_dist.collectives import (
+    all_gather_flat,
+    all_reduce_over,
+    all_reduce_sum,
+    group_rank,
+    group_size,
+)
 from mt_zero.buckets import FlatBucket
 from mt_zero.clip import clip_coefficient, sum_of_squares
 from mt_zero.grad_sync import GradSync
@@ -143,6 +149,13 @@ class ZeroOptimizer:
             stages >= 1, where each DP rank holds a disjoint shard.
         count_in_norm: ``(name, param) -> bool``, whether this rank counts a parameter in
             the norm (see :func:`mt_zero.counts_once`); default: all.
+        partial_params: parameters whose gradient on this rank is a partial sum over
+            ``partial_group`` (replicated parameters used on this rank's share of the work,
+            e.g. norms under sequence parallelism, once their per-backward all-reduce is
+            deferred: :func:`mt_tensor_parallel.defer_replicated_grads`). :meth:`step` sums
+            them over the group once, in one bucket, after the data-parallel reduction
+            (which it commutes with; under stages 2-3 only this rank's shard of them).
+        partial_group: the group ``partial_params`` are summed over (tensor parallel).
     """
 
     def __init__(
@@ -156,6 +169,8 @@ class ZeroOptimizer:
         units: Sequence[nn.Module] | None = None,
         norm_groups: Sequence[ProcessGroup | None] = (),
         count_in_norm: Callable[[str, nn.Parameter], bool] | None = None,
+        partial_params: Sequence[nn.Parameter] = (),
+        partial_group: ProcessGroup | None = None,
     ) -> None:
         self.model = model
         self.config = config
@@ -174,6 +189,8 @@ class ZeroOptimizer:
         self.gatherer: ParamGatherer | None = None
         if config.stage == 3:
             self.gatherer = ParamGatherer(unit_list, unit_buckets, prefetch=config.prefetch)
+        self.partial_group = partial_group
+        self._partial = self._partial_slices(partial_params)
         self.grad_sync = GradSync(
             self.buckets, self.gatherer.on_backward_done if self.gatherer else None)
         self._norm_groups = ([dp_group] if config.stage >= 1 else []) + list(norm_groups)
@@ -210,6 +227,26 @@ class ZeroOptimizer:
         by_first = {idx[0]: b for idx, b in zip(groups, buckets)}
         unit_buckets = [by_first.get(m[0]) if m else None for m in members]
         return buckets, unit_list, unit_buckets
+
+    def _partial_slices(self, partial: Sequence[nn.Parameter]) -> list[tuple[int, int, int]]:
+        """(bucket, offset in its owned gradient, length) of every piece of a partially
+        summed parameter that this rank's shard holds, in bucket order."""
+        wanted = {id(p) for p in partial}
+        unknown = len(wanted - set(self._slots))
+        if unknown:
+            raise ValueError(f"{unknown} of partial_params are not trainable parameters of "
+                             "the model")
+        for prefix, module in self.model.named_modules():  # a deferred sum nobody does
+            if getattr(module, "defer_grad_reduce", False):
+                for name in module.partial_grad_names():
+                    if id(module.get_parameter(name)) not in wanted:
+                        raise ValueError(
+                            f"{prefix}.{name}: its module leaves the sum of its gradient over "
+                            "tensor parallelism to the step (deferred), but it is not among "
+                            "partial_params: it would be stepped with this rank's part only")
+        return [(bucket.index, piece.shard_offset, piece.length) for bucket in self.buckets
+                for piece in bucket.layout.pieces(bucket.rank)
+                if id(bucket.params[piece.param_index]) in wanted]
 
     def _build_optimizer(
         self,
@@ -278,6 +315,7 @@ class ZeroOptimizer:
         if self.gatherer is not None:
             self.gatherer.free_all()
         buffers = self._attach_master_grads()
+        self._sum_partial(buffers)
         scale = self.loss_scale
         if scale != 1.0:
             for buf in buffers:
@@ -306,6 +344,15 @@ class ZeroOptimizer:
         if self.scaler is not None:
             self.scaler = self.scaler.update(found_inf)
         return StepResult(grad_norm=norm, skipped=skipped, loss_scale=scale)
+
+    def _sum_partial(self, buffers: list[torch.Tensor]) -> None:
+        """One all-reduce over ``partial_group`` of every partially summed gradient piece."""
+        if not self._partial or group_size(self.partial_group) == 1:
+            return
+        views = [buffers[b][offset : offset + n] for b, offset, n in self._partial]
+        flat = torch.cat(views)
+        all_reduce_sum(flat, self.partial_group).wait()
+        torch._foreach_copy_(views, list(flat.split([v.numel() for v in views])))
 
     def _attach_master_grads(self) -> list[torch.Tensor]:
         """Point each master piece's ``.grad`` at its slice of an fp32 gradient shard."""

@@ -615,6 +615,12 @@ class LogArgs:
     recovers. Per-rank times are in the metrics as `busy_s_per_rank`. 0: off."""
     straggler_factor: float = 1.5
     """How much slower than its peers a rank must be to be named (see --straggler-steps)."""
+    trace_collectives: bool = False
+    """Record every collective of every step on every rank (kind, group, bytes, when it was
+    launched, how long the rank was blocked in it, how long it was in flight): the step's
+    totals in the metrics (rank 0's: `collectives`, `comm_bytes`, `comm_exposed_s`,
+    `comm_hidden_s`), each collective in OUT_DIR/collectives/rank-N.jsonl. Exposed
+    communication measured, not guessed; costs a few microseconds per collective."""
     dry_run: bool = False
     """Validate the config and layout and print the plan (ranks, groups, stages, memory
     estimate) without training."""

@@ -23,6 +23,7 @@ from mt_pretrain.config.schema import TrainArgs
 from mt_tensor_parallel import (
     ContextParallel,
     attach_context,
+    defer_replicated_grads,
 )
 from mt_zero import ZeroOptimizer, counts_once, decay_param_groups
 
@@ -65,7 +66,9 @@ def make_optimizer(train: TrainArgs, layout: ParallelLayout, stage: PipelineStag
                    groups: ParallelGroups, styles: dict[str, str]) -> ZeroOptimizer:
     """AdamW (``train``'s hyperparameters) inside the ZeRO wrapper (``layout``'s stage and
     precision) over the dp x cp ranks of this model shard; norms count each parameter once
-    over TP x PP x DP."""
+    over TP x PP x DP. Replicated parameters that each TP rank uses on its share of the work
+    (norms under sequence parallelism ...) have their gradients summed over TP once per step,
+    in one bucket, instead of in every micro-batch's backward."""
 
     def factory(param_groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
         # fused: one vectorised kernel per tensor (on this CPU 10x the default loop's speed).
@@ -90,4 +93,5 @@ def make_optimizer(train: TrainArgs, layout: ParallelLayout, stage: PipelineStag
         param_groups=decay_param_groups(stage.named_parameters(), train.weight_decay),
         norm_groups=[groups.tp, groups.pp],
         count_in_norm=counted,
+        partial_params=[p for _, p in defer_replicated_grads(stage)], partial_group=groups.tp,
     )

@@ -9,11 +9,14 @@ rank leaves a collective behind.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import math
 import socket
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,6 +26,7 @@ from mt_data import DPDataLoader
 from mt_dist import ParallelGroups
 from mt_dist.failpoints import failpoint
 from mt_dist.stragglers import BusyClock, StragglerWatch, gather_busy
+from mt_dist.trace import CollectiveTrace, summarize
 from mt_model import model_flops_per_token_training
 from mt_plan.memory import gather_memory
 from mt_plan.mfu import measure_peak_flops, model_flops_utilization
@@ -78,6 +82,15 @@ class StepStats:
     """The ranks slower than their peers, on the steps where that set changed."""
     notes: tuple[str, ...] = ()
     """Lines to print with this step (not metrics): a straggler named, or recovered."""
+    collectives: int | None = None
+    """--trace-collectives: this rank's collectives in the step (forward, backward and
+    optimizer step; rank 0's in the metrics, every rank's in OUT_DIR/collectives)."""
+    comm_bytes: int | None = None
+    """--trace-collectives: the bytes of those collectives (:mod:`mt_dist.trace`)."""
+    comm_exposed_s: float | None = None
+    """--trace-collectives: seconds this rank was blocked in them (exposed communication)."""
+    comm_hidden_s: float | None = None
+    """--trace-collectives: seconds they were in flight under other work (hidden)."""
 
 
 class Trainer:
@@ -126,6 +139,8 @@ class Trainer:
         self._watch = StragglerWatch(plan.topology.dp_groups(), log.straggler_steps,
                                      log.straggler_factor) if log.straggler_steps else None
         self._hosts: list[str] = []
+        self._trace = CollectiveTrace(_group_names(groups)) if log.trace_collectives else None
+        self._trace_path = Path(ckpt.out_dir) / "collectives" / f"rank-{groups.rank:05d}.jsonl"
         # MFU denominator: given, or probed once on rank 0 (the rank that reports it).
         peak = log.peak_tflops
         self._peak_flops = peak * 1e12 if peak is not None else (
@@ -138,6 +153,10 @@ class Trainer:
         Returns (stats, why the run stopped early: ``"signal"``, ``"exit-interval"``,
         ``"exit-duration"``, or None when it reached its last step).
         """
+        with self._trace if self._trace is not None else contextlib.nullcontext():
+            return self._run()
+
+    def _run(self) -> tuple[list[StepStats], str | None]:
         stats: list[StepStats] = []
         interval, eval_interval = self.ckpt.save_interval, self.train.eval_interval
         while self.loader.state.step < self.plan.train_steps:
@@ -196,6 +215,8 @@ class Trainer:
     # ------------------------------------------------------------------------ one step
     def step(self) -> StepStats:
         """One optimizer step over one global batch."""
+        if self._trace is not None:
+            self._trace.take()  # what ran between steps (saves, evaluation) is not the step's
         start = time.perf_counter()
         engine, seq = self.engine, self.plan.gpt.seq_len
         consumed = self.loader.state.consumed_samples
@@ -218,6 +239,7 @@ class Trainer:
         result = engine.step()
         self._busy.stop()
         elapsed = time.perf_counter() - start
+        traced = self._traced_step() if self._trace is not None else {}
         # After the timing: all-gathers of 4 numbers per rank, outside the step's time.
         memory = gather_memory(self.device).metrics()
         busy = gather_busy(self._busy.take(), self.device)
@@ -231,7 +253,21 @@ class Trainer:
             tflops_per_rank=flops_per_rank / 1e12,
             mfu=model_flops_utilization(flops_per_rank, self._peak_flops),
             skipped=result.skipped, loss_scale=result.loss_scale, **memory,
-            busy_s_per_rank=[round(b, 6) for b in busy], **self._stragglers(busy))
+            busy_s_per_rank=[round(b, 6) for b in busy], **self._stragglers(busy), **traced)
+
+    def _traced_step(self) -> dict[str, Any]:
+        """The step's collectives: summed for the metrics, each one in this rank's file."""
+        assert self._trace is not None
+        records = self._trace.take()
+        summary = summarize(records)
+        line = {"step": self.loader.state.step, **summary, "records": [
+            [r.kind, r.group, r.bytes, round(r.launched_s, 6), round(r.blocked_s, 6),
+             round(r.in_flight_s, 6)] for r in records]}
+        self._trace_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self._trace_path, "a") as out:
+            out.write(json.dumps(line) + "\n")
+        return {k: summary[k] for k in ("collectives", "comm_bytes", "comm_exposed_s",
+                                        "comm_hidden_s")}
 
     def _stragglers(self, busy: list[float]) -> dict[str, Any]:
         """The ranks named slow or recovered at this step (the same on every rank: each
@@ -264,6 +300,18 @@ class Trainer:
             dist.all_reduce(value, group=self.groups.grad_group)
             value /= self.groups.grad_size
         return float(value)
+
+
+def _group_names(groups: ParallelGroups) -> dict[Any, str]:
+    """What the trace calls this rank's groups (the first name of a group that is several)."""
+    named = [("tp", groups.tp), ("cp", groups.cp), ("dp", groups.dp), ("dp_cp", groups.dp_cp),
+             ("pp", groups.pp), ("embedding", groups.embedding),
+             ("model_parallel", groups.model_parallel)]
+    names: dict[Any, str] = {}
+    for name, group in named:
+        if group is not None and group not in names:
+            names[group] = name
+    return names
 
 
 def stats_dict(stats: StepStats) -> dict[str, Any]:

@@ -1,0 +1,105 @@
+"""Replicated gradients under sequence parallelism summed once per step, in one bucket
+(mt_tensor_parallel.defer_replicated_grads + ZeroOptimizer(partial_params=...)), on 4 gloo
+ranks (TP 2 with SP x DP 2), ZeRO 0 and 3, 3 micro-batches per step: the same losses, grad
+norms and weights as the per-backward all-reduce (copy_to_tp) within fp32 round-off, and
+counted by mt_dist.trace: 3 x (the partial parameters) all-reduces over TP per step fewer,
+plus the step's one. An optimizer not told about deferred parameters refuses to start."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from mt_dist import Topology, build_groups
+from mt_dist.testing import run_distributed
+from mt_dist.trace import CollectiveTrace
+from mt_model import GPT, preset
+from mt_tensor_parallel import (
+    GPT_PLAN,
+    apply_tensor_parallel,
+    defer_replicated_grads,
+    param_styles,
+)
+from mt_zero import ZeroConfig, ZeroOptimizer, counts_once
+
+MICRO, STEPS, SEQ = 3, 2, 32
+
+
+def _train(stage: int, deferred: bool) -> dict[str, Any]:
+    groups = build_groups(Topology(tp=2, dp=2))
+    config = preset("tiny")
+    model = apply_tensor_parallel(GPT(config, seed=0), groups.tp, GPT_PLAN,
+                                  sequence_parallel=True)
+    styles = param_styles(dict(model.named_parameters()), GPT_PLAN)
+    partial = defer_replicated_grads(model) if deferred else []
+    opt = ZeroOptimizer(
+        # SGD: the weights move by the gradients themselves, so round-off stays round-off
+        # (Adam turns a near-zero gradient's last bit into a step of lr).
+        model, lambda g: torch.optim.SGD(g, lr=0.5), groups.dp, ZeroConfig(stage=stage),
+        norm_groups=[groups.tp], partial_params=[p for _, p in partial],
+        partial_group=groups.tp,
+        count_in_norm=counts_once(groups.tp_rank,
+                                  tp_replicated=lambda n, _p: styles[n] == "replicate"))
+    losses, norms, tp_reduces = [], [], []
+    with CollectiveTrace({groups.tp: "tp", groups.dp: "dp"}) as trace:
+        for step in range(STEPS):
+            total = 0.0
+            for micro in range(MICRO):
+                seed = 1000 * step + 10 * micro + groups.dp_rank
+                tokens = torch.randint(0, config.vocab_size, (2, SEQ + 1),
+                                       generator=torch.Generator().manual_seed(seed))
+                with opt.no_sync() if micro < MICRO - 1 else torch.enable_grad():
+                    loss = model.loss_fn(model(tokens[:, :-1]), tokens[:, 1:])
+                    opt.backward(loss / MICRO)
+                total += loss.item() / MICRO
+            norms.append(opt.step().grad_norm)
+            losses.append(total)
+            tp_reduces.append(sum(r.kind == "all_reduce" and r.group == "tp"
+                                  for r in trace.take()))
+    with opt.gathered():
+        weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"losses": losses, "norms": norms, "tp_reduces": tp_reduces, "weights": weights,
+            "partial": [n for n, _ in partial]}
+
+
+def _both(stage: int) -> dict[str, Any]:
+    return {"backward": _train(stage, False), "step": _train(stage, True)}
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_replicated_grads_summed_once_per_step_train_the_same(stage: int) -> None:
+    for rank, run in enumerate(run_distributed(_both, 4, stage)):
+        before, after = run["backward"], run["step"]
+        partial = after["partial"]
+        # tiny GPT: per block 2 LayerNorms (weight, bias) and 2 row-parallel biases; ln_f's
+        # weight and bias; the position rows.
+        layers = preset("tiny").n_layers
+        assert len(partial) == 6 * layers + 3, partial
+        assert "embed.positions.weight" in partial and before["partial"] == []
+        fewer = [b - a for b, a in zip(before["tp_reduces"], after["tp_reduces"])]
+        assert fewer == [MICRO * len(partial) - 1] * STEPS, (rank, before["tp_reduces"],
+                                                             after["tp_reduces"])
+        torch.testing.assert_close(after["losses"], before["losses"], rtol=1e-6, atol=0)
+        torch.testing.assert_close(after["norms"], before["norms"], rtol=1e-5, atol=0)
+        for name, weight in before["weights"].items():
+            torch.testing.assert_close(after["weights"][name], weight, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}")
+
+
+def _unsummed(_: None) -> str:
+    groups = build_groups(Topology(tp=2))
+    model = apply_tensor_parallel(GPT(preset("tiny"), seed=0), groups.tp, GPT_PLAN,
+                                  sequence_parallel=True)
+    defer_replicated_grads(model)
+    try:
+        ZeroOptimizer(model, lambda g: torch.optim.AdamW(g), None)
+    except ValueError as err:
+        return str(err)
+    return "accepted"
+
+
+def test_an_optimizer_not_told_of_deferred_gradients_refuses() -> None:
+    for message in run_distributed(_unsummed, 2, None):
+        assert "embed.positions.weight: its module leaves the sum of its gradient" in message
