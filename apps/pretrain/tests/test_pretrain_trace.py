@@ -54,3 +54,38 @@ def test_every_collective_of_a_step_is_traced(cache: Path, tmp_path: Path) -> No
                 metric = metrics[line["step"] - 1]
                 assert metric["collectives"] == line["collectives"]
                 assert metric["comm_exposed_s"] == line["comm_exposed_s"]
+
+
+def test_the_bucket_size_sets_the_data_parallel_collectives(cache: Path, tmp_path: Path
+                                                            ) -> None:
+    """--bucket-numel reaches mt-zero: at DP 2 with ZeRO 1 each step reduces the gradients
+    and gathers the updated weights (on gloo both as all-reduces) one bucket at a time."""
+    import torch
+
+    from mt_model import GPT
+    from mt_zero import ZeroConfig
+
+    assert load_config(None, {}).parallel.bucket_numel == ZeroConfig().bucket_numel
+    size = 2**15
+    out = tmp_path / "run"
+    run_pretrain({**COMMON, "tp": 1, "sequence_parallel": False, "zero_stage": 1,
+                  "global_batch_size": 8}, out, cache,
+                 bucket_numel=size)
+    gpt = load_config(None, {"model": "tiny", "seq_len": 32}).model.gpt_config()
+    with torch.device("meta"):
+        numels = [p.numel() for p in GPT(gpt).parameters()]
+    total, largest = sum(numels), max(numels)
+    for rank in (0, 1):
+        for line in (out / "collectives" / f"rank-{rank:05d}.jsonl").read_text().splitlines():
+            records = json.loads(line)["records"]
+            # Beside the buckets only the loss mean and the norm's 2 numbers (8 bytes).
+            bulk = [r[2] // 4 for r in records
+                    if r[0] == "all_reduce" and r[1] == "dp" and r[2] > 8]
+            half = len(bulk) // 2
+            grads, weights = bulk[:half], bulk[half:]
+            assert grads == weights, bulk  # the same buckets, reduced then gathered
+            # Each bucket closes once it holds the size (padded to a multiple of dp 2), or
+            # is one tensor larger than that (the embedding).
+            assert all(n <= 2 * size or n <= largest + 1 for n in grads), grads
+            assert total <= sum(grads) <= total + len(grads), (total, grads)
+            assert len(grads) >= total // (2 * size) > 1, grads  # not one bucket of 2**22

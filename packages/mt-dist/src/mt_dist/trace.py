@@ -258,21 +258,36 @@ class CollectiveTrace:
 
 def summarize(records: Sequence[CollectiveRecord]) -> dict[str, Any]:
     """Totals of ``records`` (one step's): ``collectives``, ``comm_bytes``,
-    ``comm_exposed_s`` (blocked), ``comm_hidden_s`` (in flight under other work) and
-    ``by_kind``: the same per ``"KIND GROUP"``, with its count."""
-    by: dict[str, dict[str, float]] = {}
+    ``comm_exposed_s`` (seconds blocked), ``comm_hidden_s`` (seconds some collective was in
+    flight while none blocked: the union of their in-flight intervals less the blocked time,
+    so collectives in flight together count once) and ``by_kind``: the same per
+    ``"KIND GROUP"``, with its count. Blocked intervals are taken as disjoint (one thread
+    issues and waits)."""
+    by: dict[str, list[CollectiveRecord]] = {}
     for r in records:
-        row = by.setdefault(f"{r.kind} {r.group}", {"n": 0, "bytes": 0, "exposed_s": 0.0,
-                                                      "hidden_s": 0.0})
-        row["n"] += 1
-        row["bytes"] += r.bytes
-        row["exposed_s"] += r.blocked_s
-        row["hidden_s"] += max(0.0, r.in_flight_s - r.blocked_s)
-    total = {k: math.fsum(row[k] for row in by.values()) for k in ("exposed_s", "hidden_s")}
-    return {"collectives": len(records), "comm_bytes": sum(r.bytes for r in records),
-            "comm_exposed_s": total["exposed_s"], "comm_hidden_s": total["hidden_s"],
-            "by_kind": {k: {**v, "n": int(v["n"]), "bytes": int(v["bytes"])}
-                        for k, v in sorted(by.items())}}
+        by.setdefault(f"{r.kind} {r.group}", []).append(r)
+
+    def totals(rows: Sequence[CollectiveRecord]) -> dict[str, Any]:
+        exposed = math.fsum(r.blocked_s for r in rows)
+        return {"n": len(rows), "bytes": sum(r.bytes for r in rows), "exposed_s": exposed,
+                "hidden_s": max(0.0, _union(rows) - exposed)}
+
+    whole = totals(records)
+    return {"collectives": whole["n"], "comm_bytes": whole["bytes"],
+            "comm_exposed_s": whole["exposed_s"], "comm_hidden_s": whole["hidden_s"],
+            "by_kind": {k: totals(v) for k, v in sorted(by.items())}}
+
+
+def _union(records: Sequence[CollectiveRecord]) -> float:
+    """Seconds covered by the records' in-flight intervals."""
+    total, end = 0.0, -math.inf
+    for r in sorted(records, key=lambda r: r.launched_s):
+        lo, hi = r.launched_s, r.launched_s + r.in_flight_s
+        if lo > end:
+            total, end = total + (hi - lo), hi
+        elif hi > end:
+            total, end = total + (hi - end), hi
+    return total
 
 
 def as_dict(record: CollectiveRecord) -> dict[str, Any]:

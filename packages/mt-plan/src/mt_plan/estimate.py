@@ -11,7 +11,9 @@ FLOP/s, or at the rates a calibration measured (``mt plan --calibrate``:
 elementwise memory traffic at the memory bandwidth and the tensor-parallel collectives, fed
 to mt-pipeline's simulator (the code that checks the schedules mt-pipeline runs) with the P2P
 time; then the data-parallel gradient reduction and the
-memory-bound optimizer step; communication is not overlapped with compute. One calibrated
+memory-bound optimizer step; tensor-parallel, context-parallel and pipeline communication
+is on the critical path, the data-parallel part overlaps as mt-zero runs it
+(:func:`dp_overlap`: buckets during the last backward, ZeRO-3's prefetch). One calibrated
 constant, :data:`EFFICIENCY` (fraction of peak reached by the matmuls), is fitted to MT-NLG's
 published iteration times (on :data:`MTNLG_GPU`) by :func:`calibrate_efficiency`; it serves
 data-sheet planning. Fixed costs (per layer, per
@@ -49,7 +51,8 @@ from mt_zero.precision import PRECISIONS
 
 __all__ = ["EFFICIENCY", "MTNLG_GPU", "MTNLG_PUBLISHED", "Estimate", "LayoutError",
            "ParallelLayout", "activation_bytes_per_layer", "attention_flops",
-           "calibrate_efficiency", "estimate", "peak_in_flight", "stage_memory", "zero_bytes"]
+           "calibrate_efficiency", "dp_overlap", "estimate", "peak_in_flight", "stage_memory",
+           "zero_bytes"]
 
 #: Fraction of peak bf16 FLOP/s the GEMMs reach; fitted by :func:`calibrate_efficiency` to
 #: MT-NLG 530B on A100-80GB (TP 8, PP 35, DP 8/10/12); the only tuned number of the model.
@@ -189,6 +192,16 @@ class Estimate:
     cp_comm_time_s: float = 0.0
     """Seconds per step of the context-parallel key/value exchange (inside the pipeline
     time; not overlapped with compute)."""
+    dp_exposed_s: float = 0.0
+    """The part of ``dp_comm_time_s`` not hidden under compute (:func:`dp_overlap`)."""
+    exposed_comm_s: float = 0.0
+    """Communication seconds per step on the critical path of the fullest rank: the
+    tensor-parallel collectives, the context-parallel exchange, the pipeline's sends, the
+    tied embedding's sum and the exposed data-parallel part (what ``mt pretrain
+    --trace-collectives`` measures as ``comm_exposed_s``)."""
+    hidden_comm_s: float = 0.0
+    """Communication seconds per step modelled as running under compute (data-parallel
+    buckets during the last backward, ZeRO-3's prefetched gathers)."""
 
     def to_dict(self) -> dict[str, object]:
         """Flat JSON-ready dict: the layout's fields first, then the figures."""
@@ -221,15 +234,20 @@ class Estimate:
             f"pipeline    bubble fraction {self.bubble_fraction:.3f}; pipeline "
             f"{self.pipeline_time_s:.3f} s (TP comm {self.tp_comm_time_s:.3f} s, "
             + (f"CP key/value exchange {self.cp_comm_time_s:.3f} s, " if lay.cp > 1 else "")
-            + f"P2P {self.p2p_time_s:.3f} s inside), DP comm {self.dp_comm_time_s:.3f} s, "
-            f"optimizer {self.optimizer_time_s:.3f} s"
+            + f"P2P {self.p2p_time_s:.3f} s inside), DP comm {self.dp_comm_time_s:.3f} s "
+            f"({self.dp_exposed_s:.3f} s exposed), optimizer {self.optimizer_time_s:.3f} s"
             + (f", framework {self.framework_time_s:.3f} s" if self.framework_time_s else ""),
             f"speed       {self.iteration_time_s:.3f} s per iteration, {self.tflops_per_gpu:.1f} "
             f"TFLOP/s per GPU, {self.tokens_per_s:,.0f} tokens/s",
+            f"comm        {self.exposed_comm_s:.3f} s exposed per iteration"
+            + (f" ({100 * self.exposed_comm_s / self.iteration_time_s:.0f}% of it)"
+               if self.iteration_time_s > 0 else "")
+            + f", {self.hidden_comm_s:.3f} s hidden under compute",
             (f"assumes     matmuls and attention at the rates measured on {self.gpu}"
              if self.calibrated else
              f"assumes     matmuls at {self.efficiency} x peak bf16 FLOP/s (one constant, "
-             "calibrated on MT-NLG 530B)") + "; communication not overlapped",
+             "calibrated on MT-NLG 530B)") + "; TP, CP and P2P communication not "
+            "overlapped, DP overlapped as mt-zero does it",
         ]
         return "\n".join(lines)
 
@@ -543,17 +561,23 @@ def _step_costs(gpt: GPTConfig, layout: ParallelLayout, gpu: GPUSpec) -> dict:
     # and all-gathers; stage 3 also gathers the weights for forward and backward. An
     # all-reduce moves 2 (d-1)/d of the data, the others (d-1)/d, unless they are themselves
     # run as all-reduces. Gradients travel in their own width (fp32 main gradients: 4).
-    passes = {0: 1, 1: 2, 2: 2, 3: 3}[layout.zero_stage]
+    # Stage 3 frees each unit's weights after use, so every micro-batch gathers them again,
+    # for its forward and for its backward.
+    gathers = {0: 0, 1: 1, 2: 1, 3: 2 * layout.num_micro_batches}[layout.zero_stage]
     grad_volume = {0: 2.0, 1: 2.0, 2: 1.0, 3: 1.0}[layout.zero_stage]
-    weight_volume = {0: 0.0, 1: 1.0, 2: 1.0, 3: 2.0}[layout.zero_stage]
+    weight_volume = float(gathers)
     if gpu.gather_via_all_reduce:
-        grad_volume, weight_volume = 2.0, 2.0 * (passes - 1)
-    moved = stage_params * (grad_volume * grad_width(layout.precision, layout.main_grads)
-                            + weight_volume * width)
+        grad_volume, weight_volume = 2.0, 2.0 * gathers
     buckets = max(1.0, stage_params / bucket_numel())
-    dp_time = (moved * (d - 1) / d / dp_bw + passes * buckets * bulk) if d > 1 else 0.0
+    if layout.zero_stage == 3:  # one bucket per unit: each layer, and the stage's rest
+        buckets = max(stage_layers(gpt.n_layers, layout)) + 1.0
+    share = (d - 1) / d / dp_bw
+    grad_bytes = stage_params * grad_volume * grad_width(layout.precision, layout.main_grads)
+    grads = grad_bytes * share + buckets * bulk if d > 1 else 0.0
+    weights = stage_params * weight_volume * width * share + gathers * buckets * bulk \
+        if d > 1 else 0.0
     # Small collectives every step: the loss mean, the gradient norm, the loss broadcast.
-    dp_time += 3.0 * lat if layout.world_size > 1 else 0.0
+    small = 3.0 * lat if layout.world_size > 1 else 0.0
     # Adam step: throughput per parameter of the rank's shard, plus a fixed cost per tensor.
     shard_div = d if layout.zero_stage >= 1 else 1
     shard = max(_stage_params(gpt, layout)) / shard_div
@@ -563,7 +587,49 @@ def _step_costs(gpt: GPTConfig, layout: ParallelLayout, gpu: GPUSpec) -> dict:
     # Framework work per step and per parameter tensor (hooks, bucket bookkeeping).
     framework = (gpu.step_overhead_s
                  + max(_stage_tensors(gpt, layout)) * gpu.param_overhead_s)
-    return {"dp": dp_time, "optimizer": optimizer, "framework": framework}
+    return {"dp": grads + weights + small, "dp_grads": grads, "dp_weights": weights,
+            "dp_small": small, "buckets": buckets, "optimizer": optimizer,
+            "framework": framework}
+
+
+def dp_overlap(layout: ParallelLayout, grads_s: float, weights_s: float, small_s: float,
+               buckets: float, forward_s: float, backward_s: float) -> tuple[float, float]:
+    """(exposed, hidden) seconds of one step's data-parallel communication, as mt-zero
+    overlaps it with a micro-batch's ``forward_s`` / ``backward_s`` (a pure model).
+
+    - With pipeline parallelism mt reduces the gradients at the optimizer step, after the
+      schedule: nothing is hidden. So is everything with one data-parallel rank.
+    - Stages 0-2: the last micro-batch's backward launches each gradient bucket as soon as
+      its gradients exist (taken as evenly spread over the backward) and the buckets reduce
+      one after another: what is still reducing when the backward ends is exposed (at
+      least the last bucket). Stages 1-2 then gather the updated weights after the
+      optimizer step: exposed.
+    - Stage 3: each unit's weights are gathered while the unit before it computes (the
+      prefetch), in forward and again in backward for every micro-batch, and the last
+      backward also reduce-scatters each unit's gradients: per pass the first gather is
+      exposed and each further unit exposes what its collectives take beyond the previous
+      unit's compute (``buckets``: the units, each layer and the stage's rest).
+    - The step's small collectives (loss mean, gradient norm) are exposed.
+    """
+    total = grads_s + weights_s + small_s
+    if layout.pp > 1 or total == small_s:
+        return total, 0.0
+    k = max(1, round(buckets))
+    if layout.zero_stage < 3:
+        per, done = grads_s / k, 0.0
+        for i in range(k):
+            done = max(backward_s * (i + 1) / k, done) + per
+        exposed = max(per, done - backward_s) + weights_s + small_s
+        return exposed, total - exposed
+    m = layout.num_micro_batches
+    gather = weights_s / (2 * m * k)  # one unit's weights, once
+    reduce = grads_s / k
+    f, b = forward_s / k, backward_s / k
+    per_forward = gather + (k - 1) * max(0.0, gather - f)
+    per_backward = gather + (k - 1) * max(0.0, gather - b)
+    last_backward = gather + (k - 1) * max(0.0, gather + reduce - b) + reduce
+    exposed = m * per_forward + (m - 1) * per_backward + last_backward + small_s
+    return min(exposed, total), max(0.0, total - exposed)
 
 
 def estimate(gpt: GPTConfig, layout: ParallelLayout, gpu: GPUSpec, efficiency: float = EFFICIENCY,
@@ -591,7 +657,11 @@ def estimate(gpt: GPTConfig, layout: ParallelLayout, gpu: GPUSpec, efficiency: f
                          + times["tied"])
         in_flight = peak_in_flight(layout)
     mem = _memory(gpt, layout, gpu, in_flight)
-    iteration = pipeline_time + times["dp"] + times["optimizer"] + times["framework"]
+    dp_exposed, dp_hidden = dp_overlap(layout, times["dp_grads"], times["dp_weights"],
+                                       times["dp_small"], times["buckets"], times["fwd"][0],
+                                       times["bwd"][0])
+    iteration = pipeline_time + dp_exposed + times["optimizer"] + times["framework"]
+    p2p = times["p2p"] * 2 * (m * v + p - 1) if p > 1 else 0.0
     flops = model_flops_per_iteration(gpt, layout.global_batch)
     gb = 1e9
     return Estimate(
@@ -603,13 +673,15 @@ def estimate(gpt: GPTConfig, layout: ParallelLayout, gpu: GPUSpec, efficiency: f
         memory_temporaries_gb=mem["temporaries"] / gb, gpu_memory_gb=gpu.memory_bytes / gb,
         fits=mem["total"] <= gpu.memory_bytes, model_flops_per_iteration=flops,
         bubble_fraction=bubble, pipeline_time_s=pipeline_time, tp_comm_time_s=times["tp"],
-        p2p_time_s=times["p2p"] * 2 * (m * v + p - 1) if p > 1 else 0.0,
-        dp_comm_time_s=times["dp"], optimizer_time_s=times["optimizer"],
+        p2p_time_s=p2p, dp_comm_time_s=times["dp"], optimizer_time_s=times["optimizer"],
         framework_time_s=times["framework"],
         iteration_time_s=iteration,
         tflops_per_gpu=flops / (iteration * layout.world_size) / 1e12,
         tokens_per_s=layout.global_batch * gpt.seq_len / iteration,
-        simulated=simulate_pipeline, calibrated=gpu.calibrated, cp_comm_time_s=times["cp"])
+        simulated=simulate_pipeline, calibrated=gpu.calibrated, cp_comm_time_s=times["cp"],
+        dp_exposed_s=dp_exposed,
+        exposed_comm_s=times["tp"] + times["cp"] + p2p + times["tied"] + dp_exposed,
+        hidden_comm_s=dp_hidden)
 
 
 def calibrate_efficiency(gpt: GPTConfig, cases: list[tuple[ParallelLayout, float]], gpu: GPUSpec,

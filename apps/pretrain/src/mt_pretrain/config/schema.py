@@ -247,10 +247,17 @@ class ParallelArgs:
     timeout: float = 300.0
     """Seconds a collective may wait for a peer before the run fails (a dead rank gives an
     error, not a hang)."""
+    bucket_numel: int = 2**22
+    """Gradient elements data parallelism reduces in one collective (mt: each bucket is
+    launched as soon as its gradients exist, during the last micro-batch's backward;
+    DeepSpeed: its reduce and all-gather bucket sizes). Larger buckets pay the fixed cost of
+    a collective fewer times, smaller ones start reducing earlier under the backward: on
+    gloo over CPU cores, which the backward itself needs, larger was faster
+    (benchmarks/comm.py; 2**22 = mt-zero's default)."""
 
     def __post_init__(self) -> None:
         problems: list[str] = []
-        _positive(problems, self, "tp", "cp", "pp", "virtual_stages")
+        _positive(problems, self, "tp", "cp", "pp", "virtual_stages", "bucket_numel")
         _positive(problems, self, "nproc", "dp", "min_nproc", allow_none=True)
         _int64(problems, self)
         if self.min_nproc is not None and self.nproc is not None and \

@@ -63,7 +63,8 @@ def build_model_stage(plan: RunPlan, groups: ParallelGroups, seed: int,
 
 
 def make_optimizer(train: TrainArgs, layout: ParallelLayout, stage: PipelineStage,
-                   groups: ParallelGroups, styles: dict[str, str]) -> ZeroOptimizer:
+                   groups: ParallelGroups, styles: dict[str, str],
+                   bucket_numel: int = 2**22) -> ZeroOptimizer:
     """AdamW (``train``'s hyperparameters) inside the ZeRO wrapper (``layout``'s stage and
     precision) over the dp x cp ranks of this model shard; norms count each parameter once
     over TP x PP x DP. Replicated parameters that each TP rank uses on its share of the work
@@ -89,7 +90,7 @@ def make_optimizer(train: TrainArgs, layout: ParallelLayout, stage: PipelineStag
         if layout.zero_stage == 3 else None
     return ZeroOptimizer(
         stage, factory, dp_group=groups.grad_group, units=units,
-        config=layout.zero_config(clip_grad=train.clip_grad),
+        config=layout.zero_config(clip_grad=train.clip_grad, bucket_numel=bucket_numel),
         param_groups=decay_param_groups(stage.named_parameters(), train.weight_decay),
         norm_groups=[groups.tp, groups.pp],
         count_in_norm=counted,

@@ -252,7 +252,8 @@ def _initialize(config: PretrainConfig, plan: RunPlan, stage: nn.Module,
                                lr=train.lr, betas=(train.adam_beta1, train.adam_beta2),
                                eps=train.adam_eps)
     dp = layout.dp
-    zero = layout.zero_config(clip_grad=train.clip_grad)
+    zero = layout.zero_config(clip_grad=train.clip_grad,
+                              bucket_numel=config.parallel.bucket_numel)
     accumulation = max(1, layout.global_batch // (layout.micro_batch * dp))
     ds_config = deepspeed_config(zero, layout.micro_batch, accumulation, dp)
     backend = "nccl" if groups.device.type == "cuda" else "gloo"

@@ -101,7 +101,8 @@ class MTEngine(Engine):
                                   plan.layout.sequence_parallel, device,
                                   keyed_dropout=dropout and not config.parallel.compile)
         built.stage.train()
-        optimizer = make_optimizer(config.train, plan.layout, built.stage, groups, built.styles)
+        optimizer = make_optimizer(config.train, plan.layout, built.stage, groups, built.styles,
+                                   config.parallel.bucket_numel)
         return cls(built, optimizer, config, plan, groups)
 
     @property

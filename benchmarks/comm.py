@@ -1,0 +1,302 @@
+"""Communication per training step, measured: collectives, bytes, exposed and hidden seconds,
+and tokens/s, of mt against its peers on the same GPT, the same batches, the same AdamW, on
+gloo processes of this machine.
+
+Cases (``--cases``):
+
+- ``tp4-sp``: TP 4 with sequence parallelism, one replica: mt with its replicated parameters'
+  gradients summed once per step in one bucket (``mt``, what ``mt pretrain`` runs) against the
+  same model summing them in every micro-batch's backward (``mt-per-use``: ``copy_to_tp``,
+  what mt did before) and megatron-core's GPTModel at TP 4 + SP (``mcore``).
+- ``dpN-zS``: data parallelism over N ranks with ZeRO stage S (1 or 3): mt's
+  ``ZeroOptimizer`` against DeepSpeed's ZeRO of the same stage (``deepspeed``) and, for stage
+  1, megatron-core's ``DistributedDataParallel(overlap_grad_reduce=True)`` with its
+  distributed optimizer (``mcore``).
+
+Every collective is recorded by :class:`mt_dist.trace.CollectiveTrace`, which wraps
+torch.distributed's functions, so it sees DeepSpeed's and megatron-core's collectives as it
+sees mt's. Per engine (medians over the timed steps; collectives and seconds averaged over the
+ranks):
+
+- ``coll``: collectives per step (``by kind`` in ``--verbose``); ``MiB``: their bytes;
+- ``exposed s``: seconds a rank was blocked in them per step (nothing else could run);
+- ``hidden s``: seconds they were in flight under other work (asynchronous ones);
+- ``tokens/s``: global tokens per second (each step timed between barriers).
+
+With ``--repeats R`` each case runs R rounds, alternating the engines' order. Peers are
+pinned (benchmarks/requirements.txt): a missing one is an error, not a skip. Example::
+
+    PYTHONPATH=$(ls -d packages/*/src | tr '\\n' ':') python3 benchmarks/comm.py \\
+        --cases tp4-sp dp2-z1 dp4-z1 dp2-z3 dp4-z3
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mt_dist import Topology, build_groups
+from mt_dist.testing import run_distributed
+from mt_dist.trace import CollectiveTrace, summarize
+from mt_model import GPT, GPTConfig
+from mt_tensor_parallel import GPT_PLAN, apply_tensor_parallel, defer_replicated_grads
+from mt_zero import ZeroConfig, ZeroOptimizer, counts_once, decay_param_groups
+from mt_zero.deepspeed_engine import deepspeed_config, deepspeed_environ, initialize_deepspeed
+
+EXTENSIONS = Path.home() / ".cache" / "mt" / "torch_extensions"
+MIB = 2**20
+LR = 1e-4
+
+
+def _case(name: str) -> tuple[int, int, int]:
+    """``tp4-sp`` -> (tp 4, dp 1, stage 1); ``dp2-z3`` -> (tp 1, dp 2, stage 3)."""
+    if name.startswith("tp") and name.endswith("-sp"):
+        return int(name[2:-3]), 1, 1
+    if name.startswith("dp") and "-z" in name:
+        dp, stage = name[2:].split("-z")
+        return 1, int(dp), int(stage)
+    raise SystemExit(f"--cases: {name!r} is neither tpN-sp nor dpN-zS")
+
+
+def engines_of(name: str) -> tuple[str, ...]:
+    tp, _dp, stage = _case(name)
+    if tp > 1:
+        return ("mt", "mt-per-use", "mcore")
+    return ("mt", "deepspeed", "mcore") if stage == 1 else ("mt", "deepspeed")
+
+
+def _config(args: argparse.Namespace) -> GPTConfig:
+    return GPTConfig(n_layers=args.layers, hidden=args.hidden, n_heads=args.heads,
+                     vocab_size=args.vocab, seq_len=args.seq)
+
+
+def _batches(args: argparse.Namespace, replica: int) -> list[list[tuple[torch.Tensor, ...]]]:
+    """Every step's micro-batches of this data-parallel replica (TP ranks share them)."""
+    steps = []
+    for step in range(args.warmup + args.steps):
+        micro = []
+        for i in range(args.micro_batches):
+            gen = torch.Generator().manual_seed(100_000 * step + 100 * i + replica)
+            tokens = torch.randint(0, args.vocab, (args.micro_batch, args.seq + 1),
+                                   generator=gen)
+            micro.append((tokens[:, :-1], tokens[:, 1:]))
+        steps.append(micro)
+    return steps
+
+
+def _mt(case: str, engine: str, args: argparse.Namespace) -> Callable[[list[Any]], float]:
+    tp, dp, stage = _case(case)
+    groups = build_groups(Topology(tp=tp, dp=dp))
+    model = GPT(_config(args), seed=0)
+    if tp > 1:
+        model = apply_tensor_parallel(model, groups.tp, GPT_PLAN, sequence_parallel=True)
+    partial = defer_replicated_grads(model) if engine == "mt" and tp > 1 else []
+    styles = {n: "replicate" if p.dim() == 1 or "positions" in n else "sliced"
+              for n, p in model.named_parameters()} if tp > 1 else {}
+    opt = ZeroOptimizer(
+        model, lambda g: torch.optim.AdamW(g, lr=LR), groups.dp,
+        ZeroConfig(stage=stage, clip_grad=1.0, bucket_numel=args.bucket_numel),
+        param_groups=decay_param_groups(model.named_parameters(), 0.1),
+        norm_groups=[groups.tp],
+        count_in_norm=counts_once(groups.tp_rank, lambda n, _p: styles.get(n) == "replicate"),
+        partial_params=[p for _, p in partial], partial_group=groups.tp)
+
+    def step(micro: list[Any]) -> float:
+        total = 0.0
+        for i, (idx, targets) in enumerate(micro):
+            quiet = opt.no_sync() if i < len(micro) - 1 else _nothing()
+            with quiet:
+                loss = model.loss_fn(model(idx), targets) if tp > 1 else model(idx, targets)
+                opt.backward(loss / len(micro))
+            total += float(loss.detach()) / len(micro)
+        opt.step()
+        return total
+
+    return step
+
+
+class _nothing:  # noqa: N801 - a null context manager, cheaper than contextlib's per call
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _deepspeed(case: str, args: argparse.Namespace) -> Callable[[list[Any]], float]:
+    _, dp, stage = _case(case)
+    os.environ.update(deepspeed_environ(dist.get_rank(), dist.get_world_size(),
+                                        dist.get_rank()))
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(EXTENSIONS)
+    import deepspeed
+
+    model = GPT(_config(args), seed=0)
+    client = torch.optim.AdamW(decay_param_groups(model.named_parameters(), 0.1), lr=LR)
+    zero = ZeroConfig(stage=stage, clip_grad=1.0, bucket_numel=args.bucket_numel)
+    engine = initialize_deepspeed(model, client, deepspeed_config(
+        zero, args.micro_batch, args.micro_batches, dp))
+    if stage == 3:  # the head uses the embedding's weight outside the embedding module
+        deepspeed.zero.register_external_parameter(model.head, model.embed.tokens.weight)
+
+    def step(micro: list[Any]) -> float:
+        total = 0.0
+        for idx, targets in micro:
+            loss = engine(idx, targets)
+            engine.backward(loss)
+            engine.step()  # DeepSpeed steps on the last micro-batch of the step
+            total += float(loss.detach()) / len(micro)
+        return total
+
+    return step
+
+
+def _mcore(case: str, args: argparse.Namespace) -> Callable[[list[Any]], float]:
+    sys.path.insert(0, str(Path(__file__).parent))
+    import mcore_peer
+
+    tp, _dp, _stage = _case(case)
+    shape = {"n_layers": args.layers, "hidden": args.hidden, "n_heads": args.heads,
+             "vocab_size": args.vocab, "seq_len": args.seq}
+    peer = mcore_peer.build(shape, tp=tp, sequence_parallel=tp > 1,
+                            distributed_optimizer=tp == 1, bucket_numel=args.bucket_numel,
+                            lr=LR)
+    return peer.step
+
+
+def _rank(case: str, engine: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One rank of one (case, engine): its timed steps' medians."""
+    torch.manual_seed(0)
+    tp, _dp, _stage = _case(case)
+    if engine == "deepspeed":
+        step = _deepspeed(case, args)
+    elif engine == "mcore":
+        step = _mcore(case, args)
+    else:
+        step = _mt(case, engine, args)
+    batches = _batches(args, dist.get_rank() // tp)
+    times, counts, nbytes, exposed, hidden, losses = [], [], [], [], [], []
+    with CollectiveTrace() as trace:
+        for i, micro in enumerate(batches):
+            with trace.paused():
+                dist.barrier()
+            trace.take()
+            start = time.perf_counter()
+            losses.append(step(micro))
+            elapsed = time.perf_counter() - start
+            summary = summarize(trace.take())
+            with trace.paused():
+                dist.barrier()
+            if i >= args.warmup:
+                times.append(elapsed)
+                counts.append(summary["collectives"])
+                nbytes.append(summary["comm_bytes"])
+                exposed.append(summary["comm_exposed_s"])
+                hidden.append(summary["comm_hidden_s"])
+                by_kind = summary["by_kind"]
+    med = statistics.median
+    return {"step_s": med(times), "coll": med(counts), "bytes": med(nbytes),
+            "exposed": med(exposed), "hidden": med(hidden), "by_kind": by_kind,
+            "first_loss": losses[0], "last_loss": losses[-1]}
+
+
+def _measure(case: str, engine: str, args: argparse.Namespace) -> dict[str, Any]:
+    tp, dp, _stage = _case(case)
+    ranks = run_distributed(_rank, tp * dp, case, engine, args, timeout=args.timeout)
+    mean = statistics.fmean
+    tokens = dp * args.micro_batch * args.micro_batches * args.seq
+    return {"tokens_per_s": tokens / max(r["step_s"] for r in ranks),
+            "coll": mean(r["coll"] for r in ranks), "bytes": mean(r["bytes"] for r in ranks),
+            "exposed": mean(r["exposed"] for r in ranks),
+            "hidden": mean(r["hidden"] for r in ranks), "by_kind": ranks[0]["by_kind"],
+            "first_loss": ranks[0]["first_loss"], "last_loss": ranks[0]["last_loss"],
+            "load": os.getloadavg()[0]}
+
+
+def _row(case: str, engine: str, r: dict[str, Any]) -> str:
+    loss = f"{r['first_loss']:.4f}->{r['last_loss']:.4f}" if "first_loss" in r else ""
+    load = f"{r['load']:.1f}" if "load" in r else ""
+    return (f"{case:>7} {engine:>11} {r['tokens_per_s']:>9.0f} {r['coll']:>7.0f} "
+            f"{r['bytes'] / MIB:>8.1f} {r['exposed']:>9.3f} {r['hidden']:>8.3f} "
+            f"{loss:>16} {load:>5}")
+
+
+NUMBERS = ("tokens_per_s", "coll", "bytes", "exposed", "hidden")
+
+
+def _compare(case: str, args: argparse.Namespace) -> None:
+    engines = [e for e in engines_of(case) if e not in args.skip]
+    runs: dict[str, list[dict[str, Any]]] = {e: [] for e in engines}
+    for round_ in range(args.repeats):
+        for engine in engines if round_ % 2 == 0 else engines[::-1]:
+            runs[engine].append(_measure(case, engine, args))
+            print(_row(case, engine, runs[engine][-1]), flush=True)
+            if args.verbose:
+                for kind, row in runs[engine][-1]["by_kind"].items():
+                    print(f"{'':>20} {kind:<32} {row['n']:>5} x, {row['bytes'] / MIB:8.2f} "
+                          f"MiB, exposed {row['exposed_s']:.3f} s, hidden "
+                          f"{row['hidden_s']:.3f} s", flush=True)
+    med = {e: {k: statistics.median(r[k] for r in runs[e]) for k in NUMBERS} for e in engines}
+    if args.repeats > 1:
+        for engine in engines:
+            print(_row(case, engine + " med", med[engine]), flush=True)
+    mt = med["mt"]
+    for peer in engines[1:]:
+        other = med[peer]
+        print(f"{case:>7} {'mt/' + peer:>11} {mt['tokens_per_s'] / other['tokens_per_s']:>8.2f}x"
+              f" {mt['coll'] / max(other['coll'], 1):>6.2f}x {'':>8} "
+              f"{mt['exposed'] / max(other['exposed'], 1e-9):>8.2f}x", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", nargs="+", default=["tp4-sp", "dp2-z1", "dp4-z1",
+                                                       "dp2-z3", "dp4-z3"])
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--micro-batch", type=int, default=2, help="sequences per micro-batch")
+    parser.add_argument("--micro-batches", type=int, default=4, help="per step and replica")
+    parser.add_argument("--bucket-numel", type=int, default=ZeroConfig().bucket_numel,
+                        help="gradient bucket elements (mt, DeepSpeed and megatron-core)")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--skip", nargs="*", default=[], choices=("mt-per-use", "deepspeed",
+                                                                  "mcore"),
+                        help="leave a peer out (otherwise a missing peer is an error)")
+    parser.add_argument("--verbose", action="store_true", help="collectives by kind")
+    parser.add_argument("--timeout", type=float, default=900.0)
+    args = parser.parse_args()
+    import importlib.util
+
+    for peer, module in (("deepspeed", "deepspeed"), ("mcore", "megatron.core")):
+        if peer not in args.skip and importlib.util.find_spec(module) is None:
+            raise SystemExit(f"{module} is not installed: pip install -r "
+                             "benchmarks/requirements.txt -c infra/python/constraints.txt "
+                             f"(or --skip {peer})")
+    params = sum(p.numel() for p in GPT(_config(args), seed=None).parameters())
+    print(f"GPT {args.layers} layers, hidden {args.hidden}, seq {args.seq}, vocab {args.vocab}:"
+          f" {params / 1e6:.1f}M parameters; micro-batch {args.micro_batch} x "
+          f"{args.micro_batches} per replica and step; fp32; bucket {args.bucket_numel:,}; "
+          f"median of {args.steps} steps after {args.warmup}; {args.repeats} round(s); "
+          f"load {' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} CPUs; "
+          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    print(f"{'case':>7} {'engine':>11} {'tokens/s':>9} {'coll':>7} {'MiB':>8} "
+          f"{'exposed s':>9} {'hidden s':>8} {'loss 1st->last':>16} {'load':>5}")
+    for case in args.cases:
+        _compare(case, args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""mt plan's overlap model (mt_plan.estimate.dp_overlap): which data-parallel communication
+compute hides as mt-zero runs it, and what every layout's exposed communication adds up to."""
+
+from __future__ import annotations
+
+import pytest
+
+from mt_model import preset
+from mt_plan.estimate import dp_overlap, estimate
+from mt_plan.gpus import GPUS
+from mt_plan.layout import ParallelLayout
+
+
+def _layout(**kw: object) -> ParallelLayout:
+    base = {"tp": 1, "pp": 1, "dp": 2, "global_batch": 16, "micro_batch": 2, "zero_stage": 1}
+    return ParallelLayout(**{**base, **kw})  # type: ignore[arg-type]
+
+
+def test_buckets_reduce_under_the_last_backward() -> None:
+    lay = _layout()  # ZeRO 1: 4 buckets of 0.1 s gradients, 0.2 s weight gather, 0.01 small
+    # A long backward hides every bucket but the last; the weight gather is exposed.
+    assert dp_overlap(lay, 0.4, 0.2, 0.01, 4, 1.0, 2.0) == pytest.approx((0.31, 0.3))
+    # No backward to hide under: all of it.
+    assert dp_overlap(lay, 0.4, 0.2, 0.01, 4, 0.0, 0.0) == pytest.approx((0.61, 0.0))
+    # Buckets slower than the backward: they queue; what is left after it ends is exposed.
+    exposed, hidden = dp_overlap(lay, 0.4, 0.0, 0.0, 4, 0.1, 0.2)
+    assert exposed == pytest.approx(0.4 + 0.05 - 0.2) and hidden == pytest.approx(0.15)
+    # Finer buckets hide more of the same bytes.
+    assert dp_overlap(lay, 0.4, 0.0, 0.0, 16, 0.1, 0.2)[0] < exposed
+
+
+def test_nothing_hides_with_pipelines_or_one_replica() -> None:
+    assert dp_overlap(_layout(pp=2), 0.4, 0.2, 0.01, 4, 1.0, 2.0) == pytest.approx((0.61, 0))
+    assert dp_overlap(_layout(dp=1), 0.0, 0.0, 0.01, 4, 1.0, 2.0) == pytest.approx((0.01, 0))
+
+
+def test_zero3_prefetches_each_unit_under_the_one_before() -> None:
+    lay = _layout(zero_stage=3)  # 4 micro-batches of 2: 8 gathers per unit and step
+    m = lay.num_micro_batches
+    units, gather, reduce = 5, 0.01, 0.02
+    weights, grads = 2 * m * units * gather, units * reduce
+    # Compute longer than any unit's collectives: the first gather of every pass and the
+    # last unit's reduce-scatter are exposed, the rest hidden.
+    exposed, hidden = dp_overlap(lay, grads, weights, 0.0, units, 1.0, 2.0)
+    assert exposed == pytest.approx(2 * m * gather + reduce)
+    assert exposed + hidden == pytest.approx(weights + grads)
+    # No compute: everything exposed.
+    assert dp_overlap(lay, grads, weights, 0.0, units, 0.0, 0.0)[0] == pytest.approx(
+        weights + grads)
+
+
+def test_exposed_communication_of_an_estimate() -> None:
+    gpt = preset("gpt2-small")
+    for lay in (_layout(), _layout(zero_stage=3), _layout(tp=2, sequence_parallel=True),
+                _layout(pp=2, dp=1)):
+        est = estimate(gpt, lay, GPUS["a100-80gb"])
+        parts = est.tp_comm_time_s + est.cp_comm_time_s + est.p2p_time_s + est.dp_exposed_s
+        if lay.pp == 1:  # no pipeline sends, no tied embedding across stages
+            assert est.exposed_comm_s == pytest.approx(parts), lay
+        else:  # and the tied embedding's sum over the first and last stage
+            assert est.exposed_comm_s > parts, lay
+        assert 0 <= est.dp_exposed_s <= est.dp_comm_time_s
+        assert est.hidden_comm_s == pytest.approx(est.dp_comm_time_s - est.dp_exposed_s)
+        assert est.iteration_time_s == pytest.approx(
+            est.pipeline_time_s + est.dp_exposed_s + est.optimizer_time_s
+            + est.framework_time_s)
+    dp = estimate(gpt, _layout(), GPUS["a100-80gb"])
+    assert dp.hidden_comm_s > 0  # the gradient buckets under the backward
+    assert dp.exposed_comm_s < dp.dp_comm_time_s
