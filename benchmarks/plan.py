@@ -2,11 +2,15 @@
 
 For the `tiny` preset and a GPT-2-small-shaped model (12 x 768, 12 heads, GPT-2 vocabulary,
 sequence 128 to stay short) at two layouts each (DP 2 with ZeRO-1 and PP 2, 2 processes,
-1 thread each, fp32), it runs `python3 -m mt_pretrain pretrain ... --metrics`, then prints:
+1 thread each, fp32; `--layouts` adds the communication cases: dp2-z3, dp4, dp4-z3, tp4-sp),
+it runs `python3 -m mt_pretrain pretrain ... --metrics --trace-collectives`, then prints:
 
 - peak memory per rank: measured (max RSS of the rank processes) vs predicted (the estimator's
   peak of the fullest rank, plus the runtime's own memory, measured once per model by the
   same command with a model of hidden size 8); also the model part alone;
+- exposed communication per step: measured (rank 0's `comm_exposed_s`, the seconds it was
+  blocked in collectives, median over the steps after the first) vs the estimator's
+  `exposed_comm_s` (TP on the critical path, DP as mt-zero overlaps it);
 - tokens/s: measured (median over the steps after the first) vs predicted by `estimate()`
   with efficiency 1 on a `GPUSpec` of this CPU that the benchmark measures right before and
   right after each run (the two averaged), in as many concurrent 1-thread gloo processes as
@@ -80,7 +84,13 @@ MODELS: dict[str, dict[str, Any]] = {
 LAYOUTS: dict[str, dict[str, Any]] = {
     "dp2": {"tp": 1, "pp": 1, "dp": 2},
     "pp2": {"tp": 1, "pp": 2, "dp": 1},
+    # The communication cases of benchmarks/comm.py (--layouts to run them).
+    "dp2-z3": {"tp": 1, "pp": 1, "dp": 2, "zero_stage": 3},
+    "dp4": {"tp": 1, "pp": 1, "dp": 4},
+    "dp4-z3": {"tp": 1, "pp": 1, "dp": 4, "zero_stage": 3},
+    "tp4-sp": {"tp": 4, "pp": 1, "dp": 1, "sequence_parallel": True},
 }
+DEFAULT_LAYOUTS = ("dp2", "pp2")
 
 
 def _flags(overrides: dict[str, Any]) -> list[str]:
@@ -154,14 +164,17 @@ def _watch(proc: subprocess.Popen, metrics: Path,
             last = time.monotonic()
 
 
-def _run(overrides: dict[str, Any], workdir: Path) -> tuple[float, float, float]:
+def _run(overrides: dict[str, Any], workdir: Path, trace: bool = False
+         ) -> tuple[float, float, float, float]:
     """(peak RSS bytes of the fullest rank, median tokens/s after step 1, share of a core
-    the ranks got while runnable, from step 2 on) of one run."""
+    the ranks got while runnable, from step 2 on, and with ``trace`` rank 0's median exposed
+    communication seconds per step after step 1, else nan) of one run."""
     metrics = workdir / "metrics.jsonl"
     metrics.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "mt_pretrain", "pretrain", *_flags(overrides),
            "--metrics", str(metrics), "--out-dir", str(workdir / "out"), "--no-progress",
            "--sample-tokens", "0", "--save", "none"]
+    cmd += ["--trace-collectives"] if trace else []
     proc = subprocess.Popen([sys.executable, "-c", _WRAPPER, *cmd], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     window: list[dict[str, tuple[int, int]]] = []
@@ -176,7 +189,9 @@ def _run(overrides: dict[str, Any], workdir: Path) -> tuple[float, float, float]
     if len(window) < 2:
         raise SystemExit(f"too few steps seen to measure the core share: {' '.join(cmd)}")
     share = _share(window[0], window[1])
-    return rss, statistics.median(r["tokens_per_s"] for r in rows[1:]), share
+    exposed = statistics.median(r["comm_exposed_s"] for r in rows[1:]) if trace \
+        else float("nan")
+    return rss, statistics.median(r["tokens_per_s"] for r in rows[1:]), share, exposed
 
 
 def _median_time(fn: Any, repeats: int, inner: int = 1, clock: Any = time.thread_time,
@@ -400,16 +415,19 @@ def _spec(parts: list[dict[str, float]], run_share: float,
     return dataclasses.replace(spec, **scaled)
 
 
-_LAYOUT_KEYS = ("tp", "pp", "dp", "zero_stage", "schedule", "virtual_stages", "precision")
+_LAYOUT_KEYS = ("tp", "pp", "dp", "zero_stage", "schedule", "virtual_stages", "precision",
+                "sequence_parallel")
 
 
 def _micro(overrides: dict[str, Any], layers_per_stage: int, micro_batches: int
            ) -> dict[str, Any]:
-    """A micro model (hidden 16, 2 heads, sequence 8, the tokenizer's 1000-word vocabulary)
-    at the run's layout (same TP / PP / DP / ZeRO), ``micro_batches`` of one sequence per
-    rank and step: its compute is negligible, its step time is mostly fixed costs."""
+    """A micro model (hidden 16, 2 heads or one per TP rank, sequence 8, the tokenizer's
+    1000-word vocabulary) at the run's layout (same TP / PP / DP / ZeRO, sequence
+    parallelism), ``micro_batches`` of one sequence per rank and step: its compute is
+    negligible, its step time is mostly fixed costs."""
     pp, dp = overrides.get("pp", 1), overrides.get("dp", 1)
-    return {"model": "tiny", "n_layers": layers_per_stage * pp, "hidden": 16, "n_heads": 2,
+    heads = max(2, overrides.get("tp", 1))
+    return {"model": "tiny", "n_layers": layers_per_stage * pp, "hidden": 16, "n_heads": heads,
             "seq_len": 8, "micro_batch_size": 1, "global_batch_size": dp * micro_batches,
             "train_steps": 60, **{k: v for k, v in overrides.items() if k in _LAYOUT_KEYS}}
 
@@ -455,7 +473,7 @@ def _framework(overrides: dict[str, Any], workdir: Path) -> dict[str, float]:
     for layers, micro in ((1, 1), (5, 1), (1, 4)):
         over = _micro(overrides, layers, micro)
         gpt, layout = _layout(over)
-        _, tps, share = _run(over, workdir)
+        _, tps, share, _ = _run(over, workdir)
         step = layout.global_batch * gpt.seq_len / tps
         spec = _spec(parts, share)
         base = estimate(gpt, layout, spec, efficiency=1.0).iteration_time_s
@@ -497,7 +515,7 @@ def _case(name: str, lname: str, overrides: dict[str, Any], runtime: float,
     # step's collectives).
     step_rows = layout.global_batch // layout.dp * gpt.seq_len // layout.pp
     before = _cpu_spec(gpt, rows, layout.world_size, step_rows)
-    rss, tps, share = _run(overrides, workdir)
+    rss, tps, share, exposed = _run(overrides, workdir, trace=True)
     # Load from other jobs drifts: calibrate on both sides of the run.
     after = _cpu_spec(gpt, rows, layout.world_size, step_rows)
     if lname not in framework:
@@ -511,7 +529,9 @@ def _case(name: str, lname: str, overrides: dict[str, Any], runtime: float,
     print(f"{name + ' ' + lname:<22} {pred_mem / 2**20:>11.0f} {rss / 2**20:>8.0f} "
           f"{_pct(pred_mem, rss):>5} | {est.memory_per_gpu_gb * 1e9 / 2**20:>10.0f} "
           f"{part / 2**20:>6.0f} {part_err:>5} | {est.tokens_per_s:>10.1f} {tps:>8.1f} "
-          f"{_pct(est.tokens_per_s, tps):>5}  {_load()}", flush=True)
+          f"{_pct(est.tokens_per_s, tps):>5} | {est.exposed_comm_s * 1e3:>8.1f} "
+          f"{exposed * 1e3:>8.1f} {_pct(est.exposed_comm_s, exposed):>5}  {_load()}",
+          flush=True)
     print(f"    calibration: matmul {spec.peak_flops / 1e9:.1f} GFLOP/s, elementwise "
           f"{spec.memory_bytes_per_s / 1e9:.1f} GB/s, layer {spec.layer_overhead_s * 1e3:.2f} "
           f"ms, head {spec.head_overhead_s * 1e3:.2f} ms, first touch "
@@ -533,7 +553,10 @@ def _case(name: str, lname: str, overrides: dict[str, Any], runtime: float,
           f"{est.iteration_time_s * 1e3:.1f} ms = pipeline {est.pipeline_time_s * 1e3:.1f} "
           f"(bubble {est.bubble_fraction:.2f}, P2P {est.p2p_time_s * 1e3:.1f}) + DP "
           f"{est.dp_comm_time_s * 1e3:.1f} + optimizer {est.optimizer_time_s * 1e3:.1f} + "
-          f"framework {est.framework_time_s * 1e3:.1f}; measured "
+          f"framework {est.framework_time_s * 1e3:.1f}; communication exposed "
+          f"{est.exposed_comm_s * 1e3:.1f} (TP {est.tp_comm_time_s * 1e3:.1f}, DP "
+          f"{est.dp_exposed_s * 1e3:.1f} of {est.dp_comm_time_s * 1e3:.1f}), hidden "
+          f"{est.hidden_comm_s * 1e3:.1f}; measured "
           f"{1e3 * layout.global_batch * gpt.seq_len / tps:.1f} ms", flush=True)
 
 
@@ -541,18 +564,20 @@ def main() -> None:
     """Run every model x layout and print predicted vs measured memory and tokens/s."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=list(MODELS))
-    parser.add_argument("--layouts", nargs="+", choices=sorted(LAYOUTS), default=list(LAYOUTS))
+    parser.add_argument("--layouts", nargs="+", choices=sorted(LAYOUTS),
+                        default=list(DEFAULT_LAYOUTS))
     args = parser.parse_args()
     print(f"{_load()} on {os.cpu_count()} cores (uptime load averages 1/5/15 min)")
     print(f"{'run':<22} {'mem pred MB':>11} {'meas MB':>8} {'err':>5} | {'model part':>10} "
-          f"{'meas':>6} {'err':>5} | {'tok/s pred':>10} {'meas':>8} {'err':>5}")
+          f"{'meas':>6} {'err':>5} | {'tok/s pred':>10} {'meas':>8} {'err':>5} | "
+          f"{'comm pred':>9} {'meas ms':>8} {'err':>5}")
     framework: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models:
             model = MODELS[name]
             micro = {"micro_batch_size": model["global_batch_size"] // 4}
             base = {**model, **LAYOUTS["dp2"], **micro, "hidden": 8, "n_heads": 1}
-            runtime, _, _ = _run(base, Path(tmp))
+            runtime, _, _, _ = _run(base, Path(tmp))
             print(f"  ({name}: runtime RSS {runtime / 2**20:.0f} MB)", flush=True)
             for lname in args.layouts:
                 _case(name, lname, {**model, **LAYOUTS[lname], **micro}, runtime, Path(tmp),

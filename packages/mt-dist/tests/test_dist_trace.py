@@ -76,3 +76,28 @@ def test_every_collective_is_recorded_once_with_group_bytes_and_waits() -> None:
 def test_one_trace_at_a_time() -> None:
     with CollectiveTrace(), pytest.raises(RuntimeError, match="already active"):
         CollectiveTrace().__enter__()
+
+
+def _coalesced(_: None) -> dict:
+    """megatron-core reduces its buckets in torch's ``_coalescing_manager``: the calls in the
+    block return no work of their own; the block launches them at its exit."""
+    with CollectiveTrace() as trace:
+        with dist._coalescing_manager(async_ops=True) as block:
+            dist.all_reduce(torch.ones(100), async_op=True)
+            dist.all_reduce(torch.ones(50), async_op=True)
+        began = time.perf_counter()
+        while time.perf_counter() - began < 0.1:
+            torch.ones(64, 64) @ torch.ones(64, 64)
+        block.wait()
+        records = trace.take()
+    return {"records": records, "restored": dist._coalescing_manager.__module__}
+
+
+def test_a_coalesced_block_is_its_collectives_launched_at_its_exit() -> None:
+    for result in run_distributed(_coalesced, 2, None):
+        records = result["records"]
+        assert [(r.kind, r.bytes) for r in records] == [("all_reduce", 400), ("all_reduce", 200)]
+        assert all(r.waited for r in records)
+        assert records[0].launched_s == records[1].launched_s  # the block's exit
+        assert all(r.in_flight_s >= 0.1 > r.blocked_s for r in records)
+        assert result["restored"] == "torch.distributed.distributed_c10d"

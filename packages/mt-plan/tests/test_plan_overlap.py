@@ -67,3 +67,24 @@ def test_exposed_communication_of_an_estimate() -> None:
     dp = estimate(gpt, _layout(), GPUS["a100-80gb"])
     assert dp.hidden_comm_s > 0  # the gradient buckets under the backward
     assert dp.exposed_comm_s < dp.dp_comm_time_s
+
+
+def test_tp_collectives_counted_as_mt_runs_them() -> None:
+    """Per micro-batch and layer, two all-reduces in forward and two in backward; with
+    sequence parallelism an all-gather and a reduce-scatter in place of each (twice the
+    fixed costs for the same bytes). Around the layers: the embedding's sum (and with SP
+    its backward), the head's input (backward; with SP also forward), the loss's two small
+    all-reduces. The trace of a TP 4 + SP run counts 8 per layer + 6 per micro-batch
+    (benchmarks/comm.py: 154 per step for 4 layers x 4 micro-batches, with the step's own)."""
+    import dataclasses
+
+    gpt = preset("gpt2-small")  # 12 layers
+    latency = 1e-3
+    gpu = dataclasses.replace(GPUS["a100-80gb"], nvlink_bytes_per_s=1e30, ib_bytes_per_s=1e30,
+                              link_latency_s=latency, bulk_latency_s=latency)
+    m = 4
+    for sp, per_micro in ((False, 12 * 4 + 4), (True, 12 * 8 + 6)):
+        lay = ParallelLayout(tp=2, pp=1, dp=1, global_batch=2 * m, micro_batch=2,
+                             sequence_parallel=sp, recompute="none")
+        assert estimate(gpt, lay, gpu).tp_comm_time_s == pytest.approx(
+            m * per_micro * latency, rel=1e-6), sp

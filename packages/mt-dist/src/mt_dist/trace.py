@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -134,6 +135,27 @@ class _TracedWork:
         return getattr(self._work, name)
 
 
+class _CoalescedWork:
+    """The _CoalescingManager of a block: its wait() is timed for the block's records."""
+
+    def __init__(self, cm: Any, block: list[_Pending]) -> None:
+        object.__setattr__(self, "_cm", cm)
+        object.__setattr__(self, "_block", block)
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        began = time.perf_counter()
+        try:
+            return self._cm.wait(*args, **kwargs)
+        finally:
+            ended = time.perf_counter()
+            for p in self._block:
+                p.blocked += (ended - began) / len(self._block)
+                p.ended, p.waited = max(p.ended, ended), True
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._cm, name)
+
+
 class CollectiveTrace:
     """Records every torch.distributed collective of this process while active.
 
@@ -173,7 +195,44 @@ class CollectiveTrace:
                     wrappers[id(original)] = self._wrap(name, original)
                 self._saved.append((module, name, original))
                 setattr(module, name, wrappers[id(original)])
+        original_cm = dist._coalescing_manager
+        self._saved.append((dist, "_coalescing_manager", original_cm))
+        dist._coalescing_manager = self._wrap_coalescing(original_cm)
         return self
+
+    def _wrap_coalescing(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        trace = self
+
+        @contextmanager
+        def traced_cm(*args: Any, **kwargs: Any) -> Iterator[Any]:
+            """torch's ``_coalescing_manager`` (megatron-core's bucket all-reduces): the
+            calls in the block only queue their ops; the block's exit launches them (and,
+            synchronous, waits), so their records take the exit's times."""
+            block: list[_Pending] = []
+            manager = original(*args, **kwargs)
+            cm = manager.__enter__()
+            trace._local.coalescing = block
+            try:
+                yield _CoalescedWork(cm, block)
+            except BaseException:
+                trace._local.coalescing = None
+                if not manager.__exit__(*sys.exc_info()):
+                    raise
+                return
+            trace._local.coalescing = None
+            began = time.perf_counter()
+            trace._local.depth = 1
+            try:
+                manager.__exit__(None, None, None)
+            finally:
+                trace._local.depth = 0
+            ended = time.perf_counter()
+            for p in block:
+                p.launched, p.ended = began, ended
+                p.blocked = (ended - began) / len(block)
+                p.waited = not kwargs.get("async_ops", False)
+
+        return traced_cm
 
     def __exit__(self, *exc: object) -> None:
         for module, name, original in reversed(self._saved):
@@ -241,6 +300,13 @@ class CollectiveTrace:
             ended = time.perf_counter()
             pending = _Pending(name, trace._group_name(group), nbytes, began)
             pending.blocked, pending.ended = ended - began, ended
+            block = getattr(trace._local, "coalescing", None)
+            if block is not None and (result is None or isinstance(
+                    result, dist.distributed_c10d._IllegalWork)):
+                block.append(pending)  # launched (and timed) when the block ends
+                with trace._lock:
+                    trace._pending.append(pending)
+                return result
             if isinstance(result, list) and result:  # batch_isend_irecv: a work per op
                 result = [_TracedWork(w, pending) for w in result]  # their waits add up
             elif hasattr(result, "wait"):

@@ -483,8 +483,24 @@ def _times(gpt: GPTConfig, layout: ParallelLayout, gpu: GPUSpec, efficiency: flo
     message = float(b * s * h * width)
     intra = t <= gpu.gpus_per_node
     tp_bw = gpu.nvlink_bytes_per_s if intra else gpu.ib_bytes_per_s
-    allreduce = 2.0 * (t - 1) / t * message / tp_bw + lat if t > 1 else 0.0
-    n_recomp = 2 if layout.recompute == "full" else 0
+    # TP collectives of a layer pass: two all-reduces of the [b, s, h] activation (attention
+    # and MLP outputs in forward, their inputs' gradients in backward) or, with sequence
+    # parallelism, an all-gather and a reduce-scatter in their place (each moves half an
+    # all-reduce's bytes, and pays the fixed cost: twice the collectives).
+    sp = layout.sequence_parallel and t > 1
+    half = (t - 1) / t * message / tp_bw if t > 1 else 0.0
+    one = half + lat if sp else 2.0 * half + lat if t > 1 else 0.0  # one collective
+    tp_pass = (4 if sp else 2) * one
+    n_recomp = 1 if layout.recompute == "full" else 0  # passes run again in backward
+    # Outside the layers, per micro-batch: the vocabulary-parallel embedding sums its
+    # partial output (forward; with SP a reduce-scatter, whose backward all-gathers), the
+    # head takes the replicated input (its backward all-reduces the input's gradient; with
+    # SP an all-gather, whose backward reduce-scatters), the vocabulary-parallel loss
+    # all-reduces the row maxima and the sums (forward, [b, s] values).
+    small_tp = 2.0 * (t - 1) / t * b * s * 4 * 2 / tp_bw + lat if t > 1 else 0.0
+    embed_f, embed_b = (one, one if sp else 0.0)
+    head_f, head_b = (one if sp else 0.0, one)
+    loss_f = 2.0 * small_tp
     # Context parallelism: keys and values all-gathered over cp ranks in forward (again when
     # recomputing), their gradients reduce-scattered in backward: (cp - 1) / cp of the whole
     # sequence's [b, s, kv / t] pair each time.
@@ -520,14 +536,16 @@ def _times(gpt: GPTConfig, layout: ParallelLayout, gpu: GPUSpec, efficiency: flo
                 + fresh * (first + last + (first and last)))
         # Framework work per micro-batch (loading, executor): a third in forward.
         micro = gpu.micro_batch_overhead_s
+        ends_f = embed_f * first + (head_f + loss_f) * last
+        ends_b = embed_b * first + head_b * last
         fwd.append(n * layer_fwd + head / gemm_f
-                   + n * (2 * allreduce + exchange + traffic + over_f)
+                   + n * (tp_pass + exchange + traffic + over_f) + ends_f
                    + (head_over + micro) / 3.0 + 3.0 * logits * last)
         # A chunked loss computes each chunk's logits again in backward (one more head GEMM).
         again = head / gemm_f if layout.chunked_loss else 0.0
         bwd.append(n * layer_bwd + 2 * head / gemm_b + again
-                   + n * ((2 + n_recomp) * allreduce + (1 + n_recomp // 2) * exchange
-                          + ew_bwd * traffic + over_b)
+                   + n * ((1 + n_recomp) * tp_pass + (1 + n_recomp) * exchange
+                          + ew_bwd * traffic + over_b) + ends_b
                    + (head_over + micro) * 2.0 / 3.0 + 4.0 * logits * last + tied)
     one_node = layout.world_size <= gpu.gpus_per_node
     p2p_bw = gpu.nvlink_bytes_per_s if one_node else gpu.ib_bytes_per_s
@@ -540,8 +558,9 @@ def _times(gpt: GPTConfig, layout: ParallelLayout, gpu: GPUSpec, efficiency: flo
     tied = (gpt.vocab_size / t * h * width / p2p_bw + bulk) if layout.pp > 1 else 0.0
     m = layout.num_micro_batches
     layers_per_stage = sum(stage_layers(gpt.n_layers, layout)) / layout.pp
-    tp_total = m * layers_per_stage * (4 + n_recomp) * allreduce
-    cp_total = m * layers_per_stage * (2 + n_recomp // 2) * exchange
+    ends = (embed_f + embed_b + head_f + head_b + loss_f) / layout.pp  # a stage's share
+    tp_total = m * (layers_per_stage * (2 + n_recomp) * tp_pass + ends)
+    cp_total = m * layers_per_stage * (2 + n_recomp) * exchange
     return {"fwd": fwd, "bwd": bwd, "p2p": p2p, "tp": tp_total, "cp": cp_total, "tied": tied,
             **_step_costs(gpt, layout, gpu)}
 
@@ -574,10 +593,22 @@ def _step_costs(gpt: GPTConfig, layout: ParallelLayout, gpu: GPUSpec) -> dict:
     share = (d - 1) / d / dp_bw
     grad_bytes = stage_params * grad_volume * grad_width(layout.precision, layout.main_grads)
     grads = grad_bytes * share + buckets * bulk if d > 1 else 0.0
-    weights = stage_params * weight_volume * width * share + gathers * buckets * bulk \
+    # Stage 3 launches each unit's gather as the previous one arrives (the prefetch): the
+    # ranks meet in step, so only a pass's first gather pays a bucket's fixed cost (the
+    # ranks' skew after compute), the others a small message's.
+    per_pass = bulk + (buckets - 1.0) * lat if layout.zero_stage == 3 else buckets * bulk
+    weights = stage_params * weight_volume * width * share + gathers * per_pass \
         if d > 1 else 0.0
-    # Small collectives every step: the loss mean, the gradient norm, the loss broadcast.
+    # Small collectives every step: the loss mean, the gradient norm, the loss broadcast;
+    # with sequence parallelism also the gradients of the TP-replicated parameters (norms,
+    # row-parallel biases, learned positions), summed over TP once per step in one bucket.
     small = 3.0 * lat if layout.world_size > 1 else 0.0
+    if layout.sequence_parallel and t > 1:
+        stage = max(stage_layers(gpt.n_layers, layout))
+        replicated = (6 * stage + 2) * gpt.hidden + (
+            gpt.seq_len * gpt.hidden if gpt.position == "learned" else 0)
+        tp_bw = gpu.nvlink_bytes_per_s if t <= gpu.gpus_per_node else gpu.ib_bytes_per_s
+        small += 2.0 * (t - 1) / t * replicated * 4 / tp_bw + lat
     # Adam step: throughput per parameter of the rank's shard, plus a fixed cost per tensor.
     shard_div = d if layout.zero_stage >= 1 else 1
     shard = max(_stage_params(gpt, layout)) / shard_div

@@ -43,7 +43,9 @@ class GPUSpec:
         bulk_latency_s: fixed seconds of a collective carrying a gradient bucket, a
             parameter shard or the tied embedding's gradient, where it differs from a small
             message's (gloo on CPU: an all-reduce of 1 MB costs ~2 ms beyond its bytes, one
-            of 4 bytes 0.2-0.6 ms); 0 means ``link_latency_s``.
+            of 4 bytes 0.2-0.6 ms, most of it the ranks' skew after compute); ZeRO-3's
+            prefetched gathers after a pass's first pay ``link_latency_s``; 0 means
+            ``link_latency_s``.
         tensor_overhead_s: fixed seconds per parameter tensor of the optimizer step (a
             per-tensor Adam loop and gradient norm).
         optimizer_params_per_s: Adam step throughput in parameters per second; 0 means
