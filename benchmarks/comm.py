@@ -20,8 +20,17 @@ ranks):
 
 - ``coll``: collectives per step (``by kind`` in ``--verbose``); ``MiB``: their bytes;
 - ``exposed s``: seconds a rank was blocked in them per step (nothing else could run);
+- ``peers s``: the part of those seconds before the last rank had launched the collective
+  (waiting for a slower or descheduled rank: load imbalance, not communication; ranks'
+  records are lined up on the host's monotonic clock). With more ranks than cores (DP 4 and
+  TP 4 on 2 cores) most of the exposed time is this;
 - ``hidden s``: seconds they were in flight under other work (asynchronous ones);
 - ``tokens/s``: global tokens per second (each step timed between barriers).
+
+``mt plan`` (``--plan``, on by default) predicts each case on this CPU, calibrated before
+and after the case as benchmarks/plan.py calibrates; its exposed communication is compared
+with mt's exposed seconds beyond the peer waits (what the plan models: the collectives
+themselves), its tokens/s with mt's.
 
 With ``--repeats R`` each case runs R rounds, alternating the engines' order. Peers are
 pinned (benchmarks/requirements.txt): a missing one is an error, not a skip. Example::
@@ -48,10 +57,13 @@ from mt_dist import Topology, build_groups
 from mt_dist.testing import run_distributed
 from mt_dist.trace import CollectiveTrace, summarize
 from mt_model import GPT, GPTConfig
+from mt_plan.estimate import estimate
+from mt_plan.layout import ParallelLayout
 from mt_tensor_parallel import GPT_PLAN, apply_tensor_parallel, defer_replicated_grads
 from mt_zero import ZeroConfig, ZeroOptimizer, counts_once, decay_param_groups
 from mt_zero.deepspeed_engine import deepspeed_config, deepspeed_environ, initialize_deepspeed
 
+sys.path.insert(0, str(Path(__file__).parent))  # mcore_peer.py, plan.py beside this file
 EXTENSIONS = Path.home() / ".cache" / "mt" / "torch_extensions"
 MIB = 2**20
 LR = 1e-4
@@ -160,7 +172,6 @@ def _deepspeed(case: str, args: argparse.Namespace) -> Callable[[list[Any]], flo
 
 
 def _mcore(case: str, args: argparse.Namespace) -> Callable[[list[Any]], float]:
-    sys.path.insert(0, str(Path(__file__).parent))
     import mcore_peer
 
     tp, _dp, _stage = _case(case)
@@ -184,18 +195,23 @@ def _rank(case: str, engine: str, args: argparse.Namespace) -> dict[str, Any]:
         step = _mt(case, engine, args)
     batches = _batches(args, dist.get_rank() // tp)
     times, counts, nbytes, exposed, hidden, losses = [], [], [], [], [], []
+    aligned: list[list[tuple[str, float, float, float]]] = []  # per step: host clock
     with CollectiveTrace() as trace:
         for i, micro in enumerate(batches):
             with trace.paused():
                 dist.barrier()
             trace.take()
+            origin = trace.origin_s
             start = time.perf_counter()
             losses.append(step(micro))
             elapsed = time.perf_counter() - start
-            summary = summarize(trace.take())
+            records = trace.take()
+            summary = summarize(records)
             with trace.paused():
                 dist.barrier()
             if i >= args.warmup:
+                aligned.append([(r.group, origin + r.launched_s, r.blocked_s,
+                                 origin + r.launched_s + r.in_flight_s) for r in records])
                 times.append(elapsed)
                 counts.append(summary["collectives"])
                 nbytes.append(summary["comm_bytes"])
@@ -205,7 +221,36 @@ def _rank(case: str, engine: str, args: argparse.Namespace) -> dict[str, Any]:
     med = statistics.median
     return {"step_s": med(times), "coll": med(counts), "bytes": med(nbytes),
             "exposed": med(exposed), "hidden": med(hidden), "by_kind": by_kind,
-            "first_loss": losses[0], "last_loss": losses[-1]}
+            "first_loss": losses[0], "last_loss": losses[-1], "aligned": aligned}
+
+
+def peer_waits(ranks: list[list[list[tuple[str, float, float, float]]]]
+               ) -> list[list[float]]:
+    """Per rank and step, the seconds it was blocked in a collective before its last peer
+    had launched that collective (waiting for a slower rank, not for the network).
+
+    ``ranks[r][step]``: rank r's collectives of the step as (group, launch, seconds
+    blocked, end) on the host's clock; the k-th collective of a group on one rank is the
+    k-th of that group on every rank. A wait (synchronous or ``wait()``) ends at the
+    collective's end, so it spans ``[end - blocked, end]``."""
+    waits: list[list[float]] = [[] for _ in ranks]
+    for step in range(min(len(r) for r in ranks)):
+        last: dict[tuple[str, int], float] = {}
+        keys: list[list[tuple[str, int]]] = []
+        for records in ranks:
+            seen: dict[str, int] = {}
+            mine = []
+            for group, launched, _blocked, _end in records[step]:
+                key = (group, seen.get(group, 0))
+                seen[group] = key[1] + 1
+                last[key] = max(last.get(key, launched), launched)
+                mine.append(key)
+            keys.append(mine)
+        for r, records in enumerate(ranks):
+            waits[r].append(sum(
+                max(0.0, min(last[key], end) - (end - blocked))
+                for key, (_g, _l, blocked, end) in zip(keys[r], records[step], strict=True)))
+    return waits
 
 
 def _measure(case: str, engine: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -213,9 +258,11 @@ def _measure(case: str, engine: str, args: argparse.Namespace) -> dict[str, Any]
     ranks = run_distributed(_rank, tp * dp, case, engine, args, timeout=args.timeout)
     mean = statistics.fmean
     tokens = dp * args.micro_batch * args.micro_batches * args.seq
+    waits = peer_waits([r["aligned"] for r in ranks])
     return {"tokens_per_s": tokens / max(r["step_s"] for r in ranks),
             "coll": mean(r["coll"] for r in ranks), "bytes": mean(r["bytes"] for r in ranks),
             "exposed": mean(r["exposed"] for r in ranks),
+            "peers": mean(statistics.median(w) for w in waits),
             "hidden": mean(r["hidden"] for r in ranks), "by_kind": ranks[0]["by_kind"],
             "first_loss": ranks[0]["first_loss"], "last_loss": ranks[0]["last_loss"],
             "load": os.getloadavg()[0]}
@@ -225,16 +272,40 @@ def _row(case: str, engine: str, r: dict[str, Any]) -> str:
     loss = f"{r['first_loss']:.4f}->{r['last_loss']:.4f}" if "first_loss" in r else ""
     load = f"{r['load']:.1f}" if "load" in r else ""
     return (f"{case:>7} {engine:>11} {r['tokens_per_s']:>9.0f} {r['coll']:>7.0f} "
-            f"{r['bytes'] / MIB:>8.1f} {r['exposed']:>9.3f} {r['hidden']:>8.3f} "
+            f"{r['bytes'] / MIB:>8.1f} {r['exposed']:>9.3f} {r['peers']:>7.3f} "
+            f"{r['hidden']:>8.3f} "
             f"{loss:>16} {load:>5}")
 
 
-NUMBERS = ("tokens_per_s", "coll", "bytes", "exposed", "hidden")
+NUMBERS = ("tokens_per_s", "coll", "bytes", "exposed", "peers", "hidden")
+
+
+def _calibrate(case: str, args: argparse.Namespace) -> dict[str, float]:
+    """benchmarks/plan.py's measurement of this CPU as the case's ranks see it."""
+    import plan
+
+    tp, dp, _stage = _case(case)
+    rows = args.micro_batch * args.seq
+    return plan._cpu_spec(_config(args), rows, tp * dp, rows * args.micro_batches, tp, tp > 1)
+
+
+def _predict(case: str, args: argparse.Namespace, parts: list[dict[str, float]]) -> Any:
+    """``mt plan``'s estimate of the case on the calibrations ``parts`` (before and after)."""
+    import plan
+
+    tp, dp, stage = _case(case)
+    spec = plan._spec(parts, statistics.mean(p["share"] for p in parts))
+    layout = ParallelLayout(tp=tp, pp=1, dp=dp, micro_batch=args.micro_batch,
+                            global_batch=dp * args.micro_batch * args.micro_batches,
+                            zero_stage=stage, sequence_parallel=tp > 1, recompute="none",
+                            precision="fp32")
+    return estimate(_config(args), layout, spec, efficiency=1.0)
 
 
 def _compare(case: str, args: argparse.Namespace) -> None:
     engines = [e for e in engines_of(case) if e not in args.skip]
     runs: dict[str, list[dict[str, Any]]] = {e: [] for e in engines}
+    parts = [_calibrate(case, args)] if args.plan else []
     for round_ in range(args.repeats):
         for engine in engines if round_ % 2 == 0 else engines[::-1]:
             runs[engine].append(_measure(case, engine, args))
@@ -249,6 +320,14 @@ def _compare(case: str, args: argparse.Namespace) -> None:
         for engine in engines:
             print(_row(case, engine + " med", med[engine]), flush=True)
     mt = med["mt"]
+    if args.plan:
+        est = _predict(case, args, [*parts, _calibrate(case, args)])
+        measured = mt["exposed"] - mt["peers"]
+        print(f"{case:>7} {'mt plan':>11} {est.tokens_per_s:>9.0f} {'':>7} {'':>8} "
+              f"{est.exposed_comm_s:>9.3f} {'':>7} {est.hidden_comm_s:>8.3f}   exposed "
+              f"{100 * (est.exposed_comm_s / measured - 1):+.0f}% of mt's {measured:.3f} s "
+              f"beyond peer waits, tokens/s "
+              f"{100 * (est.tokens_per_s / mt['tokens_per_s'] - 1):+.0f}%", flush=True)
     for peer in engines[1:]:
         other = med[peer]
         print(f"{case:>7} {'mt/' + peer:>11} {mt['tokens_per_s'] / other['tokens_per_s']:>8.2f}x"
@@ -276,6 +355,9 @@ def main() -> None:
                                                                   "mcore"),
                         help="leave a peer out (otherwise a missing peer is an error)")
     parser.add_argument("--verbose", action="store_true", help="collectives by kind")
+    parser.add_argument("--plan", action=argparse.BooleanOptionalAction, default=True,
+                        help="mt plan's prediction of each case on this CPU, calibrated "
+                        "before and after the case (benchmarks/plan.py's measurements)")
     parser.add_argument("--timeout", type=float, default=900.0)
     args = parser.parse_args()
     import importlib.util
@@ -293,7 +375,8 @@ def main() -> None:
           f"load {' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} CPUs; "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     print(f"{'case':>7} {'engine':>11} {'tokens/s':>9} {'coll':>7} {'MiB':>8} "
-          f"{'exposed s':>9} {'hidden s':>8} {'loss 1st->last':>16} {'load':>5}")
+          f"{'exposed s':>9} {'peers s':>7} {'hidden s':>8} {'loss 1st->last':>16} "
+          f"{'load':>5}")
     for case in args.cases:
         _compare(case, args)
 

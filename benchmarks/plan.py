@@ -284,9 +284,13 @@ def _adam_costs() -> tuple[float, float]:
     return 1.0 / per_param, max(0.0, small - 16 * per_param)
 
 
-def _comm_costs(bucket: int, compute_s: float) -> tuple[float, float, float, float]:
+def _comm_costs(bucket: int, compute_s: float, tp_message: int = 0, tp: int = 1,
+                sp: bool = False) -> tuple[float, float, float, float, float, float]:
     """(all-reduce bus bandwidth bytes/s, fixed cost of a small message s, fixed cost of a
-    bucket-sized one s, all-gather scratch per output byte). Bandwidth is the line through
+    bucket-sized one s, all-gather scratch per output byte, fixed cost of a TP collective
+    of ``tp_message`` elements over ``tp`` ranks (:func:`_tp_latency`; 0 with ``tp`` 1),
+    a collective's speed under compute (:func:`_rate_under_compute`)).
+    Bandwidth is the line through
     two back-to-back all-reduces of ``bucket`` elements (the model's DP bucket) and of a
     size 4x apart. The fixed costs are timed as a step meets them: after ``compute_s`` of
     matmuls on every rank (the run's compute between its gradient collectives), two bucket
@@ -334,6 +338,8 @@ def _comm_costs(bucket: int, compute_s: float) -> tuple[float, float, float, flo
     five = _median_time(with_small, repeats, **wall)
     latency = max(back_to_back, (five - two) / 3)
     bulk = max(latency, (two - alone) / 2 - bus[0] / bandwidth)
+    tp_latency = _tp_latency(tp_message, tp, sp, bandwidth, compute_s) if tp > 1 else 0.0
+    rate = _rate_under_compute(grads, seconds[0], square, one)
     out = torch.ones(2**23)  # 32 MiB, touched: only new memory raises the peak RSS
     shard = torch.ones(out.numel() // world)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -341,11 +347,77 @@ def _comm_costs(bucket: int, compute_s: float) -> tuple[float, float, float, flo
         warnings.simplefilter("ignore", FutureWarning)
         dist.all_gather_into_tensor(out, shard)
     grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024.0
-    return bandwidth, latency, bulk, min(2.0, max(0.0, grown / (out.numel() * 4)))
+    return (bandwidth, latency, bulk, min(2.0, max(0.0, grown / (out.numel() * 4))),
+            tp_latency, rate)
 
 
-def _measure(gpt: GPTConfig, rows: int, step_rows: int) -> dict[str, float]:
-    """One rank's measurements of this machine (runs in every rank at the same time)."""
+def _rate_under_compute(data: torch.Tensor, alone: float, square: torch.Tensor,
+                        one: float) -> float:
+    """How fast an all-reduce of ``data`` (``alone`` seconds by itself) progresses while
+    its rank computes, as a share of its speed alone: launched asynchronously, then
+    matmuls for about ``alone`` seconds (``one`` each), then waited for; what it had left
+    at the wait is what the compute kept from it."""
+    count = max(1, round(alone / max(one, 1e-7)))
+    rates = []
+    for _ in range(7):
+        dist.barrier()
+        work = dist.all_reduce(data, async_op=True)
+        began = time.perf_counter()
+        for _ in range(count):
+            torch.mm(square, square)
+        computed = time.perf_counter() - began
+        work.wait()
+        left = time.perf_counter() - began - computed
+        rates.append((alone - left) / max(computed, 1e-9))
+    return min(1.0, max(0.05, statistics.median(rates)))
+
+
+def _tp_latency(message: int, tp: int, sp: bool, bandwidth: float, compute_s: float) -> float:
+    """Fixed seconds of a tensor-parallel collective of ``message`` elements (a layer's
+    activation) over groups of ``tp`` consecutive ranks, as a layer meets them: each after
+    a slice of matmuls, all-gathers alternating with reduce-scatters (``sp``) or
+    all-reduces, against the matmuls alone, less the bytes at ``bandwidth``. On gloo a
+    512 KB one costs 1.2-4 ms on 2-4 ranks (a reduce-scatter as much as an all-reduce),
+    where one element costs 0.3-1.5 ms."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    groups = [dist.new_group(list(range(g, g + tp))) for g in range(0, world, tp)]
+    group = groups[rank // tp]
+    full, shard = torch.ones(message), torch.ones(message // tp)
+    square = torch.ones(128, 128)
+    one = _median_time(lambda: torch.mm(square, square), 9)
+    count = max(1, round(min(2e-3, max(2e-4, compute_s / 64)) / max(one, 1e-7)))
+    n = 16
+
+    def matmuls() -> None:
+        for _ in range(count):
+            torch.mm(square, square)
+
+    def layer() -> None:
+        for i in range(n):
+            matmuls()
+            if not sp:
+                dist.all_reduce(full, group=group)
+            elif i % 2:
+                dist.reduce_scatter_tensor(shard, full, group=group)
+            else:
+                dist.all_gather_into_tensor(full, shard, group=group)
+
+    def alone() -> None:
+        for _ in range(n):
+            matmuls()
+
+    wall = {"clock": time.perf_counter, "average": statistics.mean}
+    with warnings.catch_warnings():  # the deprecation of the names, not of what they do
+        warnings.simplefilter("ignore", FutureWarning)
+        each = (_median_time(layer, 5, **wall) - _median_time(alone, 5, **wall)) / n
+    moved = (1 if sp else 2) * (tp - 1) / tp * message * 4
+    return max(0.0, each - moved / bandwidth)
+
+
+def _measure(gpt: GPTConfig, rows: int, step_rows: int, tp: int = 1, sp: bool = False
+             ) -> dict[str, float]:
+    """One rank's measurements of this machine (runs in every rank at the same time);
+    ``tp`` and ``sp``: the layout's tensor parallelism, whose collectives are timed too."""
     torch.manual_seed(dist.get_rank())
     start = _threads()
     # Elementwise bandwidth: x + y into a reused output (16 MiB operands, past the caches;
@@ -361,12 +433,15 @@ def _measure(gpt: GPTConfig, rows: int, step_rows: int) -> dict[str, float]:
     # The compute a rank does between two steps' gradient collectives: 6 FLOPs per
     # parameter and token of its step at the measured GEMM rate (at most 50 ms).
     compute_s = min(0.05, 6.0 * count_parameters(gpt) * step_rows / flops)
-    bandwidth, latency, bulk, scratch = _comm_costs(bucket, compute_s)
+    bandwidth, latency, bulk, scratch, tp_latency, rate = _comm_costs(
+        bucket, compute_s, rows * gpt.hidden, tp, sp)
     adam, tensor = _adam_costs()
     rates = {"peak_flops": flops, "memory_bytes_per_s": 3 * x.numel() * 4 / add,
              "alloc_bytes_per_s": big.numel() * 4 / max(fresh - reuse, 1e-6),
              "nvlink_bytes_per_s": bandwidth, "link_latency_s": latency,
-             "bulk_latency_s": bulk, "gather_scratch": scratch, "optimizer_params_per_s": adam,
+             "bulk_latency_s": bulk, "tp_latency_s": tp_latency,
+             "comm_rate_under_compute": rate, "gather_scratch": scratch,
+             "optimizer_params_per_s": adam,
              "tensor_overhead_s": tensor}
     layer, head = _model_overheads(gpt, rows // gpt.seq_len, rates)
     end = _threads()
@@ -374,10 +449,13 @@ def _measure(gpt: GPTConfig, rows: int, step_rows: int) -> dict[str, float]:
             "head_overhead_s": head}
 
 
-def _cpu_spec(gpt: GPTConfig, rows: int, ranks: int, step_rows: int) -> dict[str, float]:
+def _cpu_spec(gpt: GPTConfig, rows: int, ranks: int, step_rows: int, tp: int = 1,
+              sp: bool = False) -> dict[str, float]:
     """This CPU as one of ``ranks`` concurrent 1-thread ranks sees it (median over ranks);
-    ``rows`` tokens per micro-batch, ``step_rows`` per rank and step."""
-    results = run_distributed(_measure, max(ranks, 2), gpt, rows, step_rows, timeout=600.0)
+    ``rows`` tokens per micro-batch, ``step_rows`` per rank and step; ``tp``, ``sp``: the
+    layout's tensor parallelism."""
+    results = run_distributed(_measure, max(ranks, 2), gpt, rows, step_rows, tp, sp,
+                              timeout=600.0)
     return {k: statistics.median(r[k] for r in results) for k in results[0]}
 
 
@@ -468,7 +546,8 @@ def _framework(overrides: dict[str, Any], workdir: Path) -> dict[str, float]:
     # and head costs, and gloo's fixed costs after its own (tiny) compute per step.
     micro_gpt, micro_layout = _layout(_micro(overrides, 1, 1))
     micro_rows = micro_layout.micro_batch * micro_gpt.seq_len
-    parts = [_cpu_spec(micro_gpt, micro_rows, micro_layout.world_size, micro_rows)]
+    parts = [_cpu_spec(micro_gpt, micro_rows, micro_layout.world_size, micro_rows,
+                       micro_layout.tp, micro_layout.sequence_parallel)]
     layer, head = parts[0]["layer_overhead_s"], parts[0]["head_overhead_s"]
     for layers, micro in ((1, 1), (5, 1), (1, 4)):
         over = _micro(overrides, layers, micro)
@@ -514,10 +593,11 @@ def _case(name: str, lname: str, overrides: dict[str, Any], runtime: float,
     # Tokens a rank computes per step, over the pipeline stages (the compute between the
     # step's collectives).
     step_rows = layout.global_batch // layout.dp * gpt.seq_len // layout.pp
-    before = _cpu_spec(gpt, rows, layout.world_size, step_rows)
+    tp_sp = (layout.tp, layout.sequence_parallel)
+    before = _cpu_spec(gpt, rows, layout.world_size, step_rows, *tp_sp)
     rss, tps, share, exposed = _run(overrides, workdir, trace=True)
     # Load from other jobs drifts: calibrate on both sides of the run.
-    after = _cpu_spec(gpt, rows, layout.world_size, step_rows)
+    after = _cpu_spec(gpt, rows, layout.world_size, step_rows, *tp_sp)
     if lname not in framework:
         framework[lname] = _framework(overrides, workdir)
     spec = _spec([before, after], share, framework[lname])
@@ -539,7 +619,8 @@ def _case(name: str, lname: str, overrides: dict[str, Any], runtime: float,
           f"{spec.optimizer_params_per_s / 1e6:.0f} M params/s + "
           f"{spec.tensor_overhead_s * 1e6:.0f} us/tensor, gloo "
           f"{spec.nvlink_bytes_per_s / 1e9:.2f} GB/s + {spec.link_latency_s * 1e6:.0f} us "
-          f"(bucket {spec.bulk_latency_s * 1e6:.0f} us), "
+          f"(bucket {spec.bulk_latency_s * 1e6:.0f} us, TP {spec.tp_latency_s * 1e6:.0f} us; "
+          f"{spec.comm_rate_under_compute:.2f} of its speed under compute), "
           f"gather scratch {spec.gather_scratch:.2f}, framework "
           f"{spec.step_overhead_s * 1e3:.2f} ms/step + "
           f"{spec.micro_batch_overhead_s * 1e3:.2f} ms/micro-batch + "

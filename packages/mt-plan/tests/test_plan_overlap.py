@@ -88,3 +88,34 @@ def test_tp_collectives_counted_as_mt_runs_them() -> None:
                              sequence_parallel=sp, recompute="none")
         assert estimate(gpt, lay, gpu).tp_comm_time_s == pytest.approx(
             m * per_micro * latency, rel=1e-6), sp
+
+
+def test_collectives_under_compute_progress_at_the_given_rate() -> None:
+    """gloo shares the cores with the compute: a collective under it moves at a share of
+    its speed alone (GPUSpec.comm_rate_under_compute; 1 = a GPU's engines, the default)."""
+    lay = _layout()  # 4 buckets of 0.1 s, ready every 0.5 s of a 2 s backward
+    assert dp_overlap(lay, 0.4, 0.2, 0.01, 4, 1.0, 2.0, rate=0.25) == pytest.approx(
+        dp_overlap(lay, 0.4, 0.2, 0.01, 4, 1.0, 2.0))  # still all hidden but the last
+    # At a tenth of its speed the first bucket ends at 1.5 s, the second has 0.05 s left
+    # when the backward ends, the last two follow at full speed: 0.25 s beyond it.
+    exposed, hidden = dp_overlap(lay, 0.4, 0.2, 0.01, 4, 1.0, 2.0, rate=0.1)
+    assert exposed == pytest.approx(0.25 + 0.2 + 0.01) and hidden == pytest.approx(0.15)
+    z3 = _layout(zero_stage=3)  # 4 micro-batches; 5 units: 0.2 s forward, 0.4 s backward
+    m, units, gather = z3.num_micro_batches, 5, 0.01
+    weights = 2 * m * units * gather
+    # A unit's forward covers 0.2 x 0.01 = 0.002 s of a gather, its backward 0.004 s.
+    exposed = dp_overlap(z3, 0.0, weights, 0.0, units, 1.0, 2.0, rate=0.01)[0]
+    assert exposed == pytest.approx(m * (gather + 4 * 0.008) + m * (gather + 4 * 0.006))
+
+
+def test_zero3_rest_and_first_layer_are_exposed() -> None:
+    """mt-zero gathers a pass's rest unit (embedding, head) first and the first layer right
+    after its short compute: both exposed; the other layers hide under the layer before."""
+    lay = _layout(zero_stage=3)
+    m, units = lay.num_micro_batches, 5  # 4 layers and the rest
+    first, layer, reduce = 0.03, 0.01, 0.02
+    weights, grads = 2 * m * (first + 3 * layer), units * reduce
+    exposed, hidden = dp_overlap(lay, grads, weights, 0.0, units, 1.0, 2.0,
+                                 units=(first, layer))
+    assert exposed == pytest.approx(2 * m * first + grads / units)
+    assert exposed + hidden == pytest.approx(weights + grads)

@@ -241,6 +241,14 @@ class CollectiveTrace:
         CollectiveTrace._active = None
 
     # ------------------------------------------------------------------------- records
+    @property
+    def origin_s(self) -> float:
+        """The ``time.perf_counter()`` at which the pending records' ``launched_s`` start.
+        On Linux that is CLOCK_MONOTONIC, one clock for every process of a host: ranks on
+        one host can line their records up (who launched a collective last)."""
+        with self._lock:
+            return self._origin
+
     def take(self) -> list[CollectiveRecord]:
         """The collectives launched since the last take, in launch order; the clock of the
         next records restarts now."""

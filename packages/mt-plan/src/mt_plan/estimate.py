@@ -489,7 +489,8 @@ def _times(gpt: GPTConfig, layout: ParallelLayout, gpu: GPUSpec, efficiency: flo
     # all-reduce's bytes, and pays the fixed cost: twice the collectives).
     sp = layout.sequence_parallel and t > 1
     half = (t - 1) / t * message / tp_bw if t > 1 else 0.0
-    one = half + lat if sp else 2.0 * half + lat if t > 1 else 0.0  # one collective
+    lat_tp = gpu.tp_latency_s or lat
+    one = half + lat_tp if sp else 2.0 * half + lat_tp if t > 1 else 0.0  # one collective
     tp_pass = (4 if sp else 2) * one
     n_recomp = 1 if layout.recompute == "full" else 0  # passes run again in backward
     # Outside the layers, per micro-batch: the vocabulary-parallel embedding sums its
@@ -593,12 +594,22 @@ def _step_costs(gpt: GPTConfig, layout: ParallelLayout, gpu: GPUSpec) -> dict:
     share = (d - 1) / d / dp_bw
     grad_bytes = stage_params * grad_volume * grad_width(layout.precision, layout.main_grads)
     grads = grad_bytes * share + buckets * bulk if d > 1 else 0.0
-    # Stage 3 launches each unit's gather as the previous one arrives (the prefetch): the
-    # ranks meet in step, so only a pass's first gather pays a bucket's fixed cost (the
-    # ranks' skew after compute), the others a small message's.
-    per_pass = bulk + (buckets - 1.0) * lat if layout.zero_stage == 3 else buckets * bulk
-    weights = stage_params * weight_volume * width * share + gathers * per_pass \
+    weights = stage_params * weight_volume * width * share + gathers * buckets * bulk \
         if d > 1 else 0.0
+    units = None
+    if layout.zero_stage == 3 and d > 1:
+        # A pass gathers the stage's rest (embedding, positions, final norm, head) first,
+        # at a bucket's fixed cost (the ranks' skew after compute), then each layer as the
+        # one before it arrives (the prefetch: the ranks meet in step), at a small
+        # message's. (first two gathers of a pass, one layer's): see dp_overlap.
+        layers = max(stage_layers(gpt.n_layers, layout))
+        worst = _stage_params(gpt, layout).index(stage_params)
+        rest = _params_of(gpt, layout, worst, 0)
+        layer = (stage_params - rest) / max(layers, 1)
+        per_byte = weight_volume / gathers * width * share
+        g_rest, g_layer = rest * per_byte + bulk, layer * per_byte + lat
+        weights = gathers * (g_rest + layers * g_layer)
+        units = (g_rest + g_layer, g_layer)
     # Small collectives every step: the loss mean, the gradient norm, the loss broadcast;
     # with sequence parallelism also the gradients of the TP-replicated parameters (norms,
     # row-parallel biases, learned positions), summed over TP once per step in one bucket.
@@ -619,14 +630,17 @@ def _step_costs(gpt: GPTConfig, layout: ParallelLayout, gpu: GPUSpec) -> dict:
     framework = (gpu.step_overhead_s
                  + max(_stage_tensors(gpt, layout)) * gpu.param_overhead_s)
     return {"dp": grads + weights + small, "dp_grads": grads, "dp_weights": weights,
-            "dp_small": small, "buckets": buckets, "optimizer": optimizer,
+            "dp_small": small, "buckets": buckets, "units": units, "optimizer": optimizer,
             "framework": framework}
 
 
 def dp_overlap(layout: ParallelLayout, grads_s: float, weights_s: float, small_s: float,
-               buckets: float, forward_s: float, backward_s: float) -> tuple[float, float]:
+               buckets: float, forward_s: float, backward_s: float, rate: float = 1.0,
+               units: tuple[float, float] | None = None) -> tuple[float, float]:
     """(exposed, hidden) seconds of one step's data-parallel communication, as mt-zero
     overlaps it with a micro-batch's ``forward_s`` / ``backward_s`` (a pure model).
+    ``rate``: how fast a collective progresses while the rank computes, as a share of its
+    speed alone (1: a GPU's copy engines and NICs; gloo on CPU cores that all compute: less).
 
     - With pipeline parallelism mt reduces the gradients at the optimizer step, after the
       schedule: nothing is hidden. So is everything with one data-parallel rank.
@@ -639,7 +653,11 @@ def dp_overlap(layout: ParallelLayout, grads_s: float, weights_s: float, small_s
       prefetch), in forward and again in backward for every micro-batch, and the last
       backward also reduce-scatters each unit's gradients: per pass the first gather is
       exposed and each further unit exposes what its collectives take beyond the previous
-      unit's compute (``buckets``: the units, each layer and the stage's rest).
+      unit's compute (``buckets``: the units, each layer and the stage's rest). With
+      ``units`` (the seconds of a pass's first two gathers, of one layer's gather) the
+      stage's rest is gathered first and the first layer is not hidden either (the rest's
+      compute, an embedding lookup, is too short: mt-zero measured), the other layers as
+      above.
     - The step's small collectives (loss mean, gradient norm) are exposed.
     """
     total = grads_s + weights_s + small_s
@@ -649,16 +667,19 @@ def dp_overlap(layout: ParallelLayout, grads_s: float, weights_s: float, small_s
     if layout.zero_stage < 3:
         per, done = grads_s / k, 0.0
         for i in range(k):
-            done = max(backward_s * (i + 1) / k, done) + per
+            start = max(backward_s * (i + 1) / k, done)
+            under = max(0.0, backward_s - start) * rate  # its progress under the backward
+            done = start + per / rate if under >= per else max(start, backward_s) + per - under
         exposed = max(per, done - backward_s) + weights_s + small_s
         return exposed, total - exposed
     m = layout.num_micro_batches
     gather = weights_s / (2 * m * k)  # one unit's weights, once
     reduce = grads_s / k
-    f, b = forward_s / k, backward_s / k
-    per_forward = gather + (k - 1) * max(0.0, gather - f)
-    per_backward = gather + (k - 1) * max(0.0, gather - b)
-    last_backward = gather + (k - 1) * max(0.0, gather + reduce - b) + reduce
+    f, b = forward_s / k * rate, backward_s / k * rate  # collective-seconds a unit covers
+    first, each, n = (gather, gather, k - 1) if units is None else (*units, k - 2)
+    per_forward = first + n * max(0.0, each - f)
+    per_backward = first + n * max(0.0, each - b)
+    last_backward = first + n * max(0.0, each + reduce - b) + reduce
     exposed = m * per_forward + (m - 1) * per_backward + last_backward + small_s
     return min(exposed, total), max(0.0, total - exposed)
 
@@ -690,7 +711,8 @@ def estimate(gpt: GPTConfig, layout: ParallelLayout, gpu: GPUSpec, efficiency: f
     mem = _memory(gpt, layout, gpu, in_flight)
     dp_exposed, dp_hidden = dp_overlap(layout, times["dp_grads"], times["dp_weights"],
                                        times["dp_small"], times["buckets"], times["fwd"][0],
-                                       times["bwd"][0])
+                                       times["bwd"][0], gpu.comm_rate_under_compute or 1.0,
+                                       times["units"])
     iteration = pipeline_time + dp_exposed + times["optimizer"] + times["framework"]
     p2p = times["p2p"] * 2 * (m * v + p - 1) if p > 1 else 0.0
     flops = model_flops_per_iteration(gpt, layout.global_batch)

@@ -46,6 +46,16 @@ class GPUSpec:
             of 4 bytes 0.2-0.6 ms, most of it the ranks' skew after compute); ZeRO-3's
             prefetched gathers after a pass's first pay ``link_latency_s``; 0 means
             ``link_latency_s``.
+        tp_latency_s: fixed seconds of a tensor-parallel collective of a layer's
+            activation (all-reduce, or all-gather / reduce-scatter with sequence
+            parallelism) between the layer's matmuls, where it differs from a small
+            message's (gloo on CPU: 1.2-4 ms for 512 KB on 2-4 ranks, a reduce-scatter as
+            much as an all-reduce, where one element costs 0.3-1.5 ms); 0 means
+            ``link_latency_s``.
+        comm_rate_under_compute: how fast a collective progresses while its rank computes,
+            as a share of its speed alone (what overlap can hide); 0 means 1 (a GPU's copy
+            engines and NICs run beside the kernels; gloo on CPU cores that all compute
+            gets a share of them: ~0.3-0.6 measured here).
         tensor_overhead_s: fixed seconds per parameter tensor of the optimizer step (a
             per-tensor Adam loop and gradient norm).
         optimizer_params_per_s: Adam step throughput in parameters per second; 0 means
@@ -91,6 +101,8 @@ class GPUSpec:
     head_overhead_s: float = 0.0
     link_latency_s: float = 0.0
     bulk_latency_s: float = 0.0
+    tp_latency_s: float = 0.0
+    comm_rate_under_compute: float = 0.0
     tensor_overhead_s: float = 0.0
     optimizer_params_per_s: float = 0.0
     alloc_bytes_per_s: float = 0.0
