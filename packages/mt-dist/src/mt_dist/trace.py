@@ -5,7 +5,10 @@ collective and point-to-point functions, so it sees every collective the process
 whoever issues it: mt's own (:mod:`mt_dist.collectives`, the tensor-parallel mappings, the
 pipeline's sends), DeepSpeed's and Megatron-core's alike; one ruler for every engine a
 benchmark compares. A collective issued inside another (``batch_isend_irecv``'s sends, an
-object all-gather's tensors) is counted once, as the outer call.
+object all-gather's tensors) is counted once, as the outer call. Inside torch's
+``_coalescing_manager`` (megatron-core's gradient buckets and parameter gathers) the calls
+only queue their collectives: each is recorded launched when the block ends, waited on
+with the block.
 
 Each call becomes a :class:`CollectiveRecord`:
 
@@ -19,7 +22,9 @@ Each call becomes a :class:`CollectiveRecord`:
   all-gather's output, a reduce-scatter's input, a send's or receive's tensor.
 
 :meth:`CollectiveTrace.take` hands over the records since the last take (one training step)
-and :func:`summarize` adds them up per kind and group.
+and :func:`summarize` adds them up per kind and group; :attr:`CollectiveTrace.origin_s`
+places the records on the host's monotonic clock, so that ranks of one host can be lined up
+(benchmarks/comm.py tells the time a rank waited for a slower peer from the collective's own).
 """
 
 from __future__ import annotations

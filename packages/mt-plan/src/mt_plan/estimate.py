@@ -601,7 +601,7 @@ def _step_costs(gpt: GPTConfig, layout: ParallelLayout, gpu: GPUSpec) -> dict:
         # A pass gathers the stage's rest (embedding, positions, final norm, head) first,
         # at a bucket's fixed cost (the ranks' skew after compute), then each layer as the
         # one before it arrives (the prefetch: the ranks meet in step), at a small
-        # message's. (first two gathers of a pass, one layer's): see dp_overlap.
+        # message's. ``units``, for dp_overlap: (a pass's first two gathers, a layer's).
         layers = max(stage_layers(gpt.n_layers, layout))
         worst = _stage_params(gpt, layout).index(stage_params)
         rest = _params_of(gpt, layout, worst, 0)
