@@ -382,7 +382,8 @@ def _tp_latency(message: int, tp: int, sp: bool, bandwidth: float, compute_s: fl
     rank, world = dist.get_rank(), dist.get_world_size()
     groups = [dist.new_group(list(range(g, g + tp))) for g in range(0, world, tp)]
     group = groups[rank // tp]
-    full, shard = torch.ones(message), torch.ones(message // tp)
+    shard = torch.ones(max(1, message // tp))
+    full = torch.ones(shard.numel() * tp)
     square = torch.ones(128, 128)
     one = _median_time(lambda: torch.mm(square, square), 9)
     count = max(1, round(min(2e-3, max(2e-4, compute_s / 64)) / max(one, 1e-7)))
@@ -410,7 +411,7 @@ def _tp_latency(message: int, tp: int, sp: bool, bandwidth: float, compute_s: fl
     with warnings.catch_warnings():  # the deprecation of the names, not of what they do
         warnings.simplefilter("ignore", FutureWarning)
         each = (_median_time(layer, 5, **wall) - _median_time(alone, 5, **wall)) / n
-    moved = (1 if sp else 2) * (tp - 1) / tp * message * 4
+    moved = (1 if sp else 2) * (tp - 1) / tp * full.numel() * 4
     return max(0.0, each - moved / bandwidth)
 
 
