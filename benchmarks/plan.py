@@ -338,8 +338,6 @@ def _comm_costs(bucket: int, compute_s: float, tp_message: int = 0, tp: int = 1,
     five = _median_time(with_small, repeats, **wall)
     latency = max(back_to_back, (five - two) / 3)
     bulk = max(latency, (two - alone) / 2 - bus[0] / bandwidth)
-    tp_latency = _tp_latency(tp_message, tp, sp, bandwidth, compute_s) if tp > 1 else 0.0
-    rate = _rate_under_compute(grads, seconds[0], square, one)
     out = torch.ones(2**23)  # 32 MiB, touched: only new memory raises the peak RSS
     shard = torch.ones(out.numel() // world)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -347,6 +345,10 @@ def _comm_costs(bucket: int, compute_s: float, tp_message: int = 0, tp: int = 1,
         warnings.simplefilter("ignore", FutureWarning)
         dist.all_gather_into_tensor(out, shard)
     grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024.0
+    # After the scratch (the peak RSS is a high-water mark: gloo's buffers of these would
+    # hide the all-gather's).
+    tp_latency = _tp_latency(tp_message, tp, sp, bandwidth, compute_s) if tp > 1 else 0.0
+    rate = _rate_under_compute(grads, seconds[0], square, one)
     return (bandwidth, latency, bulk, min(2.0, max(0.0, grown / (out.numel() * 4))),
             tp_latency, rate)
 
