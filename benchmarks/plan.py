@@ -10,7 +10,8 @@ it runs `python3 -m mt_pretrain pretrain ... --metrics --trace-collectives`, the
   same command with a model of hidden size 8); also the model part alone;
 - exposed communication per step: measured (rank 0's `comm_exposed_s`, the seconds it was
   blocked in collectives, median over the steps after the first) vs the estimator's
-  `exposed_comm_s` (TP on the critical path, DP as mt-zero overlaps it);
+  `exposed_comm_s` (TP on the critical path, DP as mt-zero overlaps it); no error with
+  pipelines, where the measured blocked time includes the bubble's waits in receives;
 - tokens/s: measured (median over the steps after the first) vs predicted by `estimate()`
   with efficiency 1 on a `GPUSpec` of this CPU that the benchmark measures right before and
   right after each run (the two averaged), in as many concurrent 1-thread gloo processes as
@@ -378,9 +379,8 @@ def _tp_latency(message: int, tp: int, sp: bool, bandwidth: float, compute_s: fl
     """Fixed seconds of a tensor-parallel collective of ``message`` elements (a layer's
     activation) over groups of ``tp`` consecutive ranks, as a layer meets them: each after
     a slice of matmuls, all-gathers alternating with reduce-scatters (``sp``) or
-    all-reduces, against the matmuls alone, less the bytes at ``bandwidth``. On gloo a
-    512 KB one costs 1.2-4 ms on 2-4 ranks (a reduce-scatter as much as an all-reduce),
-    where one element costs 0.3-1.5 ms."""
+    all-reduces, against the matmuls alone, less the bytes at ``bandwidth`` (on gloo a
+    reduce-scatter costs as much as an all-reduce)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     groups = [dist.new_group(list(range(g, g + tp))) for g in range(0, world, tp)]
     group = groups[rank // tp]
@@ -609,11 +609,13 @@ def _case(name: str, lname: str, overrides: dict[str, Any], runtime: float,
     part = rss - runtime
     # A model part below 5% of the runtime's RSS is under the measurement noise.
     part_err = _pct(est.memory_per_gpu_gb * 1e9, part) if part > 0.05 * runtime else "n/a"
+    # With pipelines a rank's blocked time includes its bubble (waiting in receives).
+    comm_err = _pct(est.exposed_comm_s, exposed) if layout.pp == 1 else "n/a"
     print(f"{name + ' ' + lname:<22} {pred_mem / 2**20:>11.0f} {rss / 2**20:>8.0f} "
           f"{_pct(pred_mem, rss):>5} | {est.memory_per_gpu_gb * 1e9 / 2**20:>10.0f} "
           f"{part / 2**20:>6.0f} {part_err:>5} | {est.tokens_per_s:>10.1f} {tps:>8.1f} "
           f"{_pct(est.tokens_per_s, tps):>5} | {est.exposed_comm_s * 1e3:>8.1f} "
-          f"{exposed * 1e3:>8.1f} {_pct(est.exposed_comm_s, exposed):>5}  {_load()}",
+          f"{exposed * 1e3:>8.1f} {comm_err:>5}  {_load()}",
           flush=True)
     print(f"    calibration: matmul {spec.peak_flops / 1e9:.1f} GFLOP/s, elementwise "
           f"{spec.memory_bytes_per_s / 1e9:.1f} GB/s, layer {spec.layer_overhead_s * 1e3:.2f} "

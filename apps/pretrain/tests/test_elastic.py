@@ -101,7 +101,7 @@ def test_an_elastic_run_loses_two_ranks_and_ends_as_the_whole_run(
     lines = [line for line in stdout.splitlines() if line.startswith("restart ")]
     assert len(lines) == 2, (where, stdout)
     # An early kill may come before the checkpoint of step 2 is complete: then the
-    # run starts again from step 0 (and says so), as correct as resuming (seen once).
+    # run starts again from step 0 (and says so), as correct as resuming.
     assert lines[0].startswith(f"restart 1 of 2 after rank {victims[0]} of 4 killed by SIGKILL"
                                f" (every rank's stack: {out / 'failure-0'}): continuing on 3 "
                                "of 4 ranks, "), (where, lines)

@@ -119,10 +119,11 @@ class _Pending:
 
 
 class _TracedWork:
-    """An asynchronous collective's work object whose ``wait()`` is timed; everything else
-    is the work object's own."""
+    """An asynchronous collective's work object (or a coalesced block's manager) whose
+    ``wait()`` is timed, its seconds shared by the ``pending`` records it waits for;
+    everything else is the work object's own."""
 
-    def __init__(self, work: Any, pending: _Pending) -> None:
+    def __init__(self, work: Any, pending: list[_Pending]) -> None:
         object.__setattr__(self, "_work", work)
         object.__setattr__(self, "_pending", pending)
 
@@ -132,33 +133,12 @@ class _TracedWork:
             return self._work.wait(*args, **kwargs)
         finally:
             ended = time.perf_counter()
-            p = self._pending
-            p.blocked += ended - began
-            p.ended, p.waited = max(p.ended, ended), True
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._work, name)
-
-
-class _CoalescedWork:
-    """The _CoalescingManager of a block: its wait() is timed for the block's records."""
-
-    def __init__(self, cm: Any, block: list[_Pending]) -> None:
-        object.__setattr__(self, "_cm", cm)
-        object.__setattr__(self, "_block", block)
-
-    def wait(self, *args: Any, **kwargs: Any) -> Any:
-        began = time.perf_counter()
-        try:
-            return self._cm.wait(*args, **kwargs)
-        finally:
-            ended = time.perf_counter()
-            for p in self._block:
-                p.blocked += (ended - began) / len(self._block)
+            for p in self._pending:
+                p.blocked += (ended - began) / len(self._pending)
                 p.ended, p.waited = max(p.ended, ended), True
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._cm, name)
+        return getattr(self._work, name)
 
 
 class CollectiveTrace:
@@ -218,7 +198,7 @@ class CollectiveTrace:
             cm = manager.__enter__()
             trace._local.coalescing = block
             try:
-                yield _CoalescedWork(cm, block)
+                yield _TracedWork(cm, block)
             except BaseException:
                 trace._local.coalescing = None
                 if not manager.__exit__(*sys.exc_info()):
@@ -321,9 +301,9 @@ class CollectiveTrace:
                     trace._pending.append(pending)
                 return result
             if isinstance(result, list) and result:  # batch_isend_irecv: a work per op
-                result = [_TracedWork(w, pending) for w in result]  # their waits add up
+                result = [_TracedWork(w, [pending]) for w in result]  # their waits add up
             elif hasattr(result, "wait"):
-                result = _TracedWork(result, pending)
+                result = _TracedWork(result, [pending])
             else:  # synchronous: its whole time was waiting
                 pending.waited = True
             with trace._lock:

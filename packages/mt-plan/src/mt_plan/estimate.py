@@ -656,7 +656,7 @@ def dp_overlap(layout: ParallelLayout, grads_s: float, weights_s: float, small_s
       unit's compute (``buckets``: the units, each layer and the stage's rest). With
       ``units`` (the seconds of a pass's first two gathers, of one layer's gather) the
       stage's rest is gathered first and the first layer is not hidden either (the rest's
-      compute, an embedding lookup, is too short: mt-zero measured), the other layers as
+      compute, an embedding lookup, is too short to hide it), the other layers as
       above.
     - The step's small collectives (loss mean, gradient norm) are exposed.
     """

@@ -49,13 +49,13 @@ class GPUSpec:
         tp_latency_s: fixed seconds of a tensor-parallel collective of a layer's
             activation (all-reduce, or all-gather / reduce-scatter with sequence
             parallelism) between the layer's matmuls, where it differs from a small
-            message's (gloo on CPU: 1.2-4 ms for 512 KB on 2-4 ranks, a reduce-scatter as
-            much as an all-reduce, where one element costs 0.3-1.5 ms); 0 means
-            ``link_latency_s``.
+            message's (gloo on CPU: several times a one-element message's, and a
+            reduce-scatter as much as an all-reduce; figures in apps/pretrain/README.md);
+            0 means ``link_latency_s``.
         comm_rate_under_compute: how fast a collective progresses while its rank computes,
             as a share of its speed alone (what overlap can hide); 0 means 1 (a GPU's copy
             engines and NICs run beside the kernels; gloo on CPU cores that all compute
-            gets a share of them: ~0.3-0.6 measured here).
+            gets a share of them, smaller with more ranks per core).
         tensor_overhead_s: fixed seconds per parameter tensor of the optimizer step (a
             per-tensor Adam loop and gradient norm).
         optimizer_params_per_s: Adam step throughput in parameters per second; 0 means
