@@ -2,9 +2,13 @@
 `torch.distributed.checkpoint` `save` and `async_save`, on the same state in the same run.
 
 One process trains the GPT-2-small shape (12 x 768, vocabulary 50257; fp32 AdamW, so the
-state is the weights plus two moments: about 1.5 GB) for --steps steps of --seq tokens, saving
-every --every steps (never at the last: each save has --every steps of training after it to
-hide behind); each side saves the same model and optimizer state dict:
+state is the weights plus two moments: about 1.5 GB) for --steps steps of --batch sequences of
+--seq tokens, saving every --every steps (never at the last: each save has --every steps of
+training after it to hide behind); each side saves the same model and optimizer state dict.
+On --device cuda the weights and moments live on the GPU, the forward runs under bf16 autocast,
+each step ends with a synchronize (as a loop that logs its loss does), and the host copies are
+pinned on both sides that keep them (mt's shared buffers registered with CUDA; DCP's stager
+with pinned shared memory). The sides:
 - mt, foreground: `mt_checkpoint.save_rank` (one file, CRC-32C on the way, fsync), as
   `mt pretrain` without --async-save;
 - mt, background: `mt_checkpoint.HostBuffers.snapshot` of the rank file's payload (host
@@ -38,6 +42,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -69,8 +74,8 @@ class Side:
     """One way to save: ``save(step, state)`` on the training thread, ``finish()`` at the
     end (what is still being written, waited for)."""
 
-    def __init__(self, name: str, root: Path) -> None:
-        self.name, self.root = name, root
+    def __init__(self, name: str, root: Path, device: torch.device) -> None:
+        self.name, self.root, self.device = name, root, device
         self.pending: Any = None
         self.writer = BackgroundWrite()
         self.buffers = HostBuffers()
@@ -101,7 +106,8 @@ class Side:
             else:
                 if self.stager is None:
                     self.stager = DefaultStager(StagingOptions(
-                        use_pinned_memory=False, use_shared_memory=True,
+                        use_pinned_memory=self.device.type == "cuda",
+                        use_shared_memory=True,
                         use_async_staging=False, use_non_blocking_copy=False))
                 self.pending = dcp.async_save(
                     state, checkpoint_id=str(folder), async_stager=self.stager,
@@ -148,19 +154,56 @@ class Timing:
         return (self.blocked + slowed) / saves
 
 
-def _train(steps: int, every: int, seq: int, side: Side) -> Timing:
-    """``steps`` training steps and the saves every ``every`` steps, timed."""
+def _trainer(batch: int, seq: int, device: torch.device
+             ) -> tuple[torch.nn.Module, torch.optim.Optimizer, Callable[[], None]]:
+    """The GPT-2-small model, its AdamW and one training step on fixed tokens."""
     torch.manual_seed(0)
     config = preset("gpt2-small").replace(seq_len=seq)
-    model = GPT(config)
+    model = GPT(config).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    tokens = torch.randint(0, config.vocab_size, (1, seq + 1))
+    tokens = torch.randint(0, config.vocab_size, (batch, seq + 1), device=device)
+    cuda = device.type == "cuda"
 
     def step() -> None:
-        loss = model(tokens[:, :-1], tokens[:, 1:])
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+            loss = model(tokens[:, :-1], tokens[:, 1:])
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    return model, opt, step
+
+
+def _same_bytes(root: Path, batch: int, seq: int, device: torch.device) -> bool:
+    """Whether mt's background save (host snapshot, writer process) writes the foreground
+    save's file byte for byte, for the state after one step on ``device``."""
+    model, opt, step = _trainer(batch, seq, device)
+    step()
+    state = _state(model, opt)
+    fore, back = root / "same-fore", root / "same-back"
+    fore.mkdir()
+    back.mkdir()
+    save_rank(fore, 0, (0, 0, 0), state["model"], state["optimizer"], {})
+    writer = BackgroundWrite()
+    try:
+        writer.start(save_payload, back, 0, HostBuffers().snapshot(
+            rank_payload(0, (0, 0, 0), state["model"], state["optimizer"], {})))
+        writer.wait()
+    finally:
+        writer.close()
+    files = sorted(f.name for f in fore.iterdir())
+    same = files == sorted(f.name for f in back.iterdir()) and all(
+        (fore / name).read_bytes() == (back / name).read_bytes() for name in files)
+    shutil.rmtree(fore)
+    shutil.rmtree(back)
+    return same
+
+
+def _train(steps: int, every: int, batch: int, seq: int, side: Side) -> Timing:
+    """``steps`` training steps and the saves every ``every`` steps, timed."""
+    model, opt, step = _trainer(batch, seq, side.device)
 
     step()  # the optimizer's state exists, first-touch costs paid
     side.save(0, _state(model, opt))  # and so are the first save's
@@ -186,29 +229,35 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=18)
     parser.add_argument("--every", type=int, default=6)
     parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=1, help="sequences per step")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (the state on the GPU)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--dir", type=Path, default=None, help="where to write (default: a "
                         "temporary folder on the same disk as /tmp)")
     args = parser.parse_args()
+    device = torch.device(args.device)
     torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))  # one core left to a writer
     # A process group of one: DCP's process-based writer joins it from its own process.
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {_load()}, "
-          f"{os.cpu_count()} cores, torch {torch.__version__}; GPT-2 small, seq {args.seq}, "
-          f"{args.steps} steps, a save every {args.every}")
+          f"{os.cpu_count()} cores, torch {torch.__version__}, {_device_name(device)}; GPT-2 "
+          f"small, {args.batch} x {args.seq} tokens a step, {args.steps} steps, a save every "
+          f"{args.every}")
     saves = (args.steps - 1) // args.every
     lost: dict[str, list[float]] = {name: [] for name in SIDES}
     sizes: dict[str, int] = {}
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         root = Path(tmp)
+        print(f"  mt's background file == its foreground file, byte for byte: "
+              f"{_same_bytes(root, args.batch, args.seq, device)}", flush=True)
         for repeat in range(args.repeats):
             order = SIDES if repeat % 2 == 0 else tuple(reversed(SIDES))
             for name in order:
-                side = Side(name, root)
+                side = Side(name, root, device)
                 try:
-                    timing = _train(args.steps, args.every, args.seq, side)
+                    timing = _train(args.steps, args.every, args.batch, args.seq, side)
                 finally:
                     side.close()
                 lost[name].append(timing.lost(saves))
@@ -225,6 +274,10 @@ def main() -> None:
         value = statistics.median(lost[name])
         print(f"  {name:<22} {value:6.2f} s  ({value / fore:5.0%} of mt's foreground save; "
               f"{sizes[name] / 1e9:.2f} GB written)")
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
 
 
 def _free_port() -> int:

@@ -96,6 +96,34 @@ def test_the_payload_written_by_the_writer_is_the_foreground_file(tmp_path: Path
     assert (tmp_path / "bg" / name).read_bytes() == (tmp_path / "fg" / name).read_bytes()
 
 
+def test_torch_state_dicts_snapshot_to_the_same_file(tmp_path: Path) -> None:
+    """A module's and an optimizer's own state dicts (an OrderedDict with ``_metadata``,
+    tied weights, AdamW's step tensors and param groups) snapshotted and written by the
+    writer: the foreground file's bytes, and the container types kept."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(5, 4), torch.nn.LayerNorm(4),
+                                torch.nn.Linear(4, 5))
+    model[2].weight = model[0].weight  # tied, as GPT's embedding and head
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.tensor([1, 2])).sum().backward()
+    opt.step()
+    state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+    (tmp_path / "fg").mkdir()
+    (tmp_path / "bg").mkdir()
+    save_rank(tmp_path / "fg", 0, (0, 0, 0), state["model"], state["optimizer"], {})
+    payload = HostBuffers().snapshot(rank_payload(0, (0, 0, 0), *state.values(), {}))
+    assert type(payload["model"]) is type(state["model"])
+    assert payload["model"]._metadata == state["model"]._metadata
+    writer = BackgroundWrite()
+    try:
+        writer.start(save_payload, tmp_path / "bg", 0, payload)
+        writer.wait()
+    finally:
+        writer.close()
+    name = "rank-00000.pt"
+    assert (tmp_path / "bg" / name).read_bytes() == (tmp_path / "fg" / name).read_bytes()
+
+
 def test_the_writer_dies_with_its_process(tmp_path: Path) -> None:
     """A training process killed (SIGKILL) mid-write leaves no writer behind that could go
     on and publish a step."""

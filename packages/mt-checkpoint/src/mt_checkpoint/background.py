@@ -22,6 +22,7 @@ one line with its exit code.
 from __future__ import annotations
 
 import contextlib
+import copy
 import ctypes
 import errno
 import os
@@ -129,7 +130,12 @@ def _walk(item: Any, leaf: Callable[[torch.Tensor], Any]) -> Any:
     if isinstance(item, torch.Tensor):
         return leaf(item.detach())
     if isinstance(item, dict):
-        return {k: _walk(v, leaf) for k, v in item.items()}
+        # The same kind of mapping with its attributes (a module's state dict is an OrderedDict
+        # whose ``_metadata`` load_state_dict reads): the copy pickles as the original does.
+        out = copy.copy(item)
+        for k, v in item.items():
+            out[k] = _walk(v, leaf)
+        return out
     if isinstance(item, (list, tuple)):
         return type(item)(_walk(v, leaf) for v in item)
     return item
