@@ -7,7 +7,9 @@ Cases (``--cases``):
 - ``tp4-sp``: TP 4 with sequence parallelism, one replica: mt with its replicated parameters'
   gradients summed once per step in one bucket (``mt``, what ``mt pretrain`` runs) against the
   same model summing them in every micro-batch's backward (``mt-per-use``: ``copy_to_tp``,
-  what mt did before) and megatron-core's GPTModel at TP 4 + SP (``mcore``).
+  what mt did before), the same mt model in DeepSpeed's engine at ZeRO 1 with its mpu and
+  the same once-per-step sum before DeepSpeed's reduction (``deepspeed``, what ``mt pretrain
+  --engine deepspeed`` runs), and megatron-core's GPTModel at TP 4 + SP (``mcore``).
 - ``dpN-zS``: data parallelism over N ranks with ZeRO stage S (1 or 3): mt's
   ``ZeroOptimizer`` against DeepSpeed's ZeRO of the same stage (``deepspeed``) and, for stage
   1, megatron-core's ``DistributedDataParallel(overlap_grad_reduce=True)`` with its
@@ -61,7 +63,13 @@ from mt_plan.estimate import estimate
 from mt_plan.layout import ParallelLayout
 from mt_tensor_parallel import GPT_PLAN, apply_tensor_parallel, defer_replicated_grads
 from mt_zero import ZeroConfig, ZeroOptimizer, counts_once, decay_param_groups
-from mt_zero.deepspeed_engine import deepspeed_config, deepspeed_environ, initialize_deepspeed
+from mt_zero.deepspeed_engine import (
+    deepspeed_config,
+    deepspeed_environ,
+    initialize_deepspeed,
+    sum_partial_grads_at_boundary,
+)
+from mt_zero.deepspeed_mpu import GroupsMpu
 
 sys.path.insert(0, str(Path(__file__).parent))  # mcore_peer.py, plan.py beside this file
 EXTENSIONS = Path.home() / ".cache" / "mt" / "torch_extensions"
@@ -82,7 +90,7 @@ def _case(name: str) -> tuple[int, int, int]:
 def engines_of(name: str) -> tuple[str, ...]:
     tp, _dp, stage = _case(name)
     if tp > 1:
-        return ("mt", "mt-per-use", "mcore")
+        return ("mt", "mt-per-use", "deepspeed", "mcore")
     return ("mt", "deepspeed", "mcore") if stage == 1 else ("mt", "deepspeed")
 
 
@@ -145,24 +153,34 @@ class _nothing:  # noqa: N801 - a null context manager, cheaper than contextlib'
 
 
 def _deepspeed(case: str, args: argparse.Namespace) -> Callable[[list[Any]], float]:
-    _, dp, stage = _case(case)
+    tp, dp, stage = _case(case)
     os.environ.update(deepspeed_environ(dist.get_rank(), dist.get_world_size(),
                                         dist.get_rank()))
     os.environ["TORCH_EXTENSIONS_DIR"] = str(EXTENSIONS)
     import deepspeed
 
     model = GPT(_config(args), seed=0)
+    mpu, partial, groups = None, [], None
+    if tp > 1:  # mt's TP + SP model in DeepSpeed's engine, as mt pretrain --engine deepspeed
+        groups = build_groups(Topology(tp=tp, dp=dp))
+        model = apply_tensor_parallel(model, groups.tp, GPT_PLAN, sequence_parallel=True)
+        for name, param in model.named_parameters():  # DeepSpeed's norm: sliced per TP rank
+            param.model_parallel = not (param.dim() == 1 or "positions" in name)
+        partial = [p for _, p in defer_replicated_grads(model)]
+        mpu = GroupsMpu(groups)
     client = torch.optim.AdamW(decay_param_groups(model.named_parameters(), 0.1), lr=LR)
     zero = ZeroConfig(stage=stage, clip_grad=1.0, bucket_numel=args.bucket_numel)
     engine = initialize_deepspeed(model, client, deepspeed_config(
-        zero, args.micro_batch, args.micro_batches, dp))
+        zero, args.micro_batch, args.micro_batches, dp), mpu=mpu)
+    if groups is not None:  # summed over TP once per step, before DeepSpeed's reduction
+        sum_partial_grads_at_boundary(engine, partial, groups.tp)
     if stage == 3:  # the head uses the embedding's weight outside the embedding module
         deepspeed.zero.register_external_parameter(model.head, model.embed.tokens.weight)
 
     def step(micro: list[Any]) -> float:
         total = 0.0
         for idx, targets in micro:
-            loss = engine(idx, targets)
+            loss = model.loss_fn(engine(idx), targets) if tp > 1 else engine(idx, targets)
             engine.backward(loss)
             engine.step()  # DeepSpeed steps on the last micro-batch of the step
             total += float(loss.detach()) / len(micro)

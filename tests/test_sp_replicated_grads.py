@@ -103,3 +103,104 @@ def _unsummed(_: None) -> str:
 def test_an_optimizer_not_told_of_deferred_gradients_refuses() -> None:
     for message in run_distributed(_unsummed, 2, None):
         assert "embed.positions.weight: its module leaves the sum of its gradient" in message
+
+
+def _train_deepspeed(stage: int, deferred: bool) -> dict[str, Any]:
+    """The same model, data and SGD through DeepSpeed's engine (mt's groups as its mpu), the
+    replicated gradients summed per use or once per step before DeepSpeed's reduction."""
+    from mt_zero.deepspeed_engine import (
+        deepspeed_config,
+        initialize_deepspeed,
+        sum_partial_grads_at_boundary,
+    )
+    from mt_zero.deepspeed_mpu import GroupsMpu
+
+    groups = build_groups(Topology(tp=2, dp=2))
+    config = preset("tiny")
+    model = apply_tensor_parallel(GPT(config, seed=0), groups.tp, GPT_PLAN,
+                                  sequence_parallel=True)
+    styles = param_styles(dict(model.named_parameters()), GPT_PLAN)
+    for name, param in model.named_parameters():  # DeepSpeed's norm: sliced ones per TP rank
+        param.model_parallel = styles[name] != "replicate"  # type: ignore[attr-defined]
+    partial = defer_replicated_grads(model) if deferred else []
+    engine = initialize_deepspeed(
+        model, torch.optim.SGD(model.parameters(), lr=0.5),
+        deepspeed_config(ZeroConfig(stage=stage, clip_grad=1e9), 2, MICRO, 2),
+        mpu=GroupsMpu(groups))
+    sum_partial_grads_at_boundary(engine, [p for _, p in partial], groups.tp)
+    losses, norms, tp_reduces = [], [], []
+    with CollectiveTrace({groups.tp: "tp", groups.dp: "dp"}) as trace:
+        for step in range(STEPS):
+            total = 0.0
+            for micro in range(MICRO):
+                seed = 1000 * step + 10 * micro + groups.dp_rank
+                tokens = torch.randint(0, config.vocab_size, (2, SEQ + 1),
+                                       generator=torch.Generator().manual_seed(seed))
+                loss = model.loss_fn(engine(tokens[:, :-1]), tokens[:, 1:])
+                engine.backward(loss / MICRO, scale_wrt_gas=False)
+                engine.step()
+                total += loss.item() / MICRO
+            norms.append(float(engine.get_global_grad_norm()))
+            losses.append(total)
+            tp_reduces.append(sum(r.kind == "all_reduce" and r.group == "tp"
+                                  for r in trace.take()))
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"losses": losses, "norms": norms, "tp_reduces": tp_reduces, "weights": weights,
+            "partial": [n for n, _ in partial]}
+
+
+def _deepspeed_both(extensions: str) -> dict[str, Any]:
+    import os
+
+    import torch.distributed as dist
+
+    from mt_zero.deepspeed_engine import deepspeed_environ
+
+    os.environ.update(deepspeed_environ(dist.get_rank(), dist.get_world_size(),
+                                        dist.get_rank()))
+    os.environ["TORCH_EXTENSIONS_DIR"] = extensions
+    return {"backward": _train_deepspeed(1, False), "step": _train_deepspeed(1, True),
+            "zero2": _refused(2)}
+
+
+def _refused(stage: int) -> str:
+    """What summing once per step says on a real DeepSpeed engine of ``stage``."""
+    from mt_zero.deepspeed_engine import (
+        deepspeed_config,
+        initialize_deepspeed,
+        sum_partial_grads_at_boundary,
+    )
+    from mt_zero.deepspeed_mpu import GroupsMpu
+
+    groups = build_groups(Topology(tp=2, dp=2))
+    model = apply_tensor_parallel(GPT(preset("tiny"), seed=0), groups.tp, GPT_PLAN,
+                                  sequence_parallel=True)
+    engine = initialize_deepspeed(model, torch.optim.SGD(model.parameters(), lr=0.5),
+                                  deepspeed_config(ZeroConfig(stage=stage), 2, MICRO, 2),
+                                  mpu=GroupsMpu(groups))
+    try:
+        sum_partial_grads_at_boundary(engine, [p for _, p in defer_replicated_grads(model)],
+                                      groups.tp)
+    except ValueError as err:
+        return str(err)
+    return "accepted"
+
+
+def test_deepspeed_sums_replicated_grads_once_per_step(tmp_path: Any) -> None:
+    """DeepSpeed's engine, ZeRO 1, TP 2 + SP x DP 2, 3 micro-batches: the partial gradients
+    summed once per step before DeepSpeed's own reduction train as the per-use sums (fp32
+    round-off), with 3 x (the partial parameters) - 1 fewer TP all-reduces per step."""
+    pytest.importorskip("deepspeed")
+    runs = run_distributed(_deepspeed_both, 4, str(tmp_path), timeout=300.0)
+    for rank, run in enumerate(runs):
+        before, after = run["backward"], run["step"]
+        assert len(after["partial"]) == 6 * preset("tiny").n_layers + 3
+        fewer = [b - a for b, a in zip(before["tp_reduces"], after["tp_reduces"])]
+        assert fewer == [MICRO * len(after["partial"]) - 1] * STEPS, (
+            rank, before["tp_reduces"], after["tp_reduces"])
+        torch.testing.assert_close(after["losses"], before["losses"], rtol=1e-6, atol=0)
+        torch.testing.assert_close(after["norms"], before["norms"], rtol=1e-5, atol=0)
+        for name, weight in before["weights"].items():
+            torch.testing.assert_close(after["weights"][name], weight, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}")
+        assert run["zero2"].startswith("DeepSpeed's ZeRO 2 reduces every micro-batch's")

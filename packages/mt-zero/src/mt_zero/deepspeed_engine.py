@@ -23,10 +23,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from mt_dist.collectives import all_reduce_sum
 from mt_zero.optimizer import ZeroConfig
 
 __all__ = ["deepspeed_config", "deepspeed_environ", "init_deepspeed_distributed",
-           "initialize_deepspeed"]
+           "initialize_deepspeed", "keeps_grads_until_boundary", "sum_partial_grads_at_boundary"]
 
 #: DeepSpeed's shared-memory allreduce op: its torch backend JIT-compiles it when it starts
 #: on CPU (tens of seconds, and again for every new install path), but only its inference
@@ -154,6 +155,57 @@ def initialize_deepspeed(
     engine, _opt, _loader, _sched = deepspeed.initialize(
         model=model, optimizer=optimizer, config=config, mpu=mpu)
     return engine
+
+
+def keeps_grads_until_boundary(zero: ZeroConfig) -> bool:
+    """Whether DeepSpeed's engine leaves each parameter's accumulated gradient in
+    ``param.grad`` until its data-parallel reduction at the accumulation boundary: ZeRO 1,
+    and ZeRO 0 outside bf16. ZeRO 2 and 3 take every micro-batch's gradient into their
+    partitioned buffers inside the backward (their reduce hooks), and bf16 at ZeRO 0 into its
+    fp32 copies after every backward: there a partial gradient cannot wait for the step."""
+    return zero.stage == 1 or (zero.stage == 0 and zero.precision != "bf16")
+
+
+def sum_partial_grads_at_boundary(engine: Any, params: list[nn.Parameter],
+                                  group: Any) -> None:
+    """Make DeepSpeed's ``engine`` sum ``params``' gradients over ``group`` once per step,
+    in one all-reduce, just before its own data-parallel reduction at the accumulation
+    boundary (``allreduce_gradients``, which the engine's backward and the pipeline
+    engine's schedule call). ``params``: parameters whose gradient on this rank is a
+    partial sum (replicated over tensor parallelism under sequence parallelism, after
+    :func:`mt_tensor_parallel.defer_replicated_grads`). Both sums are linear, so summing over
+    TP before the data-parallel average gives the per-use sums' result. Only where
+    :func:`keeps_grads_until_boundary` (ValueError otherwise, before any step)."""
+    zero = getattr(engine, "zero_optimization_stage", lambda: 0)()
+    if zero >= 2:
+        raise ValueError(f"DeepSpeed's ZeRO {zero} reduces every micro-batch's gradients in "
+                         "its backward hooks: partial gradients cannot be summed once per "
+                         "step there (keep the per-use all-reduce)")
+    if getattr(engine, "using_bf16_optimizer", False) or (
+            zero == 0 and getattr(engine, "bfloat16_enabled", lambda: False)()):
+        raise ValueError("DeepSpeed's bf16 optimizer at ZeRO 0 moves every micro-batch's "
+                         "gradients into its fp32 copies: partial gradients cannot be summed "
+                         "once per step there (keep the per-use all-reduce)")
+    if not params:
+        return
+    reduce = engine.allreduce_gradients
+
+    def allreduce_gradients(*args: Any, **kwargs: Any) -> Any:
+        if engine.is_gradient_accumulation_boundary():
+            grads = []
+            for p in params:
+                if p.grad is None:  # unused on this rank this step: a zero share
+                    p.grad = torch.zeros_like(p)
+                grads.append(p.grad)
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            all_reduce_sum(flat, group).wait()
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+        return reduce(*args, **kwargs)
+
+    engine.allreduce_gradients = allreduce_gradients
 
 
 def init_deepspeed_distributed(deepspeed: Any, dist_backend: str = "gloo") -> None:

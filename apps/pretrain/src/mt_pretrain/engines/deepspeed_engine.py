@@ -63,12 +63,15 @@ from mt_pretrain.engines.deepspeed_pipe import (
     deepspeed_names,
     micro_batches,
 )
+from mt_tensor_parallel import defer_replicated_grads
 from mt_zero import StepResult, decay_param_groups
 from mt_zero.deepspeed_engine import (
     deepspeed_config,
     deepspeed_environ,
     init_deepspeed_distributed,
     initialize_deepspeed,
+    keeps_grads_until_boundary,
+    sum_partial_grads_at_boundary,
 )
 from mt_zero.deepspeed_mpu import GroupsMpu
 from mt_zero.deepspeed_universal import UNIVERSAL_CHECKPOINT_INFO, universal_checkpoint_info
@@ -268,7 +271,8 @@ def _initialize(config: PretrainConfig, plan: RunPlan, stage: nn.Module,
         whole = not layout.sequence_parallel
         ds_config["pipeline"] = {"pipe_partitioned": whole, "grad_partitioned": whole}
         module = build_pipeline_module(stage, plan, groups, styles)  # type: ignore
-        return initialize_deepspeed(module, client, ds_config, dist_backend=backend), client
+        engine = initialize_deepspeed(module, client, ds_config, dist_backend=backend)
+        return _sum_replicated_once(engine, stage, plan, groups), client
     for name, param in stage.named_parameters():
         # DeepSpeed's norm counts sliced parameters on every TP rank, the rest on TP rank 0.
         param.model_parallel = styles.get(name, "replicate") != "replicate"  # type: ignore
@@ -282,7 +286,22 @@ def _initialize(config: PretrainConfig, plan: RunPlan, stage: nn.Module,
 
         deepspeed.zero.register_external_parameter(stage.get_submodule(names.head),
                                                    stage.get_parameter(names.tied_weight))
-    return engine, client
+    return _sum_replicated_once(engine, stage, plan, groups), client
+
+
+def _sum_replicated_once(engine: Any, stage: nn.Module, plan: RunPlan,
+                         groups: ParallelGroups) -> Any:
+    """Under sequence parallelism, where DeepSpeed keeps gradients in ``param.grad`` until
+    the step (ZeRO 1; ZeRO 0 outside bf16), the parameters replicated over TP accumulate
+    their partial gradients locally and are summed over TP once per step, in one
+    all-reduce before DeepSpeed's data-parallel reduction, as mt's engine does; elsewhere
+    each use's backward all-reduces them."""
+    layout = plan.layout
+    if (layout.sequence_parallel and layout.tp > 1
+            and keeps_grads_until_boundary(layout.zero_config())):
+        partial = [p for _, p in defer_replicated_grads(stage)]
+        sum_partial_grads_at_boundary(engine, partial, groups.tp)
+    return engine
 
 
 def _rank_file(folder: Path, rank: int) -> Path:
