@@ -176,13 +176,12 @@ def sum_partial_grads_at_boundary(engine: Any, params: list[nn.Parameter],
     :func:`mt_tensor_parallel.defer_replicated_grads`). Both sums are linear, so summing over
     TP before the data-parallel average gives the per-use sums' result. Only where
     :func:`keeps_grads_until_boundary` (ValueError otherwise, before any step)."""
-    zero = getattr(engine, "zero_optimization_stage", lambda: 0)()
+    zero = engine.zero_optimization_stage()
     if zero >= 2:
         raise ValueError(f"DeepSpeed's ZeRO {zero} reduces every micro-batch's gradients in "
                          "its backward hooks: partial gradients cannot be summed once per "
                          "step there (keep the per-use all-reduce)")
-    if getattr(engine, "using_bf16_optimizer", False) or (
-            zero == 0 and getattr(engine, "bfloat16_enabled", lambda: False)()):
+    if zero == 0 and engine.bfloat16_enabled():
         raise ValueError("DeepSpeed's bf16 optimizer at ZeRO 0 moves every micro-batch's "
                          "gradients into its fp32 copies: partial gradients cannot be summed "
                          "once per step there (keep the per-use all-reduce)")
