@@ -20,7 +20,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-
 from torch.overrides import TorchFunctionMode
 
 from mt_dist.testing import run_distributed
@@ -185,7 +184,6 @@ def _load_adam(directory: str) -> tuple[dict[str, torch.Tensor], list[float]]:
     """A fresh LLAMA + DistributedOptimizer loaded from ``directory`` as Megatron-LM loads
     it; returns its states (gathered again) and its param groups' steps."""
     from megatron.core import dist_checkpointing
-
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     DistributedOptimizer._set_main_param_and_optimizer_states = _set_states_but_step
