@@ -23,6 +23,11 @@ heads, norm kind, biases, positions and tying are read from the tensors). Writte
 chunks as Megatron-core saves them, the ``_extra_state`` entries its loader expects,
 ``metadata.json``, an empty ``common.pt`` and ``mt.json`` (config, CRC-32C of every chunk).
 The vocabulary is stored unpadded.
+
+Adam's state: the ``fully_reshardable`` layout of megatron-core's ``DistributedOptimizer``
+(``optimizer.state.{param,exp_avg,exp_avg_sq}.<parameter key>``, each stored as its
+parameter; the step in ``common.pt``'s param groups) is read (:meth:`McoreReader.
+optimizer_state`) and written (:class:`McoreWriter`, :func:`optimizer_common`).
 """
 
 from __future__ import annotations
