@@ -6,7 +6,9 @@ into mcore's ``GPTModel`` with mt's logits.
 megatron-core targets CUDA; on these CPU ranks it runs with three shims that only move
 CUDA housekeeping to the CPU (``torch.cuda.current_device`` answers "cpu" for its scratch
 buffers, ``torch.cuda.synchronize`` is a no-op, the inference RNG tracker replaces the CUDA
-one: dropout is 0) and an explicit causal mask (its default is built on "cuda")."""
+one: dropout is 0) and an explicit causal mask (its default is built on "cuda"). Its
+DistributedOptimizer (benchmarks/mcore_peer.py runs it the same way) also needs
+:class:`_CudaOnCpu` while it is built, steps and gathers its state."""
 
 from __future__ import annotations
 
@@ -18,9 +20,12 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.overrides import TorchFunctionMode
 
 from mt_dist.testing import run_distributed
 from mt_formats import ConvertError, convert_checkpoint, load_model, open_checkpoint, save_model
+from mt_formats.mcore import mcore_parts, state_key
+from mt_formats.pretrain import PretrainReader
 from mt_model import GPT, GPTConfig
 
 # Only the ranks import megatron.core: importing it adds argparse.Namespace, numpy arrays and
@@ -70,6 +75,144 @@ def _mcore_model(config: GPTConfig, tp: int) -> Any:
                     rotary_base=int(config.rope_theta),
                     share_embeddings_and_output_weights=config.tied_embeddings,
                     parallel_output=False).eval()
+
+
+class _CudaOnCpu(TorchFunctionMode):
+    """While active: ``device="cuda"`` arguments become the CPU, ``Tensor.cuda()`` keeps a CPU
+    tensor where it is, and ``Tensor.type()`` of a CPU tensor answers its CUDA name (by which
+    megatron-core's optimizers tell fp32 parameters from fp16 / bf16 ones)."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "cuda":
+            kwargs = {**kwargs, "device": "cpu"}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name.replace("torch.", "torch.cuda.", 1) if args[0].device.type == "cpu" \
+                else name
+        return func(*args, **kwargs)
+
+
+OPTIM_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+def _adam(config: GPTConfig) -> tuple[Any, Any, Any]:
+    """megatron-core's GPTModel, its DistributedDataParallel and its DistributedOptimizer
+    (torch AdamW: no apex / Transformer Engine here) at TP 1 x DP world size."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    model = _mcore_model(config, tp=1).train()
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
+        use_distributed_optimizer=True), model)
+    with _CudaOnCpu():
+        optimizer = get_megatron_optimizer(OptimizerConfig(
+            optimizer="adam", lr=1e-2, use_distributed_optimizer=True), [ddp])
+    return model, ddp, optimizer
+
+
+def _optimizer_state(model: Any, optimizer: Any, loading: bool = False) -> Any:
+    with _CudaOnCpu():
+        return optimizer.sharded_state_dict(model.sharded_state_dict(), is_loading=loading,
+                                            metadata=OPTIM_FORMAT)
+
+
+def _states(state: Any) -> dict[str, torch.Tensor]:
+    """Key -> whole tensor of an optimizer sharded state dict's ``fully_reshardable``
+    states (gathered on every DP rank: megatron-core's own view of its Adam state); the
+    state dict is used up."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import apply_factories
+
+    apply_factories(state)  # swiglu's linear_fc1: its gate and up halves as two pieces
+    whole: dict[str, torch.Tensor] = {}
+    for piece in nested_values(state["param_state"]):  # stacked tensors: a piece per layer
+        tensor = whole.setdefault(piece.key, torch.empty(piece.global_shape,
+                                                         dtype=piece.dtype))
+        extent = (1,) * piece.prepend_axis_num + tuple(piece.local_shape)
+        tensor[tuple(slice(start, start + size) for start, size in
+                     zip(piece.global_offset, extent, strict=True))] = piece.data.reshape(extent)
+    return whole
+
+
+def _train_save(directory: str, steps: int) -> tuple[dict[str, torch.Tensor], float]:
+    """LLAMA trained ``steps`` Adam steps (each DP rank its own batch), saved with its
+    distributed optimizer's state by ``dist_checkpointing.save`` as Megatron-LM saves it
+    (``model`` and ``optimizer``); returns megatron-core's states and step count."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.distributed import finalize_model_grads
+
+    model, ddp, optimizer = _adam(LLAMA)
+    tokens = torch.randint(0, LLAMA.vocab_size, (2, 16), generator=torch.Generator()
+                           .manual_seed(torch.distributed.get_rank()))
+    positions = torch.arange(16)[None].expand_as(tokens)
+    mask = torch.triu(torch.ones(1, 1, 16, 16), diagonal=1).bool()
+    for _ in range(steps):
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        logits = ddp(tokens, positions, attention_mask=mask)
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1),
+                                          tokens.roll(-1, 1).flatten()).backward()
+        finalize_model_grads([ddp])
+        with _CudaOnCpu():
+            optimizer.step()
+    state = {"model": model.sharded_state_dict(), "optimizer": _optimizer_state(model,
+                                                                                 optimizer)}
+    dist_checkpointing.save(state, directory)
+    states = _states(_optimizer_state(model, optimizer))
+    step = optimizer.state_dict()["optimizer"]["param_groups"][0]["step"]
+    return states, float(step)
+
+
+def _set_states_but_step(self: Any, model_param: Any, tensors: dict[str, Any]) -> None:
+    """megatron-core 0.16.1's ``DistributedOptimizer._set_main_param_and_optimizer_states``
+    (its non-precision-aware branch) without ``step``: loading ``fully_reshardable`` state
+    hands it no ``step`` while it copies every key of torch AdamW's state, which has one
+    (KeyError 'step', for megatron-core's own checkpoints too); ``load_state_dict`` already
+    set torch's ``step`` from the param groups."""
+    group_index, group_order = self.model_param_group_index_map[model_param]
+    main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+    for key, target in {"param": main_param, **self.optimizer.state[main_param]}.items():
+        if key != "step":
+            target.copy_(tensors[key])
+
+
+def _load_adam(directory: str) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """A fresh LLAMA + DistributedOptimizer loaded from ``directory`` as Megatron-LM loads
+    it; returns its states (gathered again) and its param groups' steps."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    DistributedOptimizer._set_main_param_and_optimizer_states = _set_states_but_step
+    model, _, optimizer = _adam(LLAMA)
+    # Its state_dict() (which sharded_state_dict(is_loading=True) calls) asserts one step
+    # count over torch AdamW's state, empty before the first step: megatron-core's own
+    # zero-gradient step allocates it (what it does before loading an fsdp_dtensor state);
+    # loading then overwrites moments, main params, weights and step.
+    optimizer.chained_optimizers[0]._init_optimizer_states_with_dummy_values()
+    request = {"model": model.sharded_state_dict(),
+               "optimizer": _optimizer_state(model, optimizer, loading=True)}
+    loaded = dist_checkpointing.load(request, directory)
+    model.load_state_dict(loaded["model"])
+    with _CudaOnCpu():
+        optimizer.load_state_dict(loaded["optimizer"])
+    steps = [float(group["step"]) for group in
+             optimizer.state_dict()["optimizer"]["param_groups"]]
+    return _states(_optimizer_state(model, optimizer)), steps
+
+
+def _row_order(theirs: torch.Tensor, ours: torch.Tensor) -> Any:
+    """Indices ``i`` with ``ours == theirs[i]`` row by row (each row matched exactly once:
+    how mt permuted megatron-core's rows), or all of it for a vector."""
+    if ours.dim() == 1:
+        assert torch.equal(ours, theirs)
+        return slice(None)
+    same = (ours[:, None, :] == theirs[None, :, :]).all(-1)
+    assert (same.sum(1) == 1).all(), "a row of mt's weight is not one of megatron-core's"
+    return same.int().argmax(1)
 
 
 def _logits(model: Any, vocab: int | None = None) -> torch.Tensor:
@@ -176,3 +319,36 @@ def test_megatron_lm_torch_dist_reads_its_args(tmp_path: Path) -> None:
     tokens = _tokens(120)
     with torch.no_grad():  # the 8 padding rows of Megatron's vocabulary are dropped
         torch.testing.assert_close(model(tokens), logits[..., :120], atol=1e-5, rtol=0)
+
+
+def test_mcore_distributed_adam_state_round_trip(tmp_path: Path) -> None:
+    (tmp_path / "ckpt").mkdir()
+    theirs, step = run_distributed(_train_save, 2, str(tmp_path / "ckpt"), 2, timeout=300)[0]
+    assert step == 2.0
+    fields = tmp_path / "llama.json"
+    fields.write_text(json.dumps(LLAMA.to_dict()))
+    convert_checkpoint(tmp_path / "ckpt", tmp_path / "pretrain", to="pretrain",
+                       model=str(fields))
+    with PretrainReader(tmp_path / "pretrain") as reader:
+        assert reader.names() and reader.config.n_kv_heads == 2
+        for name in reader.names():  # the moments move with the rows of their weight
+            part = mcore_parts(name)
+            layer = part.layer if part.layer >= 0 else slice(None)
+            weight = theirs[state_key("param", part.key)][layer]
+            order = _row_order(weight, reader.read(name))
+            state = reader.optimizer_state(name)
+            assert state is not None and float(state["step"]) == 2.0
+            for moment in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(state[moment],
+                                   theirs[state_key(moment, part.key)][layer][order]), name
+    convert_checkpoint(tmp_path / "pretrain", tmp_path / "mcore", to="mcore")
+    loaded, steps = run_distributed(_load_adam, 2, str(tmp_path / "mcore"), timeout=300)[0]
+    assert steps == [2.0, 2.0] and sorted(loaded) == sorted(theirs)
+    for key, tensor in theirs.items():  # megatron-core -> mt -> megatron-core: bit for bit
+        assert torch.equal(loaded[key], tensor), key
+    convert_checkpoint(tmp_path / "pretrain", tmp_path / "weights", to="mcore",
+                       drop_optimizer=True)
+    stored = dcp.FileSystemReader(tmp_path / "weights").read_metadata().state_dict_metadata
+    assert not [key for key in stored if key.startswith("optimizer.")]
+    with open_checkpoint(tmp_path / "weights") as reader:
+        assert reader.optimizer_state("blocks.0.attn.q.weight") is None

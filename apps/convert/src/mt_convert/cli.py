@@ -142,10 +142,10 @@ def convert(
         "--zero-stage", min=0, max=3, help="ZeRO stage of the pretrain target (pretrain "
         "source; default: the source's).")] = None,
     drop_optimizer: Annotated[bool, typer.Option(
-        "--drop-optimizer", help="pretrain or dcp target: write the weights alone (a fresh "
-        "optimizer, no Adam moments) instead of carrying the source's (an mt pretrain "
+        "--drop-optimizer", help="pretrain, dcp or mcore target: write the weights alone (a "
+        "fresh optimizer, no Adam moments) instead of carrying the source's (an mt pretrain "
         "checkpoint, a DeepSpeed universal one, a DCP folder with torch's optimizer "
-        "state).")] = False,
+        "state, a Megatron-core one with its distributed optimizer's state).")] = False,
     tokenizer: Annotated[str | None, typer.Option(
         "--tokenizer", help="hf or gguf target: the tokenizer to write beside the weights (gpt2, "
         "tokenizer-1k, a tokenizer.json or a folder; default: the one an mt pretrain source "

@@ -329,7 +329,8 @@ def convert_checkpoint(source: Path, destination: Path, *, to: str = "consolidat
     pretrain`` checkpoint writes a step folder at layout ``tp`` x ``pp`` x ``dp`` with
     ZeRO stage ``zero_stage`` (unset ones keep the source's), optimizer state included
     unless ``drop_optimizer``; from other formats it carries Adam's state where the source
-    holds one (pretrain, DCP, DeepSpeed universal) and the target can (pretrain, DCP),
+    holds one (pretrain, DCP, DeepSpeed universal, Megatron-core's ``fully_reshardable``
+    distributed optimizer) and the target can (pretrain, DCP, mcore),
     unless ``drop_optimizer``. ``tokenizer`` (default: the one the source records) is
     written beside Hugging Face weights and into GGUF files; ``gguf_type`` is the GGUF
     target's matrix type. Raises :class:`ConvertError`.
@@ -344,9 +345,9 @@ def convert_checkpoint(source: Path, destination: Path, *, to: str = "consolidat
     if dp is not None or zero_stage is not None:
         raise ConvertError("--dp and --zero-stage only apply from an mt pretrain checkpoint "
                            f"to the pretrain format, not to {to!r}")
-    if drop_optimizer and to not in ("pretrain", DCP_FORMAT):
+    if drop_optimizer and to not in ("pretrain", DCP_FORMAT, MCORE_FORMAT):
         raise ConvertError("--drop-optimizer only applies to the formats that hold optimizer "
-                           f"state (pretrain, dcp), not to {to!r}")
+                           f"state (pretrain, dcp, mcore), not to {to!r}")
     if to not in _WRITABLE:  # fail before reading anything
         raise ConvertError(f"cannot write the {to!r} format; writable: {list(_WRITABLE)}")
     start = time.perf_counter()

@@ -23,6 +23,11 @@ heads, norm kind, biases, positions and tying are read from the tensors). Writte
 chunks as Megatron-core saves them, the ``_extra_state`` entries its loader expects,
 ``metadata.json``, an empty ``common.pt`` and ``mt.json`` (config, CRC-32C of every chunk).
 The vocabulary is stored unpadded.
+
+Adam's state: the ``fully_reshardable`` layout of megatron-core's ``DistributedOptimizer``
+(``optimizer.state.{param,exp_avg,exp_avg_sq}.<parameter key>``, each stored as its
+parameter; the step in ``common.pt``'s param groups) is read (:meth:`McoreReader.
+optimizer_state`) and written (:class:`McoreWriter`, :func:`optimizer_common`).
 """
 
 from __future__ import annotations
@@ -54,7 +59,8 @@ from mt_formats.megatron_args import config_from_args, load_megatron_file
 from mt_formats.tensors import TensorSpec, check_names, tensor_checksum
 from mt_model import GPTConfig
 
-__all__ = ["MCORE_FORMAT", "McoreReader", "McoreWriter", "is_mcore_checkpoint", "mcore_parts"]
+__all__ = ["MCORE_FORMAT", "McoreReader", "McoreWriter", "is_mcore_checkpoint", "mcore_parts",
+           "state_key"]
 
 MCORE_FORMAT = "mcore"
 METADATA_JSON = "metadata.json"
@@ -71,6 +77,18 @@ _MODULES = {"ln1": "self_attention.linear_qkv.layer_norm_", "ln2": "mlp.linear_f
             "attn.qkv": "self_attention.linear_qkv.", "attn.q": "self_attention.linear_qkv.",
             "attn.kv": "self_attention.linear_qkv.", "attn.proj": "self_attention.linear_proj.",
             "mlp.fc": "mlp.linear_fc1.", "mlp.proj": "mlp.linear_fc2."}
+STATE_PREFIX = "optimizer.state."
+#: Keys of the distributed optimizer's per-bucket ('dp_reshardable') state, which mt does not read.
+BUCKET_STATE = "optimizer.distributed."
+#: The distributed optimizer's sharding type whose state mt reads and writes.
+SHARDING = "fully_reshardable"
+MOMENTS = ("exp_avg", "exp_avg_sq")
+#: Megatron-core's param group identifiers (``param_group_identifier_keys``) of its default
+#: groups: weight decay on matrices (wd_mult 1), none on biases and norms (wd_mult 0).
+_GROUPS = ({"wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": False,
+            "is_decoupled_lr": False},
+           {"wd_mult": 0.0, "lr_mult": 1.0, "is_expert_parallel": False,
+            "is_decoupled_lr": False})
 #: Modules whose (empty, for a plain torch model) ``_extra_state`` Megatron-core saves per layer.
 _EXTRA_STATE = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",
                 "mlp.linear_fc2")
@@ -104,6 +122,12 @@ def mcore_parts(name: str) -> McorePart:
                                                                 "attn.kv") else ""
             return McorePart(LAYERS + _MODULES[module] + leaf, int(layer), select)
     raise ConvertError(f"tensor {name!r} has no Megatron-core equivalent")
+
+
+def state_key(state: str, key: str) -> str:
+    """The key of distributed optimizer state ``state`` (``exp_avg``, ``exp_avg_sq``,
+    ``param``: the fp32 main parameter) of the parameter stored as ``key``."""
+    return f"{STATE_PREFIX}{state}.{key}"
 
 
 def _grouped(config: GPTConfig) -> tuple[int, int, int]:
@@ -213,6 +237,7 @@ class McoreReader(CheckpointReader):
         self._parts = {name: mcore_parts(name) for name in self._shapes}
         self._check(shapes)
         self._cached: tuple[tuple[str, int], torch.Tensor] | None = None
+        self._step: float | bool | None = None  # read on the first optimizer_state()
 
     def _args(self) -> Any:
         """Megatron-LM's ``args`` from ``common.pt`` (allow-listed unpickling), or None."""
@@ -256,17 +281,77 @@ class McoreReader(CheckpointReader):
                           self._folder.spec(part.key), part.describe())]
 
     def read(self, name: str) -> torch.Tensor:
+        return self._canonical(name, self._parts[name].key)
+
+    def _canonical(self, name: str, key: str) -> torch.Tensor:
+        """Canonical tensor ``name`` from stored tensor ``key`` (the parameter's own or one
+        of its optimizer states, which share its layout)."""
         part = self._parts[name]
         if part.layer < 0:
-            tensor = self._folder.load(part.key)
+            tensor = self._folder.load(key)
             if name in ("embed.tokens.weight", "head.weight"):
                 return tensor[:self.config.vocab_size].contiguous()  # padding rows dropped
             return tensor
-        at = (part.key, part.layer)
+        at = (key, part.layer)
         if self._cached is None or self._cached[0] != at:  # q then kv read one qkv layer once
             self._cached = (at, self._folder.load_layer(*at))
         stored = self._cached[1]
         return from_groups(stored, part.select, self.config) if part.select else stored
+
+    def optimizer_state(self, name: str) -> dict[str, torch.Tensor] | None:
+        """Adam's moments of ``name`` from the distributed optimizer's ``fully_reshardable``
+        state (``optimizer.state.<moment>.<parameter key>``, the parameter's stored shape,
+        permuted as the weight), the step from the param groups in ``common.pt``; None
+        where the folder holds no optimizer state."""
+        if self._step is None:
+            self._step = self._optimizer_step()
+        if self._step is False:
+            return None
+        part = self._parts[name]
+        result: dict[str, torch.Tensor] = {}
+        for moment in MOMENTS:
+            key = state_key(moment, part.key)
+            meta = self._folder.tensors.get(key)
+            stored = None if meta is None else tuple(meta.size)
+            if stored != self._stored_shape(name):
+                found = "absent" if stored is None else f"of shape {list(stored)}"
+                raise ConvertError(f"{self.root / METADATA_FILE}: optimizer state {key!r} is "
+                                   f"{found}; its parameter {part.key!r} is "
+                                   f"{list(self._stored_shape(name))}")
+            self._folder.check(key)
+            result[moment] = self._canonical(name, key)
+        result["step"] = torch.tensor(self._step)
+        return result
+
+    def _optimizer_step(self) -> float | bool:
+        """The distributed optimizer's step count (its param groups' ``step`` in
+        ``common.pt``), or False where the folder holds no optimizer state."""
+        keys = self._folder.tensors
+        if any(key.startswith(BUCKET_STATE) for key in keys):
+            raise ConvertError(
+                f"{self.root / METADATA_FILE}: the distributed optimizer's state is stored "
+                "per gradient bucket ('dp_reshardable', keys "
+                f"{BUCKET_STATE}*), a layout of megatron-core's internal buffers; mt reads "
+                "'fully_reshardable' (save with metadata={'distrib_optim_sharding_type': "
+                "'fully_reshardable'}), or give --drop-optimizer")
+        if not any(key.startswith(STATE_PREFIX) for key in keys):
+            return False
+        path = self.root / COMMON_FILE
+        common = load_megatron_file(path)
+        try:
+            groups = common["optimizer"]["optimizer"]["param_groups"]
+            sharding = common["optimizer"]["param_state_sharding_type"]
+            steps = {float(group["step"]) for group in groups}
+        except (KeyError, TypeError, ValueError) as err:
+            raise ConvertError(f"{path}: no optimizer param groups with a step "
+                               f"(optimizer.optimizer.param_groups[*].step): {err!r}") from None
+        if sharding != SHARDING:
+            raise ConvertError(f"{path}: optimizer state of sharding type {sharding!r}; mt "
+                               f"reads {SHARDING!r}")
+        if len(steps) != 1:
+            raise ConvertError(f"{path}: the optimizer's param groups were stepped "
+                               f"{sorted(steps)} times")
+        return steps.pop()
 
     def close(self) -> None:
         self._cached = None
@@ -274,9 +359,12 @@ class McoreReader(CheckpointReader):
 
 class McoreWriter(CheckpointWriter):
     """Writes a Megatron-core ``torch_dist`` folder that ``dist_checkpointing.load`` reads
-    into a ``GPTModel`` of the same config, one layer at a time."""
+    into a ``GPTModel`` of the same config, one layer at a time; with a :attr:`state_source`
+    holding Adam's state, also the distributed optimizer's ``fully_reshardable`` state that
+    ``DistributedOptimizer.load_state_dict`` takes (see :meth:`finish`)."""
 
     format = MCORE_FORMAT
+    holds_optimizer_state = True
 
     def __init__(self, config: GPTConfig, specs: dict[str, TensorSpec]) -> None:
         super().__init__(config, specs)
@@ -284,6 +372,7 @@ class McoreWriter(CheckpointWriter):
         self._files: DCPFileWriter | None = None
         self._checksums: dict[str, str] = {}
         self._pending: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
+        self._steps: dict[str, float] = {}  # parameter -> step, where the source holds state
 
     def targets(self, name: str) -> list[TensorRef]:
         part, spec = self._parts[name], self.specs[name]
@@ -298,38 +387,55 @@ class McoreWriter(CheckpointWriter):
     def open(self, directory: Path) -> None:
         self._files = DCPFileWriter(Path(directory))
 
-    def _store(self, part: McorePart, tensor: torch.Tensor) -> None:
+    def _store(self, key: str, part: McorePart, tensor: torch.Tensor) -> None:
+        """``tensor`` (in the stored layout) as ``key``, or as its layer ``part.layer``."""
         assert self._files is not None, "open() first"
         if part.layer < 0:
-            self._files.add_chunk(part.key, tensor)
-            self._checksums[part.key] = tensor_checksum(tensor, CHECKSUM_ALGORITHM)
+            self._files.add_chunk(key, tensor)
+            self._checksums[key] = tensor_checksum(tensor, CHECKSUM_ALGORITHM)
             return
         layers = self.config.n_layers
-        self._files.add_chunk(part.key, tensor[None], (layers, *tensor.shape),
+        self._files.add_chunk(key, tensor[None], (layers, *tensor.shape),
                               (part.layer,) + (0,) * tensor.dim())
-        self._checksums[f"{part.key}[{part.layer}]"] = tensor_checksum(tensor,
-                                                                       CHECKSUM_ALGORITHM)
+        self._checksums[f"{key}[{part.layer}]"] = tensor_checksum(tensor, CHECKSUM_ALGORITHM)
 
-    def write(self, name: str, tensor: torch.Tensor) -> None:
-        part = self._parts[name]
+    def _put(self, key: str, part: McorePart, tensor: torch.Tensor) -> None:
+        """Canonical ``tensor`` as stored tensor ``key`` of ``part``'s layout (a fused
+        ``linear_qkv`` reordered per query group, once its q and kv rows are both here)."""
         if part.select == "qkv":
             groups, per, dim = _grouped(self.config)
             q_rows = groups * per * dim
-            self._store(part, to_groups(tensor[:q_rows], tensor[q_rows:], self.config))
-        elif part.select:  # q and kv arrive separately: the layer's qkv once both are here
-            pending = self._pending.setdefault((part.key, part.layer), {})
+            self._store(key, part, to_groups(tensor[:q_rows], tensor[q_rows:], self.config))
+        elif part.select:
+            pending = self._pending.setdefault((key, part.layer), {})
             pending[part.select] = tensor
             if len(pending) == 2:
-                del self._pending[(part.key, part.layer)]
-                self._store(part, to_groups(pending["q"], pending["kv"], self.config))
+                del self._pending[(key, part.layer)]
+                self._store(key, part, to_groups(pending["q"], pending["kv"], self.config))
         else:
-            self._store(part, tensor)
+            self._store(key, part, tensor)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        part = self._parts[name]
+        self._put(part.key, part, tensor)
+        state = None if self.state_source is None else self.state_source.optimizer_state(name)
+        if state is None:
+            return
+        # megatron-core's distributed optimizer keeps fp32 main params and fp32 moments
+        self._put(state_key("param", part.key), part, tensor.to(torch.float32))
+        for moment in MOMENTS:
+            self._put(state_key(moment, part.key), part, state[moment].to(torch.float32))
+        self._steps[name] = float(state["step"])
 
     def finish(self) -> None:
+        """Completes the folder: ``_extra_state`` entries, ``metadata.json``, ``mt.json``
+        and ``common.pt``; with optimizer state, ``common.pt`` holds what megatron-core's
+        ``DistributedOptimizer.state_dict()`` puts there (:func:`optimizer_common`)."""
         assert self._files is not None, "open() first"
         if self._pending:
             raise ConvertError(f"{self._files.directory}: half-written layers "
                                f"{sorted(self._pending)}")
+        common = self._optimizer_common()
         layers = self.config.n_layers
         for layer in range(layers):
             for module in _EXTRA_STATE:
@@ -338,7 +444,7 @@ class McoreWriter(CheckpointWriter):
         self._files.close()
         directory = self._files.directory
         with open(directory / COMMON_FILE, "wb") as file:
-            torch.save({}, file)
+            torch.save(common, file)
             file.flush()
             os.fsync(file.fileno())
         with open(directory / METADATA_JSON, "w", encoding="utf-8") as file:
@@ -348,6 +454,36 @@ class McoreWriter(CheckpointWriter):
         write_sidecar(directory, {"names": "megatron-core", "model": self.config.to_dict(),
                                   "checksums": self._checksums})
 
+    def _optimizer_common(self) -> dict[str, Any]:
+        """``common.pt``'s content: empty without optimizer state, else its param groups."""
+        if not self._steps:
+            return {}
+        where = self._files.directory if self._files is not None else Path(".")
+        missing = [name for name in self.specs if name not in self._steps]
+        if missing:
+            raise ConvertError(f"{where}: the source holds Adam's state for some parameters "
+                               f"only; none for {missing[:4]}")
+        steps = sorted(set(self._steps.values()))
+        if len(steps) != 1:
+            raise ConvertError(f"{where}: the source's parameters were stepped {steps} times; "
+                               "megatron-core keeps one step for all")
+        return optimizer_common(steps[0])
+
     def abort(self) -> None:
         if self._files is not None:
             self._files.abort()
+
+
+def optimizer_common(step: float) -> dict[str, Any]:
+    """The common (non-sharded) part of megatron-core's distributed optimizer state as
+    ``common.pt`` holds it for ``fully_reshardable``: ``{"optimizer": {"optimizer":
+    {"param_groups": [...]}, "param_state_sharding_type": "fully_reshardable"}}``. Its
+    loader matches groups by :data:`_GROUPS`' identifier keys and loads each group's
+    hyperparameters with it; the source records none, so they are torch AdamW's defaults
+    (lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight decay 0.01; Megatron-LM's
+    ``OptimizerParamScheduler`` overwrites lr and weight decay before every step)."""
+    defaults = torch.optim.AdamW([torch.zeros(1)]).param_groups[0]
+    hyper = {key: value for key, value in defaults.items() if key != "params"}
+    groups = [{**identity, **hyper, "step": float(step)} for identity in _GROUPS]
+    return {"optimizer": {"optimizer": {"param_groups": groups},
+                          "param_state_sharding_type": SHARDING}}
