@@ -286,11 +286,15 @@ def _adam_costs() -> tuple[float, float]:
 
 
 def _comm_costs(bucket: int, compute_s: float, tp_message: int = 0, tp: int = 1,
-                sp: bool = False) -> tuple[float, float, float, float, float, float]:
+                sp: bool = False, unit: int = 0
+                ) -> tuple[float, float, float, float, float, float, float]:
     """(all-reduce bus bandwidth bytes/s, fixed cost of a small message s, fixed cost of a
     bucket-sized one s, all-gather scratch per output byte, fixed cost of a TP collective
     of ``tp_message`` elements over ``tp`` ranks (:func:`_tp_latency`; 0 with ``tp`` 1),
-    a collective's speed under compute (:func:`_rate_under_compute`)).
+    a collective's speed under compute (:func:`_rate_under_compute`), the bus bandwidth
+    of an all-reduce of ``unit`` elements (ZeRO-3's largest gather, the stage's rest: on
+    gloo a few MB move at about half the rate of the bucket's tens of MB; 0 with ``unit``
+    0)).
     Bandwidth is the line through
     two back-to-back all-reduces of ``bucket`` elements (the model's DP bucket) and of a
     size 4x apart. The fixed costs are timed as a step meets them: after ``compute_s`` of
@@ -350,8 +354,14 @@ def _comm_costs(bucket: int, compute_s: float, tp_message: int = 0, tp: int = 1,
     # hide the all-gather's).
     tp_latency = _tp_latency(tp_message, tp, sp, bandwidth, compute_s) if tp > 1 else 0.0
     rate = _rate_under_compute(grads, seconds[0], square, one)
+    unit_bw = 0.0
+    if unit:
+        data = torch.ones(unit)
+        took = _median_time(lambda: dist.all_reduce(data), 7, clock=time.perf_counter,
+                            average=statistics.mean)
+        unit_bw = 2.0 * (world - 1) / world * unit * 4 / max(took - back_to_back, 1e-9)
     return (bandwidth, latency, bulk, min(2.0, max(0.0, grown / (out.numel() * 4))),
-            tp_latency, rate)
+            tp_latency, rate, unit_bw)
 
 
 def _rate_under_compute(data: torch.Tensor, alone: float, square: torch.Tensor,
@@ -436,14 +446,18 @@ def _measure(gpt: GPTConfig, rows: int, step_rows: int, tp: int = 1, sp: bool = 
     # The compute a rank does between two steps' gradient collectives: 6 FLOPs per
     # parameter and token of its step at the measured GEMM rate (at most 50 ms).
     compute_s = min(0.05, 6.0 * count_parameters(gpt) * step_rows / flops)
-    bandwidth, latency, bulk, scratch, tp_latency, rate = _comm_costs(
-        bucket, compute_s, rows * gpt.hidden, tp, sp)
+    # ZeRO-3's largest gather: the stage's rest (embedding, positions, final norm, head).
+    rest = (gpt.vocab_size * gpt.hidden * (1 if gpt.tied_embeddings else 2) // tp
+            + (gpt.seq_len * gpt.hidden if gpt.position == "learned" else 0) + 2 * gpt.hidden)
+    bandwidth, latency, bulk, scratch, tp_latency, rate, unit_bw = _comm_costs(
+        bucket, compute_s, rows * gpt.hidden, tp, sp, rest)
     adam, tensor = _adam_costs()
     rates = {"peak_flops": flops, "memory_bytes_per_s": 3 * x.numel() * 4 / add,
              "alloc_bytes_per_s": big.numel() * 4 / max(fresh - reuse, 1e-6),
              "nvlink_bytes_per_s": bandwidth, "link_latency_s": latency,
              "bulk_latency_s": bulk, "tp_latency_s": tp_latency,
              "comm_rate_under_compute": rate, "gather_scratch": scratch,
+             "gather_bytes_per_s": unit_bw,
              "optimizer_params_per_s": adam,
              "tensor_overhead_s": tensor}
     layer, head = _model_overheads(gpt, rows // gpt.seq_len, rates)
@@ -625,7 +639,8 @@ def _case(name: str, lname: str, overrides: dict[str, Any], runtime: float,
           f"{spec.tensor_overhead_s * 1e6:.0f} us/tensor, gloo "
           f"{spec.nvlink_bytes_per_s / 1e9:.2f} GB/s + {spec.link_latency_s * 1e6:.0f} us "
           f"(bucket {spec.bulk_latency_s * 1e6:.0f} us, TP {spec.tp_latency_s * 1e6:.0f} us; "
-          f"{spec.comm_rate_under_compute:.2f} of its speed under compute), "
+          f"{spec.comm_rate_under_compute:.2f} of its speed under compute; ZeRO-3 gathers "
+          f"{spec.gather_bytes_per_s / 1e9:.2f} GB/s), "
           f"gather scratch {spec.gather_scratch:.2f}, framework "
           f"{spec.step_overhead_s * 1e3:.2f} ms/step + "
           f"{spec.micro_batch_overhead_s * 1e3:.2f} ms/micro-batch + "

@@ -3,9 +3,11 @@ compute hides as mt-zero runs it, and what every layout's exposed communication 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from mt_model import preset
+from mt_model import count_parameters, preset
 from mt_plan.estimate import dp_overlap, estimate
 from mt_plan.gpus import GPUS
 from mt_plan.layout import ParallelLayout
@@ -76,8 +78,6 @@ def test_tp_collectives_counted_as_mt_runs_them() -> None:
     its backward), the head's input (backward; with SP also forward), the loss's two small
     all-reduces. The trace of a TP 4 + SP run counts 8 per layer + 6 per micro-batch
     (benchmarks/comm.py: 154 per step for 4 layers x 4 micro-batches, with the step's own)."""
-    import dataclasses
-
     gpt = preset("gpt2-small")  # 12 layers
     latency = 1e-3
     gpu = dataclasses.replace(GPUS["a100-80gb"], nvlink_bytes_per_s=1e30, ib_bytes_per_s=1e30,
@@ -119,3 +119,24 @@ def test_zero3_rest_and_first_layer_are_exposed() -> None:
                                  units=(first, layer))
     assert exposed == pytest.approx(2 * m * first + grads / units)
     assert exposed + hidden == pytest.approx(weights + grads)
+
+
+def test_zero3_gathers_at_their_own_bandwidth() -> None:
+    """GPUSpec.gather_bytes_per_s: ZeRO-3's per-unit gathers move at their own measured rate
+    (gloo on CPU: a few MB at about half the rate of the buckets' tens of MB); 0 keeps the
+    link's. Without fixed costs, halving it adds the weights' gather seconds once more and
+    leaves the gradients' reduction as it was."""
+    gpt = preset("gpt2-small")
+    lay = ParallelLayout(tp=1, pp=1, dp=4, global_batch=32, micro_batch=2, zero_stage=3,
+                         recompute="none", precision="bf16")
+    base = dataclasses.replace(GPUS["a100-80gb"], link_latency_s=0.0, bulk_latency_s=0.0)
+    link = base.nvlink_bytes_per_s
+    default = estimate(gpt, lay, base)
+    same = estimate(gpt, lay, dataclasses.replace(base, gather_bytes_per_s=link))
+    half = estimate(gpt, lay, dataclasses.replace(base, gather_bytes_per_s=link / 2))
+    assert same.dp_comm_time_s == pytest.approx(default.dp_comm_time_s, rel=1e-12)
+    assert same.exposed_comm_s == pytest.approx(default.exposed_comm_s, rel=1e-12)
+    gathers = 2 * lay.num_micro_batches  # every micro-batch's forward and backward
+    weights = count_parameters(gpt) * 2 * gathers * 3 / 4 / link  # bf16 bytes, (d-1)/d
+    assert half.dp_comm_time_s - default.dp_comm_time_s == pytest.approx(weights, rel=1e-9)
+    assert half.exposed_comm_s > default.exposed_comm_s

@@ -606,7 +606,8 @@ def _step_costs(gpt: GPTConfig, layout: ParallelLayout, gpu: GPUSpec) -> dict:
         worst = _stage_params(gpt, layout).index(stage_params)
         rest = _params_of(gpt, layout, worst, 0)
         layer = (stage_params - rest) / max(layers, 1)
-        per_byte = weight_volume / gathers * width * share
+        unit_bw = gpu.gather_bytes_per_s or dp_bw
+        per_byte = weight_volume / gathers * width * (d - 1) / d / unit_bw
         g_rest, g_layer = rest * per_byte + bulk, layer * per_byte + lat
         weights = gathers * (g_rest + layers * g_layer)
         units = (g_rest + g_layer, g_layer)

@@ -56,6 +56,10 @@ class GPUSpec:
             as a share of its speed alone (what overlap can hide); 0 means 1 (a GPU's copy
             engines and NICs run beside the kernels; gloo on CPU cores that all compute
             gets a share of them, smaller with more ranks per core).
+        gather_bytes_per_s: bus bandwidth of ZeRO-3's per-unit gathers (one layer's or
+            the stage's rest's weights, a few MB each), where it differs from the gradient
+            buckets' (gloo on CPU: all-reduces of a few MB run at about half the rate of
+            tens of MB, figures in apps/pretrain/README.md); 0 means the link's.
         tensor_overhead_s: fixed seconds per parameter tensor of the optimizer step (a
             per-tensor Adam loop and gradient norm).
         optimizer_params_per_s: Adam step throughput in parameters per second; 0 means
@@ -103,6 +107,7 @@ class GPUSpec:
     bulk_latency_s: float = 0.0
     tp_latency_s: float = 0.0
     comm_rate_under_compute: float = 0.0
+    gather_bytes_per_s: float = 0.0
     tensor_overhead_s: float = 0.0
     optimizer_params_per_s: float = 0.0
     alloc_bytes_per_s: float = 0.0
