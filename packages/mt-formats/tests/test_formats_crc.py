@@ -118,7 +118,7 @@ def _flip_shard_byte(path: Path, name: str, from_end: bool) -> None:
     ("pp_rank_00_tp_rank_01", "embed.tokens.weight", True),  # vocabulary padding
     ("pp_rank_01_tp_rank_00", "embed.tokens.weight", False),  # the tied copy
     ("pp_rank_01_tp_rank_01", "ln_f.weight", False),  # a replicated copy
-    ("pp_rank_01_tp_rank_01", "blocks.1.mlp.proj.weight", False),  # row (merged in memory)
+    ("pp_rank_01_tp_rank_01", "blocks.1.mlp.proj.weight", False),  # row (rows interleaved)
 ])
 def test_convert_merge_file_to_file_verifies_every_shard(tmp_path: Path, file: str, name: str,
                                                          from_end: bool) -> None:

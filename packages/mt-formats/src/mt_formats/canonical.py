@@ -23,6 +23,7 @@ from mt_formats.tensors import TensorSpec
 from mt_model import GPT, GPTConfig
 
 __all__ = [
+    "Buffered",
     "CheckpointReader",
     "CheckpointWriter",
     "Deferred",
@@ -59,6 +60,19 @@ class Pieces:
     spec: TensorSpec
     spans: tuple[FileSpan, ...]
     verify: Callable[[list[int]], None]
+
+
+@dataclass(frozen=True)
+class Buffered:
+    """A canonical tensor's raw bytes, read and verified, as the concatenation of ``data``
+    (views of buffers the reader reuses: valid until its second-next
+    :meth:`CheckpointReader.read_pieces` call), and their CRC (of
+    :data:`mt_formats.crc.CHECKSUM_ALGORITHM`): a writer that stores the tensor as-is
+    writes them (:meth:`CheckpointWriter.write_buffered`) and records the CRC."""
+
+    spec: TensorSpec
+    data: tuple[memoryview, ...]
+    crc: int
 
 
 def canonical_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
@@ -120,9 +134,11 @@ class CheckpointReader(ABC):
         while writing them."""
         return self.read(name), None
 
-    def read_pieces(self, name: str) -> Pieces | None:
+    def read_pieces(self, name: str) -> Pieces | Buffered | None:
         """``name`` as byte ranges of the stored files, unverified (see :class:`Pieces`),
-        or None where its bytes are not stored as-is (the caller then uses :meth:`read`)."""
+        or its bytes read and verified into reused buffers (:class:`Buffered`), or None
+        where a writer storing it as-is cannot take it so (the caller then uses
+        :meth:`read`)."""
         return None
 
     def optimizer_state(self, name: str) -> dict[str, torch.Tensor] | None:
@@ -181,12 +197,18 @@ class CheckpointWriter(ABC):
         return self.write(name, tensor)
 
     accepts_pieces: bool = False
-    """Whether :meth:`write_pieces` stores a tensor given as byte ranges of files."""
+    """Whether :meth:`write_pieces` and :meth:`write_buffered` store a tensor given as byte
+    ranges of files or as verified buffers."""
 
     def write_pieces(self, name: str, pieces: Pieces) -> list[int]:
         """Store ``name`` from ``pieces.spans`` as-is (only where :attr:`accepts_pieces`);
         returns each span's CRC (:data:`mt_formats.crc.CHECKSUM_ALGORITHM`)."""
         raise NotImplementedError(f"{type(self).__name__} does not write byte ranges")
+
+    def write_buffered(self, name: str, buffered: Buffered) -> None:
+        """Store ``name`` from ``buffered.data`` as-is, with the checksum of
+        ``buffered.crc`` (only where :attr:`accepts_pieces`)."""
+        raise NotImplementedError(f"{type(self).__name__} does not write buffers")
 
     @abstractmethod
     def finish(self) -> None:

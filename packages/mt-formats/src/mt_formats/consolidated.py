@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from mt_formats.canonical import (
+    Buffered,
     CheckpointReader,
     CheckpointWriter,
     Deferred,
@@ -98,6 +99,10 @@ class ConsolidatedWriter(CheckpointWriter):
         crcs: list[int] = []  # copied in the kernel, hashed from a reused buffer
         self._writer.write_parts(name, list(pieces.spans), None, crcs)
         return crcs
+
+    def write_buffered(self, name: str, buffered: Buffered) -> None:
+        assert self._writer is not None, "open() first"
+        self._writer.write_buffers(name, buffered.data, buffered.crc)
 
     def finish(self) -> None:
         assert self._writer is not None and self._directory is not None, "open() first"

@@ -24,6 +24,7 @@ import torch
 
 from mt_formats.atomic import atomic_directory, check_destination
 from mt_formats.canonical import (
+    Buffered,
     CheckpointReader,
     CheckpointWriter,
     Deferred,
@@ -259,7 +260,7 @@ def _stream(names: list[str], get: Callable[[str], _Read]) -> Iterator[tuple[str
             pending.cancel()
 
 
-_Read = tuple[torch.Tensor, Deferred | None] | Pieces
+_Read = tuple[torch.Tensor, Deferred | None] | Pieces | Buffered
 
 
 def _write(writer: CheckpointWriter, names: list[str], get: Callable[[str], _Read],
@@ -275,6 +276,12 @@ def _write(writer: CheckpointWriter, names: list[str], get: Callable[[str], _Rea
             writer.open(staging)
             try:
                 for done, (name, item) in enumerate(_stream(names, get), 1):
+                    if isinstance(item, Buffered):  # read and verified by the reader
+                        writer.write_buffered(name, item)
+                        total_bytes += item.spec.nbytes
+                        if progress is not None:
+                            progress(name, done, len(names))
+                        continue
                     if isinstance(item, Pieces):  # byte ranges of the source files
                         item.verify(writer.write_pieces(name, item))
                         total_bytes += item.spec.nbytes

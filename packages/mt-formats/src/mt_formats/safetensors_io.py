@@ -33,7 +33,7 @@ from safetensors import safe_open
 
 from mt_formats.crc import CHECKSUM_ALGORITHM, _Hasher, algorithm_of, crc_combine, crc_kind, digest
 from mt_formats.errors import ConvertError
-from mt_formats.spans import FileSpan, copy_span, read_ahead
+from mt_formats.spans import FileSpan, copy_span, open_direct, read_ahead, write_all
 from mt_formats.tensors import TensorSpec, dtype_from_name, dtype_name, raw_bytes
 
 __all__ = [
@@ -166,6 +166,26 @@ class SafetensorsWriter:
         self._start_writeback(*self._offsets[key])
         return checksum
 
+    def write_buffers(self, key: str, data: Sequence[memoryview], crc: int) -> str:
+        """Store ``key`` as the concatenation of ``data`` (``pwrite`` from them, no copy in
+        between), whose CRC the caller computed from these very bytes (``crc``, recorded
+        as the checksum). With a CRC algorithm only; returns the checksum."""
+        expected = self._planned(key)
+        size = sum(len(part) for part in data)
+        if self._crc is None or size != expected.nbytes:
+            raise ConvertError(f"{self.path}: tensor {key!r} gets {size} bytes with a CRC, "
+                               f"the layout expects {expected.describe()} "
+                               f"({expected.nbytes} bytes) and {self.algorithm} checksums")
+        self._file.flush()  # the writes go to explicit offsets
+        position = self._data_start + self._offsets[key][0]
+        for part in data:
+            write_all(self._file.fileno(), part, position)
+            position += len(part)
+        checksum = self._crc.format(crc)
+        self._checksums[key] = checksum
+        self._start_writeback(*self._offsets[key])
+        return checksum
+
     def _start_writeback(self, begin: int, end: int) -> None:
         """Have the kernel start writing ``[begin, end)`` of the data to disk now, without
         waiting: the final fsync then finds most of the file on disk already, instead of
@@ -288,6 +308,7 @@ class SafetensorsReader:
         self.path = Path(path)
         self._spans: dict[str, tuple[int, int]] | None = None
         self._fd: int | None = None
+        self._direct_fd = -1  # the file opened with O_DIRECT, with _fd (SpanBuffer reads it)
         if not self.path.is_file():
             raise ConvertError(f"{self.path}: file not found")
         try:
@@ -383,11 +404,12 @@ class SafetensorsReader:
                 size = struct.unpack("<Q", handle.read(8))[0]
                 header = json.loads(handle.read(size))
             self._fd = os.open(self.path, os.O_RDONLY)
+            self._direct_fd = open_direct(self.path)
             self._spans = {k: (8 + size + v["data_offsets"][0],
                                v["data_offsets"][1] - v["data_offsets"][0])
                            for k, v in header.items() if k != "__metadata__"}
         assert self._fd is not None
-        return FileSpan(self._fd, *self._spans[key])
+        return FileSpan(self._fd, *self._spans[key], self._direct_fd)
 
     def close(self) -> None:
         """Release the memory map."""
@@ -395,5 +417,8 @@ class SafetensorsReader:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+        if self._direct_fd >= 0:
+            os.close(self._direct_fd)
+            self._direct_fd = -1
 
 

@@ -10,9 +10,12 @@ the pieces' (:func:`source_crc`), so verifying what was read needs no pass of it
 Merging (:func:`merge_pieces`): for every style but row-parallel (tp > 1), merging TP shards
 (``merge_shards``) only concatenates byte ranges of the shards: whole shards (column), each
 shard's q, k and v blocks (fused qkv), each shard without its trailing padding rows
-(vocabulary), rank 0's copy (replicated). A writer that stores the canonical tensor as-is
-(consolidated) then copies those ranges in the kernel, hashing them from a reused buffer,
-and never maps, joins or writes the tensor from memory. The ranges' CRCs give back each
+(vocabulary), rank 0's copy (replicated); row-parallel shards are joined along their last
+dimension (:func:`row_count`: each merged row is a slice of every shard). The sharded
+reader reads those ranges (or whole row shards, whose rows it then interleaves) into reused
+buffers (:class:`mt_formats.spans.SpanBuffer`, ``O_DIRECT`` where the file system allows)
+and hashes them; a writer that stores the canonical tensor as-is (consolidated) writes the
+buffers, and nothing maps the files or allocates per tensor. The ranges' CRCs give back each
 shard's CRC (:func:`mt_formats.crc.join_crcs`; bytes outside every range, i.e. vocabulary
 padding and the copies of replicated and tied tensors, are hashed on their own), which is
 checked against the shard file's checksums. Copies must agree: replicated TP shards with
@@ -33,7 +36,8 @@ from mt_formats.spans import FileSpan
 from mt_formats.tensors import TensorSpec
 from mt_tensor_parallel import padded_vocab_size, shard_tensor, vocab_range
 
-__all__ = ["Piece", "in_file", "merge_pieces", "shard_crcs", "shard_parts", "source_crc", "tiles"]
+__all__ = ["Piece", "in_file", "merge_pieces", "row_count", "shard_crcs", "shard_parts",
+           "source_crc", "tiles"]
 
 
 @dataclass(frozen=True)
@@ -64,7 +68,7 @@ def merge_pieces(style: str, spans: Sequence[FileSpan], specs: Sequence[TensorSp
         if any(span.length % n for span in spans):
             return None
         return [Piece(rank, c * span.length // n,
-                      FileSpan(span.fd, span.offset + c * span.length // n, span.length // n))
+                      span.sub(c * span.length // n, span.length // n))
                 for c in range(n) for rank, span in enumerate(spans)]
     if style == "vocab":
         pieces, start = [], 0
@@ -72,11 +76,24 @@ def merge_pieces(style: str, spans: Sequence[FileSpan], specs: Sequence[TensorSp
             rows = spec.shape[0] if spec.shape else 0
             real = max(0, min(rows, vocab_size - start))
             if real and rows:
-                pieces.append(Piece(rank, 0, FileSpan(span.fd, span.offset,
-                                                      span.length // rows * real)))
+                pieces.append(Piece(rank, 0, span.sub(0, span.length // rows * real)))
             start += rows
         return pieces
     return None
+
+
+def row_count(style: str, specs: Sequence[TensorSpec]) -> int | None:
+    """For row-parallel shards (``style`` "row", more than one), the number of rows each
+    holds (the product of every dimension but the last, the same for all), whose join
+    along the last dimension is ``merge_shards``; None otherwise."""
+    if style != "row" or len(specs) < 2 or not specs[0].shape:
+        return None
+    if any(spec.shape[:-1] != specs[0].shape[:-1] for spec in specs):
+        return None
+    rows = 1
+    for size in specs[0].shape[:-1]:
+        rows *= size
+    return rows if rows > 0 else None
 
 
 def shard_crcs(pieces: Sequence[Piece], crcs: Sequence[int], spans: Sequence[FileSpan],
@@ -93,7 +110,7 @@ def shard_crcs(pieces: Sequence[Piece], crcs: Sequence[int], spans: Sequence[Fil
         crc = join_crcs(mine, covered)
         assert crc is not None, "pieces of a shard start at 0 and are contiguous"
         if covered < span.length:
-            rest = FileSpan(span.fd, span.offset + covered, span.length - covered)
+            rest = span.sub(covered, span.length - covered)
             crc = crc_combine(crc, hash_span(rest), rest.length) if covered else hash_span(rest)
         out.append(crc)
     return out
@@ -132,7 +149,7 @@ def in_file(part: Part, tensor: torch.Tensor, span: FileSpan) -> Part:
             tensor.is_contiguous()):
         return part
     start = (part.storage_offset() - tensor.storage_offset()) * part.element_size()
-    return FileSpan(span.fd, span.offset + start, part.numel() * part.element_size())
+    return span.sub(start, part.numel() * part.element_size())
 
 
 def tiles(tensor: torch.Tensor, parts: list[list[Part]]) -> bool:

@@ -13,8 +13,9 @@ Pipeline stages hold contiguous layer ranges (``layout.stage_layers``, uniform a
 on the last, and the last stage also keeps a copy of ``embed.tokens.weight`` for the tied
 head, exactly as ``mt_pipeline`` names a stage's parameters. Merging uses
 ``merge_shards`` and drops padding rows, so A -> B -> A is bit-identical for any layouts
-and padding multiples. Copies (replicated TP tensors, the tied embedding of the last
-stage) are checked to agree when read.
+and padding multiples (to consolidated, the same bytes are joined in reused buffers:
+:meth:`ShardedReader.read_pieces`, :mod:`mt_formats.shard_pieces`). Copies (replicated TP
+tensors, the tied embedding of the last stage) are checked to agree when read.
 
 Manifest ``layout``: ``{"tp", "pp", "pad_multiple"}`` (+ ``"stage_layers"`` when pp > 1).
 """
@@ -28,13 +29,13 @@ from typing import Any
 import torch
 
 from mt_formats.canonical import (
+    Buffered,
     CheckpointReader,
     CheckpointWriter,
-    Pieces,
     TensorRef,
     canonical_shapes,
 )
-from mt_formats.crc import CHECKSUM_ALGORITHM, crc_kind, digest
+from mt_formats.crc import CHECKSUM_ALGORITHM, crc_combine, crc_kind, digest
 from mt_formats.errors import ConvertError
 from mt_formats.manifest import FileEntries, open_checked, read_manifest, write_manifest
 from mt_formats.safetensors_io import SafetensorsReader, SafetensorsWriter
@@ -42,12 +43,18 @@ from mt_formats.shard_pieces import (
     Piece,
     in_file,
     merge_pieces,
+    row_count,
     shard_crcs,
     shard_parts,
     source_crc,
     tiles,
 )
-from mt_formats.spans import FileSpan, crc_span
+from mt_formats.spans import (
+    FileSpan,
+    ScratchBuffer,
+    SpanBuffer,
+    interleave_rows,
+)
 from mt_formats.tensors import TensorSpec, raw_bytes
 from mt_model import GPTConfig, parameter_stages
 from mt_pipeline import PartitionError, uniform_partition
@@ -72,6 +79,7 @@ __all__ = [
 ]
 
 SHARDED_FORMAT = "mt-sharded"
+_HASH_WINDOW = 32 << 20  # bytes of a copy or padding read at once to be hashed
 
 
 def shard_file(tp_rank: int, pp_rank: int = 0, pp: int = 1) -> str:
@@ -303,7 +311,11 @@ class ShardedReader(CheckpointReader):
             raise ConvertError(f"{path}: files {sorted(manifest.files)} do not match tp={tp} "
                                f"pp={pp} (expected {sorted(wanted)})")
         self._files: dict[tuple[int, int], SafetensorsReader] = {}
-        self._buffer: memoryview | None = None  # for hashing byte ranges (main thread)
+        self._spare = SpanBuffer()  # hashing bytes no range takes (padding, copies)
+        # read_pieces fills these in turn: a Buffered stays valid until the second-next.
+        self._ranges = (SpanBuffer(), SpanBuffer())
+        self._joined = (ScratchBuffer(), ScratchBuffer())
+        self._turn = 0
         try:
             for stage, rank, file in self._layout.files():
                 shapes = {name: spec.shape
@@ -351,31 +363,57 @@ class ShardedReader(CheckpointReader):
         vocab = self.config.vocab_size if style == "vocab" else None
         return merge_shards(style, shards, vocab_size=vocab)
 
-    def read_pieces(self, name: str) -> Pieces | None:
+    def read_pieces(self, name: str) -> Buffered | None:
+        """``name``'s bytes read (with ``O_DIRECT`` where the platform allows, so nothing
+        goes through the page cache) and verified into the next of two reused buffers: for
+        every style but row-parallel the byte ranges whose concatenation is the merged
+        tensor (:func:`merge_pieces`), for row-parallel shards their rows interleaved into
+        a third buffer (:func:`row_count`). Its CRC is assembled from the ranges' or hashed
+        from the joined rows."""
         first, *others = self._layout.stages[name]
         files = [self._files[(first, rank)] for rank in range(self.tp)]
         specs = [file.spec(name) for file in files]
         if len({spec.dtype for spec in specs}) > 1:
             return None  # read() explains
         spans = [file.span(name) for file in files]
-        pieces = merge_pieces(self._layout.styles[name], spans, specs, self.config.vocab_size)
+        style = self._layout.styles[name]
+        rows = row_count(style, specs)
+        pieces = ([Piece(rank, 0, span) for rank, span in enumerate(spans)] if rows
+                  else merge_pieces(style, spans, specs, self.config.vocab_size))
         if pieces is None:
             return None
-        return Pieces(TensorSpec(self._shapes[name], specs[0].dtype),
-                      tuple(p.span for p in pieces),
-                      lambda crcs: self._verify_pieces(name, pieces, crcs, spans, others))
+        kind = crc_kind(CHECKSUM_ALGORITHM)
+        assert kind is not None
+        self._turn ^= 1
+        ranges, joined = self._ranges[self._turn], self._joined[self._turn]
+        ranges.reset(SpanBuffer.room(piece.span for piece in pieces))
+        data = ranges.read([piece.span for piece in pieces])
+        crcs = [kind.update(part, 0) for part in data]
+        self._verify_pieces(name, pieces, crcs, spans, others)
+        spec = TensorSpec(self._shapes[name], specs[0].dtype)
+        if rows:
+            out = joined.take(spec.nbytes)
+            interleave_rows(data, rows, out)
+            return Buffered(spec, (memoryview(out),), kind.update(out, 0))
+        crc = 0
+        for part, part_crc in zip(data, crcs):
+            crc = crc_combine(crc, part_crc, len(part))
+        return Buffered(spec, tuple(data), crc)
 
     def _verify_pieces(self, name: str, pieces: list[Piece], crcs: list[int],
                        spans: list[FileSpan], others: list[int]) -> None:
         """Check every file holding ``name`` (see :mod:`mt_formats.shard_pieces`)."""
         kind = crc_kind(CHECKSUM_ALGORITHM)
         assert kind is not None
-        if self._buffer is None:
-            self._buffer = memoryview(bytearray(8 << 20))
-        buffer = self._buffer
+        spare = self._spare
 
-        def hash_span(span: FileSpan) -> int:
-            return crc_span(span, buffer, kind.update)
+        def hash_span(span: FileSpan) -> int:  # in windows, each read by several requests
+            crc = 0
+            for start in range(0, span.length, _HASH_WINDOW):
+                window = span.sub(start, min(_HASH_WINDOW, span.length - start))
+                spare.reset(SpanBuffer.room([window]))
+                crc = crc_combine(crc, kind.update(spare.read([window])[0], 0), window.length)
+            return crc
 
         first = self._layout.stages[name][0]
         ranks = shard_crcs(pieces, crcs, spans, hash_span)

@@ -6,26 +6,44 @@ contiguous piece of a target shard is a byte range of the source file. Copying i
 both verifies the source and becomes the shard's checksum, is computed from ``pread`` into
 one reused buffer, which touches no new memory pages (hashing a memory map of the source
 faults every page in, and on a busy machine those faults cost more than the hashing).
+
+:class:`SpanBuffer` reads byte ranges into reused memory instead, bypassing the page cache
+where the file system allows (``O_DIRECT``): a reader that hands the bytes it verified to
+a writer (the merge of sharded checkpoints) neither maps the files nor copies freshly read
+page-cache pages to user memory, which on a virtual machine costs several times what the
+kernel's own file copy does.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import mmap
 import os
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from typing import Any
 
-__all__ = ["FileSpan", "copy_span", "crc_span", "read_ahead"]
+import numpy as np
+
+__all__ = ["FileSpan", "ScratchBuffer", "SpanBuffer", "aligned_buffer", "copy_span", "crc_span",
+           "interleave_rows", "open_direct", "read_ahead", "write_all"]
 
 
 @dataclass(frozen=True)
 class FileSpan:
-    """``length`` bytes at ``offset`` of the open file descriptor ``fd``."""
+    """``length`` bytes at ``offset`` of the open file descriptor ``fd``; ``direct_fd``
+    (-1: none) is the same file opened with ``O_DIRECT`` (:class:`SpanBuffer` reads it)."""
 
     fd: int
     offset: int
     length: int
+    direct_fd: int = -1
+
+    def sub(self, start: int, length: int) -> FileSpan:
+        """``length`` bytes from ``start`` (relative to this span) of the same file."""
+        return replace(self, offset=self.offset + start, length=length)
 
 
 def copy_span(span: FileSpan, out_fd: int, out_offset: int, buffer: memoryview,
@@ -35,7 +53,7 @@ def copy_span(span: FileSpan, out_fd: int, out_offset: int, buffer: memoryview,
     Falls back to writing the bytes read where the kernel cannot copy between the files."""
     if update is None:  # nothing to hash: the kernel copies it all
         done = _kernel_copy(span.fd, out_fd, span.offset, out_offset, span.length)
-        span = FileSpan(span.fd, span.offset + done, span.length - done)
+        span = span.sub(done, span.length - done)
         out_offset += done
     crc = 0
     for done, chunk in _chunks(span, buffer):
@@ -85,6 +103,155 @@ def _copy(src: int, dst: int, src_offset: int, dst_offset: int, chunk: memoryvie
     copied = _kernel_copy(src, dst, src_offset, dst_offset, len(chunk))
     while copied < len(chunk):
         copied += os.pwrite(dst, chunk[copied:], dst_offset + copied)
+
+
+def write_all(fd: int, data: memoryview, offset: int) -> None:
+    """Write all of ``data`` to ``fd`` at ``offset``."""
+    done = 0
+    while done < len(data):
+        done += os.pwrite(fd, data[done:], offset + done)
+
+
+#: O_DIRECT reads: offsets, lengths and buffer addresses are multiples of this.
+_ALIGN = 4096
+
+
+def aligned_buffer(size: int) -> memoryview:
+    """A writable buffer of ``size`` bytes at a page-aligned address (private anonymous
+    memory), as ``O_DIRECT`` reads need."""
+    return memoryview(mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE))[:size]
+
+
+def open_direct(path: str | os.PathLike[str]) -> int:
+    """``path`` opened read-only with ``O_DIRECT``, or -1 where the platform or file
+    system has none."""
+    try:
+        return os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except (AttributeError, OSError):
+        return -1
+
+
+class ScratchBuffer:
+    """A byte buffer reused from call to call, grown when too small: after the first use
+    no new memory pages are touched (fresh pages cost more than the copies into them)."""
+
+    def __init__(self) -> None:
+        self._array = np.empty(0, dtype=np.uint8)
+
+    def take(self, size: int) -> np.ndarray:
+        """The first ``size`` bytes of the buffer (uint8; its old contents)."""
+        if self._array.size < size:
+            self._array = np.empty(size, dtype=np.uint8)
+        return self._array[:size]
+
+
+#: Bytes of one read request of :class:`SpanBuffer`: larger spans are read in pieces of
+#: this size by several threads at once, so that the disk always has requests queued (a
+#: direct read has no kernel read-ahead).
+_REQUEST = 8 << 20
+_READ_THREADS = 4
+_pool: ThreadPoolExecutor | None = None
+
+
+def _read_pool() -> ThreadPoolExecutor:
+    global _pool
+    if _pool is None:
+        _pool = ThreadPoolExecutor(max_workers=_READ_THREADS, thread_name_prefix="mt-read")
+    return _pool
+
+
+class SpanBuffer:
+    """Byte ranges read into one reused page-aligned buffer, with ``O_DIRECT`` where the
+    span has a ``direct_fd`` (each as the 4096-aligned blocks covering it, at the next
+    aligned position), else with ``pread``; requests of at most 8 MiB, several in flight.
+    :meth:`reset` starts over."""
+
+    def __init__(self) -> None:
+        self._buffer = aligned_buffer(0)
+        self._used = 0
+
+    @staticmethod
+    def room(spans: Iterable[FileSpan]) -> int:
+        """Bytes of buffer :meth:`read` needs for ``spans``."""
+        return sum(-(-(span.length + 2 * _ALIGN) // _ALIGN) * _ALIGN for span in spans)
+
+    def reset(self, room: int) -> None:
+        """Forget what was read (views of it must not be used any more) and make room for
+        ``room`` bytes (:meth:`room`)."""
+        if len(self._buffer) < room:
+            self._buffer = aligned_buffer(room)
+        self._used = 0
+
+    def read(self, spans: Sequence[FileSpan]) -> list[memoryview]:
+        """The bytes of each of ``spans`` (views valid until :meth:`reset`)."""
+        plans = [self._claim(span) for span in spans]
+        jobs = [_read_pool().submit(_read_into, fd, region[done:done + _REQUEST],
+                                    offset + done, min(_REQUEST, least - done))
+                for fd, region, offset, least, _ in plans if fd >= 0
+                for done in range(0, least, _REQUEST)]
+        refused = False
+        for job in jobs:
+            try:
+                job.result()
+            except _NotDirect:
+                refused = True
+        views = []
+        for span, (fd, region, _, _, low) in zip(spans, plans):
+            if refused or fd < 0:  # a direct read was refused: read them all buffered
+                _read_into(span.fd, region[:span.length], span.offset, span.length)
+                low = 0
+            views.append(region[low:low + span.length])
+        return views
+
+    def _claim(self, span: FileSpan) -> tuple[int, memoryview, int, int, int]:
+        """(fd to read, its region of the buffer, file offset, bytes to read at least,
+        where the span starts in the region); fd -1 for an empty span."""
+        direct = span.direct_fd >= 0
+        start = span.offset - span.offset % _ALIGN if direct else span.offset
+        size = -(-(span.offset + span.length - start) // _ALIGN) * _ALIGN
+        region = self._buffer[self._used:self._used + size]
+        if len(region) < size:
+            raise ValueError(f"no room for {size} bytes: reset() with room() first")
+        self._used += size
+        low = span.offset - start
+        fd = -1 if not span.length else span.direct_fd if direct else span.fd
+        return fd, region, start, low + span.length, low
+
+
+def _read_into(fd: int, region: memoryview, offset: int, least: int) -> None:
+    """Read ``fd`` from ``offset`` into ``region`` until at least ``least`` bytes are in;
+    raises :class:`_NotDirect` where the first read is refused as misaligned (EINVAL)."""
+    done = 0
+    while done < least:
+        try:
+            size = os.preadv(fd, [region[done:]], offset + done)
+        except OSError as err:
+            if done == 0 and err.errno == errno.EINVAL:
+                raise _NotDirect from None
+            raise
+        if size <= 0:
+            raise OSError(f"unexpected end of file at byte {offset + done}")
+        done += size
+
+
+def interleave_rows(sources: Sequence[memoryview], rows: int, out: np.ndarray) -> None:
+    """Write into ``out`` (uint8) the rows of the byte strings ``sources``, each ``rows``
+    rows of equal length, joined along the rows: row 0 of every source in order, then
+    row 1, ... (the bytes of ``torch.cat(tensors, dim=-1)`` of tensors with those bytes).
+    """
+    if rows < 1 or any(len(source) % rows for source in sources) or out.size != sum(
+            len(source) for source in sources):
+        raise ValueError(f"sources of {[len(s) for s in sources]} bytes are not {rows} rows "
+                         f"each, or do not fill {out.size} bytes")
+    table, column = out.reshape(rows, -1), 0
+    for source in sources:
+        width = len(source) // rows
+        table[:, column:column + width] = np.frombuffer(source, np.uint8).reshape(rows, width)
+        column += width
+
+
+class _NotDirect(Exception):
+    """A direct read was refused (alignment, file system): read buffered."""
 
 
 def read_ahead(spans: Iterable[FileSpan]) -> None:

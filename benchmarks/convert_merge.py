@@ -1,0 +1,127 @@
+"""Where the merge TP 2 x PP 2 -> consolidated spends its time, next to a plain file copy.
+
+Builds (once, under ``--dir``) the same 1.117 GB fp32 checkpoint as ``convert.py`` and its
+TP 2 x PP 2 reshape, then ``--repeats`` times, alternately: ``shutil.copyfile`` + fsync of
+``model.safetensors``, and the merge back to consolidated, each source dropped from the
+page cache first (as ``convert.py`` does). For each side it prints the wall time, the
+process's user and system CPU time, and the bytes the disk read and wrote with its busy
+time (``/proc/diskstats`` of the disk holding ``--dir``); for the merge also the wall time
+per tensor style (from one progress call to the next: the writer's time plus any wait for
+the reader thread) and the time outside the tensor loop (opening, final fsyncs, manifest).
+On a machine where other jobs run, compare the copy and the merge of the same repeat.
+Example:
+
+    PYTHONPATH=$(ls -d packages/*/src apps/*/src | tr '\\n' ':') \\
+        python3 benchmarks/convert_merge.py --repeats 3 --dir /tmp/cvb-merge
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import shutil
+import time
+from pathlib import Path
+
+from convert import _build, _copy, _evict  # type: ignore[import-not-found]
+
+from mt_formats import convert_checkpoint
+from mt_formats.sharded import ShardedReader
+from mt_model import GPTConfig
+
+
+def _disk_of(path: Path) -> str:
+    """The /proc/diskstats name of the block device holding ``path``."""
+    device = os.stat(path).st_dev
+    link = Path(f"/sys/dev/block/{os.major(device)}:{os.minor(device)}").resolve()
+    return link.parent.name if (link / "partition").exists() else link.name
+
+
+def _disk(name: str) -> tuple[int, int, int]:
+    """(bytes read, bytes written, busy ms) of disk ``name`` so far."""
+    for line in Path("/proc/diskstats").read_text().splitlines():
+        fields = line.split()
+        if fields[2] == name:
+            return int(fields[5]) * 512, int(fields[9]) * 512, int(fields[12])
+    raise SystemExit(f"disk {name} not in /proc/diskstats")
+
+
+class _Meter:
+    """Wall, CPU and disk counters between :meth:`start` and :meth:`line`."""
+
+    def __init__(self, disk: str) -> None:
+        self.disk = disk
+
+    def start(self) -> None:
+        self._cpu, self._io, self._wall = os.times(), _disk(self.disk), time.perf_counter()
+
+    def line(self) -> tuple[float, str]:
+        wall, cpu, io = time.perf_counter() - self._wall, os.times(), _disk(self.disk)
+        return wall, (f"{wall:5.2f} s, cpu user {cpu.user - self._cpu.user:4.2f} s sys "
+                      f"{cpu.system - self._cpu.system:4.2f} s, disk read "
+                      f"{(io[0] - self._io[0]) / 1e9:4.2f} GB written "
+                      f"{(io[1] - self._io[1]) / 1e9:4.2f} GB busy "
+                      f"{(io[2] - self._io[2]) / 1e3:4.2f} s")
+
+
+class _StyleClock:
+    """Wall time per tensor style, from one progress call to the next."""
+
+    def __init__(self, styles: dict[str, str]) -> None:
+        self.styles = styles
+        self.per: dict[str, float] = collections.defaultdict(float)
+        self._last = 0.0
+
+    def start(self) -> None:
+        self._last = time.perf_counter()
+
+    def progress(self, name: str, done: int, total: int) -> None:
+        now = time.perf_counter()
+        self.per[self.styles[name]] += now - self._last
+        self._last = now
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dir", type=Path, default=Path("/tmp/cvb-merge"),
+                        help="where the checkpoints are built (kept for later runs)")
+    args = parser.parse_args()
+    root = args.dir / "merge-profile"
+    full, sharded, back = root / "full", root / "tp2pp2", root / "back"
+    if not full.exists():
+        root.mkdir(parents=True, exist_ok=True)
+        config = GPTConfig(n_layers=18, hidden=1024, n_heads=16, vocab_size=50257,
+                           seq_len=1024)
+        _build(config.to_dict(), str(full))
+    if not sharded.exists():
+        convert_checkpoint(full, sharded, to="tp", tp=2, pp=2)
+    with ShardedReader(sharded) as reader:
+        styles = {name: reader._layout.styles[name] for name in reader.names()}
+        sizes = {name: reader.spec(name).nbytes for name in reader.names()}
+    meter = _Meter(_disk_of(root))
+    for repeat in range(args.repeats):
+        meter.start()
+        _copy(full / "model.safetensors", root / "copy")
+        copy, line = meter.line()
+        (root / "copy").unlink()
+        print(f"[{repeat}] copy  {line}", flush=True)
+        clock = _StyleClock(styles)
+        _evict(sharded)
+        meter.start()
+        clock.start()
+        convert_checkpoint(sharded, back, progress=clock.progress)
+        merge, line = meter.line()
+        print(f"[{repeat}] merge {line}: {copy / merge:4.2f}x the copy", flush=True)
+        parts = [f"{style} {seconds:4.2f} s / "
+                 f"{sum(sizes[n] for n in sizes if styles[n] == style) / 1e6:.0f} MB"
+                 for style, seconds in sorted(clock.per.items())]
+        print(f"    per style: {', '.join(parts)}; outside the loop "
+              f"{merge - sum(clock.per.values()):4.2f} s", flush=True)
+        shutil.rmtree(back)
+    print("load average (1, 5, 15 min): " + ", ".join(f"{x:.2f}" for x in os.getloadavg()))
+
+
+if __name__ == "__main__":
+    main()
