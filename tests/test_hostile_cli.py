@@ -712,7 +712,7 @@ CASES = [
       "--tokenizer only applies to the hf and gguf targets, not 'consolidated'"),
     C("idle-convert-drop-optimizer", "convert {hf} {t}/out --drop-optimizer",
       "--drop-optimizer only applies to the formats that hold optimizer state (pretrain, "
-      "dcp), not to 'consolidated'"),
+      "dcp, mcore), not to 'consolidated'"),
     C("idle-convert-pad-consolidated", "convert {hf} {t}/out --to consolidated "
       "--pad-multiple 8", "--pad-multiple 8 only applies to the tp and megatron formats"),
     C("idle-generate-logprobs-prompt", "generate {ck} --prompt The --logprobs",
