@@ -352,3 +352,33 @@ def test_mcore_distributed_adam_state_round_trip(tmp_path: Path) -> None:
     assert not [key for key in stored if key.startswith("optimizer.")]
     with open_checkpoint(tmp_path / "weights") as reader:
         assert reader.optimizer_state("blocks.0.attn.q.weight") is None
+
+
+def test_bucketed_optimizer_state_is_refused_in_one_line(tmp_path: Path) -> None:
+    """A folder holding the distributed optimizer's per-bucket state ('dp_reshardable',
+    ``optimizer.distributed.*``: flat buffers laid out by megatron-core's gradient buckets)
+    is refused in one line naming the file, the layout mt reads and --drop-optimizer; with
+    --drop-optimizer the weights convert."""
+    model = GPT(GPTConfig(n_layers=2, hidden=32, n_heads=4, vocab_size=64, seq_len=16), seed=0)
+    save_model(model, tmp_path / "mcore", to="mcore")
+    stored = dcp.FileSystemReader(tmp_path / "mcore").read_metadata().state_dict_metadata
+    state = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
+             for key, meta in stored.items() if hasattr(meta, "size")}
+    dcp.load(state, checkpoint_id=str(tmp_path / "mcore"), no_dist=True)
+    state["optimizer.distributed.dp_group_idx_0.gbuf_idx_0.dtype_(torch.float32, "
+          "torch.float32).bucket_idx_0.exp_avg"] = torch.zeros(10)
+    (tmp_path / "bucketed").mkdir()
+    dcp.save(state, checkpoint_id=str(tmp_path / "bucketed"), no_dist=True)
+    for name in ("metadata.json", "common.pt", "mt.json"):
+        (tmp_path / "bucketed" / name).write_bytes((tmp_path / "mcore" / name).read_bytes())
+    with pytest.raises(ConvertError) as refused:
+        convert_checkpoint(tmp_path / "bucketed", tmp_path / "out", to="pretrain")
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith(f"{tmp_path / 'bucketed' / '.metadata'}:")
+    assert "'dp_reshardable'" in message and "'fully_reshardable'" in message
+    assert "--drop-optimizer" in message and not (tmp_path / "out").exists()
+    convert_checkpoint(tmp_path / "bucketed", tmp_path / "out", to="pretrain",
+                       drop_optimizer=True)
+    with open_checkpoint(tmp_path / "out") as reader:
+        for name, tensor in model.state_dict().items():
+            assert torch.equal(reader.read(name), tensor), name
