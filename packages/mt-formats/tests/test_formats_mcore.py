@@ -382,3 +382,51 @@ def test_bucketed_optimizer_state_is_refused_in_one_line(tmp_path: Path) -> None
     with open_checkpoint(tmp_path / "out") as reader:
         for name, tensor in model.state_dict().items():
             assert torch.equal(reader.read(name), tensor), name
+
+
+def test_a_bf16_model_s_fp32_main_params_become_the_masters(tmp_path: Path) -> None:
+    """A bf16 Megatron-core model whose distributed optimizer keeps fp32 main params
+    (``optimizer.state.param.*``): --to pretrain takes them, not the bf16 weights, as
+    mt's fp32 weights and masters (bit for bit the fp32 model), with the moments; --to mcore
+    writes them back as the main params."""
+    from mt_formats.mcore import optimizer_common
+
+    config = LLAMA
+    fp32 = GPT(config, seed=0)
+    save_model(fp32, tmp_path / "fp32", to="mcore")
+    save_model(GPT(config, seed=0).to(torch.bfloat16), tmp_path / "bf16", to="mcore")
+
+    def stored(folder: Path) -> dict[str, torch.Tensor]:
+        meta = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+        state = {key: torch.empty(m.size, dtype=m.properties.dtype)
+                 for key, m in meta.items() if hasattr(m, "size")}
+        dcp.load(state, checkpoint_id=str(folder), no_dist=True)
+        return state
+
+    masters, crafted = stored(tmp_path / "fp32"), stored(tmp_path / "bf16")
+    for key, master in masters.items():
+        crafted[state_key("param", key)] = master
+        crafted[state_key("exp_avg", key)] = master * 0.5
+        crafted[state_key("exp_avg_sq", key)] = master.square()
+    (tmp_path / "mixed").mkdir()
+    dcp.save(crafted, checkpoint_id=str(tmp_path / "mixed"), no_dist=True)
+    (tmp_path / "mixed" / "metadata.json").write_bytes(
+        (tmp_path / "bf16" / "metadata.json").read_bytes())
+    torch.save(optimizer_common(3.0), tmp_path / "mixed" / "common.pt")
+    fields = tmp_path / "llama.json"
+    fields.write_text(json.dumps(config.to_dict()))
+    convert_checkpoint(tmp_path / "mixed", tmp_path / "pretrain", to="pretrain",
+                       model=str(fields))
+    with PretrainReader(tmp_path / "pretrain") as reader:
+        for name, weight in fp32.state_dict().items():
+            if name == "head.weight" and config.tied_embeddings:
+                continue
+            assert torch.equal(reader.read(name), weight), name  # not its bf16 rounding
+            state = reader.optimizer_state(name)
+            assert state is not None and float(state["step"]) == 3.0
+            assert torch.equal(state["exp_avg"], weight * 0.5), name
+            assert torch.equal(state["exp_avg_sq"], weight.square()), name
+    convert_checkpoint(tmp_path / "mixed", tmp_path / "again", to="mcore", model=str(fields))
+    again = stored(tmp_path / "again")
+    for key, master in masters.items():
+        assert torch.equal(again[state_key("param", key)], master), key

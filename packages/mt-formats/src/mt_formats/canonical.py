@@ -144,7 +144,8 @@ class CheckpointReader(ABC):
     def optimizer_state(self, name: str) -> dict[str, torch.Tensor] | None:
         """Adam's state of canonical parameter ``name`` where the source holds one:
         ``exp_avg`` and ``exp_avg_sq`` (the parameter's canonical shape) and ``step`` (a
-        scalar); None where it holds none (weights-only formats)."""
+        scalar), and ``master`` (its fp32 main parameter) where the source keeps one apart
+        from lower-precision weights; None where it holds none (weights-only formats)."""
         return None
 
     def close(self) -> None:  # noqa: B027 - optional hook, no-op by default

@@ -301,17 +301,21 @@ class McoreReader(CheckpointReader):
     def optimizer_state(self, name: str) -> dict[str, torch.Tensor] | None:
         """Adam's moments of ``name`` from the distributed optimizer's ``fully_reshardable``
         state (``optimizer.state.<moment>.<parameter key>``, the parameter's stored shape,
-        permuted as the weight), the step from the param groups in ``common.pt``; None
-        where the folder holds no optimizer state."""
+        permuted as the weight), its fp32 main parameter as ``master`` where the folder
+        holds one (``optimizer.state.param.<key>``: a bf16 model's weights are a rounding of
+        it), the step from the param groups in ``common.pt``; None where the folder holds no
+        optimizer state."""
         if self._step is None:
             self._step = self._optimizer_step()
         if self._step is False:
             return None
         part = self._parts[name]
         result: dict[str, torch.Tensor] = {}
-        for moment in MOMENTS:
-            key = state_key(moment, part.key)
+        for state in ("param", *MOMENTS):
+            key = state_key(state, part.key)
             meta = self._folder.tensors.get(key)
+            if meta is None and state == "param":
+                continue
             stored = None if meta is None else tuple(meta.size)
             if stored != self._stored_shape(name):
                 found = "absent" if stored is None else f"of shape {list(stored)}"
@@ -319,7 +323,7 @@ class McoreReader(CheckpointReader):
                                    f"{found}; its parameter {part.key!r} is "
                                    f"{list(self._stored_shape(name))}")
             self._folder.check(key)
-            result[moment] = self._canonical(name, key)
+            result["master" if state == "param" else state] = self._canonical(name, key)
         result["step"] = torch.tensor(self._step)
         return result
 
@@ -422,7 +426,8 @@ class McoreWriter(CheckpointWriter):
         if state is None:
             return
         # megatron-core's distributed optimizer keeps fp32 main params and fp32 moments
-        self._put(state_key("param", part.key), part, tensor.to(torch.float32))
+        master = state.get("master", tensor)  # the source's fp32 master, else the weight
+        self._put(state_key("param", part.key), part, master.to(torch.float32))
         for moment in MOMENTS:
             self._put(state_key(moment, part.key), part, state[moment].to(torch.float32))
         self._steps[name] = float(state["step"])

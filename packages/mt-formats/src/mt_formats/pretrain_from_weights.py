@@ -79,10 +79,15 @@ class PretrainWriter(CheckpointWriter):
                                f"{missing}")
         shapes = {name: tuple(spec.shape) for name, spec in self.specs.items()}
         weights = {name: self._tensors[name] for name in self.specs}
+        states = {name: self.state_source.optimizer_state(name) if self.state_source else None
+                  for name in self.specs}
+        for name, state in states.items():  # a source's fp32 master: weight and master
+            if state is not None and "master" in state:
+                weights[name] = state["master"].detach().to(torch.float32).contiguous()
         full = initial_state(weights)
         if self.state_source is not None:
             for name in self.specs:
-                state = self.state_source.optimizer_state(name)
+                state = states[name]
                 if state is not None:
                     full["state"][name] = {
                         "sharded": {key: state[key].detach().to(torch.float32).contiguous()
