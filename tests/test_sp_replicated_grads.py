@@ -27,6 +27,17 @@ from mt_zero import ZeroConfig, ZeroOptimizer, counts_once
 MICRO, STEPS, SEQ = 3, 2, 32
 
 
+def _tokens(vocab: int, step: int, micro: int, replica: int) -> torch.Tensor:
+    """The micro-batch of a data-parallel replica (TP ranks share it): 2 x (SEQ + 1)."""
+    generator = torch.Generator().manual_seed(1000 * step + 10 * micro + replica)
+    return torch.randint(0, vocab, (2, SEQ + 1), generator=generator)
+
+
+def _tp_all_reduces(trace: CollectiveTrace) -> int:
+    """All-reduces over TP since the last take."""
+    return sum(r.kind == "all_reduce" and r.group == "tp" for r in trace.take())
+
+
 def _train(stage: int, deferred: bool) -> dict[str, Any]:
     groups = build_groups(Topology(tp=2, dp=2))
     config = preset("tiny")
@@ -47,17 +58,14 @@ def _train(stage: int, deferred: bool) -> dict[str, Any]:
         for step in range(STEPS):
             total = 0.0
             for micro in range(MICRO):
-                seed = 1000 * step + 10 * micro + groups.dp_rank
-                tokens = torch.randint(0, config.vocab_size, (2, SEQ + 1),
-                                       generator=torch.Generator().manual_seed(seed))
+                tokens = _tokens(config.vocab_size, step, micro, groups.dp_rank)
                 with opt.no_sync() if micro < MICRO - 1 else torch.enable_grad():
                     loss = model.loss_fn(model(tokens[:, :-1]), tokens[:, 1:])
                     opt.backward(loss / MICRO)
                 total += loss.item() / MICRO
             norms.append(opt.step().grad_norm)
             losses.append(total)
-            tp_reduces.append(sum(r.kind == "all_reduce" and r.group == "tp"
-                                  for r in trace.take()))
+            tp_reduces.append(_tp_all_reduces(trace))
     with opt.gathered():
         weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     return {"losses": losses, "norms": norms, "tp_reduces": tp_reduces, "weights": weights,
@@ -133,17 +141,14 @@ def _train_deepspeed(stage: int, deferred: bool) -> dict[str, Any]:
         for step in range(STEPS):
             total = 0.0
             for micro in range(MICRO):
-                seed = 1000 * step + 10 * micro + groups.dp_rank
-                tokens = torch.randint(0, config.vocab_size, (2, SEQ + 1),
-                                       generator=torch.Generator().manual_seed(seed))
+                tokens = _tokens(config.vocab_size, step, micro, groups.dp_rank)
                 loss = model.loss_fn(engine(tokens[:, :-1]), tokens[:, 1:])
                 engine.backward(loss / MICRO, scale_wrt_gas=False)
                 engine.step()
                 total += loss.item() / MICRO
             norms.append(float(engine.get_global_grad_norm()))
             losses.append(total)
-            tp_reduces.append(sum(r.kind == "all_reduce" and r.group == "tp"
-                                  for r in trace.take()))
+            tp_reduces.append(_tp_all_reduces(trace))
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     return {"losses": losses, "norms": norms, "tp_reduces": tp_reduces, "weights": weights,
             "partial": [n for n, _ in partial]}

@@ -12,6 +12,7 @@ import textwrap
 import time
 from collections import OrderedDict
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -85,16 +86,24 @@ def test_the_payload_written_by_the_writer_is_the_foreground_file(tmp_path: Path
     (tmp_path / "fg").mkdir()
     (tmp_path / "bg").mkdir()
     save_rank(tmp_path / "fg", 0, (0, 0, 0), model, shard, {})
+    payload = HostBuffers().snapshot(rank_payload(0, (0, 0, 0), model, shard, {}))
+    flat.zero_()  # training goes on: the snapshot does not follow
+    assert _written_by_writer(tmp_path / "bg", payload) == _rank_file(tmp_path / "fg")
+
+
+def _written_by_writer(folder: Path, payload: dict[str, Any]) -> bytes:
+    """The rank file the writer process writes of ``payload`` into ``folder``."""
     writer = BackgroundWrite()
     try:
-        payload = HostBuffers().snapshot(rank_payload(0, (0, 0, 0), model, shard, {}))
-        flat.zero_()  # training goes on: the snapshot does not follow
-        writer.start(save_payload, tmp_path / "bg", 0, payload)
+        writer.start(save_payload, folder, 0, payload)
         writer.wait()
     finally:
         writer.close()
-    name = "rank-00000.pt"
-    assert (tmp_path / "bg" / name).read_bytes() == (tmp_path / "fg" / name).read_bytes()
+    return _rank_file(folder)
+
+
+def _rank_file(folder: Path) -> bytes:
+    return (folder / "rank-00000.pt").read_bytes()
 
 
 def test_torch_state_dicts_snapshot_to_the_same_file(tmp_path: Path) -> None:
@@ -115,14 +124,7 @@ def test_torch_state_dicts_snapshot_to_the_same_file(tmp_path: Path) -> None:
     payload = HostBuffers().snapshot(rank_payload(0, (0, 0, 0), *state.values(), {}))
     assert isinstance(payload["model"], OrderedDict)
     assert payload["model"]._metadata == state["model"]._metadata
-    writer = BackgroundWrite()
-    try:
-        writer.start(save_payload, tmp_path / "bg", 0, payload)
-        writer.wait()
-    finally:
-        writer.close()
-    name = "rank-00000.pt"
-    assert (tmp_path / "bg" / name).read_bytes() == (tmp_path / "fg" / name).read_bytes()
+    assert _written_by_writer(tmp_path / "bg", payload) == _rank_file(tmp_path / "fg")
 
 
 def test_the_writer_dies_with_its_process(tmp_path: Path) -> None:

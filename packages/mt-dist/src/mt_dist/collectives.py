@@ -39,6 +39,7 @@ __all__ = [
     "all_reduce",
     "all_reduce_over",
     "all_reduce_sum",
+    "all_reduce_sum_flat",
     "broadcast_from_first",
     "group_rank",
     "group_size",
@@ -215,6 +216,18 @@ def all_reduce_sum(tensor: torch.Tensor, group: ProcessGroup | None) -> Handle:
     if group_size(group) == 1:
         return Handle()
     return Handle(dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True))
+
+
+def all_reduce_sum_flat(tensors: Sequence[torch.Tensor], group: ProcessGroup | None) -> None:
+    """Sum every one of ``tensors`` (one dtype) in place over ``group`` in one all-reduce of
+    their concatenation (blocking)."""
+    if not tensors or group_size(group) == 1:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    all_reduce_sum(flat, group).wait()
+    torch._foreach_copy_(list(tensors), [part.view_as(t) for part, t in
+                                         zip(flat.split([t.numel() for t in tensors]), tensors,
+                                             strict=True)])
 
 
 def all_reduce_over(tensor: torch.Tensor, groups: Sequence[ProcessGroup | None]) -> torch.Tensor:

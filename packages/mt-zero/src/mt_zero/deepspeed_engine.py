@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mt_dist.collectives import all_reduce_sum
+from mt_dist.collectives import all_reduce_sum_flat
 from mt_zero.optimizer import ZeroConfig
 
 __all__ = ["deepspeed_config", "deepspeed_environ", "init_deepspeed_distributed",
@@ -191,17 +191,10 @@ def sum_partial_grads_at_boundary(engine: Any, params: list[nn.Parameter],
 
     def allreduce_gradients(*args: Any, **kwargs: Any) -> Any:
         if engine.is_gradient_accumulation_boundary():
-            grads = []
             for p in params:
                 if p.grad is None:  # unused on this rank this step: a zero share
                     p.grad = torch.zeros_like(p)
-                grads.append(p.grad)
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            all_reduce_sum(flat, group).wait()
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
+            all_reduce_sum_flat([p.grad for p in params], group)
         return reduce(*args, **kwargs)
 
     engine.allreduce_gradients = allreduce_gradients

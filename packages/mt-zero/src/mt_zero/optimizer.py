@@ -31,7 +31,7 @@ from torch.distributed import ProcessGroup
 from mt_dist.collectives import (
     all_gather_flat,
     all_reduce_over,
-    all_reduce_sum,
+    all_reduce_sum_flat,
     group_rank,
     group_size,
 )
@@ -347,12 +347,8 @@ class ZeroOptimizer:
 
     def _sum_partial(self, buffers: list[torch.Tensor]) -> None:
         """One all-reduce over ``partial_group`` of every partially summed gradient piece."""
-        if not self._partial or group_size(self.partial_group) == 1:
-            return
-        views = [buffers[b][offset : offset + n] for b, offset, n in self._partial]
-        flat = torch.cat(views)
-        all_reduce_sum(flat, self.partial_group).wait()
-        torch._foreach_copy_(views, list(flat.split([v.numel() for v in views])))
+        all_reduce_sum_flat([buffers[b][offset : offset + n] for b, offset, n in self._partial],
+                            self.partial_group)
 
     def _attach_master_grads(self) -> list[torch.Tensor]:
         """Point each master piece's ``.grad`` at its slice of an fp32 gradient shard."""
