@@ -11,15 +11,17 @@ pinned on both sides that keep them (mt's shared buffers registered with CUDA; D
 with pinned shared memory). The sides:
 - mt, foreground: `mt_checkpoint.save_rank` (one file, CRC-32C on the way, fsync), as
   `mt pretrain` without --async-save;
-- mt, background: `mt_checkpoint.HostBuffers.snapshot` of the rank file's payload (host
-  memory reused from save to save) on the training thread, then `save_payload` in
+- mt, background: `mt_checkpoint.HostBuffers.start` of the rank file's payload (host
+  memory reused from save to save; the copies made by a thread during the next step's
+  forward and backward, waited for before its optimizer step), then `save_payload` in
   `mt_checkpoint.BackgroundWrite`'s writer process, as `mt pretrain --async-save` (a save
   waits for the one before it; the last is waited for before the clock stops);
 - torch DCP `save`, and `async_save` twice: as torch defaults it (its writer a thread, fresh
   staging memory each save), and with its writer a process (`AsyncCheckpointerType.PROCESS`)
-  and its staging kept in shared memory from save to save (`DefaultStager` with
-  `use_shared_memory`), mt's own arrangement; the returned future is waited for before the
-  next save and before the clock stops.
+  and its staging kept in shared memory from save to save and made in the background
+  (`DefaultStager` with `use_shared_memory` and `use_async_staging`, its staging waited for
+  before the optimizer step), mt's own arrangement; the write's future is waited for before
+  the next save and before the clock stops.
 Every side saves once before the clock starts (first-save costs paid: host memory touched,
 writer processes started), as training's first step is taken before it. The figure is what
 the saves cost the training loop: the seconds each save call blocked it (and the wait for the
@@ -53,7 +55,14 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-from mt_checkpoint import BackgroundWrite, HostBuffers, rank_payload, save_payload, save_rank
+from mt_checkpoint import (
+    BackgroundWrite,
+    HostBuffers,
+    Snapshot,
+    rank_payload,
+    save_payload,
+    save_rank,
+)
 from mt_model import GPT, preset
 
 
@@ -77,6 +86,7 @@ class Side:
     def __init__(self, name: str, root: Path, device: torch.device) -> None:
         self.name, self.root, self.device = name, root, device
         self.pending: Any = None
+        self.copying: tuple[Snapshot, Path] | None = None
         self.writer = BackgroundWrite()
         self.buffers = HostBuffers()
         self.stager: DefaultStager | None = None
@@ -93,39 +103,50 @@ class Side:
             save_rank(folder, 0, (0, 0, 0), state["model"], state["optimizer"], {})
         elif self.name == "mt-background":
             self.writer.wait()  # like mt pretrain: a save waits for the one before it
-            payload = self.buffers.snapshot(
-                rank_payload(0, (0, 0, 0), state["model"], state["optimizer"], {}))
-            self.writer.start(save_payload, folder, 0, payload)
+            self.copying = (self.buffers.start(
+                rank_payload(0, (0, 0, 0), state["model"], state["optimizer"], {})), folder)
         elif self.name == "dcp-save":
             dcp.save(state, checkpoint_id=str(folder))
         elif self.name.startswith("dcp-async_save"):
             if self.pending is not None:
-                self.pending.result()  # like mt: a save waits for the one before it
+                _upload(self.pending).result()  # like mt: a save waits for the one before it
             if self.name == "dcp-async_save":
                 self.pending = dcp.async_save(state, checkpoint_id=str(folder))
             else:
                 if self.stager is None:
                     self.stager = DefaultStager(StagingOptions(
                         use_pinned_memory=self.device.type == "cuda",
-                        use_shared_memory=True,
-                        use_async_staging=False, use_non_blocking_copy=False))
+                        use_shared_memory=True, use_async_staging=True,
+                        use_non_blocking_copy=self.device.type == "cuda"))
                 self.pending = dcp.async_save(
                     state, checkpoint_id=str(folder), async_stager=self.stager,
                     async_checkpointer_type=AsyncCheckpointerType.PROCESS)
         else:
             raise ValueError(self.name)
 
+    def settle(self) -> None:
+        """Before the optimizer changes the state: the copies of it made (mt's snapshot,
+        then handed to its writer; DCP's staging)."""
+        if self.copying is not None:
+            snapshot, folder = self.copying
+            self.copying = None
+            self.writer.start(save_payload, folder, 0, snapshot.result())
+        staged = getattr(self.pending, "staging_completion", None)
+        if staged is not None:
+            staged.result()
+
     def finish(self) -> None:
+        self.settle()
         self.writer.wait()
         if self.pending is not None:
-            self.pending.result()
+            _upload(self.pending).result()
             self.pending = None
 
     def in_flight(self) -> bool:
-        """Whether a background write is still running (never blocks)."""
+        """Whether a background copy or write is still running (never blocks)."""
         if self.name == "mt-background":
-            return self.writer.running
-        return self.pending is not None and not self.pending.done()
+            return self.copying is not None or self.writer.running
+        return self.pending is not None and not _upload(self.pending).done()
 
     def close(self) -> None:
         self.writer.close()
@@ -154,9 +175,16 @@ class Timing:
         return (self.blocked + slowed) / saves
 
 
+def _upload(pending: Any) -> Any:
+    """The future of a DCP ``async_save``'s write (its response holds two with async
+    staging)."""
+    return getattr(pending, "upload_completion", pending)
+
+
 def _trainer(batch: int, seq: int, device: torch.device
-             ) -> tuple[torch.nn.Module, torch.optim.Optimizer, Callable[[], None]]:
-    """The GPT-2-small model, its AdamW and one training step on fixed tokens."""
+             ) -> tuple[torch.nn.Module, torch.optim.Optimizer, Callable[..., None]]:
+    """The GPT-2-small model, its AdamW and one training step on fixed tokens (with the
+    call to make before the optimizer's update)."""
     torch.manual_seed(0)
     config = preset("gpt2-small").replace(seq_len=seq)
     model = GPT(config).to(device)
@@ -164,10 +192,11 @@ def _trainer(batch: int, seq: int, device: torch.device
     tokens = torch.randint(0, config.vocab_size, (batch, seq + 1), device=device)
     cuda = device.type == "cuda"
 
-    def step() -> None:
+    def step(before_update: Callable[[], None] = lambda: None) -> None:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
             loss = model(tokens[:, :-1], tokens[:, 1:])
         loss.backward()
+        before_update()
         opt.step()
         opt.zero_grad(set_to_none=True)
         if cuda:
@@ -212,7 +241,7 @@ def _train(steps: int, every: int, batch: int, seq: int, side: Side) -> Timing:
     for i in range(1, steps + 1):
         timing.during_write.append(side.in_flight())
         began = time.perf_counter()
-        step()
+        step(side.settle)
         timing.steps.append(time.perf_counter() - began)
         if i % every == 0 and i < steps:  # training goes on after it
             began = time.perf_counter()

@@ -38,6 +38,22 @@ def test_host_buffers_are_reused_and_keep_views_of_one_storage() -> None:
     assert buffers.nbytes == 12 * 4  # ``extra``'s buffer released
 
 
+def test_a_started_snapshot_copies_while_the_caller_goes_on(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """:meth:`HostBuffers.start` returns before its copies are made (here made 3 s late by
+    the ``checkpoint.snapshot`` failpoint); :meth:`Snapshot.result` waits for them and holds
+    the values of the moment of ``start``; later changes of the live state do not reach it."""
+    live = torch.arange(1000.0)
+    monkeypatch.setenv("MT_FAILPOINT", "checkpoint.snapshot")
+    began = time.perf_counter()
+    pending = HostBuffers().start({"w": live, "n": 1})
+    assert time.perf_counter() - began < 1.0 and not pending.done
+    copied = pending.result()
+    assert time.perf_counter() - began >= 3.0 and pending.done
+    live.mul_(-1)  # the optimizer's update, after the wait
+    assert copied["w"].tolist() == list(map(float, range(1000))) and copied["n"] == 1
+
+
 def _pid_into(path: Path) -> None:
     path.write_text(str(os.getpid()))
 

@@ -131,6 +131,29 @@ def test_spawn_start_method_also_works() -> None:
     assert results == [(0, 1, "gloo", 1, 2.0)]
 
 
+_KEPT: list[object] = []
+
+
+def _leave_a_manager_running() -> int:
+    import multiprocessing
+
+    # As megatron-core's checkpoint writer does: a queue of a Manager process kept in a
+    # global (the rank ends with os._exit: no finalizer shuts the Manager down).
+    manager = multiprocessing.get_context("spawn").Manager()
+    _KEPT.append(manager.Queue())
+    return manager._process.pid
+
+
+def test_a_rank_leaves_no_process_behind() -> None:
+    """What a rank started through multiprocessing and left running dies with the rank
+    (before: a spawned Manager outlived it, an orphan of init)."""
+    pids = run_distributed(_leave_a_manager_running, 2, timeout=60)
+    time.sleep(0.5)
+    alive = [pid for pid in pids if os.path.exists(f"/proc/{pid}")
+             and open(f"/proc/{pid}/stat").read().split()[2] != "Z"]
+    assert alive == []
+
+
 def test_argument_validation() -> None:
     with pytest.raises(ValueError, match="world_size must be >= 1, got 0"):
         run_distributed(_describe, 0, 1)

@@ -9,6 +9,9 @@
 - :mod:`mt_checkpoint.background`: asynchronous saves: the state snapshotted into host memory
   kept from save to save, written by a writer process while training goes on
   (``wait_for_ranks``: publishing without a collective).
+- :class:`DirectFile` (:mod:`mt_checkpoint.direct_io`): large files written past the page
+  cache (``O_DIRECT`` for whole blocks, buffered elsewhere or where the file system refuses
+  it): every rank file, and the safetensors files of mt-formats.
 - :mod:`mt_checkpoint.checksums`: every rank file's size and CRC-32C in ``meta.json`` (and
   ``meta.json``'s own), checked whenever a file is read.
 - :mod:`mt_checkpoint.manifest`: the same checksums for a folder another library wrote
@@ -26,7 +29,8 @@
 them with it. Neither knows a file name or the rank formula.
 """
 
-from mt_checkpoint.background import BackgroundWrite, HostBuffers, snapshot, to_host
+from mt_checkpoint.background import BackgroundWrite, HostBuffers, Snapshot, snapshot, to_host
+from mt_checkpoint.direct_io import DirectFile
 from mt_checkpoint.format import (
     clean_stale,
     find_checkpoint,
@@ -84,8 +88,10 @@ __all__ = [
     "Built",
     "CheckpointError",
     "CheckpointMeta",
+    "DirectFile",
     "HostBuffers",
     "SavedLayout",
+    "Snapshot",
     "__version__",
     "canonical_optimizer",
     "clean_stale",

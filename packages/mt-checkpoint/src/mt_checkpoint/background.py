@@ -6,8 +6,10 @@ to the next (shared memory, so the writer process reads it without another copy;
 with CUDA, i.e. pinned, for CUDA tensors), storage by storage: tensors that shared a storage
 share the copy, at the same offsets, so ``torch.save`` writes the same bytes as it would have
 written from the live state. The buffers are allocated (their pages touched) at the first
-save only: every later save is one memory copy per storage. :func:`snapshot` is the same copy
-into fresh memory.
+save only: every later save is one memory copy per storage. :meth:`HostBuffers.start` makes
+the copies of host tensors in a thread, so that a training loop can run the next forward and
+backward meanwhile (they leave the state alone) and wait for them before its optimizer step.
+:func:`snapshot` is the same copy into fresh memory.
 
 :class:`BackgroundWrite` runs one write at a time in a writer process (spawned at the first
 write, kept for the next): the write's pickling, checksums and system calls never take the
@@ -32,12 +34,15 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 import torch.multiprocessing as mp
 
-__all__ = ["BackgroundWrite", "HostBuffers", "snapshot", "to_host"]
+from mt_dist.failpoints import failpoint
+
+__all__ = ["BackgroundWrite", "HostBuffers", "Snapshot", "snapshot", "to_host"]
 
 
 class HostBuffers:
@@ -46,12 +51,14 @@ class HostBuffers:
     A buffer belongs to a live storage (its device, address and size): the next snapshot of
     the same storage copies into the same memory. Buffers of storages that a snapshot no
     longer meets are released by it. ``shared``: in shared memory, so that another process
-    (:class:`BackgroundWrite`'s writer) maps it instead of receiving a copy.
+    (:class:`BackgroundWrite`'s writer) maps it instead of receiving a copy. ``rank``: whose
+    state it holds (a failpoint may name it).
     """
 
-    def __init__(self, shared: bool = True) -> None:
-        self.shared = shared
+    def __init__(self, shared: bool = True, rank: int = 0) -> None:
+        self.shared, self.rank = shared, rank
         self._buffers: dict[tuple[str, int, int], torch.UntypedStorage] = {}
+        self._thread: ThreadPoolExecutor | None = None
 
     @property
     def nbytes(self) -> int:
@@ -73,23 +80,40 @@ class HostBuffers:
     def snapshot(self, value: Any) -> Any:
         """``value`` (dicts, lists, tuples of tensors and plain values) with every tensor
         copied into these buffers, views of one storage kept views of one copy."""
+        return self.start(value).result()
+
+    def start(self, value: Any) -> Snapshot:
+        """:meth:`snapshot`, its copies of host tensors made by a thread while the caller
+        goes on: training's forward and backward leave the state alone, so they can run
+        meanwhile, and :meth:`Snapshot.result` waits for the copies before the optimizer
+        changes it. (Device tensors are copied at once: a DMA into pinned memory.)"""
         if self.shared:
             self._check_room(value)
         used: dict[tuple[str, int, int], torch.UntypedStorage] = {}
+        later: list[tuple[torch.Tensor, torch.Tensor]] = []
 
         def copy(tensor: torch.Tensor) -> torch.Tensor:
             storage = tensor.untyped_storage()
             key = (str(storage.device), storage.data_ptr(), storage.nbytes())
             if key not in used:
                 used[key] = self._buffer(storage, key)
-                used[key].copy_(storage)
+                if storage.device.type == "cpu":
+                    later.append((_bytes(used[key]), _bytes(storage)))
+                else:
+                    used[key].copy_(storage)
             out = torch.empty(0, dtype=tensor.dtype)
             out.set_(used[key], tensor.storage_offset(), tensor.size(), tensor.stride())
             return out
 
         copied = _walk(value, copy)
         self._buffers = used
-        return copied
+        return Snapshot(copied, self._copier().submit(_copy_all, later, self.rank)
+                        if later else None)
+
+    def _copier(self) -> ThreadPoolExecutor:
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mt-snapshot")
+        return self._thread
 
     def _check_room(self, value: Any) -> None:
         """One line, before anything is copied, where shared memory cannot hold the new
@@ -118,6 +142,38 @@ class HostBuffers:
 
 #: Where shared memory lives (its free space checked before a snapshot's first copy).
 SHM = "/dev/shm"
+
+
+class Snapshot:
+    """A snapshot whose copies may still be running (:meth:`HostBuffers.start`). The live
+    tensors must not change before :meth:`result` returns; the caller keeps them alive (they
+    are what it snapshots)."""
+
+    def __init__(self, value: Any, copying: Future[None] | None) -> None:
+        self._value, self._copying = value, copying
+
+    @property
+    def done(self) -> bool:
+        """Whether the copies are made (never blocks)."""
+        return self._copying is None or self._copying.done()
+
+    def result(self) -> Any:
+        """The copied value, once every copy is made."""
+        if self._copying is not None:
+            self._copying.result()
+            self._copying = None
+        return self._value
+
+
+def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A storage's bytes as a uint8 tensor (whose copy releases the interpreter lock)."""
+    return torch.empty(0, dtype=torch.uint8).set_(storage)
+
+
+def _copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]], rank: int) -> None:
+    failpoint("checkpoint.snapshot", rank)
+    for host, live in pairs:
+        host.copy_(live)
 
 
 def snapshot(value: Any) -> Any:

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from mt_checkpoint.checksums import ChecksumWriter, collect_sums, not_recorded, verify_file
+from mt_checkpoint.direct_io import DirectFile
 from mt_checkpoint.meta import CheckpointMeta, read_meta
 from mt_checkpoint.names import (
     LATEST,
@@ -204,7 +205,7 @@ def save_payload(folder: Path, rank: int, payload: dict[str, Any]) -> int:
     asynchronous save's writer), the file has the same bytes: the payload crosses as one
     object, so its strings and tensors keep the sharing that the pickle records."""
     path = folder / rank_file(rank)
-    with open(path, "wb") as f:
+    with DirectFile(path) as f:  # past the page cache: nothing reads it back soon
         checked = ChecksumWriter(f)
         try:
             torch.save(payload, checked)
@@ -212,8 +213,6 @@ def save_payload(folder: Path, rank: int, payload: dict[str, Any]) -> int:
             if checked.error is not None:  # disk full, quota...: the cause, naming the file
                 raise OSError(checked.error.errno, checked.error.strerror, str(path)) from None
             raise
-        f.flush()
-        os.fsync(f.fileno())
     checked.record(path)
     return checked.size
 

@@ -6,7 +6,9 @@
 every phase of a checkpoint save leaves a resumable state. A stall point (``train.stall``)
 instead runs one native operation of about half a minute, during which Python runs no signal
 handler, as the attention of a very long sequence does; a slow point (``train.slow``) adds a
-quarter of a second to every step of the rank, as a throttled GPU or a busy host would.
+quarter of a second to every step of the rank, as a throttled GPU or a busy host would
+(``checkpoint.snapshot``: three seconds before the copies of a background save, as a large
+state's would take).
 Unset, it costs one dict lookup. A helper process of a rank (the checkpoint writer of
 ``--async-save``) sets ``MT_FAILPOINT_PID`` to its rank's pid: a kill there kills the rank too.
 Read by mt pretrain's checkpoint writer and training loop; the one module of mt-dist that
@@ -29,9 +31,9 @@ POINTS = ("checkpoint.write", "checkpoint.meta", "checkpoint.replace", "checkpoi
 BACKGROUND = ("checkpoint.background",)
 #: Points that stall in native code instead of killing (before each training step).
 STALLS = ("train.stall",)
-#: Points that slow every pass by :data:`SLOW_S` (inside each training step's work).
-SLOWS = ("train.slow",)
-SLOW_S = 0.25
+#: Points that slow every pass by so many seconds: inside each training step's work, and
+#: before a background save's copies of the state (longer than its writer's start).
+SLOWS = {"train.slow": 0.25, "checkpoint.snapshot": 3.0}
 
 
 def failpoint(name: str, rank: int) -> None:
@@ -45,7 +47,7 @@ def failpoint(name: str, rank: int) -> None:
         if name in STALLS:
             _native_stall()
         elif name in SLOWS:
-            time.sleep(SLOW_S)
+            time.sleep(SLOWS[name])
         else:
             if rank_pid := int(os.environ.get("MT_FAILPOINT_PID") or 0):
                 os.kill(rank_pid, signal.SIGKILL)  # the rank this helper process serves

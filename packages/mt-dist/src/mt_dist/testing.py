@@ -20,6 +20,7 @@ Why these choices:
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import shutil
 import tempfile
@@ -115,7 +116,19 @@ def _gloo_rank(rank: int, world_size: int, store_path: str, timeout: float,
     store.set_timeout(timedelta(seconds=timeout))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout))
-    return fn(*args, **kwargs)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        _end_children()
+
+
+def _end_children() -> None:
+    """Kill the processes ``fn`` started through multiprocessing and left running (e.g. the
+    Manager behind megatron-core's checkpoint writer): a rank exits without cleanup, so they
+    would outlive it, orphans holding memory."""
+    for child in multiprocessing.active_children():
+        child.kill()
+        child.join(5.0)
 
 
 def _leave(ok: bool) -> None:

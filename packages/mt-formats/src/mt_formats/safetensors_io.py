@@ -31,9 +31,10 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from mt_checkpoint import DirectFile
 from mt_formats.crc import CHECKSUM_ALGORITHM, _Hasher, algorithm_of, crc_combine, crc_kind, digest
 from mt_formats.errors import ConvertError
-from mt_formats.spans import FileSpan, copy_span, open_direct, read_ahead, write_all
+from mt_formats.spans import FileSpan, copy_span, open_direct, read_ahead
 from mt_formats.tensors import TensorSpec, dtype_from_name, dtype_name, raw_bytes
 
 __all__ = [
@@ -109,9 +110,11 @@ class SafetensorsWriter:
         header = self._header({key: _placeholder(algorithm) for key in self.entries})
         self._data_start = 8 + len(header)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "wb")  # noqa: SIM115 - closed in close()/__exit__
+        # Past the page cache where the file system allows (mt_checkpoint.direct_io): the
+        # tensors' whole blocks are written directly, the rest buffered.
+        self._file = DirectFile(self.path)
+        os.ftruncate(self._file.fd, self._data_start + position)
         self._file.write(struct.pack("<Q", len(header)) + header)
-        self._file.truncate(self._data_start + position)
 
     def _header(self, checksums: Mapping[str, str]) -> bytes:
         metadata = {**self._metadata, self._key: json.dumps(dict(sorted(checksums.items())))}
@@ -176,11 +179,9 @@ class SafetensorsWriter:
             raise ConvertError(f"{self.path}: tensor {key!r} gets {size} bytes with a CRC, "
                                f"the layout expects {expected.describe()} "
                                f"({expected.nbytes} bytes) and {self.algorithm} checksums")
-        self._file.flush()  # the writes go to explicit offsets
-        position = self._data_start + self._offsets[key][0]
+        self._file.seek(self._data_start + self._offsets[key][0])
         for part in data:
-            write_all(self._file.fileno(), part, position)
-            position += len(part)
+            self._file.write(part)
         checksum = self._crc.format(crc)
         self._checksums[key] = checksum
         self._start_writeback(*self._offsets[key])
@@ -196,7 +197,7 @@ class SafetensorsWriter:
             return
         self._file.flush()
         try:
-            os.posix_fadvise(self._file.fileno(), self._data_start + begin, end - begin,
+            os.posix_fadvise(self._file.fd, self._data_start + begin, end - begin,
                              os.POSIX_FADV_DONTNEED)
         except (AttributeError, OSError):  # not on this platform: fsync does it all
             pass
@@ -206,7 +207,7 @@ class SafetensorsWriter:
         ``update`` is None: nothing hashed)."""
         self._file.flush()  # the copy writes at an explicit offset
         position = self._file.tell()
-        crc = copy_span(part, self._file.fileno(), position, self._buffer(), update)
+        crc = copy_span(part, self._file.fd, position, self._buffer(), update)
         self._file.seek(position + part.length)
         return crc
 
@@ -269,21 +270,19 @@ class SafetensorsWriter:
         """Finish the file (checksums into the header, fsync); returns the checksums."""
         missing = sorted(set(self.entries) - set(self._checksums))
         if missing:
-            self._file.close()
+            self._file.abort()
             raise ConvertError(f"{self.path}: tensors never written: {missing}")
         header = self._header(self._checksums)
         if 8 + len(header) != self._data_start:  # cannot happen: digests have fixed length
             raise AssertionError("safetensors header changed size")
         self._file.seek(8)
         self._file.write(header)
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
+        self._file.close()  # fsynced
         return dict(self._checksums)
 
     def abort(self) -> None:
         """Close the file without finishing it (after a failure)."""
-        self._file.close()
+        self._file.abort()
 
     def __enter__(self) -> SafetensorsWriter:
         return self

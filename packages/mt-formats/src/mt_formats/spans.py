@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 __all__ = ["FileSpan", "ScratchBuffer", "SpanBuffer", "aligned_buffer", "copy_span", "crc_span",
-           "interleave_rows", "open_direct", "read_ahead", "write_all"]
+           "interleave_rows", "open_direct", "read_ahead"]
 
 
 @dataclass(frozen=True)
@@ -103,13 +103,6 @@ def _copy(src: int, dst: int, src_offset: int, dst_offset: int, chunk: memoryvie
     copied = _kernel_copy(src, dst, src_offset, dst_offset, len(chunk))
     while copied < len(chunk):
         copied += os.pwrite(dst, chunk[copied:], dst_offset + copied)
-
-
-def write_all(fd: int, data: memoryview, offset: int) -> None:
-    """Write all of ``data`` to ``fd`` at ``offset``."""
-    done = 0
-    while done < len(data):
-        done += os.pwrite(fd, data[done:], offset + done)
 
 
 #: O_DIRECT reads: offsets, lengths and buffer addresses are multiples of this.

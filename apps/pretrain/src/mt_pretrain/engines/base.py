@@ -42,6 +42,9 @@ class Saver(Protocol):
         """Write the checkpoint of ``step`` (``background``: its files by a writer process,
         training going on); returns its folder."""
 
+    def settle(self) -> None:
+        """Before the optimizer changes the state: a background save's copies of it done."""
+
     def wait(self) -> None:
         """Until the background write, if any, has ended (its error raised here)."""
 

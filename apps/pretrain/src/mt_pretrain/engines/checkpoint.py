@@ -25,6 +25,7 @@ from mt_checkpoint import (
     CheckpointMeta,
     HostBuffers,
     SavedLayout,
+    Snapshot,
     canonical_optimizer,
     clean_stale,
     find_checkpoint,
@@ -72,12 +73,14 @@ class Checkpointer:
     """Writes the checkpoints of one run (every rank calls :meth:`save` together).
 
     A save in the background (``--async-save``) takes the collective part (the full weights
-    gathered over data parallelism) and a copy of the rank's state into host memory on the
-    training thread (:class:`mt_checkpoint.HostBuffers`, allocated at the first save and
-    reused); the rank's writer process then writes the rank file, and rank 0's publishes the
-    step once every rank's file is written (:func:`mt_checkpoint.wait_for_ranks`: no
-    collective beside training's). A save waits for the one before it; a step whose write did
-    not finish (a crash, a kill) is never published, and the previous one stays the newest.
+    gathered over data parallelism) on the training thread, and a copy of the rank's state
+    into host memory (:class:`mt_checkpoint.HostBuffers`, allocated at the first save and
+    reused) made by a thread during the next step's forward and backward: :meth:`settle`,
+    called before the optimizer changes the state, waits for it. The rank's writer process
+    then writes the rank file, and rank 0's publishes the step once every rank's file is
+    written (:func:`mt_checkpoint.wait_for_ranks`: no collective beside training's). A save
+    waits for the one before it; a step whose write did not finish (a crash, a kill) is
+    never published, and the previous one stays the newest.
     """
 
     def __init__(self, root: Path, keep_last: int, config: PretrainConfig, plan: RunPlan,
@@ -88,19 +91,31 @@ class Checkpointer:
         self.last_saved: Path | None = None
         self.last_step: int | None = None
         self.writer = BackgroundWrite()
-        self.buffers = HostBuffers()
+        self.buffers = HostBuffers(rank=groups.rank)
+        self._copying: tuple[Snapshot, tuple[Any, ...]] | None = None
 
     @property
     def longest_write(self) -> float:
         """Seconds the longest background write took (what waiting for one costs)."""
         return self.writer.longest
 
+    def settle(self) -> None:
+        """Before the live state changes (the optimizer's next update): wait for the
+        snapshot's copies, if any, and hand the snapshot to the writer."""
+        if self._copying is None:
+            return
+        snapshot, args = self._copying
+        self._copying = None
+        self.writer.start(write_in_background, args[0], args[1], snapshot.result(), *args[2:])
+
     def wait(self) -> None:
         """Until the background write, if any, is published here (rank 0) or written."""
+        self.settle()
         self.writer.wait()
 
     def close(self) -> None:
         """Wait for the background write, then end the writer process."""
+        self.settle()
         self.writer.close()
 
     def save(self, step: int, data_state: DataLoaderState, background: bool = False) -> Path:
@@ -126,12 +141,11 @@ class Checkpointer:
         meta = self._meta(step, data_state) if groups.rank == 0 else None
         final = self.root / step_dir(step)
         if background:
-            # The payload as the foreground would pickle it, its tensors copied: training
-            # may now change the live state.
-            payload = self.buffers.snapshot(rank_payload(groups.rank, coord, *state))
-            self.writer.start(write_in_background, tmp, groups.rank, payload, meta,
-                              self.plan.topology.world_size,
-                              self.config.parallel.timeout, self.root, self.keep_last)
+            # The payload as the foreground would pickle it, its tensors being copied: the
+            # writer gets it at settle(), before training changes the live state.
+            self._copying = (self.buffers.start(rank_payload(groups.rank, coord, *state)),
+                             (tmp, groups.rank, meta, self.plan.topology.world_size,
+                              self.config.parallel.timeout, self.root, self.keep_last))
         else:
             save_rank(tmp, groups.rank, coord, *to_host(state))
             failpoint("checkpoint.write", groups.rank)

@@ -333,6 +333,9 @@ class DeepSpeedCheckpointer:
         self.last_step: int | None = None
         self.longest_write = 0.0  # DeepSpeed's engine writes in the foreground
 
+    def settle(self) -> None:
+        pass
+
     def wait(self) -> None:
         pass
 

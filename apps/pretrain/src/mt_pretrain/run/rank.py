@@ -278,7 +278,8 @@ def _train(config: PretrainConfig, plan: RunPlan, groups: ParallelGroups, device
     if config.train.eval_tasks:
         score_tasks = task_scorer(config.train, plan, groups, engine, tokenizer_for(paths))
     trainer = Trainer(config.train, ckpt, config.log, plan, groups, engine, loader, valid,
-                      on_step, flag, save, started, score_tasks)
+                      on_step, flag, save, started, score_tasks,
+                      saver.settle if saver is not None else lambda: None)
     try:
         stats, stopped = trainer.run()
     finally:

@@ -109,6 +109,8 @@ class Trainer:
             written in the background; returns the seconds a whole save takes.
         score_tasks: scores the --eval-task tasks (collective), or None; called every
             ``train.eval_task_interval`` steps and after the last one.
+        before_update: called before every optimizer step, the first moment the state
+            changes (a background save's copies of it are waited for there).
         started: ``time.perf_counter()`` at the run's start (``--exit-duration`` counts from
             it; default: now).
     """
@@ -118,9 +120,10 @@ class Trainer:
                  valid: DPDataLoader | None,
                  on_step: Callable[[StepStats], None], should_stop: Callable[[], bool],
                  save: Callable[[int, bool], float], started: float | None = None,
-                 score_tasks: Callable[[], dict[str, float]] | None = None) -> None:
+                 score_tasks: Callable[[], dict[str, float]] | None = None,
+                 before_update: Callable[[], None] = lambda: None) -> None:
         self.train, self.ckpt = train, ckpt
-        self.score_tasks = score_tasks
+        self.score_tasks, self.before_update = score_tasks, before_update
         self.plan, self.groups, self.engine = plan, groups, engine
         self.loader, self.valid = loader, valid
         self.on_step, self.should_stop, self.save = on_step, should_stop, save
@@ -236,6 +239,7 @@ class Trainer:
                 f"{tokens:,}); stopping (only fp16 loss scaling skips such steps). Lower "
                 "--lr or set --clip-grad, then resume from the last checkpoint")
         self._busy.start()
+        self.before_update()  # a background save's copies of the state done
         result = engine.step()
         self._busy.stop()
         elapsed = time.perf_counter() - start
