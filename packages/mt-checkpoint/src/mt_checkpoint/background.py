@@ -146,8 +146,8 @@ SHM = "/dev/shm"
 
 class Snapshot:
     """A snapshot whose copies may still be running (:meth:`HostBuffers.start`). The live
-    tensors must not change before :meth:`result` returns; the caller keeps them alive (they
-    are what it snapshots)."""
+    tensors must not change before :meth:`result` returns (the copying thread holds them
+    until then)."""
 
     def __init__(self, value: Any, copying: Future[None] | None) -> None:
         self._value, self._copying = value, copying

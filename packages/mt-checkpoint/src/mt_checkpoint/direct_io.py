@@ -65,6 +65,7 @@ class DirectFile:
         return self._direct >= 0
 
     def tell(self) -> int:
+        """Where the next :meth:`write` goes."""
         return self._base + self._fill
 
     def seek(self, position: int) -> None:

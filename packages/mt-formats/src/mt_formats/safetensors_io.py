@@ -170,9 +170,9 @@ class SafetensorsWriter:
         return checksum
 
     def write_buffers(self, key: str, data: Sequence[memoryview], crc: int) -> str:
-        """Store ``key`` as the concatenation of ``data`` (``pwrite`` from them, no copy in
-        between), whose CRC the caller computed from these very bytes (``crc``, recorded
-        as the checksum). With a CRC algorithm only; returns the checksum."""
+        """Store ``key`` as the concatenation of ``data`` (through the file's staging
+        buffers, no hashing), whose CRC the caller computed from these very bytes (``crc``,
+        recorded as the checksum). With a CRC algorithm only; returns the checksum."""
         expected = self._planned(key)
         size = sum(len(part) for part in data)
         if self._crc is None or size != expected.nbytes:
@@ -188,7 +188,8 @@ class SafetensorsWriter:
         return checksum
 
     def _start_writeback(self, begin: int, end: int) -> None:
-        """Have the kernel start writing ``[begin, end)`` of the data to disk now, without
+        """Have the kernel start writing what of ``[begin, end)`` went through the page cache
+        (kernel copies, partial blocks: the rest is written directly) to disk now, without
         waiting: the final fsync then finds most of the file on disk already, instead of
         flushing it all at the end while the CPU idles. (Linux's POSIX_FADV_DONTNEED
         starts asynchronous writeback of the dirty range, and drops the pages once clean:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import shutil
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -92,7 +93,8 @@ class Checkpointer:
         self.last_step: int | None = None
         self.writer = BackgroundWrite()
         self.buffers = HostBuffers(rank=groups.rank)
-        self._copying: tuple[Snapshot, tuple[Any, ...]] | None = None
+        # A background save's snapshot being copied, and what hands it to the writer.
+        self._copying: tuple[Snapshot, Callable[[dict[str, Any]], None]] | None = None
 
     @property
     def longest_write(self) -> float:
@@ -104,9 +106,9 @@ class Checkpointer:
         snapshot's copies, if any, and hand the snapshot to the writer."""
         if self._copying is None:
             return
-        snapshot, args = self._copying
+        snapshot, hand_over = self._copying
         self._copying = None
-        self.writer.start(write_in_background, args[0], args[1], snapshot.result(), *args[2:])
+        hand_over(snapshot.result())
 
     def wait(self) -> None:
         """Until the background write, if any, is published here (rank 0) or written."""
@@ -143,9 +145,13 @@ class Checkpointer:
         if background:
             # The payload as the foreground would pickle it, its tensors being copied: the
             # writer gets it at settle(), before training changes the live state.
+            def hand_over(payload: dict[str, Any]) -> None:
+                self.writer.start(write_in_background, tmp, groups.rank, payload, meta,
+                                  self.plan.topology.world_size, self.config.parallel.timeout,
+                                  self.root, self.keep_last)
+
             self._copying = (self.buffers.start(rank_payload(groups.rank, coord, *state)),
-                             (tmp, groups.rank, meta, self.plan.topology.world_size,
-                              self.config.parallel.timeout, self.root, self.keep_last))
+                             hand_over)
         else:
             save_rank(tmp, groups.rank, coord, *to_host(state))
             failpoint("checkpoint.write", groups.rank)
