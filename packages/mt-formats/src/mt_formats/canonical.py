@@ -11,7 +11,7 @@ loop over canonical names, so peak memory stays near the largest tensor.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,11 +23,11 @@ from mt_formats.tensors import TensorSpec
 from mt_model import GPT, GPTConfig
 
 __all__ = [
-    "Buffered",
     "CheckpointReader",
     "CheckpointWriter",
     "Deferred",
     "Pieces",
+    "Streamed",
     "ProgressFn",
     "TensorRef",
     "canonical_shapes",
@@ -62,17 +62,30 @@ class Pieces:
     verify: Callable[[list[int]], None]
 
 
-@dataclass(frozen=True)
-class Buffered:
-    """A canonical tensor's raw bytes, read and verified, as the concatenation of ``data``
-    (views of buffers the reader reuses: valid until its second-next
-    :meth:`CheckpointReader.read_pieces` call), and their CRC (of
-    :data:`mt_formats.crc.CHECKSUM_ALGORITHM`): a writer that stores the tensor as-is
-    writes them (:meth:`CheckpointWriter.write_buffered`) and records the CRC."""
+class Streamed:
+    """A canonical tensor's raw bytes (``spec``) as consecutive chunks, read and verified
+    by the reader (:meth:`CheckpointReader.read_pieces`): a writer that stores the tensor
+    as-is iterates it once, writing each chunk (a view of the reader's memory, valid until
+    the next is taken), and then records :attr:`crc`, the CRC (of
+    :data:`mt_formats.crc.CHECKSUM_ALGORITHM`) of all the bytes
+    (:meth:`CheckpointWriter.write_streamed`). The iteration raises ConvertError where a
+    stored file's checksum does not match, after the chunks of that tensor: the writer's
+    output is then discarded, as after any failure."""
 
-    spec: TensorSpec
-    data: tuple[memoryview, ...]
-    crc: int
+    def __init__(self, spec: TensorSpec, chunks: Generator[memoryview, None, int]) -> None:
+        self.spec = spec
+        self._chunks = chunks
+        self._crc: int | None = None
+
+    def __iter__(self) -> Iterator[memoryview]:
+        self._crc = yield from self._chunks
+
+    @property
+    def crc(self) -> int:
+        """The CRC of every chunk's bytes, joined (once they all were taken)."""
+        if self._crc is None:
+            raise RuntimeError("a Streamed tensor's CRC is known once its chunks were taken")
+        return self._crc
 
 
 def canonical_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
@@ -134,12 +147,17 @@ class CheckpointReader(ABC):
         while writing them."""
         return self.read(name), None
 
-    def read_pieces(self, name: str) -> Pieces | Buffered | None:
+    def read_pieces(self, name: str) -> Pieces | Streamed | None:
         """``name`` as byte ranges of the stored files, unverified (see :class:`Pieces`),
-        or its bytes read and verified into reused buffers (:class:`Buffered`), or None
+        or its bytes read and verified in chunks (:class:`Streamed`), or None
         where a writer storing it as-is cannot take it so (the caller then uses
         :meth:`read`)."""
         return None
+
+    reads_ahead: bool = False
+    """Whether the :class:`Streamed` tensors of :meth:`read_pieces` are read ahead by the
+    reader itself, across tensors, when taken in the order of :meth:`names` (the caller
+    then needs no read thread of its own)."""
 
     def optimizer_state(self, name: str) -> dict[str, torch.Tensor] | None:
         """Adam's state of canonical parameter ``name`` where the source holds one:
@@ -198,18 +216,18 @@ class CheckpointWriter(ABC):
         return self.write(name, tensor)
 
     accepts_pieces: bool = False
-    """Whether :meth:`write_pieces` and :meth:`write_buffered` store a tensor given as byte
-    ranges of files or as verified buffers."""
+    """Whether :meth:`write_pieces` and :meth:`write_streamed` store a tensor given as byte
+    ranges of files or as verified chunks."""
 
     def write_pieces(self, name: str, pieces: Pieces) -> list[int]:
         """Store ``name`` from ``pieces.spans`` as-is (only where :attr:`accepts_pieces`);
         returns each span's CRC (:data:`mt_formats.crc.CHECKSUM_ALGORITHM`)."""
         raise NotImplementedError(f"{type(self).__name__} does not write byte ranges")
 
-    def write_buffered(self, name: str, buffered: Buffered) -> None:
-        """Store ``name`` from ``buffered.data`` as-is, with the checksum of
-        ``buffered.crc`` (only where :attr:`accepts_pieces`)."""
-        raise NotImplementedError(f"{type(self).__name__} does not write buffers")
+    def write_streamed(self, name: str, streamed: Streamed) -> None:
+        """Store ``name`` from ``streamed``'s chunks as-is, with the checksum of
+        ``streamed.crc`` (only where :attr:`accepts_pieces`)."""
+        raise NotImplementedError(f"{type(self).__name__} does not write streamed chunks")
 
     @abstractmethod
     def finish(self) -> None:

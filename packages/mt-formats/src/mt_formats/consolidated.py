@@ -13,11 +13,11 @@ from pathlib import Path
 import torch
 
 from mt_formats.canonical import (
-    Buffered,
     CheckpointReader,
     CheckpointWriter,
     Deferred,
     Pieces,
+    Streamed,
     TensorRef,
     canonical_shapes,
 )
@@ -100,9 +100,9 @@ class ConsolidatedWriter(CheckpointWriter):
         self._writer.write_parts(name, list(pieces.spans), None, crcs)
         return crcs
 
-    def write_buffered(self, name: str, buffered: Buffered) -> None:
+    def write_streamed(self, name: str, streamed: Streamed) -> None:
         assert self._writer is not None, "open() first"
-        self._writer.write_buffers(name, buffered.data, buffered.crc)
+        self._writer.write_stream(name, streamed, lambda: streamed.crc)
 
     def finish(self) -> None:
         assert self._writer is not None and self._directory is not None, "open() first"

@@ -24,12 +24,12 @@ import torch
 
 from mt_formats.atomic import atomic_directory, check_destination
 from mt_formats.canonical import (
-    Buffered,
     CheckpointReader,
     CheckpointWriter,
     Deferred,
     Pieces,
     ProgressFn,
+    Streamed,
     TensorRef,
     canonical_shapes,
 )
@@ -234,10 +234,16 @@ def plan_conversion(reader: CheckpointReader, writer: CheckpointWriter) -> list[
             for name in reader.names()]
 
 
-def _stream(names: list[str], get: Callable[[str], _Read]) -> Iterator[tuple[str, _Read]]:
+def _stream(names: list[str], get: Callable[[str], _Read], ahead: bool = False
+            ) -> Iterator[tuple[str, _Read]]:
     """``(name, get(name))`` in order, reading (and checksum-verifying) the next tensor in a
     background thread while the caller writes the current one: hashing and file I/O
-    release the GIL, so reading and writing overlap. At most two tensors are alive."""
+    release the GIL, so reading and writing overlap. At most two tensors are alive.
+    ``ahead``: the reader reads ahead by itself (:attr:`CheckpointReader.reads_ahead`), so
+    ``get`` is called in the caller's thread."""
+    if ahead:
+        yield from ((name, get(name)) for name in names)
+        return
     if not names:
         return
 
@@ -260,11 +266,12 @@ def _stream(names: list[str], get: Callable[[str], _Read]) -> Iterator[tuple[str
             pending.cancel()
 
 
-_Read = tuple[torch.Tensor, Deferred | None] | Pieces | Buffered
+_Read = tuple[torch.Tensor, Deferred | None] | Pieces | Streamed
 
 
 def _write(writer: CheckpointWriter, names: list[str], get: Callable[[str], _Read],
-           destination: Path, overwrite: bool, progress: ProgressFn | None) -> int:
+           destination: Path, overwrite: bool, progress: ProgressFn | None,
+           ahead: bool = False) -> int:
     """Stream every tensor through ``writer`` into an atomic ``destination``; bytes moved.
     ``get`` returns a tensor and, if it was read unverified, its verification: called
     after the write with the checksum the writer computed, so verified bytes are hashed
@@ -275,9 +282,9 @@ def _write(writer: CheckpointWriter, names: list[str], get: Callable[[str], _Rea
         with atomic_directory(destination, overwrite) as staging:
             writer.open(staging)
             try:
-                for done, (name, item) in enumerate(_stream(names, get), 1):
-                    if isinstance(item, Buffered):  # read and verified by the reader
-                        writer.write_buffered(name, item)
+                for done, (name, item) in enumerate(_stream(names, get, ahead), 1):
+                    if isinstance(item, Streamed):  # read and verified by the reader
+                        writer.write_streamed(name, item)
                         total_bytes += item.spec.nbytes
                         if progress is not None:
                             progress(name, done, len(names))
@@ -365,9 +372,10 @@ def convert_checkpoint(source: Path, destination: Path, *, to: str = "consolidat
         if writer.holds_optimizer_state and not drop_optimizer:
             writer.state_source = reader  # Adam's state, where the source holds it
         get: Callable[[str], _Read] = reader.read_deferred
+        ahead = writer.accepts_pieces and reader.reads_ahead
         if writer.accepts_pieces:  # tensors stored as-is go file to file
             get = lambda name: reader.read_pieces(name) or reader.read_deferred(name)  # noqa: E731
-        moved = _write(writer, reader.names(), get, destination, overwrite, progress)
+        moved = _write(writer, reader.names(), get, destination, overwrite, progress, ahead)
         return ConversionResult(reader.format, writer.format, destination,
                                 len(reader.names()), moved, time.perf_counter() - start,
                                 writer.tokenizer)

@@ -21,6 +21,7 @@ neither resists deliberate tampering.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import types
 import zlib
@@ -127,7 +128,16 @@ def crc_combine(crc1: int, crc2: int, len2: int, algorithm: str = CHECKSUM_ALGOR
     kind = crc_kind(algorithm)
     if kind is None:
         raise ConvertError("sha256 digests cannot be combined")
-    return _multmodp(_x2nmodp(len2, 3, kind), crc1, kind.poly) ^ crc2 if len2 else crc1
+    return _multmodp(_shift(len2, algorithm), crc1, kind.poly) ^ crc2 if len2 else crc1
+
+
+@functools.lru_cache(maxsize=4096)
+def _shift(length: int, algorithm: str) -> int:
+    """x^(8 * length) modulo the polynomial of ``algorithm``: what appending ``length``
+    bytes does to a CRC (cached: a merge combines many pieces of a few lengths)."""
+    kind = crc_kind(algorithm)
+    assert kind is not None
+    return _x2nmodp(length, 3, kind)
 
 
 def crc32_combine(crc1: int, crc2: int, len2: int) -> int:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -169,22 +169,31 @@ class SafetensorsWriter:
         self._start_writeback(*self._offsets[key])
         return checksum
 
-    def write_buffers(self, key: str, data: Sequence[memoryview], crc: int) -> str:
-        """Store ``key`` as the concatenation of ``data`` (through the file's staging
-        buffers, no hashing), whose CRC the caller computed from these very bytes (``crc``,
-        recorded as the checksum). With a CRC algorithm only; returns the checksum."""
+    def write_stream(self, key: str, chunks: Iterable[memoryview], crc: Callable[[], int]
+                     ) -> str:
+        """Store ``key`` as the concatenation of ``chunks`` (through the direct file's
+        staging buffers, no hashing), whose CRC the caller computed from these very bytes (``crc()``
+        once the chunks are taken, recorded as the checksum). With a CRC algorithm only;
+        returns the checksum."""
         expected = self._planned(key)
-        size = sum(len(part) for part in data)
-        if self._crc is None or size != expected.nbytes:
-            raise ConvertError(f"{self.path}: tensor {key!r} gets {size} bytes with a CRC, "
-                               f"the layout expects {expected.describe()} "
-                               f"({expected.nbytes} bytes) and {self.algorithm} checksums")
+        if self._crc is None:
+            raise ConvertError(f"{self.path}: tensor {key!r} comes with a CRC, the file has "
+                               f"{self.algorithm} checksums")
         self._file.seek(self._data_start + self._offsets[key][0])
-        for part in data:
-            self._file.write(part)
-        checksum = self._crc.format(crc)
+        size = 0
+        for chunk in chunks:
+            size += len(chunk)
+            if size > expected.nbytes:
+                break
+            self._file.write(chunk)
+        if size != expected.nbytes:
+            got = f"more than {expected.nbytes}" if size > expected.nbytes else f"only {size}"
+            raise ConvertError(f"{self.path}: tensor {key!r} gets {got} bytes, the layout "
+                               f"expects {expected.describe()} ({expected.nbytes} bytes)")
+        checksum = self._crc.format(crc())
         self._checksums[key] = checksum
-        self._start_writeback(*self._offsets[key])
+        # No early writeback: tensors written in file order make one run of the direct
+        # file, whose whole blocks bypass the page cache (a flush would cut the run).
         return checksum
 
     def _start_writeback(self, begin: int, end: int) -> None:

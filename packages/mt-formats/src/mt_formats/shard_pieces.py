@@ -25,19 +25,19 @@ CRCs (a difference goes unnoticed with probability 2^-32, the strength of the ch
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from mt_formats.crc import CHECKSUM_ALGORITHM, crc_combine, crc_kind, join_crcs
+from mt_formats.crc import CHECKSUM_ALGORITHM, join_crcs
 from mt_formats.safetensors_io import Part
 from mt_formats.spans import FileSpan
 from mt_formats.tensors import TensorSpec
 from mt_tensor_parallel import padded_vocab_size, shard_tensor, vocab_range
 
-__all__ = ["Piece", "in_file", "merge_pieces", "row_count", "shard_crcs", "shard_parts",
-           "source_crc", "tiles"]
+__all__ = ["Piece", "ReadGroup", "Window", "in_file", "merge_groups", "merge_pieces", "row_count",
+           "shard_parts", "source_crc", "tiles"]
 
 
 @dataclass(frozen=True)
@@ -96,24 +96,87 @@ def row_count(style: str, specs: Sequence[TensorSpec]) -> int | None:
     return rows if rows > 0 else None
 
 
-def shard_crcs(pieces: Sequence[Piece], crcs: Sequence[int], spans: Sequence[FileSpan],
-               hash_span: Callable[[FileSpan], int]) -> list[int]:
-    """Each shard's CRC (:data:`CHECKSUM_ALGORITHM`) from its pieces' ``crcs``; the bytes of
-    a shard after its last piece (padding, or a whole copy) are hashed with
-    ``hash_span(FileSpan) -> int``."""
-    kind = crc_kind(CHECKSUM_ALGORITHM)
-    assert kind is not None
-    out = []
-    for rank, span in enumerate(spans):
-        mine = [(p.offset, p.span.length, crc) for p, crc in zip(pieces, crcs) if p.rank == rank]
-        covered = sum(length for _, length, _ in set(mine))
-        crc = join_crcs(mine, covered)
-        assert crc is not None, "pieces of a shard start at 0 and are contiguous"
-        if covered < span.length:
-            rest = span.sub(covered, span.length - covered)
-            crc = crc_combine(crc, hash_span(rest), rest.length) if covered else hash_span(rest)
-        out.append(crc)
-    return out
+@dataclass(frozen=True)
+class Window:
+    """Bytes ``[offset, offset + span.length)`` of the tensor as stored in the file of
+    (pipeline stage, TP rank) ``key``, at ``span``."""
+
+    key: tuple[int, int]
+    offset: int
+    span: FileSpan
+
+
+@dataclass(frozen=True)
+class ReadGroup:
+    """Windows read together (:class:`mt_formats.spans.ReadAhead`). ``kind`` "data": each
+    window is the next bytes of the merged tensor; "rows": ``rows`` rows of every TP rank's
+    row-parallel shard, which joined along the rows (:func:`mt_formats.spans.interleave_rows`)
+    are the next bytes of the merged tensor; "check": bytes only verified (vocabulary padding,
+    the copies of replicated and tied tensors)."""
+
+    kind: str
+    windows: tuple[Window, ...]
+    rows: int = 0
+
+
+def merge_groups(style: str, spans: Sequence[FileSpan], specs: Sequence[TensorSpec],
+                 vocab_size: int, stage: int, copies: dict[tuple[int, int], FileSpan],
+                 chunk: int) -> list[ReadGroup] | None:
+    """Every byte of a tensor's shards (``spans``: one per TP rank of pipeline stage
+    ``stage``; ``copies``: its copies on other stages, by (stage, rank)) in read groups of
+    at most ``chunk`` bytes (or one row of every shard, if larger): first those whose bytes
+    are the merged tensor's, in order, then those only verified. None where merging is not
+    a concatenation of byte ranges or of rows (:func:`merge_pieces`, :func:`row_count`).
+    The windows of each file tile its tensor, so the file's CRC follows from theirs."""
+    rows = row_count(style, specs)
+    groups: list[ReadGroup] = []
+    if rows:
+        widths = [span.length // rows for span in spans]
+        step = max(1, chunk // max(1, sum(widths)))
+        for first in range(0, rows, step):
+            count = min(step, rows - first)
+            groups.append(ReadGroup("rows", tuple(
+                Window((stage, rank), first * width, span.sub(first * width, count * width))
+                for rank, (span, width) in enumerate(zip(spans, widths))), count))
+        covered = [span.length for span in spans]
+    else:
+        pieces = merge_pieces(style, spans, specs, vocab_size)
+        if pieces is None:
+            return None
+        groups += _packed("data", [
+            Window((stage, piece.rank), piece.offset + start, piece.span.sub(start, length))
+            for piece in pieces for start, length in _windows(piece.span.length, chunk)],
+            chunk)
+        covered = [0] * len(spans)
+        for piece in pieces:
+            covered[piece.rank] += piece.span.length
+    rest = [Window((stage, rank), done + start, span.sub(done + start, length))
+            for rank, (span, done) in enumerate(zip(spans, covered)) if done < span.length
+            for start, length in _windows(span.length - done, chunk)]
+    rest += [Window(key, start, span.sub(start, length)) for key, span in copies.items()
+             for start, length in _windows(span.length, chunk)]
+    return groups + _packed("check", rest, chunk)
+
+
+def _windows(length: int, chunk: int) -> list[tuple[int, int]]:
+    """(start, length) of consecutive windows of at most ``chunk`` bytes covering
+    ``length`` bytes (one empty window for none)."""
+    return [(start, min(chunk, length - start)) for start in range(0, length, chunk)] or [
+        (0, 0)]
+
+
+def _packed(kind: str, windows: list[Window], chunk: int) -> list[ReadGroup]:
+    """``windows`` in order, consecutive ones together while they fit in ``chunk`` bytes."""
+    groups: list[ReadGroup] = []
+    batch: list[Window] = []
+    for window in windows:
+        if batch and sum(w.span.length for w in batch) + window.span.length > chunk:
+            groups.append(ReadGroup(kind, tuple(batch)))
+            batch = []
+        batch.append(window)
+    if batch:
+        groups.append(ReadGroup(kind, tuple(batch)))
+    return groups
 
 
 def shard_parts(style: str, tensor: torch.Tensor, rank: int, tp: int, pad_multiple: int

@@ -22,6 +22,8 @@ Manifest ``layout``: ``{"tp", "pp", "pad_multiple"}`` (+ ``"stage_layers"`` when
 
 from __future__ import annotations
 
+import collections
+from collections.abc import Generator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -29,30 +31,28 @@ from typing import Any
 import torch
 
 from mt_formats.canonical import (
-    Buffered,
     CheckpointReader,
     CheckpointWriter,
+    Streamed,
     TensorRef,
     canonical_shapes,
 )
-from mt_formats.crc import CHECKSUM_ALGORITHM, crc_combine, crc_kind, digest
+from mt_formats.crc import CHECKSUM_ALGORITHM, crc_combine, crc_kind, digest, join_crcs
 from mt_formats.errors import ConvertError
 from mt_formats.manifest import FileEntries, open_checked, read_manifest, write_manifest
 from mt_formats.safetensors_io import SafetensorsReader, SafetensorsWriter
 from mt_formats.shard_pieces import (
-    Piece,
+    ReadGroup,
     in_file,
-    merge_pieces,
-    row_count,
-    shard_crcs,
+    merge_groups,
     shard_parts,
     source_crc,
     tiles,
 )
 from mt_formats.spans import (
     FileSpan,
+    ReadAhead,
     ScratchBuffer,
-    SpanBuffer,
     interleave_rows,
 )
 from mt_formats.tensors import TensorSpec, raw_bytes
@@ -79,7 +79,9 @@ __all__ = [
 ]
 
 SHARDED_FORMAT = "mt-sharded"
-_HASH_WINDOW = 32 << 20  # bytes of a copy or padding read at once to be hashed
+#: Bytes of one read group of :meth:`ShardedReader.read_pieces` (a whole number of 4 KiB
+#: blocks, at any offset, fits one 8 MiB read request).
+_CHUNK = (8 << 20) - 4096
 
 
 def shard_file(tp_rank: int, pp_rank: int = 0, pp: int = 1) -> str:
@@ -291,6 +293,7 @@ class ShardedReader(CheckpointReader):
     """Reads a sharded checkpoint and merges each tensor back to its full shape."""
 
     format = "tp"
+    reads_ahead = True
 
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
@@ -311,11 +314,9 @@ class ShardedReader(CheckpointReader):
             raise ConvertError(f"{path}: files {sorted(manifest.files)} do not match tp={tp} "
                                f"pp={pp} (expected {sorted(wanted)})")
         self._files: dict[tuple[int, int], SafetensorsReader] = {}
-        self._spare = SpanBuffer()  # hashing bytes no range takes (padding, copies)
-        # read_pieces fills these in turn: a Buffered stays valid until the second-next.
-        self._ranges = (SpanBuffer(), SpanBuffer())
-        self._joined = (ScratchBuffer(), ScratchBuffer())
-        self._turn = 0
+        self._plans: dict[str, tuple[TensorSpec, list[ReadGroup]] | None] = {}
+        self._ahead: ReadAhead | None = None  # reads the streams of read_pieces
+        self._joined = ScratchBuffer()  # rows of row-parallel shards, joined
         try:
             for stage, rank, file in self._layout.files():
                 shapes = {name: spec.shape
@@ -363,75 +364,105 @@ class ShardedReader(CheckpointReader):
         vocab = self.config.vocab_size if style == "vocab" else None
         return merge_shards(style, shards, vocab_size=vocab)
 
-    def read_pieces(self, name: str) -> Buffered | None:
-        """``name``'s bytes read (with ``O_DIRECT`` where the platform allows, so nothing
-        goes through the page cache) and verified into the next of two reused buffers: for
-        every style but row-parallel the byte ranges whose concatenation is the merged
-        tensor (:func:`merge_pieces`), for row-parallel shards their rows interleaved into
-        a third buffer (:func:`row_count`). Its CRC is assembled from the ranges' or hashed
-        from the joined rows."""
-        first, *others = self._layout.stages[name]
-        files = [self._files[(first, rank)] for rank in range(self.tp)]
-        specs = [file.spec(name) for file in files]
-        if len({spec.dtype for spec in specs}) > 1:
-            return None  # read() explains
-        spans = [file.span(name) for file in files]
-        style = self._layout.styles[name]
-        rows = row_count(style, specs)
-        pieces = ([Piece(rank, 0, span) for rank, span in enumerate(spans)] if rows
-                  else merge_pieces(style, spans, specs, self.config.vocab_size))
-        if pieces is None:
+    def read_pieces(self, name: str) -> Streamed | None:
+        """``name``'s merged bytes in chunks, read (with ``O_DIRECT`` where the platform
+        allows, so nothing goes through the page cache) and hashed ahead of their use by
+        the read threads (:class:`mt_formats.spans.ReadAhead`, in the order of
+        :meth:`names`, across tensors), and verified: every byte of every file holding
+        ``name`` is read once (:func:`mt_formats.shard_pieces.merge_groups`). None where
+        merging is not a concatenation of byte ranges or rows (:meth:`read` then does it).
+        Streams are taken one at a time: starting another one ends the one before."""
+        plan = self._plan(name)
+        if plan is None:
             return None
+        spec, _ = plan
+        return Streamed(spec, self._chunks(name))
+
+    def _plan(self, name: str) -> tuple[TensorSpec, list[ReadGroup]] | None:
+        """``name``'s merged spec and read groups (None where :meth:`read` merges it)."""
+        if name not in self._plans:
+            first, *others = self._layout.stages[name]
+            files = [self._files[(first, rank)] for rank in range(self.tp)]
+            specs = [file.spec(name) for file in files]
+            copies = {(stage, rank): self._files[(stage, rank)].span(name)
+                      for stage in others for rank in range(self.tp)}
+            groups = None if len({spec.dtype for spec in specs}) > 1 else merge_groups(
+                self._layout.styles[name], [file.span(name) for file in files], specs,
+                self.config.vocab_size, first, copies, _CHUNK)
+            self._plans[name] = None if groups is None else (
+                TensorSpec(self._shapes[name], specs[0].dtype), groups)
+        return self._plans[name]
+
+    def _groups_from(self, name: str) -> Iterator[tuple[tuple[str, int], list[FileSpan]]]:
+        """The read groups of ``name`` and of every later tensor, tagged (name, index)."""
+        names = self.names()
+        for later in names[names.index(name):]:
+            plan = self._plan(later)
+            for index, group in enumerate(plan[1] if plan else []):
+                yield (later, index), [window.span for window in group.windows]
+
+    def _chunks(self, name: str) -> Generator[memoryview, None, int]:
+        """The body of :meth:`read_pieces`' stream: yields the merged chunks, verifies
+        every file, returns the merged CRC."""
+        plan = self._plan(name)
+        assert plan is not None
+        spec, groups = plan
         kind = crc_kind(CHECKSUM_ALGORITHM)
         assert kind is not None
-        self._turn ^= 1
-        ranges, joined = self._ranges[self._turn], self._joined[self._turn]
-        ranges.reset(SpanBuffer.room(piece.span for piece in pieces))
-        data = ranges.read([piece.span for piece in pieces])
-        crcs = [kind.update(part, 0) for part in data]
-        self._verify_pieces(name, pieces, crcs, spans, others)
-        spec = TensorSpec(self._shapes[name], specs[0].dtype)
-        if rows:
-            out = joined.take(spec.nbytes)
-            interleave_rows(data, rows, out)
-            return Buffered(spec, (memoryview(out),), kind.update(out, 0))
-        crc = 0
-        for part, part_crc in zip(data, crcs):
-            crc = crc_combine(crc, part_crc, len(part))
-        return Buffered(spec, tuple(data), crc)
+        if groups and (self._ahead is None or self._ahead.next_tag() != (name, 0)):
+            if self._ahead is not None:  # another tensor's stream, or none was started
+                self._ahead.close()
+            self._ahead = ReadAhead(self._groups_from(name), kind.update)
+        ahead, found, crc = self._ahead, collections.defaultdict(list), 0
+        for index, group in enumerate(groups):
+            if self._ahead is not ahead:
+                raise RuntimeError(f"{name}: read_pieces streams are taken one at a time; "
+                                   "another one started before this one ended")
+            tag, views, crcs = ahead.take()
+            assert tag == (name, index), (tag, name, index)
+            for window, view, window_crc in zip(group.windows, views, crcs):
+                found[window.key].append((window.offset, len(view), window_crc))
+            if group.kind == "rows":
+                out = self._joined.take(sum(len(view) for view in views))
+                interleave_rows(views, group.rows, out)
+                crc = crc_combine(crc, kind.update(out, 0), out.size)
+                yield memoryview(out)
+            elif group.kind == "data":
+                for view, window_crc in zip(views, crcs):
+                    crc = crc_combine(crc, window_crc, len(view))
+                    yield view
+        self._verify(name, found)
+        return crc
 
-    def _verify_pieces(self, name: str, pieces: list[Piece], crcs: list[int],
-                       spans: list[FileSpan], others: list[int]) -> None:
-        """Check every file holding ``name`` (see :mod:`mt_formats.shard_pieces`)."""
+    def _verify(self, name: str, found: dict[tuple[int, int], list[tuple[int, int, int]]]
+                ) -> None:
+        """Check every file holding ``name`` against the CRCs of its windows (``found``,
+        by (stage, rank): (offset, length, crc)): its recorded checksum, and that copies
+        agree (replicated TP shards with rank 0's, the tied embedding's copy on the last
+        stage with the first stage's)."""
         kind = crc_kind(CHECKSUM_ALGORITHM)
         assert kind is not None
-        spare = self._spare
-
-        def hash_span(span: FileSpan) -> int:  # in windows, each read by several requests
-            crc = 0
-            for start in range(0, span.length, _HASH_WINDOW):
-                window = span.sub(start, min(_HASH_WINDOW, span.length - start))
-                spare.reset(SpanBuffer.room([window]))
-                crc = crc_combine(crc, kind.update(spare.read([window])[0], 0), window.length)
-            return crc
-
-        first = self._layout.stages[name][0]
-        ranks = shard_crcs(pieces, crcs, spans, hash_span)
-        for rank, crc in enumerate(ranks):
-            self._files[(first, rank)].verify(name, None, kind.format(crc))
-            if self._layout.styles[name] == "replicate" and crc != ranks[0]:
+        first, *others = self._layout.stages[name]
+        crcs = {}
+        for key in [(stage, rank) for stage in (first, *others) for rank in range(self.tp)]:
+            file = self._files[key]
+            crc = join_crcs(found[key], file.span(name).length)
+            assert crc is not None, f"{name}: the windows of {key} do not tile it"
+            file.verify(name, None, kind.format(crc))
+            crcs[key] = crc
+        for (stage, rank), crc in crcs.items():
+            if stage == first and self._layout.styles[name] == "replicate" and (
+                    crc != crcs[(first, 0)]):
                 raise ConvertError(f"{self.root / self._layout.file(first, rank)}: replicated "
                                    f"tensor {name!r} differs from tp rank 0's copy")
-        for stage in others:  # the tied embedding's copy on the last stage
-            for rank in range(self.tp):
-                file = self._files[(stage, rank)]
-                crc = hash_span(file.span(name))
-                file.verify(name, None, kind.format(crc))
-                if crc != ranks[rank]:
-                    raise ConvertError(f"{self.root / self._layout.file(stage, rank)}: tied "
-                                       f"tensor {name!r} differs from pipeline stage "
-                                       f"{first}'s copy")
+            if stage != first and crc != crcs[(first, rank)]:
+                raise ConvertError(f"{self.root / self._layout.file(stage, rank)}: tied "
+                                   f"tensor {name!r} differs from pipeline stage "
+                                   f"{first}'s copy")
 
     def close(self) -> None:
+        if getattr(self, "_ahead", None) is not None:  # its reads use the files
+            self._ahead.close()
+            self._ahead = None
         for file in getattr(self, "_files", {}).values():
             file.close()

@@ -16,19 +16,20 @@ kernel's own file copy does.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import mmap
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
-__all__ = ["FileSpan", "ScratchBuffer", "SpanBuffer", "aligned_buffer", "copy_span", "crc_span",
-           "interleave_rows", "open_direct", "read_ahead"]
+__all__ = ["FileSpan", "ReadAhead", "ScratchBuffer", "SpanBuffer", "aligned_buffer", "copy_span",
+           "crc_span", "interleave_rows", "open_direct", "read_ahead"]
 
 
 @dataclass(frozen=True)
@@ -143,6 +144,8 @@ class ScratchBuffer:
 #: direct read has no kernel read-ahead).
 _REQUEST = 8 << 20
 _READ_THREADS = 4
+#: Buffers of :class:`ReadAhead`: one in use, the others read ahead.
+_SLOTS = 8
 _pool: ThreadPoolExecutor | None = None
 
 
@@ -177,24 +180,25 @@ class SpanBuffer:
 
     def read(self, spans: Sequence[FileSpan]) -> list[memoryview]:
         """The bytes of each of ``spans`` (views valid until :meth:`reset`)."""
+        return self.start(spans).result()[0]
+
+    def start(self, spans: Sequence[FileSpan],
+              update: Callable[[Any, int], int] | None = None) -> _Reads:
+        """Start reading ``spans`` (on the read threads; :meth:`read` waits), each hashed
+        with ``update(data, crc) -> crc`` once read, where given."""
         plans = [self._claim(span) for span in spans]
-        jobs = [_read_pool().submit(_read_into, fd, region[done:done + _REQUEST],
-                                    offset + done, min(_REQUEST, least - done))
-                for fd, region, offset, least, _ in plans if fd >= 0
-                for done in range(0, least, _REQUEST)]
-        refused = False
-        for job in jobs:
-            try:
-                job.result()
-            except _NotDirect:
-                refused = True
-        views = []
-        for span, (fd, region, _, _, low) in zip(spans, plans):
-            if refused or fd < 0:  # a direct read was refused: read them all buffered
-                _read_into(span.fd, region[:span.length], span.offset, span.length)
-                low = 0
-            views.append(region[low:low + span.length])
-        return views
+        jobs: list[list[Future[int | None]]] = []
+        for span, (fd, region, offset, least, low) in zip(spans, plans):
+            if fd < 0:
+                jobs.append([])
+            elif least <= _REQUEST:  # read and hashed by one thread
+                jobs.append([_read_pool().submit(_read_span, fd, region, offset, least,
+                                                 region[low:low + span.length], update)])
+            else:
+                jobs.append([_read_pool().submit(_read_span, fd, region[done:done + _REQUEST],
+                                                 offset + done, min(_REQUEST, least - done))
+                             for done in range(0, least, _REQUEST)])
+        return _Reads(spans, plans, jobs, update)
 
     def _claim(self, span: FileSpan) -> tuple[int, memoryview, int, int, int]:
         """(fd to read, its region of the buffer, file offset, bytes to read at least,
@@ -209,6 +213,107 @@ class SpanBuffer:
         low = span.offset - start
         fd = -1 if not span.length else span.direct_fd if direct else span.fd
         return fd, region, start, low + span.length, low
+
+
+class _Reads:
+    """Reads started by :meth:`SpanBuffer.start`: for each span, its jobs (a single one
+    returns the span's CRC where hashing was asked)."""
+
+    def __init__(self, spans: Sequence[FileSpan], plans: list[tuple[int, memoryview, int, int,
+                 int]], jobs: list[list[Future[int | None]]],
+                 update: Callable[[Any, int], int] | None) -> None:
+        self._spans, self._plans, self._jobs, self._update = spans, plans, jobs, update
+
+    def wait(self) -> None:
+        """Wait until no read writes into the buffer any more (errors ignored)."""
+        wait([job for span_jobs in self._jobs for job in span_jobs])
+
+    def result(self) -> tuple[list[memoryview], list[int]]:
+        """Each span's bytes (views of the buffer) and, with ``update``, its CRC (else 0);
+        where a direct read was refused, every span is read again buffered."""
+        refused, hashed = False, []
+        for span_jobs in self._jobs:
+            crc = None
+            for job in span_jobs:
+                try:
+                    crc = job.result()
+                except _NotDirect:
+                    refused = True
+            hashed.append(crc)
+        views, crcs = [], []
+        for span, (fd, region, _, _, low), crc in zip(self._spans, self._plans, hashed):
+            if refused or fd < 0:  # a direct read was refused: read them all buffered
+                _read_into(span.fd, region[:span.length], span.offset, span.length)
+                low, crc = 0, None
+            view = region[low:low + span.length]
+            if crc is None and self._update is not None:
+                crc = self._update(view, 0)
+            views.append(view)
+            crcs.append(crc or 0)
+        return views, crcs
+
+
+class ReadAhead:
+    """Groups of byte ranges read in order ahead of their use, each group into one of
+    ``slots`` reused page-aligned buffers (:class:`SpanBuffer`), each range hashed as it
+    arrives (``update(data, crc) -> crc``) by the read threads: while the caller uses one
+    group, the next ones are read, so the disk always has requests queued and no buffer is
+    ever larger than a group.
+
+    ``groups`` yields ``(tag, spans)`` and is drawn lazily, as slots free up.
+    :meth:`take` returns the next group; :meth:`close` waits for the reads in flight.
+    """
+
+    def __init__(self, groups: Iterator[tuple[Any, Sequence[FileSpan]]],
+                 update: Callable[[Any, int], int], slots: int = _SLOTS) -> None:
+        self._groups, self._update = groups, update
+        self._free = [SpanBuffer() for _ in range(slots)]
+        self._queue: collections.deque[tuple[Any, SpanBuffer, _Reads]] = collections.deque()
+        self._held: SpanBuffer | None = None
+        self._fill()
+
+    def next_tag(self) -> Any:
+        """The tag of the group :meth:`take` returns next (None: no group is left)."""
+        return self._queue[0][0] if self._queue else None
+
+    def take(self) -> tuple[Any, list[memoryview], list[int]]:
+        """The next group's tag, the bytes of each of its spans (views valid until the next
+        :meth:`take`) and their CRCs; IndexError when no group is left."""
+        if self._held is not None:  # the caller is done with the previous group
+            self._free.append(self._held)
+            self._held = None
+            self._fill()
+        tag, buffer, reads = self._queue.popleft()
+        self._held = buffer
+        views, crcs = reads.result()
+        return tag, views, crcs
+
+    def close(self) -> None:
+        """Wait for the reads in flight (they write into the buffers); take no more."""
+        for _, _, reads in self._queue:
+            reads.wait()
+        self._queue.clear()
+        self._free.clear()
+        self._held = None
+
+    def _fill(self) -> None:
+        while self._free:
+            group = next(self._groups, None)
+            if group is None:
+                return
+            tag, spans = group
+            buffer = self._free.pop()
+            buffer.reset(SpanBuffer.room(spans))
+            self._queue.append((tag, buffer, buffer.start(spans, self._update)))
+
+
+def _read_span(fd: int, region: memoryview, offset: int, least: int,
+               data: memoryview | None = None,
+               update: Callable[[Any, int], int] | None = None) -> int | None:
+    """:func:`_read_into`, then the CRC of ``data`` (a view of ``region``) with ``update``
+    where given."""
+    _read_into(fd, region, offset, least)
+    return None if update is None or data is None else update(data, 0)
 
 
 def _read_into(fd: int, region: memoryview, offset: int, least: int) -> None:
