@@ -14,8 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from mt_formats import convert_checkpoint, save_model
-from mt_formats import sharded, spans
+from mt_formats import convert_checkpoint, save_model, sharded, spans
 from mt_formats.canonical import Streamed
 from mt_formats.sharded import ShardedReader
 from mt_formats.spans import FileSpan, ReadAhead, SpanBuffer, interleave_rows, open_direct
