@@ -1,15 +1,19 @@
-"""Where the merge TP 2 x PP 2 -> consolidated spends its time, next to a plain file copy.
+"""Where the merge TP 2 x PP 2 -> consolidated spends its time, next to plain file copies.
 
 Builds (once, under ``--dir``) the same 1.117 GB fp32 checkpoint as ``convert.py`` and its
 TP 2 x PP 2 reshape, then ``--repeats`` times, alternately: ``shutil.copyfile`` + fsync of
-``model.safetensors``, and the merge back to consolidated, each source dropped from the
-page cache first (as ``convert.py`` does). For each side it prints the wall time, the
+``model.safetensors`` (the bytes the merge writes), the merge back to consolidated, and a
+copy + fsync of the four shard files (the bytes the merge reads: every shard is verified,
+the last stage's tied embedding and the replicated copies included), each source dropped
+from the page cache first (as ``convert.py`` does). For each it prints the wall time, the
 process's user and system CPU time, and the bytes the disk read and wrote with its busy
 time (``/proc/diskstats`` of the disk holding ``--dir``); for the merge also the wall time
 per tensor style (from one progress call to the next: the writer's time plus any wait for
-the reader thread) and the time outside the tensor loop (opening, final fsyncs, manifest).
-On a machine where other jobs run, compare the copy and the merge of the same repeat.
-Example:
+the read-ahead) and the time outside the tensor loop (opening, final fsyncs, manifest). At
+the end, the best and the median of each, and the merge's speed against each copy. On a
+virtual machine a copy's time depends on the page cache finding memory (its system CPU
+time shows it), the merge's much less (it reads and writes past the page cache); compare
+the copy and the merge of the same repeat, and the medians. Example:
 
     PYTHONPATH=$(ls -d packages/*/src apps/*/src | tr '\\n' ':') \\
         python3 benchmarks/convert_merge.py --repeats 3 --dir /tmp/cvb-merge
@@ -21,6 +25,7 @@ import argparse
 import collections
 import os
 import shutil
+import statistics
 import time
 from pathlib import Path
 
@@ -101,11 +106,13 @@ def main() -> None:
         styles = {name: reader._layout.styles[name] for name in reader.names()}
         sizes = {name: reader.spec(name).nbytes for name in reader.names()}
     meter = _Meter(_disk_of(root))
+    times: dict[str, list[float]] = {"copy": [], "merge": [], "copy-shards": []}
     for repeat in range(args.repeats):
         meter.start()
         _copy(full / "model.safetensors", root / "copy")
         copy, line = meter.line()
         (root / "copy").unlink()
+        times["copy"].append(copy)
         print(f"[{repeat}] copy  {line}", flush=True)
         clock = _StyleClock(styles)
         _evict(sharded)
@@ -113,6 +120,7 @@ def main() -> None:
         clock.start()
         convert_checkpoint(sharded, back, progress=clock.progress)
         merge, line = meter.line()
+        times["merge"].append(merge)
         print(f"[{repeat}] merge {line}: {copy / merge:4.2f}x the copy", flush=True)
         parts = [f"{style} {seconds:4.2f} s / "
                  f"{sum(sizes[n] for n in sizes if styles[n] == style) / 1e6:.0f} MB"
@@ -120,7 +128,32 @@ def main() -> None:
         print(f"    per style: {', '.join(parts)}; outside the loop "
               f"{merge - sum(clock.per.values()):4.2f} s", flush=True)
         shutil.rmtree(back)
+        _evict(sharded)
+        meter.start()
+        _copy_tree(sharded, root / "copy-shards")
+        shards, line = meter.line()
+        shutil.rmtree(root / "copy-shards")
+        times["copy-shards"].append(shards)
+        print(f"[{repeat}] copy of the shards {line}", flush=True)
+    best = {side: min(values) for side, values in times.items()}
+    median = {side: statistics.median(values) for side, values in times.items()}
+    for side in times:
+        print(f"{side:12s} best {best[side]:5.2f} s, median {median[side]:5.2f} s")
+    for side, what in (("copy", "model.safetensors"), ("copy-shards", "the shard files")):
+        print(f"merge against the copy of {what}: {best[side] / best['merge']:4.2f}x (best), "
+              f"{median[side] / median['merge']:4.2f}x (median)")
     print("load average (1, 5, 15 min): " + ", ".join(f"{x:.2f}" for x in os.getloadavg()))
+
+
+def _copy_tree(source: Path, target: Path) -> None:
+    """Copy every file under ``source`` (``shutil.copyfile``), fsync each."""
+    for path in sorted(source.rglob("*")):
+        if path.is_file():
+            out = target / path.relative_to(source)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, out)
+            with open(out, "rb+") as handle:
+                os.fsync(handle.fileno())
 
 
 if __name__ == "__main__":
