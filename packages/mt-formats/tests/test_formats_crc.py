@@ -16,7 +16,7 @@ import crc32c
 import pytest
 import torch
 
-from mt_formats import ConvertError, convert_checkpoint, load_state_dict, save_model, sharded
+from mt_formats import ConvertError, convert_checkpoint, load_state_dict, save_model, streams
 from mt_formats.crc import algorithm_of, crc32_combine, crc_combine, digest, join_crcs
 from mt_formats.shard_pieces import shard_parts
 from mt_model import GPT, preset
@@ -120,14 +120,14 @@ def _flip_shard_byte(path: Path, name: str, from_end: bool) -> None:
     ("pp_rank_01_tp_rank_01", "ln_f.weight", False),  # a replicated copy
     ("pp_rank_01_tp_rank_01", "blocks.1.mlp.proj.weight", False),  # row (rows interleaved)
 ])
-@pytest.mark.parametrize("chunk", [sharded._CHUNK, 4096])
+@pytest.mark.parametrize("chunk", [streams.CHUNK, 4096])
 def test_convert_merge_file_to_file_verifies_every_shard(tmp_path: Path, file: str, name: str,
                                                          from_end: bool, chunk: int,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """TP 2 x PP 2 -> consolidated streams byte ranges of the shards; every shard's bytes
     (padding and copies included) are still checked, in whichever read group they fall, and
     a failure leaves nothing."""
-    monkeypatch.setattr(sharded, "_CHUNK", chunk)
+    monkeypatch.setattr(streams, "CHUNK", chunk)
     model = GPT(preset("tiny").replace(n_layers=2), seed=5)
     assert preset("tiny").vocab_size % 256  # the last TP rank holds padding rows
     save_model(model, tmp_path / "src")

@@ -1,8 +1,10 @@
-"""The merge of sharded checkpoints streams every tensor in chunks read ahead into reused
-buffers (mt_formats.spans.ReadAhead over SpanBuffer, O_DIRECT where the file system allows):
-the bytes it hands the writer are exactly the in-memory merge's (merge_shards), row-parallel
-shards included, however the chunks fall, and the reads are the file's bytes at any offset
-and length, direct or buffered."""
+"""Conversions between consolidated and sharded checkpoints stream every tensor in chunks
+read ahead into reused buffers (mt_formats.streams, mt_formats.spans.ReadAhead over
+SpanBuffer, O_DIRECT where the file system allows): the bytes the merge hands the writer
+are exactly the in-memory merge's (merge_shards), row-parallel shards included, however the
+chunks fall; the shards the sharded writer cuts out of chunks are exactly shard_tensor's,
+wherever the chunks end; and the reads are the file's bytes at any offset and length,
+direct or buffered."""
 
 from __future__ import annotations
 
@@ -14,20 +16,30 @@ import numpy as np
 import pytest
 import torch
 
-from mt_formats import convert_checkpoint, save_model, sharded, spans
+from mt_formats import convert_checkpoint, save_model, spans, streams
 from mt_formats.canonical import Streamed
+from mt_formats.shard_pieces import ShardCutter, shard_segments
 from mt_formats.sharded import ShardedReader
-from mt_formats.spans import FileSpan, ReadAhead, SpanBuffer, interleave_rows, open_direct
+from mt_formats.spans import (
+    FileSpan,
+    ReadAhead,
+    ScratchBuffer,
+    SpanBuffer,
+    interleave_rows,
+    open_direct,
+)
+from mt_formats.tensors import TensorSpec
 from mt_model import GPT, preset
+from mt_tensor_parallel import shard_tensor
 
 
-@pytest.mark.parametrize("chunk", [sharded._CHUNK, 4096, 1000])
+@pytest.mark.parametrize("chunk", [streams.CHUNK, 4096, 1000])
 def test_convert_merge_streams_are_the_in_memory_merge(tmp_path: Path,
                                                         monkeypatch: pytest.MonkeyPatch,
                                                         chunk: int) -> None:
     # small chunks: tensors in many read groups, rows in windows, groups of several tensors
     # ahead of the one taken
-    monkeypatch.setattr(sharded, "_CHUNK", chunk)
+    monkeypatch.setattr(streams, "CHUNK", chunk)
     model = GPT(preset("tiny").replace(n_layers=2), seed=7)
     save_model(model, tmp_path / "src")
     convert_checkpoint(tmp_path / "src", tmp_path / "tp", to="tp", tp=2, pp=2)
@@ -63,7 +75,7 @@ def test_convert_merge_streams_in_any_order(tmp_path: Path,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """Streams taken out of the order of names(), or one abandoned for another, give the
     same bytes (the read-ahead starts over); resuming an abandoned one is refused."""
-    monkeypatch.setattr(sharded, "_CHUNK", 4096)
+    monkeypatch.setattr(streams, "CHUNK", 4096)
     model = GPT(preset("tiny").replace(n_layers=2), seed=3)
     save_model(model, tmp_path / "src")
     convert_checkpoint(tmp_path / "src", tmp_path / "tp", to="tp", tp=2, pp=2)
@@ -112,6 +124,48 @@ def test_convert_read_ahead_reads_groups_in_order_ahead_of_use(tmp_path: Path) -
         os.close(fd)
         if direct_fd >= 0:
             os.close(direct_fd)
+
+
+@pytest.mark.parametrize(("style", "shape"), [
+    ("column", (12, 5)), ("column_qkv", (12, 5)), ("column_pair", (8, 3)), ("row", (6, 8)),
+    ("row", (2, 3, 12)), ("vocab", (13, 4)), ("replicate", (7,)), ("row", (4, 0))])
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_convert_shard_cutter_is_shard_tensor_for_any_chunks(style: str, shape: tuple[int, ...],
+                                                             tp: int) -> None:
+    tensor = torch.randn(shape, generator=torch.Generator().manual_seed(tp))
+    data = tensor.numpy().tobytes()
+    spec = TensorSpec(tuple(shape), torch.float32)
+    for rank in range(tp):
+        want = shard_tensor(style, tensor, rank, tp, pad_multiple=2).contiguous()
+        segments = shard_segments(style, spec, rank, tp, 2)
+        assert segments is not None
+        for size in (1, 3, 7, 20, 33, 4096):  # rows split anywhere, several in one chunk
+            cutter, got = ShardCutter(segments, ScratchBuffer()), bytearray()
+            for begin in range(0, len(data), size):
+                for piece in cutter.cut(begin, memoryview(data[begin:begin + size])):
+                    got += bytes(piece)
+            for piece in cutter.finish():
+                got += bytes(piece)
+            assert bytes(got) == want.numpy().tobytes(), (style, rank, size)
+    # not divisible: left to shard_tensor to explain, when the tensor is sliced in memory
+    assert shard_segments("column", TensorSpec((5, 2), torch.float32), 0, 2, 2) is None
+    with pytest.raises(ValueError, match="divisible"):
+        shard_tensor("column", torch.zeros(5, 2), 0, 2)
+
+
+def test_convert_tp_to_tp_streams_the_same_files(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """TP 2 x PP 2 -> TP 4 streams the merged chunks (not row-aligned) into the new shards:
+    the files are those of the consolidated -> TP 4 reshape."""
+    model = GPT(preset("tiny").replace(n_layers=2), seed=9)
+    save_model(model, tmp_path / "src")
+    convert_checkpoint(tmp_path / "src", tmp_path / "tp4", to="tp", tp=4)
+    convert_checkpoint(tmp_path / "src", tmp_path / "tp2pp2", to="tp", tp=2, pp=2)
+    monkeypatch.setattr(streams, "CHUNK", 1000)
+    convert_checkpoint(tmp_path / "tp2pp2", tmp_path / "again", to="tp", tp=4)
+    for rank in range(4):
+        file = f"tp_rank_{rank:02d}/model.safetensors"
+        assert (tmp_path / "again" / file).read_bytes() == (tmp_path / "tp4" / file).read_bytes()
 
 
 @pytest.mark.parametrize("direct", [True, False])

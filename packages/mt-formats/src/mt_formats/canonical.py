@@ -154,10 +154,11 @@ class CheckpointReader(ABC):
         :meth:`read`)."""
         return None
 
-    reads_ahead: bool = False
-    """Whether the :class:`Streamed` tensors of :meth:`read_pieces` are read ahead by the
-    reader itself, across tensors, when taken in the order of :meth:`names` (the caller
-    then needs no read thread of its own)."""
+    def read_stream(self, name: str) -> Streamed | None:
+        """``name``'s canonical bytes read and verified in chunks (:class:`Streamed`), for
+        a writer that slices them itself (:attr:`CheckpointWriter.accepts_streams`); None
+        where this reader cannot (the caller then uses :meth:`read`)."""
+        return None
 
     def optimizer_state(self, name: str) -> dict[str, torch.Tensor] | None:
         """Adam's state of canonical parameter ``name`` where the source holds one:
@@ -219,14 +220,18 @@ class CheckpointWriter(ABC):
     """Whether :meth:`write_pieces` and :meth:`write_streamed` store a tensor given as byte
     ranges of files or as verified chunks."""
 
+    accepts_streams: bool = False
+    """Whether :meth:`write_streamed` stores a tensor given as the canonical tensor's bytes
+    in chunks (:meth:`CheckpointReader.read_stream`), to be sliced by the writer."""
+
     def write_pieces(self, name: str, pieces: Pieces) -> list[int]:
         """Store ``name`` from ``pieces.spans`` as-is (only where :attr:`accepts_pieces`);
         returns each span's CRC (:data:`mt_formats.crc.CHECKSUM_ALGORITHM`)."""
         raise NotImplementedError(f"{type(self).__name__} does not write byte ranges")
 
     def write_streamed(self, name: str, streamed: Streamed) -> None:
-        """Store ``name`` from ``streamed``'s chunks as-is, with the checksum of
-        ``streamed.crc`` (only where :attr:`accepts_pieces`)."""
+        """Store ``name`` from ``streamed``'s chunks (only where :attr:`accepts_pieces`,
+        as-is, with the checksum of ``streamed.crc``, or :attr:`accepts_streams`)."""
         raise NotImplementedError(f"{type(self).__name__} does not write streamed chunks")
 
     @abstractmethod

@@ -21,9 +21,11 @@ from mt_formats.canonical import (
     TensorRef,
     canonical_shapes,
 )
+from mt_formats.crc import CHECKSUM_ALGORITHM, crc_kind, join_crcs
 from mt_formats.errors import ConvertError
 from mt_formats.manifest import FileEntries, open_checked, read_manifest, write_manifest
 from mt_formats.safetensors_io import SafetensorsWriter
+from mt_formats.streams import Found, Plan, StreamingReader, span_groups
 from mt_formats.tensors import TensorSpec
 from mt_model import GPTConfig
 
@@ -33,7 +35,7 @@ CONSOLIDATED_FORMAT = "mt-consolidated"
 MODEL_FILE = "model.safetensors"
 
 
-class ConsolidatedReader(CheckpointReader):
+class ConsolidatedReader(StreamingReader, CheckpointReader):
     """Reads a consolidated checkpoint directory; structure is checked on open."""
 
     format = "consolidated"
@@ -61,12 +63,28 @@ class ConsolidatedReader(CheckpointReader):
     def read(self, name: str) -> torch.Tensor:
         return self._file.get(name)
 
+    def read_stream(self, name: str) -> Streamed | None:
+        """``name``'s bytes in chunks of whole rows (:mod:`mt_formats.streams`), verified
+        against the file's checksum after the last one."""
+        return self._stream(name)
+
+    def _stream_plan(self, name: str) -> Plan | None:
+        return self.spec(name), span_groups(self._file.span(name), self.spec(name))
+
+    def _stream_verify(self, name: str, found: Found) -> None:
+        crc = join_crcs(found[(0, 0)], self._file.span(name).length)
+        assert crc is not None, f"{name}: the windows read do not tile it"
+        kind = crc_kind(CHECKSUM_ALGORITHM)
+        assert kind is not None
+        self._file.verify(name, None, kind.format(crc))
+
     def read_deferred(self, name: str) -> tuple[torch.Tensor, Deferred | None]:
         tensor = self._file.get(name, verify=False)
         return tensor, Deferred(lambda checksum: self._file.verify(name, tensor, checksum),
                                 self._file.span(name))
 
     def close(self) -> None:
+        self._close_streams()
         self._file.close()
 
 

@@ -234,44 +234,39 @@ def plan_conversion(reader: CheckpointReader, writer: CheckpointWriter) -> list[
             for name in reader.names()]
 
 
-def _stream(names: list[str], get: Callable[[str], _Read], ahead: bool = False
-            ) -> Iterator[tuple[str, _Read]]:
+def _stream(names: list[str], get: Callable[[str], _Read]) -> Iterator[tuple[str, _Read]]:
     """``(name, get(name))`` in order, reading (and checksum-verifying) the next tensor in a
     background thread while the caller writes the current one: hashing and file I/O
-    release the GIL, so reading and writing overlap. At most two tensors are alive.
-    ``ahead``: the reader reads ahead by itself (:attr:`CheckpointReader.reads_ahead`), so
-    ``get`` is called in the caller's thread."""
-    if ahead:
-        yield from ((name, get(name)) for name in names)
-        return
-    if not names:
-        return
-
-    def fetch(name: str) -> _Read:
-        item = get(name)
-        if isinstance(item, Pieces):  # copied by the writer: have the kernel read them now
-            read_ahead(item.spans)
-        return item
-
+    release the GIL, so reading and writing overlap. At most two tensors are alive. After
+    a :class:`Streamed` tensor, whose reader reads ahead by itself, the next is asked for
+    in the caller's thread."""
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="mt-convert-read") as pool:
-        pending: Future[_Read] = pool.submit(fetch, names[0])
+        pending: Future[_Read] | None = None
         try:
             for index, name in enumerate(names):
-                tensor = pending.result()
-                if index + 1 < len(names):
-                    pending = pool.submit(fetch, names[index + 1])
+                tensor = get(name) if pending is None else pending.result()
+                pending = None
+                if index + 1 < len(names) and not isinstance(tensor, Streamed):
+                    pending = pool.submit(_fetch, get, names[index + 1])
                 yield name, tensor
                 del tensor
         finally:
-            pending.cancel()
+            if pending is not None:
+                pending.cancel()
+
+
+def _fetch(get: Callable[[str], _Read], name: str) -> _Read:
+    item = get(name)
+    if isinstance(item, Pieces):  # copied by the writer: have the kernel read them now
+        read_ahead(item.spans)
+    return item
 
 
 _Read = tuple[torch.Tensor, Deferred | None] | Pieces | Streamed
 
 
 def _write(writer: CheckpointWriter, names: list[str], get: Callable[[str], _Read],
-           destination: Path, overwrite: bool, progress: ProgressFn | None,
-           ahead: bool = False) -> int:
+           destination: Path, overwrite: bool, progress: ProgressFn | None) -> int:
     """Stream every tensor through ``writer`` into an atomic ``destination``; bytes moved.
     ``get`` returns a tensor and, if it was read unverified, its verification: called
     after the write with the checksum the writer computed, so verified bytes are hashed
@@ -282,8 +277,8 @@ def _write(writer: CheckpointWriter, names: list[str], get: Callable[[str], _Rea
         with atomic_directory(destination, overwrite) as staging:
             writer.open(staging)
             try:
-                for done, (name, item) in enumerate(_stream(names, get, ahead), 1):
-                    if isinstance(item, Streamed):  # read and verified by the reader
+                for done, (name, item) in enumerate(_stream(names, get), 1):
+                    if isinstance(item, Streamed):  # read, verified by the reader
                         writer.write_streamed(name, item)
                         total_bytes += item.spec.nbytes
                         if progress is not None:
@@ -372,10 +367,11 @@ def convert_checkpoint(source: Path, destination: Path, *, to: str = "consolidat
         if writer.holds_optimizer_state and not drop_optimizer:
             writer.state_source = reader  # Adam's state, where the source holds it
         get: Callable[[str], _Read] = reader.read_deferred
-        ahead = writer.accepts_pieces and reader.reads_ahead
         if writer.accepts_pieces:  # tensors stored as-is go file to file
             get = lambda name: reader.read_pieces(name) or reader.read_deferred(name)  # noqa: E731
-        moved = _write(writer, reader.names(), get, destination, overwrite, progress, ahead)
+        elif writer.accepts_streams:  # sliced by the writer as the chunks come
+            get = lambda name: reader.read_stream(name) or reader.read_deferred(name)  # noqa: E731
+        moved = _write(writer, reader.names(), get, destination, overwrite, progress)
         return ConversionResult(reader.format, writer.format, destination,
                                 len(reader.names()), moved, time.perf_counter() - start,
                                 writer.tokenizer)

@@ -103,6 +103,7 @@ class SafetensorsWriter:
             self._offsets[key] = (position, position + self.entries[key].nbytes)
             position += self.entries[key].nbytes
         self._checksums: dict[str, str] = {}
+        self._open = ("", 0)  # the tensor begin() started, and its bytes appended so far
         # Reused for parts that are not contiguous (e.g. row-parallel slices): after the
         # first such tensor no new pages are touched, which matters on a busy machine.
         self._scratch = torch.empty(0, dtype=torch.uint8)
@@ -172,29 +173,51 @@ class SafetensorsWriter:
     def write_stream(self, key: str, chunks: Iterable[memoryview], crc: Callable[[], int]
                      ) -> str:
         """Store ``key`` as the concatenation of ``chunks`` (through the direct file's
-        staging buffers, no hashing), whose CRC the caller computed from these very bytes (``crc()``
-        once the chunks are taken, recorded as the checksum). With a CRC algorithm only;
-        returns the checksum."""
-        expected = self._planned(key)
+        staging buffers, no hashing), whose CRC the caller computed from these very bytes
+        (``crc()`` once the chunks are taken, recorded as the checksum). With a CRC
+        algorithm only; returns the checksum."""
+        self.begin(key)
+        limit = self.entries[key].nbytes
+        for chunk in chunks:
+            if self._open[1] + len(chunk) > limit:
+                self._open = (key, limit + 1)  # more than planned
+                break
+            self.append(chunk)
+        self._check_size(key)  # before crc(): an overrun leaves the chunks untaken
+        return self.end(key, crc())
+
+    def begin(self, key: str) -> None:
+        """Start storing ``key``: :meth:`append` its bytes in order, then :meth:`end`."""
+        self._planned(key)
         if self._crc is None:
             raise ConvertError(f"{self.path}: tensor {key!r} comes with a CRC, the file has "
                                f"{self.algorithm} checksums")
         self._file.seek(self._data_start + self._offsets[key][0])
-        size = 0
-        for chunk in chunks:
-            size += len(chunk)
-            if size > expected.nbytes:
-                break
-            self._file.write(chunk)
-        if size != expected.nbytes:
-            got = f"more than {expected.nbytes}" if size > expected.nbytes else f"only {size}"
-            raise ConvertError(f"{self.path}: tensor {key!r} gets {got} bytes, the layout "
-                               f"expects {expected.describe()} ({expected.nbytes} bytes)")
-        checksum = self._crc.format(crc())
+        self._open = (key, 0)
+
+    def append(self, data: Any) -> None:
+        """The next bytes of the tensor :meth:`begin` started (any buffer)."""
+        self._open = (self._open[0], self._open[1] + self._file.write(data))
+
+    def end(self, key: str, crc: int) -> str:
+        """Finish ``key``, whose bytes have the CRC ``crc`` (computed by the caller from
+        these very bytes, recorded as the checksum); returns the checksum."""
+        self._check_size(key)
+        self._open = ("", 0)
+        assert self._crc is not None
+        checksum = self._crc.format(crc)
         self._checksums[key] = checksum
         # No early writeback: tensors written in file order make one run of the direct
         # file, whose whole blocks bypass the page cache (a flush would cut the run).
         return checksum
+
+    def _check_size(self, key: str) -> None:
+        expected, (started, size) = self.entries[key], self._open
+        assert started == key, f"{key!r} was not begun (the tensor begun: {started!r})"
+        if size != expected.nbytes:
+            got = f"more than {expected.nbytes}" if size > expected.nbytes else f"only {size}"
+            raise ConvertError(f"{self.path}: tensor {key!r} gets {got} bytes, the layout "
+                               f"expects {expected.describe()} ({expected.nbytes} bytes)")
 
     def _start_writeback(self, begin: int, end: int) -> None:
         """Have the kernel start writing what of ``[begin, end)`` went through the page cache

@@ -25,19 +25,20 @@ CRCs (a difference goes unnoticed with probability 2^-32, the strength of the ch
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from mt_formats.crc import CHECKSUM_ALGORITHM, join_crcs
 from mt_formats.safetensors_io import Part
-from mt_formats.spans import FileSpan
+from mt_formats.spans import FileSpan, ScratchBuffer
 from mt_formats.tensors import TensorSpec
 from mt_tensor_parallel import padded_vocab_size, shard_tensor, vocab_range
 
-__all__ = ["Piece", "ReadGroup", "Window", "in_file", "merge_groups", "merge_pieces", "row_count",
-           "shard_parts", "source_crc", "tiles"]
+__all__ = ["Piece", "ReadGroup", "Segment", "ShardCutter", "Window", "in_file", "merge_groups",
+           "merge_pieces", "row_count", "shard_parts", "shard_segments", "source_crc", "tiles"]
 
 
 @dataclass(frozen=True)
@@ -177,6 +178,132 @@ def _packed(kind: str, windows: list[Window], chunk: int) -> list[ReadGroup]:
     if batch:
         groups.append(ReadGroup(kind, tuple(batch)))
     return groups
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Bytes of a shard taken from its canonical tensor's bytes: ``rows`` rows of ``width``
+    bytes, the first at ``start``, each ``stride`` bytes after the one before (one row: a
+    byte range); ``rows`` 0: ``width`` zero bytes (padding)."""
+
+    start: int
+    width: int
+    rows: int = 1
+    stride: int = 0
+
+    @property
+    def end(self) -> int:
+        """One past the last source byte it takes."""
+        return self.start + (self.rows - 1) * self.stride + self.width if self.rows else 0
+
+
+def shard_segments(style: str, spec: TensorSpec, rank: int, tp: int, pad_multiple: int
+                   ) -> list[Segment] | None:
+    """Rank ``rank``'s shard (``mt_tensor_parallel.shard_tensor``) as segments of the
+    canonical tensor's bytes, in the shard's order and taking the source bytes in
+    increasing order (so a writer can cut the shard out of the bytes as they stream by:
+    :class:`ShardCutter`); None where it is not so (e.g. a divisibility error, which
+    ``shard_tensor`` then reports)."""
+    tensor = torch.empty(spec.shape, dtype=spec.dtype, device="meta")
+    size = spec.dtype.itemsize
+    segments: list[Segment] = []
+    try:
+        parts = shard_parts(style, tensor, rank, tp, pad_multiple)
+    except ValueError:  # e.g. not divisible: shard_tensor says so when the tensor is sliced
+        return None
+    for part in parts:
+        if isinstance(part, int):
+            segments.append(Segment(0, part, 0))
+            continue
+        if part is not tensor and part._base is not tensor:
+            return None  # not a view of the tensor: shard_tensor's own result
+        if part.numel() == 0:
+            continue
+        start = part.storage_offset() * size
+        if part.is_contiguous():
+            segments.append(Segment(start, part.numel() * size))
+            continue
+        width, strides, shape = part.shape[-1], part.stride(), part.shape
+        if part.dim() < 2 or strides[-1] != 1 or any(
+                strides[i] != strides[i + 1] * shape[i + 1] for i in range(part.dim() - 2)):
+            return None
+        segments.append(Segment(start, width * size, part.numel() // width, strides[-2] * size))
+    ends = [segment.end for segment in segments if segment.rows]
+    starts = [segment.start for segment in segments if segment.rows]
+    if any(begin < end for begin, end in zip(starts[1:], ends)):
+        return None
+    return segments
+
+
+class ShardCutter:
+    """Cuts one shard's bytes (its :func:`shard_segments`) out of the canonical tensor's
+    bytes as they stream by, chunk after chunk (:meth:`cut`), then :meth:`finish`."""
+
+    def __init__(self, segments: Sequence[Segment], scratch: ScratchBuffer) -> None:
+        self._segments = list(segments)
+        self._next = 0  # the first segment not yet cut whole
+        self._scratch = scratch
+
+    def cut(self, begin: int, data: memoryview) -> Iterator[memoryview]:
+        """The shard's next bytes found in ``data``, the source's bytes from ``begin`` on
+        (each piece valid until the next is taken)."""
+        end = begin + len(data)
+        array = np.frombuffer(data, dtype=np.uint8)
+        while self._next < len(self._segments):
+            segment = self._segments[self._next]
+            if segment.rows and segment.start >= end:
+                return
+            if not segment.rows:  # padding, once the segments before it are whole
+                yield from _zeros(segment.width)
+            elif segment.end > begin:
+                yield from self._rows(segment, begin, array)
+            if segment.rows and segment.end > end:
+                return
+            self._next += 1
+
+    def finish(self) -> Iterator[memoryview]:
+        """The padding after the last source bytes (the shard is then whole, if every
+        chunk was cut)."""
+        for segment in self._segments[self._next:]:
+            if not segment.rows:
+                yield from _zeros(segment.width)
+        self._next = len(self._segments)
+
+    def _rows(self, segment: Segment, begin: int, array: np.ndarray) -> Iterator[memoryview]:
+        end = begin + len(array)
+        if segment.rows == 1:
+            low, high = max(segment.start, begin), min(segment.end, end)
+            yield memoryview(array[low - begin:high - begin])
+            return
+        stride, width = segment.stride, segment.width
+        row = segment.start - begin  # where row 0 starts, relative to the chunk
+        first = max(0, -(-(-row - width + 1) // stride))  # rows that reach into the chunk
+        last = min(segment.rows, (len(array) - 1 - row) // stride + 1)  # exclusive
+        if first < last and row + first * stride < 0:  # a row begun in an earlier chunk
+            low = row + first * stride
+            yield memoryview(array[0:min(low + width, len(array))])
+            first += 1
+        tail = None
+        if first < last and row + (last - 1) * stride + width > len(array):  # ends later
+            last -= 1
+            tail = row + last * stride
+        if first < last:  # whole rows, gathered
+            count, at = last - first, row + first * stride
+            rows = np.lib.stride_tricks.as_strided(array[at:], shape=(count, width),
+                                                   strides=(stride, 1), writeable=False)
+            out = self._scratch.take(count * width)
+            np.copyto(out.reshape(count, width), rows)
+            yield memoryview(out)
+        if tail is not None:
+            yield memoryview(array[tail:])
+
+
+def _zeros(count: int) -> Iterator[memoryview]:
+    for start in range(0, count, len(_ZEROS)):
+        yield memoryview(_ZEROS)[:min(len(_ZEROS), count - start)]
+
+
+_ZEROS = bytes(1 << 20)
 
 
 def shard_parts(style: str, tensor: torch.Tensor, rank: int, tp: int, pad_multiple: int

@@ -22,14 +22,14 @@ Manifest ``layout``: ``{"tp", "pp", "pad_multiple"}`` (+ ``"stage_layers"`` when
 
 from __future__ import annotations
 
-import collections
-from collections.abc import Generator, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from mt_formats import streams
 from mt_formats.canonical import (
     CheckpointReader,
     CheckpointWriter,
@@ -37,24 +37,21 @@ from mt_formats.canonical import (
     TensorRef,
     canonical_shapes,
 )
-from mt_formats.crc import CHECKSUM_ALGORITHM, crc_combine, crc_kind, digest, join_crcs
+from mt_formats.crc import CHECKSUM_ALGORITHM, crc_kind, digest, join_crcs
 from mt_formats.errors import ConvertError
 from mt_formats.manifest import FileEntries, open_checked, read_manifest, write_manifest
 from mt_formats.safetensors_io import SafetensorsReader, SafetensorsWriter
 from mt_formats.shard_pieces import (
-    ReadGroup,
+    ShardCutter,
     in_file,
     merge_groups,
     shard_parts,
+    shard_segments,
     source_crc,
     tiles,
 )
-from mt_formats.spans import (
-    FileSpan,
-    ReadAhead,
-    ScratchBuffer,
-    interleave_rows,
-)
+from mt_formats.spans import FileSpan, ScratchBuffer
+from mt_formats.streams import Found, Plan, StreamingReader
 from mt_formats.tensors import TensorSpec, raw_bytes
 from mt_model import GPTConfig, parameter_stages
 from mt_pipeline import PartitionError, uniform_partition
@@ -79,9 +76,6 @@ __all__ = [
 ]
 
 SHARDED_FORMAT = "mt-sharded"
-#: Bytes of one read group of :meth:`ShardedReader.read_pieces` (a whole number of 4 KiB
-#: blocks, at any offset, fits one 8 MiB read request).
-_CHUNK = (8 << 20) - 4096
 
 
 def shard_file(tp_rank: int, pp_rank: int = 0, pp: int = 1) -> str:
@@ -191,6 +185,7 @@ class ShardedWriter(CheckpointWriter):
     def __init__(self, config: GPTConfig, specs: dict[str, TensorSpec], tp: int, pp: int = 1,
                  pad_multiple: int = DEFAULT_PAD_MULTIPLE) -> None:
         super().__init__(config, specs)
+        self._scratch = ScratchBuffer()  # row-parallel slices of a streamed chunk, gathered
         self._layout = _Layout(config, self.specs, tp, pp, pad_multiple)
         self.tp, self.pp, self.pad_multiple = tp, pp, pad_multiple
         self._writers: dict[tuple[int, int], SafetensorsWriter] = {}
@@ -242,6 +237,47 @@ class ShardedWriter(CheckpointWriter):
             job.result()
         return source_crc(tensor, parts, crcs) if whole is None else whole.result()
 
+    accepts_streams = True
+
+    def write_streamed(self, name: str, streamed: Streamed) -> None:
+        """Cut every shard out of ``streamed``'s chunks as they come
+        (:class:`mt_formats.shard_pieces.ShardCutter`), each piece appended to its files
+        (the tied embedding's to both stages' files) and hashed once."""
+        style, stages = self._layout.styles[name], self._layout.stages[name]
+        if streamed.spec != self.specs[name]:
+            raise ConvertError(f"tensor {name!r} is {streamed.spec.describe()}, the layout "
+                               f"expects {self.specs[name].describe()}")
+        segments = [shard_segments(style, streamed.spec, rank, self.tp, self.pad_multiple)
+                    for rank in range(self.tp)]
+        if any(rank_segments is None for rank_segments in segments):  # joined, then sliced
+            data = bytearray().join(streamed)
+            self.write(name, torch.frombuffer(data, dtype=streamed.spec.dtype).reshape(
+                streamed.spec.shape) if data else torch.empty(streamed.spec.shape,
+                                                               dtype=streamed.spec.dtype))
+            return
+        kind = crc_kind(CHECKSUM_ALGORITHM)
+        assert kind is not None
+        cutters = [ShardCutter(rank_segments or [], self._scratch) for rank_segments in segments]
+        files = [[self._writers[(stage, rank)] for stage in stages] for rank in range(self.tp)]
+        for writer in (writer for rank_files in files for writer in rank_files):
+            writer.begin(name)
+        crcs, position = [0] * self.tp, 0
+
+        def append(rank: int, pieces: Iterator[memoryview]) -> None:
+            for piece in pieces:
+                crcs[rank] = kind.update(piece, crcs[rank])
+                for writer in files[rank]:
+                    writer.append(piece)
+
+        for chunk in streamed:
+            for rank, cutter in enumerate(cutters):
+                append(rank, cutter.cut(position, chunk))
+            position += len(chunk)
+        for rank, cutter in enumerate(cutters):
+            append(rank, cutter.finish())
+            for writer in files[rank]:
+                writer.end(name, crcs[rank])
+
     def finish(self) -> None:
         assert self._directory is not None, "open() first"
         files: dict[str, FileEntries] = {}
@@ -289,11 +325,10 @@ def _read_ranges(path: Path, layout: dict, n_layers: int, pp: int
     return ranges
 
 
-class ShardedReader(CheckpointReader):
+class ShardedReader(StreamingReader, CheckpointReader):
     """Reads a sharded checkpoint and merges each tensor back to its full shape."""
 
     format = "tp"
-    reads_ahead = True
 
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
@@ -314,9 +349,6 @@ class ShardedReader(CheckpointReader):
             raise ConvertError(f"{path}: files {sorted(manifest.files)} do not match tp={tp} "
                                f"pp={pp} (expected {sorted(wanted)})")
         self._files: dict[tuple[int, int], SafetensorsReader] = {}
-        self._plans: dict[str, tuple[TensorSpec, list[ReadGroup]] | None] = {}
-        self._ahead: ReadAhead | None = None  # reads the streams of read_pieces
-        self._joined = ScratchBuffer()  # rows of row-parallel shards, joined
         try:
             for stage, rank, file in self._layout.files():
                 shapes = {name: spec.shape
@@ -365,77 +397,27 @@ class ShardedReader(CheckpointReader):
         return merge_shards(style, shards, vocab_size=vocab)
 
     def read_pieces(self, name: str) -> Streamed | None:
-        """``name``'s merged bytes in chunks, read (with ``O_DIRECT`` where the platform
-        allows, so nothing goes through the page cache) and hashed ahead of their use by
-        the read threads (:class:`mt_formats.spans.ReadAhead`, in the order of
-        :meth:`names`, across tensors), and verified: every byte of every file holding
-        ``name`` is read once (:func:`mt_formats.shard_pieces.merge_groups`). None where
-        merging is not a concatenation of byte ranges or rows (:meth:`read` then does it).
-        Streams are taken one at a time: starting another one ends the one before."""
-        plan = self._plan(name)
-        if plan is None:
-            return None
-        spec, _ = plan
-        return Streamed(spec, self._chunks(name))
+        """``name``'s merged bytes in chunks (:mod:`mt_formats.streams`): every byte of
+        every file holding it is read once and verified
+        (:func:`mt_formats.shard_pieces.merge_groups`). None where merging is not a
+        concatenation of byte ranges or rows (:meth:`read` then does it)."""
+        return self._stream(name)
 
-    def _plan(self, name: str) -> tuple[TensorSpec, list[ReadGroup]] | None:
-        """``name``'s merged spec and read groups (None where :meth:`read` merges it)."""
-        if name not in self._plans:
-            first, *others = self._layout.stages[name]
-            files = [self._files[(first, rank)] for rank in range(self.tp)]
-            specs = [file.spec(name) for file in files]
-            copies = {(stage, rank): self._files[(stage, rank)].span(name)
-                      for stage in others for rank in range(self.tp)}
-            groups = None if len({spec.dtype for spec in specs}) > 1 else merge_groups(
-                self._layout.styles[name], [file.span(name) for file in files], specs,
-                self.config.vocab_size, first, copies, _CHUNK)
-            self._plans[name] = None if groups is None else (
-                TensorSpec(self._shapes[name], specs[0].dtype), groups)
-        return self._plans[name]
+    read_stream = read_pieces
 
-    def _groups_from(self, name: str) -> Iterator[tuple[tuple[str, int], list[FileSpan]]]:
-        """The read groups of ``name`` and of every later tensor, tagged (name, index)."""
-        names = self.names()
-        for later in names[names.index(name):]:
-            plan = self._plan(later)
-            for index, group in enumerate(plan[1] if plan else []):
-                yield (later, index), [window.span for window in group.windows]
+    def _stream_plan(self, name: str) -> Plan | None:
+        first, *others = self._layout.stages[name]
+        files = [self._files[(first, rank)] for rank in range(self.tp)]
+        specs = [file.spec(name) for file in files]
+        copies = {(stage, rank): self._files[(stage, rank)].span(name)
+                  for stage in others for rank in range(self.tp)}
+        groups = None if len({spec.dtype for spec in specs}) > 1 else merge_groups(
+            self._layout.styles[name], [file.span(name) for file in files], specs,
+            self.config.vocab_size, first, copies, streams.CHUNK)
+        return None if groups is None else (TensorSpec(self._shapes[name], specs[0].dtype),
+                                            groups)
 
-    def _chunks(self, name: str) -> Generator[memoryview, None, int]:
-        """The body of :meth:`read_pieces`' stream: yields the merged chunks, verifies
-        every file, returns the merged CRC."""
-        plan = self._plan(name)
-        assert plan is not None
-        spec, groups = plan
-        kind = crc_kind(CHECKSUM_ALGORITHM)
-        assert kind is not None
-        if groups and (self._ahead is None or self._ahead.next_tag() != (name, 0)):
-            if self._ahead is not None:  # another tensor's stream, or none was started
-                self._ahead.close()
-            self._ahead = ReadAhead(self._groups_from(name), kind.update)
-        ahead, found, crc = self._ahead, collections.defaultdict(list), 0
-        for index, group in enumerate(groups):
-            if self._ahead is not ahead:
-                raise RuntimeError(f"{name}: read_pieces streams are taken one at a time; "
-                                   "another one started before this one ended")
-            tag, views, crcs = ahead.take()
-            assert tag == (name, index), (tag, name, index)
-            for window, view, window_crc in zip(group.windows, views, crcs):
-                found[window.key].append((window.offset, len(view), window_crc))
-            if group.kind == "rows":
-                out = self._joined.take(sum(len(view) for view in views))
-                interleave_rows(views, group.rows, out)
-                crc = crc_combine(crc, kind.update(out, 0), out.size)
-                yield memoryview(out)
-            elif group.kind == "data":
-                for view, window_crc in zip(views, crcs):
-                    crc = crc_combine(crc, window_crc, len(view))
-                    yield view
-        self._verify(name, found)
-        return crc
-
-    def _verify(self, name: str, found: dict[tuple[int, int], list[tuple[int, int, int]]]
-                ) -> None:
+    def _stream_verify(self, name: str, found: Found) -> None:
         """Check every file holding ``name`` against the CRCs of its windows (``found``,
         by (stage, rank): (offset, length, crc)): its recorded checksum, and that copies
         agree (replicated TP shards with rank 0's, the tied embedding's copy on the last
@@ -461,8 +443,6 @@ class ShardedReader(CheckpointReader):
                                    f"{first}'s copy")
 
     def close(self) -> None:
-        if getattr(self, "_ahead", None) is not None:  # its reads use the files
-            self._ahead.close()
-            self._ahead = None
+        self._close_streams()
         for file in getattr(self, "_files", {}).values():
             file.close()
