@@ -170,11 +170,13 @@ def _packed(kind: str, windows: list[Window], chunk: int) -> list[ReadGroup]:
     """``windows`` in order, consecutive ones together while they fit in ``chunk`` bytes."""
     groups: list[ReadGroup] = []
     batch: list[Window] = []
+    size = 0
     for window in windows:
-        if batch and sum(w.span.length for w in batch) + window.span.length > chunk:
+        if batch and size + window.span.length > chunk:
             groups.append(ReadGroup(kind, tuple(batch)))
-            batch = []
+            batch, size = [], 0
         batch.append(window)
+        size += window.span.length
     if batch:
         groups.append(ReadGroup(kind, tuple(batch)))
     return groups

@@ -250,10 +250,14 @@ class ShardedWriter(CheckpointWriter):
         segments = [shard_segments(style, streamed.spec, rank, self.tp, self.pad_multiple)
                     for rank in range(self.tp)]
         if any(rank_segments is None for rank_segments in segments):  # joined, then sliced
-            data = bytearray().join(streamed)
-            self.write(name, torch.frombuffer(data, dtype=streamed.spec.dtype).reshape(
-                streamed.spec.shape) if data else torch.empty(streamed.spec.shape,
-                                                               dtype=streamed.spec.dtype))
+            data = bytearray()
+            for chunk in streamed:  # each chunk is valid until the next is taken
+                data += chunk
+            tensor = torch.empty(streamed.spec.shape, dtype=streamed.spec.dtype)
+            if data:
+                tensor.reshape(-1).view(torch.uint8).copy_(
+                    torch.frombuffer(data, dtype=torch.uint8))
+            self.write(name, tensor)
             return
         kind = crc_kind(CHECKSUM_ALGORITHM)
         assert kind is not None
