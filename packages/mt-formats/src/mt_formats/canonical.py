@@ -27,8 +27,8 @@ __all__ = [
     "CheckpointWriter",
     "Deferred",
     "Pieces",
-    "Streamed",
     "ProgressFn",
+    "Streamed",
     "TensorRef",
     "canonical_shapes",
 ]
@@ -64,13 +64,13 @@ class Pieces:
 
 class Streamed:
     """A canonical tensor's raw bytes (``spec``) as consecutive chunks, read and verified
-    by the reader (:meth:`CheckpointReader.read_pieces`): a writer that stores the tensor
-    as-is iterates it once, writing each chunk (a view of the reader's memory, valid until
-    the next is taken), and then records :attr:`crc`, the CRC (of
-    :data:`mt_formats.crc.CHECKSUM_ALGORITHM`) of all the bytes
-    (:meth:`CheckpointWriter.write_streamed`). The iteration raises ConvertError where a
-    stored file's checksum does not match, after the chunks of that tensor: the writer's
-    output is then discarded, as after any failure."""
+    by the reader (:meth:`CheckpointReader.read_pieces`, :meth:`~CheckpointReader.read_stream`).
+    A writer iterates it once (:meth:`CheckpointWriter.write_streamed`), writing each chunk
+    (a view of the reader's memory, valid until the next is taken) or the shards it cuts
+    out of it; then :attr:`crc` is the CRC (of :data:`mt_formats.crc.CHECKSUM_ALGORITHM`)
+    of all the bytes. The iteration raises ConvertError where a stored file's checksum does
+    not match, after the chunks of that tensor: the writer's output is then discarded, as
+    after any failure."""
 
     def __init__(self, spec: TensorSpec, chunks: Generator[memoryview, None, int]) -> None:
         self.spec = spec

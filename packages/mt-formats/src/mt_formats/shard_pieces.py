@@ -5,22 +5,26 @@ Splitting (:func:`shard_parts`): each rank's shard as views of the canonical ten
 count of zero padding bytes), which the writer writes without a copy, or copies in the
 kernel from the source file where they are byte ranges of it (:func:`in_file`). When the
 views tile the tensor (every style but row-parallel), the source tensor's CRC follows from
-the pieces' (:func:`source_crc`), so verifying what was read needs no pass of its own.
+the pieces' (:func:`source_crc`), so verifying what was read needs no pass of its own. From
+bytes streaming by instead (:mod:`mt_formats.streams`), each shard as segments of the
+canonical tensor's bytes (:func:`shard_segments`: byte ranges, strided rows, padding), cut
+out of each chunk as it comes (:class:`ShardCutter`).
 
 Merging (:func:`merge_pieces`): for every style but row-parallel (tp > 1), merging TP shards
 (``merge_shards``) only concatenates byte ranges of the shards: whole shards (column), each
 shard's q, k and v blocks (fused qkv), each shard without its trailing padding rows
 (vocabulary), rank 0's copy (replicated); row-parallel shards are joined along their last
 dimension (:func:`row_count`: each merged row is a slice of every shard). The sharded
-reader reads those ranges (or whole row shards, whose rows it then interleaves) into reused
-buffers (:class:`mt_formats.spans.SpanBuffer`, ``O_DIRECT`` where the file system allows)
-and hashes them; a writer that stores the canonical tensor as-is (consolidated) writes the
-buffers, and nothing maps the files or allocates per tensor. The ranges' CRCs give back each
-shard's CRC (:func:`mt_formats.crc.join_crcs`; bytes outside every range, i.e. vocabulary
-padding and the copies of replicated and tied tensors, are hashed on their own), which is
-checked against the shard file's checksums. Copies must agree: replicated TP shards with
-rank 0's, the last stage's tied embedding with the first stage's, compared by their verified
-CRCs (a difference goes unnoticed with probability 2^-32, the strength of the checksums).
+reader reads every byte of every file holding a tensor in read groups (:func:`merge_groups`:
+those ranges, or the same rows of every row shard, whose rows it then interleaves, then the
+bytes only checked) ahead of their use, into reused buffers (:mod:`mt_formats.streams`,
+``O_DIRECT`` where the file system allows), hashing them as they arrive; a writer that
+stores the canonical tensor as-is (consolidated) writes the chunks, and nothing maps the
+files or allocates per tensor. The windows' CRCs give back each shard's CRC
+(:func:`mt_formats.crc.join_crcs`), which is checked against the shard file's checksums.
+Copies must agree: replicated TP shards with rank 0's, the last stage's tied embedding with
+the first stage's, compared by their verified CRCs (a difference goes unnoticed with
+probability 2^-32, the strength of the checksums).
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ faults every page in, and on a busy machine those faults cost more than the hash
 where the file system allows (``O_DIRECT``): a reader that hands the bytes it verified to
 a writer (the merge of sharded checkpoints) neither maps the files nor copies freshly read
 page-cache pages to user memory, which on a virtual machine costs several times what the
-kernel's own file copy does.
+kernel's own file copy does. :class:`ReadAhead` keeps a ring of them reading groups of
+ranges ahead of their use, so that the disk always has requests queued.
 """
 
 from __future__ import annotations
