@@ -54,7 +54,9 @@ class StreamingReader:
     (:meth:`_stream_plan`) and verified (:meth:`_stream_verify`); :meth:`_stream` gives the
     :class:`Streamed` tensor. Streams are taken one at a time; taking them in the order of
     ``names()`` reads ahead across tensors, starting another one starts the reading over
-    (the one before cannot be resumed). :meth:`_close_streams` before the files close."""
+    (the one before cannot be resumed). :meth:`_close_streams` before the files close.
+    Its state (the read-ahead, the plans, a scratch buffer) lives in the instance's
+    ``__dict__``, created on first use, so the readers' constructors need not call it."""
 
     @abstractmethod
     def names(self) -> list[str]: ...
