@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from mt_formats import convert_checkpoint, save_model, sharded, spans, streams
+from mt_formats import ConvertError, convert_checkpoint, save_model, sharded, spans, streams
 from mt_formats.canonical import Streamed
 from mt_formats.shard_pieces import ShardCutter, shard_segments
 from mt_formats.sharded import ShardedReader
@@ -92,6 +92,25 @@ def test_convert_merge_streams_in_any_order(tmp_path: Path,
         assert b"".join(bytes(c) for c in reader.read_pieces(second)) == want[second]
         with pytest.raises(RuntimeError, match="one at a time"):
             next(abandoned)
+
+
+def test_convert_a_shard_cut_short_under_the_reader_is_named(tmp_path: Path) -> None:
+    """A shard file truncated after it was opened (checked) fails the stream in one line
+    naming the checkpoint and the tensor, as a fault of the source."""
+    model = GPT(preset("tiny").replace(n_layers=2), seed=4)
+    save_model(model, tmp_path / "src")
+    convert_checkpoint(tmp_path / "src", tmp_path / "tp", to="tp", tp=2)
+    with ShardedReader(tmp_path / "tp") as reader:
+        reader.read_pieces(reader.names()[0])  # plans made: the header was read
+        shard = tmp_path / "tp" / "tp_rank_01" / "model.safetensors"
+        os.truncate(shard, shard.stat().st_size // 2)
+        with pytest.raises(ConvertError) as caught:
+            for first in reader.names():
+                for _ in reader.read_pieces(first):
+                    pass
+        assert type(caught.value) is ConvertError  # not WriteFailed: the source is at fault
+        assert str(caught.value).startswith(f"{tmp_path / 'tp'}: reading tensor ")
+        assert "unexpected end of file" in str(caught.value)
 
 
 def test_convert_read_ahead_reads_groups_in_order_ahead_of_use(tmp_path: Path) -> None:

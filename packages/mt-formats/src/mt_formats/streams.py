@@ -18,6 +18,7 @@ from collections.abc import Generator, Iterator
 
 from mt_formats.canonical import Streamed
 from mt_formats.crc import CHECKSUM_ALGORITHM, crc_combine, crc_kind
+from mt_formats.errors import ConvertError
 from mt_formats.shard_pieces import ReadGroup, Window
 from mt_formats.spans import FileSpan, ReadAhead, ScratchBuffer, interleave_rows
 from mt_formats.tensors import TensorSpec
@@ -110,7 +111,11 @@ class StreamingReader:
             if self.__dict__.get("_ahead") is not ahead:
                 raise RuntimeError(f"{name}: streams are taken one at a time; another one "
                                    "started before this one ended")
-            tag, views, crcs = ahead.take()
+            try:
+                tag, views, crcs = ahead.take()
+            except OSError as err:  # the source, not the destination, is at fault
+                raise ConvertError(f"{getattr(self, 'root', '')}: reading tensor {name!r} "
+                                   f"failed: {err}") from None
             assert tag == (name, index), (tag, name, index)
             for window, view, window_crc in zip(group.windows, views, crcs):
                 found[window.key].append((window.offset, len(view), window_crc))
