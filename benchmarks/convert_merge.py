@@ -14,7 +14,7 @@ per tensor style (from one progress call to the next: the writer's time plus any
 the read-ahead) and the time outside the tensor loop (opening, final fsyncs, manifest). At
 the end, the best and the median of each, and the merge's and the reshape's speed against
 each copy. On a virtual machine a copy's time depends on the page cache finding memory (its
-system CPU time shows it: 0.3 s or 2 s for the same file), the merge's much less (it reads
+system CPU time shows it, several-fold for the same file), the merge's much less (it reads
 and writes past the page cache). So the copy of ``model.safetensors`` is made twice in a
 row and the second one, which finds the memory the first one's file freed, is the one
 compared: the copy at its best, as on a machine where memory is at hand. Example:

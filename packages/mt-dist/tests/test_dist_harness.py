@@ -145,8 +145,8 @@ def _leave_a_manager_running() -> int:
 
 
 def test_a_rank_leaves_no_process_behind() -> None:
-    """What a rank started through multiprocessing and left running dies with the rank
-    (before: a spawned Manager outlived it, an orphan of init)."""
+    """What a rank started through multiprocessing and left running (here a Manager kept
+    through a global queue) dies with the rank instead of outliving it as an orphan."""
     pids = run_distributed(_leave_a_manager_running, 2, timeout=60)
     time.sleep(0.5)
     alive = [pid for pid in pids if os.path.exists(f"/proc/{pid}")

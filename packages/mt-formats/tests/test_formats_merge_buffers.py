@@ -210,7 +210,7 @@ def test_convert_span_buffer_reads_any_range(tmp_path: Path, direct: bool) -> No
             for start in range(0, len(spans), count):
                 chunk = spans[start:start + count]
                 buffer.reset(SpanBuffer.room(chunk))
-                views = buffer.read(chunk)
+                views, _ = buffer.start(chunk).result()
                 assert [bytes(v) for v in views] == [
                     data[s.offset:s.offset + s.length] for s in chunk]
     finally:

@@ -2,9 +2,8 @@
 
 A buffered write copies every byte into the kernel's page cache and the final ``fsync``
 writes it out from there. For a checkpoint that copy is pure cost: nothing reads the file
-back soon, and on a virtual machine it is the dominant one (a 1.49 GB rank file on this
-2-core VM: 4.1-4.6 s, 3.3 s of it kernel CPU; written directly, the same bytes: 1.0-1.1 s,
-0.07 s of it kernel CPU).
+back soon, and on a virtual machine it is the dominant one (mt-checkpoint's README has the
+figures).
 
 :class:`DirectFile` stages what it is given in two page-aligned buffers and writes each full
 one with ``O_DIRECT`` from a thread while the other fills, so the caller's hashing and copying

@@ -54,6 +54,12 @@ _ZEROS = bytes(1 << 20)  # immutable source of padding bytes
 _WRITEBACK_MIN = 1 << 20  # bytes of one tensor worth starting its writeback early
 
 Part = torch.Tensor | int | FileSpan
+
+
+def zero_chunks(count: int) -> Iterator[memoryview]:
+    """``count`` zero bytes (padding), as views of one constant block."""
+    for start in range(0, count, len(_ZEROS)):
+        yield memoryview(_ZEROS)[:min(len(_ZEROS), count - start)]
 """A piece of a stored tensor: a tensor (any strides), a count of zero bytes, or a byte
 range of another file (copied in the kernel)."""
 
@@ -271,8 +277,7 @@ class SafetensorsWriter:
     def _chunks(self, part: Part) -> Iterator[Any]:
         """Byte buffers of one part: views when possible, else one copy into scratch."""
         if isinstance(part, int):
-            for start in range(0, part, len(_ZEROS)):
-                yield memoryview(_ZEROS)[: min(len(_ZEROS), part - start)]
+            yield from zero_chunks(part)
             return
         if isinstance(part, FileSpan):
             buffer = self._buffer()

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from mt_formats.crc import CHECKSUM_ALGORITHM, join_crcs
-from mt_formats.safetensors_io import Part
+from mt_formats.safetensors_io import Part, zero_chunks
 from mt_formats.spans import FileSpan, ScratchBuffer
 from mt_formats.tensors import TensorSpec
 from mt_tensor_parallel import padded_vocab_size, shard_tensor, vocab_range
@@ -260,7 +260,7 @@ class ShardCutter:
             if segment.rows and segment.start >= end:
                 return
             if not segment.rows:  # padding, once the segments before it are whole
-                yield from _zeros(segment.width)
+                yield from zero_chunks(segment.width)
             elif segment.end > begin:
                 yield from self._rows(segment, begin, array)
             if segment.rows and segment.end > end:
@@ -272,7 +272,7 @@ class ShardCutter:
         chunk was cut)."""
         for segment in self._segments[self._next:]:
             if not segment.rows:
-                yield from _zeros(segment.width)
+                yield from zero_chunks(segment.width)
         self._next = len(self._segments)
 
     def _rows(self, segment: Segment, begin: int, array: np.ndarray) -> Iterator[memoryview]:
@@ -302,14 +302,6 @@ class ShardCutter:
             yield memoryview(out)
         if tail is not None:
             yield memoryview(array[tail:])
-
-
-def _zeros(count: int) -> Iterator[memoryview]:
-    for start in range(0, count, len(_ZEROS)):
-        yield memoryview(_ZEROS)[:min(len(_ZEROS), count - start)]
-
-
-_ZEROS = bytes(1 << 20)
 
 
 def shard_parts(style: str, tensor: torch.Tensor, rank: int, tp: int, pad_multiple: int

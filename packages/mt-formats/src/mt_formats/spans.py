@@ -169,7 +169,7 @@ class SpanBuffer:
 
     @staticmethod
     def room(spans: Iterable[FileSpan]) -> int:
-        """Bytes of buffer :meth:`read` needs for ``spans``."""
+        """Bytes of buffer :meth:`start` needs for ``spans``."""
         return sum(-(-(span.length + 2 * _ALIGN) // _ALIGN) * _ALIGN for span in spans)
 
     def reset(self, room: int) -> None:
@@ -179,14 +179,11 @@ class SpanBuffer:
             self._buffer = aligned_buffer(room)
         self._used = 0
 
-    def read(self, spans: Sequence[FileSpan]) -> list[memoryview]:
-        """The bytes of each of ``spans`` (views valid until :meth:`reset`)."""
-        return self.start(spans).result()[0]
-
     def start(self, spans: Sequence[FileSpan],
               update: Callable[[Any, int], int] | None = None) -> _Reads:
-        """Start reading ``spans`` (on the read threads; :meth:`read` waits), each hashed
-        with ``update(data, crc) -> crc`` once read, where given."""
+        """Start reading ``spans`` on the read threads (views of their bytes, valid until
+        :meth:`reset`, from the result's ``result()``), each hashed with ``update(data, crc)
+        -> crc`` once read, where given."""
         plans = [self._claim(span) for span in spans]
         jobs: list[list[Future[int | None]]] = []
         for span, (fd, region, offset, least, low) in zip(spans, plans):
