@@ -145,6 +145,17 @@ def test_tp2_pp2_checkpoint_converts_exactly(tmp_path: Path) -> None:
         for key, tensor in moments.items():
             assert torch.equal(joined[key], tensor), (name, key)
 
+    # Adam's settings: ds_to_universal keeps the engine's two param groups (matrices with
+    # the run's weight decay, biases and norms without), which mt tells apart by that.
+    native_groups = torch.load(next(step.glob("zero_pp_rank_0_mp_rank_00_optim_states.pt")),
+                               weights_only=False)["optimizer_state_dict"][
+                                   "base_optimizer_state"]["param_groups"]
+    for name, group in (("blocks.0.attn.qkv.weight", 0), ("blocks.0.ln1.weight", 1)):
+        expected = {key: native_groups[group][key] for key in ("lr", "eps", "weight_decay")}
+        settings = reader.optimizer_settings(name)
+        assert settings == {**expected, "betas": (0.9, 0.95)}, (name, settings)
+    assert native_groups[0]["weight_decay"] == 0.1 and native_groups[1]["weight_decay"] == 0
+
     # Without mt's rules DeepSpeed joins every slice along dimension 0: refused in one line.
     for states in step.glob("mp_rank_*_model_states.pt"):
         data = torch.load(states, weights_only=False)

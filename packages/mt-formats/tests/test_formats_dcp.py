@@ -238,8 +238,84 @@ def test_compressed_dcp_reads_through_dcp_itself(tmp_path: Path) -> None:
             assert torch.equal(zst.read(name), ref.read(name)), name
 
 
+def _titan_module() -> torch.nn.Module:
+    """A module tree whose parameters have torchtitan's Llama names (the FQNs of its
+    modules), holding :func:`titan_state`'s weights."""
+    root = torch.nn.Module()
+    for key, tensor in titan_state(LLAMA).items():
+        *path, leaf = key.split(".")
+        module = root
+        for part in path:
+            if not hasattr(module, part):
+                module.add_module(part, torch.nn.Module())
+            module = getattr(module, part)
+        module.register_parameter(leaf, torch.nn.Parameter(tensor.clone()))
+    return root
+
+
+def _train(root: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int) -> None:
+    tokens = torch.randint(0, LLAMA.vocab_size, (2, 16), generator=torch.Generator().manual_seed(4))
+    for _ in range(steps):
+        params = dict(root.named_parameters())
+        titan_logits(params, tokens, LLAMA).logsumexp(-1).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def test_per_parameter_settings_carry_to_dcp_and_are_checked(tmp_path: Path) -> None:
+    """An AdamW whose attention matrices learn at another rate: DCP -> DCP keeps each
+    parameter's settings (a strict ``dcp.load`` into the same two groups gives them back);
+    formats of one group of matrices refuse in one line, naming two parameters that differ;
+    a damaged setting in a folder mt wrote is named by its checksum."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    def adamw(root: torch.nn.Module) -> torch.optim.Optimizer:
+        fast = [p for n, p in root.named_parameters() if ".attention." in n]
+        rest = [p for n, p in root.named_parameters() if ".attention." not in n]
+        return torch.optim.AdamW([{"params": fast, "lr": 1e-2}, {"params": rest}])
+
+    root = _titan_module()
+    first = adamw(root)
+    _train(root, first, 1)
+    options = StateDictOptions(flatten_optimizer_state_dict=True)
+    dcp.save({**get_model_state_dict(root),
+              "optimizer": get_optimizer_state_dict(root, first, options=options)},
+             checkpoint_id=tmp_path / "titan", no_dist=True)
+    convert_checkpoint(tmp_path / "titan", tmp_path / "again", to="dcp", model=LLAMA)
+    again = adamw(root)
+    flat = get_optimizer_state_dict(root, again, options=options)
+    flat = {k: v.clone() if isinstance(v, torch.Tensor) else None for k, v in flat.items()}
+    dcp.load({"optimizer": flat}, checkpoint_id=tmp_path / "again", no_dist=True)
+    set_optimizer_state_dict(root, again, flat, options=options)
+    assert again.state_dict()["param_groups"] == first.state_dict()["param_groups"]
+
+    with pytest.raises(ConvertError) as refused:
+        convert_checkpoint(tmp_path / "titan", tmp_path / "mcore", to="mcore", model=LLAMA)
+    message = str(refused.value)
+    assert "\n" not in message and "differ" in message and "--drop-optimizer" in message
+    assert "'lr': 0.01" in message and "'lr': 0.001" in message, message
+    assert not (tmp_path / "mcore").exists()
+
+    key = "optimizer.param_groups.layers.0.attention.qkv_linear.wq.weight.lr"
+    metadata = dcp.FileSystemReader(tmp_path / "again").read_metadata()
+    info = metadata.storage_data[MetadataIndex(key)]
+    with open(tmp_path / "again" / info.relative_path, "r+b") as file:
+        file.seek(info.offset + info.length - 40)  # inside the pickled float's bytes
+        byte = file.read(1)
+        file.seek(-1, 1)
+        file.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(ConvertError) as damaged:
+        convert_checkpoint(tmp_path / "again", tmp_path / "pre", to="pretrain")
+    assert "checksum mismatch" in str(damaged.value) and repr(key) in str(damaged.value)
+
+
 def test_torchtitan_optimizer_state_to_pretrain_and_back(tmp_path: Path) -> None:
-    from torch.distributed.checkpoint import DefaultLoadPlanner
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
@@ -250,24 +326,10 @@ def test_torchtitan_optimizer_state_to_pretrain_and_back(tmp_path: Path) -> None
     from mt_checkpoint import load_rank
     from mt_zero import consolidate
 
-    # torchtitan's model names are FQNs of its modules: a module tree with the same names
-    state = titan_state(LLAMA)
-    root = torch.nn.Module()
-    for key, tensor in state.items():
-        *path, leaf = key.split(".")
-        module = root
-        for part in path:
-            if not hasattr(module, part):
-                module.add_module(part, torch.nn.Module())
-            module = getattr(module, part)
-        module.register_parameter(leaf, torch.nn.Parameter(tensor.clone()))
-    adamw = torch.optim.AdamW(root.parameters(), lr=1e-2)
-    tokens = torch.randint(0, LLAMA.vocab_size, (2, 16), generator=torch.Generator().manual_seed(4))
-    for _ in range(3):  # three real steps: moments and step counts worth carrying
-        params = dict(root.named_parameters())
-        titan_logits(params, tokens, LLAMA).logsumexp(-1).mean().backward()
-        adamw.step()
-        adamw.zero_grad()
+    root = _titan_module()
+    settings = {"lr": 1e-2, "betas": (0.8, 0.9), "eps": 1e-6, "weight_decay": 0.05}
+    adamw = torch.optim.AdamW(root.parameters(), **settings)
+    _train(root, adamw, 3)  # three real steps: moments and step counts worth carrying
     options = StateDictOptions(flatten_optimizer_state_dict=True)
     saved = {**get_model_state_dict(root), "optimizer": get_optimizer_state_dict(
         root, adamw, options=options)}
@@ -290,22 +352,40 @@ def test_torchtitan_optimizer_state_to_pretrain_and_back(tmp_path: Path) -> None
     fresh = consolidate([load_rank(tmp_path / "fresh", 0)["optimizer"]])
     assert fresh["state"]["blocks.1.attn.q.weight"]["sharded"] == {}
 
+    groups = full["param_groups"]  # matrices' group, then the rest's: both torchtitan's one
+    assert [{k: group[k] for k in settings} for group in groups] == [settings, settings]
+
     # And back: pretrain -> DCP writes the state under torch's flattened optimizer keys;
-    # torch loads it into a fresh AdamW of the same module tree: every tensor of the first
-    # AdamW's state, bit for bit (the RoPE row permutation undone on the way).
-    convert_checkpoint(tmp_path / "pre", tmp_path / "back", to="dcp")
-    again = torch.optim.AdamW(root.parameters(), lr=1e-2)
+    # torch loads it, param groups included (a load that requires every key of the state
+    # dict), into a fresh AdamW of default settings and the same module tree: every tensor
+    # of the first AdamW's state, bit for bit (the RoPE row permutation undone on the way),
+    # and its settings.
+    result = convert_checkpoint(tmp_path / "pre", tmp_path / "back", to="dcp")
+    assert result.notes == ()
+    again = torch.optim.AdamW(root.parameters())
     flat = get_optimizer_state_dict(root, again, options=options)
-    wanted = {"optimizer": {k: torch.empty_like(v) for k, v in flat.items()
-                            if k.startswith("state.")}}
-    dcp.load(wanted, checkpoint_id=tmp_path / "back", no_dist=True,
-             planner=DefaultLoadPlanner(allow_partial_load=True))  # param_groups: not stored
-    set_optimizer_state_dict(root, again, {**flat, **wanted["optimizer"]}, options=options)
+    wanted = {"optimizer": {k: torch.empty_like(v) if isinstance(v, torch.Tensor) else None
+                            for k, v in flat.items()}}
+    dcp.load(wanted, checkpoint_id=tmp_path / "back", no_dist=True)
+    set_optimizer_state_dict(root, again, wanted["optimizer"], options=options)
     loaded = again.state_dict()["state"]
     assert loaded.keys() == theirs.keys()
     for index_, state_ in theirs.items():
         for key in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(loaded[index_][key], state_[key]), (index_, key)
+    assert again.state_dict()["param_groups"] == adamw.state_dict()["param_groups"]
+    assert flat["param_groups.norm.weight.lr"] == 1e-3  # the default it replaced
+
+    # A source that records no settings (torchtitan's state, its param groups cut out):
+    # torch AdamW's defaults are written, and the conversion says so.
+    entries = dcp.FileSystemReader(tmp_path / "titan").read_metadata().state_dict_metadata
+    (tmp_path / "bare").mkdir()
+    bare = {k: v for k, v in saved["optimizer"].items() if not k.startswith("param_groups.")}
+    dcp.save({**get_model_state_dict(root), "optimizer": bare},
+             checkpoint_id=tmp_path / "bare", no_dist=True)
+    assert any(".param_groups." in key for key in entries)
+    noted = convert_checkpoint(tmp_path / "bare", tmp_path / "defaults", to="dcp", model=LLAMA)
+    assert len(noted.notes) == 1 and "torch AdamW's defaults" in noted.notes[0]
     convert_checkpoint(tmp_path / "pre", tmp_path / "weights", to="dcp", drop_optimizer=True)
     stored = dcp.FileSystemReader(tmp_path / "weights").read_metadata().state_dict_metadata
     assert stored and not any(key.startswith("optimizer.") for key in stored)

@@ -99,9 +99,22 @@ class _CudaOnCpu(TorchFunctionMode):
 OPTIM_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
-def _adam(config: GPTConfig) -> tuple[Any, Any, Any]:
+#: Adam settings of the megatron-core run that saves (its loader's are megatron-core's
+#: defaults), and the keys of its param groups that carry them.
+ADAM = {"lr": 1e-2, "adam_beta1": 0.8, "adam_beta2": 0.9, "adam_eps": 1e-6,
+        "weight_decay": 0.05}
+GROUP_SETTINGS = ("wd_mult", "lr", "betas", "eps", "weight_decay", "max_lr")
+
+
+def _group_settings(optimizer: Any) -> list[dict[str, Any]]:
+    return [{key: group.get(key) for key in GROUP_SETTINGS}
+            for group in optimizer.state_dict()["optimizer"]["param_groups"]]
+
+
+def _adam(config: GPTConfig, **settings: float) -> tuple[Any, Any, Any]:
     """megatron-core's GPTModel, its DistributedDataParallel and its DistributedOptimizer
-    (torch AdamW: no apex / Transformer Engine here) at TP 1 x DP world size."""
+    (torch AdamW: no apex / Transformer Engine here) at TP 1 x DP world size, with Adam
+    ``settings`` (OptimizerConfig's; default lr 1e-3)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -110,7 +123,8 @@ def _adam(config: GPTConfig) -> tuple[Any, Any, Any]:
         use_distributed_optimizer=True), model)
     with _CudaOnCpu():
         optimizer = get_megatron_optimizer(OptimizerConfig(
-            optimizer="adam", lr=1e-2, use_distributed_optimizer=True), [ddp])
+            optimizer="adam", use_distributed_optimizer=True, **{"lr": 1e-3, **settings}),
+            [ddp])
     return model, ddp, optimizer
 
 
@@ -138,14 +152,16 @@ def _states(state: Any) -> dict[str, torch.Tensor]:
     return whole
 
 
-def _train_save(directory: str, steps: int) -> tuple[dict[str, torch.Tensor], float]:
-    """LLAMA trained ``steps`` Adam steps (each DP rank its own batch), saved with its
-    distributed optimizer's state by ``dist_checkpointing.save`` as Megatron-LM saves it
-    (``model`` and ``optimizer``); returns megatron-core's states and step count."""
+def _train_save(directory: str, steps: int
+                ) -> tuple[dict[str, torch.Tensor], float, list[dict[str, Any]]]:
+    """LLAMA trained ``steps`` Adam steps (each DP rank its own batch, settings
+    :data:`ADAM`), saved with its distributed optimizer's state by
+    ``dist_checkpointing.save`` as Megatron-LM saves it (``model`` and ``optimizer``);
+    returns megatron-core's states, step count and param groups' settings."""
     from megatron.core import dist_checkpointing
     from megatron.core.distributed import finalize_model_grads
 
-    model, ddp, optimizer = _adam(LLAMA)
+    model, ddp, optimizer = _adam(LLAMA, **ADAM)
     tokens = torch.randint(0, LLAMA.vocab_size, (2, 16), generator=torch.Generator()
                            .manual_seed(torch.distributed.get_rank()))
     positions = torch.arange(16)[None].expand_as(tokens)
@@ -164,7 +180,7 @@ def _train_save(directory: str, steps: int) -> tuple[dict[str, torch.Tensor], fl
     dist_checkpointing.save(state, directory)
     states = _states(_optimizer_state(model, optimizer))
     step = optimizer.state_dict()["optimizer"]["param_groups"][0]["step"]
-    return states, float(step)
+    return states, float(step), _group_settings(optimizer)
 
 
 def _set_states_but_step(self: Any, model_param: Any, tensors: dict[str, Any]) -> None:
@@ -180,9 +196,11 @@ def _set_states_but_step(self: Any, model_param: Any, tensors: dict[str, Any]) -
             target.copy_(tensors[key])
 
 
-def _load_adam(directory: str) -> tuple[dict[str, torch.Tensor], list[float]]:
-    """A fresh LLAMA + DistributedOptimizer loaded from ``directory`` as Megatron-LM loads
-    it; returns its states (gathered again) and its param groups' steps."""
+def _load_adam(directory: str
+               ) -> tuple[dict[str, torch.Tensor], list[float], list[dict[str, Any]]]:
+    """A fresh LLAMA + DistributedOptimizer (default settings) loaded from ``directory`` as
+    Megatron-LM loads it; returns its states (gathered again), its param groups' steps and
+    their settings."""
     from megatron.core import dist_checkpointing
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
@@ -201,7 +219,7 @@ def _load_adam(directory: str) -> tuple[dict[str, torch.Tensor], list[float]]:
         optimizer.load_state_dict(loaded["optimizer"])
     steps = [float(group["step"]) for group in
              optimizer.state_dict()["optimizer"]["param_groups"]]
-    return _states(_optimizer_state(model, optimizer)), steps
+    return _states(_optimizer_state(model, optimizer)), steps, _group_settings(optimizer)
 
 
 def _row_order(theirs: torch.Tensor, ours: torch.Tensor) -> Any:
@@ -323,8 +341,9 @@ def test_megatron_lm_torch_dist_reads_its_args(tmp_path: Path) -> None:
 
 def test_mcore_distributed_adam_state_round_trip(tmp_path: Path) -> None:
     (tmp_path / "ckpt").mkdir()
-    theirs, step = run_distributed(_train_save, 2, str(tmp_path / "ckpt"), 2, timeout=300)[0]
-    assert step == 2.0
+    theirs, step, settings = run_distributed(_train_save, 2, str(tmp_path / "ckpt"), 2,
+                                             timeout=300)[0]
+    assert step == 2.0 and [group["wd_mult"] for group in settings] == [1.0, 0.0]
     fields = tmp_path / "llama.json"
     fields.write_text(json.dumps(LLAMA.to_dict()))
     convert_checkpoint(tmp_path / "ckpt", tmp_path / "pretrain", to="pretrain",
@@ -342,8 +361,10 @@ def test_mcore_distributed_adam_state_round_trip(tmp_path: Path) -> None:
                 assert torch.equal(state[moment],
                                    theirs[state_key(moment, part.key)][layer][order]), name
     convert_checkpoint(tmp_path / "pretrain", tmp_path / "mcore", to="mcore")
-    loaded, steps = run_distributed(_load_adam, 2, str(tmp_path / "mcore"), timeout=300)[0]
+    loaded, steps, groups = run_distributed(_load_adam, 2, str(tmp_path / "mcore"),
+                                            timeout=300)[0]
     assert steps == [2.0, 2.0] and sorted(loaded) == sorted(theirs)
+    assert groups == settings  # lr, betas, eps, weight decay, peak: through mt's groups
     for key, tensor in theirs.items():  # megatron-core -> mt -> megatron-core: bit for bit
         assert torch.equal(loaded[key], tensor), key
     convert_checkpoint(tmp_path / "pretrain", tmp_path / "weights", to="mcore",

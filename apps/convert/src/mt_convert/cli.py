@@ -96,6 +96,8 @@ def _convert(src: Path, dst: Path, to: str, from_format: str | None, layout: Lay
     console.print(f"wrote {result.destination} ({result.target_format}): {result.tensors} "
                   f"tensors, {result.bytes / 2**20:.1f} MiB in {result.seconds:.1f} s",
                   markup=False, highlight=False, soft_wrap=True)
+    for note in result.notes:
+        console.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
     if to == "hf" and not (dst / "tokenizer.json").exists():
         console.print("note: no tokenizer written (the source records none); pass --tokenizer "
                       "so that transformers and lm-eval load the folder unaided",

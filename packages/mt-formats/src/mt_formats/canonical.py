@@ -14,6 +14,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -167,6 +168,12 @@ class CheckpointReader(ABC):
         from lower-precision weights; None where it holds none (weights-only formats)."""
         return None
 
+    def optimizer_settings(self, name: str) -> dict[str, Any] | None:
+        """Adam's hyperparameters that apply to canonical parameter ``name`` in the source
+        (the keys of :data:`mt_formats.adam.SETTINGS` it records: ``lr``, ``betas``,
+        ``eps``, ``weight_decay``, ``initial_lr``); None where it records none."""
+        return None
+
     def close(self) -> None:  # noqa: B027 - optional hook, no-op by default
         """Release open files."""
 
@@ -194,6 +201,8 @@ class CheckpointWriter(ABC):
         """Where :attr:`holds_optimizer_state`: a reader whose Adam state
         (:meth:`CheckpointReader.optimizer_state`) is stored beside the weights; None (or a
         source without one): weights only."""
+        self.notes: list[str] = []
+        """What the user should know about what was written (one line each)."""
 
     holds_optimizer_state: bool = False
     """Whether the format stores Adam's state beside the weights (:attr:`state_source`)."""

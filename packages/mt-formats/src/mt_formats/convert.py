@@ -222,6 +222,8 @@ class ConversionResult:
     seconds: float
     tokenizer: str | None = None
     """The tokenizer written beside the weights (hf, gguf), if any."""
+    notes: tuple[str, ...] = ()
+    """What the user should know about what was written (one line each)."""
 
 
 def _specs(reader: CheckpointReader) -> dict[str, TensorSpec]:
@@ -374,7 +376,7 @@ def convert_checkpoint(source: Path, destination: Path, *, to: str = "consolidat
         moved = _write(writer, reader.names(), get, destination, overwrite, progress)
         return ConversionResult(reader.format, writer.format, destination,
                                 len(reader.names()), moved, time.perf_counter() - start,
-                                writer.tokenizer)
+                                writer.tokenizer, tuple(writer.notes))
 
 
 def _to_pretrain(source: Path, destination: Path, pad_multiple: int | None, overwrite: bool,

@@ -52,6 +52,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from mt_formats.adam import SETTINGS, adamw_group, settings_of
 from mt_formats.canonical import CheckpointReader, CheckpointWriter, TensorRef, canonical_shapes
 from mt_formats.crc import CHECKSUM_ALGORITHM
 from mt_formats.dcp_names import Naming, Part, detect_naming, writer_naming
@@ -192,6 +193,8 @@ class DCPFolder:
         self.metadata = read_metadata(self.root)
         self.tensors = {key: meta for key, meta in self.metadata.state_dict_metadata.items()
                         if isinstance(meta, TensorStorageMetadata)}
+        self.objects = {key for key, meta in self.metadata.state_dict_metadata.items()
+                        if isinstance(meta, BytesStorageMetadata)}
         self.checksums: dict[str, str] = {}
         self._storage = _Storage(self.root, self.metadata)
 
@@ -285,6 +288,30 @@ class DCPFolder:
                                f"{list(start)} holds {getattr(piece, 'shape', piece)!r}, "
                                f"not a tensor of shape {list(extent)}")
         return piece
+
+    def load_object(self, key: str) -> Any:
+        """Plain value ``key`` (DCP stores non-tensors as ``torch.save`` bytes, through the
+        folder's transforms if any), read with ``weights_only=True``; its checksum checked
+        where recorded (:func:`bytes_checksum`)."""
+        info = self.metadata.storage_data.get(MetadataIndex(key))
+        if info is None:
+            raise ConvertError(f"{self.root / METADATA_FILE}: entry {key!r} has no storage "
+                               "entry")
+        path = self.root / info.relative_path
+        try:
+            with open(path, "rb") as file:
+                file.seek(info.offset)
+                raw = file.read(info.length)
+            expected = self.checksums.get(key)
+            if expected is not None and bytes_checksum(raw) != expected:
+                raise ConvertError(f"{path}: entry {key!r}: checksum mismatch (recorded "
+                                   f"{expected} in {SIDECAR}): the file is corrupted")
+            stream = self._storage.transforms.transform_load_stream(
+                None, getattr(info, "transform_descriptors", None) or (), io.BytesIO(raw))
+            return torch.load(io.BytesIO(stream.read()), weights_only=True)
+        except (RuntimeError, OSError, EOFError, ValueError, pickle.UnpicklingError) as err:
+            raise ConvertError(f"{path}: entry {key!r}: not readable (malformed, truncated or "
+                               f"not a plain value): {type(err).__name__}") from None
 
     def _checked(self, key: str, layer: int | None, tensor: torch.Tensor) -> torch.Tensor:
         name = key if layer is None else f"{key}[{layer}]"
@@ -388,14 +415,34 @@ class DCPReader(CheckpointReader):
         return tensor
 
 
-    def _state_key(self, key: str, state: str) -> str | None:
+    def _state_key(self, key: str, state: str, section: str = "state") -> str | None:
         """The DCP key of optimizer state ``state`` of stored parameter ``key``
-        (:func:`optimizer_key`, with or without the model's prefix)."""
+        (:func:`optimizer_key`, with or without the model's prefix), or of its param
+        group's setting ``state`` with ``section="param_groups"``."""
+        stored = self._folder.tensors if section == "state" else self._folder.objects
         for fqn in (key, key.removeprefix(self.naming.prefix)):
-            candidate = optimizer_key(fqn, state)
-            if candidate in self._folder.tensors:
+            candidate = optimizer_key(fqn, state, section)
+            if candidate in stored:
                 return candidate
         return None
+
+    def optimizer_settings(self, name: str) -> dict[str, Any] | None:
+        """The settings of :data:`~mt_formats.adam.SETTINGS` recorded for ``name`` in the
+        flattened optimizer state dict (``optimizer.param_groups.<fqn>.<setting>``; every
+        stored part of ``name`` alike); None where none is recorded."""
+        where = self.root / METADATA_FILE
+        found: dict[str, Any] | None = None
+        for part in self._parts[name]:
+            keys = {setting: self._state_key(part.key, setting, "param_groups")
+                    for setting in SETTINGS}
+            settings = settings_of({setting: self._folder.load_object(key)
+                                    for setting, key in keys.items() if key is not None},
+                                   f"{where}: {part.key}")
+            if found is not None and settings != found:
+                raise ConvertError(f"{where}: the parts of {name!r} are in param groups of "
+                                   f"different settings ({found} and {settings})")
+            found = settings
+        return found or None
 
     def optimizer_state(self, name: str) -> dict[str, torch.Tensor] | None:
         parts = self._parts[name]
@@ -423,12 +470,20 @@ class DCPReader(CheckpointReader):
         return result
 
 
-def optimizer_key(fqn: str, state: str) -> str:
+def optimizer_key(fqn: str, state: str, section: str = "state") -> str:
     """The DCP key of Adam's ``state`` (``exp_avg``, ``exp_avg_sq``, ``step``) of the
-    parameter stored as ``fqn``: torch's flattened optimizer state dict
+    parameter stored as ``fqn``, or with ``section="param_groups"`` of its param group's
+    setting ``state`` (``lr``, ``betas``, ...): torch's flattened optimizer state dict
     (``get_optimizer_state_dict(..., flatten_optimizer_state_dict=True)``, as torchtitan
     saves it) under ``optimizer``."""
-    return f"optimizer.state.{fqn}.{state}"
+    return f"optimizer.{section}.{fqn}.{state}"
+
+
+def bytes_checksum(raw: bytes) -> str:
+    """The checksum (:data:`~mt_formats.crc.CHECKSUM_ALGORITHM`) of a plain value's stored
+    bytes, as ``mt.json`` records it."""
+    return tensor_checksum(torch.frombuffer(bytearray(raw), dtype=torch.uint8),
+                           CHECKSUM_ALGORITHM)
 
 
 def read_sidecar(root: Path) -> dict[str, Any] | None:
@@ -490,8 +545,9 @@ class DCPFileWriter:
         meta.chunks.append(ChunkStorageMetadata(torch.Size(offsets), chunk.shape))
         self._append(index, chunk)
 
-    def add_object(self, key: str, value: Any) -> None:
-        """Store a plain value (``torch.save`` bytes, as DCP stores non-tensors)."""
+    def add_object(self, key: str, value: Any) -> bytes:
+        """Store a plain value (``torch.save`` bytes, as DCP stores non-tensors); returns
+        the bytes stored."""
         self._objects[key] = BytesStorageMetadata()
         buffer = io.BytesIO()
         torch.save(value, buffer)
@@ -499,6 +555,7 @@ class DCPFileWriter:
         self._file.write(buffer.getbuffer())
         self._storage[MetadataIndex(key)] = _StorageInfo(DATA_FILE, start,
                                                           self._file.tell() - start)
+        return buffer.getvalue()
 
     def close(self) -> None:
         """Sync the data file and write ``.metadata`` (torch's pickle of :class:`Metadata`)."""
@@ -543,6 +600,7 @@ class DCPWriter(CheckpointWriter):
         self._tied = self.naming.tied_copy(config)
         self._files: DCPFileWriter | None = None
         self._checksums: dict[str, str] = {}
+        self._unset: list[str] = []  # parameters whose state came without settings
 
     def _spec(self, name: str, part: Part) -> TensorSpec:
         return TensorSpec(part.shape(self.specs[name].shape), self.specs[name].dtype)
@@ -581,8 +639,15 @@ class DCPWriter(CheckpointWriter):
                 self._store_parts(name, state[moment],  # in its own dtype (fp32 masters')
                                   lambda key, m=moment: optimizer_key(key, m))
             step = torch.as_tensor(state["step"], dtype=torch.float32).reshape(())
+            settings = self.state_source.optimizer_settings(name)
+            if settings is None:
+                self._unset.append(name)
+            group = adamw_group(settings)  # every key a torch AdamW's state dict has
             for part in self._parts[name]:
                 self._store(optimizer_key(part.key, "step"), step.clone())
+                for setting, value in group.items():
+                    key = optimizer_key(part.key, setting, "param_groups")
+                    self._checksums[key] = bytes_checksum(self._files.add_object(key, value))
 
     def finish(self) -> None:
         assert self._files is not None, "open() first"
@@ -590,6 +655,10 @@ class DCPWriter(CheckpointWriter):
                    self._checksums]
         if missing:
             raise ConvertError(f"{self._files.directory}: tensors never written: {missing}")
+        if self._unset:
+            self.notes.append(f"the source records no Adam hyperparameters of "
+                              f"{len(self._unset)} parameters ({self._unset[0]}, ...): their "
+                              "param groups hold torch AdamW's defaults")
         self._files.close()
         write_sidecar(self._files.directory, {"names": self.naming.family,
                                               "model": self.config.to_dict(),

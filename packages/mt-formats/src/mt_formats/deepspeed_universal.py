@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from mt_formats.adam import decays, two_groups
 from mt_formats.canonical import CheckpointReader, TensorRef, canonical_shapes, follow_pointer
 from mt_formats.errors import ConvertError
 from mt_formats.megatron import _LAYER, _from_megatron_qkv
@@ -59,6 +60,7 @@ __all__ = [
 DEEPSPEED_FORMAT = "deepspeed"
 ZERO_DIR = "zero"
 FP32_FILE = "fp32.pt"
+OPTIMIZER_STATE = "optimizer_state.pt"  # ds_to_universal's copy of the param groups
 LATEST_UNIVERSAL = "latest_universal"
 MODEL_STATES = "mp_rank_*_model_states.pt"
 _PREFIX = "module."
@@ -108,7 +110,20 @@ class SubparamShape:
     unpickled under DeepSpeed's name without importing DeepSpeed, its fields only."""
 
 
+class LossScaler:
+    """An inert stand-in for DeepSpeed's loss scaler, pickled in ``optimizer_state.pt``
+    beside the param groups; its fields only."""
+
+
+class ZeroStageEnum(int):
+    """An inert stand-in for DeepSpeed's ZeRO stage enumeration (an ``int``), pickled in
+    ``optimizer_state.pt``."""
+
+
 _UNIVERSAL_GLOBALS = [(SubparamShape, "deepspeed.checkpoint.universal_checkpoint.SubparamShape")]
+#: What ``zero/optimizer_state.pt`` may hold beside plain containers.
+_OPTIMIZER_GLOBALS = [(LossScaler, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
+                      (ZeroStageEnum, "deepspeed.runtime.zero.config.ZeroStageEnum")]
 
 
 def _load_param(path: Path, name: str) -> torch.Tensor:
@@ -304,6 +319,7 @@ class DeepSpeedUniversalReader(CheckpointReader):
                                "slices were joined without their rules (replicated, row, "
                                "fused blocks, padded vocabulary); convert a checkpoint that "
                                "carries them (mt pretrain --engine deepspeed writes them)")
+        self._roles: dict[bool, dict[str, Any]] | None = None  # on first use
         self.config = resolve_config(model, self.root, shapes, client)
         self._shapes = canonical_shapes(self.config)
         missing = sorted(set(self._shapes) - set(self._params))
@@ -361,6 +377,22 @@ class DeepSpeedUniversalReader(CheckpointReader):
         if not self._file(name, "exp_avg").is_file():
             return None
         return {key: self.read_state(name, key) for key in ("exp_avg", "exp_avg_sq", "step")}
+
+    def optimizer_settings(self, name: str) -> dict[str, Any] | None:
+        """The hyperparameters of ``name``'s param group from ``zero/optimizer_state.pt``
+        (the engine's param groups, which do not say which parameters each holds:
+        :func:`~mt_formats.adam.two_groups`); None where the folder has none or groups
+        them otherwise."""
+        if self.optimizer_state(name) is None:
+            return None
+        if self._roles is None:
+            path = self.root / ZERO_DIR / OPTIMIZER_STATE
+            data = (load_weights_only(path, missing="file not found",
+                                      allowed=_OPTIMIZER_GLOBALS) if path.is_file() else {})
+            groups = data.get("param_groups") if isinstance(data, dict) else None
+            valid = isinstance(groups, list) and all(isinstance(g, dict) for g in groups)
+            self._roles = (two_groups(groups, f"{path}: param_groups") if valid else None) or {}
+        return self._roles.get(decays(self._shapes[name]))
 
     def close(self) -> None:
         self._params.clear()

@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from mt_formats.adam import adamw_group, by_role, decays, settings_of
 from mt_formats.canonical import CheckpointReader, CheckpointWriter, TensorRef, canonical_shapes
 from mt_formats.crc import CHECKSUM_ALGORITHM
 from mt_formats.dcp import (
@@ -238,6 +239,7 @@ class McoreReader(CheckpointReader):
         self._check(shapes)
         self._cached: tuple[tuple[str, int], torch.Tensor] | None = None
         self._step: float | bool | None = None  # read on the first optimizer_state()
+        self._roles: dict[bool, dict[str, Any]] = {}  # with the step
 
     def _args(self) -> Any:
         """Megatron-LM's ``args`` from ``common.pt`` (allow-listed unpickling), or None."""
@@ -355,7 +357,17 @@ class McoreReader(CheckpointReader):
         if len(steps) != 1:
             raise ConvertError(f"{path}: the optimizer's param groups were stepped "
                                f"{sorted(steps)} times")
+        self._roles = _role_settings(groups, f"{path}: optimizer.optimizer.param_groups")
         return steps.pop()
+
+    def optimizer_settings(self, name: str) -> dict[str, Any] | None:
+        """The hyperparameters of the param group holding ``name`` in ``common.pt``:
+        megatron-core's group of ``wd_mult`` 1 for matrices, of ``wd_mult`` 0 for biases
+        and norms (:func:`_role_settings`); None without optimizer state or where the
+        groups do not say which holds ``name``."""
+        if self.optimizer_state(name) is None:
+            return None
+        return self._roles.get(decays(self._shapes[name]))
 
     def close(self) -> None:
         self._cached = None
@@ -377,6 +389,7 @@ class McoreWriter(CheckpointWriter):
         self._checksums: dict[str, str] = {}
         self._pending: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
         self._steps: dict[str, float] = {}  # parameter -> step, where the source holds state
+        self._settings: dict[str, dict[str, Any] | None] = {}  # and its Adam settings
 
     def targets(self, name: str) -> list[TensorRef]:
         part, spec = self._parts[name], self.specs[name]
@@ -431,6 +444,7 @@ class McoreWriter(CheckpointWriter):
         for moment in MOMENTS:
             self._put(state_key(moment, part.key), part, state[moment].to(torch.float32))
         self._steps[name] = float(state["step"])
+        self._settings[name] = self.state_source.optimizer_settings(name)
 
     def finish(self) -> None:
         """Completes the folder: ``_extra_state`` entries, ``metadata.json``, ``mt.json``
@@ -472,23 +486,53 @@ class McoreWriter(CheckpointWriter):
         if len(steps) != 1:
             raise ConvertError(f"{where}: the source's parameters were stepped {steps} times; "
                                "megatron-core keeps one step for all")
-        return optimizer_common(steps[0])
+        shapes = {name: self.specs[name].shape for name in self._settings}
+        roles = by_role(self._settings, shapes, str(where))
+        for role, group in ((True, "matrices"), (False, "biases and norms")):
+            if role not in roles:
+                self.notes.append(f"the source records no Adam hyperparameters of its "
+                                  f"{group}: their param group in {COMMON_FILE} holds torch "
+                                  "AdamW's defaults (megatron-core's scheduler sets lr and "
+                                  "weight decay before every step)")
+        return optimizer_common(steps[0], roles)
 
     def abort(self) -> None:
         if self._files is not None:
             self._files.abort()
 
 
-def optimizer_common(step: float) -> dict[str, Any]:
+def _role_settings(groups: list[Mapping[str, Any]], where: str) -> dict[bool, dict[str, Any]]:
+    """The settings per role (:func:`~mt_formats.adam.by_role`'s keys) of megatron-core's
+    param groups: matrices are in the groups of ``wd_mult`` 1, biases and norms in those of
+    ``wd_mult`` 0; a group's ``max_lr`` (its scheduler's peak) is the ``initial_lr``. A role
+    whose groups differ (a decoupled learning rate, ``lr_mult``) is
+    absent: the groups do not record which parameters they hold."""
+    roles: dict[bool, dict[str, Any]] = {}
+    for role in (True, False):
+        found = [settings_of({**group, "initial_lr": group["max_lr"]} if "max_lr" in group
+                             else group, where)
+                 for group in groups if float(group.get("wd_mult", 1.0)) == float(role)]
+        if found and all(settings == found[0] for settings in found):
+            roles[role] = found[0]
+    return roles
+
+
+def optimizer_common(step: float, roles: Mapping[bool, Mapping[str, Any]] | None = None
+                     ) -> dict[str, Any]:
     """The common (non-sharded) part of megatron-core's distributed optimizer state as
     ``common.pt`` holds it for ``fully_reshardable``: ``{"optimizer": {"optimizer":
     {"param_groups": [...]}, "param_state_sharding_type": "fully_reshardable"}}``. Its
     loader matches groups by :data:`_GROUPS`' identifier keys and loads each group's
-    hyperparameters with it; the source records none, so they are torch AdamW's defaults
-    (lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight decay 0.01; Megatron-LM's
-    ``OptimizerParamScheduler`` overwrites lr and weight decay before every step)."""
-    defaults = torch.optim.AdamW([torch.zeros(1)]).param_groups[0]
-    hyper = {key: value for key, value in defaults.items() if key != "params"}
-    groups = [{**identity, **hyper, "step": float(step)} for identity in _GROUPS]
+    hyperparameters with it: those of ``roles`` (:func:`~mt_formats.adam.by_role`: the
+    matrices' for the ``wd_mult`` 1 group, the others' for the ``wd_mult`` 0 one; the
+    source's ``initial_lr`` as the group's ``max_lr``, the peak its scheduler warms up
+    to), torch AdamW's defaults for a role without any (megatron-core's
+    ``OptimizerParamScheduler`` sets lr and weight decay before every step)."""
+    groups = []
+    for identity in _GROUPS:
+        settings = dict((roles or {}).get(identity["wd_mult"] == 1.0) or {})
+        peak = settings.pop("initial_lr", None)
+        groups.append({**identity, **adamw_group(settings), "default_config": True,
+                       **({} if peak is None else {"max_lr": peak}), "step": float(step)})
     return {"optimizer": {"optimizer": {"param_groups": groups},
                           "param_state_sharding_type": SHARDING}}

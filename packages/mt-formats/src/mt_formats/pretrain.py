@@ -26,6 +26,7 @@ from mt_checkpoint import (
     read_meta,
     verify_rank_file,
 )
+from mt_formats.adam import settings_of
 from mt_formats.canonical import CheckpointReader, TensorRef, canonical_shapes, follow_pointer
 from mt_formats.errors import ConvertError
 from mt_formats.tensors import TensorSpec
@@ -165,6 +166,28 @@ class PretrainReader(CheckpointReader):
             return None
         return {"exp_avg": moments["exp_avg"], "exp_avg_sq": moments["exp_avg_sq"],
                 "step": torch.as_tensor(state["replicated"][name]["step"])}
+
+    def optimizer_settings(self, name: str) -> dict[str, Any] | None:
+        """The hyperparameters of ``name``'s param group in the ranks' mt-zero shards (the
+        learning rate of the last step, betas, eps, weight decay, and ``initial_lr`` where
+        a conversion put it there) and otherwise, as ``initial_lr``, the run's peak learning
+        rate (``train.lr`` of the run's config, which its schedule scales); None for a
+        checkpoint whose optimizer has not stepped."""
+        if self.optimizer_state(name) is None:
+            return None
+        assert self._optimizer is not None  # made by optimizer_state
+        state, _ = self._optimizer.state_of(name)
+        where = f"{self.root}: optimizer param groups"
+        try:
+            group = state["param_groups"][state["group_of"][name]]
+        except (KeyError, IndexError, TypeError):
+            raise ConvertError(f"{where}: none holds parameter {name!r}") from None
+        settings = settings_of(group, where)
+        peak = (self.meta.config.get("train") or {}).get("lr")
+        if isinstance(peak, (int, float)) and not isinstance(peak, bool) and \
+                "initial_lr" not in settings:
+            settings["initial_lr"] = float(peak)
+        return settings
 
     def close(self) -> None:
         self._parts.clear()

@@ -11,9 +11,10 @@ file holds the fp32 weights under ``"model"`` (what
 weights as a one-rank mt-zero optimizer shard of an AdamW that has not stepped
 (``mt_zero.initial_state``: fp32 masters, no Adam moments yet, as for a new run), or,
 when the source holds Adam's state (a DeepSpeed universal checkpoint, a torchtitan DCP
-folder), its ``exp_avg``, ``exp_avg_sq`` and ``step`` per parameter; the run sets its own
-learning rate, weight decay, betas and eps. The data position is 0: training
-starts at step 1 of the run's data.
+folder), its ``exp_avg``, ``exp_avg_sq`` and ``step`` per parameter, and the source's
+settings (:data:`mt_formats.adam.SETTINGS`) in the param groups of the matrices and of the
+rest (``mt pretrain --load`` sets the run's own before its first step). The data position
+is 0: training starts at step 1 of the run's data.
 
 ``torch.save`` needs the whole file, so the writer buffers the tensors until
 :meth:`~PretrainWriter.finish`.
@@ -33,6 +34,7 @@ from mt_checkpoint import (
     save_rank,
     write_meta,
 )
+from mt_formats.adam import by_role
 from mt_formats.canonical import CheckpointWriter, TensorRef
 from mt_formats.errors import ConvertError
 from mt_formats.tensors import TensorSpec
@@ -94,6 +96,11 @@ class PretrainWriter(CheckpointWriter):
                                     for key in ("exp_avg", "exp_avg_sq")},
                         "replicated": {"step": torch.as_tensor(state["step"],
                                                                dtype=torch.float32)}}
+            carried = {name: self.state_source.optimizer_settings(name)
+                       for name, state in states.items() if state is not None}
+            roles = by_role(carried, shapes, str(self._directory / RANK_FILE))
+            for index, role in ((0, True), (1, False)):  # initial_state's groups
+                full["param_groups"][index].update(roles.get(role, {}))
         optimizer = split_consolidated(full, 1, 0)[0]
         save_rank(self._directory, 0, (0, 0, 0), weights, optimizer, fresh_rng(0, 0, 0))
         meta = CheckpointMeta(step=0, layout=SavedLayout(1, 1, 1), model=self.config.to_dict(),

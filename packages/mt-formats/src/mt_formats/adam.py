@@ -1,0 +1,97 @@
+"""Adam's hyperparameters as checkpoints record them: per parameter group, and from there
+per parameter.
+
+A reader gives the settings that apply to one canonical parameter
+(:meth:`~mt_formats.canonical.CheckpointReader.optimizer_settings`): the keys of
+:data:`SETTINGS` its source records (``lr`` as of the last step, ``betas``, ``eps``,
+``weight_decay``, and ``initial_lr``, the base rate a learning-rate scheduler scales). A
+writer of a format that keeps param groups writes them with the moments: per parameter
+(torch DCP's flattened optimizer state dict) or per group of matrices and group of the rest
+(mt pretrain's two groups, megatron-core's ``wd_mult`` 1 and 0 groups: :func:`by_role`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from mt_formats.errors import ConvertError
+
+__all__ = ["SETTINGS", "adamw_group", "by_role", "decays", "settings_of", "two_groups"]
+
+#: The hyperparameters carried from one format to another.
+SETTINGS = ("lr", "betas", "eps", "weight_decay", "initial_lr")
+
+
+def decays(shape: Sequence[int]) -> bool:
+    """Whether a parameter of ``shape`` is in the weight-decay role: matrices are, biases
+    and norm weights are not (the rule of mt, Megatron-LM and Megatron-DeepSpeed)."""
+    return len(shape) >= 2
+
+
+def settings_of(group: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """The keys of :data:`SETTINGS` that param group ``group`` holds, as floats (``betas``
+    a pair of floats); a value that is not a number is a :class:`ConvertError` naming
+    ``where``."""
+    out: dict[str, Any] = {}
+    for key in SETTINGS:
+        if key not in group:
+            continue
+        value = group[key]
+        try:
+            out[key] = (tuple(float(b) for b in value) if key == "betas" else float(value))
+        except (TypeError, ValueError):
+            raise ConvertError(f"{where}: param group {key} is {value!r}, not a number"
+                               ) from None
+        if key == "betas" and len(out[key]) != 2:
+            raise ConvertError(f"{where}: param group betas is {value!r}, not a pair")
+    return out
+
+
+def adamw_group(settings: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The keys of a torch AdamW param group (``params`` aside) at this torch version:
+    torch's defaults, overridden by ``settings``."""
+    defaults = torch.optim.AdamW([torch.zeros(1)]).param_groups[0]
+    return {**{key: value for key, value in defaults.items() if key != "params"},
+            **(settings or {})}
+
+
+def by_role(settings: Mapping[str, Mapping[str, Any] | None],
+            shapes: Mapping[str, Sequence[int]], where: str) -> dict[bool, dict[str, Any]]:
+    """The settings of the matrices (``True``) and of the other parameters (``False``) from
+    per-parameter ``settings`` (None: not recorded); a role none of whose parameters has
+    settings is absent. Parameters of one role with different settings are a
+    :class:`ConvertError` naming ``where`` and two of them: a format of two groups cannot
+    hold them."""
+    roles: dict[bool, tuple[str, dict[str, Any]]] = {}
+    for name, found in settings.items():
+        if found is None:
+            continue
+        role = decays(shapes[name])
+        first = roles.setdefault(role, (name, dict(found)))
+        if first[1] != dict(found):
+            raise ConvertError(f"{where}: the source's optimizer settings of {first[0]!r} "
+                               f"({first[1]}) and {name!r} ({dict(found)}) differ; the "
+                               "target keeps one group of matrices and one of the other "
+                               "parameters (give --drop-optimizer to convert the weights "
+                               "alone)")
+    return {role: found for role, (_, found) in roles.items()}
+
+
+def two_groups(groups: Sequence[Mapping[str, Any]], where: str
+               ) -> dict[bool, dict[str, Any]] | None:
+    """The settings per role (as :func:`by_role`) of a checkpoint that records its param
+    groups but not which parameters are in which: one group holds them all; of two
+    groups, the one without weight decay holds the biases and norms and the other the
+    matrices (how mt, Megatron-LM and Megatron-DeepSpeed group them). None for any other
+    grouping."""
+    found = [settings_of(group, where) for group in groups]
+    if len(found) == 1:
+        return {True: found[0], False: found[0]}
+    if len(found) == 2:
+        zero = [group.get("weight_decay") == 0.0 for group in found]
+        if zero.count(True) == 1:
+            return {True: found[zero.index(False)], False: found[zero.index(True)]}
+    return None
