@@ -119,10 +119,13 @@ def test_convert_pretrain_optimizer_state_to_dcp(checkpoints: Path, tmp_path: Pa
     """The run's AdamW state (TP 2 x PP 2 shards) is written into DCP under torch's flattened
     optimizer keys (transformers' GPT-2 names, Conv1D's transposed storage): the moments and
     step counts of the same checkpoint resharded to one rank by ``--tp 1 --pp 1`` (whose
-    resumed training the test above checks), bit for bit; ``--drop-optimizer`` writes none."""
+    resumed training the test above checks), bit for bit, and the run's Adam settings;
+    ``--drop-optimizer`` writes none."""
     convert_checkpoint(checkpoints, tmp_path / "dcp", to="dcp")
     convert_checkpoint(checkpoints, tmp_path / "one", to="pretrain", tp=1, pp=1, dp=1,
                        zero_stage=0)
+    train = read_meta(find_checkpoint(checkpoints)).config["train"]
+    peak = train["lr"]
     with open_checkpoint(tmp_path / "dcp") as stored, open_checkpoint(tmp_path / "one") as one:
         assert stored.names() == one.names()
         for name in one.names():
@@ -131,6 +134,14 @@ def test_convert_pretrain_optimizer_state_to_dcp(checkpoints: Path, tmp_path: Pa
             for key in ("exp_avg", "exp_avg_sq"):
                 assert torch.equal(ours[key], want[key]), (name, key)
             assert float(ours["step"]) == float(want["step"]) == 2.0, name
+            # Adam's settings: the run's, in the param groups of every stored parameter
+            settings = stored.optimizer_settings(name)
+            assert settings is not None and settings == one.optimizer_settings(name), name
+            assert settings["betas"] == (train["adam_beta1"], train["adam_beta2"]), name
+            assert settings["eps"] == train["adam_eps"] and settings["initial_lr"] == peak
+            assert settings["weight_decay"] == (train["weight_decay"] if "weight" in name and
+                                                "ln" not in name else 0.0), name
+            assert 0 < settings["lr"] <= peak, name  # the last step's, on the schedule
     convert_checkpoint(checkpoints, tmp_path / "weights", to="dcp", drop_optimizer=True)
     with open_checkpoint(tmp_path / "weights") as stored:
         assert all(stored.optimizer_state(name) is None for name in stored.names())
