@@ -82,6 +82,28 @@ def test_meta_build_then_to_empty_equals_cpu_build() -> None:
     assert torch.equal(model(idx), reference(idx))
 
 
+def test_a_meta_build_stays_cheap() -> None:
+    """Building on the meta device (how mt learns shapes: every conversion, every stage it
+    materialises) runs no init there: torch's meta ``normal_`` goes through its Python
+    reference, whose first call imports ``torch._dynamo`` (about a second per process).
+    A fresh interpreter shows it; the parameters are those of a CPU build."""
+    import subprocess
+    import sys
+
+    probe = ("import sys, torch\n"
+             "from mt_model import GPT, preset\n"
+             "with torch.device('meta'):\n"
+             "    model = GPT(preset('tiny'), seed=None)\n"
+             "print('torch._dynamo' in sys.modules)\n"
+             "print(sorted((n, tuple(p.shape), p.requires_grad) for n, p in "
+             "model.named_parameters()))\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         check=True).stdout.splitlines()
+    expected = sorted((n, tuple(p.shape), p.requires_grad)
+                      for n, p in GPT(TINY, seed=None).named_parameters())
+    assert out[0] == "False" and out[1] == str(expected)
+
+
 def test_init_in_bf16_is_the_rounded_fp32_init() -> None:
     model = GPT(TINY, seed=None).to(torch.bfloat16)
     init_gpt_(model, seed=2)

@@ -177,6 +177,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+def _embedding(rows: int, dim: int) -> nn.Embedding:
+    """``nn.Embedding(rows, dim)``; on the meta device (shapes only) without its normal
+    init, which torch runs there through its Python reference implementation: importing
+    ``torch._dynamo`` the first time, about a second per process."""
+    if torch.get_default_device().type == "meta":
+        return nn.Embedding(rows, dim, _weight=torch.empty(rows, dim))
+    return nn.Embedding(rows, dim)
+
+
 class Embedding(nn.Module):
     """Token embedding (+ learned absolute positions), then dropout.
 
@@ -190,8 +199,8 @@ class Embedding(nn.Module):
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.tokens = nn.Embedding(config.vocab_size, config.hidden)
-        self.positions = nn.Embedding(config.seq_len, config.hidden) \
+        self.tokens = _embedding(config.vocab_size, config.hidden)
+        self.positions = _embedding(config.seq_len, config.hidden) \
             if config.position == "learned" else None
         self.max_seq = config.seq_len
         self.drop = nn.Dropout(config.dropout)
