@@ -80,3 +80,32 @@ def test_data_prepare_through_the_cli_forks_its_workers(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     assert "START-METHODS ['fork'] False" in done.stderr, done.stderr
     assert (tmp_path / "out" / "index.json").is_file()
+
+
+_CONVERT = """
+import sys
+sys.modules["torch.distributed.checkpoint"] = None  # any import of it now raises
+from mt_convert.cli import app
+from mt_formats import save_model
+from mt_model import GPT, GPTConfig
+model = GPT(GPTConfig(n_layers=2, hidden=32, n_heads=4, vocab_size=64, seq_len=16), seed=0)
+save_model(model, sys.argv[1] + "/tp", to="tp", tp=2)
+sys.argv = ["mt-convert", sys.argv[1] + "/tp", sys.argv[1] + "/full"]
+try:
+    app()
+finally:
+    print("slow imports:", [m for m in ("torch._dynamo", "sympy") if m in sys.modules])
+"""
+
+
+def test_conversions_between_mt_formats_import_no_dcp(tmp_path: Path) -> None:
+    """`mt convert` between formats that are not torch DCP or Megatron-core never imports
+    ``torch.distributed.checkpoint`` (about a second, with DTensor and sympy), not even to
+    detect the source's format; and the shapes it computes on the meta device (the model's,
+    the shards') import neither ``torch._dynamo`` nor sympy (torch's Python reference
+    implementations of some meta ops do: a second each)."""
+    done = subprocess.run([sys.executable, "-c", _CONVERT, str(tmp_path)], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (tmp_path / "full" / "model.safetensors").is_file()
+    assert "slow imports: []" in done.stdout, done.stdout

@@ -14,11 +14,13 @@ directory."""
 
 from __future__ import annotations
 
+import importlib
 import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -34,14 +36,13 @@ from mt_formats.canonical import (
     canonical_shapes,
 )
 from mt_formats.consolidated import CONSOLIDATED_FORMAT, ConsolidatedReader, ConsolidatedWriter
-from mt_formats.dcp import DCP_FORMAT, DCPReader, DCPWriter, is_dcp_checkpoint
+from mt_formats.dcp_files import DCP_FORMAT, MCORE_FORMAT, is_dcp_checkpoint, is_mcore_checkpoint
 from mt_formats.deepspeed_universal import DeepSpeedUniversalReader, is_deepspeed_checkpoint
 from mt_formats.errors import ConvertError, WriteFailed, gpt2_only
 from mt_formats.gguf_file import GGUF_FORMAT, GGUFReader, GGUFWriter
 from mt_formats.hf import HFWriter, open_hf
 from mt_formats.hf_llama import LlamaWriter, is_llama
 from mt_formats.manifest import CONFIG_FILE, read_json
-from mt_formats.mcore import MCORE_FORMAT, McoreReader, McoreWriter, is_mcore_checkpoint
 from mt_formats.megatron import LATEST_FILE, MegatronReader, MegatronWriter
 from mt_formats.pretrain import PretrainReader, is_pretrain_checkpoint
 from mt_formats.pretrain_from_weights import PretrainWriter
@@ -72,6 +73,20 @@ __all__ = [
 MAX_PAD_MULTIPLE = 2**16
 FORMATS: tuple[str, ...] = ("consolidated", "hf", "tp", "megatron", "pretrain", "dcp",
                              "mcore", "gguf", "deepspeed")
+
+
+def _on_use(module: str, name: str) -> Callable[..., Any]:
+    """``module.name``, imported when first called: the DCP and Megatron-core formats need
+    ``torch.distributed.checkpoint``, which takes about a second to import."""
+    def call(*args: Any) -> Any:
+        return getattr(importlib.import_module(module), name)(*args)
+    return call
+
+
+DCPReader = _on_use("mt_formats.dcp", "DCPReader")
+DCPWriter = _on_use("mt_formats.dcp", "DCPWriter")
+McoreReader = _on_use("mt_formats.mcore", "McoreReader")
+McoreWriter = _on_use("mt_formats.mcore", "McoreWriter")
 _READERS: dict[str, Callable[[Path], CheckpointReader]] = {
     "consolidated": ConsolidatedReader,
     "hf": open_hf,

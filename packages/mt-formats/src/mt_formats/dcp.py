@@ -28,7 +28,6 @@ Written one tensor at a time (:class:`DCPFileWriter`: each chunk ``torch.save``d
 from __future__ import annotations
 
 import io
-import json
 import os
 import pickle
 import uuid
@@ -55,10 +54,17 @@ from torch.distributed.checkpoint.metadata import (
 from mt_formats.adam import SETTINGS, adamw_group, settings_of
 from mt_formats.canonical import CheckpointReader, CheckpointWriter, TensorRef, canonical_shapes
 from mt_formats.crc import CHECKSUM_ALGORITHM
+from mt_formats.dcp_files import (
+    DCP_FORMAT,
+    METADATA_FILE,
+    SIDECAR,
+    is_dcp_checkpoint,
+    read_sidecar,
+    write_sidecar,
+)
 from mt_formats.dcp_names import Naming, Part, detect_naming, writer_naming
 from mt_formats.deepspeed_universal import config_fields
 from mt_formats.errors import ConvertError
-from mt_formats.manifest import read_json
 from mt_formats.tensors import TensorSpec, check_names, tensor_checksum
 from mt_model import GPTConfig
 
@@ -66,10 +72,6 @@ __all__ = ["DCP_FORMAT", "DCPFileWriter", "DCPFolder", "DCPReader", "DCPWriter",
            "is_dcp_checkpoint", "optimizer_key", "read_metadata", "read_sidecar",
            "write_sidecar"]
 
-DCP_FORMAT = "dcp"
-METADATA_FILE = ".metadata"
-SIDECAR = "mt.json"
-SIDECAR_FORMAT = "mt-sidecar"  # mt.json beside files of formats without checksums
 DATA_FILE = "__0_0.distcp"
 
 _METADATA_CLASSES = {
@@ -92,11 +94,6 @@ class _MetadataUnpickler(pickle.Unpickler):
                 module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"{module}.{name}")
-
-
-def is_dcp_checkpoint(path: Path) -> bool:
-    """Whether ``path`` holds a DCP ``.metadata`` file."""
-    return (Path(path) / METADATA_FILE).is_file()
 
 
 def read_metadata(root: Path) -> Metadata:
@@ -486,19 +483,6 @@ def bytes_checksum(raw: bytes) -> str:
                            CHECKSUM_ALGORITHM)
 
 
-def read_sidecar(root: Path) -> dict[str, Any] | None:
-    """``mt.json`` of a folder mt wrote, or None."""
-    path = root / SIDECAR
-    if not path.is_file():
-        return None
-    data = read_json(path)
-    if data.get("format") != SIDECAR_FORMAT or data.get("format_version") != 1:
-        raise ConvertError(f"{path}: format {data.get('format')!r} version "
-                           f"{data.get('format_version')!r}; this mt reads "
-                           f"{SIDECAR_FORMAT!r} version 1")
-    return data
-
-
 def config_from(fields: Any, where: Path) -> GPTConfig:
     """A GPTConfig from a dict of fields, or a one-line error naming ``where``."""
     if not isinstance(fields, dict):
@@ -576,15 +560,6 @@ class DCPFileWriter:
     def abort(self) -> None:
         if not self._file.closed:
             self._file.close()
-
-
-def write_sidecar(directory: Path, body: dict[str, Any]) -> None:
-    """``mt.json`` (durable: fsynced) beside a DCP folder's files."""
-    with open(directory / SIDECAR, "w", encoding="utf-8") as file:
-        file.write(json.dumps({"format": SIDECAR_FORMAT, "format_version": 1, **body},
-                              indent=1) + "\n")
-        file.flush()
-        os.fsync(file.fileno())
 
 
 class DCPWriter(CheckpointWriter):

@@ -34,7 +34,7 @@ import torch
 
 from mt_formats.canonical import CheckpointReader, CheckpointWriter, TensorRef, canonical_shapes
 from mt_formats.crc import CHECKSUM_ALGORITHM, digest
-from mt_formats.dcp import read_sidecar, write_sidecar
+from mt_formats.dcp_files import read_sidecar, write_sidecar
 from mt_formats.dcp_names import from_interleaved, to_interleaved
 from mt_formats.errors import ConvertError
 from mt_formats.hf_llama import is_llama

@@ -45,12 +45,12 @@ import torch
 from mt_formats.adam import adamw_group, by_role, decays, settings_of
 from mt_formats.canonical import CheckpointReader, CheckpointWriter, TensorRef, canonical_shapes
 from mt_formats.crc import CHECKSUM_ALGORITHM
-from mt_formats.dcp import (
-    DATA_FILE,
+from mt_formats.dcp import DATA_FILE, DCPFileWriter, DCPFolder, config_from
+from mt_formats.dcp_files import (
+    MCORE_FORMAT,
     METADATA_FILE,
-    DCPFileWriter,
-    DCPFolder,
-    config_from,
+    METADATA_JSON,
+    is_mcore_checkpoint,
     write_sidecar,
 )
 from mt_formats.deepspeed_universal import config_fields
@@ -63,8 +63,6 @@ from mt_model import GPTConfig
 __all__ = ["MCORE_FORMAT", "McoreReader", "McoreWriter", "is_mcore_checkpoint", "mcore_parts",
            "state_key"]
 
-MCORE_FORMAT = "mcore"
-METADATA_JSON = "metadata.json"
 COMMON_FILE = "common.pt"
 BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
            "common_backend": "torch", "common_backend_version": 1}
@@ -156,18 +154,6 @@ def to_groups(q: torch.Tensor, kv: torch.Tensor, config: GPTConfig) -> torch.Ten
     k, v = kv.reshape(2, groups, 1, dim, *rest).unbind(0)
     return torch.cat([q.reshape(groups, per, dim, *rest), k, v], dim=1).reshape(
         groups * (per + 2) * dim, *rest).contiguous()
-
-
-def is_mcore_checkpoint(path: Path) -> bool:
-    """A DCP folder whose ``metadata.json`` names the ``torch_dist`` backend."""
-    path = Path(path)
-    if not ((path / METADATA_JSON).is_file() and (path / METADATA_FILE).is_file()):
-        return False
-    try:
-        return json.loads((path / METADATA_JSON).read_text("utf-8")).get(
-            "sharded_backend") == "torch_dist"
-    except (ValueError, AttributeError, UnicodeDecodeError):
-        return False
 
 
 def _sizes(shapes: Mapping[str, tuple[int, ...]], fields: Mapping[str, Any],

@@ -106,8 +106,11 @@ def _split(tensor: torch.Tensor, dim: int, tp_rank: int, tp_size: int, what: str
             f"{tuple(tensor.shape)} is not divisible by tp {tp_size}"
         )
     piece = tensor.shape[dim] // tp_size
+    shard = tensor.narrow(dim, tp_rank * piece, piece)
+    if shard.is_meta:  # no storage; torch would clone a strided one through its Python
+        return shard.new_empty(shard.shape)  # reference, importing sympy (a second)
     # clone: a shard must not keep the full tensor's storage alive.
-    return tensor.narrow(dim, tp_rank * piece, piece).clone()
+    return shard.clone()
 
 
 def shard_tensor(style: str, tensor: torch.Tensor, tp_rank: int, tp_size: int, *,
@@ -119,7 +122,7 @@ def shard_tensor(style: str, tensor: torch.Tensor, tp_rank: int, tp_size: int, *
     """
     _check_rank(tp_rank, tp_size)
     if style == "replicate":
-        return tensor.clone()
+        return tensor.new_empty(tensor.shape) if tensor.is_meta else tensor.clone()
     if style == "column":
         return _split(tensor, 0, tp_rank, tp_size, "column")
     if style in _FUSED:

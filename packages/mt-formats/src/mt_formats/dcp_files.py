@@ -1,0 +1,64 @@
+"""The names and plain files of torch DCP and Megatron-core ``torch_dist`` folders, without
+``torch.distributed.checkpoint`` (whose import takes about a second): detecting a folder's
+format, and ``mt.json``, the sidecar mt writes beside formats that carry no config or
+checksums of their own (DCP, Megatron-core, GGUF). :mod:`mt_formats.dcp` and
+:mod:`mt_formats.mcore` read and write the folders themselves."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from mt_formats.errors import ConvertError
+from mt_formats.manifest import read_json
+
+__all__ = ["DCP_FORMAT", "MCORE_FORMAT", "METADATA_FILE", "METADATA_JSON", "SIDECAR",
+           "is_dcp_checkpoint", "is_mcore_checkpoint", "read_sidecar", "write_sidecar"]
+
+DCP_FORMAT = "dcp"
+MCORE_FORMAT = "mcore"
+METADATA_FILE = ".metadata"
+METADATA_JSON = "metadata.json"  # Megatron-core's: names its backend
+SIDECAR = "mt.json"
+SIDECAR_FORMAT = "mt-sidecar"  # mt.json beside files of formats without checksums
+
+
+def is_dcp_checkpoint(path: Path) -> bool:
+    """Whether ``path`` holds a DCP ``.metadata`` file."""
+    return (Path(path) / METADATA_FILE).is_file()
+
+
+def is_mcore_checkpoint(path: Path) -> bool:
+    """A DCP folder whose ``metadata.json`` names the ``torch_dist`` backend."""
+    path = Path(path)
+    if not ((path / METADATA_JSON).is_file() and (path / METADATA_FILE).is_file()):
+        return False
+    try:
+        return json.loads((path / METADATA_JSON).read_text("utf-8")).get(
+            "sharded_backend") == "torch_dist"
+    except (ValueError, AttributeError, UnicodeDecodeError):
+        return False
+
+
+def read_sidecar(root: Path) -> dict[str, Any] | None:
+    """``mt.json`` of a folder mt wrote, or None."""
+    path = root / SIDECAR
+    if not path.is_file():
+        return None
+    data = read_json(path)
+    if data.get("format") != SIDECAR_FORMAT or data.get("format_version") != 1:
+        raise ConvertError(f"{path}: format {data.get('format')!r} version "
+                           f"{data.get('format_version')!r}; this mt reads "
+                           f"{SIDECAR_FORMAT!r} version 1")
+    return data
+
+
+def write_sidecar(directory: Path, body: dict[str, Any]) -> None:
+    """``mt.json`` (durable: fsynced) beside a DCP folder's files."""
+    with open(directory / SIDECAR, "w", encoding="utf-8") as file:
+        file.write(json.dumps({"format": SIDECAR_FORMAT, "format_version": 1, **body},
+                              indent=1) + "\n")
+        file.flush()
+        os.fsync(file.fileno())
