@@ -383,7 +383,7 @@ class DeepSpeedUniversalReader(CheckpointReader):
         (the engine's param groups, which do not say which parameters each holds:
         :func:`~mt_formats.adam.two_groups`); None where the folder has none or groups
         them otherwise."""
-        if self.optimizer_state(name) is None:
+        if not self._file(name, "exp_avg").is_file():  # no state (optimizer_state's test)
             return None
         if self._roles is None:
             path = self.root / ZERO_DIR / OPTIMIZER_STATE

@@ -351,7 +351,9 @@ class McoreReader(CheckpointReader):
         megatron-core's group of ``wd_mult`` 1 for matrices, of ``wd_mult`` 0 for biases
         and norms (:func:`_role_settings`); None without optimizer state or where the
         groups do not say which holds ``name``."""
-        if self.optimizer_state(name) is None:
+        if self._step is None:
+            self._step = self._optimizer_step()
+        if self._step is False:
             return None
         return self._roles.get(decays(self._shapes[name]))
 
