@@ -7,17 +7,17 @@ chunks every saving rank wrote (each chunk read with ``torch.load(weights_only=T
 chunks stored through a DCP stream transform, e.g. zstd, are read by ``dcp.load`` itself).
 The names are recognised (:mod:`mt_formats.dcp_names`: torchtitan's Llama, transformers'
 GPT-2 and Llama, mt's); of the other entries saved beside the model only Adam's state under
-``optimizer.state.<parameter>.*`` (torch's flattened optimizer state dict, as torchtitan
-saves it) is read, for ``--to pretrain``.
+``optimizer.state.<parameter>.*`` and its settings under ``optimizer.param_groups.<parameter>.*``
+(torch's flattened optimizer state dict, as torchtitan saves it) are read.
 
 Trust: DCP's own reader unpickles ``.metadata`` with ``pickle.load``; here it is unpickled
 by an allow-list of DCP's metadata classes, and anything else is refused in one line.
 Every chunk must lie in a plain file of the folder and the chunks of a tensor must tile
-it exactly (no gap a reader would leave uninitialised). Pickled non-tensor items are never
-loaded. DCP records
+it exactly (no gap a reader would leave uninitialised). Non-tensor items are loaded only
+for the optimizer's settings, with ``torch.load(weights_only=True)``. DCP records
 no checksums: a folder mt wrote carries ``mt.json`` (the model config, and the CRC-32C of
-every stored tensor, checked when read); a foreign folder records no config either, which
-``--model`` gives (sizes are read from the tensors).
+every stored tensor and setting, checked when read); a foreign folder records no config
+either, which ``--model`` gives (sizes are read from the tensors).
 
 Written one tensor at a time (:class:`DCPFileWriter`: each chunk ``torch.save``d into
 ``__0_0.distcp`` as ``dcp.save`` stores it, then torch's own ``Metadata`` pickled into
