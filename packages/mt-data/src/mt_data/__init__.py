@@ -6,7 +6,47 @@ token shards), :func:`export_megatron` / :func:`import_megatron`. Online: :class
 """
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # imported on first use (see __getattr__); named here for tools
+    from mt_data.blend import BlendedDataset, blend_schedule, build_blended, parse_blend
+    from mt_data.corpus import corpus_path, corpus_texts, iter_corpus
+    from mt_data.decontam import DecontamConfig, NgramIndex, decontaminate_batch
+    from mt_data.dedup import (
+        DedupConfig,
+        MinHasher,
+        SignatureSpill,
+        SpilledSignatures,
+        UnionFind,
+        content_hashes,
+        fuzzy_dedup,
+        fuzzy_dedup_bounded,
+    )
+    from mt_data.errors import DataError, DataNotFoundError, DatasetError, StreamError
+    from mt_data.filters import FilterConfig, filter_batch
+    from mt_data.gpt_dataset import GPTDataset, SplitSpec, build_sample_index, split_documents
+    from mt_data.ingest import (
+        BadInputError,
+        ErrorLog,
+        IngestConfig,
+        InputError,
+        TextKeyError,
+        iter_documents,
+    )
+    from mt_data.loader import BatchSchedule, DataLoaderState, DPDataLoader
+    from mt_data.megatron import MegatronReader, export_megatron, import_megatron, read_index
+    from mt_data.paths import output_clash
+    from mt_data.pipeline import (
+        NoDocumentsError,
+        PrepareConfig,
+        PrepareError,
+        prepare,
+        prepare_demo,
+    )
+    from mt_data.quality import RULE_SETS, apply_rule_sets, parse_rule_sets
+    from mt_data.shards import ShardSetWriter, TokenDataset
+    from mt_data.stages import CleanConfig
+    from mt_data.tokenizer import EOD_TOKEN, Tokenizer, gpt2, load_tokenizer, train_tokenizer
 
 __all__ = [
     "EOD_TOKEN", "BadInputError", "BatchSchedule", "BlendedDataset", "CleanConfig",

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -73,6 +73,11 @@ __all__ = [
 MAX_PAD_MULTIPLE = 2**16
 FORMATS: tuple[str, ...] = ("consolidated", "hf", "tp", "megatron", "pretrain", "dcp",
                              "mcore", "gguf", "deepspeed")
+
+
+if TYPE_CHECKING:  # imported on use (_on_use); named here for tools (Pants' dependencies)
+    import mt_formats.dcp
+    import mt_formats.mcore  # noqa: F401
 
 
 def _on_use(module: str, name: str) -> Callable[..., Any]:
