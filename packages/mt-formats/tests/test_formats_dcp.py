@@ -300,6 +300,7 @@ def test_per_parameter_settings_carry_to_dcp_and_are_checked(tmp_path: Path) -> 
     message = str(refused.value)
     assert "\n" not in message and "differ" in message and "--drop-optimizer" in message
     assert "'lr': 0.01" in message and "'lr': 0.001" in message, message
+    assert message.startswith(f"{tmp_path / 'titan'}: "), message  # the source, at fault
     assert not (tmp_path / "mcore").exists()
 
     key = "optimizer.param_groups.layers.0.attention.qkv_linear.wq.weight.lr"

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from mt_formats.errors import ConvertError
+from mt_zero import decays as zero_decays
 
 __all__ = ["SETTINGS", "adamw_group", "by_role", "decays", "settings_of", "two_groups"]
 
@@ -26,9 +27,10 @@ SETTINGS = ("lr", "betas", "eps", "weight_decay", "initial_lr")
 
 
 def decays(shape: Sequence[int]) -> bool:
-    """Whether a parameter of ``shape`` is in the weight-decay role: matrices are, biases
-    and norm weights are not (the rule of mt, Megatron-LM and Megatron-DeepSpeed)."""
-    return len(shape) >= 2
+    """Whether a parameter of ``shape`` is in the weight-decay role (``mt_zero.decays``:
+    matrices are, biases and norm weights are not, as in Megatron-LM and
+    Megatron-DeepSpeed)."""
+    return zero_decays(torch.empty(tuple(shape), device="meta"))
 
 
 def settings_of(group: Mapping[str, Any], where: str) -> dict[str, Any]:

@@ -475,7 +475,8 @@ class McoreWriter(CheckpointWriter):
             raise ConvertError(f"{where}: the source's parameters were stepped {steps} times; "
                                "megatron-core keeps one step for all")
         shapes = {name: self.specs[name].shape for name in self._settings}
-        roles = by_role(self._settings, shapes, str(where))
+        assert self.state_source is not None  # settings come with its state
+        roles = by_role(self._settings, shapes, str(self.state_source.root))
         for role, group in ((True, "matrices"), (False, "biases and norms")):
             if role not in roles:
                 self.notes.append(f"the source records no Adam hyperparameters of its "

@@ -98,7 +98,7 @@ class PretrainWriter(CheckpointWriter):
                                                                dtype=torch.float32)}}
             carried = {name: self.state_source.optimizer_settings(name)
                        for name, state in states.items() if state is not None}
-            roles = by_role(carried, shapes, str(self._directory / RANK_FILE))
+            roles = by_role(carried, shapes, str(self.state_source.root))
             for index, role in ((0, True), (1, False)):  # initial_state's groups
                 full["param_groups"][index].update(roles.get(role, {}))
         optimizer = split_consolidated(full, 1, 0)[0]

@@ -54,14 +54,14 @@ _ZEROS = bytes(1 << 20)  # immutable source of padding bytes
 _WRITEBACK_MIN = 1 << 20  # bytes of one tensor worth starting its writeback early
 
 Part = torch.Tensor | int | FileSpan
+"""A piece of a stored tensor: a tensor (any strides), a count of zero bytes, or a byte
+range of another file (copied in the kernel)."""
 
 
 def zero_chunks(count: int) -> Iterator[memoryview]:
     """``count`` zero bytes (padding), as views of one constant block."""
     for start in range(0, count, len(_ZEROS)):
         yield memoryview(_ZEROS)[:min(len(_ZEROS), count - start)]
-"""A piece of a stored tensor: a tensor (any strides), a count of zero bytes, or a byte
-range of another file (copied in the kernel)."""
 
 
 def _placeholder(algorithm: str) -> str:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 from abc import abstractmethod
 from collections.abc import Generator, Iterator
+from pathlib import Path
 
 from mt_formats.canonical import Streamed
 from mt_formats.crc import CHECKSUM_ALGORITHM, crc_combine, crc_kind
@@ -58,6 +59,8 @@ class StreamingReader:
     (the one before cannot be resumed). :meth:`_close_streams` before the files close.
     Its state (the read-ahead, the plans, a scratch buffer) lives in the instance's
     ``__dict__``, created on first use, so the readers' constructors need not call it."""
+
+    root: Path  # the checkpoint, named in errors
 
     @abstractmethod
     def names(self) -> list[str]: ...
@@ -114,7 +117,7 @@ class StreamingReader:
             try:
                 tag, views, crcs = ahead.take()
             except OSError as err:  # the source, not the destination, is at fault
-                raise ConvertError(f"{getattr(self, 'root', '')}: reading tensor {name!r} "
+                raise ConvertError(f"{self.root}: reading tensor {name!r} "
                                    f"failed: {err}") from None
             assert tag == (name, index), (tag, name, index)
             for window, view, window_crc in zip(group.windows, views, crcs):

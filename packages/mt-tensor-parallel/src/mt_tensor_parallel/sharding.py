@@ -106,11 +106,14 @@ def _split(tensor: torch.Tensor, dim: int, tp_rank: int, tp_size: int, what: str
             f"{tuple(tensor.shape)} is not divisible by tp {tp_size}"
         )
     piece = tensor.shape[dim] // tp_size
-    shard = tensor.narrow(dim, tp_rank * piece, piece)
-    if shard.is_meta:  # no storage; torch would clone a strided one through its Python
-        return shard.new_empty(shard.shape)  # reference, importing sympy (a second)
-    # clone: a shard must not keep the full tensor's storage alive.
-    return shard.clone()
+    return _own(tensor.narrow(dim, tp_rank * piece, piece))
+
+
+def _own(view: torch.Tensor) -> torch.Tensor:
+    """A copy of ``view`` with its own storage (a shard must not keep the full tensor's
+    alive); on the meta device a new tensor of its shape, since torch clones a strided meta
+    tensor through its Python reference, which imports sympy."""
+    return view.new_empty(view.shape) if view.is_meta else view.clone()
 
 
 def shard_tensor(style: str, tensor: torch.Tensor, tp_rank: int, tp_size: int, *,
@@ -122,7 +125,7 @@ def shard_tensor(style: str, tensor: torch.Tensor, tp_rank: int, tp_size: int, *
     """
     _check_rank(tp_rank, tp_size)
     if style == "replicate":
-        return tensor.new_empty(tensor.shape) if tensor.is_meta else tensor.clone()
+        return _own(tensor)
     if style == "column":
         return _split(tensor, 0, tp_rank, tp_size, "column")
     if style in _FUSED:
