@@ -172,7 +172,7 @@ def _deepspeed(case: str, args: argparse.Namespace) -> Callable[[list[Any]], flo
     zero = ZeroConfig(stage=stage, clip_grad=1.0, bucket_numel=args.bucket_numel)
     engine = initialize_deepspeed(model, client, deepspeed_config(
         zero, args.micro_batch, args.micro_batches, dp), mpu=mpu)
-    if groups is not None:  # summed over TP once per step, before DeepSpeed's reduction
+    if groups is not None:  # summed over TP once per step, at DeepSpeed's boundary
         sum_partial_grads_at_boundary(engine, partial, groups.tp)
     if stage == 3:  # the head uses the embedding's weight outside the embedding module
         deepspeed.zero.register_external_parameter(model.head, model.embed.tokens.weight)

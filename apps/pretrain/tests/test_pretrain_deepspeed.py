@@ -10,8 +10,8 @@ fp32, dropout 0).
 - TP 2 x PP 2 x DP 2, ZeRO-1, 8 processes through DeepSpeed's PipelineModule and
   PipelineEngine (mt's TP layers inside) against mt on one process. Measured: within
   9.7e-8 relative over 20 steps; asserted 1e-5, the documented tolerance.
-- TP 2 x DP 2 ZeRO-3 + sequence parallel (DeepSpeedEngine with mt's groups as mpu) vs one
-  process.
+- TP 2 x DP 2 ZeRO 1-3 + sequence parallel (DeepSpeedEngine with mt's groups as mpu) vs one
+  process, the replicated gradients summed over TP once per step (traced).
 - Exact resume from DeepSpeed checkpoints (DP 2 with ZeRO 1 and 3; the 3D layout).
 
 DeepSpeed's environment (LOCAL_RANK...) is set by the app inside the rank processes, never in
@@ -117,18 +117,41 @@ def test_pretrain_deepspeed_3d_matches_one_process_and_resumes(one_process: Any,
     assert resumed.losses == three_d.losses[3:]  # identical, not just close
 
 
-@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_pretrain_deepspeed_tp_sequence_parallel(one_process: Any, cache: Path,
                                                  tmp_path: Path, stage: int) -> None:
     """TP 2 x DP 2 (pp = 1: DeepSpeedEngine with mt's groups as its mpu), sequence parallel,
-    against one process: ZeRO 1 (the replicated parameters' partial gradients summed over TP
-    once per step, before DeepSpeed's reduction) and ZeRO 3 (summed in each use's backward).
-    Measured: within 4e-8 relative; asserted 1e-5."""
+    ZeRO 1-3, against one process, the replicated parameters' partial gradients summed over
+    TP once per step at DeepSpeed's accumulation boundary. Measured: within 4e-8 relative;
+    asserted 1e-5. Traced, over TP per step: the vocabulary-parallel loss's two all-reduces
+    per micro-batch, then the one sum of the replicated gradients (all of them at ZeRO 1;
+    at ZeRO 2 and 3 each data-parallel rank's part, the parts adding up to all of them),
+    then DeepSpeed's two for the norm; nothing per replicated parameter (27 of them)."""
     pytest.importorskip("deepspeed")
-    ds = _run(tmp_path, cache, engine="deepspeed", nproc=4, tp=2, pp=1, dp=2,
-              zero_stage=stage, sequence_parallel=True, save="none", **FAST)
+    out = tmp_path / "run"
+    ds = _run(out, cache, engine="deepspeed", nproc=4, tp=2, pp=1, dp=2, zero_stage=stage,
+              sequence_parallel=True, save="none", trace_collectives=True, **FAST)
     _assert_close(one_process.losses, ds.losses, 1e-5)
     assert ds.val_loss == pytest.approx(one_process.val_loss, rel=1e-5)
+    gpt = load_config(None, {"model": "tiny", "seq_len": 32}).model.gpt_config()
+    replicated = (6 * gpt.n_layers + 2 + gpt.seq_len) * gpt.hidden * 4  # bytes, fp32
+    micro = COMMON["global_batch_size"] // (COMMON["micro_batch_size"] * 2)
+    buckets = {}
+    for rank in (0, 2):  # TP rank 0 of each data-parallel rank
+        steps = (out / "collectives" / f"rank-{rank:05d}.jsonl").read_text().splitlines()
+        assert len(steps) == FAST["train_steps"]
+        for line in steps:
+            sums = [r[2] for r in json.loads(line)["records"]
+                    if r[0] == "all_reduce" and r[1] == "tp"]
+            assert len(sums) == 2 * micro + 3, sums
+            buckets.setdefault(rank, set()).add(sums[2 * micro])
+    [ours], [theirs] = buckets.values()
+    if stage == 1:
+        assert ours == theirs == replicated
+    elif stage == 2:
+        assert ours + theirs == replicated
+    else:  # each parameter's partition, padded to equal halves
+        assert ours == theirs and replicated <= 2 * ours < replicated + 2 * 4 * 27
 
 
 @pytest.mark.parametrize("stage", [1, 3])

@@ -27,7 +27,7 @@ from mt_dist.collectives import all_reduce_sum_flat
 from mt_zero.optimizer import ZeroConfig
 
 __all__ = ["deepspeed_config", "deepspeed_environ", "init_deepspeed_distributed",
-           "initialize_deepspeed", "keeps_grads_until_boundary", "sum_partial_grads_at_boundary"]
+           "initialize_deepspeed", "sum_partial_grads_at_boundary"]
 
 #: DeepSpeed's shared-memory allreduce op: its torch backend JIT-compiles it when it starts
 #: on CPU (tens of seconds, and again for every new install path), but only its inference
@@ -157,47 +157,134 @@ def initialize_deepspeed(
     return engine
 
 
-def keeps_grads_until_boundary(zero: ZeroConfig) -> bool:
-    """Whether DeepSpeed's engine leaves each parameter's accumulated gradient in
-    ``param.grad`` until its data-parallel reduction at the accumulation boundary: ZeRO 1,
-    and ZeRO 0 outside bf16. ZeRO 2 and 3 take every micro-batch's gradient into their
-    partitioned buffers inside the backward (their reduce hooks), and bf16 at ZeRO 0 into its
-    fp32 copies after every backward: there a partial gradient cannot wait for the step."""
-    return zero.stage == 1 or (zero.stage == 0 and zero.precision != "bf16")
-
-
 def sum_partial_grads_at_boundary(engine: Any, params: list[nn.Parameter],
                                   group: Any) -> None:
     """Make DeepSpeed's ``engine`` sum ``params``' gradients over ``group`` once per step,
-    in one all-reduce, just before its own data-parallel reduction at the accumulation
-    boundary (``allreduce_gradients``, which the engine's backward and the pipeline
-    engine's schedule call). ``params``: parameters whose gradient on this rank is a
-    partial sum (replicated over tensor parallelism under sequence parallelism, after
-    :func:`mt_tensor_parallel.defer_replicated_grads`). Both sums are linear, so summing over
-    TP before the data-parallel average gives the per-use sums' result. Only where
-    :func:`keeps_grads_until_boundary` (ValueError otherwise, before any step)."""
-    zero = engine.zero_optimization_stage()
-    if zero >= 2:
-        raise ValueError(f"DeepSpeed's ZeRO {zero} reduces every micro-batch's gradients in "
-                         "its backward hooks: partial gradients cannot be summed once per "
-                         "step there (keep the per-use all-reduce)")
-    if zero == 0 and engine.bfloat16_enabled():
-        raise ValueError("DeepSpeed's bf16 optimizer at ZeRO 0 moves every micro-batch's "
-                         "gradients into its fp32 copies: partial gradients cannot be summed "
-                         "once per step there (keep the per-use all-reduce)")
+    in one all-reduce, at the accumulation boundary. ``params``: parameters whose gradient
+    on this rank is a partial sum (replicated over tensor parallelism under sequence
+    parallelism, after :func:`mt_tensor_parallel.defer_replicated_grads`), accumulated
+    locally over the step's micro-batches.
+
+    The sum runs in the engine's ``allreduce_gradients`` (which its backward and the
+    pipeline engine's schedule call) on the tensor that holds each accumulated gradient
+    there (:func:`_accumulated_grads`): before DeepSpeed's data-parallel reduction where
+    the gradients wait for it whole (ZeRO 0 and 1), after it where the reduction leaves
+    each rank its partition (ZeRO 2 and 3: only the owned part of each parameter is summed,
+    1 / dp of the bytes). Both sums are linear, so either order gives the per-use sums'
+    result. TP peers partition alike (equal shapes); that is checked here, once, with one
+    all-reduce over ``group``. ValueError for CPU offload (the gradients leave for host
+    buffers inside the backward)."""
     if not params:
         return
+    optimizer = engine.optimizer
+    if getattr(optimizer, "cpu_offload", False) or getattr(optimizer, "offload_optimizer",
+                                                           False):
+        raise ValueError("DeepSpeed's CPU offload moves every micro-batch's gradients to the "
+                         "host inside the backward: partial gradients cannot be summed once "
+                         "per step there (keep the per-use all-reduce)")
+    stage = engine.zero_optimization_stage()
+    after = stage >= 2
+    sizes = _owned_numels(engine, params)
+    bounds = torch.tensor([sum(sizes), -sum(sizes)], dtype=torch.int64)
+    torch.distributed.all_reduce(bounds, torch.distributed.ReduceOp.MAX, group=group)
+    most, least = bounds.tolist()
+    if most != -least:
+        raise ValueError(f"ZeRO {stage}: the TP peers hold between {-least} and {most} "
+                         "elements of the partial gradients: their partitions differ, so "
+                         "they cannot be summed element for element")
     reduce = engine.allreduce_gradients
 
     def allreduce_gradients(*args: Any, **kwargs: Any) -> Any:
-        if engine.is_gradient_accumulation_boundary():
-            for p in params:
-                if p.grad is None:  # unused on this rank this step: a zero share
-                    p.grad = torch.zeros_like(p)
-            all_reduce_sum_flat([p.grad for p in params], group)
-        return reduce(*args, **kwargs)
+        boundary = engine.is_gradient_accumulation_boundary()
+        if boundary and not after:
+            all_reduce_sum_flat(_accumulated_grads(engine, params, sizes), group)
+        out = reduce(*args, **kwargs)
+        if boundary and after:
+            all_reduce_sum_flat(_accumulated_grads(engine, params, sizes), group)
+        return out
 
     engine.allreduce_gradients = allreduce_gradients
+
+
+def _owned_numels(engine: Any, params: list[nn.Parameter]) -> list[int]:
+    """How many elements of each of ``params``' gradients this rank holds at the step: all
+    of them at ZeRO 0 and 1; at ZeRO 2 the part inside this rank's flat partition (zero for
+    a parameter outside it); at ZeRO 3 its partition (padding included)."""
+    stage = engine.zero_optimization_stage()
+    if stage <= 1:
+        return [p.numel() for p in params]
+    if stage == 3:
+        return [p.partition_numel() for p in params]
+    spans = _zero2_spans(engine.optimizer)
+    return [spans[id(p)][2] if id(p) in spans else 0 for p in params]
+
+
+def _zero2_spans(optimizer: Any) -> dict[int, tuple[int, int, int]]:
+    """ZeRO 2: (group, offset in this rank's gradient partition, elements) of every
+    parameter that has elements in the partition, by ``id``."""
+    spans = {}
+    for group, in_partition in enumerate(optimizer.params_in_partition):
+        rank = torch.distributed.get_rank(group=optimizer.real_dp_process_group[group])
+        size = int(optimizer.partition_size[group])
+        for p in in_partition:
+            key = optimizer.get_param_id(p)
+            start = int(optimizer.grad_start_offset[group][rank][key])
+            dest = int(optimizer.grad_partition_insertion_offset[group][rank][key])
+            spans[id(p)] = (group, dest, min(p.numel() - start, size - dest))
+    return spans
+
+
+def _accumulated_grads(engine: Any, params: list[nn.Parameter],
+                       sizes: list[int]) -> list[torch.Tensor]:
+    """The tensors holding ``params``' accumulated gradients (this rank's part) at the
+    boundary, each a view DeepSpeed's step then reads: ``param.grad`` (ZeRO 0 in fp32 or
+    fp16; ZeRO 1 without fp32 accumulation), the bf16 optimizer's fp32 gradient (ZeRO 0 in
+    bf16), ``param.grad_accum`` (ZeRO 1 with fp32 accumulation), the slice of the rank's
+    gradient partition (ZeRO 2, after the reduction), the parameter's gradient partition
+    (ZeRO 3, after it). A gradient absent on this rank (the parameter unused this step)
+    becomes zeros where DeepSpeed reads it."""
+    optimizer, stage = engine.optimizer, engine.zero_optimization_stage()
+    wanted = {id(p): i for i, p in enumerate(params)}
+    grads: list[torch.Tensor | None] = [None] * len(params)
+    if stage == 3:
+        for group, members in enumerate(optimizer.fp16_groups):
+            for p, grad in zip(members, optimizer.averaged_gradients[group], strict=True):
+                if id(p) in wanted:
+                    grads[wanted[id(p)]] = grad
+    elif stage == 2:
+        spans = _zero2_spans(optimizer)
+        for group, pieces in optimizer.averaged_gradients.items():
+            starts, offset = {}, 0
+            for piece in pieces:
+                starts[offset] = piece
+                offset += piece.numel()
+            for p in params:
+                span = spans.get(id(p))
+                if span is not None and span[0] == group:
+                    grads[wanted[id(p)]] = starts[span[1]].view(-1)
+        empty = torch.zeros(0)  # a parameter outside this rank's partition
+        grads = [empty if g is None else g for g in grads]
+    elif hasattr(optimizer, "fp32_groups_gradients"):  # ZeRO 0, bf16
+        for group, members in enumerate(optimizer.bf16_groups):
+            for p, grad in zip(members, optimizer.fp32_groups_gradients[group], strict=True):
+                if id(p) in wanted:
+                    grads[wanted[id(p)]] = grad
+    else:
+        accum = getattr(optimizer, "use_grad_accum_attribute", False)  # ZeRO 1, fp32 sums
+        for i, p in enumerate(params):
+            if accum:
+                if p.grad_accum is None:
+                    p.grad_accum = torch.zeros_like(p, dtype=optimizer.gradient_accumulation_dtype)
+                grads[i] = p.grad_accum
+            else:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                grads[i] = p.grad
+    found = [g for g in grads if g is not None]
+    if len(found) != len(params) or [g.numel() for g in found] != sizes:
+        raise RuntimeError(f"ZeRO {stage}: the accumulated gradients of the partial parameters "
+                           "are not where DeepSpeed's step reads them")
+    return [g for g in found if g.numel()]
 
 
 def init_deepspeed_distributed(deepspeed: Any, dist_backend: str = "gloo") -> None:

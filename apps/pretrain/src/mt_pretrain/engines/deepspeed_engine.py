@@ -70,7 +70,6 @@ from mt_zero.deepspeed_engine import (
     deepspeed_environ,
     init_deepspeed_distributed,
     initialize_deepspeed,
-    keeps_grads_until_boundary,
     sum_partial_grads_at_boundary,
 )
 from mt_zero.deepspeed_mpu import GroupsMpu
@@ -291,14 +290,11 @@ def _initialize(config: PretrainConfig, plan: RunPlan, stage: nn.Module,
 
 def _sum_replicated_once(engine: Any, stage: nn.Module, plan: RunPlan,
                          groups: ParallelGroups) -> Any:
-    """Under sequence parallelism, where DeepSpeed keeps gradients in ``param.grad`` until
-    the step (ZeRO 1; ZeRO 0 outside bf16), the parameters replicated over TP accumulate
-    their partial gradients locally and are summed over TP once per step, in one
-    all-reduce before DeepSpeed's data-parallel reduction, as mt's engine does; elsewhere
-    each use's backward all-reduces them."""
+    """Under sequence parallelism the parameters replicated over TP accumulate their partial
+    gradients locally and are summed over TP once per step, in one all-reduce at
+    DeepSpeed's accumulation boundary (every ZeRO stage), as mt's engine does."""
     layout = plan.layout
-    if (layout.sequence_parallel and layout.tp > 1
-            and keeps_grads_until_boundary(layout.zero_config())):
+    if layout.sequence_parallel and layout.tp > 1:
         partial = [p for _, p in defer_replicated_grads(stage)]
         sum_partial_grads_at_boundary(engine, partial, groups.tp)
     return engine
