@@ -184,7 +184,8 @@ def sum_partial_grads_at_boundary(engine: Any, params: list[nn.Parameter],
                          "per step there (keep the per-use all-reduce)")
     stage = engine.zero_optimization_stage()
     after = stage >= 2
-    sizes = _owned_numels(engine, params)
+    spans = _zero2_spans(optimizer) if stage == 2 else {}
+    sizes = _owned_numels(stage, params, spans)
     bounds = torch.tensor([sum(sizes), -sum(sizes)], dtype=torch.int64)
     torch.distributed.all_reduce(bounds, torch.distributed.ReduceOp.MAX, group=group)
     most, least = bounds.tolist()
@@ -197,25 +198,24 @@ def sum_partial_grads_at_boundary(engine: Any, params: list[nn.Parameter],
     def allreduce_gradients(*args: Any, **kwargs: Any) -> Any:
         boundary = engine.is_gradient_accumulation_boundary()
         if boundary and not after:
-            all_reduce_sum_flat(_accumulated_grads(engine, params, sizes), group)
+            all_reduce_sum_flat(_accumulated_grads(engine, params, sizes, spans), group)
         out = reduce(*args, **kwargs)
         if boundary and after:
-            all_reduce_sum_flat(_accumulated_grads(engine, params, sizes), group)
+            all_reduce_sum_flat(_accumulated_grads(engine, params, sizes, spans), group)
         return out
 
     engine.allreduce_gradients = allreduce_gradients
 
 
-def _owned_numels(engine: Any, params: list[nn.Parameter]) -> list[int]:
+def _owned_numels(stage: int, params: list[nn.Parameter],
+                  spans: dict[int, tuple[int, int, int]]) -> list[int]:
     """How many elements of each of ``params``' gradients this rank holds at the step: all
-    of them at ZeRO 0 and 1; at ZeRO 2 the part inside this rank's flat partition (zero for
-    a parameter outside it); at ZeRO 3 its partition (padding included)."""
-    stage = engine.zero_optimization_stage()
+    of them at ZeRO 0 and 1; at ZeRO 2 the part inside this rank's flat partition (``spans``;
+    zero for a parameter outside it); at ZeRO 3 its partition (padding included)."""
     if stage <= 1:
         return [p.numel() for p in params]
     if stage == 3:
         return [p.partition_numel() for p in params]
-    spans = _zero2_spans(engine.optimizer)
     return [spans[id(p)][2] if id(p) in spans else 0 for p in params]
 
 
@@ -234,8 +234,8 @@ def _zero2_spans(optimizer: Any) -> dict[int, tuple[int, int, int]]:
     return spans
 
 
-def _accumulated_grads(engine: Any, params: list[nn.Parameter],
-                       sizes: list[int]) -> list[torch.Tensor]:
+def _accumulated_grads(engine: Any, params: list[nn.Parameter], sizes: list[int],
+                       spans: dict[int, tuple[int, int, int]]) -> list[torch.Tensor]:
     """The tensors holding ``params``' accumulated gradients (this rank's part) at the
     boundary, each a view DeepSpeed's step then reads: ``param.grad`` (ZeRO 0 in fp32 or
     fp16; ZeRO 1 without fp32 accumulation), the bf16 optimizer's fp32 gradient (ZeRO 0 in
@@ -251,8 +251,7 @@ def _accumulated_grads(engine: Any, params: list[nn.Parameter],
             for p, grad in zip(members, optimizer.averaged_gradients[group], strict=True):
                 if id(p) in wanted:
                     grads[wanted[id(p)]] = grad
-    elif stage == 2:
-        spans = _zero2_spans(optimizer)
+    elif stage == 2:  # the partition's pieces lie end to end (padding pieces included)
         for group, pieces in optimizer.averaged_gradients.items():
             starts, offset = {}, 0
             for piece in pieces:
@@ -260,7 +259,7 @@ def _accumulated_grads(engine: Any, params: list[nn.Parameter],
                 offset += piece.numel()
             for p in params:
                 span = spans.get(id(p))
-                if span is not None and span[0] == group:
+                if span is not None and span[0] == group and span[1] in starts:
                     grads[wanted[id(p)]] = starts[span[1]].view(-1)
         empty = torch.zeros(0)  # a parameter outside this rank's partition
         grads = [empty if g is None else g for g in grads]
