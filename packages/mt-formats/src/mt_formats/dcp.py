@@ -51,6 +51,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from mt_checkpoint import DirectFile
 from mt_formats.adam import SETTINGS, adamw_group, settings_of
 from mt_formats.canonical import CheckpointReader, CheckpointWriter, TensorRef, canonical_shapes
 from mt_formats.crc import CHECKSUM_ALGORITHM
@@ -498,11 +499,13 @@ class DCPFileWriter:
     """Writes a DCP folder one chunk at a time: each chunk is ``torch.save``d into
     ``__0_0.distcp`` as ``dcp.save`` does, and :meth:`close` pickles torch's own
     :class:`Metadata` into ``.metadata``. ``dcp.load`` (and Megatron-core's loader, which
-    uses it) reads the result; memory stays at the chunk being written."""
+    uses it) reads the result; memory stays at the chunk being written. The data file goes
+    past the page cache (:class:`mt_checkpoint.DirectFile`), as every safetensors file
+    mt-formats writes."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = Path(directory)
-        self._file = open(self.directory / DATA_FILE, "wb")  # noqa: SIM115 - closed in close()
+        self._file = DirectFile(self.directory / DATA_FILE)
         self._tensors: dict[str, TensorStorageMetadata] = {}
         self._objects: dict[str, BytesStorageMetadata] = {}
         self._storage: dict[MetadataIndex, _StorageInfo] = {}
@@ -543,8 +546,6 @@ class DCPFileWriter:
 
     def close(self) -> None:
         """Sync the data file and write ``.metadata`` (torch's pickle of :class:`Metadata`)."""
-        self._file.flush()
-        os.fsync(self._file.fileno())
         self._file.close()
         entries: dict[str, Any] = {**self._tensors, **self._objects}
         metadata = Metadata(state_dict_metadata=entries,
@@ -558,8 +559,7 @@ class DCPFileWriter:
             os.fsync(file.fileno())
 
     def abort(self) -> None:
-        if not self._file.closed:
-            self._file.close()
+        self._file.abort()
 
 
 class DCPWriter(CheckpointWriter):
