@@ -390,3 +390,21 @@ def test_torchtitan_optimizer_state_to_pretrain_and_back(tmp_path: Path) -> None
     convert_checkpoint(tmp_path / "pre", tmp_path / "weights", to="dcp", drop_optimizer=True)
     stored = dcp.FileSystemReader(tmp_path / "weights").read_metadata().state_dict_metadata
     assert stored and not any(key.startswith("optimizer.") for key in stored)
+
+
+def test_a_folder_reads_from_several_threads_at_once(tmp_path: Path) -> None:
+    """The converter reads ahead on a thread of its own: chunks read at once from several
+    threads are the chunks ``dcp.save`` wrote."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from mt_formats.dcp import DCPFolder
+
+    generator = torch.Generator().manual_seed(7)
+    state = {f"t{i}": torch.randn(97 + 31 * i, 13 + i, generator=generator) for i in range(40)}
+    dcp.save(state, checkpoint_id=tmp_path / "many", no_dist=True)
+    folder = DCPFolder(tmp_path / "many")
+    with ThreadPoolExecutor(4) as pool:
+        for _ in range(3):
+            loaded = dict(zip(state, pool.map(folder.load, state), strict=True))
+            for key, tensor in state.items():
+                assert torch.equal(loaded[key], tensor), key
