@@ -217,7 +217,8 @@ def test_deepspeed_sums_replicated_grads_once_per_step_in_bf16(tmp_path: Any) ->
     micro-batch's bf16 gradients over TP, rounding the sum to bf16; the once-per-step run
     sums the fp32 accumulations. So the two agree to that rounding, not to fp32 round-off.
     The first step's loss is the same (same weights, same data) and its norm differs by
-    the rounding alone (measured 9e-6 relative, asserted 1e-4). After it: each weight
+    the rounding alone (measured 9e-6 relative at ZeRO 1-3, 5e-5 at ZeRO 0; asserted
+    1e-3). After it: each weight
     tensor within torch's bf16 tolerance, 1.6e-2, in relative L2 (measured 6e-3, the
     biases, which start at zero and so are their updates alone); the second step, computed
     from those weights, its loss within 3e-4 (measured 5e-5) and its norm within 1e-3
@@ -235,14 +236,14 @@ def test_deepspeed_sums_replicated_grads_once_per_step_in_bf16(tmp_path: Any) ->
             assert after["losses"][0] == before["losses"][0]
             torch.testing.assert_close(after["losses"][1:], before["losses"][1:], rtol=3e-4,
                                        atol=0)
-            torch.testing.assert_close(after["norms"][0], before["norms"][0], rtol=1e-4, atol=0)
+            torch.testing.assert_close(after["norms"][0], before["norms"][0], rtol=1e-3, atol=0)
             torch.testing.assert_close(after["norms"][1:], before["norms"][1:], rtol=1e-3,
                                        atol=0)
             for name, weight in before["weights"].items():
                 assert weight.dtype == torch.bfloat16
                 assert _relative_l2(after["weights"][name], weight) < 1.6e-2, (rank, stage, name)
         control, before = stages[0]["none"], stages[0]["use"]
-        assert abs(control["norms"][0] / before["norms"][0] - 1) > 1e-4 * 10
+        assert abs(control["norms"][0] / before["norms"][0] - 1) > 1e-3 * 10
         assert max(_relative_l2(control["weights"][n], w)
                    for n, w in before["weights"].items()) > 1.6e-2 * 10
 
