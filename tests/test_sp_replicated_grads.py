@@ -193,8 +193,8 @@ def test_deepspeed_sums_replicated_grads_once_per_step(stage: int, tmp_path: Any
     per-use sums within fp32 round-off, with 3 x (the partial parameters) - 1 fewer TP
     all-reduces per step."""
     pytest.importorskip("deepspeed")
-    runs = run_distributed(_deepspeed_runs, 4, str(tmp_path), [(stage, "fp32", True, ["use", "step"])],
-                           timeout=300.0)
+    runs = run_distributed(_deepspeed_runs, 4, str(tmp_path),
+                           [(stage, "fp32", True, ["use", "step"])], timeout=300.0)
     for rank, [run] in enumerate(runs):
         before, after = run["use"], run["step"]
         _check_fewer_reduces(rank, before, after)
