@@ -263,13 +263,13 @@ def _accumulated_grads(engine: Any, params: list[nn.Parameter], sizes: list[int]
                     grads[wanted[id(p)]] = starts[span[1]].view(-1)
         empty = torch.zeros(0)  # a parameter outside this rank's partition
         grads = [empty if g is None else g for g in grads]
-    elif hasattr(optimizer, "fp32_groups_gradients"):  # ZeRO 0, bf16
+    elif hasattr(optimizer, "fp32_groups_gradients"):  # the bf16 optimizer (ZeRO 0)
         for group, members in enumerate(optimizer.bf16_groups):
             for p, grad in zip(members, optimizer.fp32_groups_gradients[group], strict=True):
                 if id(p) in wanted:
                     grads[wanted[id(p)]] = grad
     else:
-        accum = getattr(optimizer, "use_grad_accum_attribute", False)  # ZeRO 1, fp32 sums
+        accum = getattr(optimizer, "use_grad_accum_attribute", False)  # ZeRO 1, fp32 accumulation
         for i, p in enumerate(params):
             if accum:
                 if p.grad_accum is None:
