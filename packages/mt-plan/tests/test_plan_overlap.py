@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from mt_model import count_parameters, preset
-from mt_plan.estimate import dp_overlap, estimate
+from mt_plan.estimate import EFFICIENCY, dp_overlap, estimate
 from mt_plan.gpus import GPUS
 from mt_plan.layout import ParallelLayout
 
@@ -56,13 +56,16 @@ def test_exposed_communication_of_an_estimate() -> None:
     for lay in (_layout(), _layout(zero_stage=3), _layout(tp=2, sequence_parallel=True),
                 _layout(pp=2, dp=1)):
         est = estimate(gpt, lay, GPUS["a100-80gb"])
-        parts = est.tp_comm_time_s + est.cp_comm_time_s + est.p2p_time_s + est.dp_exposed_s
+        parts = (est.tp_comm_time_s - est.tp_hidden_s + est.cp_comm_time_s + est.p2p_time_s
+                 + est.dp_exposed_s)
         if lay.pp == 1:  # no pipeline sends, no tied embedding across stages
             assert est.exposed_comm_s == pytest.approx(parts), lay
         else:  # and the tied embedding's sum over the first and last stage
             assert est.exposed_comm_s > parts, lay
         assert 0 <= est.dp_exposed_s <= est.dp_comm_time_s
-        assert est.hidden_comm_s == pytest.approx(est.dp_comm_time_s - est.dp_exposed_s)
+        assert est.hidden_comm_s == pytest.approx(est.dp_comm_time_s - est.dp_exposed_s
+                                                  + est.tp_hidden_s)
+        assert (est.tp_hidden_s > 0) == (lay.tp > 1)
         assert est.iteration_time_s == pytest.approx(
             est.pipeline_time_s + est.dp_exposed_s + est.optimizer_time_s
             + est.framework_time_s)
@@ -140,3 +143,29 @@ def test_zero3_gathers_at_their_own_bandwidth() -> None:
     weights = count_parameters(gpt) * 2 * gathers * 3 / 4 / link  # bf16 bytes, (d-1)/d
     assert half.dp_comm_time_s - default.dp_comm_time_s == pytest.approx(weights, rel=1e-9)
     assert half.exposed_comm_s > default.exposed_comm_s
+
+
+def test_column_layers_input_gradients_reduce_under_their_weight_gradients() -> None:
+    """Per micro-batch and layer, the backward's collectives of the two column-parallel
+    layers' input gradients (qkv, the MLP's first) run under those layers' weight-gradient
+    GEMMs: hidden up to what the GEMM covers at the rate a collective moves under compute,
+    the pass's other collectives exposed."""
+    gpt = preset("gpt2-small")  # 12 layers, hidden 768, MLP 3072, no grouped heads
+    m, b, t = 4, 2, 2
+    for sp in (False, True):
+        lay = ParallelLayout(tp=t, pp=1, dp=1, global_batch=b * m, micro_batch=b,
+                             sequence_parallel=sp, recompute="none")
+        fast = dataclasses.replace(GPUS["a100-80gb"], nvlink_bytes_per_s=1e30,
+                                   ib_bytes_per_s=1e30, link_latency_s=1e-9)
+        # Collectives shorter than any GEMM: both hidden whole, 2 of every backward's.
+        est = estimate(gpt, lay, fast)
+        assert est.tp_hidden_s == pytest.approx(m * 12 * 2 * 1e-9, rel=1e-6), sp
+        # Collectives longer than the GEMMs: hidden for the GEMMs' time, at the rate.
+        for rate in (1.0, 0.25):
+            slow = dataclasses.replace(fast, link_latency_s=1.0, comm_rate_under_compute=rate)
+            backward = slow.rates(EFFICIENCY)[1] * t
+            wgrad = 2.0 * b * gpt.seq_len * gpt.hidden * (3 * gpt.hidden + 4 * gpt.hidden)
+            est = estimate(gpt, lay, slow)
+            assert est.tp_hidden_s == pytest.approx(m * 12 * wgrad / backward * rate), sp
+            assert est.exposed_comm_s == pytest.approx(  # and the step's small ones
+                est.tp_comm_time_s - est.tp_hidden_s + est.dp_exposed_s)

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from mt_dist.testing import run_distributed
 from mt_tensor_parallel import (
@@ -25,6 +26,7 @@ from mt_tensor_parallel import (
     vocab_parallel_cross_entropy,
     vocab_parallel_linear_cross_entropy,
 )
+from mt_tensor_parallel.mappings import copy_to_tp, gather_from_sequence
 
 DTYPE = torch.float64
 B, S, H, VOCAB = 2, 8, 16, 1001
@@ -239,6 +241,96 @@ def test_tp_layers_match_single_process(tp: int) -> None:
             assert got.shape == want.shape, f"{name} rank {rank}: {got.shape} != {want.shape}"
             torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12,
                                        msg=lambda m, n=name, r=rank: f"{n} rank {r}: {m}")
+
+
+#: Whichever of these torch offers: mt_dist.collectives takes the first it finds.
+COLLECTIVES = ("all_reduce", "reduce_scatter_single", "reduce_scatter_tensor")
+
+
+class _Order(TorchDispatchMode):
+    """Records the matrix products run while active, beside the collectives' launches and
+    waits that :func:`_column_overlap` marks in the same list."""
+
+    def __init__(self, events: list[str]) -> None:
+        super().__init__()
+        self.events = events
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        if func is torch.ops.aten.mm.default:
+            self.events.append("mm")
+        return func(*args, **(kwargs or {}))
+
+
+def _column_overlap() -> list[tuple[str, bool, list[str]]]:
+    """Per case: whether the layer's output and gradients equal, bit for bit, those of the
+    composition it replaces (the input's mapping, then ``F.linear`` under autograd), and the
+    order of the backward's matrix products and its collective's launch and wait."""
+    group, rank, n = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
+    events: list[str] = []
+
+    class Work:
+        def __init__(self, work: dist.Work) -> None:
+            self.work = work
+
+        def wait(self) -> bool:
+            events.append("wait")
+            return self.work.wait()
+
+    def marked(collective):  # noqa: ANN001, ANN202
+        def launch(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            work = collective(*args, **kwargs)
+            if kwargs.get("async_op"):
+                events.append("launch")
+                return Work(work)
+            events.append("blocking")
+            return work
+        return launch
+
+    results = []
+    for sp in (False, True):
+        for bias in (True, False):
+            ref = _linear(1, H, 24)
+            layer = ColumnParallelLinear.from_linear(ref, group, sequence_parallel=sp)
+            if not bias:
+                layer.bias = None
+            x_full, g_full = _rand(3, B, S, H), _rand(4, B, S, 24)
+            x = (_seq(x_full, rank, n) if sp else x_full).requires_grad_()
+            g = _last("column", g_full, rank, n)
+            weight = layer.weight.detach().clone().requires_grad_()
+            b = None if layer.bias is None else layer.bias.detach().clone().requires_grad_()
+            x_ref = x.detach().clone().requires_grad_()
+            gathered = gather_from_sequence(x_ref, group) if sp else copy_to_tp(x_ref, group)
+            want = F.linear(gathered, weight, b)
+            want.backward(g)
+            out = layer(x)
+            names = [name for name in COLLECTIVES if hasattr(dist, name)]
+            originals = {name: getattr(dist, name) for name in names}
+            for name in names:
+                setattr(dist, name, marked(originals[name]))
+            events.clear()
+            try:
+                with _Order(events):
+                    out.backward(g)
+            finally:
+                for name in names:
+                    setattr(dist, name, originals[name])
+            same = [torch.equal(out, want), torch.equal(x.grad, x_ref.grad),
+                    torch.equal(layer.weight.grad, weight.grad)]
+            if bias:
+                same.append(torch.equal(layer.bias.grad, b.grad))
+            results.append((f"sp={sp} bias={bias}", all(same), list(events)))
+    return results
+
+
+def test_column_backward_runs_its_collective_under_the_weight_gradient() -> None:
+    """The input gradient's all-reduce (reduce-scatter under SP) is launched after its own
+    matrix product and waited for after the weight gradient's: the layer's results are
+    those of the plain composition, bit for bit."""
+    for rank, cases in enumerate(run_distributed(_column_overlap, 2, timeout=120)):
+        assert len(cases) == 4
+        for name, same, order in cases:
+            assert same, f"{name} rank {rank}: differs from the composition it replaces"
+            assert order == ["mm", "launch", "mm", "wait"], f"{name} rank {rank}: {order}"
 
 
 def test_tp_layers_without_group_equal_references() -> None:

@@ -6,7 +6,8 @@ tests) without ``torch.distributed`` initialised.
 
 - Along a tensor dimension, returning new tensors (tensor parallelism's raw collectives; its
   autograd functions are built on them): :func:`all_reduce`, :func:`all_gather_along`,
-  :func:`reduce_scatter_along`, :func:`split_along`.
+  :func:`reduce_scatter_along`, :func:`split_along`; :func:`start_reduce_scatter_along`
+  launches the reduce-scatter and leaves the wait to the caller.
 - On flat buffers, asynchronous with a :class:`Handle` (data parallelism, ZeRO):
   :func:`all_gather_flat`, :func:`reduce_scatter_flat`, :func:`all_reduce_sum`,
   :func:`all_reduce_over` (orthogonal groups in turn), :func:`broadcast_from_first`.
@@ -46,6 +47,7 @@ __all__ = [
     "reduce_scatter_along",
     "reduce_scatter_flat",
     "split_along",
+    "start_reduce_scatter_along",
 ]
 
 
@@ -107,9 +109,19 @@ def all_gather_along(x: torch.Tensor, dim: int, group: ProcessGroup | None) -> t
 
 def reduce_scatter_along(x: torch.Tensor, dim: int, group: ProcessGroup | None) -> torch.Tensor:
     """Sum over ranks, keeping this rank's contiguous slice of ``dim``."""
+    out, work = start_reduce_scatter_along(x, dim, group)
+    if work is not None:
+        work.wait()
+    return out
+
+
+def start_reduce_scatter_along(x: torch.Tensor, dim: int, group: ProcessGroup | None
+                               ) -> tuple[torch.Tensor, dist.Work | None]:
+    """Launch :func:`reduce_scatter_along` and return its output with the work to wait on
+    before reading it (None: nothing to wait for, a single rank)."""
     size = group_size(group)
     if size == 1:
-        return x
+        return x, None
     dim = dim % x.dim()
     if x.shape[dim] % size != 0:
         raise ValueError(f"dimension {dim} of size {x.shape[dim]} is not divisible by {size}")
@@ -122,10 +134,11 @@ def reduce_scatter_along(x: torch.Tensor, dim: int, group: ProcessGroup | None) 
     out = torch.empty(out_shape, dtype=x.dtype, device=x.device)
     scatter = _collective("reduce_scatter_single", "reduce_scatter_tensor")
     if scatter is not None:
-        scatter(out.view(-1), blocks.view(-1), group=group)
+        work = scatter(out.view(-1), blocks.view(-1), group=group, async_op=True)
     else:
-        dist.reduce_scatter(out.view(-1), list(blocks.view(-1).chunk(size)), group=group)
-    return out
+        work = dist.reduce_scatter(out.view(-1), list(blocks.view(-1).chunk(size)), group=group,
+                                   async_op=True)
+    return out, work
 
 
 def split_along(x: torch.Tensor, dim: int, group: ProcessGroup | None) -> torch.Tensor:

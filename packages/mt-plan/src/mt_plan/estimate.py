@@ -194,14 +194,18 @@ class Estimate:
     time; not overlapped with compute)."""
     dp_exposed_s: float = 0.0
     """The part of ``dp_comm_time_s`` not hidden under compute (:func:`dp_overlap`)."""
+    tp_hidden_s: float = 0.0
+    """The part of ``tp_comm_time_s`` run under the backward's weight-gradient GEMMs (each
+    column-parallel layer's input-gradient collective)."""
     exposed_comm_s: float = 0.0
     """Communication seconds per step on the critical path of the fullest rank: the
-    tensor-parallel collectives, the context-parallel exchange, the pipeline's sends, the
+    tensor-parallel collectives not hidden, the context-parallel exchange, the pipeline's sends, the
     tied embedding's sum and the exposed data-parallel part (what ``mt pretrain
     --trace-collectives`` measures as ``comm_exposed_s``)."""
     hidden_comm_s: float = 0.0
     """Communication seconds per step modelled as running under compute (data-parallel
-    buckets during the last backward, ZeRO-3's prefetched gathers)."""
+    buckets during the last backward, ZeRO-3's prefetched gathers, the column-parallel
+    layers' input-gradient collectives)."""
 
     def to_dict(self) -> dict[str, object]:
         """Flat JSON-ready dict: the layout's fields first, then the figures."""
@@ -492,6 +496,16 @@ def _times(gpt: GPTConfig, layout: ParallelLayout, gpu: GPUSpec, efficiency: flo
     lat_tp = gpu.tp_latency_s or lat
     one = half + lat_tp if sp else 2.0 * half + lat_tp if t > 1 else 0.0  # one collective
     tp_pass = (4 if sp else 2) * one
+    # In backward each column-parallel layer (qkv, the MLP's first) launches its input
+    # gradient's collective (one of the pass's) and computes its weight gradient (half of
+    # its backward GEMMs) meanwhile: what that GEMM covers at the rate a collective moves
+    # under compute is hidden.
+    rate = gpu.comm_rate_under_compute or 1.0
+    fc = (2 if gpt.mlp == "swiglu" else 1) * gpt.ffn_hidden
+    # (Key / value heads replicated over TP have a layer of their own, not overlapped.)
+    qkv = h + (0 if gpt.n_kv_heads % t else 2 * gpt.n_kv_heads * gpt.head_dim)
+    tp_hidden = sum(min(one, 2.0 * b * s * h * width_out / gemm_b * rate)
+                    for width_out in (qkv, fc)) if t > 1 else 0.0
     n_recomp = 1 if layout.recompute == "full" else 0  # passes run again in backward
     # Outside the layers, per micro-batch: the vocabulary-parallel embedding sums its
     # partial output (forward; with SP a reduce-scatter, whose backward all-gathers), the
@@ -545,7 +559,7 @@ def _times(gpt: GPTConfig, layout: ParallelLayout, gpu: GPUSpec, efficiency: flo
         # A chunked loss computes each chunk's logits again in backward (one more head GEMM).
         again = head / gemm_f if layout.chunked_loss else 0.0
         bwd.append(n * layer_bwd + 2 * head / gemm_b + again
-                   + n * ((1 + n_recomp) * tp_pass + (1 + n_recomp) * exchange
+                   + n * ((1 + n_recomp) * tp_pass - tp_hidden + (1 + n_recomp) * exchange
                           + ew_bwd * traffic + over_b) + ends_b
                    + (head_over + micro) * 2.0 / 3.0 + 4.0 * logits * last + tied)
     one_node = layout.world_size <= gpu.gpus_per_node
@@ -563,6 +577,7 @@ def _times(gpt: GPTConfig, layout: ParallelLayout, gpu: GPUSpec, efficiency: flo
     tp_total = m * (layers_per_stage * (2 + n_recomp) * tp_pass + ends)
     cp_total = m * layers_per_stage * (2 + n_recomp) * exchange
     return {"fwd": fwd, "bwd": bwd, "p2p": p2p, "tp": tp_total, "cp": cp_total, "tied": tied,
+            "tp_hidden": m * layers_per_stage * tp_hidden,
             **_step_costs(gpt, layout, gpu)}
 
 
@@ -734,8 +749,10 @@ def estimate(gpt: GPTConfig, layout: ParallelLayout, gpu: GPUSpec, efficiency: f
         tokens_per_s=layout.global_batch * gpt.seq_len / iteration,
         simulated=simulate_pipeline, calibrated=gpu.calibrated, cp_comm_time_s=times["cp"],
         dp_exposed_s=dp_exposed,
-        exposed_comm_s=times["tp"] + times["cp"] + p2p + times["tied"] + dp_exposed,
-        hidden_comm_s=dp_hidden)
+        tp_hidden_s=times["tp_hidden"],
+        exposed_comm_s=(times["tp"] - times["tp_hidden"] + times["cp"] + p2p + times["tied"]
+                        + dp_exposed),
+        hidden_comm_s=dp_hidden + times["tp_hidden"])
 
 
 def calibrate_efficiency(gpt: GPTConfig, cases: list[tuple[ParallelLayout, float]], gpu: GPUSpec,

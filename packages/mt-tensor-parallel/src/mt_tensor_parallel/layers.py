@@ -6,17 +6,30 @@ last dim and the partial products are summed across ranks. A column layer follow
 row layer (attention qkv -> proj, MLP fc -> proj) needs one all-reduce forward and one
 backward. With sequence parallelism the all-reduce becomes an all-gather of the sequence
 in front of the column layer and a reduce-scatter of the sequence after the row layer.
+
+A column layer's backward launches its input gradient's collective (the all-reduce, or the
+reduce-scatter under sequence parallelism) as soon as that gradient exists and computes the
+weight's gradient while it runs (:class:`_ColumnLinear`), as Megatron-LM does.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from mt_dist.collectives import group_rank, group_size
+from mt_dist.collectives import (
+    all_gather_along,
+    all_reduce_sum,
+    group_rank,
+    group_size,
+    start_reduce_scatter_along,
+)
 from mt_tensor_parallel.mappings import (
+    SEQUENCE_DIM,
     copy_to_tp,
     gather_from_sequence,
     gather_from_tp,
@@ -36,6 +49,41 @@ def _empty_param(shape: tuple[int, ...], device: torch.device | str | None,
     if not data.is_meta:
         data.zero_()  # deterministic until real weights are loaded
     return nn.Parameter(data)
+
+
+class _ColumnLinear(torch.autograd.Function):
+    """``F.linear`` of a column-parallel layer with its input's TP communication: forward,
+    the sequence all-gather (``sequence_parallel``) or nothing; backward, the input
+    gradient's reduce-scatter or all-reduce, launched once that gradient is computed and
+    waited for once the weight's and bias's are, so the collective runs under the weight
+    gradient's GEMM. The gradients are autograd's for ``F.linear`` bit for bit (the same
+    ``mm`` calls on the flattened tensors, the bias's a sum over rows)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                group: ProcessGroup, sequence_parallel: bool) -> torch.Tensor:
+        full = all_gather_along(x, SEQUENCE_DIM, group) if sequence_parallel else x
+        ctx.save_for_backward(full, weight)
+        ctx.group, ctx.sequence_parallel = group, sequence_parallel
+        return F.linear(full, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        full, weight = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        rows = grad.reshape(-1, grad.shape[-1])
+        grad_x, work = None, None
+        if need_x:
+            grad_x = rows.mm(weight).view(*full.shape[:-1], weight.shape[1])
+            if ctx.sequence_parallel:
+                grad_x, work = start_reduce_scatter_along(grad_x, SEQUENCE_DIM, ctx.group)
+            else:
+                work = all_reduce_sum(grad_x, ctx.group)  # a fresh tensor: summed in place
+        grad_w = rows.t().mm(full.reshape(-1, full.shape[-1])) if need_w else None
+        grad_b = rows.sum(0) if need_b else None
+        if work is not None:
+            work.wait()
+        return grad_x, grad_w, grad_b, None, None
 
 
 class ColumnParallelLinear(nn.Module):
@@ -101,13 +149,13 @@ class ColumnParallelLinear(nn.Module):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:
-            # The reduce-scatter in this gather's backward also sums the partial input
-            # gradients, so no copy_to_tp is needed on top.
-            x = gather_from_sequence(x, self.group)
+        if self.tp_size == 1:
+            y = F.linear(x, self.weight, self.bias)
         else:
-            x = copy_to_tp(x, self.group)
-        y = F.linear(x, self.weight, self.bias)
+            # Under sequence parallelism the backward's reduce-scatter both sums the partial
+            # input gradients and keeps this rank's sequence slice.
+            y = _ColumnLinear.apply(x, self.weight, self.bias, self.group,
+                                    self.sequence_parallel)
         return gather_from_tp(y, self.group) if self.gather_output else y
 
     def extra_repr(self) -> str:
