@@ -17,13 +17,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
 from mt_dist.collectives import (
     all_gather_along,
-    all_reduce_sum,
     group_rank,
     group_size,
     start_reduce_scatter_along,
@@ -78,7 +78,9 @@ class _ColumnLinear(torch.autograd.Function):
             if ctx.sequence_parallel:
                 grad_x, work = start_reduce_scatter_along(grad_x, SEQUENCE_DIM, ctx.group)
             else:
-                work = all_reduce_sum(grad_x, ctx.group)  # a fresh tensor: summed in place
+                # A fresh tensor: summed in place. (A raw work, as the reduce-scatter's: a
+                # collective inside the model counts as a rank's work, mt_dist.stragglers.)
+                work = dist.all_reduce(grad_x, group=ctx.group, async_op=True)
         grad_w = rows.t().mm(full.reshape(-1, full.shape[-1])) if need_w else None
         grad_b = rows.sum(0) if need_b else None
         if work is not None:
