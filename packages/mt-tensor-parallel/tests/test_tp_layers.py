@@ -244,7 +244,8 @@ def test_tp_layers_match_single_process(tp: int) -> None:
 
 
 #: Whichever of these torch offers: mt_dist.collectives takes the first it finds.
-COLLECTIVES = ("all_reduce", "reduce_scatter_single", "reduce_scatter_tensor")
+COLLECTIVES = ("all_reduce", "reduce_scatter_single", "reduce_scatter_tensor",
+               "all_gather_single", "all_gather_into_tensor")
 
 
 class _Order(TorchDispatchMode):
@@ -261,10 +262,11 @@ class _Order(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _column_overlap() -> list[tuple[str, bool, list[str]]]:
+def _column_overlap() -> list[tuple[str, bool, list[str], int]]:
     """Per case: whether the layer's output and gradients equal, bit for bit, those of the
-    composition it replaces (the input's mapping, then ``F.linear`` under autograd), and the
-    order of the backward's matrix products and its collective's launch and wait."""
+    composition it replaces (the input's mapping, then ``F.linear`` under autograd), the
+    order of the backward's matrix products and its collectives' launches and waits, and
+    the elements of the activations the layer keeps for its backward."""
     group, rank, n = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
     events: list[str] = []
 
@@ -302,7 +304,15 @@ def _column_overlap() -> list[tuple[str, bool, list[str]]]:
             gathered = gather_from_sequence(x_ref, group) if sp else copy_to_tp(x_ref, group)
             want = F.linear(gathered, weight, b)
             want.backward(g)
-            out = layer(x)
+            kept: list[int] = []
+
+            def pack(t: torch.Tensor, kept: list[int] = kept) -> torch.Tensor:
+                if not isinstance(t, nn.Parameter):
+                    kept.append(t.numel())
+                return t
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = layer(x)
             names = [name for name in COLLECTIVES if hasattr(dist, name)]
             originals = {name: getattr(dist, name) for name in names}
             for name in names:
@@ -318,19 +328,27 @@ def _column_overlap() -> list[tuple[str, bool, list[str]]]:
                     torch.equal(layer.weight.grad, weight.grad)]
             if bias:
                 same.append(torch.equal(layer.bias.grad, b.grad))
-            results.append((f"sp={sp} bias={bias}", all(same), list(events)))
+            results.append((f"sp={sp} bias={bias}", all(same), list(events), sum(kept)))
     return results
 
 
 def test_column_backward_runs_its_collective_under_the_weight_gradient() -> None:
     """The input gradient's all-reduce (reduce-scatter under SP) is launched after its own
-    matrix product and waited for after the weight gradient's: the layer's results are
-    those of the plain composition, bit for bit."""
-    for rank, cases in enumerate(run_distributed(_column_overlap, 2, timeout=120)):
+    matrix product and waited for after the weight gradient's; under SP the layer keeps its
+    input's sequence slice, not the gathered input, and gathers it again while the input
+    gradient's product runs. The results are those of the plain composition, bit for bit."""
+    n = 2
+    for rank, cases in enumerate(run_distributed(_column_overlap, n, timeout=120)):
         assert len(cases) == 4
-        for name, same, order in cases:
+        for name, same, order, kept in cases:
             assert same, f"{name} rank {rank}: differs from the composition it replaces"
-            assert order == ["mm", "launch", "mm", "wait"], f"{name} rank {rank}: {order}"
+            if name.startswith("sp=True"):
+                want = ["launch", "mm", "wait", "launch", "mm", "wait"]
+                assert kept == B * S // n * H, f"{name} rank {rank}: keeps {kept} elements"
+            else:
+                want = ["mm", "launch", "mm", "wait"]
+                assert kept == B * S * H, f"{name} rank {rank}: keeps {kept} elements"
+            assert order == want, f"{name} rank {rank}: {order}"
 
 
 def test_tp_layers_without_group_equal_references() -> None:

@@ -6,8 +6,8 @@ tests) without ``torch.distributed`` initialised.
 
 - Along a tensor dimension, returning new tensors (tensor parallelism's raw collectives; its
   autograd functions are built on them): :func:`all_reduce`, :func:`all_gather_along`,
-  :func:`reduce_scatter_along`, :func:`split_along`; :func:`start_reduce_scatter_along`
-  launches the reduce-scatter and leaves the wait to the caller.
+  :func:`reduce_scatter_along`, :func:`split_along`; :func:`start_all_gather_along` and
+  :func:`start_reduce_scatter_along` launch theirs and leave the wait to the caller.
 - On flat buffers, asynchronous with a :class:`Handle` (data parallelism, ZeRO):
   :func:`all_gather_flat`, :func:`reduce_scatter_flat`, :func:`all_reduce_sum`,
   :func:`all_reduce_over` (orthogonal groups in turn), :func:`broadcast_from_first`.
@@ -47,6 +47,7 @@ __all__ = [
     "reduce_scatter_along",
     "reduce_scatter_flat",
     "split_along",
+    "start_all_gather_along",
     "start_reduce_scatter_along",
 ]
 
@@ -85,9 +86,21 @@ def all_reduce(x: torch.Tensor, group: ProcessGroup | None, op: dist.ReduceOp = 
 
 def all_gather_along(x: torch.Tensor, dim: int, group: ProcessGroup | None) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim`` (same shape on every rank)."""
+    return _all_gather_along(x, dim, group, async_op=False)[1]()
+
+
+def start_all_gather_along(x: torch.Tensor, dim: int, group: ProcessGroup | None
+                           ) -> tuple[dist.Work | None, Callable[[], torch.Tensor]]:
+    """Launch :func:`all_gather_along`: the work to wait on (None: a single rank, nothing to
+    wait for) and a function that returns the gathered tensor once it has finished."""
+    return _all_gather_along(x, dim, group, async_op=True)
+
+
+def _all_gather_along(x: torch.Tensor, dim: int, group: ProcessGroup | None, async_op: bool
+                      ) -> tuple[dist.Work | None, Callable[[], torch.Tensor]]:
     size = group_size(group)
     if size == 1:
-        return x
+        return None, lambda: x
     dim = dim % x.dim()
     # The flat collective concatenates along dim 0: gather [size, *shape], then move the
     # rank axis next to ``dim`` and merge the two.
@@ -95,33 +108,40 @@ def all_gather_along(x: torch.Tensor, dim: int, group: ProcessGroup | None) -> t
     flat = torch.empty(size * x.numel(), dtype=x.dtype, device=x.device)
     gather = _collective("all_gather_single", "all_gather_into_tensor")
     if gather is not None:
-        gather(flat, x.contiguous().view(-1), group=group)
+        work = gather(flat, x.contiguous().view(-1), group=group, async_op=async_op)
     else:
-        dist.all_gather(list(flat.chunk(size)), x.contiguous().view(-1), group=group)
-    stacked = flat.view(size, *x.shape)
-    if dim == 0:
-        return stacked.reshape(size * x.shape[0], *x.shape[1:])
-    merged = stacked.movedim(0, dim)  # [..., size, x.shape[dim], ...]
-    shape = list(x.shape)
-    shape[dim] *= size
-    return merged.reshape(shape)
+        work = dist.all_gather(list(flat.chunk(size)), x.contiguous().view(-1), group=group,
+                               async_op=async_op)
+
+    def gathered() -> torch.Tensor:
+        stacked = flat.view(size, *x.shape)
+        if dim == 0:
+            return stacked.reshape(size * x.shape[0], *x.shape[1:])
+        merged = stacked.movedim(0, dim)  # [..., size, x.shape[dim], ...]
+        shape = list(x.shape)
+        shape[dim] *= size
+        return merged.reshape(shape)
+
+    return work, gathered
 
 
 def reduce_scatter_along(x: torch.Tensor, dim: int, group: ProcessGroup | None) -> torch.Tensor:
     """Sum over ranks, keeping this rank's contiguous slice of ``dim``."""
-    out, work = start_reduce_scatter_along(x, dim, group)
-    if work is not None:
-        work.wait()
-    return out
+    return _reduce_scatter_along(x, dim, group, async_op=False)[1]
 
 
 def start_reduce_scatter_along(x: torch.Tensor, dim: int, group: ProcessGroup | None
-                               ) -> tuple[torch.Tensor, dist.Work | None]:
-    """Launch :func:`reduce_scatter_along` and return its output with the work to wait on
-    before reading it (None: nothing to wait for, a single rank)."""
+                               ) -> tuple[dist.Work | None, torch.Tensor]:
+    """Launch :func:`reduce_scatter_along`: the work to wait on (None: a single rank, nothing
+    to wait for) and the output, to be read once it has finished."""
+    return _reduce_scatter_along(x, dim, group, async_op=True)
+
+
+def _reduce_scatter_along(x: torch.Tensor, dim: int, group: ProcessGroup | None,
+                          async_op: bool) -> tuple[dist.Work | None, torch.Tensor]:
     size = group_size(group)
     if size == 1:
-        return x, None
+        return None, x
     dim = dim % x.dim()
     if x.shape[dim] % size != 0:
         raise ValueError(f"dimension {dim} of size {x.shape[dim]} is not divisible by {size}")
@@ -134,11 +154,11 @@ def start_reduce_scatter_along(x: torch.Tensor, dim: int, group: ProcessGroup | 
     out = torch.empty(out_shape, dtype=x.dtype, device=x.device)
     scatter = _collective("reduce_scatter_single", "reduce_scatter_tensor")
     if scatter is not None:
-        work = scatter(out.view(-1), blocks.view(-1), group=group, async_op=True)
+        work = scatter(out.view(-1), blocks.view(-1), group=group, async_op=async_op)
     else:
         work = dist.reduce_scatter(out.view(-1), list(blocks.view(-1).chunk(size)), group=group,
-                                   async_op=True)
-    return out, work
+                                   async_op=async_op)
+    return work, out
 
 
 def split_along(x: torch.Tensor, dim: int, group: ProcessGroup | None) -> torch.Tensor:

@@ -498,14 +498,17 @@ def _times(gpt: GPTConfig, layout: ParallelLayout, gpu: GPUSpec, efficiency: flo
     tp_pass = (4 if sp else 2) * one
     # In backward each column-parallel layer (qkv, the MLP's first) launches its input
     # gradient's collective (one of the pass's) and computes its weight gradient (half of
-    # its backward GEMMs) meanwhile: what that GEMM covers at the rate a collective moves
-    # under compute is hidden.
+    # its backward GEMMs) meanwhile; with sequence parallelism it keeps only its input's
+    # sequence slice and gathers the input again (one more collective, ``regather``) while
+    # it computes the input gradient (the other half). What a GEMM covers at the rate a
+    # collective moves under compute is hidden.
+    regather = 2 * one if sp else 0.0
     rate = gpu.comm_rate_under_compute or 1.0
     fc = (2 if gpt.mlp == "swiglu" else 1) * gpt.ffn_hidden
     # (Key / value heads replicated over TP have a layer of their own, not overlapped.)
     qkv = h + (0 if gpt.n_kv_heads % t else 2 * gpt.n_kv_heads * gpt.head_dim)
-    tp_hidden = sum(min(one, 2.0 * b * s * h * width_out / gemm_b * rate)
-                    for width_out in (qkv, fc)) if t > 1 else 0.0
+    tp_hidden = (1 + sp) * sum(min(one, 2.0 * b * s * h * width_out / gemm_b * rate)
+                               for width_out in (qkv, fc)) if t > 1 else 0.0
     n_recomp = 1 if layout.recompute == "full" else 0  # passes run again in backward
     # Outside the layers, per micro-batch: the vocabulary-parallel embedding sums its
     # partial output (forward; with SP a reduce-scatter, whose backward all-gathers), the
@@ -559,7 +562,8 @@ def _times(gpt: GPTConfig, layout: ParallelLayout, gpu: GPUSpec, efficiency: flo
         # A chunked loss computes each chunk's logits again in backward (one more head GEMM).
         again = head / gemm_f if layout.chunked_loss else 0.0
         bwd.append(n * layer_bwd + 2 * head / gemm_b + again
-                   + n * ((1 + n_recomp) * tp_pass - tp_hidden + (1 + n_recomp) * exchange
+                   + n * ((1 + n_recomp) * tp_pass + regather - tp_hidden
+                          + (1 + n_recomp) * exchange
                           + ew_bwd * traffic + over_b) + ends_b
                    + (head_over + micro) * 2.0 / 3.0 + 4.0 * logits * last + tied)
     one_node = layout.world_size <= gpu.gpus_per_node
@@ -574,7 +578,7 @@ def _times(gpt: GPTConfig, layout: ParallelLayout, gpu: GPUSpec, efficiency: flo
     m = layout.num_micro_batches
     layers_per_stage = sum(stage_layers(gpt.n_layers, layout)) / layout.pp
     ends = (embed_f + embed_b + head_f + head_b + loss_f) / layout.pp  # a stage's share
-    tp_total = m * (layers_per_stage * (2 + n_recomp) * tp_pass + ends)
+    tp_total = m * (layers_per_stage * ((2 + n_recomp) * tp_pass + regather) + ends)
     cp_total = m * layers_per_stage * (2 + n_recomp) * exchange
     return {"fwd": fwd, "bwd": bwd, "p2p": p2p, "tp": tp_total, "cp": cp_total, "tied": tied,
             "tp_hidden": m * layers_per_stage * tp_hidden,

@@ -9,7 +9,9 @@ in front of the column layer and a reduce-scatter of the sequence after the row 
 
 A column layer's backward launches its input gradient's collective (the all-reduce, or the
 reduce-scatter under sequence parallelism) as soon as that gradient exists and computes the
-weight's gradient while it runs (:class:`_ColumnLinear`), as Megatron-LM does.
+weight's gradient while it runs; under sequence parallelism it keeps only its sequence slice
+of the input and gathers it again in backward under the input gradient's GEMM
+(:class:`_ColumnLinear`), as Megatron-LM does.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from mt_dist.collectives import (
     all_gather_along,
     group_rank,
     group_size,
+    start_all_gather_along,
     start_reduce_scatter_along,
 )
 from mt_tensor_parallel.mappings import (
@@ -52,36 +55,47 @@ def _empty_param(shape: tuple[int, ...], device: torch.device | str | None,
 
 
 class _ColumnLinear(torch.autograd.Function):
-    """``F.linear`` of a column-parallel layer with its input's TP communication: forward,
-    the sequence all-gather (``sequence_parallel``) or nothing; backward, the input
+    """``F.linear`` of a column-parallel layer with its input's TP communication.
+
+    Forward: the sequence all-gather (``sequence_parallel``) or nothing. Backward: the input
     gradient's reduce-scatter or all-reduce, launched once that gradient is computed and
     waited for once the weight's and bias's are, so the collective runs under the weight
-    gradient's GEMM. The gradients are autograd's for ``F.linear`` bit for bit (the same
-    ``mm`` calls on the flattened tensors, the bias's a sum over rows)."""
+    gradient's GEMM. Under sequence parallelism only this rank's slice of the input is kept
+    (Korthikanti et al.'s activation memory): backward gathers it again, while the input
+    gradient's GEMM runs. The gradients are autograd's for ``F.linear`` bit for bit (the
+    same ``mm`` calls on the flattened tensors, the bias's a sum over rows)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 group: ProcessGroup, sequence_parallel: bool) -> torch.Tensor:
-        full = all_gather_along(x, SEQUENCE_DIM, group) if sequence_parallel else x
-        ctx.save_for_backward(full, weight)
+        ctx.save_for_backward(x, weight)
         ctx.group, ctx.sequence_parallel = group, sequence_parallel
+        full = all_gather_along(x, SEQUENCE_DIM, group) if sequence_parallel else x
         return F.linear(full, weight, bias)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        full, weight = ctx.saved_tensors
+        x, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        gathering, full = None, (lambda: x)
+        if need_w and ctx.sequence_parallel:
+            gathering, full = start_all_gather_along(x, SEQUENCE_DIM, ctx.group)
         rows = grad.reshape(-1, grad.shape[-1])
-        grad_x, work = None, None
-        if need_x:
-            grad_x = rows.mm(weight).view(*full.shape[:-1], weight.shape[1])
-            if ctx.sequence_parallel:
-                grad_x, work = start_reduce_scatter_along(grad_x, SEQUENCE_DIM, ctx.group)
-            else:
-                # A fresh tensor: summed in place. (A raw work, as the reduce-scatter's: a
-                # collective inside the model counts as a rank's work, mt_dist.stragglers.)
-                work = dist.all_reduce(grad_x, group=ctx.group, async_op=True)
-        grad_w = rows.t().mm(full.reshape(-1, full.shape[-1])) if need_w else None
+        grad_x = rows.mm(weight).view(*grad.shape[:-1], weight.shape[1]) if need_x else None
+        if gathering is not None:
+            gathering.wait()
+        work = None
+        if need_x and ctx.sequence_parallel:
+            work, grad_x = start_reduce_scatter_along(grad_x, SEQUENCE_DIM, ctx.group)
+        elif need_x:
+            # A fresh tensor: summed in place. (A raw work, as the reduce-scatter's: a
+            # collective inside the model counts as a rank's work, mt_dist.stragglers.)
+            work = dist.all_reduce(grad_x, group=ctx.group, async_op=True)
+        if need_w:
+            inputs = full()
+            grad_w = rows.t().mm(inputs.reshape(-1, inputs.shape[-1]))
+        else:
+            grad_w = None
         grad_b = rows.sum(0) if need_b else None
         if work is not None:
             work.wait()
