@@ -9,6 +9,7 @@ import gc
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -140,6 +141,48 @@ def test_selective_keeps_less_than_everything_and_more_than_full() -> None:
     assert 28 < per_layer["none"] < 38, per_layer
     assert 17 < per_layer["selective"] < 24, per_layer
     assert per_layer["full"] < 6, per_layer
+
+
+def _sequence_parallel_modes() -> dict[str, tuple[int, torch.Tensor, dict]]:
+    """On a TP + SP rank: per mode, the sequence-parallel norms' forward calls, the output
+    and every gradient of the blocks."""
+    from mt_tensor_parallel import GPT_PLAN, SequenceParallelLayerNorm, apply_tensor_parallel
+
+    model = apply_tensor_parallel(GPT(preset("tiny"), seed=0), dist.group.WORLD, GPT_PLAN,
+                                  sequence_parallel=True)
+    calls = [0]
+
+    def count(*_args: object) -> None:
+        calls[0] += 1
+
+    for module in model.blocks.modules():
+        if isinstance(module, SequenceParallelLayerNorm):
+            module.register_forward_hook(count)
+    idx = torch.randint(0, model.config.vocab_size, (2, 32),
+                        generator=torch.Generator().manual_seed(0))
+    out = {}
+    for mode in ("none", "selective"):
+        calls[0] = 0
+        model.zero_grad(set_to_none=True)
+        x = run_layers(list(model.blocks), model.embed(idx), mode)
+        x.pow(2).sum().backward()
+        out[mode] = (calls[0], x.detach(),
+                     {n: p.grad.clone() for n, p in model.blocks.named_parameters()})
+    return out
+
+
+def test_selective_recomputes_the_sequence_parallel_norms() -> None:
+    """Under TP 2 + SP the column layers keep their input's sequence slice, which is the
+    norm's output: selective recomputation makes it again in backward instead of keeping it
+    (each norm runs twice), with the same bits."""
+    from mt_dist.testing import run_distributed
+
+    layers = preset("tiny").n_layers
+    for rank, modes in enumerate(run_distributed(_sequence_parallel_modes, 2, timeout=120)):
+        (calls, x, grads), (sel_calls, sel_x, sel_grads) = modes["none"], modes["selective"]
+        assert calls == 2 * layers and sel_calls == 4 * layers, (rank, calls, sel_calls)
+        assert torch.equal(sel_x, x), rank
+        assert all(torch.equal(sel_grads[n], g) for n, g in grads.items()), rank
 
 
 def test_recompute_modes() -> None:

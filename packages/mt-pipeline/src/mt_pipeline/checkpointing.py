@@ -12,7 +12,8 @@ else keeps anyway (the module's own backward saves it). Backward recomputes the 
 when it needs it, with the same kernel on the same input: the same bits. A GPT-2 layer keeps
 20 of its 32 ``sbh`` 16-bit bytes (norm outputs 2 + 2, the GeLU output 8 recomputed; see
 mt-plan), and no matmul runs twice. A tensor made from such an output by another op (the
-all-gathered input of a sequence-parallel matmul) is kept as it is. A module whose
+gathered input of a grouped-query key/value projection replicated over a sequence-parallel
+TP group) is kept as it is. A module whose
 ``selective_checkpoint`` attribute is true when the layer runs (mt-model's attention core
 with attention dropout, where the unfused kernel keeps [b, n, s, s] scores, probabilities
 and mask) is recomputed whole, as full recomputation would: only its inputs are kept, and
@@ -43,9 +44,10 @@ __all__ = ["RECOMPUTE_MODES", "RECOMPUTED", "recompute_mode", "run_layers"]
 
 #: What a layer keeps for backward: everything, all but the cheap modules' outputs, its input.
 RECOMPUTE_MODES = ("none", "selective", "full")
-#: The modules whose outputs selective recomputation makes again in backward.
-#: Each one's backward keeps its input, so a recipe holds nothing that is not kept anyway
-#: (ReLU and Tanh keep their output: not here).
+#: The modules whose outputs selective recomputation makes again in backward, with any
+#: module whose ``recompute_output`` attribute is true (mt-tensor-parallel's
+#: sequence-parallel norms). Each one's backward keeps its input, so a recipe holds nothing
+#: that is not kept anyway (ReLU and Tanh keep their output: not here).
 RECOMPUTED: tuple[type[nn.Module], ...] = (nn.LayerNorm, nn.RMSNorm, nn.GELU, nn.SiLU)
 
 
@@ -86,7 +88,8 @@ class _Selective:
     :class:`_Recipe` in place of any tensor autograd saves that is (a view of) one."""
 
     def __init__(self, layer: nn.Module) -> None:
-        self.modules = [m for m in layer.modules() if isinstance(m, RECOMPUTED)]
+        self.modules = [m for m in layer.modules() if isinstance(m, RECOMPUTED)
+                        or getattr(m, "recompute_output", False)]
         self.checkpointed = [m for m in layer.modules()
                              if getattr(m, "selective_checkpoint", False)]
         # storage pointer -> (module, input, weak output, version): the weak reference tells

@@ -115,8 +115,8 @@ def activation_bytes_per_layer(gpt: GPTConfig, micro_batch: int, tp: int,
     ``24`` is the GPT-2 block's; grouped-query attention and SwiGLU change it, see
     :func:`_sharded_activation_units`);
     selective recomputation (mt-pipeline's) drops the ``5as/h`` attention term (the core runs
-    again), the two norm outputs (``4``, not with SP: the matmul keeps the gathered input
-    instead) and the activation output (``2f/h``, ``8`` for GPT-2; ``/t``); full recomputation
+    again), the two norm outputs (``4``; ``/t`` with SP) and the activation output (``2f/h``,
+    ``8`` for GPT-2; ``/t``); full recomputation
     keeps only the layer input ``2sbh`` (``/t`` with SP). fp32 doubles everything.
 
     ``dropout_masks=False`` (no dropout: torch keeps no mask at p = 0) drops the two 1-byte
@@ -140,7 +140,7 @@ def activation_bytes_per_layer(gpt: GPTConfig, micro_batch: int, tp: int,
         sharded += (cp - 1) * _kv_units(gpt, tp)
     if recompute == "selective":  # recomputed from what other ops keep anyway
         sharded -= 2.0 * gpt.ffn_hidden / h
-        replicated -= 0.0 if sequence_parallel else 4.0
+        replicated -= 4.0
     if recompute == "full":
         per_layer = 2.0 * sbh / (tp if sequence_parallel else 1)
     elif sequence_parallel:

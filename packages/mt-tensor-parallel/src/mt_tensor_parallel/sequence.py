@@ -47,6 +47,9 @@ class SequenceParallelLayerNorm(nn.Module):
 
     param_style = "replicate"
     defer_grad_reduce = False
+    #: Selective recomputation makes this module's output again in backward instead of
+    #: keeping it (mt_pipeline.checkpointing): its backward keeps its input anyway.
+    recompute_output = True
 
     def partial_grad_names(self) -> tuple[str, ...]:
         """Parameters whose gradient on this rank is a partial sum over the group."""
@@ -82,6 +85,9 @@ class SequenceParallelRMSNorm(nn.Module):
 
     param_style = "replicate"
     defer_grad_reduce = False
+    #: Selective recomputation makes this module's output again in backward instead of
+    #: keeping it (mt_pipeline.checkpointing): its backward keeps its input anyway.
+    recompute_output = True
 
     def partial_grad_names(self) -> tuple[str, ...]:
         """Parameters whose gradient on this rank is a partial sum over the group."""

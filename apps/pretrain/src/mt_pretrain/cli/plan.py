@@ -54,11 +54,11 @@ JSON_KEYS: dict[str, str] = {
         "the pipeline time, not overlapped; framework: the calibrated per-step and "
         "per-tensor cost of the training code, 0 for the built-in GPUs)",
     "tp_hidden_s, dp_exposed_s, exposed_comm_s, hidden_comm_s": "communication on the "
-        "critical path (TP but for the column layers' input-gradient collectives the weight "
-        "gradients hide, CP, P2P, the tied embedding's sum and the DP part compute does not "
-        "hide: buckets still reducing after the last backward, ZeRO 1-2's weight gather, "
-        "ZeRO-3's gathers beyond the previous unit's compute) and the TP and DP parts hidden "
-        "under compute",
+        "critical path (TP but for what the column layers' backward GEMMs hide: the input "
+        "gradients' collectives, with SP the inputs' second gathers; CP, P2P, the tied "
+        "embedding's sum and the DP part compute does not hide: buckets still reducing "
+        "after the last backward, ZeRO 1-2's weight gather, ZeRO-3's gathers beyond the "
+        "previous unit's compute) and the TP and DP parts hidden under compute",
     "iteration_time_s, tflops_per_gpu, tokens_per_s": "the estimated speed; TFLOP/s by the "
         "formula above (it counts a full recompute, as MT-NLG reported)",
     "simulated": "true when the schedule ran through mt-pipeline's simulator",
