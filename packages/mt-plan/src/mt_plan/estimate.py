@@ -195,17 +195,17 @@ class Estimate:
     dp_exposed_s: float = 0.0
     """The part of ``dp_comm_time_s`` not hidden under compute (:func:`dp_overlap`)."""
     tp_hidden_s: float = 0.0
-    """The part of ``tp_comm_time_s`` run under the backward's weight-gradient GEMMs (each
-    column-parallel layer's input-gradient collective)."""
+    """The part of ``tp_comm_time_s`` run under the column-parallel layers' backward GEMMs
+    (each one's input-gradient collective, and with sequence parallelism its input's second
+    gather)."""
     exposed_comm_s: float = 0.0
     """Communication seconds per step on the critical path of the fullest rank: the
-    tensor-parallel collectives not hidden, the context-parallel exchange, the pipeline's sends, the
-    tied embedding's sum and the exposed data-parallel part (what ``mt pretrain
+    tensor-parallel collectives not hidden, the context-parallel exchange, the pipeline's
+    sends, the tied embedding's sum and the exposed data-parallel part (what ``mt pretrain
     --trace-collectives`` measures as ``comm_exposed_s``)."""
     hidden_comm_s: float = 0.0
     """Communication seconds per step modelled as running under compute (data-parallel
-    buckets during the last backward, ZeRO-3's prefetched gathers, the column-parallel
-    layers' input-gradient collectives)."""
+    buckets during the last backward, ZeRO-3's prefetched gathers, ``tp_hidden_s``)."""
 
     def to_dict(self) -> dict[str, object]:
         """Flat JSON-ready dict: the layout's fields first, then the figures."""
