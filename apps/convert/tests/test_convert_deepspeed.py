@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from typer.testing import CliRunner
 
-from mt_checkpoint import load_rank
+from mt_checkpoint import load_rank, read_meta
 from mt_convert.cli import app
 from mt_dist.testing import run_distributed
 from mt_formats import ConvertError, convert_checkpoint, load_model, open_checkpoint
@@ -143,6 +143,8 @@ def test_convert_deepspeed_universal_weights_and_moments(universal: tuple[Path, 
     assert torch.equal(full["state"]["blocks.1.attn.qkv.weight"]["sharded"]["exp_avg_sq"],
                        avg_sq)
     assert int(state["replicated"]["step"]) == STEPS
+    meta = read_meta(tmp_path / "pre")  # the engine's steps and samples: the run goes on
+    assert (meta.step, meta.tokens) == (STEPS, STEPS * GLOBAL_BATCH * CONFIG.seq_len)
 
 
 def test_convert_deepspeed_errors_name_file_and_tensor(universal: tuple[Path, Any],

@@ -324,7 +324,7 @@ def test_torchtitan_optimizer_state_to_pretrain_and_back(tmp_path: Path) -> None
         set_optimizer_state_dict,
     )
 
-    from mt_checkpoint import load_rank
+    from mt_checkpoint import load_rank, read_meta
     from mt_zero import consolidate
 
     root = _titan_module()
@@ -334,8 +334,15 @@ def test_torchtitan_optimizer_state_to_pretrain_and_back(tmp_path: Path) -> None
     options = StateDictOptions(flatten_optimizer_state_dict=True)
     saved = {**get_model_state_dict(root), "optimizer": get_optimizer_state_dict(
         root, adamw, options=options)}
-    dcp.save(saved, checkpoint_id=tmp_path / "titan", no_dist=True)
-    convert_checkpoint(tmp_path / "titan", tmp_path / "pre", to="pretrain", model=LLAMA)
+    # torchtitan (0.3) saves its Trainer's and its LRSchedulersContainer's state beside them
+    progress = {"train_state": {"step": 3, "ntokens_seen": 96},
+                "lr_scheduler": {"last_epoch": 3}}
+    dcp.save({**saved, **progress}, checkpoint_id=tmp_path / "titan", no_dist=True)
+    titan = convert_checkpoint(tmp_path / "titan", tmp_path / "pre", to="pretrain",
+                               model=LLAMA)
+    meta = read_meta(tmp_path / "pre")  # mt pretrain --load continues the schedule there
+    assert (meta.step, meta.tokens, meta.data_step) == (3, 96, 0)
+    assert len(titan.notes) == 1 and "at step 3" in titan.notes[0], titan.notes
     full = consolidate([load_rank(tmp_path / "pre", 0)["optimizer"]])
     theirs = adamw.state_dict()["state"]
     index = {name: i for i, (name, _) in enumerate(root.named_parameters())}
@@ -352,6 +359,7 @@ def test_torchtitan_optimizer_state_to_pretrain_and_back(tmp_path: Path) -> None
                        drop_optimizer=True)
     fresh = consolidate([load_rank(tmp_path / "fresh", 0)["optimizer"]])
     assert fresh["state"]["blocks.1.attn.q.weight"]["sharded"] == {}
+    assert read_meta(tmp_path / "fresh").step == 0  # a new run: its schedule from the start
 
     groups = full["param_groups"]  # matrices' group, then the rest's: both torchtitan's one
     assert [{k: group[k] for k in settings} for group in groups] == [settings, settings]
@@ -360,14 +368,21 @@ def test_torchtitan_optimizer_state_to_pretrain_and_back(tmp_path: Path) -> None
     # torch loads it, param groups included (a load that requires every key of the state
     # dict), into a fresh AdamW of default settings and the same module tree: every tensor
     # of the first AdamW's state, bit for bit (the RoPE row permutation undone on the way),
-    # and its settings.
+    # and its settings. The training progress comes back as torchtitan loads it.
     result = convert_checkpoint(tmp_path / "pre", tmp_path / "back", to="dcp")
     assert result.notes == ()
     again = torch.optim.AdamW(root.parameters())
     flat = get_optimizer_state_dict(root, again, options=options)
     wanted = {"optimizer": {k: torch.empty_like(v) if isinstance(v, torch.Tensor) else None
-                            for k, v in flat.items()}}
+                            for k, v in flat.items()},
+              "train_state": {"step": 0, "ntokens_seen": 0}, "lr_scheduler": {"last_epoch": 0}}
     dcp.load(wanted, checkpoint_id=tmp_path / "back", no_dist=True)
+    assert {k: wanted[k] for k in progress} == progress
+    # torchtitan's LRSchedulersContainer.load_state_dict: last_epoch set, the lr recomputed
+    warmup = torch.optim.lr_scheduler.LambdaLR(torch.optim.AdamW(root.parameters(), lr=1.0),
+                                                lambda step: min(1.0, (step + 1) / 10))
+    warmup.last_epoch = wanted["lr_scheduler"]["last_epoch"]
+    assert warmup.get_lr() == [0.4]  # step 3 of a 10-step warmup, where the source stopped
     set_optimizer_state_dict(root, again, wanted["optimizer"], options=options)
     loaded = again.state_dict()["state"]
     assert loaded.keys() == theirs.keys()
@@ -386,10 +401,45 @@ def test_torchtitan_optimizer_state_to_pretrain_and_back(tmp_path: Path) -> None
              checkpoint_id=tmp_path / "bare", no_dist=True)
     assert any(".param_groups." in key for key in entries)
     noted = convert_checkpoint(tmp_path / "bare", tmp_path / "defaults", to="dcp", model=LLAMA)
-    assert len(noted.notes) == 1 and "torch AdamW's defaults" in noted.notes[0]
+    assert len(noted.notes) == 2 and "torch AdamW's defaults" in noted.notes[0]
+    assert "no training step" in noted.notes[1]  # no train_state either
     convert_checkpoint(tmp_path / "pre", tmp_path / "weights", to="dcp", drop_optimizer=True)
     stored = dcp.FileSystemReader(tmp_path / "weights").read_metadata().state_dict_metadata
     assert stored and not any(key.startswith("optimizer.") for key in stored)
+
+
+def test_torchtitan_training_progress_of_each_version(tmp_path: Path) -> None:
+    """The step torchtitan recorded, as each version saves it: 0.3's plain ints, an earlier
+    ``train_state`` (an int32 tensor step beside pickled loss lists) and a bare LambdaLR
+    state; a count that is not one is refused in one line naming the entry."""
+    import io
+
+    def saved(name: str, extra: dict[str, object]) -> Path:
+        dcp.save({**titan_state(LLAMA), **extra}, checkpoint_id=tmp_path / name, no_dist=True)
+        return tmp_path / name
+
+    def progress(folder: Path) -> object:
+        with open_checkpoint(folder, model=LLAMA) as reader:
+            return reader.progress()
+
+    losses = io.BytesIO()
+    torch.save([2.5, 2.25], losses)
+    early = saved("early", {"train_state": {"step": torch.tensor(5, dtype=torch.int32),
+                                            "global_avg_losses": losses}})
+    scheduler = saved("scheduler", {"lr_scheduler": {"last_epoch": 7, "base_lrs": [3e-4],
+                                                     "_step_count": 8}})
+    current = saved("current", {"train_state": {"step": 9, "ntokens_seen": 4608},
+                                "lr_scheduler": {"last_epoch": 9}})
+    assert [(p.step, p.tokens) for p in map(progress, (early, scheduler, current))] == [
+        (5, None), (7, None), (9, 4608)]
+    assert progress(saved("weights", {})) is None
+    for name, bad in (("negative", -1), ("fraction", 2.5)):
+        folder = saved(name, {"train_state": {"step": bad, "ntokens_seen": 0}})
+        with pytest.raises(ConvertError) as refused:
+            progress(folder)
+        message = str(refused.value)
+        assert "\n" not in message and "train_state.step is" in message, message
+        assert repr(bad) in message and str(folder) in message, message
 
 
 def test_a_folder_reads_from_several_threads_at_once(tmp_path: Path) -> None:

@@ -176,7 +176,8 @@ def _train_save(directory: str, steps: int
         with _CudaOnCpu():
             optimizer.step()
     state = {"model": model.sharded_state_dict(), "optimizer": _optimizer_state(model,
-                                                                                 optimizer)}
+                                                                                 optimizer),
+             "iteration": steps}  # Megatron-LM's training step, in the common state
     dist_checkpointing.save(state, directory)
     states = _states(_optimizer_state(model, optimizer))
     step = optimizer.state_dict()["optimizer"]["param_groups"][0]["step"]
@@ -196,11 +197,11 @@ def _set_states_but_step(self: Any, model_param: Any, tensors: dict[str, Any]) -
             target.copy_(tensors[key])
 
 
-def _load_adam(directory: str
-               ) -> tuple[dict[str, torch.Tensor], list[float], list[dict[str, Any]]]:
+def _load_adam(directory: str) -> tuple[dict[str, torch.Tensor], list[float],
+                                        list[dict[str, Any]], Any]:
     """A fresh LLAMA + DistributedOptimizer (default settings) loaded from ``directory`` as
-    Megatron-LM loads it; returns its states (gathered again), its param groups' steps and
-    their settings."""
+    Megatron-LM loads it; returns its states (gathered again), its param groups' steps,
+    their settings and the common state's ``iteration`` (Megatron-LM's training step)."""
     from megatron.core import dist_checkpointing
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
@@ -219,7 +220,8 @@ def _load_adam(directory: str
         optimizer.load_state_dict(loaded["optimizer"])
     steps = [float(group["step"]) for group in
              optimizer.state_dict()["optimizer"]["param_groups"]]
-    return _states(_optimizer_state(model, optimizer)), steps, _group_settings(optimizer)
+    return (_states(_optimizer_state(model, optimizer)), steps, _group_settings(optimizer),
+            loaded.get("iteration"))
 
 
 def _row_order(theirs: torch.Tensor, ours: torch.Tensor) -> Any:
@@ -350,6 +352,7 @@ def test_mcore_distributed_adam_state_round_trip(tmp_path: Path) -> None:
                        model=str(fields))
     with PretrainReader(tmp_path / "pretrain") as reader:
         assert reader.names() and reader.config.n_kv_heads == 2
+        assert reader.meta.step == 2  # the iteration: mt pretrain continues the schedule
         for name in reader.names():  # the moments move with the rows of their weight
             part = mcore_parts(name)
             layer = part.layer if part.layer >= 0 else slice(None)
@@ -361,9 +364,10 @@ def test_mcore_distributed_adam_state_round_trip(tmp_path: Path) -> None:
                 assert torch.equal(state[moment],
                                    theirs[state_key(moment, part.key)][layer][order]), name
     convert_checkpoint(tmp_path / "pretrain", tmp_path / "mcore", to="mcore")
-    loaded, steps, groups = run_distributed(_load_adam, 2, str(tmp_path / "mcore"),
-                                            timeout=300)[0]
+    loaded, steps, groups, iteration = run_distributed(_load_adam, 2, str(tmp_path / "mcore"),
+                                                       timeout=300)[0]
     assert steps == [2.0, 2.0] and sorted(loaded) == sorted(theirs)
+    assert iteration == 2  # the training step, where Megatron-LM's loader finds it
     assert groups == settings  # lr, betas, eps, weight decay, peak: through mt's groups
     for key, tensor in theirs.items():  # megatron-core -> mt -> megatron-core: bit for bit
         assert torch.equal(loaded[key], tensor), key

@@ -20,7 +20,13 @@ from typing import TYPE_CHECKING, Any
 from mt_formats.errors import ConvertError, WriteFailed
 
 if TYPE_CHECKING:  # imported on first use (see __getattr__); named here for tools
-    from mt_formats.canonical import CheckpointReader, CheckpointWriter, TensorRef, canonical_shapes
+    from mt_formats.canonical import (
+        CheckpointReader,
+        CheckpointWriter,
+        TensorRef,
+        TrainingProgress,
+        canonical_shapes,
+    )
     from mt_formats.convert import (
         FORMATS,
         ConversionResult,
@@ -51,6 +57,7 @@ __all__ = [
     "SafetensorsWriter",
     "TensorRef",
     "TensorSpec",
+    "TrainingProgress",
     "WriteFailed",
     "__version__",
     "canonical_shapes",
@@ -73,7 +80,7 @@ _LAZY = {name: module for module, names in {
         "load_model", "load_state_dict", "make_writer", "open_checkpoint", "plan_conversion",
         "save_model", "save_state_dict"),
     "mt_formats.canonical": ("CheckpointReader", "CheckpointWriter", "TensorRef",
-                          "canonical_shapes"),
+                          "TrainingProgress", "canonical_shapes"),
     "mt_formats.safetensors_io": ("SafetensorsReader", "SafetensorsWriter"),
     "mt_formats.tensors": ("TensorSpec",),
 }.items() for name in names}

@@ -31,6 +31,7 @@ __all__ = [
     "ProgressFn",
     "Streamed",
     "TensorRef",
+    "TrainingProgress",
     "canonical_shapes",
 ]
 
@@ -87,6 +88,33 @@ class Streamed:
         if self._crc is None:
             raise RuntimeError("a Streamed tensor's CRC is known once its chunks were taken")
         return self._crc
+
+
+@dataclass(frozen=True)
+class TrainingProgress:
+    """How far the training that wrote a checkpoint went (:meth:`CheckpointReader.progress`):
+    ``step`` optimizer steps taken, ``tokens`` training tokens seen (None where the source
+    does not record them)."""
+
+    step: int
+    tokens: int | None = None
+
+    @staticmethod
+    def checked(step: tuple[str, Any], tokens: tuple[str, Any], where: str
+                ) -> TrainingProgress:
+        """From stored ``(name, value)`` pairs (ints, or 0-d integer tensors; a token count
+        of None: not recorded), or a one-line error naming ``where`` and the entry."""
+        values = []
+        for name, value in (step, tokens):
+            if isinstance(value, torch.Tensor) and value.numel() == 1 and not (
+                    value.is_floating_point() or value.is_complex()):
+                value = int(value.item())
+            if (value is not None or name == step[0]) and (
+                    isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ConvertError(f"{where}: {name} is {value!r}, not a count of training "
+                                   "steps or tokens (an integer >= 0)")
+            values.append(value)
+        return TrainingProgress(values[0], values[1])
 
 
 def canonical_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
@@ -172,6 +200,13 @@ class CheckpointReader(ABC):
         """Adam's hyperparameters that apply to canonical parameter ``name`` in the source
         (the keys of :data:`mt_formats.adam.SETTINGS` it records: ``lr``, ``betas``,
         ``eps``, ``weight_decay``, ``initial_lr``); None where it records none."""
+        return None
+
+    def progress(self) -> TrainingProgress | None:
+        """The optimizer steps (and tokens) the source's training had taken when it was
+        saved, where the format records them (mt pretrain's meta, torchtitan's
+        ``train_state``, Megatron-LM's ``iteration``, DeepSpeed's ``global_steps``); None
+        where it records none. Writers carry it with Adam's state."""
         return None
 
     def close(self) -> None:  # noqa: B027 - optional hook, no-op by default

@@ -53,7 +53,13 @@ from torch.distributed.checkpoint.metadata import (
 
 from mt_checkpoint import DirectFile
 from mt_formats.adam import SETTINGS, adamw_group, settings_of
-from mt_formats.canonical import CheckpointReader, CheckpointWriter, TensorRef, canonical_shapes
+from mt_formats.canonical import (
+    CheckpointReader,
+    CheckpointWriter,
+    TensorRef,
+    TrainingProgress,
+    canonical_shapes,
+)
 from mt_formats.crc import CHECKSUM_ALGORITHM
 from mt_formats.dcp_files import (
     DCP_FORMAT,
@@ -468,6 +474,35 @@ class DCPReader(CheckpointReader):
         return result
 
 
+    def progress(self) -> TrainingProgress | None:
+        """torchtitan's ``train_state.step`` and ``train_state.ntokens_seen`` (plain ints,
+        or a 0-d tensor for the step in torchtitan before 0.3), else its
+        ``lr_scheduler.last_epoch`` (a LambdaLR steps once per optimizer step); None where
+        the folder holds neither."""
+        values = {key: self._entry(key) for key in PROGRESS_KEYS}
+        step = TRAIN_STEP if values[TRAIN_STEP] is not None else SCHEDULER_STEP
+        if values[step] is None:
+            return None
+        return TrainingProgress.checked((step, values[step]),
+                                        (TRAIN_TOKENS, values[TRAIN_TOKENS]),
+                                        str(self.root / METADATA_FILE))
+
+    def _entry(self, key: str) -> Any:
+        """Stored value ``key``, a plain value or a tensor; None where absent."""
+        if key in self._folder.objects:
+            return self._folder.load_object(key)
+        if key in self._folder.tensors:
+            return self._folder.load(key)
+        return None
+
+
+#: torchtitan's training progress in its checkpoints: ``Trainer.state_dict()`` under
+#: ``train_state``, ``LRSchedulersContainer.state_dict()`` under ``lr_scheduler``.
+TRAIN_STEP, TRAIN_TOKENS = "train_state.step", "train_state.ntokens_seen"
+SCHEDULER_STEP = "lr_scheduler.last_epoch"
+PROGRESS_KEYS = (TRAIN_STEP, TRAIN_TOKENS, SCHEDULER_STEP)
+
+
 def optimizer_key(fqn: str, state: str, section: str = "state") -> str:
     """The DCP key of Adam's ``state`` (``exp_avg``, ``exp_avg_sq``, ``step``) of the
     parameter stored as ``fqn``, or with ``section="param_groups"`` of its param group's
@@ -576,6 +611,7 @@ class DCPWriter(CheckpointWriter):
         self._files: DCPFileWriter | None = None
         self._checksums: dict[str, str] = {}
         self._unset: list[str] = []  # parameters whose state came without settings
+        self._carried = False  # whether any parameter's Adam state was written
 
     def _spec(self, name: str, part: Part) -> TensorSpec:
         return TensorSpec(part.shape(self.specs[name].shape), self.specs[name].dtype)
@@ -613,6 +649,7 @@ class DCPWriter(CheckpointWriter):
             for moment in ("exp_avg", "exp_avg_sq"):
                 self._store_parts(name, state[moment],  # in its own dtype (fp32 masters')
                                   lambda key, m=moment: optimizer_key(key, m))
+            self._carried = True
             step = torch.as_tensor(state["step"], dtype=torch.float32).reshape(())
             settings = self.state_source.optimizer_settings(name)
             if settings is None:
@@ -634,10 +671,30 @@ class DCPWriter(CheckpointWriter):
             self.notes.append(f"the source records no Adam hyperparameters of "
                               f"{len(self._unset)} parameters ({self._unset[0]}, ...): their "
                               "param groups hold torch AdamW's defaults")
+        if self._carried:
+            self._write_progress()
         self._files.close()
         write_sidecar(self._files.directory, {"names": self.naming.family,
                                               "model": self.config.to_dict(),
                                               "checksums": self._checksums})
+
+    def _write_progress(self) -> None:
+        """torchtitan's ``train_state`` (``step``, ``ntokens_seen``) and ``lr_scheduler``
+        (``last_epoch``, the step: its LambdaLR steps once per optimizer step), from the
+        source's :meth:`~mt_formats.canonical.CheckpointReader.progress`, so that a
+        torchtitan run resumes the schedule where the source stopped."""
+        assert self._files is not None and self.state_source is not None
+        progress = self.state_source.progress()
+        if progress is None:
+            self.notes.append(f"the source records no training step: no {TRAIN_STEP} or "
+                              f"{SCHEDULER_STEP} written (torchtitan: exclude train_state "
+                              "and lr_scheduler from loading)")
+            return
+        if progress.tokens is None:
+            self.notes.append(f"the source records no tokens seen: {TRAIN_TOKENS} is 0")
+        for key, value in ((TRAIN_STEP, progress.step), (TRAIN_TOKENS, progress.tokens or 0),
+                           (SCHEDULER_STEP, progress.step)):
+            self._checksums[key] = bytes_checksum(self._files.add_object(key, value))
 
     def abort(self) -> None:
         if self._files is not None:

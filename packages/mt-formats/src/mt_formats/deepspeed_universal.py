@@ -41,7 +41,13 @@ from typing import Any
 import torch
 
 from mt_formats.adam import decays, two_groups
-from mt_formats.canonical import CheckpointReader, TensorRef, canonical_shapes, follow_pointer
+from mt_formats.canonical import (
+    CheckpointReader,
+    TensorRef,
+    TrainingProgress,
+    canonical_shapes,
+    follow_pointer,
+)
 from mt_formats.errors import ConvertError
 from mt_formats.megatron import _LAYER, _from_megatron_qkv
 from mt_formats.megatron_args import config_from_args, load_megatron_file
@@ -320,6 +326,7 @@ class DeepSpeedUniversalReader(CheckpointReader):
                                "fused blocks, padded vocabulary); convert a checkpoint that "
                                "carries them (mt pretrain --engine deepspeed writes them)")
         self._roles: dict[bool, dict[str, Any]] | None = None  # on first use
+        self._client = client
         self.config = resolve_config(model, self.root, shapes, client)
         self._shapes = canonical_shapes(self.config)
         missing = sorted(set(self._shapes) - set(self._params))
@@ -393,6 +400,18 @@ class DeepSpeedUniversalReader(CheckpointReader):
             valid = isinstance(groups, list) and all(isinstance(g, dict) for g in groups)
             self._roles = (two_groups(groups, f"{path}: param_groups") if valid else None) or {}
         return self._roles.get(decays(self._shapes[name]))
+
+    def progress(self) -> TrainingProgress | None:
+        """The engine's ``global_steps`` and, as tokens, its ``global_samples`` x the
+        sequence length, from the model-states file; None where it holds no step count."""
+        client = self._client
+        if "global_steps" not in client:
+            return None
+        samples = client.get("global_samples")
+        tokens = samples * self.config.seq_len if isinstance(samples, int) else None
+        where = next(iter(sorted(self.root.glob(MODEL_STATES))), self.root)
+        return TrainingProgress.checked(("global_steps", client["global_steps"]),
+                                        ("global_samples", tokens), str(where))
 
     def close(self) -> None:
         self._params.clear()

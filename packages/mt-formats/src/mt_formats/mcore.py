@@ -43,7 +43,13 @@ from typing import Any
 import torch
 
 from mt_formats.adam import adamw_group, by_role, decays, settings_of
-from mt_formats.canonical import CheckpointReader, CheckpointWriter, TensorRef, canonical_shapes
+from mt_formats.canonical import (
+    CheckpointReader,
+    CheckpointWriter,
+    TensorRef,
+    TrainingProgress,
+    canonical_shapes,
+)
 from mt_formats.crc import CHECKSUM_ALGORITHM
 from mt_formats.dcp import DATA_FILE, DCPFileWriter, DCPFolder, config_from
 from mt_formats.dcp_files import (
@@ -227,12 +233,31 @@ class McoreReader(CheckpointReader):
         self._step: float | bool | None = None  # read on the first optimizer_state()
         self._roles: dict[bool, dict[str, Any]] = {}  # with the step
 
-    def _args(self) -> Any:
-        """Megatron-LM's ``args`` from ``common.pt`` (allow-listed unpickling), or None."""
+    def _common(self) -> dict[str, Any]:
+        """``common.pt`` (allow-listed unpickling: Megatron-LM's ``args``), or {}."""
         if not (self.root / COMMON_FILE).is_file():
-            return None
+            return {}
         common = load_megatron_file(self.root / COMMON_FILE)
-        return common.get("args") if isinstance(common, dict) else None
+        return common if isinstance(common, dict) else {}
+
+    def _args(self) -> Any:
+        """Megatron-LM's ``args`` from ``common.pt``, or None."""
+        return self._common().get("args")
+
+    def progress(self) -> TrainingProgress | None:
+        """Megatron-LM's ``iteration`` in ``common.pt`` (the steps taken) and, where its
+        ``args`` record them, the tokens seen (``consumed_train_samples`` x
+        ``seq_length``); None where ``common.pt`` holds no iteration."""
+        common = self._common()
+        if "iteration" not in common:
+            return None
+        args = common.get("args")
+        samples, seq = (getattr(args, key, None) for key in ("consumed_train_samples",
+                                                             "seq_length"))
+        tokens = samples * seq if isinstance(samples, int) and isinstance(seq, int) else None
+        return TrainingProgress.checked(("iteration", common["iteration"]),
+                                        ("args.consumed_train_samples", tokens),
+                                        str(self.root / COMMON_FILE))
 
     def _stored_shape(self, name: str) -> tuple[int, ...]:
         part, shape = self._parts[name], self._shapes[name]
@@ -483,7 +508,14 @@ class McoreWriter(CheckpointWriter):
                                   f"{group}: their param group in {COMMON_FILE} holds torch "
                                   "AdamW's defaults (megatron-core's scheduler sets lr and "
                                   "weight decay before every step)")
-        return optimizer_common(steps[0], roles)
+        common = optimizer_common(steps[0], roles)
+        progress = self.state_source.progress()
+        if progress is None:
+            self.notes.append(f"the source records no training step: {COMMON_FILE} holds no "
+                              "iteration (Megatron-LM: load it with --finetune)")
+        else:  # what Megatron-LM's loader resumes its schedule and data from
+            common["iteration"] = progress.step
+        return common
 
     def abort(self) -> None:
         if self._files is not None:

@@ -27,7 +27,13 @@ from mt_checkpoint import (
     verify_rank_file,
 )
 from mt_formats.adam import settings_of
-from mt_formats.canonical import CheckpointReader, TensorRef, canonical_shapes, follow_pointer
+from mt_formats.canonical import (
+    CheckpointReader,
+    TensorRef,
+    TrainingProgress,
+    canonical_shapes,
+    follow_pointer,
+)
 from mt_formats.errors import ConvertError
 from mt_formats.tensors import TensorSpec
 from mt_formats.torch_io import load_weights_only
@@ -188,6 +194,10 @@ class PretrainReader(CheckpointReader):
                 "initial_lr" not in settings:
             settings["initial_lr"] = float(peak)
         return settings
+
+    def progress(self) -> TrainingProgress:
+        """The step and the tokens seen that ``meta.json`` records."""
+        return TrainingProgress(self.meta.step, self.meta.tokens)
 
     def close(self) -> None:
         self._parts.clear()

@@ -3,8 +3,8 @@ fresh ``mt pretrain`` checkpoint that ``mt pretrain --load`` starts from. (From 
 pretrain`` source, :mod:`mt_formats.pretrain_relayout` reshards it, optimizer state
 included.)
 
-The destination is one step folder of the simplest layout (tp = pp = dp = 1, ZeRO 0, step
-0): the meta file and one rank file (mt-checkpoint's names). ``mt pretrain --load`` reshards
+The destination is one step folder of the simplest layout (tp = pp = dp = 1, ZeRO 0): the
+meta file and one rank file (mt-checkpoint's names). ``mt pretrain --load`` reshards
 it to the run's own (TP, PP, DP, ZeRO) layout, so one file serves every layout. The rank
 file holds the fp32 weights under ``"model"`` (what
 :class:`~mt_formats.pretrain.PretrainReader` reads) and, under ``"optimizer"``, the same
@@ -13,8 +13,11 @@ weights as a one-rank mt-zero optimizer shard of an AdamW that has not stepped
 when the source holds Adam's state (a DeepSpeed universal checkpoint, a torchtitan DCP
 folder), its ``exp_avg``, ``exp_avg_sq`` and ``step`` per parameter, and the source's
 settings (:data:`mt_formats.adam.SETTINGS`) in the param groups of the matrices and of the
-rest (``mt pretrain --load`` sets the run's own before its first step). The data position
-is 0: training starts at step 1 of the run's data.
+rest (``mt pretrain --load`` sets the run's own before its first step). With Adam's state
+comes the step the source's training had reached, and the tokens it had seen, where it
+records them (:meth:`~mt_formats.canonical.CheckpointReader.progress`): the run continues
+its learning-rate schedule from there. Otherwise the step is 0. The data position is 0
+either way: training starts at the beginning of the run's own data.
 
 ``torch.save`` needs the whole file, so the writer buffers the tensors until
 :meth:`~PretrainWriter.finish`.
@@ -23,6 +26,7 @@ is 0: training starts at step 1 of the run's data.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -35,7 +39,7 @@ from mt_checkpoint import (
     write_meta,
 )
 from mt_formats.adam import by_role
-from mt_formats.canonical import CheckpointWriter, TensorRef
+from mt_formats.canonical import CheckpointWriter, TensorRef, TrainingProgress
 from mt_formats.errors import ConvertError
 from mt_formats.tensors import TensorSpec
 from mt_model import GPTConfig
@@ -48,7 +52,7 @@ RANK_FILE = rank_file(0)  # the one rank of the tp = pp = dp = 1 step folder
 
 
 class PretrainWriter(CheckpointWriter):
-    """An ``mt pretrain`` step folder (tp = pp = dp = 1, step 0) from canonical tensors."""
+    """An ``mt pretrain`` step folder (tp = pp = dp = 1) from canonical tensors."""
 
     format = "pretrain"
 
@@ -103,11 +107,25 @@ class PretrainWriter(CheckpointWriter):
                 full["param_groups"][index].update(roles.get(role, {}))
         optimizer = split_consolidated(full, 1, 0)[0]
         save_rank(self._directory, 0, (0, 0, 0), weights, optimizer, fresh_rng(0, 0, 0))
-        meta = CheckpointMeta(step=0, layout=SavedLayout(1, 1, 1), model=self.config.to_dict(),
+        progress = self._progress(states)
+        meta = CheckpointMeta(step=progress.step, tokens=progress.tokens or 0,
+                              layout=SavedLayout(1, 1, 1), model=self.config.to_dict(),
                               styles=param_styles(shapes, decoder_plan(self.config, 1)),
                               stage_params={0: list(self.specs)}, source="mt convert")
         write_meta(self._directory, meta)
         self._tensors.clear()
+
+    def _progress(self, states: dict[str, Any]) -> TrainingProgress:
+        """The source's training progress where its Adam state is carried (the run then
+        continues its schedule from that step); step 0 otherwise."""
+        carried = any(state is not None for state in states.values())
+        progress = self.state_source.progress() if carried and self.state_source else None
+        if progress is None:
+            return TrainingProgress(0)
+        if progress.step:
+            self.notes.append(f"mt pretrain --load continues the source's schedule at step "
+                              f"{progress.step}, its data from the start of the run's data")
+        return progress
 
     def abort(self) -> None:
         self._tensors.clear()
