@@ -102,7 +102,7 @@ def _config(args: argparse.Namespace) -> GPTConfig:
 def _batches(args: argparse.Namespace, replica: int) -> list[list[tuple[torch.Tensor, ...]]]:
     """Every step's micro-batches of this data-parallel replica (TP ranks share them)."""
     steps = []
-    for step in range(args.warmup + args.steps):
+    for step in range(args.warmup + args.steps + (1 if args.profile else 0)):
         micro = []
         for i in range(args.micro_batches):
             gen = torch.Generator().manual_seed(100_000 * step + 100 * i + replica)
@@ -214,20 +214,27 @@ def _rank(case: str, engine: str, args: argparse.Namespace) -> dict[str, Any]:
     batches = _batches(args, dist.get_rank() // tp)
     times, counts, nbytes, exposed, hidden, losses = [], [], [], [], [], []
     aligned: list[list[tuple[str, float, float, float]]] = []  # per step: host clock
+    profile = ""
     with CollectiveTrace() as trace:
         for i, micro in enumerate(batches):
             with trace.paused():
                 dist.barrier()
             trace.take()
             origin = trace.origin_s
-            start = time.perf_counter()
-            losses.append(step(micro))
-            elapsed = time.perf_counter() - start
+            extra = i == args.warmup + args.steps  # profiled by rank 0, not timed
+            profiled = extra and dist.get_rank() == 0
+            with torch.profiler.profile() if profiled else _nothing() as prof:
+                start = time.perf_counter()
+                losses.append(step(micro))
+                elapsed = time.perf_counter() - start
+            if profiled:
+                profile = prof.key_averages().table(sort_by="self_cpu_time_total",
+                                                    row_limit=args.profile)
             records = trace.take()
             summary = summarize(records)
             with trace.paused():
                 dist.barrier()
-            if i >= args.warmup:
+            if args.warmup <= i and not extra:
                 aligned.append([(r.group, origin + r.launched_s, r.blocked_s,
                                  origin + r.launched_s + r.in_flight_s) for r in records])
                 times.append(elapsed)
@@ -239,7 +246,8 @@ def _rank(case: str, engine: str, args: argparse.Namespace) -> dict[str, Any]:
     med = statistics.median
     return {"step_s": med(times), "coll": med(counts), "bytes": med(nbytes),
             "exposed": med(exposed), "hidden": med(hidden), "by_kind": by_kind,
-            "first_loss": losses[0], "last_loss": losses[-1], "aligned": aligned}
+            "first_loss": losses[0], "last_loss": losses[args.warmup + args.steps - 1],
+            "aligned": aligned, "profile": profile}
 
 
 def peer_waits(ranks: list[list[list[tuple[str, float, float, float]]]]
@@ -283,7 +291,7 @@ def _measure(case: str, engine: str, args: argparse.Namespace) -> dict[str, Any]
             "peers": mean(statistics.median(w) for w in waits),
             "hidden": mean(r["hidden"] for r in ranks), "by_kind": ranks[0]["by_kind"],
             "first_loss": ranks[0]["first_loss"], "last_loss": ranks[0]["last_loss"],
-            "load": os.getloadavg()[0]}
+            "load": os.getloadavg()[0], "profile": ranks[0]["profile"]}
 
 
 def _row(case: str, engine: str, r: dict[str, Any]) -> str:
@@ -328,6 +336,9 @@ def _compare(case: str, args: argparse.Namespace) -> None:
         for engine in engines if round_ % 2 == 0 else engines[::-1]:
             runs[engine].append(_measure(case, engine, args))
             print(_row(case, engine, runs[engine][-1]), flush=True)
+            if args.profile:
+                print(f"{case} {engine}: rank 0's last step, by self CPU time\n"
+                      f"{runs[engine][-1]['profile']}", flush=True)
             if args.verbose:
                 for kind, row in runs[engine][-1]["by_kind"].items():
                     print(f"{'':>20} {kind:<32} {row['n']:>5} x, {row['bytes'] / MIB:8.2f} "
@@ -373,6 +384,9 @@ def main() -> None:
                                                                   "mcore"),
                         help="leave a peer out (otherwise a missing peer is an error)")
     parser.add_argument("--verbose", action="store_true", help="collectives by kind")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="print the N operators of rank 0's last step that took the most "
+                        "CPU time (torch.profiler), per engine and round")
     parser.add_argument("--plan", action=argparse.BooleanOptionalAction, default=True,
                         help="mt plan's prediction of each case on this CPU, calibrated "
                         "before and after the case (benchmarks/plan.py's measurements)")

@@ -15,9 +15,11 @@ the read-ahead) and the time outside the tensor loop (opening, final fsyncs, man
 the end, the best and the median of each, and the merge's and the reshape's speed against
 each copy. On a virtual machine a copy's time depends on the page cache finding memory (its
 system CPU time shows it, several-fold for the same file), the merge's much less (it reads
-and writes past the page cache). So the copy of ``model.safetensors`` is made twice in a
-row and the second one, which finds the memory the first one's file freed, is the one
-compared: the copy at its best, as on a machine where memory is at hand. Example:
+and writes past the page cache); and a file read again soon reads faster even past this
+machine's page cache (the host caches it: 1.3-1.6 GB/s the first time, 3.3-5.6 GB/s
+again). So every side runs twice in a row and the second run is the one timed: each finds
+the memory the first one's files freed and reads a source the first one just read, the
+same conditions for all, at their best. Example:
 
     PYTHONPATH=$(ls -d packages/*/src apps/*/src | tr '\\n' ':') \\
         python3 benchmarks/convert_merge.py --repeats 3 --dir /tmp/cvb-merge
@@ -31,6 +33,7 @@ import os
 import shutil
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from convert import _build, _copy, _evict  # type: ignore[import-not-found]
@@ -111,42 +114,48 @@ def main() -> None:
         sizes = {name: reader.spec(name).nbytes for name in reader.names()}
     meter = _Meter(_disk_of(root))
     times: dict[str, list[float]] = {"copy": [], "merge": [], "reshape": [], "copy-shards": []}
-    for repeat in range(args.repeats):
-        for warm in (False, True):  # the second copy reuses the page-cache memory the
-            meter.start()           # first one's file held (see above)
-            _copy(full / "model.safetensors", root / "copy")
-            copy, line = meter.line()
-            (root / "copy").unlink()
-            print(f"[{repeat}] copy{' again' if warm else ''}  {line}", flush=True)
-        times["copy"].append(copy)
-        clock = _StyleClock(styles)
-        _evict(sharded)
-        meter.start()
+
+    def twice(repeat: int, side: str, source: Path, run: Callable[[], object],
+              output: Path) -> str:
+        """``run`` twice in a row, its source dropped from the page cache before each; the
+        second is timed (see above). Returns its line."""
+        for warm in (False, True):
+            _evict(source)
+            meter.start()
+            run()
+            seconds, line = meter.line()
+            if output.is_dir():
+                shutil.rmtree(output)
+            else:
+                output.unlink()
+            print(f"[{repeat}] {side}{' again' if warm else ''}  {line}", flush=True)
+        times[side].append(seconds)
+        return line
+
+    clock = _StyleClock(styles)
+
+    def merge() -> None:
+        clock.per.clear()
         clock.start()
         convert_checkpoint(sharded, back, progress=clock.progress)
-        merge, line = meter.line()
-        times["merge"].append(merge)
-        print(f"[{repeat}] merge {line}: {copy / merge:4.2f}x the copy", flush=True)
-        parts = [f"{style} {seconds:4.2f} s / "
-                 f"{sum(sizes[n] for n in sizes if styles[n] == style) / 1e6:.0f} MB"
-                 for style, seconds in sorted(clock.per.items())]
-        print(f"    per style: {', '.join(parts)}; outside the loop "
-              f"{merge - sum(clock.per.values()):4.2f} s", flush=True)
-        shutil.rmtree(back)
-        _evict(full)
-        meter.start()
-        convert_checkpoint(full, root / "reshaped", to="tp", tp=2, pp=2)
-        reshape, line = meter.line()
-        times["reshape"].append(reshape)
-        print(f"[{repeat}] reshape {line}: {copy / reshape:4.2f}x the copy", flush=True)
-        shutil.rmtree(root / "reshaped")
-        _evict(sharded)
-        meter.start()
-        _copy_tree(sharded, root / "copy-shards")
-        shards, line = meter.line()
-        shutil.rmtree(root / "copy-shards")
-        times["copy-shards"].append(shards)
-        print(f"[{repeat}] copy of the shards {line}", flush=True)
+
+    for repeat in range(args.repeats):
+        twice(repeat, "copy", full, lambda: _copy(full / "model.safetensors", root / "copy"),
+              root / "copy")
+        copy = times["copy"][-1]
+        twice(repeat, "merge", sharded, merge, back)
+        merged = times["merge"][-1]
+        print(f"    {copy / merged:4.2f}x the copy; per style (the second run): " + ", ".join(
+            f"{style} {seconds:4.2f} s / "
+            f"{sum(sizes[n] for n in sizes if styles[n] == style) / 1e6:.0f} MB"
+            for style, seconds in sorted(clock.per.items()))
+            + f"; outside the loop {merged - sum(clock.per.values()):4.2f} s", flush=True)
+        twice(repeat, "reshape", full,
+              lambda: convert_checkpoint(full, root / "reshaped", to="tp", tp=2, pp=2),
+              root / "reshaped")
+        print(f"    {copy / times['reshape'][-1]:4.2f}x the copy", flush=True)
+        twice(repeat, "copy-shards", sharded,
+              lambda: _copy_tree(sharded, root / "copy-shards"), root / "copy-shards")
     best = {side: min(values) for side, values in times.items()}
     median = {side: statistics.median(values) for side, values in times.items()}
     for side in times:

@@ -152,16 +152,16 @@ def _states(state: Any) -> dict[str, torch.Tensor]:
     return whole
 
 
-def _train_save(directory: str, steps: int
+def _train_save(directory: str, steps: int, **settings: float
                 ) -> tuple[dict[str, torch.Tensor], float, list[dict[str, Any]]]:
     """LLAMA trained ``steps`` Adam steps (each DP rank its own batch, settings
-    :data:`ADAM`), saved with its distributed optimizer's state by
+    :data:`ADAM` and ``settings``), saved with its distributed optimizer's state by
     ``dist_checkpointing.save`` as Megatron-LM saves it (``model`` and ``optimizer``);
     returns megatron-core's states, step count and param groups' settings."""
     from megatron.core import dist_checkpointing
     from megatron.core.distributed import finalize_model_grads
 
-    model, ddp, optimizer = _adam(LLAMA, **ADAM)
+    model, ddp, optimizer = _adam(LLAMA, **ADAM, **settings)
     tokens = torch.randint(0, LLAMA.vocab_size, (2, 16), generator=torch.Generator()
                            .manual_seed(torch.distributed.get_rank()))
     positions = torch.arange(16)[None].expand_as(tokens)
@@ -377,6 +377,30 @@ def test_mcore_distributed_adam_state_round_trip(tmp_path: Path) -> None:
     assert not [key for key in stored if key.startswith("optimizer.")]
     with open_checkpoint(tmp_path / "weights") as reader:
         assert reader.optimizer_state("blocks.0.attn.q.weight") is None
+
+
+def test_a_decoupled_learning_rate_group_is_not_guessed(tmp_path: Path) -> None:
+    """megatron-core with a decoupled learning rate (its embedding and output layer in a
+    third group of their own peak): ``common.pt`` keeps the groups' settings, not which
+    parameters each holds, so mt reads no settings for the matrices (two groups of
+    ``wd_mult`` 1 that differ) and says so, while the norms' group is read; the moments
+    and the step still travel."""
+    (tmp_path / "ckpt").mkdir()
+    _, step, settings = run_distributed(_train_save, 2, str(tmp_path / "ckpt"), 1,
+                                        decoupled_lr=5e-2, timeout=300)[0]
+    assert sorted((g["wd_mult"], g["max_lr"]) for g in settings) == [  # megatron-core's
+        (0.0, 1e-2), (1.0, 1e-2), (1.0, 5e-2)]
+    fields = tmp_path / "llama.json"
+    fields.write_text(json.dumps(LLAMA.to_dict()))
+    with open_checkpoint(tmp_path / "ckpt", model=str(fields)) as reader:
+        assert reader.optimizer_settings("blocks.0.attn.q.weight") is None
+        assert reader.optimizer_settings("embed.tokens.weight") is None
+        norm = reader.optimizer_settings("blocks.0.ln1.weight")
+        assert norm is not None and norm["initial_lr"] == 1e-2  # its max_lr: the peak
+        assert float(reader.optimizer_state("head.weight")["step"]) == step == 1.0
+    result = convert_checkpoint(tmp_path / "ckpt", tmp_path / "dcp", to="dcp",
+                                model=str(fields))
+    assert any("no Adam hyperparameters" in note for note in result.notes), result.notes
 
 
 def test_bucketed_optimizer_state_is_refused_in_one_line(tmp_path: Path) -> None:

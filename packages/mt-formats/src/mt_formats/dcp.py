@@ -473,7 +473,6 @@ class DCPReader(CheckpointReader):
         result["step"] = torch.tensor(steps.pop())
         return result
 
-
     def progress(self) -> TrainingProgress | None:
         """torchtitan's ``train_state.step`` and ``train_state.ntokens_seen`` (plain ints,
         or a 0-d tensor for the step in torchtitan before 0.3), else its

@@ -411,7 +411,7 @@ class DeepSpeedUniversalReader(CheckpointReader):
         tokens = samples * self.config.seq_len if isinstance(samples, int) else None
         where = next(iter(sorted(self.root.glob(MODEL_STATES))), self.root)
         return TrainingProgress.checked(("global_steps", client["global_steps"]),
-                                        ("global_samples", tokens), str(where))
+                                        ("global_samples x seq_len", tokens), str(where))
 
     def close(self) -> None:
         self._params.clear()

@@ -256,7 +256,7 @@ class McoreReader(CheckpointReader):
                                                              "seq_length"))
         tokens = samples * seq if isinstance(samples, int) and isinstance(seq, int) else None
         return TrainingProgress.checked(("iteration", common["iteration"]),
-                                        ("args.consumed_train_samples", tokens),
+                                        ("args.consumed_train_samples x seq_length", tokens),
                                         str(self.root / COMMON_FILE))
 
     def _stored_shape(self, name: str) -> tuple[int, ...]:
