@@ -116,9 +116,9 @@ def main() -> None:
     times: dict[str, list[float]] = {"copy": [], "merge": [], "reshape": [], "copy-shards": []}
 
     def twice(repeat: int, side: str, source: Path, run: Callable[[], object],
-              output: Path) -> str:
-        """``run`` twice in a row, its source dropped from the page cache before each; the
-        second is timed (see above). Returns its line."""
+              output: Path) -> None:
+        """``run`` twice in a row, ``source`` dropped from the page cache before each and
+        ``output`` removed after; the second is timed (see above)."""
         for warm in (False, True):
             _evict(source)
             meter.start()
@@ -130,7 +130,6 @@ def main() -> None:
                 output.unlink()
             print(f"[{repeat}] {side}{' again' if warm else ''}  {line}", flush=True)
         times[side].append(seconds)
-        return line
 
     clock = _StyleClock(styles)
 
