@@ -145,3 +145,27 @@ def test_convert_pretrain_optimizer_state_to_dcp(checkpoints: Path, tmp_path: Pa
     convert_checkpoint(checkpoints, tmp_path / "weights", to="dcp", drop_optimizer=True)
     with open_checkpoint(tmp_path / "weights") as stored:
         assert all(stored.optimizer_state(name) is None for name in stored.names())
+
+
+def test_a_run_s_progress_goes_to_dcp_as_torchtitan_loads_it(checkpoints: Path,
+                                                              tmp_path: Path) -> None:
+    """``mt convert --to dcp`` of a run's checkpoint writes its step and tokens as
+    torchtitan's ``train_state`` and ``lr_scheduler`` (a load that requires every key finds
+    them); converted back to an mt step folder, the run's own schedule starts over, and the
+    conversion says how far the source had trained."""
+    import torch.distributed.checkpoint as dcp
+
+    meta = read_meta(find_checkpoint(checkpoints))
+    assert meta.step == 2 and meta.tokens > 0
+    runner = CliRunner()
+    there = runner.invoke(app, [str(checkpoints), str(tmp_path / "dcp"), "--to", "dcp"])
+    assert there.exit_code == 0, there.output
+    state = {"train_state": {"step": -1, "ntokens_seen": -1}, "lr_scheduler": {"last_epoch": -1}}
+    dcp.load(state, checkpoint_id=tmp_path / "dcp", no_dist=True)
+    assert state == {"train_state": {"step": 2, "ntokens_seen": meta.tokens},
+                     "lr_scheduler": {"last_epoch": 2}}
+    back = runner.invoke(app, [str(tmp_path / "dcp"), str(tmp_path / "back"), "--to",
+                               "pretrain"])
+    assert back.exit_code == 0, back.output
+    assert f"had trained 2 steps, {meta.tokens:,} tokens" in back.output, back.output
+    assert read_meta(tmp_path / "back").step == 0

@@ -340,9 +340,9 @@ def test_torchtitan_optimizer_state_to_pretrain_and_back(tmp_path: Path) -> None
     dcp.save({**saved, **progress}, checkpoint_id=tmp_path / "titan", no_dist=True)
     titan = convert_checkpoint(tmp_path / "titan", tmp_path / "pre", to="pretrain",
                                model=LLAMA)
-    meta = read_meta(tmp_path / "pre")  # mt pretrain --load continues the schedule there
-    assert (meta.step, meta.tokens, meta.data_step) == (3, 96, 0)
-    assert len(titan.notes) == 1 and "at step 3" in titan.notes[0], titan.notes
+    meta = read_meta(tmp_path / "pre")  # mt's schedule follows its own loader's samples
+    assert (meta.step, meta.data_step, meta.consumed_samples) == (0, 0, 0)
+    assert len(titan.notes) == 1 and "had trained 3 steps, 96 tokens" in titan.notes[0]
     full = consolidate([load_rank(tmp_path / "pre", 0)["optimizer"]])
     theirs = adamw.state_dict()["state"]
     index = {name: i for i, (name, _) in enumerate(root.named_parameters())}
@@ -368,20 +368,27 @@ def test_torchtitan_optimizer_state_to_pretrain_and_back(tmp_path: Path) -> None
     # torch loads it, param groups included (a load that requires every key of the state
     # dict), into a fresh AdamW of default settings and the same module tree: every tensor
     # of the first AdamW's state, bit for bit (the RoPE row permutation undone on the way),
-    # and its settings. The training progress comes back as torchtitan loads it.
+    # and its settings.
     result = convert_checkpoint(tmp_path / "pre", tmp_path / "back", to="dcp")
     assert result.notes == ()
     again = torch.optim.AdamW(root.parameters())
     flat = get_optimizer_state_dict(root, again, options=options)
     wanted = {"optimizer": {k: torch.empty_like(v) if isinstance(v, torch.Tensor) else None
                             for k, v in flat.items()},
-              "train_state": {"step": 0, "ntokens_seen": 0}, "lr_scheduler": {"last_epoch": 0}}
+              "train_state": {"step": -1, "ntokens_seen": -1}, "lr_scheduler": {"last_epoch": -1}}
     dcp.load(wanted, checkpoint_id=tmp_path / "back", no_dist=True)
-    assert {k: wanted[k] for k in progress} == progress
+    # mt's step folder starts a new schedule (step 0), and torchtitan would resume it there
+    assert (wanted["train_state"], wanted["lr_scheduler"]) == (
+        {"step": 0, "ntokens_seen": 0}, {"last_epoch": 0})
+    # torchtitan's own progress goes from one DCP folder to another as torchtitan loads it
+    convert_checkpoint(tmp_path / "titan", tmp_path / "titan2", to="dcp", model=LLAMA)
+    resumed = {"train_state": {"step": 0, "ntokens_seen": 0}, "lr_scheduler": {"last_epoch": 0}}
+    dcp.load(resumed, checkpoint_id=tmp_path / "titan2", no_dist=True)
+    assert resumed == progress
     # torchtitan's LRSchedulersContainer.load_state_dict: last_epoch set, the lr recomputed
     warmup = torch.optim.lr_scheduler.LambdaLR(torch.optim.AdamW(root.parameters(), lr=1.0),
                                                 lambda step: min(1.0, (step + 1) / 10))
-    warmup.last_epoch = wanted["lr_scheduler"]["last_epoch"]
+    warmup.last_epoch = resumed["lr_scheduler"]["last_epoch"]
     assert warmup.get_lr() == [0.4]  # step 3 of a 10-step warmup, where the source stopped
     set_optimizer_state_dict(root, again, wanted["optimizer"], options=options)
     loaded = again.state_dict()["state"]

@@ -348,11 +348,11 @@ def test_mcore_distributed_adam_state_round_trip(tmp_path: Path) -> None:
     assert step == 2.0 and [group["wd_mult"] for group in settings] == [1.0, 0.0]
     fields = tmp_path / "llama.json"
     fields.write_text(json.dumps(LLAMA.to_dict()))
-    convert_checkpoint(tmp_path / "ckpt", tmp_path / "pretrain", to="pretrain",
-                       model=str(fields))
+    result = convert_checkpoint(tmp_path / "ckpt", tmp_path / "pretrain", to="pretrain",
+                                model=str(fields))
+    assert any("had trained 2 steps" in note for note in result.notes)  # the iteration
     with PretrainReader(tmp_path / "pretrain") as reader:
         assert reader.names() and reader.config.n_kv_heads == 2
-        assert reader.meta.step == 2  # the iteration: mt pretrain continues the schedule
         for name in reader.names():  # the moments move with the rows of their weight
             part = mcore_parts(name)
             layer = part.layer if part.layer >= 0 else slice(None)
@@ -367,7 +367,9 @@ def test_mcore_distributed_adam_state_round_trip(tmp_path: Path) -> None:
     loaded, steps, groups, iteration = run_distributed(_load_adam, 2, str(tmp_path / "mcore"),
                                                        timeout=300)[0]
     assert steps == [2.0, 2.0] and sorted(loaded) == sorted(theirs)
-    assert iteration == 2  # the training step, where Megatron-LM's loader finds it
+    assert iteration == 0  # mt's step folder starts a new schedule (Megatron-LM's loader)
+    convert_checkpoint(tmp_path / "ckpt", tmp_path / "again", to="mcore", model=str(fields))
+    assert run_distributed(_load_adam, 2, str(tmp_path / "again"), timeout=300)[0][3] == 2
     assert groups == settings  # lr, betas, eps, weight decay, peak: through mt's groups
     for key, tensor in theirs.items():  # megatron-core -> mt -> megatron-core: bit for bit
         assert torch.equal(loaded[key], tensor), key

@@ -13,11 +13,11 @@ weights as a one-rank mt-zero optimizer shard of an AdamW that has not stepped
 when the source holds Adam's state (a DeepSpeed universal checkpoint, a torchtitan DCP
 folder), its ``exp_avg``, ``exp_avg_sq`` and ``step`` per parameter, and the source's
 settings (:data:`mt_formats.adam.SETTINGS`) in the param groups of the matrices and of the
-rest (``mt pretrain --load`` sets the run's own before its first step). With Adam's state
-comes the step the source's training had reached, and the tokens it had seen, where it
-records them (:meth:`~mt_formats.canonical.CheckpointReader.progress`): the run continues
-its learning-rate schedule from there. Otherwise the step is 0. The data position is 0
-either way: training starts at the beginning of the run's own data.
+rest (``mt pretrain --load`` sets the run's own before its first step). The step and the
+data position are 0: ``mt pretrain``'s learning-rate schedule follows the samples its data
+loader has consumed, and the source's were another loader's, so the run starts its
+schedule and its data from the beginning (a note says how far the source had trained, where
+it records it: :meth:`~mt_formats.canonical.CheckpointReader.progress`).
 
 ``torch.save`` needs the whole file, so the writer buffers the tensors until
 :meth:`~PretrainWriter.finish`.
@@ -39,7 +39,7 @@ from mt_checkpoint import (
     write_meta,
 )
 from mt_formats.adam import by_role
-from mt_formats.canonical import CheckpointWriter, TensorRef, TrainingProgress
+from mt_formats.canonical import CheckpointWriter, TensorRef
 from mt_formats.errors import ConvertError
 from mt_formats.tensors import TensorSpec
 from mt_model import GPTConfig
@@ -107,25 +107,25 @@ class PretrainWriter(CheckpointWriter):
                 full["param_groups"][index].update(roles.get(role, {}))
         optimizer = split_consolidated(full, 1, 0)[0]
         save_rank(self._directory, 0, (0, 0, 0), weights, optimizer, fresh_rng(0, 0, 0))
-        progress = self._progress(states)
-        meta = CheckpointMeta(step=progress.step, tokens=progress.tokens or 0,
-                              layout=SavedLayout(1, 1, 1), model=self.config.to_dict(),
+        self._note_progress(states)
+        meta = CheckpointMeta(step=0, layout=SavedLayout(1, 1, 1), model=self.config.to_dict(),
                               styles=param_styles(shapes, decoder_plan(self.config, 1)),
                               stage_params={0: list(self.specs)}, source="mt convert")
         write_meta(self._directory, meta)
         self._tensors.clear()
 
-    def _progress(self, states: dict[str, Any]) -> TrainingProgress:
-        """The source's training progress where its Adam state is carried (the run then
-        continues its schedule from that step); step 0 otherwise."""
+    def _note_progress(self, states: dict[str, Any]) -> None:
+        """Where the source's Adam state is carried and the source records how far its
+        training went, a note: the new run's schedule starts over (see the module)."""
         carried = any(state is not None for state in states.values())
         progress = self.state_source.progress() if carried and self.state_source else None
-        if progress is None:
-            return TrainingProgress(0)
-        if progress.step:
-            self.notes.append(f"mt pretrain --load continues the source's schedule at step "
-                              f"{progress.step}, its data from the start of the run's data")
-        return progress
+        if progress is not None and progress.step:
+            tokens = "" if progress.tokens is None else f", {progress.tokens:,} tokens"
+            self.notes.append(
+                f"the source had trained {progress.step} steps{tokens}: mt pretrain --load "
+                "starts its learning-rate schedule and its data at step 0 (both follow the "
+                "samples its own data loader consumes); Adam's moments and step counts "
+                "are carried")
 
     def abort(self) -> None:
         self._tensors.clear()
