@@ -164,6 +164,9 @@ def test_a_run_s_progress_goes_to_dcp_as_torchtitan_loads_it(checkpoints: Path,
     dcp.load(state, checkpoint_id=tmp_path / "dcp", no_dist=True)
     assert state == {"train_state": {"step": 2, "ntokens_seen": meta.tokens},
                      "lr_scheduler": {"last_epoch": 2}}
+    dry = runner.invoke(app, [str(tmp_path / "dcp"), str(tmp_path / "back"), "--dry-run"])
+    assert dry.exit_code == 0, dry.output
+    assert f"the source's training: step 2, {meta.tokens:,} tokens" in dry.output, dry.output
     back = runner.invoke(app, [str(tmp_path / "dcp"), str(tmp_path / "back"), "--to",
                                "pretrain"])
     assert back.exit_code == 0, back.output

@@ -67,6 +67,10 @@ def _dry_run(src: Path, dst: Path, to: str, from_format: str | None, layout: Lay
         # Plain lines, not a table: greppable and never folded by the terminal width.
         lines = [f"{src} ({reader.format}) -> {dst} ({writer.format}): {len(entries)} "
                  f"tensors, {size / 2**20:.1f} MiB (dry run: nothing written)"]
+        progress = reader.progress()
+        if progress is not None:  # what travels with Adam's state (mt_formats' READMEs)
+            tokens = "" if progress.tokens is None else f", {progress.tokens:,} tokens"
+            lines.append(f"the source's training: step {progress.step}{tokens}")
         for entry in entries:
             lines.append(entry.name)
             lines.extend(f"  <- {ref.describe()}" for ref in entry.sources)
