@@ -14,11 +14,14 @@ timed, alternately and ``--repeats`` times each on the same disk:
   (a conversion verifies the checksum of every byte it reads and records one for every
   byte it writes; for most tensors one pass serves both, see ``mt_formats.crc``).
 
-Before each timed run its source files are dropped from the page cache (fsync, then
+Before each run its source files are dropped from the page cache (fsync, then
 ``POSIX_FADV_DONTNEED``), so that every side reads its source from disk, as a checkpoint
 larger than memory is read (otherwise the copy would read a source the previous copy left
-in the cache, and the merge shards the reshape wrote past it). Speeds are source bytes /
-best time. Peak RSS is ``resource.getrusage`` of
+in the cache, and the merge shards the reshape wrote past it). Every side runs twice in a
+row and the second run is timed: on a virtual machine a run's speed depends on the guest
+finding page-cache memory at hand and on the host having cached what it just read (see
+mt-formats' README), and the second run of each side finds both, as the others' do.
+Speeds are source bytes / best time. Peak RSS is ``resource.getrusage`` of
 this process (it includes the page-cache pages of memory-mapped source files it touched),
 once after the first reshape and once at the end (the merge maps and merges the shards).
 The load average is printed too: on a shared machine it explains most of the spread.
@@ -95,12 +98,18 @@ def _evict(source: Path) -> None:
                 os.close(fd)
 
 
-def _timed(fn: object, source: Path, *args: object, **kwargs: object) -> float:
-    """Seconds of ``fn(source, *args, **kwargs)``, ``source`` read from disk."""
-    _evict(source)
-    start = time.perf_counter()
-    fn(source, *args, **kwargs)  # type: ignore[operator]
-    return time.perf_counter() - start
+def _timed(fn: object, source: Path, output: Path, **kwargs: object) -> float:
+    """Seconds of the second of two runs in a row of ``fn(source, output, **kwargs)``,
+    ``source`` read from disk each time; ``output`` (a file or folder) is what the second
+    run left."""
+    for run in range(2):
+        _evict(source)
+        start = time.perf_counter()
+        fn(source, output, **kwargs)  # type: ignore[operator]
+        seconds = time.perf_counter() - start
+        if run == 0:
+            shutil.rmtree(output) if output.is_dir() else output.unlink()
+    return seconds
 
 
 def main() -> None:
@@ -138,8 +147,8 @@ def main() -> None:
         reads: dict[str, list[float]] = {f: [] for f in formats}
         reshape_peak = 0
         for repeat in range(args.repeats):
-            copies.append(_copy(source / "model.safetensors", scratch / f"copy{repeat}"))
-            (scratch / f"copy{repeat}").unlink()
+            copies.append(_timed(_copy, source / "model.safetensors", scratch / "copy"))
+            (scratch / "copy").unlink()
             hashes.append(_hash(source / "model.safetensors"))
             reshapes.append(_timed(convert_checkpoint, source, scratch / "tp2pp2", to="tp",
                                    tp=2, pp=2))
