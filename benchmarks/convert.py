@@ -107,8 +107,10 @@ def _timed(fn: object, source: Path, output: Path, **kwargs: object) -> float:
         start = time.perf_counter()
         fn(source, output, **kwargs)  # type: ignore[operator]
         seconds = time.perf_counter() - start
-        if run == 0:
-            shutil.rmtree(output) if output.is_dir() else output.unlink()
+        if run == 0 and output.is_dir():
+            shutil.rmtree(output)
+        elif run == 0:
+            output.unlink()
     return seconds
 
 

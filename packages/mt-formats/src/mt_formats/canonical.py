@@ -206,7 +206,8 @@ class CheckpointReader(ABC):
         """The optimizer steps (and tokens) the source's training had taken when it was
         saved, where the format records them (mt pretrain's meta, torchtitan's
         ``train_state``, Megatron-LM's ``iteration``, DeepSpeed's ``global_steps``); None
-        where it records none. Writers carry it with Adam's state."""
+        where it records none. The dcp and mcore writers store it with Adam's state; the
+        pretrain writer, whose schedule follows its own data loader, names it in a note."""
         return None
 
     def close(self) -> None:  # noqa: B027 - optional hook, no-op by default

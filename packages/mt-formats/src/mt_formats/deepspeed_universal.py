@@ -403,7 +403,9 @@ class DeepSpeedUniversalReader(CheckpointReader):
 
     def progress(self) -> TrainingProgress | None:
         """The engine's ``global_steps`` and, as tokens, its ``global_samples`` x the
-        sequence length, from the model-states file; None where it holds no step count."""
+        model's sequence length (the run's tokens where it trained at that length: DeepSpeed
+        does not record the length it trained at), from the model-states file; None where
+        it holds no step count."""
         client = self._client
         if "global_steps" not in client:
             return None
