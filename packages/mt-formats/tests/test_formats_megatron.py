@@ -154,3 +154,28 @@ def test_megatron_args_outside_the_gpt2_layout_are_refused_by_name() -> None:
     with pytest.raises(ConvertError, match=r"args\.rotary_percent=0\.5 \(partial RoPE\)"):
         config_from_args(argparse.Namespace(**base, rotary_percent=0.5), Path("f.pt"),
                          gpt2_only=False)
+
+
+def test_pointer_files_name_one_folder_beside_them(tmp_path: Path) -> None:
+    """``latest_checkpointed_iteration.txt`` and ``latest`` are read as one folder name: bytes
+    that are not UTF-8, an empty file or a path out of the checkpoint are refused in one
+    line naming the file (not a traceback, not a folder elsewhere)."""
+    save_model(GPT(preset("tiny"), seed=9), tmp_path / "meg", to="megatron", tp=2)
+    iteration = tmp_path / "meg" / "latest_checkpointed_iteration.txt"
+    run = tmp_path / "run"
+    run.mkdir()
+    latest = run / "latest"
+    for pointer, content, message in (
+            (iteration, b"\xcf\n", "not UTF-8 text (byte 0xcf at offset 0)"),
+            (iteration, b"../iter_0000000\n", "names '../iter_0000000', not a folder beside it"),
+            (iteration, b" \n", "empty (it names the checkpoint folder beside it)"),
+            (latest, b"/etc\n", "names '/etc', not a folder beside it"),
+            (latest, b"..", "names '..', not a folder beside it"),
+            (latest, b"\xff\xfe", "not UTF-8 text (byte 0xff at offset 0)")):
+        pointer.write_bytes(content)
+        with pytest.raises(ConvertError) as err:
+            convert_checkpoint(pointer.parent, tmp_path / "out")
+        assert str(err.value) == f"{pointer}: {message}"
+        assert not (tmp_path / "out").exists()
+    iteration.write_text("0\n")
+    convert_checkpoint(tmp_path / "meg", tmp_path / "out")  # the file as Megatron-LM writes it

@@ -33,6 +33,8 @@ __all__ = [
     "TensorRef",
     "TrainingProgress",
     "canonical_shapes",
+    "follow_pointer",
+    "read_pointer",
 ]
 
 ProgressFn = Callable[[str, int, int], None]
@@ -287,6 +289,24 @@ class CheckpointWriter(ABC):
         """Close open files after a failure (the staging directory is discarded)."""
 
 
+def read_pointer(path: Path) -> str:
+    """The name a pointer file (``latest``, ``latest_checkpointed_iteration.txt``) holds,
+    stripped: a folder beside it. Anything else (not UTF-8 text, empty, a path, ``..``) is
+    refused in one line naming the file."""
+    try:
+        text = path.read_bytes().decode("utf-8").strip()
+    except UnicodeDecodeError as err:
+        raise ConvertError(f"{path}: not UTF-8 text (byte {err.object[err.start]:#04x} at "
+                           f"offset {err.start})") from None
+    except OSError as err:
+        raise ConvertError(f"{path}: cannot be read ({err.strerror})") from None
+    if not text:
+        raise ConvertError(f"{path}: empty (it names the checkpoint folder beside it)")
+    if text in (".", "..") or "/" in text or "\0" in text:
+        raise ConvertError(f"{path}: names {text!r}, not a folder beside it")
+    return text
+
+
 def follow_pointer(path: Path, marker: str, pointer: str, kind: str) -> Path | None:
     """The checkpoint folder ``path`` designates: itself when it holds ``marker``, else the
     folder its ``pointer`` file (e.g. ``latest``) names, which must hold ``marker``; None when
@@ -295,7 +315,7 @@ def follow_pointer(path: Path, marker: str, pointer: str, kind: str) -> Path | N
         return path
     if not (path / pointer).is_file():
         return None
-    target = path / (path / pointer).read_text(encoding="utf-8").strip()
+    target = path / read_pointer(path / pointer)
     if not (target / marker).exists():
         raise ConvertError(f"{path / pointer}: names {target.name}, which has no {marker} "
                            f"(incomplete {kind})")

@@ -47,6 +47,7 @@ from mt_formats.canonical import (
     TrainingProgress,
     canonical_shapes,
     follow_pointer,
+    read_pointer,
 )
 from mt_formats.errors import ConvertError
 from mt_formats.megatron import _LAYER, _from_megatron_qkv
@@ -83,8 +84,8 @@ def _native_step(path: Path) -> Path | None:
         return path
     latest = path / "latest"
     if latest.is_file():
-        tag = latest.read_text(encoding="utf-8").strip()
-        if tag and any((path / tag).glob(MODEL_STATES)):
+        tag = read_pointer(latest)
+        if any((path / tag).glob(MODEL_STATES)):
             return path / tag
     return None
 

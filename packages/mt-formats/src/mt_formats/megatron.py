@@ -33,7 +33,13 @@ from typing import Any
 
 import torch
 
-from mt_formats.canonical import CheckpointReader, CheckpointWriter, TensorRef, canonical_shapes
+from mt_formats.canonical import (
+    CheckpointReader,
+    CheckpointWriter,
+    TensorRef,
+    canonical_shapes,
+    read_pointer,
+)
 from mt_formats.errors import ConvertError
 from mt_formats.megatron_args import config_from_args, layout_from_args, load_megatron_file
 from mt_formats.sharded import stage_layers, stages_of
@@ -264,7 +270,7 @@ def _iteration(root: Path) -> int:
     latest = root / LATEST_FILE
     if not latest.is_file():
         raise ConvertError(f"{latest}: file not found (not a Megatron-LM checkpoint)")
-    text = latest.read_text(encoding="utf-8").strip()
+    text = read_pointer(latest)
     if text == "release":
         return -1
     if not text.isdigit():
