@@ -7,6 +7,7 @@ no code with mt's rotate-half RoPE, so the q/k row permutation is checked, not a
 
 from __future__ import annotations
 
+import json
 import pickle
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import torch.distributed.checkpoint as dcp
 from reference_llama import titan_logits, titan_state
 
 from mt_formats import ConvertError, convert_checkpoint, load_model, open_checkpoint, save_model
+from mt_formats.dcp import DATA_FILE
 from mt_formats.dcp_names import from_interleaved, to_interleaved
 from mt_model import GPT, GPTConfig, preset
 
@@ -108,10 +110,14 @@ def test_mt_gpt2_to_dcp_loads_into_transformers(tmp_path: Path) -> None:
     tokens = _tokens(model.config.vocab_size, 48)
     with torch.no_grad():
         torch.testing.assert_close(hf(tokens).logits, model(tokens), atol=1e-4, rtol=0)
-    # dcp -> consolidated -> dcp: the same stored bytes
+    # dcp -> consolidated -> dcp: the same stored bytes (.metadata differs by its save_id,
+    # a fresh uuid per save, as dcp.save's)
     convert_checkpoint(tmp_path / "dcp", tmp_path / "again")
     convert_checkpoint(tmp_path / "again", tmp_path / "dcp2", to="dcp")
-    assert (tmp_path / "dcp" / "mt.json").read_bytes() == (tmp_path / "dcp2" / "mt.json"
+    first, second = (json.loads((tmp_path / d / "mt.json").read_bytes()) for d in ("dcp", "dcp2"))
+    assert first.pop("files").keys() == second.pop("files").keys() == {".metadata"}
+    assert first == second
+    assert (tmp_path / "dcp" / DATA_FILE).read_bytes() == (tmp_path / "dcp2" / DATA_FILE
                                                           ).read_bytes()
 
 
@@ -217,6 +223,42 @@ def test_dcp_hostile_inputs_are_one_line_errors(tmp_path: Path) -> None:
     dcp.save(titan_state(LLAMA), checkpoint_id=plain, no_dist=True)
     with pytest.raises(ConvertError, match="does not record the model config.*--model"):
         open_checkpoint(plain)
+
+
+def test_mt_json_checks_the_small_files_and_names_only_stored_entries(tmp_path: Path) -> None:
+    """mt.json beside a DCP or Megatron-core folder records the checksums of the small files
+    mt writes there (.metadata; metadata.json and common.pt, which a weights-only read never
+    opens), and of stored entries only: a changed small file, a checksum of an entry the
+    folder does not hold, or a tensor without one is refused in one line naming the file."""
+    save_model(GPT(preset("tiny"), seed=1), tmp_path / "mt")
+    convert_checkpoint(tmp_path / "mt", tmp_path / "mcore", to="mcore")
+    sidecar = json.loads((tmp_path / "mcore" / "mt.json").read_bytes())
+    assert sidecar["files"].keys() == {".metadata", "metadata.json", "common.pt"}
+    common = tmp_path / "mcore" / "common.pt"
+    common.write_bytes(common.read_bytes() + b"\0")
+    with pytest.raises(ConvertError) as err:
+        convert_checkpoint(tmp_path / "mcore", tmp_path / "out")
+    assert str(err.value) == (f"{common}: checksum mismatch (recorded "
+                              f"{sidecar['files']['common.pt']} in mt.json): the file is "
+                              "corrupted")
+    (tmp_path / "mcore" / "metadata.json").unlink()  # detected as plain DCP: still refused
+    with pytest.raises(ConvertError, match=r"metadata\.json: cannot be read \(No such file"):
+        convert_checkpoint(tmp_path / "mcore", tmp_path / "out")
+
+    convert_checkpoint(tmp_path / "mt", tmp_path / "dcp", to="dcp")
+    path = tmp_path / "dcp" / "mt.json"
+    text = path.read_text()
+    path.write_text(text.replace('"transformer.h.1.ln_2.bias"', '"transformer/h.1.ln_2.bias"'))
+    with pytest.raises(ConvertError, match=r"mt\.json: records a checksum of "
+                       r"'transformer/h\.1\.ln_2\.bias', which \.metadata does not list"):
+        convert_checkpoint(tmp_path / "dcp", tmp_path / "out")
+    sidecar = json.loads(text)
+    del sidecar["checksums"]["transformer.h.1.ln_2.bias"]
+    path.write_text(json.dumps(sidecar))
+    with pytest.raises(ConvertError, match=r"mt\.json: records no checksum of tensor "
+                       r"'transformer\.h\.1\.ln_2\.bias'"):
+        convert_checkpoint(tmp_path / "dcp", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 def test_compressed_dcp_reads_through_dcp_itself(tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ llama.cpp's own forward on these files: ``benchmarks/gguf_llama_cpp.py``."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -129,4 +130,23 @@ def test_gguf_refusals(tmp_path: Path) -> None:
     (tmp_path / "g" / "model.gguf").write_bytes(bytes(damaged))
     with open_checkpoint(tmp_path / "g") as reader, pytest.raises(
             ConvertError, match=r"model\.gguf: tensor 'blk\.0\.ffn_up\.weight': checksum"):
+        reader.read("blocks.0.mlp.fc.weight")
+
+
+def test_gguf_mt_json_names_only_stored_tensors(tmp_path: Path) -> None:
+    """mt.json beside model.gguf: a checksum of a tensor the file does not hold, or a tensor
+    without one, is refused in one line (a renamed key would leave a tensor unchecked)."""
+    save_model(GPT(preset("tiny"), seed=1), tmp_path / "mt")
+    convert_checkpoint(tmp_path / "mt", tmp_path / "g", to="gguf")
+    path = tmp_path / "g" / "mt.json"
+    text = path.read_text()
+    path.write_text(text.replace('"blk.0.ffn_up.weight"', '"blk.0.ffn_up/weight"'))
+    with pytest.raises(ConvertError, match=r"mt\.json: records a checksum of "
+                       r"'blk\.0\.ffn_up/weight', which model\.gguf does not hold"):
+        open_checkpoint(tmp_path / "g")
+    sidecar = json.loads(text)
+    del sidecar["checksums"]["blk.0.ffn_up.weight"]
+    path.write_text(json.dumps(sidecar))
+    with open_checkpoint(tmp_path / "g") as reader, pytest.raises(
+            ConvertError, match=r"mt\.json: records no checksum of tensor 'blk\.0\.ffn_up"):
         reader.read("blocks.0.mlp.fc.weight")

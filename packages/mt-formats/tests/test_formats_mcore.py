@@ -420,8 +420,11 @@ def test_bucketed_optimizer_state_is_refused_in_one_line(tmp_path: Path) -> None
           "torch.float32).bucket_idx_0.exp_avg"] = torch.zeros(10)
     (tmp_path / "bucketed").mkdir()
     dcp.save(state, checkpoint_id=str(tmp_path / "bucketed"), no_dist=True)
-    for name in ("metadata.json", "common.pt", "mt.json"):
+    for name in ("metadata.json", "common.pt"):
         (tmp_path / "bucketed" / name).write_bytes((tmp_path / "mcore" / name).read_bytes())
+    sidecar = json.loads((tmp_path / "mcore" / "mt.json").read_bytes())
+    sidecar["files"].pop(".metadata")  # dcp.save wrote this one
+    (tmp_path / "bucketed" / "mt.json").write_text(json.dumps(sidecar))
     with pytest.raises(ConvertError) as refused:
         convert_checkpoint(tmp_path / "bucketed", tmp_path / "out", to="pretrain")
     message = str(refused.value)

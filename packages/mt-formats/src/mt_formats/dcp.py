@@ -16,7 +16,8 @@ Every chunk must lie in a plain file of the folder and the chunks of a tensor mu
 it exactly (no gap a reader would leave uninitialised). Non-tensor items are loaded only
 for the optimizer's settings, with ``torch.load(weights_only=True)``. DCP records
 no checksums: a folder mt wrote carries ``mt.json`` (the model config, and the CRC-32C of
-every stored tensor and setting, checked when read); a foreign folder records no config
+every stored tensor and setting and of ``.metadata``, checked when read); a foreign folder
+records no config
 either, which ``--model`` gives (sizes are read from the tensors).
 
 Written one tensor at a time (:class:`DCPFileWriter`: each chunk ``torch.save``d into
@@ -65,6 +66,7 @@ from mt_formats.dcp_files import (
     DCP_FORMAT,
     METADATA_FILE,
     SIDECAR,
+    check_files,
     is_dcp_checkpoint,
     read_sidecar,
     write_sidecar,
@@ -200,6 +202,7 @@ class DCPFolder:
         self.objects = {key for key, meta in self.metadata.state_dict_metadata.items()
                         if isinstance(meta, BytesStorageMetadata)}
         self.checksums: dict[str, str] = {}
+        self._recorded = False  # mt.json read: every tensor mt wrote has a checksum there
         self._storage = _Storage(self.root, self.metadata)
 
     def recorded_config(self, model: object) -> GPTConfig | None:
@@ -211,7 +214,15 @@ class DCPFolder:
         if model is not None:
             raise ConvertError(f"{self.root / SIDECAR}: this checkpoint records its model "
                                "config; --model does not apply")
+        check_files(self.root, sidecar)
         self.checksums = dict(sidecar.get("checksums") or {})
+        stored = self.tensors.keys() | self.objects
+        for key in self.checksums:
+            if key.partition("[")[0] not in stored:  # mcore's per-layer ``key[layer]``
+                raise ConvertError(f"{self.root / SIDECAR}: records a checksum of {key!r}, "
+                                   f"which {METADATA_FILE} does not list: one of the two was "
+                                   "changed")
+        self._recorded = True
         return config_from(sidecar.get("model"), self.root / SIDECAR)
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
@@ -320,8 +331,12 @@ class DCPFolder:
     def _checked(self, key: str, layer: int | None, tensor: torch.Tensor) -> torch.Tensor:
         name = key if layer is None else f"{key}[{layer}]"
         expected = self.checksums.get(name)
+        what = "" if layer is None else f" layer {layer}"
+        if expected is None and self._recorded:
+            raise ConvertError(f"{self.root / SIDECAR}: records no checksum of tensor "
+                               f"{key!r}{what}, which mt writes for every tensor: the file "
+                               "was changed")
         if expected is not None and tensor_checksum(tensor, expected.split(":")[0]) != expected:
-            what = "" if layer is None else f" layer {layer}"
             raise ConvertError(f"{self.root / self.file_of(key)}: tensor {key!r}{what}: "
                                f"checksum mismatch (recorded {expected} in {SIDECAR}): the "
                                "file is corrupted")
@@ -350,9 +365,9 @@ class DCPReader(CheckpointReader):
                  ) -> None:
         self.root = Path(root)
         self._folder = DCPFolder(self.root)
+        recorded = self._folder.recorded_config(model)  # first: mt.json checks the files
         self.naming = detect_naming(set(self._folder.tensors), self.root / METADATA_FILE)
         shapes = self._folder.shapes()
-        recorded = self._folder.recorded_config(model)
         if recorded is not None:
             self.config = recorded
         else:
@@ -675,7 +690,8 @@ class DCPWriter(CheckpointWriter):
         self._files.close()
         write_sidecar(self._files.directory, {"names": self.naming.family,
                                               "model": self.config.to_dict(),
-                                              "checksums": self._checksums})
+                                              "checksums": self._checksums},
+                      files=(METADATA_FILE,))
 
     def _write_progress(self) -> None:
         """torchtitan's ``train_state`` (``step``, ``ntokens_seen``) and ``lr_scheduler``

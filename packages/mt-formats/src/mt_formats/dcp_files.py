@@ -11,11 +11,13 @@ import os
 from pathlib import Path
 from typing import Any
 
+from mt_formats.crc import algorithm_of, digest
 from mt_formats.errors import ConvertError
 from mt_formats.manifest import read_json
 
 __all__ = ["DCP_FORMAT", "MCORE_FORMAT", "METADATA_FILE", "METADATA_JSON", "SIDECAR",
-           "is_dcp_checkpoint", "is_mcore_checkpoint", "read_sidecar", "write_sidecar"]
+           "check_files", "is_dcp_checkpoint", "is_mcore_checkpoint", "read_sidecar",
+           "write_sidecar"]
 
 DCP_FORMAT = "dcp"
 MCORE_FORMAT = "mcore"
@@ -55,10 +57,34 @@ def read_sidecar(root: Path) -> dict[str, Any] | None:
     return data
 
 
-def write_sidecar(directory: Path, body: dict[str, Any]) -> None:
-    """``mt.json`` (durable: fsynced) beside a DCP folder's files."""
+def write_sidecar(directory: Path, body: dict[str, Any], files: tuple[str, ...] = ()) -> None:
+    """``mt.json`` (durable: fsynced) beside a DCP folder's files; ``files``: small files
+    already written beside it (``.metadata``, ``common.pt``), whose checksums it records
+    under ``files`` (checked on reading by :func:`check_files`)."""
+    sums = {name: digest((directory / name).read_bytes()) for name in files}
     with open(directory / SIDECAR, "w", encoding="utf-8") as file:
-        file.write(json.dumps({"format": SIDECAR_FORMAT, "format_version": 1, **body},
-                              indent=1) + "\n")
+        file.write(json.dumps({"format": SIDECAR_FORMAT, "format_version": 1, **body,
+                               **({"files": sums} if sums else {})}, indent=1) + "\n")
         file.flush()
         os.fsync(file.fileno())
+
+
+def check_files(root: Path, sidecar: dict[str, Any]) -> None:
+    """The files ``mt.json`` records checksums of (:func:`write_sidecar`), read and checked:
+    one missing, changed, or named outside the folder is refused in one line naming it."""
+    files = sidecar.get("files", {})
+    if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
+        raise ConvertError(f"{root / SIDECAR}: 'files' must map file names to checksums")
+    for name, expected in files.items():
+        path = root / name
+        if Path(name).name != name or name in (".", ".."):
+            raise ConvertError(f"{root / SIDECAR}: 'files' names {name!r}, not a file of "
+                               f"{root}")
+        try:
+            data = path.read_bytes()
+        except OSError as err:
+            raise ConvertError(f"{path}: cannot be read ({err.strerror}); {SIDECAR} records "
+                               "its checksum") from None
+        if digest(data, algorithm_of(expected)) != expected:
+            raise ConvertError(f"{path}: checksum mismatch (recorded {expected} in "
+                               f"{SIDECAR}): the file is corrupted")

@@ -34,7 +34,7 @@ import torch
 
 from mt_formats.canonical import CheckpointReader, CheckpointWriter, TensorRef, canonical_shapes
 from mt_formats.crc import CHECKSUM_ALGORITHM, digest
-from mt_formats.dcp_files import read_sidecar, write_sidecar
+from mt_formats.dcp_files import SIDECAR, read_sidecar, write_sidecar
 from mt_formats.dcp_names import from_interleaved, to_interleaved
 from mt_formats.errors import ConvertError
 from mt_formats.hf_llama import is_llama
@@ -311,6 +311,10 @@ class GGUFReader(CheckpointReader):
         sidecar = read_sidecar(self.file.parent) if self.file.name == GGUF_FILE else None
         self._checksums: dict[str, str] = dict((sidecar or {}).get("checksums") or {})
         self._tensors = {t.name: t for t in self._reader.tensors}
+        if unknown := sorted(self._checksums.keys() - self._tensors.keys()):
+            raise ConvertError(f"{self.file.parent / SIDECAR}: records a checksum of "
+                               f"{unknown[0]!r}, which {self.file.name} does not hold: one of "
+                               "the two was changed")
         shapes = {name: tuple(int(n) for n in reversed(t.shape.tolist()))
                   for name, t in self._tensors.items()}
         fields = {name: field.contents() for name, field in self._reader.fields.items()
@@ -361,10 +365,14 @@ class GGUFReader(CheckpointReader):
         gguf = _gguf()
         stored = self._tensors[key]
         expected = self._checksums.get(key)
+        if expected is None and self._checksums:
+            raise ConvertError(f"{self.file.parent / SIDECAR}: records no checksum of tensor "
+                               f"{key!r}, which mt writes for every tensor: the file was "
+                               "changed")
         if expected is not None and digest(np.ascontiguousarray(stored.data).view(np.uint8)
                                            .reshape(-1), expected.split(":")[0]) != expected:
             raise ConvertError(f"{self.file}: tensor {key!r}: checksum mismatch (recorded "
-                               f"{expected} in mt.json): the file is corrupted")
+                               f"{expected} in {SIDECAR}): the file is corrupted")
         shape = tuple(int(n) for n in reversed(stored.shape.tolist()))
         kind = stored.tensor_type
         if kind == gguf.GGMLQuantizationType.BF16:  # exact: the raw 16 bits are bfloat16's

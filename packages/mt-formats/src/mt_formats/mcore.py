@@ -21,7 +21,8 @@ The model config: ``mt.json`` in a folder mt wrote, Megatron-LM's ``args`` in ``
 are dropped when ``args.vocab_size`` is recorded), or ``--model`` (sizes, grouped-query
 heads, norm kind, biases, positions and tying are read from the tensors). Written: per-layer
 chunks as Megatron-core saves them, the ``_extra_state`` entries its loader expects,
-``metadata.json``, an empty ``common.pt`` and ``mt.json`` (config, CRC-32C of every chunk).
+``metadata.json``, ``common.pt`` (empty without Adam's state) and ``mt.json`` (config,
+CRC-32C of every chunk and of those three small files, checked when read).
 The vocabulary is stored unpadded.
 
 Adam's state: the ``fully_reshardable`` layout of megatron-core's ``DistributedOptimizer``
@@ -484,7 +485,8 @@ class McoreWriter(CheckpointWriter):
             file.flush()
             os.fsync(file.fileno())
         write_sidecar(directory, {"names": "megatron-core", "model": self.config.to_dict(),
-                                  "checksums": self._checksums})
+                                  "checksums": self._checksums},
+                      files=(METADATA_FILE, METADATA_JSON, COMMON_FILE))
 
     def _optimizer_common(self) -> dict[str, Any]:
         """``common.pt``'s content: empty without optimizer state, else its param groups."""
