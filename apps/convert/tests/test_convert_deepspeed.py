@@ -146,6 +146,20 @@ def test_convert_deepspeed_universal_weights_and_moments(universal: tuple[Path, 
     assert read_meta(tmp_path / "pre").step == 0  # mt's own schedule starts over, and
     tokens = STEPS * GLOBAL_BATCH * CONFIG.seq_len  # the engine's steps and samples say so
     assert any(f"had trained {STEPS} steps, {tokens:,} tokens" in n for n in done.notes)
+    # one parameter's moments missing: refused for every target that holds Adam's state
+    partial = tmp_path / "partial"
+    shutil.copytree(folder, partial)
+    (partial / "zero" / "ln_f.bias" / "exp_avg.pt").unlink()
+    for to in ("pretrain", "dcp", "mcore"):
+        with pytest.raises(ConvertError) as refused:
+            convert_checkpoint(partial, tmp_path / to, to=to, model="tiny")
+        assert str(refused.value) == (
+            f"{partial}: Adam's state of {len(module) - 1} parameters but not of 'ln_f.bias' "
+            "(1 without): a partial optimizer state is not carried; --drop-optimizer "
+            "converts the weights alone")
+        assert not (tmp_path / to).exists()
+    convert_checkpoint(partial, tmp_path / "weights", to="pretrain", model="tiny",
+                       drop_optimizer=True)
 
 
 def test_convert_deepspeed_errors_name_file_and_tensor(universal: tuple[Path, Any],

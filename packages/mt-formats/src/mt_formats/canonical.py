@@ -241,9 +241,28 @@ class CheckpointWriter(ABC):
         source without one): weights only."""
         self.notes: list[str] = []
         """What the user should know about what was written (one line each)."""
+        self._stated: dict[bool, list[str]] = {True: [], False: []}  # source_state's tally
 
     holds_optimizer_state: bool = False
     """Whether the format stores Adam's state beside the weights (:attr:`state_source`)."""
+
+    def source_state(self, name: str) -> dict[str, torch.Tensor] | None:
+        """:attr:`state_source`'s Adam state of ``name`` (None without a source or where it
+        holds none), tallied for :meth:`check_states`."""
+        state = None if self.state_source is None else self.state_source.optimizer_state(name)
+        self._stated[state is not None].append(name)
+        return state
+
+    def check_states(self) -> None:
+        """Refuse a source holding Adam's state for some parameters only (a file of one
+        missing): carried as it is, a resumed run would step those from zero moments."""
+        with_state, without = self._stated[True], self._stated[False]
+        if with_state and without:
+            root = getattr(self.state_source, "root", "the source")
+            raise ConvertError(f"{root}: Adam's state of {len(with_state)} parameters but "
+                               f"not of {without[0]!r} ({len(without)} without): a partial "
+                               "optimizer state is not carried; --drop-optimizer converts "
+                               "the weights alone")
 
     @abstractmethod
     def targets(self, name: str) -> list[TensorRef]:

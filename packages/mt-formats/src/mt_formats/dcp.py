@@ -658,7 +658,7 @@ class DCPWriter(CheckpointWriter):
         self._store_parts(name, tensor, lambda key: key)
         if name == "embed.tokens.weight" and self._tied is not None:
             self._store(self._tied, tensor)
-        state = None if self.state_source is None else self.state_source.optimizer_state(name)
+        state = self.source_state(name)
         if state is not None:  # under each stored parameter's key, as the reader finds it
             for moment in ("exp_avg", "exp_avg_sq"):
                 self._store_parts(name, state[moment],  # in its own dtype (fp32 masters')
@@ -681,6 +681,7 @@ class DCPWriter(CheckpointWriter):
                    self._checksums]
         if missing:
             raise ConvertError(f"{self._files.directory}: tensors never written: {missing}")
+        self.check_states()
         if self._unset:
             self.notes.append(f"the source records no Adam hyperparameters of "
                               f"{len(self._unset)} parameters ({self._unset[0]}, ...): their "

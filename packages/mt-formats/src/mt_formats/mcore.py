@@ -449,7 +449,7 @@ class McoreWriter(CheckpointWriter):
     def write(self, name: str, tensor: torch.Tensor) -> None:
         part = self._parts[name]
         self._put(part.key, part, tensor)
-        state = None if self.state_source is None else self.state_source.optimizer_state(name)
+        state = self.source_state(name)
         if state is None:
             return
         # megatron-core's distributed optimizer keeps fp32 main params and fp32 moments
@@ -468,6 +468,7 @@ class McoreWriter(CheckpointWriter):
         if self._pending:
             raise ConvertError(f"{self._files.directory}: half-written layers "
                                f"{sorted(self._pending)}")
+        self.check_states()
         common = self._optimizer_common()
         layers = self.config.n_layers
         for layer in range(layers):

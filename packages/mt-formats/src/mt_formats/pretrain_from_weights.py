@@ -85,8 +85,8 @@ class PretrainWriter(CheckpointWriter):
                                f"{missing}")
         shapes = {name: tuple(spec.shape) for name, spec in self.specs.items()}
         weights = {name: self._tensors[name] for name in self.specs}
-        states = {name: self.state_source.optimizer_state(name) if self.state_source else None
-                  for name in self.specs}
+        states = {name: self.source_state(name) for name in self.specs}
+        self.check_states()
         for name, state in states.items():  # a source's fp32 master: weight and master
             if state is not None and "master" in state:
                 weights[name] = state["master"].detach().to(torch.float32).contiguous()
