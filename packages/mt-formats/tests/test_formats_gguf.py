@@ -118,6 +118,12 @@ def test_gguf_refusals(tmp_path: Path) -> None:
         convert_checkpoint(tmp_path / "mt", tmp_path / "g", to="gguf", gguf_type="q4_k")
     with pytest.raises(ConvertError, match="--gguf-type only applies to the gguf target"):
         convert_checkpoint(tmp_path / "mt", tmp_path / "g", to="hf", gguf_type="q8_0")
+    (tmp_path / "tokenizer.json").write_bytes(b"\xff not a tokenizer")
+    with pytest.raises(ConvertError, match=r"^tokenizer: .*tokenizer\.json: not a readable "
+                       r"tokenizer\.json"):  # as --to hf says it, not a traceback
+        convert_checkpoint(tmp_path / "mt", tmp_path / "g", to="gguf",
+                           tokenizer=str(tmp_path / "tokenizer.json"))
+    assert not (tmp_path / "g").exists()
     convert_checkpoint(tmp_path / "mt", tmp_path / "g", to="gguf")
     data = (tmp_path / "g" / "model.gguf").read_bytes()
     (tmp_path / "bad.gguf").write_bytes(data[:len(data) // 2])  # a .gguf file is a source too

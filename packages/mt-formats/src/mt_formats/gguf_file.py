@@ -232,10 +232,10 @@ def _add_tokenizer(writer: Any, tokenizer: str, vocab_size: int) -> None:
     """llama.cpp's ``gpt2`` tokenizer model from a byte-level BPE ``tokenizers`` tokenizer:
     tokens by id (padded with unused tokens up to the model's vocabulary), merges, and the
     end-of-text token as BOS / EOS."""
-    from mt_data import load_tokenizer
+    from mt_formats.hf_tokenizer import load_named_tokenizer
 
     gguf = _gguf()
-    loaded = load_tokenizer(tokenizer)
+    loaded = load_named_tokenizer(tokenizer)
     body = json.loads(loaded.backend.to_str())
     model = body["model"]
     if model.get("type") != "BPE":

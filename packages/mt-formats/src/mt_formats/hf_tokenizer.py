@@ -5,22 +5,28 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from mt_data import load_tokenizer
+from mt_data import Tokenizer, load_tokenizer
 from mt_data.tokenizer import TokenizerError
 from mt_formats.errors import ConvertError
 from mt_model import GPTConfig
 
-__all__ = ["write_hf_config", "write_hf_tokenizer"]
+__all__ = ["load_named_tokenizer", "write_hf_config", "write_hf_tokenizer"]
+
+
+def load_named_tokenizer(name: str) -> Tokenizer:
+    """``--tokenizer``'s tokenizer (a file, a folder or a name :func:`mt_data.load_tokenizer`
+    knows); one that cannot be loaded is a :class:`ConvertError` naming it."""
+    try:
+        return load_tokenizer(name)
+    except TokenizerError as err:
+        raise ConvertError(f"tokenizer: {err}") from None
 
 
 def write_hf_tokenizer(directory: Path, name: str, config: GPTConfig) -> int:
     """Write tokenizer ``name`` as transformers loads it unaided (``tokenizer.json``, its
     config and special tokens: GPT-2's end-of-text as BOS, EOS and UNK); returns its
     end-of-text id."""
-    try:
-        tokenizer = load_tokenizer(name)
-    except TokenizerError as err:
-        raise ConvertError(f"tokenizer: {err}") from None
+    tokenizer = load_named_tokenizer(name)
     if tokenizer.vocab_size > config.vocab_size:
         raise ConvertError(f"tokenizer {name} has {tokenizer.vocab_size} ids, more than the "
                            f"model's vocabulary of {config.vocab_size}")
