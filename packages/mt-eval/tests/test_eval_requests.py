@@ -176,6 +176,13 @@ def test_bad_tasks_name_the_file_line_and_field(tmp_path: Path) -> None:
     bad.write_text('{"context": "a", "choices": ["x", "y"], "label": 0}\n{not json}\n')
     with pytest.raises(TaskError, match=r"bad.jsonl:2: not JSON"):
         load_jsonl(bad)
+    # JSON may escape half of a UTF-16 pair alone: no tokenizer takes that string
+    bad.write_text('{"context": "smile \\ud83d\\ude00", "choices": ["x"], "label": 0}\n'
+                   '{"context": "b", "choices": ["x", "y\\ud800"], "label": 0}\n')
+    with pytest.raises(TaskError) as err:
+        load_task(str(bad))
+    assert str(err.value) == (f"{bad}:2: choices[1] holds a lone surrogate \\ud800 at "
+                              "character 1: not UTF-8 text")
     bad.write_text('{"context": "a", "choices": ["x", "y"], "label": 0}\n'
                    '{"context": "b", "choices": ["x", "y"], "label": 2}\n')
     with pytest.raises(TaskError, match=r"bad.jsonl:2: 'label' must be an index into the 2"):

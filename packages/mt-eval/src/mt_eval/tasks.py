@@ -27,6 +27,7 @@ n + 1 examples are drawn and the evaluated document dropped from them, otherwise
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -106,9 +107,37 @@ class Task:
                             f"{self.output_type} tasks (mt eval has {sorted(allowed)})")
 
 
+#: A JSON escape of a UTF-16 surrogate: only a line holding one can decode to a string that
+#: is not Unicode text (an escaped half of a pair, alone), which no tokenizer takes.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def _lone_surrogate(row: dict[str, Any]) -> str | None:
+    """Where in ``row`` a string (or a key) holds a lone surrogate, described; else None."""
+    todo: list[tuple[Any, str]] = [(row, "")]
+    while todo:
+        value, where = todo.pop()
+        texts: list[tuple[str, str]] = []
+        if isinstance(value, str):
+            texts.append((value, where))
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                texts.append((key, f"a field name in {where or 'the row'}"))
+                todo.append((item, f"{where}.{key}" if where else str(key)))
+        elif isinstance(value, list):
+            todo += [(item, f"{where}[{i}]") for i, item in enumerate(value)]
+        for text, place in texts:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as err:
+                return (f"{place} holds a lone surrogate \\u{ord(text[err.start]):04x} at "
+                        f"character {err.start}")
+    return None
+
+
 def numbered_rows(path: Path) -> list[tuple[int, dict[str, Any]]]:
-    """(line number, row) of every non-blank line of a JSONL file; a bad line is an error
-    naming the file and line."""
+    """(line number, row) of every non-blank line of a JSONL file; a bad line (not JSON, not
+    an object, a string that is not Unicode text) is an error naming the file and line."""
     rows = []
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
@@ -129,6 +158,8 @@ def numbered_rows(path: Path) -> list[tuple[int, dict[str, Any]]]:
         if not isinstance(row, dict):
             raise TaskError(f"{path}:{number}: a row must be a JSON object, got "
                             f"{type(row).__name__}")
+        if _SURROGATE_ESCAPE.search(line) and (where := _lone_surrogate(row)):
+            raise TaskError(f"{path}:{number}: {where}: not UTF-8 text")
         rows.append((number, row))
     if not rows:
         raise TaskError(f"{path}: no rows")
