@@ -259,3 +259,17 @@ def test_a_json_line_nested_too_deep_is_one_bad_input(docs, tmp_path: Path) -> N
                                      *FAST, *extra], env=WIDE)
         assert result.exit_code == 2, result.output
         assert str(where) in _error(result.output)
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_an_output_where_no_file_can_be_created_is_refused_before_the_work(tmp_path: Path
+                                                                          ) -> None:
+    """access() says root may write in /proc, yet no file can be created there: the check
+    every command makes before its work (mt_data.paths.unwritable) creates one to find out,
+    so `mt eval --output /proc/r.json` is refused at once, not after the evaluation."""
+    from mt_data.paths import unwritable
+
+    assert unwritable("--output", Path("/proc/r.json")) == (
+        "--output /proc/r.json: cannot create a file in /proc (No such file or directory)")
+    assert unwritable("--output", tmp_path / "new" / "r.json") is None
+    assert list(tmp_path.iterdir()) == []  # the probe leaves nothing behind

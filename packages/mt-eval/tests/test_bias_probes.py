@@ -54,14 +54,15 @@ def test_seeds_depend_on_the_seed_prompt_and_index_only() -> None:
     ("groups:\n  gender: {female: [He was], male: [He was]}\n",
      "prompt 'He was' appears twice"),
     ("colour: {}\n", "unknown key 'colour'"),
-    ("occupation: [\n", "not a readable probes YAML file"),
+    ("occupation: [\n", "not a readable probes YAML file: line 2, column 1: expected the "
+     "node content, but found '<stream end>'"),
 ])
 def test_bad_probes_name_the_file_and_entry(tmp_path: Path, text: str, message: str) -> None:
     path = tmp_path / "probes.yaml"
     path.write_text(text)
     with pytest.raises(TaskError, match=f"^{path}: .*" if message else None) as err:
         load_probes(LISTS, path)
-    assert message in str(err.value)
+    assert message in str(err.value) and "\n" not in str(err.value)
 
 
 def test_bad_group_words_name_the_file(tmp_path: Path) -> None:

@@ -276,6 +276,11 @@ def test_a_task_file_that_is_not_utf8_is_one_line(tmp_path: Path) -> None:
     with pytest.raises(TaskError, match=r"t.yaml: not UTF-8 text \(invalid start byte at "
                                         r"byte \d+\)"):
         load_task(str(path))
+    path.write_text(_GOOD_TASK + "description: [a, b\n")
+    with pytest.raises(TaskError) as err:
+        load_task(str(path))
+    assert str(err.value).startswith(f"{path}: not YAML (line ")
+    assert "expected ',' or ']'" in str(err.value) and "\n" not in str(err.value)
     path.write_text(_GOOD_TASK + "num_fewshot: 2\n")
     (tmp_path / "rows.jsonl").write_text('{"text": "one two three"}\n')
     assert load_task(str(path)).num_fewshot == 2

@@ -13,6 +13,7 @@ overwritten by a command pointed at the wrong folder.
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Iterable
 from fnmatch import fnmatchcase
 from pathlib import Path
@@ -122,4 +123,9 @@ def unwritable(flag: str, path: Path, folder: bool = False) -> str | None:
         return f"{flag} {path}: {probe} is a file, not a folder; name a path in a folder"
     if not os.access(probe, os.W_OK | os.X_OK):
         return f"{flag} {path}: no permission to write in {probe}"
+    try:  # what access() cannot tell: a file system that takes no new files (/proc, /sys)
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as err:
+        return f"{flag} {path}: cannot create a file in {probe} ({err.strerror})"
     return None

@@ -34,7 +34,7 @@ from typing import Any
 
 import yaml
 
-from mt_eval.errors import TaskError
+from mt_eval.errors import TaskError, yaml_problem
 
 __all__ = ["DEFAULT_METRICS", "OUTPUT_TYPES", "Task", "jsonl_task", "load_jsonl", "yaml_task"]
 
@@ -262,7 +262,7 @@ def yaml_task(path: Path) -> Task:
             raise TaskError(f"{path}: lm-eval's Python hooks (!function) are not run by mt's "
                             "own engine; lm-evaluation-harness runs them: mt eval --engine "
                             "harness (pip install 'mt-inference[harness]')") from None
-        raise TaskError(f"{path}: not YAML ({err})") from None
+        raise TaskError(f"{path}: not YAML ({yaml_problem(err)})") from None
     except RecursionError:
         raise TaskError(f"{path}: not YAML (nested too deeply to read)") from None
     if not isinstance(config, dict):

@@ -11,7 +11,7 @@ from typing import Any
 import yaml
 
 from mt_data.groups import GroupWords
-from mt_eval.errors import TaskError
+from mt_eval.errors import TaskError, yaml_problem
 
 __all__ = ["PROBES", "Probe", "Probes", "load_probes", "sample_seed"]
 
@@ -68,8 +68,10 @@ def load_probes(lists: GroupWords, path: str | Path | None = None) -> Probes:
     path = Path(path) if path is not None else PROBES
     try:
         raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
+    except (OSError, UnicodeDecodeError) as err:
         raise _fail(path, f"not a readable probes YAML file: {err}") from None
+    except yaml.YAMLError as err:
+        raise _fail(path, f"not a readable probes YAML file: {yaml_problem(err)}") from None
     except RecursionError:
         raise _fail(path, "not a readable probes YAML file: nested too deeply") from None
     unknown = sorted(set(raw) - {"occupation", "groups"}) if isinstance(raw, dict) else []
