@@ -13,6 +13,9 @@ request, the key in MT_API_KEY) takes:
   cut or with a byte changed, hostile values in each field: NaN, 1e999, 5,000 digits, deep
   nesting, lone surrogates, wrong types, unknown names): each a 4xx JSON error or a 200,
   never a 5xx;
+- 150 connections that ask nothing, send half a request's headers, or half a body, and
+  one that goes away mid-body: the idlest are closed past ``--max-connections`` at once,
+  the rest after ``--client-timeout`` (a late body: 408), while other clients are answered;
 - 32 concurrent clients for ``MT_SERVE_SOAK_S`` seconds (default 20; the issue's run: 60),
   whole and streamed, an eighth of the streams dropped by their client mid-way: every answer
   200, every greedy text the one it gets alone;
@@ -26,6 +29,7 @@ import concurrent.futures
 import json
 import os
 import random
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -44,6 +48,7 @@ CASES = int(os.environ.get("MT_SERVE_FUZZ_CASES", "100"))
 MALFORMED = int(os.environ.get("MT_SERVE_MALFORMED", "1000"))
 SOAK_S = float(os.environ.get("MT_SERVE_SOAK_S", "20"))
 TALLY: collections.Counter = collections.Counter()
+CLIENT_TIMEOUT_S, MAX_CONNECTIONS = 3, 48  # the soak's 32 clients keep their connections
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +60,9 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def server(model: Path) -> Iterator[Server]:
     running = Server(model, model.parent / "serve.log", "--max-tokens", "8", "--max-waiting",
-                     "64", "--max-batch", "16", env={"MT_API_KEY": KEY}, headers=AUTH)
+                     "64", "--max-batch", "16", "--client-timeout", str(CLIENT_TIMEOUT_S),
+                     "--max-connections", str(MAX_CONNECTIONS), env={"MT_API_KEY": KEY},
+                     headers=AUTH)
     yield running
     assert running.stop() == 0, running.log.read_text()
     assert "Traceback" not in running.log.read_text(), running.log.read_text()
@@ -217,3 +224,56 @@ def test_32_clients_for_a_while(server: Server) -> None:
         assert time.monotonic() < deadline, health
         time.sleep(0.1)
     assert health["status"] == "ok" and health["waiting"] == 0
+
+
+def _open(sock: socket.socket) -> bool:
+    """Whether the server still holds ``sock`` open, silent (not closed, no answer)."""
+    sock.settimeout(0.05)
+    try:
+        sock.recv(4096, socket.MSG_PEEK)  # an answer, or b"": closed
+    except TimeoutError:
+        return True
+    except OSError:  # reset
+        pass
+    return False
+
+
+def test_connections_that_ask_nothing_are_cut_off(server: Server) -> None:
+    """One client holding connections (slowloris) once made the server unreachable: each
+    held a file descriptor until the process had none left."""
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+    sends = [b"", head.encode(), b"P"]
+
+    def connect(data: bytes) -> socket.socket:
+        sock = socket.create_connection(("127.0.0.1", server.port))
+        sock.sendall(data)
+        return sock
+
+    busy = [connect((head + "Content-Length: 40\r\n\r\n{").encode()) for _ in range(30)]
+    time.sleep(0.5)  # their headers read: requests in progress, never cut to make room
+    socks = busy + [connect(sends[i % 3]) for i in range(120)]
+    gone = socket.create_connection(("127.0.0.1", server.port))  # leaves mid-body
+    gone.sendall((head + "Content-Length: 90\r\n\r\n{\"prompt\": ").encode())
+    gone.close()
+    started = time.monotonic()
+    assert server.post({"prompt": "x", "max_tokens": 2}).status_code == 200
+    assert time.monotonic() - started < CLIENT_TIMEOUT_S  # answered during the flood
+    time.sleep(0.5)
+    held = [sock for sock in socks if _open(sock)]
+    assert len(held) <= MAX_CONNECTIONS, len(held)  # the idlest made room at once
+    assert all(sock in held for sock in busy)
+    time.sleep(CLIENT_TIMEOUT_S + 1)
+    assert not any(_open(sock) for sock in socks)
+    for sock in busy:
+        sock.settimeout(5)
+        answer = sock.recv(4096)
+        assert answer.startswith(b"HTTP/1.1 408 "), answer[:200]
+        assert b"did not arrive within 3 s" in answer
+    for sock in socks:
+        sock.close()
+    assert server.alive()
+    slash = httpx.post(f"{server.url}/v1/completions/", json={"prompt": "x"}, headers=AUTH,
+                       timeout=10)  # was an empty 307 to the client's Host header
+    assert slash.status_code == 404 and slash.json()["error"]["message"]
+    rows = server.post({"prompt": ["a", "b"], "n": 9, "max_tokens": 2})  # over --max-batch
+    assert rows.status_code == 400 and rows.json()["error"]["param"] == "n", rows.text

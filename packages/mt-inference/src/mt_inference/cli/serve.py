@@ -54,6 +54,12 @@ def serve_command(
         help="Largest request body (larger: 413).")] = 1 << 20,
     request_timeout: Annotated[float, typer.Option(
         help="Seconds a request may take, waiting included (then 504).")] = 600.0,
+    client_timeout: Annotated[float, typer.Option(
+        help="Seconds a client has to send a request's headers, and then its body (else "
+        "its connection is closed; a late body: 408).")] = 30.0,
+    max_connections: Annotated[int, typer.Option(
+        help="Open connections at most: past it, the one idle longest (no request in "
+        "progress) is closed for the new one.")] = 512,
     api_key: Annotated[str | None, typer.Option(
         envvar="MT_API_KEY", show_envvar=True,
         help="Key the /v1 routes require as 'Authorization: Bearer KEY'.")] = None,
@@ -65,7 +71,8 @@ def serve_command(
     sizes = {"max-batch": max_batch, "max-waiting": max_waiting,
              "max-body-bytes": max_body_bytes,
              "max-tokens": max_tokens if max_tokens is not None else 1,
-             "request-timeout": request_timeout}
+             "request-timeout": request_timeout, "client-timeout": client_timeout,
+             "max-connections": max_connections}
     problems = [f"--{name} must be positive, got {value}" for name, value in sizes.items()
                 if not 0 < value < math.inf]
     problems += [f"--{name} must be below 2**63, got {value}" for name, value in sizes.items()
@@ -90,7 +97,8 @@ def serve_command(
     with errors(console):
         serve(ServeSpec(placement, host, port, model_name, max_batch, max_waiting,
                         max_tokens=max_tokens, max_body_bytes=max_body_bytes,
-                        request_timeout=request_timeout, api_key=api_key or None))
+                        request_timeout=request_timeout, api_key=api_key or None,
+                        client_timeout=client_timeout, max_connections=max_connections))
 
 
 def _key_problems(host: str, api_key: str | None, allow_no_key: bool) -> list[str]:

@@ -9,6 +9,13 @@ otherwise). Every refusal is a JSON error object: malformed JSON, a wrong or unk
 ``Allow``), a body over the limit (413), a full queue (429, with Retry-After), draining
 (503), a request past its time (504). A client that disconnects frees its rows at the
 engine's next step.
+
+Clients that hold connections without asking anything are cut off: a connection whose
+request headers have not arrived ``client_timeout`` seconds after it opened (or after its
+last response) is closed, and so is a body still arriving that long after its headers (408);
+past ``max_connections`` open connections, the idlest one without a request in progress
+makes room for the new one. Parsing and checking a body (up to ``max_body_bytes``) runs on a
+worker thread, so that large bodies do not stall the event loop that answers everyone.
 """
 
 from __future__ import annotations
@@ -24,8 +31,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from starlette.applications import Starlette  # pants: no-infer-dep
+from starlette.concurrency import run_in_threadpool  # pants: no-infer-dep
 from starlette.exceptions import HTTPException  # pants: no-infer-dep
-from starlette.requests import Request  # pants: no-infer-dep
+from starlette.requests import ClientDisconnect, Request  # pants: no-infer-dep
 from starlette.responses import JSONResponse, Response, StreamingResponse  # pants: no-infer-dep
 from starlette.routing import Route  # pants: no-infer-dep
 
@@ -59,6 +67,10 @@ class ServerConfig:
     request_timeout: float = 600.0
     api_key: str | None = None
     """The /v1 routes need ``Authorization: Bearer API_KEY`` (None: no key)."""
+    client_timeout: float = 30.0
+    """Seconds a client has to send a request's headers, and then its body."""
+    max_connections: int = 512
+    """Open connections at most (more: the idlest without a request is closed)."""
 
 
 def _error(error: ApiError, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -66,16 +78,24 @@ def _error(error: ApiError, headers: dict[str, str] | None = None) -> JSONRespon
                         status_code=error.status, headers=headers)
 
 
-async def _body(request: Request, limit: int) -> bytes:
+async def _body(request: Request, limit: int, seconds: float) -> bytes:
+    """The body, at most ``limit`` bytes (413) and arrived within ``seconds`` (408); raises
+    starlette's ClientDisconnect where the client goes away first."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise ApiError(413, f"the request body of {declared} bytes is over the limit of "
                        f"{limit}")
     body = bytearray()
-    async for piece in request.stream():
-        body += piece
-        if len(body) > limit:
-            raise ApiError(413, f"the request body is over the limit of {limit} bytes")
+    try:
+        async with asyncio.timeout(seconds):
+            async for piece in request.stream():
+                body += piece
+                if len(body) > limit:
+                    raise ApiError(413, f"the request body is over the limit of {limit} "
+                                   "bytes")
+    except TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {seconds:g} s (it "
+                       f"had sent {len(body)} bytes)") from None
     return bytes(body)
 
 
@@ -145,9 +165,10 @@ class _Handlers:
             return refused
         config = self.config
         try:
-            body = _json(await _body(request, config.max_body_bytes))
-            completion = parse_completion(body, config.model, config.encode, config.decode,
-                                          config.limits, config.stop_ids)
+            raw = await _body(request, config.max_body_bytes, config.client_timeout)
+            completion = await run_in_threadpool(self.parse, raw)
+        except ClientDisconnect:  # gone before its request was whole: no one to answer
+            return Response(status_code=499)
         except ApiError as err:
             return _error(err)
         job = Job(f"cmpl-{uuid.uuid4().hex}", completion, asyncio.get_running_loop(),
@@ -162,6 +183,12 @@ class _Handlers:
         if completion.stream:
             return StreamingResponse(self.events(job, now()), media_type="text/event-stream")
         return await self.whole(job, now(), request)
+
+    def parse(self, raw: bytes) -> Any:
+        """The checked completion request of body ``raw`` (ApiError: why not)."""
+        config = self.config
+        return parse_completion(_json(raw), config.model, config.encode, config.decode,
+                                config.limits, config.stop_ids)
 
     async def whole(self, job: Job, created: int, request: Request) -> Response:
         try:
@@ -219,22 +246,82 @@ def build_app(config: ServerConfig, inbox: Inbox) -> Starlette:
         return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}",
                                        "server_error"), status_code=500)
 
-    return Starlette(routes=[
+    app = Starlette(routes=[
         Route("/health", handlers.health, methods=["GET"]),
         Route("/openapi.json", handlers.openapi, methods=["GET"]),
         Route("/v1/models", handlers.models, methods=["GET"]),
         Route("/v1/models/{model:path}", handlers.model, methods=["GET"]),
         Route("/v1/completions", handlers.completions, methods=["POST"]),
     ], exception_handlers={HTTPException: http_error, Exception: server_error})
+    # A trailing slash is a 404 like any unknown route: Starlette's redirect would answer a
+    # POST with an empty 307 to an address built from the client's Host header.
+    app.router.redirect_slashes = False
+    return app
 
 
-def start_server(app: Starlette, host: str, port: int) -> tuple[Any, threading.Thread]:
-    """Serve ``app`` with uvicorn on a thread (signals stay with the main thread); returns
-    (the server, its thread) once it listens. Raises OSError if the port cannot be bound."""
+def _guarded_protocol(client_timeout: float, max_connections: int) -> type:
+    """uvicorn's h11 protocol, cutting off clients that hold a connection without asking:
+    each connection must deliver a request's headers within ``client_timeout`` seconds of
+    opening or of its last response; past ``max_connections``, the connection idle longest
+    (no request in progress) is closed for the new one, or the new one if all are busy."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol  # pants: no-infer-dep
+
+    class Guarded(H11Protocol):
+        _deadline: asyncio.TimerHandle | None = None
+        _idle_since = 0.0
+
+        def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._await_request()
+            open_ = [c for c in self.connections
+                     if isinstance(c, Guarded) and not c.transport.is_closing()]
+            if len(open_) > max_connections:  # (a closed one leaves the set a little later)
+                idle = [c for c in open_ if not c.busy]
+                min(idle, key=lambda c: c._idle_since, default=self).cut()
+
+        @property
+        def busy(self) -> bool:
+            """A request in progress (its headers arrived, its response not complete)."""
+            return self.cycle is not None and not self.cycle.response_complete
+
+        def _await_request(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+            self._idle_since = time.monotonic()
+            self._deadline = self.loop.call_later(client_timeout, self._expire)
+
+        def _expire(self) -> None:
+            if not self.busy:
+                self.cut()
+
+        def cut(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+            if not self.transport.is_closing():
+                self.transport.close()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._await_request()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+            super().connection_lost(exc)
+
+    return Guarded
+
+
+def start_server(app: Starlette, host: str, port: int, client_timeout: float = 30.0,
+                 max_connections: int = 512) -> tuple[Any, threading.Thread]:
+    """Serve ``app`` with uvicorn on a thread (signals stay with the main thread), its
+    connections guarded (:func:`_guarded_protocol`); returns (the server, its thread) once it
+    listens. Raises OSError if the port cannot be bound."""
     import uvicorn  # pants: no-infer-dep
 
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                           access_log=False, timeout_graceful_shutdown=5))
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=host, port=port, log_level="warning", access_log=False,
+        timeout_graceful_shutdown=5, http=_guarded_protocol(client_timeout, max_connections)))
     failure: list[BaseException] = []
 
     def run() -> None:

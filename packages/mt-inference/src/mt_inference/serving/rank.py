@@ -38,6 +38,10 @@ class ServeSpec:
     request_timeout: float = 600.0
     api_key: str | None = field(default=None, repr=False)
     """The /v1 routes need ``Authorization: Bearer API_KEY`` (None: open)."""
+    client_timeout: float = 30.0
+    """Seconds a client has to send a request's headers, and then its body."""
+    max_connections: int = 512
+    """Open connections at most (the idlest without a request makes room)."""
 
     @property
     def name(self) -> str:
@@ -112,12 +116,15 @@ def serve_rank(spec: ServeSpec, info: LaunchInfo | None,
     from mt_inference.serving.http import ServerConfig, build_app, start_server
 
     inbox = Inbox(spec.max_waiting)
-    limits = Limits(loop.batch.model.max_positions, served.vocab_size, spec.max_prompts,
-                    spec.max_tokens)
+    # A request's rows (prompts x n) run together on one replica: at most --max-batch.
+    limits = Limits(loop.batch.model.max_positions, served.vocab_size,
+                    min(spec.max_prompts, spec.max_batch), spec.max_tokens)
     config = ServerConfig(spec.name, limits,
                           tokenizer.encode, tokenizer.decode, (tokenizer.eod_id,),
-                          spec.max_body_bytes, spec.request_timeout, spec.api_key)
-    server, thread = start_server(build_app(config, inbox), spec.host, spec.port)
+                          spec.max_body_bytes, spec.request_timeout, spec.api_key,
+                          spec.client_timeout, spec.max_connections)
+    server, thread = start_server(build_app(config, inbox), spec.host, spec.port,
+                                  spec.client_timeout, spec.max_connections)
     signals: list[int] = []
 
     def on_signal(signum: int, _frame: Any) -> None:
