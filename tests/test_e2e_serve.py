@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import json
 import os
 import signal
 import subprocess
@@ -218,6 +219,44 @@ def test_models_retrieve_405_n_and_stream_usage(server: Server) -> None:
     assert all(c.usage is None for c in chunks[:-1]) and not chunks[-1].choices
     whole = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=8, temperature=0)
     assert chunks[-1].usage.model_dump() == whole.usage.model_dump()
+
+
+def _events(server: Server, body: dict) -> list[dict]:
+    response = server.post({**body, "stream": True})
+    assert response.status_code == 200, response.text
+    lines = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line)["choices"][0] for line in lines[:-1]]
+
+
+def test_logprobs_follow_the_text_a_stop_string_cuts(server: Server) -> None:
+    """With a stop string the log-probabilities are those of the tokens the text keeps (the
+    fewest that hold it), whole or streamed, and a stream's text offsets run on from chunk to
+    chunk (they restarted at 0 in every chunk; the stop's tokens were listed past the cut)."""
+    body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "logprobs": 2}
+    full = server.post(body).json()["choices"][0]
+    pieces, scores = full["logprobs"]["tokens"], full["logprobs"]["token_logprobs"]
+    assert "".join(pieces) == full["text"]
+    starts = [sum(map(len, pieces[:i])) for i in range(len(pieces))]
+    assert full["logprobs"]["text_offset"] == starts
+    streamed = _events(server, body)
+    assert [t for c in streamed for t in c["logprobs"]["tokens"]] == pieces
+    assert [o for c in streamed for o in c["logprobs"]["text_offset"]] == starts
+    k = next(i for i in range(2, len(pieces)) if len(pieces[i]) > 1 and len(pieces[i - 1]) > 1)
+    for stop in (pieces[k], pieces[k - 1][-1] + pieces[k][:1]):  # a token; across two
+        cut = full["text"].index(stop)
+        kept = next(n for n in range(len(pieces) + 1) if sum(map(len, pieces[:n])) >= cut)
+        whole = server.post({**body, "stop": stop}).json()
+        choice, usage = whole["choices"][0], whole["usage"]
+        assert choice["text"] == full["text"][:cut] and choice["finish_reason"] == "stop"
+        assert choice["logprobs"]["tokens"] == pieces[:kept], (stop, choice)
+        assert choice["logprobs"]["token_logprobs"] == scores[:kept]
+        assert choice["logprobs"]["text_offset"] == starts[:kept]
+        assert usage["completion_tokens"] == kept
+        chunks = _events(server, {**body, "stop": stop})
+        assert "".join(c["text"] for c in chunks) == full["text"][:cut]
+        assert [t for c in chunks for t in c["logprobs"]["tokens"]] == pieces[:kept]
+        assert [o for c in chunks for o in c["logprobs"]["text_offset"]] == starts[:kept]
 
 
 def test_64_concurrent_clients_and_a_full_queue(server: Server) -> None:

@@ -329,11 +329,14 @@ class Choice:
     finish_reason: str | None = None
     completion_tokens: int = 0
     prompt_tokens: int = 0
+    offset: int = 0
+    """Where the first of ``tokens`` starts in the whole text (a streamed chunk's: the
+    characters of the tokens sent before it)."""
 
     def logprobs_body(self) -> dict[str, Any] | None:
         if self.tokens is None:
             return None
-        offsets, at = [], 0
+        offsets, at = [], self.offset
         for token in self.tokens:
             offsets.append(at)
             at += len(token)
@@ -350,6 +353,19 @@ def token_logprobs(choice: Choice, pieces: Sequence[str], logprobs: Sequence[flo
     choice.tokens += pieces
     choice.token_logprobs += logprobs
     choice.top_logprobs += tops
+
+
+def move_logprobs(source: Choice, targets: Sequence[Choice], keep: int | None = None) -> None:
+    """Move ``source``'s token entries (the first ``keep`` of them; None: all) to the end of
+    each of ``targets``, leaving ``source`` without any."""
+    if source.tokens is None:
+        return
+    assert source.token_logprobs is not None and source.top_logprobs is not None
+    end = len(source.tokens) if keep is None else max(0, keep)
+    for target in targets:
+        token_logprobs(target, source.tokens[:end], source.token_logprobs[:end],
+                       source.top_logprobs[:end])
+    source.tokens = source.token_logprobs = source.top_logprobs = None
 
 
 def top_dict(top: Sequence[tuple[int, float]], decode: Callable[[list[int]], str]

@@ -27,6 +27,7 @@ from mt_inference.serving.api import (
     ApiError,
     Choice,
     Completion,
+    move_logprobs,
     new_logprobs,
     scores_logprobs,
 )
@@ -132,6 +133,11 @@ class _Row:
     replica: int
     stream: TextStream
     choice: Choice
+    held: Choice = field(default_factory=lambda: Choice(0))
+    """Log-probability entries of tokens whose text is held back (a stop string may still
+    cut them): sent with the text they make, dropped where a stop string cuts it."""
+    sent: int = 0
+    """Characters of the token entries sent so far (the next chunk's text offset)."""
 
 
 class Dispatcher:
@@ -254,6 +260,7 @@ class Dispatcher:
             scores_logprobs(delta, prompt, scores, self.decode)
             scores_logprobs(row.choice, prompt, scores, self.decode)
         row.choice.text += text
+        row.sent = sum(map(len, delta.tokens or ()))
         if completion.stream:
             row.job.put("delta", delta)
 
@@ -264,16 +271,21 @@ class Dispatcher:
             delta.text = row.stream.push(event.token)
             row.choice.completion_tokens += 1
             if completion.logprobs is not None:
-                new_logprobs(delta, event, self.decode)
-                new_logprobs(row.choice, event, self.decode)
+                new_logprobs(row.held, event, self.decode)
         finish = "stop" if row.stream.stopped else event.finish
+        keep = None  # of the held entries
         if finish is not None:
             delta.text += row.stream.flush()
             delta.finish_reason = row.choice.finish_reason = finish
             if row.stream.stopped:
-                row.choice.completion_tokens = row.stream.kept()
+                kept = row.choice.completion_tokens = row.stream.kept()
+                keep = kept - (len(row.stream.tokens) - len(row.held.tokens or ()))
                 if event.finish is None:
                     self._cancel.append(key)
+        if delta.text or finish is not None:  # the entries go out with the text they make
+            delta.offset = row.sent
+            move_logprobs(row.held, [delta, row.choice], keep)
+            row.sent += sum(map(len, delta.tokens or ()))
         row.choice.text += delta.text
         if completion.stream and (delta.text or delta.tokens or delta.finish_reason):
             row.job.put("delta", delta)
