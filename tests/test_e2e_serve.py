@@ -158,6 +158,8 @@ def test_bad_requests_get_json_errors(server: Server) -> None:
         ({"prompt": "x", "temprature": 0.5}, 400, "temprature"),
         ({"prompt": "x", "n": 0}, 400, "n"),
         ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+        (b'{"prompt": "x", "prompt": "y"}', 400, "prompt"),  # which one? (the last won)
+        (b'{"prompt": "x", "\\ud800": 1, "\\ud800": 2}', 400, None),  # echoed: was a 500
     ]
     for body, status, param in cases:
         response = server.post(body)
@@ -257,6 +259,20 @@ def test_logprobs_follow_the_text_a_stop_string_cuts(server: Server) -> None:
         assert "".join(c["text"] for c in chunks) == full["text"][:cut]
         assert [t for c in chunks for t in c["logprobs"]["tokens"]] == pieces[:kept]
         assert [o for c in chunks for o in c["logprobs"]["text_offset"]] == starts[:kept]
+
+
+def test_a_stream_refused_before_its_first_token_gets_its_status(
+        model: dict[str, Path]) -> None:
+    """A request past its time before it started gets 504, streamed or not (a stream got a
+    200 whose one event was the error: its status was sent before the job was queued)."""
+    hurried = Server(model["ckpt"], model["root"] / "hurried.log", "--request-timeout", "1e-6")
+    try:
+        for stream in (False, True):
+            refused = hurried.post({"prompt": PROMPT, "max_tokens": 4, "stream": stream})
+            assert refused.status_code == 504, (stream, refused.text)
+            assert refused.json()["error"]["type"] == "timeout"
+    finally:
+        assert hurried.stop() == 0, hurried.log.read_text()
 
 
 def test_64_concurrent_clients_and_a_full_queue(server: Server) -> None:

@@ -176,6 +176,7 @@ class Dispatcher:
                 self._end(job, "error", ApiError(504, "the request timed out", kind="timeout"))
         if not self.rows and not self._cancel:
             self.inbox.wait(_IDLE_WAIT_S)
+            clock = time.monotonic()  # the jobs that came meanwhile are judged now
         admit = []
         job_replica: dict[str, int] = {}
 

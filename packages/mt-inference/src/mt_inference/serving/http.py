@@ -38,6 +38,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse  # pan
 from starlette.routing import Route  # pants: no-infer-dep
 
 from mt_inference.serving.api import (
+    FIELDS,
     ApiError,
     Choice,
     Limits,
@@ -99,11 +100,23 @@ async def _body(request: Request, limit: int, seconds: float) -> bytes:
     return bytes(body)
 
 
+def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose names are all different (else which value was meant?)."""
+    seen: dict[str, Any] = {}
+    for name, value in pairs:
+        if name in seen:
+            raise ApiError(400, f"the request body gives {json.dumps(name[:40])} twice",
+                           name if name in FIELDS else None)  # (dumps: lone surrogates too)
+        seen[name] = value
+    return seen
+
+
 def _json(raw: bytes) -> Any:
-    """The parsed body, or a 400 saying why not (malformed, not UTF-8, nested past the
-    parser's depth, a number of more digits than Python converts)."""
+    """The parsed body, or a 400 saying why not (malformed, not UTF-8, a name given twice in
+    one object, nested past the parser's depth, a number of more digits than Python
+    converts)."""
     try:
-        return json.loads(raw)
+        return json.loads(raw, object_pairs_hook=_unique)
     except RecursionError:
         raise ApiError(400, "the request body is not valid JSON for mt serve (nested too "
                        "deep)") from None
@@ -180,9 +193,18 @@ class _Handlers:
                                    kind="rate_limit_exceeded"), {"Retry-After": "1"})
         if refusal == "draining":
             return _error(ApiError(503, "the server is shutting down", kind="unavailable"))
-        if completion.stream:
-            return StreamingResponse(self.events(job, now()), media_type="text/event-stream")
-        return await self.whole(job, now(), request)
+        created = now()
+        if not completion.stream:
+            return await self.whole(job, created, request)
+        # The stream's status waits for its first event: a request refused before it started
+        # (timed out waiting for room, failed at its prefill) gets its own status, not a 200.
+        first = await self.next_event(job, request)
+        if first is None:
+            return Response(status_code=499)
+        if first[0] == "error":
+            return _error(first[1])
+        return StreamingResponse(self.events(job, created, first),
+                                 media_type="text/event-stream")
 
     def parse(self, raw: bytes) -> Any:
         """The checked completion request of body ``raw`` (ApiError: why not)."""
@@ -190,25 +212,34 @@ class _Handlers:
         return parse_completion(_json(raw), config.model, config.encode, config.decode,
                                 config.limits, config.stop_ids)
 
+    @staticmethod
+    async def next_event(job: Job, request: Request) -> tuple[str, Any] | None:
+        """The job's next event, or None once its client has gone (the job is cancelled)."""
+        while True:
+            try:
+                return await asyncio.wait_for(job.queue.get(), 1.0)
+            except TimeoutError:
+                if await request.is_disconnected():
+                    job.cancelled = True
+                    return None
+
     async def whole(self, job: Job, created: int, request: Request) -> Response:
         try:
-            while True:
-                try:
-                    kind, value = await asyncio.wait_for(job.queue.get(), 1.0)
-                except TimeoutError:
-                    if await request.is_disconnected():
-                        return Response(status_code=499)
-                    continue
+            while (event := await self.next_event(job, request)) is not None:
+                kind, value = event
                 if kind == "done":
                     return JSONResponse(completion_body(job.ident, self.config.model,
                                                         created, value))
                 if kind == "error":
                     return _error(value)
+            return Response(status_code=499)
         finally:
             if not job.finished:
                 job.cancelled = True
 
-    async def events(self, job: Job, created: int) -> AsyncIterator[str]:
+    async def events(self, job: Job, created: int, first: tuple[str, Any]
+                     ) -> AsyncIterator[str]:
+        """The server-sent events of a stream, from the job's ``first`` event on."""
         usage = job.completion.include_usage
 
         def event(choice: Choice | None, counts: dict[str, int] | None = None) -> str:
@@ -216,18 +247,16 @@ class _Handlers:
             return f"data: {json.dumps(chunk)}\n\n"
 
         try:
-            while True:
+            kind, value = first
+            while kind == "delta":
+                yield event(value)
                 kind, value = await job.queue.get()
-                if kind == "delta":
-                    yield event(value)
-                elif kind == "error":
-                    yield f"data: {json.dumps(error_body(value.message, value.kind))}\n\n"
-                    return
-                else:
-                    if usage:
-                        yield event(None, usage_body(value))
-                    yield "data: [DONE]\n\n"
-                    return
+            if kind == "error":  # failed after its first event: the 200 is sent already
+                yield f"data: {json.dumps(error_body(value.message, value.kind))}\n\n"
+                return
+            if usage:
+                yield event(None, usage_body(value))
+            yield "data: [DONE]\n\n"
         finally:
             if not job.finished:  # the client went away mid-stream
                 job.cancelled = True
