@@ -287,14 +287,15 @@ def _adam_costs() -> tuple[float, float]:
 
 def _comm_costs(bucket: int, compute_s: float, tp_message: int = 0, tp: int = 1,
                 sp: bool = False, unit: int = 0
-                ) -> tuple[float, float, float, float, float, float, float]:
+                ) -> tuple[float, float, float, float, float, float, float, float]:
     """(all-reduce bus bandwidth bytes/s, fixed cost of a small message s, fixed cost of a
     bucket-sized one s, all-gather scratch per output byte, fixed cost of a TP collective
     of ``tp_message`` elements over ``tp`` ranks (:func:`_tp_latency`; 0 with ``tp`` 1),
     a collective's speed under compute (:func:`_rate_under_compute`), the bus bandwidth
     of an all-reduce of ``unit`` elements (ZeRO-3's largest gather, the stage's rest: on
     gloo a few MB move at about half the rate of the bucket's tens of MB; 0 with ``unit``
-    0)).
+    0), the fixed cost of a one-element all-reduce repeated back to back (collectives the
+    ranks reach in step: ZeRO-3's per-unit gathers and reductions)).
     Bandwidth is the line through
     two back-to-back all-reduces of ``bucket`` elements (the model's DP bucket) and of a
     size 4x apart. The fixed costs are timed as a step meets them: after ``compute_s`` of
@@ -361,7 +362,7 @@ def _comm_costs(bucket: int, compute_s: float, tp_message: int = 0, tp: int = 1,
                             average=statistics.mean)
         unit_bw = 2.0 * (world - 1) / world * unit * 4 / max(took - back_to_back, 1e-9)
     return (bandwidth, latency, bulk, min(2.0, max(0.0, grown / (out.numel() * 4))),
-            tp_latency, rate, unit_bw)
+            tp_latency, rate, unit_bw, back_to_back)
 
 
 def _rate_under_compute(data: torch.Tensor, alone: float, square: torch.Tensor,
@@ -449,13 +450,14 @@ def _measure(gpt: GPTConfig, rows: int, step_rows: int, tp: int = 1, sp: bool = 
     # ZeRO-3's largest gather: the stage's rest (embedding, positions, final norm, head).
     rest = (gpt.vocab_size * gpt.hidden * (1 if gpt.tied_embeddings else 2) // tp
             + (gpt.seq_len * gpt.hidden if gpt.position == "learned" else 0) + 2 * gpt.hidden)
-    bandwidth, latency, bulk, scratch, tp_latency, rate, unit_bw = _comm_costs(
+    bandwidth, latency, bulk, scratch, tp_latency, rate, unit_bw, stepped = _comm_costs(
         bucket, compute_s, rows * gpt.hidden, tp, sp, rest)
     adam, tensor = _adam_costs()
     rates = {"peak_flops": flops, "memory_bytes_per_s": 3 * x.numel() * 4 / add,
              "alloc_bytes_per_s": big.numel() * 4 / max(fresh - reuse, 1e-6),
              "nvlink_bytes_per_s": bandwidth, "link_latency_s": latency,
-             "bulk_latency_s": bulk, "tp_latency_s": tp_latency,
+             "bulk_latency_s": bulk, "stepped_latency_s": stepped,
+             "tp_latency_s": tp_latency,
              "comm_rate_under_compute": rate, "gather_scratch": scratch,
              "gather_bytes_per_s": unit_bw,
              "optimizer_params_per_s": adam,
@@ -638,7 +640,8 @@ def _case(name: str, lname: str, overrides: dict[str, Any], runtime: float,
           f"{spec.optimizer_params_per_s / 1e6:.0f} M params/s + "
           f"{spec.tensor_overhead_s * 1e6:.0f} us/tensor, gloo "
           f"{spec.nvlink_bytes_per_s / 1e9:.2f} GB/s + {spec.link_latency_s * 1e6:.0f} us "
-          f"(bucket {spec.bulk_latency_s * 1e6:.0f} us, TP {spec.tp_latency_s * 1e6:.0f} us; "
+          f"(bucket {spec.bulk_latency_s * 1e6:.0f} us, in step "
+          f"{spec.stepped_latency_s * 1e6:.0f} us, TP {spec.tp_latency_s * 1e6:.0f} us; "
           f"{spec.comm_rate_under_compute:.2f} of its speed under compute; ZeRO-3 gathers "
           f"{spec.gather_bytes_per_s / 1e9:.2f} GB/s), "
           f"gather scratch {spec.gather_scratch:.2f}, framework "

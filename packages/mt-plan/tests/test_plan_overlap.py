@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from mt_model import count_parameters, preset
-from mt_plan.estimate import EFFICIENCY, dp_overlap, estimate
+from mt_plan.estimate import EFFICIENCY, Zero3Units, dp_overlap, estimate
 from mt_plan.gpus import GPUS
 from mt_plan.layout import ParallelLayout
 
@@ -114,14 +114,17 @@ def test_collectives_under_compute_progress_at_the_given_rate() -> None:
 
 def test_zero3_rest_and_first_layer_are_exposed() -> None:
     """mt-zero gathers a pass's rest unit (embedding, head) first and the first layer right
-    after its short compute: both exposed; the other layers hide under the layer before."""
+    after its short compute: both exposed; the other layers hide under the layer before.
+    The last backward reduces each unit as its backward ends: the first layer's reduction
+    and then the rest's (its embedding's backward as short) are exposed whole, each at its
+    own size (measured on gloo, DP 4: 14 and 17 ms, where one even unit gave 12)."""
     lay = _layout(zero_stage=3)
     m, units = lay.num_micro_batches, 5  # 4 layers and the rest
-    first, layer, reduce = 0.03, 0.01, 0.02
-    weights, grads = 2 * m * (first + 3 * layer), units * reduce
+    first, layer, layer_reduce, rest_reduce = 0.03, 0.01, 0.01, 0.027
+    weights, grads = 2 * m * (first + 3 * layer), 4 * layer_reduce + rest_reduce
     exposed, hidden = dp_overlap(lay, grads, weights, 0.0, units, 1.0, 2.0,
-                                 units=(first, layer))
-    assert exposed == pytest.approx(2 * m * first + grads / units)
+                                 units=Zero3Units(first, layer, layer_reduce, rest_reduce))
+    assert exposed == pytest.approx(2 * m * first + layer_reduce + rest_reduce)
     assert exposed + hidden == pytest.approx(weights + grads)
 
 
@@ -144,6 +147,26 @@ def test_zero3_gathers_at_their_own_bandwidth() -> None:
     weights = count_parameters(gpt) * 2 * gathers * 3 / 4 / link  # bf16 bytes, (d-1)/d
     assert half.dp_comm_time_s - default.dp_comm_time_s == pytest.approx(weights, rel=1e-9)
     assert half.exposed_comm_s > default.exposed_comm_s
+
+
+def test_zero3_units_pay_the_in_step_fixed_cost() -> None:
+    """GPUSpec.stepped_latency_s: ZeRO-3's per-unit gathers and reductions, which the ranks
+    reach back to back, pay it instead of the small message's and the bucket's fixed costs
+    (calibrated after compute, the ranks' skew in them: on gloo with two ranks on two cores
+    the gathers cost their bytes alone beyond the peer waits, 2-6 ms less than those); 0
+    keeps the small message's. Every unit, 2 gathers per micro-batch and 1 reduction."""
+    gpt = preset("gpt2-small")
+    lay = ParallelLayout(tp=1, pp=1, dp=4, global_batch=32, micro_batch=2, zero_stage=3,
+                         recompute="none", precision="bf16")
+    base = dataclasses.replace(GPUS["a100-80gb"], link_latency_s=2e-3, bulk_latency_s=5e-3)
+    default = estimate(gpt, lay, base)
+    stepped = estimate(gpt, lay, dataclasses.replace(base, stepped_latency_s=1e-4))
+    same = estimate(gpt, lay, dataclasses.replace(base, stepped_latency_s=2e-3))
+    assert same.dp_comm_time_s == pytest.approx(default.dp_comm_time_s, rel=1e-12)
+    units = gpt.n_layers + 1  # the layers and the rest
+    collectives = (2 * lay.num_micro_batches + 1) * units
+    assert default.dp_comm_time_s - stepped.dp_comm_time_s == pytest.approx(
+        collectives * (2e-3 - 1e-4), rel=1e-9)
 
 
 def test_column_layers_input_gradients_reduce_under_their_weight_gradients() -> None:

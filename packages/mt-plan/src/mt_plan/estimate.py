@@ -51,8 +51,8 @@ from mt_zero.precision import PRECISIONS
 
 __all__ = ["EFFICIENCY", "MTNLG_GPU", "MTNLG_PUBLISHED", "Estimate", "LayoutError",
            "ParallelLayout", "activation_bytes_per_layer", "attention_flops",
-           "calibrate_efficiency", "dp_overlap", "estimate", "peak_in_flight", "stage_memory",
-           "zero_bytes"]
+           "Zero3Units", "calibrate_efficiency", "dp_overlap", "estimate", "peak_in_flight",
+           "stage_memory", "zero_bytes"]
 
 #: Fraction of peak bf16 FLOP/s the GEMMs reach; fitted by :func:`calibrate_efficiency` to
 #: MT-NLG 530B on A100-80GB (TP 8, PP 35, DP 8/10/12); the only tuned number of the model.
@@ -618,18 +618,24 @@ def _step_costs(gpt: GPTConfig, layout: ParallelLayout, gpu: GPUSpec) -> dict:
     units = None
     if layout.zero_stage == 3 and d > 1:
         # A pass gathers the stage's rest (embedding, positions, final norm, head) first,
-        # at a bucket's fixed cost (the ranks' skew after compute), then each layer as the
-        # one before it arrives (the prefetch: the ranks meet in step), at a small
-        # message's. ``units``, for dp_overlap: (a pass's first two gathers, a layer's).
+        # then each layer as the one before it arrives (the prefetch), and the last backward
+        # reduces each unit's gradients as its backward ends: collectives the ranks reach
+        # in step, at that fixed cost (the skew of the ranks' compute is another matter:
+        # the bucket's fixed cost). ``units``, for dp_overlap: a pass's first two gathers,
+        # a layer's gather, a layer's reduction, the rest's reduction.
         layers = max(stage_layers(gpt.n_layers, layout))
         worst = _stage_params(gpt, layout).index(stage_params)
         rest = _params_of(gpt, layout, worst, 0)
         layer = (stage_params - rest) / max(layers, 1)
         unit_bw = gpu.gather_bytes_per_s or dp_bw
+        stepped = gpu.stepped_latency_s or lat
         per_byte = weight_volume / gathers * width * (d - 1) / d / unit_bw
-        g_rest, g_layer = rest * per_byte + bulk, layer * per_byte + lat
+        g_rest, g_layer = rest * per_byte + stepped, layer * per_byte + stepped
         weights = gathers * (g_rest + layers * g_layer)
-        units = (g_rest + g_layer, g_layer)
+        reduce_byte = grad_volume * grad_width(layout.precision, layout.main_grads) * share
+        r_rest, r_layer = rest * reduce_byte + stepped, layer * reduce_byte + stepped
+        grads = r_rest + layers * r_layer
+        units = Zero3Units(g_rest + g_layer, g_layer, r_layer, r_rest)
     # Small collectives every step: the loss mean, the gradient norm, the loss broadcast;
     # with sequence parallelism also the gradients of the TP-replicated parameters (norms,
     # row-parallel biases, learned positions), summed over TP once per step in one bucket.
@@ -654,9 +660,24 @@ def _step_costs(gpt: GPTConfig, layout: ParallelLayout, gpu: GPUSpec) -> dict:
             "framework": framework}
 
 
+@dataclass(frozen=True)
+class Zero3Units:
+    """Seconds of ZeRO-3's per-unit collectives (:func:`dp_overlap`): the stage's rest (its
+    embedding, positions, final norm and head) and each of its layers is a unit."""
+
+    first: float
+    """A pass's first two gathers: the rest's, then the first layer's."""
+    layer: float
+    """One further layer's gather."""
+    layer_reduce: float
+    """One layer's gradient reduction."""
+    rest_reduce: float
+    """The rest's gradient reduction (the last: the embedding's backward ends the pass)."""
+
+
 def dp_overlap(layout: ParallelLayout, grads_s: float, weights_s: float, small_s: float,
                buckets: float, forward_s: float, backward_s: float, rate: float = 1.0,
-               units: tuple[float, float] | None = None) -> tuple[float, float]:
+               units: Zero3Units | None = None) -> tuple[float, float]:
     """(exposed, hidden) seconds of one step's data-parallel communication, as mt-zero
     overlaps it with a micro-batch's ``forward_s`` / ``backward_s`` (a pure model).
     ``rate``: how fast a collective progresses while the rank computes, as a share of its
@@ -674,10 +695,11 @@ def dp_overlap(layout: ParallelLayout, grads_s: float, weights_s: float, small_s
       backward also reduce-scatters each unit's gradients: per pass the first gather is
       exposed and each further unit exposes what its collectives take beyond the previous
       unit's compute (``buckets``: the units, each layer and the stage's rest). With
-      ``units`` (the seconds of a pass's first two gathers, of one layer's gather) the
-      stage's rest is gathered first and the first layer is not hidden either (the rest's
-      compute, an embedding lookup, is too short to hide it), the other layers as
-      above.
+      ``units`` (:class:`Zero3Units`) the stage's rest is gathered first and the first
+      layer is not hidden either (the rest's compute, an embedding lookup, is too short to
+      hide it), the other layers as above; the last backward's last two reductions, the
+      first layer's and the rest's, are exposed whole (the embedding's backward between
+      them is as short).
     - The step's small collectives (loss mean, gradient norm) are exposed.
     """
     total = grads_s + weights_s + small_s
@@ -696,10 +718,14 @@ def dp_overlap(layout: ParallelLayout, grads_s: float, weights_s: float, small_s
     gather = weights_s / (2 * m * k)  # one unit's weights, once
     reduce = grads_s / k
     f, b = forward_s / k * rate, backward_s / k * rate  # collective-seconds a unit covers
-    first, each, n = (gather, gather, k - 1) if units is None else (*units, k - 2)
+    if units is None:
+        first, each, n, tail = gather, gather, k - 1, reduce
+    else:  # layers 2.. hide under the layer before; layer 1's and the rest's reductions not
+        first, each, n = units.first, units.layer, k - 2
+        reduce, tail = units.layer_reduce, units.layer_reduce + units.rest_reduce
     per_forward = first + n * max(0.0, each - f)
     per_backward = first + n * max(0.0, each - b)
-    last_backward = first + n * max(0.0, each + reduce - b) + reduce
+    last_backward = first + n * max(0.0, each + reduce - b) + tail
     exposed = m * per_forward + (m - 1) * per_backward + last_backward + small_s
     return min(exposed, total), max(0.0, total - exposed)
 

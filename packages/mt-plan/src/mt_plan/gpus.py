@@ -43,9 +43,13 @@ class GPUSpec:
         bulk_latency_s: fixed seconds of a collective carrying a gradient bucket, a
             parameter shard or the tied embedding's gradient, where it differs from a small
             message's (gloo on CPU: an all-reduce of 1 MB costs ~2 ms beyond its bytes, one
-            of 4 bytes 0.2-0.6 ms, most of it the ranks' skew after compute); ZeRO-3's
-            prefetched gathers after a pass's first pay ``link_latency_s``; 0 means
+            of 4 bytes 0.2-0.6 ms, most of it the ranks' skew after compute); 0 means
             ``link_latency_s``.
+        stepped_latency_s: fixed seconds of a collective the ranks reach in step, with no
+            compute of theirs between it and the one before (ZeRO-3's gathers and
+            reductions of its units, which the prefetch and the backward launch back to
+            back: gloo on CPU, a one-element all-reduce repeated, 0.1 ms over two ranks that
+            have a core each, more where ranks share one); 0 means ``link_latency_s``.
         tp_latency_s: fixed seconds of a tensor-parallel collective of a layer's
             activation (all-reduce, or all-gather / reduce-scatter with sequence
             parallelism) between the layer's matmuls, where it differs from a small
@@ -105,6 +109,7 @@ class GPUSpec:
     head_overhead_s: float = 0.0
     link_latency_s: float = 0.0
     bulk_latency_s: float = 0.0
+    stepped_latency_s: float = 0.0
     tp_latency_s: float = 0.0
     comm_rate_under_compute: float = 0.0
     gather_bytes_per_s: float = 0.0

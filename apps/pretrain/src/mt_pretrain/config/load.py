@@ -7,6 +7,7 @@ import dataclasses
 import importlib.util
 import json
 import math
+import reprlib
 from collections.abc import Mapping
 from dataclasses import fields
 from functools import cache
@@ -31,18 +32,32 @@ SHIPPED = Path(__file__).parent.parent / "configs"
 _TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
 
 
+_SHOWN = reprlib.Repr()
+_SHOWN.maxlevel, _SHOWN.maxlist, _SHOWN.maxdict, _SHOWN.maxstring = 2, 4, 4, 60
+
+
+def _shown(value: Any) -> str:
+    """``value`` for an error message, bounded (a YAML alias bomb is a value whose full repr
+    would not fit in memory)."""
+    return _SHOWN.repr(value)
+
+
 def _coerce(name: str, value: Any, f: dataclasses.Field) -> Any:
     """``value`` as the field's type (YAML gives '1e9' as a string, 5 for a float); a value
-    of the wrong kind is a ConfigError naming the field, the value and what is allowed."""
+    of the wrong kind, or null where the field has no "none", is a ConfigError naming the
+    field, the value and what is allowed."""
     kind = str(f.type).split(" ")[0].rstrip("|")
     if value is None:
-        return None
+        if "None" in str(f.type):
+            return None
+        default = "" if f.default is dataclasses.MISSING else f" (default: {f.default!r})"
+        raise ConfigError(f"{name} is null: give a value or leave the key out{default}")
     if kind == "bool":
         if isinstance(value, bool):
             return value
         if isinstance(value, str) and value.lower() in _TRUE + _FALSE:
             return value.lower() in _TRUE
-        raise ConfigError(f"{name} must be true or false, got {value!r}")
+        raise ConfigError(f"{name} must be true or false, got {_shown(value)}")
     if kind == "int":
         if isinstance(value, int) and not isinstance(value, bool):
             return value  # exact (through a float, 2**63 - 1 became 2**63)
@@ -54,7 +69,7 @@ def _coerce(name: str, value: Any, f: dataclasses.Field) -> Any:
         except ValueError:
             number = math.nan
         if not math.isfinite(number) or number != int(number):
-            raise ConfigError(f"{name} must be an integer, got {value!r}")
+            raise ConfigError(f"{name} must be an integer, got {_shown(value)}")
         return int(number)
     if kind == "float":
         try:
@@ -62,9 +77,9 @@ def _coerce(name: str, value: Any, f: dataclasses.Field) -> Any:
                 return float(value)
         except ValueError:
             pass
-        raise ConfigError(f"{name} must be a number, got {value!r}")
+        raise ConfigError(f"{name} must be a number, got {_shown(value)}")
     if kind == "str" and not isinstance(value, str):
-        raise ConfigError(f"{name} must be a string, got {value!r}")
+        raise ConfigError(f"{name} must be a string, got {_shown(value)}")
     return value
 
 
@@ -172,8 +187,9 @@ def load_config(path: str | Path | None = None,
     nested: Mapping[str, Any] = {}
     if path is not None:
         path = Path(path)
-        if not path.is_file() and (SHIPPED / f"{path.name.removesuffix('.yaml')}.yaml").is_file():
-            path = SHIPPED / f"{path.name.removesuffix('.yaml')}.yaml"
+        shipped = SHIPPED / f"{path.name.removesuffix('.yaml')}.yaml"
+        if not path.is_file() and len(path.parts) == 1 and shipped.is_file():  # a bare name
+            path = shipped
         if not path.is_file():
             names = sorted(p.stem for p in SHIPPED.glob("*.yaml"))
             raise ConfigError(f"config file {path} not found (shipped configs: {names})")
