@@ -158,8 +158,8 @@ def test_bad_requests_get_json_errors(server: Server) -> None:
         ({"prompt": "x", "temprature": 0.5}, 400, "temprature"),
         ({"prompt": "x", "n": 0}, 400, "n"),
         ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
-        (b'{"prompt": "x", "prompt": "y"}', 400, "prompt"),  # which one? (the last won)
-        (b'{"prompt": "x", "\\ud800": 1, "\\ud800": 2}', 400, None),  # echoed: was a 500
+        (b'{"prompt": "x", "prompt": "y"}', 400, "prompt"),  # which one was meant?
+        (b'{"prompt": "x", "\\ud800": 1, "\\ud800": 2}', 400, None),  # named, escaped
     ]
     for body, status, param in cases:
         response = server.post(body)
@@ -234,7 +234,7 @@ def _events(server: Server, body: dict) -> list[dict]:
 def test_logprobs_follow_the_text_a_stop_string_cuts(server: Server) -> None:
     """With a stop string the log-probabilities are those of the tokens the text keeps (the
     fewest that hold it), whole or streamed, and a stream's text offsets run on from chunk to
-    chunk (they restarted at 0 in every chunk; the stop's tokens were listed past the cut)."""
+    chunk, as in the whole response."""
     body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "logprobs": 2}
     full = server.post(body).json()["choices"][0]
     pieces, scores = full["logprobs"]["tokens"], full["logprobs"]["token_logprobs"]
@@ -263,8 +263,8 @@ def test_logprobs_follow_the_text_a_stop_string_cuts(server: Server) -> None:
 
 def test_a_stream_refused_before_its_first_token_gets_its_status(
         model: dict[str, Path]) -> None:
-    """A request past its time before it started gets 504, streamed or not (a stream got a
-    200 whose one event was the error: its status was sent before the job was queued)."""
+    """A request past its time before it started gets 504, streamed or not (a stream's
+    status waits for its first event)."""
     hurried = Server(model["ckpt"], model["root"] / "hurried.log", "--request-timeout", "1e-6")
     try:
         for stream in (False, True):

@@ -239,8 +239,8 @@ def _open(sock: socket.socket) -> bool:
 
 
 def test_connections_that_ask_nothing_are_cut_off(server: Server) -> None:
-    """One client holding connections (slowloris) once made the server unreachable: each
-    held a file descriptor until the process had none left."""
+    """One client holding connections without asking (slowloris) cannot take every file
+    descriptor of the server: the idlest make room, the rest are closed in time."""
     head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
     sends = [b"", head.encode(), b"P"]
 
@@ -273,7 +273,7 @@ def test_connections_that_ask_nothing_are_cut_off(server: Server) -> None:
         sock.close()
     assert server.alive()
     slash = httpx.post(f"{server.url}/v1/completions/", json={"prompt": "x"}, headers=AUTH,
-                       timeout=10)  # was an empty 307 to the client's Host header
+                       timeout=10)  # no redirect to the client's Host
     assert slash.status_code == 404 and slash.json()["error"]["message"]
     rows = server.post({"prompt": ["a", "b"], "n": 9, "max_tokens": 2})  # over --max-batch
     assert rows.status_code == 400 and rows.json()["error"]["param"] == "n", rows.text

@@ -237,13 +237,12 @@ def test_the_command_line_that_started_a_run_resumes_it() -> None:
     (b"train_steps: 5\ntrain:\n  train_steps: 6\n", r"run.yaml: train_steps is given twice "
                                                     r"\(as train_steps and as "
                                                     r"train.train_steps\); keep one"),
-    # null where the field has no "none": refused (was a traceback, a raw Python error, or
-    # the default in silence)
+    # null where the field has no "none": refused, naming the field and its default
     (b"split: null\n", r"run.yaml: split is null: give a value or leave the key out "
                        r"\(default: '969,30,1'\)"),
     (b"save_interval: null\n", r"run.yaml: save_interval is null: give a value"),
     (b"overwrite: null\n", r"run.yaml: overwrite is null: give a value"),
-    # an alias bomb: its value is named in a bounded line (its whole repr filled the memory)
+    # an alias bomb: its value is named in a bounded line (not its whole repr)
     (b"".join(b"%c: &%c [%s]\n" % (c, c, b",".join([b"*%c" % (c - 1)] * 9) if c > 97 else
               b"1") for c in range(97, 106)) + b"prompt: *i\n",
      r"run.yaml: prompt must be a string, got \[\[\[\.\.\.\], \[\.\.\.\], "),
@@ -259,7 +258,7 @@ def test_bad_yaml_is_one_line_naming_file_field_and_line(tmp_path: Path, text: b
 
 def test_a_config_path_that_is_not_there_is_not_a_shipped_one(tmp_path: Path) -> None:
     """A bare name finds a shipped config; a path that does not exist is refused, even where
-    its file name is a shipped config's (it planned the 8-process demo)."""
+    its file name is a shipped config's."""
     assert load_config("demo-3d").parallel.tp == 2
     with pytest.raises(ConfigError, match=f"config file {tmp_path}/demo-3d.yaml not found"):
         load_config(tmp_path / "demo-3d.yaml")

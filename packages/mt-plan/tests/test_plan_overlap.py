@@ -117,7 +117,7 @@ def test_zero3_rest_and_first_layer_are_exposed() -> None:
     after its short compute: both exposed; the other layers hide under the layer before.
     The last backward reduces each unit as its backward ends: the first layer's reduction
     and then the rest's (its embedding's backward as short) are exposed whole, each at its
-    own size (measured on gloo, DP 4: 14 and 17 ms, where one even unit gave 12)."""
+    own size."""
     lay = _layout(zero_stage=3)
     m, units = lay.num_micro_batches, 5  # 4 layers and the rest
     first, layer, layer_reduce, rest_reduce = 0.03, 0.01, 0.01, 0.027
@@ -152,9 +152,8 @@ def test_zero3_gathers_at_their_own_bandwidth() -> None:
 def test_zero3_units_pay_the_in_step_fixed_cost() -> None:
     """GPUSpec.stepped_latency_s: ZeRO-3's per-unit gathers and reductions, which the ranks
     reach back to back, pay it instead of the small message's and the bucket's fixed costs
-    (calibrated after compute, the ranks' skew in them: on gloo with two ranks on two cores
-    the gathers cost their bytes alone beyond the peer waits, 2-6 ms less than those); 0
-    keeps the small message's. Every unit, 2 gathers per micro-batch and 1 reduction."""
+    (calibrated after compute, the ranks' skew in them); 0 keeps the small message's.
+    Every unit, 2 gathers per micro-batch and 1 reduction."""
     gpt = preset("gpt2-small")
     lay = ParallelLayout(tp=1, pp=1, dp=4, global_batch=32, micro_batch=2, zero_stage=3,
                          recompute="none", precision="bf16")
