@@ -161,3 +161,36 @@ def test_a_task_file_field_of_the_wrong_type_is_one_line(tmp_path: Path) -> None
     assert code == 2 and "Traceback" not in text, text
     assert f"{task}: num_fewshot must be a whole number >= 0, got 'three'" in \
         " ".join(text.split()), text
+
+
+def test_a_tokenizer_other_than_the_runs_is_refused(checkpoint: Path, tmp_path: Path) -> None:
+    """The checkpoint records the fingerprint of the tokenizer the run trained with: another
+    one given with --tokenizer, or the recorded file edited since, is refused in one line
+    (ids of another tokenizer read as other text)."""
+    import dataclasses
+    import shutil
+
+    from mt_checkpoint import find_checkpoint, read_meta
+    from mt_data import load_tokenizer, train_tokenizer
+    from mt_data.corpus import corpus_texts
+
+    step = find_checkpoint(checkpoint)
+    meta = read_meta(step)
+    assert (meta.tokenizer, meta.tokenizer_sha256) == (
+        "tokenizer-1k", load_tokenizer("tokenizer-1k").fingerprint)
+    code, text = _eval(str(checkpoint), "--task", "mt-cloze", "--tokenizer", "gpt2")
+    assert code == 2 and f"{step}: --tokenizer gpt2 is not the one the run trained with " \
+        "(sha256 " in " ".join(text.split()) and "Traceback" not in text, text
+    # The run's tokenizer as a file: the same fingerprint runs; the file edited is refused.
+    tok = tmp_path / "tok.json"
+    load_tokenizer("tokenizer-1k").save(tok)
+    copy = tmp_path / "ckpt" / step.name
+    shutil.copytree(step, copy)
+    (copy / "meta.json").write_text(dataclasses.replace(meta, tokenizer=str(tok)).as_json())
+    code, text = _eval(str(copy), "--task", "mt-cloze", "--limit", "2", "--no-progress")
+    assert code == 0, text
+    train_tokenizer(corpus_texts()[:30], 1000).save(tok)
+    code, text = _eval(str(copy), "--task", "mt-cloze", "--limit", "2", "--no-progress")
+    assert code == 2 and f"{copy}: the tokenizer at {tok} is not the one the run trained " \
+        "with" in " ".join(text.split()) and "restore it, or pass --tokenizer with the " \
+        "run's" in " ".join(text.split()), text

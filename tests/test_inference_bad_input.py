@@ -21,6 +21,12 @@ def test_generate_refuses_an_empty_stop_string_and_names_the_seed_flag(tmp_path:
     missing = str(tmp_path / "no-checkpoint")
     code, text = _run("generate", missing, "--prompt", "The", "--stop", "\n", "--stop", "")
     assert code == 2 and "--stop is empty: give the text to stop before" in text, text
+    # A command line's bytes that are not UTF-8 reach Python as lone surrogates
+    # (surrogateescape), which no tokenizer takes.
+    latin1 = b"caf\xe9".decode("utf-8", "surrogateescape")
+    code, text = _run("generate", missing, "--prompt", latin1, "--stop", "\ud800")
+    assert code == 2 and "--prompt holds the byte 0xe9, not UTF-8, at character 3: give " \
+        "UTF-8 text; --stop holds a lone surrogate \\ud800 at character 0" in text, text
     code, text = _run("generate", missing, "--prompt", "The", "--in-flight", "4")
     assert code == 2 and "--in-flight 4 keeps the stages of a pipeline busy, and --pp 1 has " \
         "one stage" in text, text

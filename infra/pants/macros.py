@@ -13,7 +13,7 @@ def mt_distribution(name, description, extras_require=None, entry_points=None,
         version=version,
         description=description,
         license="Apache-2.0",
-        python_requires=">=3.10",
+        python_requires=">=3.11",
     )
     if extras_require:
         artifact["extras_require"] = extras_require

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from mt_pretrain.cli.app import app
@@ -31,3 +32,35 @@ def test_matrix_refuses_a_filter_that_selects_nothing(tmp_path: Path) -> None:
     assert code == 2 and f"{blocker} is a file, not a folder" in text, text
     code, text = _run("matrix", "--only", "tp2.pp2.dp2", "--list")
     assert code == 0 and "cases" in text, text
+
+
+def test_matrix_replaces_a_markdown_file_only_with_overwrite(tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch
+                                                             ) -> None:
+    """A --markdown file already there: one line naming it, exit 2, before any case runs, its
+    bytes kept; --overwrite without --markdown, or of no regular file, is refused too. With
+    --overwrite it is replaced, and a --markdown in folders not there yet is written (the
+    cases' runs stubbed: what is tested is the file, not the training)."""
+    import mt_pretrain.contract.runner as runner
+    from mt_pretrain.cli.matrix import markdown_table
+
+    monkeypatch.setattr(runner, "run_matrix", lambda *args: [])
+    monkeypatch.setattr(runner, "cpu_isa", lambda: "stub")
+    mine = tmp_path / "mine.md"
+    mine.write_text("precious")
+    for args, line in ((["--markdown", str(mine)], f"error: --markdown {mine} already exists; "
+                        "pass --overwrite to replace it"),
+                       (["--overwrite"], "error: --overwrite replaces the --markdown file: "
+                        "give --markdown too, or leave --overwrite out"),
+                       (["--markdown", "/dev/null", "--overwrite"], "error: --markdown "
+                        "/dev/null is not a regular file; name a file to write")):
+        code, text = _run("matrix", "--only", "tp2.pp2.dp2", *args)
+        assert code == 2 and text == line, text
+    assert mine.read_text() == "precious"
+    new = tmp_path / "new" / "sub" / "table.md"
+    for path in (mine, new):
+        code, text = _run("matrix", "--only", "tp2.pp2.dp2", "--markdown", str(path),
+                          "--overwrite")
+        assert code == 0, text
+        assert path.read_text() == markdown_table([])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.md", "new"]

@@ -141,6 +141,83 @@ def test_calibrate_measures_this_machine_and_is_reused(tmp_path: Path) -> None:
         "file, not a folder" in " ".join(unwritable.output.split())
 
 
+def test_calibrate_keeps_an_existing_file_without_overwrite(tmp_path: Path) -> None:
+    """An existing --calibrate FILE is refused before measuring, and kept; --overwrite
+    replaces it (written beside it, then renamed: no temporary file is left)."""
+    cal = tmp_path / "cpu.yaml"
+    cal.write_text("mine\n")
+    args = ("--model", "tiny", "--global-batch-size", "2", "--micro-batch-size", "2",
+            "--precision", "fp32", "--recompute", "none", "--calibrate", str(cal))
+    refused = _plan(*args)
+    assert refused.exit_code == 2
+    assert " ".join(refused.output.split()) == (
+        f"error: --calibrate {cal} exists; pass --overwrite to replace it, or name another "
+        "file")
+    assert cal.read_text() == "mine\n"
+    replaced = _plan(*args, "--overwrite")
+    assert replaced.exit_code == 0, replaced.output
+    assert "peak_tflops" in cal.read_text() and [p.name for p in tmp_path.iterdir()] == [
+        "cpu.yaml"]
+
+
+def test_an_mt_pretrain_config_plans_its_runs_layout(tmp_path: Path) -> None:
+    """--config with an mt pretrain config plans the layout its run resolves (as `mt pretrain
+    --dry-run` does: degrees, batches, ZeRO stage, precision, sequence parallelism,
+    recomputation), not mt plan's defaults; each flag given overrides the config's value."""
+    from mt_pretrain.config.load import load_config
+    from mt_pretrain.config.resolve import resolve
+
+    config = tmp_path / "run.yaml"
+    config.write_text("model: {model: tiny, seq_len: 64}\n"
+                      "parallel: {nproc: 8, tp: 2, pp: 2, zero_stage: 0, precision: bf16, "
+                      "sequence_parallel: true, recompute: selective}\n"
+                      "train: {global_batch_size: 16, micro_batch_size: 2}\n")
+    keys = ("tp", "pp", "dp", "cp", "global_batch", "micro_batch", "zero_stage", "schedule",
+            "virtual_stages", "sequence_parallel", "recompute", "precision", "chunked_loss",
+            "main_grads")
+    result = _plan("--config", str(config), "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    run = resolve(load_config(config), 8).layout
+    assert {k: data[k] for k in keys} == {k: getattr(run, k) for k in keys}
+    assert (data["tp"], data["pp"], data["dp"], data["global_batch"], data["micro_batch"],
+            data["zero_stage"], data["precision"], data["sequence_parallel"],
+            data["recompute"], data["world_size"]) == (2, 2, 2, 16, 2, 0, "bf16", True,
+                                                       "selective", 8)
+    over = json.loads(_plan("--config", str(config), "--pp", "1", "--micro-batch-size", "1",
+                            "--precision", "fp32", "--json").output)
+    assert (over["tp"], over["pp"], over["dp"], over["micro_batch"], over["precision"],
+            over["zero_stage"], over["world_size"]) == (2, 1, 4, 1, "fp32", 0, 8)
+    rows = json.loads(_plan("--config", str(config), "--search", "--json").output)
+    assert rows and all((r["world_size"], r["global_batch"], r["zero_stage"], r["precision"])
+                        == (8, 16, 0, "bf16") for r in rows)
+    wider = json.loads(_plan("--config", str(config), "--gpus", "16", "--json").output)
+    assert (wider["tp"], wider["pp"], wider["dp"]) == (2, 2, 4)
+
+
+def test_options_that_would_do_nothing_name_what_they_need() -> None:
+    """--failures-per-day without --save-interval (and the other way round), --top without
+    --search, --overwrite without --calibrate, checkpoint options with --search: refused."""
+    cases = [
+        (["--failures-per-day", "2"],
+         "--failures-per-day does nothing without --save-interval: leave it out"),
+        (["--save-interval", "100"],
+         "--save-interval does nothing without --failures-per-day: leave it out"),
+        (["--save-interval", "100", "--restart-minutes", "5"],
+         "--save-interval does nothing without --failures-per-day: leave it out; "
+         "--restart-minutes does nothing without --failures-per-day: leave it out"),
+        (["--top", "3"], "--top does nothing without --search: leave it out"),
+        (["--overwrite"], "--overwrite does nothing without --calibrate: leave it out"),
+        (["--search", "--gpus", "8", "--write-gb-per-s", "2"],
+         "--write-gb-per-s does nothing with --search (it prints no checkpoint figures): "
+         "leave it out"),
+    ]
+    for args, message in cases:
+        result = _plan("--model", "tiny", *args)
+        assert result.exit_code == 2, (args, result.output)
+        assert " ".join(result.output.split()) == f"error: {message}", (args, result.output)
+
+
 def test_context_parallel_plan_reports_the_exchange() -> None:
     """--cp: the layout line names it, the key/value exchange is timed, --json carries cp and
     cp_comm_time_s, and a GPU count CP cannot split is one line."""

@@ -39,3 +39,20 @@ def test_dry_run_memory_equals_plan_estimate(overrides: dict) -> None:
 def _world(overrides: dict) -> int:
     """World size of a case (tp x pp x dp)."""
     return overrides["tp"] * overrides["pp"] * overrides["dp"]
+
+
+def test_dry_run_warns_when_a_rank_would_not_fit_this_machine(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """--seq-len 100000000 printed ~6,199 GiB per rank without a word: now one warning line
+    with the estimate and this machine's memory; the demo's (KiB) gets none."""
+    from mt_plan.memory import device_memory
+    from mt_pretrain.cli.pretrain import DEMO_CONFIG, pretrain_main
+
+    overrides = {"seq_len": 100_000_000, "device": "cpu", "dry_run": True}
+    assert pretrain_main(None, overrides, environ={}) == 0
+    warnings = [line for line in capsys.readouterr().out.splitlines()
+                if line.startswith("warning")]
+    assert warnings == [f"warning    the plan needs ~6199.013 GiB per rank (stage 0), more than "
+                        f"{device_memory('cpu')[1]}: a run here would be refused"]
+    assert pretrain_main(DEMO_CONFIG, {"device": "cpu", "dry_run": True}, environ={}) == 0
+    assert "warning" not in capsys.readouterr().out

@@ -242,6 +242,11 @@ def test_the_command_line_that_started_a_run_resumes_it() -> None:
                        r"\(default: '969,30,1'\)"),
     (b"save_interval: null\n", r"run.yaml: save_interval is null: give a value"),
     (b"overwrite: null\n", r"run.yaml: overwrite is null: give a value"),
+    # integers YAML 1.1 (PyYAML) and YAML 1.2 read differently
+    (b"train:\n  train_steps: 010\n", r"run.yaml line 2: 010 is octal 8 to YAML 1.1 and 10 "
+                                      r"to YAML 1.2; write 8 or 10$"),
+    (b"train_steps: 1:30\n", r"run.yaml line 1: 1:30 is a base-60 number to YAML 1.1 \(90\) "
+                            r"and a string to YAML 1.2; write 90, or quote it$"),
     # an alias bomb: its value is named in a bounded line (not its whole repr)
     (b"".join(b"%c: &%c [%s]\n" % (c, c, b",".join([b"*%c" % (c - 1)] * 9) if c > 97 else
               b"1") for c in range(97, 106)) + b"prompt: *i\n",
@@ -324,6 +329,44 @@ def test_paths_the_flags_name_are_checked_before_anything_starts(tmp_path: Path)
         load_config(None, {"tokenizer": "tokenizer-1k", "data": str(data)})
 
 
+def _dataset(folder: Path, tokenizer: str) -> Path:
+    """A one-shard dataset of the embedded corpus' first documents, by ``tokenizer``."""
+    from mt_data import ShardSetWriter, load_tokenizer
+    from mt_data.corpus import iter_corpus
+
+    tok, docs = load_tokenizer(tokenizer), list(iter_corpus())[:5]
+    batch = tok.encode_batch([d["text"] for d in docs])
+    writer = ShardSetWriter(folder, tok.describe(), tok.dtype.name)
+    writer.add("shard-0.arrow", batch.tokens, batch.lengths, [d["id"] for d in docs],
+               [d["source"] for d in docs])
+    writer.finish()
+    return folder
+
+
+def test_the_datasets_tokenizer_is_one_and_the_one_they_record(tmp_path: Path) -> None:
+    """A blend of datasets of two tokenizers, and a dataset whose tokenizer file was edited
+    since it was prepared, are refused before anything starts."""
+    from mt_data import train_tokenizer
+    from mt_data.corpus import corpus_texts
+
+    small, gpt2 = _dataset(tmp_path / "small", "tokenizer-1k"), _dataset(tmp_path / "g", "gpt2")
+    with pytest.raises(ConfigError) as err:
+        load_config(None, {"data": f"0.5 {small} 0.5 {gpt2}"})
+    assert str(err.value).startswith(f"blend: {gpt2} was prepared with tokenizer 'gpt2' and "
+                                     f"{small} with 'tokenizer-1k' (sha256 ")
+    assert load_config(None, {"data": f"0.5 {small} 0.5 {small}"}).data.data
+    texts = corpus_texts()
+    path = tmp_path / "tok.json"
+    train_tokenizer(texts[:40], 400).save(path)
+    mine = _dataset(tmp_path / "mine", str(path))
+    assert load_config(None, {"data": str(mine)}).data.data == str(mine)
+    train_tokenizer(texts[40:80], 400).save(path)  # edited after the data was prepared
+    with pytest.raises(ConfigError, match=rf"^dataset {mine} records tokenizer '{path}', but "
+                       r"the tokenizer there now is another one \(sha256 [0-9a-f]{12}\.\.\. "
+                       r"against [0-9a-f]{12}\.\.\.\): restore it, or prepare the data again$"):
+        load_config(None, {"data": str(mine)})
+
+
 @pytest.mark.parametrize("overrides, message", [
     # Was: a traceback from torch.manual_seed ("Overflow when unpacking long long").
     ({"seed": 2**70}, r"--seed must be between 0 and 2\*\*63 - 1, got 1180591620717411303424"),
@@ -343,6 +386,11 @@ def test_paths_the_flags_name_are_checked_before_anything_starts(tmp_path: Path)
     ({"eval_iters": 2**64}, r"--eval-iters must be below 2\*\*63"),
     ({"zero_stage": 2**64}, r"--zero-stage must be below 2\*\*63"),
     ({"dropout": float("nan")}, r"--dropout must be in \[0, 1\), got nan"),
+    # Was: a traceback at the sample after the whole run. A byte of a command line that
+    # is not UTF-8 reaches Python as a lone surrogate (surrogateescape).
+    ({"prompt": b"caf\xe9".decode("utf-8", "surrogateescape")},
+     r"--prompt holds the byte 0xe9, not UTF-8, at character 3: give UTF-8 text"),
+    ({"prompt": "a \ud800"}, r"--prompt holds a lone surrogate \\ud800 at character 2"),
     # Was: torch's "Storage size calculation overflowed" in the rank, as a traceback.
     ({"nproc": 1, "hidden": 2**40, "n_heads": 1},
      r"invalid model: 4 layers, hidden 1,099,511,627,776, .* more than 2\*\*63 bytes"),

@@ -20,6 +20,7 @@ from rich.console import Console
 from mt_plan.memory import (
     GIB,
     MemoryPeaks,
+    device_memory,
     gather_memory,
     map_large_blocks,
     read_memory,
@@ -134,6 +135,56 @@ def test_dry_run_says_what_the_run_measures() -> None:
     config = load_config(None, {**RUN, "device": "cuda"})
     assert "peak memory allocated by torch's CUDA caching allocator" in describe(
         config, resolve(config, 2))
+
+
+def test_a_run_that_does_not_fit_this_machine_is_refused_before_its_ranks(
+        tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """--seq-len 100000000 (~3,000 GiB per rank): one line with the estimate and this
+    machine's memory (which its ranks share), exit 2, before any rank starts (no run
+    folder); was a 215-line traceback of the first allocation."""
+    out = tmp_path / "run"
+    ram = device_memory("cpu")[1]
+    for nproc in (1, 2):
+        overrides = {**RUN, "seq_len": 100_000_000, "nproc": nproc, "out_dir": str(out)}
+        _, estimate = fullest_stage_memory(resolve(load_config(None, overrides), nproc), "cpu")
+        assert estimate["total"] > 3000 * GIB
+        each = f"~{estimate['total'] / GIB:.3f} GiB"
+        need = f"{each} per rank (stage 0)" if nproc == 1 else (
+            f"~{2 * estimate['total'] / GIB:.3f} GiB for its 2 ranks on this host (up to "
+            f"{each} a rank, stage 0)")
+        assert pretrain_main(None, overrides, environ={}) == 2
+        error = " ".join(capfd.readouterr().err.split())
+        assert error == (
+            f"error: invalid layout: the plan needs {need}, more than {ram}; use a smaller "
+            "--seq-len, --micro-batch-size or model, recomputation, or more machines"), error
+        assert not out.exists()
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_failed_allocation_in_a_rank_is_one_line_and_exit_1(
+        nproc: int, tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch,
+        capfd: pytest.CaptureFixture[str]) -> None:
+    """An allocation torch's CPU allocator refuses inside a rank (1 PiB, while the engine is
+    built): one line naming the rank and the bytes asked for, exit 1 (the run failed, the
+    input was fine), no traceback; in-process and from a spawned rank alike."""
+    import mt_pretrain.run.rank as rank
+
+    def greedy(*_args: object) -> None:
+        torch.empty(2**50, dtype=torch.uint8)
+
+    monkeypatch.setattr(rank, "make_engine", greedy)  # forked ranks inherit it
+    overrides = {**RUN, "nproc": nproc, "out_dir": str(tmp_path / "run"),
+                 "cache_dir": str(cache)}
+    assert pretrain_main(None, overrides, environ={}) == 1
+    text = capfd.readouterr()
+    error = " ".join(text.err.split())
+    assert re.fullmatch(
+        rf"error: rank [01] of {nproc} ran out of memory on cpu: an allocation of "
+        r"1,048,576\.000 GiB failed \(the plan: ~0\.0\d\d GiB per rank, stage 0; the "
+        rf"[\d.]+ GiB of RAM here{', 2 ranks' if nproc == 2 else ''}\); free memory for the "
+        r"run, or use a smaller --seq-len, --micro-batch-size or model, recomputation, or "
+        r"more machines", error), error
+    assert "Traceback" not in text.out + text.err
 
 
 # In a fresh interpreter: (optionally) a 1-step `mt pretrain` on CPU in this process, then

@@ -1,6 +1,7 @@
 """Issue 42 ("trust") in the root CLI, on real files: `mt plot` never writes over its own
-metrics and says in one line, before drawing, that it cannot write its output;
-`mt pretrain --overwrite` deletes only what mt pretrain wrote."""
+metrics, replaces an existing image only with --overwrite and says in one line, before
+drawing, that it cannot write its output; `mt pretrain` refuses a config or metrics path it
+cannot use before the run; `mt pretrain --overwrite` deletes only what mt pretrain wrote."""
 
 from __future__ import annotations
 
@@ -65,6 +66,66 @@ def test_plot_says_before_drawing_that_it_cannot_write(tmp_path: Path) -> None:
                            str(plain / "x.png")], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.startswith("error: ") and len(proc.stderr.splitlines()) == 1, proc.stderr
+
+
+def test_plot_replaces_a_file_only_with_overwrite(tmp_path: Path) -> None:
+    """An image already there: one line naming --output and the file, exit 2, its bytes
+    kept; with --overwrite it is replaced by the plot."""
+    metrics = tmp_path / "m.jsonl"
+    metrics.write_text(METRICS)
+    png = tmp_path / "loss.png"
+    png.write_bytes(b"mine")
+    args = ["plot", str(metrics), "-o", str(png)]
+    result = CliRunner().invoke(app, args, env=WIDE)
+    assert result.exit_code == 2, result.output
+    assert _error(result.output) == (f"error: --output {png} already exists; pass --overwrite "
+                                     "to replace it")
+    assert png.read_bytes() == b"mine"
+    result = CliRunner().invoke(app, [*args, "--overwrite"], env=WIDE)
+    assert result.exit_code == 0, result.output
+    assert png.read_bytes().startswith(b"\x89PNG")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["loss.png", "m.jsonl"]
+
+
+def test_plot_refuses_a_missing_folder_and_one_it_cannot_write_in(tmp_path: Path) -> None:
+    """An output in a folder that does not exist (none is created), where no file can be
+    created (/proc), or that is no regular file (/dev/null, even with --overwrite): one line,
+    exit 2, before anything is drawn."""
+    metrics = tmp_path / "m.jsonl"
+    metrics.write_text(METRICS)
+    missing = tmp_path / "missing" / "dir"
+    cases = [([str(missing / "x.png")], f"error: --output {missing / 'x.png'}: the folder "
+              f"{missing} does not exist; create it first or name a file in an existing "
+              "folder"),
+             (["/dev/null", "--overwrite"], "error: --output /dev/null is not a regular file; "
+              "name a file to write")]
+    if Path("/proc/self").is_dir():
+        cases.append((["/proc/x.png"], "error: --output /proc/x.png: cannot create a file in "
+                      "/proc (No such file or directory)"))
+    for args, line in cases:
+        result = CliRunner().invoke(app, ["plot", str(metrics), "-o", *args], env=WIDE)
+        assert result.exit_code == 2, result.output
+        assert _error(result.output) == line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.jsonl"]
+
+
+def test_pretrain_config_that_is_no_regular_file_is_said_so() -> None:
+    """--config /dev/null (no regular file): said so in one line, not "not found"."""
+    with pytest.raises(ConfigError) as err:
+        load_config("/dev/null")
+    assert str(err.value) == "config file /dev/null is not a regular file; name a YAML file"
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_pretrain_metrics_where_no_file_can_be_created_is_refused_with_the_config(
+        tmp_path: Path) -> None:
+    """--metrics where no file can be created (/proc): refused when the config is read,
+    before any rank starts (it failed in the ranks, on their first write)."""
+    with pytest.raises(ConfigError) as err:
+        load_config(None, {"metrics": "/proc/x.jsonl", "out_dir": str(tmp_path / "run")})
+    assert str(err.value) == ("--metrics /proc/x.jsonl: cannot create a file in /proc (No such "
+                              "file or directory)")
+    assert list(tmp_path.iterdir()) == []
 
 
 def _claim(out: Path, **options: object) -> None:

@@ -9,6 +9,7 @@ import pytest
 
 from mt_data.blend import BlendedDataset, blend_schedule, build_blended, parse_blend
 from mt_data.corpus import iter_corpus
+from mt_data.errors import DatasetError
 from mt_data.gpt_dataset import GPTDataset
 from mt_data.loader import BatchSchedule, DataLoaderState, DPDataLoader
 from mt_data.shards import ShardSetWriter
@@ -82,6 +83,25 @@ def _global(loader_cls_args: dict, dp: int, step: int) -> np.ndarray:
                 for r in range(dp)]
     micro = len(per_rank[0])
     return np.concatenate([per_rank[r][m] for m in range(micro) for r in range(dp)])
+
+
+def test_a_blend_of_two_tokenizers_is_refused(sources: dict[str, Path], tmp_path: Path) -> None:
+    """Ids of two tokenizers mean different text: such a blend is refused, naming both."""
+    gpt2 = load_tokenizer("gpt2")
+    group = list(iter_corpus())[:20]
+    batch = gpt2.encode_batch([d["text"] for d in group])
+    writer = ShardSetWriter(tmp_path / "gpt2-moby", gpt2.describe(), gpt2.dtype.name)
+    writer.add("shard-0.arrow", batch.tokens, batch.lengths, [d["id"] for d in group],
+               [d["source"] for d in group])
+    writer.finish()
+    with pytest.raises(DatasetError) as err:
+        build_blended([0.5, str(sources["moby"]), 0.5, str(tmp_path / "gpt2-moby")], SEQ, 100)
+    assert str(err.value).startswith(
+        f"blend: {tmp_path / 'gpt2-moby'} was prepared with tokenizer 'gpt2' and "
+        f"{sources['moby']} with 'tokenizer-1k' (sha256 ")
+    assert str(err.value).endswith(": blend datasets of one tokenizer")
+    assert len(build_blended([0.5, str(sources["moby"]), 0.5, str(sources["sotu"])], SEQ,
+                             100)) == 100
 
 
 def test_global_batch_same_for_every_dp_size(sources: dict[str, Path]) -> None:

@@ -351,11 +351,37 @@ def test_a_lone_surrogate_is_a_bad_line_naming_file_and_line(docs, tmp_path: Pat
     texts = _texts(list(iter_documents([path], IngestConfig(), log)))
     assert len(texts) == 40 and dict(log.counts) == {"utf8": 1}
     assert log.errors == [InputError(str(path), 8, "utf8", "the text holds a lone surrogate "
-                                     "'\\ud800' at character 7: not UTF-8 text")]
+                                     "\\ud800 at character 7: not UTF-8 text")]
     result = runner.invoke(app, ["prepare", str(path), "-o", str(tmp_path / "o"),
                                  "--on-error", "stop", *FAST], env={"COLUMNS": "300"})
     assert result.exit_code == 2 and f"{path}:8: utf8: the text holds a lone surrogate" in (
         result.output), result.output
+
+
+def test_a_field_given_twice_is_a_bad_line(docs, tmp_path: Path) -> None:
+    """A line giving the text (or id, or source) twice is a bad line: JSON readers differ on
+    which one they keep. A name repeated inside a nested object, or as a value, is not."""
+    path = tmp_path / "d.jsonl"
+    good = _lines(docs, 30).decode().splitlines()
+    good.insert(3, '{"text": "first words here", "id": "x", "text": "second words here"}')
+    good.insert(5, '{"meta": {"text": 1, "text": 2}, "source": "text", "text": "kept words"}')
+    path.write_text("\n".join(good) + "\n")
+    log = ErrorLog("skip")
+    texts = _texts(list(iter_documents([path], IngestConfig(), log)))
+    assert len(texts) == 31 and "kept words" in texts and dict(log.counts) == {"json": 1}
+    assert log.errors == [InputError(str(path), 4, "json", "'text' is given twice in the line "
+                                     "(JSON readers keep one of them, which one differs): "
+                                     "keep one")]
+
+
+def test_a_bad_on_error_is_refused_before_any_work(docs, tmp_path: Path) -> None:
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(_lines(docs, 5))
+    result = runner.invoke(app, ["prepare", str(path), "-o", str(tmp_path / "o"), "--on-error",
+                                 "bogus", *FAST], env={"COLUMNS": "300"})
+    assert result.exit_code == 2 and "--on-error must be skip or stop, got 'bogus'" in (
+        result.output), result.output
+    assert not (tmp_path / "o").exists()
 
 
 def test_a_full_disk_names_the_output(docs, tmp_path: Path) -> None:

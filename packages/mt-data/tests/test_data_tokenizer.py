@@ -16,6 +16,8 @@ from mt_data.tokenizer import (
     TokenizerError,
     gpt2,
     load_tokenizer,
+    recorded_tokenizer,
+    tokenizer_differs,
     train_tokenizer,
 )
 
@@ -95,6 +97,55 @@ def test_errors(tmp_path: Path) -> None:
         load_tokenizer(tmp_path)
     with pytest.raises(TokenizerError, match="257"):
         train_tokenizer(["some text"], 100)
+
+
+def test_malformed_merges_are_one_line_naming_the_file(tmp_path: Path) -> None:
+    assets = resources.files("mt_data") / "assets"
+    (tmp_path / "vocab.json").write_bytes(gzip.decompress(
+        (assets / "gpt2-vocab.json.gz").read_bytes()))
+    (tmp_path / "merges.txt").write_text("#version: 0.2\nĠ t\nnot-a-token zz-not-either\n")
+    with pytest.raises(TokenizerError) as err:
+        load_tokenizer(tmp_path)
+    message = str(err.value)
+    assert message.startswith(f"{tmp_path / 'merges.txt'}: merges that do not fit ")
+    assert "\n" not in message
+    (tmp_path / "merges.txt").write_bytes(b"\xff\xfe merges")
+    with pytest.raises(TokenizerError, match="merges.txt: not a readable merges.txt"):
+        load_tokenizer(tmp_path)
+
+
+def test_fingerprint_names_the_tokenizer_however_it_is_loaded(tmp_path: Path,
+                                                               monkeypatch) -> None:
+    shipped = gpt2()
+    shipped.save(tmp_path / "gpt2.json")
+    monkeypatch.chdir(tmp_path)
+    saved = load_tokenizer("gpt2.json")  # a relative path, recorded as absolute
+    assert saved.name == str(tmp_path / "gpt2.json")
+    assert saved.fingerprint == shipped.fingerprint == shipped.describe()["sha256"]
+    other = load_tokenizer("tokenizer-1k")
+    assert other.fingerprint != shipped.fingerprint
+    assert tokenizer_differs(shipped.describe(), saved.describe()) is None
+    assert "sha256" in tokenizer_differs(shipped.describe(), other.describe())
+    # Records without a fingerprint (datasets prepared before it) compare what they hold.
+    old = {k: v for k, v in shipped.describe().items() if k != "sha256"}
+    assert tokenizer_differs(old, {**old, "name": "/elsewhere/gpt2.json"}) == \
+        "name 'gpt2' against '/elsewhere/gpt2.json'"
+    assert tokenizer_differs(old, saved.describe(), names=False) is None
+
+
+def test_an_edited_tokenizer_is_not_the_recorded_one(tmp_path: Path, texts: list[str]) -> None:
+    path = tmp_path / "tok.json"
+    train_tokenizer(texts[:50], 400).save(path)
+    record = load_tokenizer(path).describe()
+    assert recorded_tokenizer(record, "dataset d").fingerprint == record["sha256"]
+    train_tokenizer(texts[50:100], 400).save(path)  # the same size, other merges
+    with pytest.raises(TokenizerError) as err:
+        recorded_tokenizer(record, "dataset d")
+    assert str(err.value).startswith(f"dataset d records tokenizer '{path}', but the "
+                                     "tokenizer there now is another one (sha256 ")
+    path.unlink()
+    with pytest.raises(TokenizerError, match="does not load: no tokenizer at"):
+        recorded_tokenizer(record, "dataset d")
 
 
 TRICKY = [

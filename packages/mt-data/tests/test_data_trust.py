@@ -273,3 +273,83 @@ def test_an_output_where_no_file_can_be_created_is_refused_before_the_work(tmp_p
         "--output /proc/r.json: cannot create a file in /proc (No such file or directory)")
     assert unwritable("--output", tmp_path / "new" / "r.json") is None
     assert list(tmp_path.iterdir()) == []  # the probe leaves nothing behind
+
+
+def test_train_tokenizer_and_export_replace_a_file_only_with_overwrite(docs, tmp_path: Path
+                                                                      ) -> None:
+    """An output file already there (the tokenizer.json, PREFIX.bin or PREFIX.idx): one line
+    naming the flag and the file, exit 2, before any work, the file's bytes kept; with
+    --overwrite it is replaced (atomically: no temporary file is left beside it)."""
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(_jsonl(docs, 30))
+    tok = tmp_path / "tok.json"
+    tok.write_bytes(b"mine")
+    args = ["train-tokenizer", str(corpus), "--vocab-size", "300", "-o", str(tok)]
+    result = runner.invoke(app, args, env=WIDE)
+    assert result.exit_code == 2, result.output
+    assert _error(result.output) == (f"error: --output {tok} already exists; pass --overwrite "
+                                     "to replace it")
+    assert "train BPE" not in result.output and tok.read_bytes() == b"mine"
+    result = runner.invoke(app, [*args, "--overwrite"], env=WIDE)
+    assert result.exit_code == 0, result.output
+    assert json.loads(tok.read_text())["model"]["vocab"]["<|endoftext|>"] == 0
+
+    data = tmp_path / "data"
+    prepare([corpus], data, PrepareConfig(tokenizer="tokenizer-1k", workers=1))
+    prefix = tmp_path / "mg"
+    for name in ("mg.bin", "mg.idx"):
+        (tmp_path / name).write_bytes(b"mine")
+        result = runner.invoke(app, ["export-megatron", str(data), str(prefix)], env=WIDE)
+        assert result.exit_code == 2, result.output
+        assert _error(result.output) == (f"error: PREFIX {prefix}: {tmp_path / name} already "
+                                         "exists; pass --overwrite to replace it")
+        assert (tmp_path / name).read_bytes() == b"mine"
+        (tmp_path / name).unlink()
+    (tmp_path / "mg.bin").write_bytes(b"mine")
+    result = runner.invoke(app, ["export-megatron", str(data), str(prefix), "--overwrite"],
+                           env=WIDE)
+    assert result.exit_code == 0, result.output
+    back = import_megatron(prefix, tmp_path / "back", load_tokenizer("tokenizer-1k").describe())
+    assert back["documents"] == len(TokenDataset(data))
+    assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_train_tokenizer_and_export_say_in_one_line_that_they_cannot_write(
+        docs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An output where no file can be created (/proc): refused before the work, in one line
+    naming the flag and the path; a write that fails all the same (a full disk): one line
+    with the operating system's reason, no Python repr of the error; not a regular file
+    (/dev/null): refused even with --overwrite."""
+    import errno
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(_jsonl(docs, 30))
+    data = tmp_path / "data"
+    prepare([corpus], data, PrepareConfig(tokenizer="tokenizer-1k", workers=1))
+    train = ["train-tokenizer", str(corpus), "--vocab-size", "300", "-o"]
+    for args, line in (
+            ([*train, "/proc/tok.json"], "error: --output /proc/tok.json: cannot create a file "
+             "in /proc (No such file or directory)"),
+            (["export-megatron", str(data), "/proc/mg"], "error: PREFIX /proc/mg: cannot "
+             "create a file in /proc (No such file or directory)"),
+            ([*train, "/dev/null", "--overwrite"], "error: --output /dev/null is not a regular "
+             "file; name a file to write")):
+        result = runner.invoke(app, args, env=WIDE)
+        assert result.exit_code == 2, result.output
+        assert _error(result.output) == line and "train BPE" not in result.output
+
+    def full(path: Path, data: bytes) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    monkeypatch.setattr("mt_data.shards.atomic_write_bytes", full)
+    monkeypatch.setattr("mt_data.tokenizer.atomic_write_bytes", full)
+    monkeypatch.setattr("mt_data.megatron.atomic_write_bytes", full)
+    tok, prefix = tmp_path / "tok.json", tmp_path / "mg"
+    for args, line in (([*train, str(tok)], f"error: --output {tok}: writing failed: No space "
+                        "left on device"),
+                       (["export-megatron", str(data), str(prefix)], f"error: PREFIX {prefix}: "
+                        "writing failed: No space left on device")):
+        result = runner.invoke(app, args, env=WIDE)
+        assert result.exit_code == 2, result.output
+        assert _error(result.output) == line

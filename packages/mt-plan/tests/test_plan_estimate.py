@@ -126,6 +126,29 @@ def test_gpu_table_and_custom_yaml(tmp_path: Path) -> None:
         load_gpu("b200")
 
 
+@pytest.mark.parametrize(("extra", "message"), [
+    ("memory_gb: 40\n", "line 5: memory_gb is given twice; keep one"),
+    ("gpus_per_node: 2.5\n", ": gpus_per_node must be an integer, got 2.5"),
+    ("gpus_per_node: 010\n", "line 5: 010 is ambiguous: YAML 1.1 reads it as octal 8, YAML "
+                              "1.2 as 10; write the number without the leading zero"),
+    ("gpus_per_node: 1:30\n", "line 5: 1:30 is ambiguous: YAML 1.1 reads it as 90 (base 60), "
+                               "YAML 1.2 as text; write the number in decimal"),
+])
+def test_gpu_yaml_refuses_what_yaml_reads_silently(tmp_path: Path, extra: str,
+                                                   message: str) -> None:
+    """PyYAML keeps the last of a key given twice, reads 2.5 GPUs a node as 2 (int), 010 as 8
+    and 1:30 as 90: each is one error naming the file and the line or the key."""
+    spec = tmp_path / "gpu.yaml"
+    spec.write_text("peak_tflops: 100\nmemory_gb: 80\nnvlink_gb_per_s: 300\n"
+                    "ib_gb_per_s: 25\n" + extra)
+    with pytest.raises(GPUSpecError) as err:
+        load_gpu(str(spec))
+    assert str(err.value) == f"{spec}{' ' if message.startswith('line') else ''}{message}"
+    spec.write_text("peak_tflops: 100\nmemory_gb: 80\nnvlink_gb_per_s: 300\n"
+                    "ib_gb_per_s: 25\ngpus_per_node: 10\nname: '010'\n")
+    assert (load_gpu(str(spec)).gpus_per_node, load_gpu(str(spec)).name) == (10, "010")
+
+
 def test_calibrated_machine_costs_and_peak_phases() -> None:
     """A measured machine (CPU-like GPUSpec): fixed costs slow the estimate down, and the
     peak memory is the persistent states plus the largest short-lived phase."""

@@ -27,20 +27,22 @@ from mt_dist import LaunchInfo, discover, free_port
 from mt_dist.restarts import Restart, launcher_restart, supervise_restarting
 from mt_eval import TaskError
 from mt_pretrain.config.refusals import engine_of
-from mt_pretrain.config.resolve import elastic_world, resolve
+from mt_pretrain.config.resolve import check_memory, elastic_world, resolve
 from mt_pretrain.config.schema import ConfigError, PretrainConfig
 from mt_pretrain.data.inputs import check_vocab, default_cache_dir, ensure_data
 from mt_pretrain.engines.checkpoint import CheckpointError
 from mt_pretrain.run.folder import claim_run_folder, run_folder_lock
-from mt_pretrain.run.rank import RunSummary, run_rank
+from mt_pretrain.run.rank import RankOutOfMemory, RunSummary, run_rank
 from mt_pretrain.run.train import NonFiniteLossError
 from mt_pretrain.run.warnings_line import one_line_warnings
 
 __all__ = ["EXPECTED", "launch", "spawn"]
 
-#: Failures every rank meets alike (bad config, damaged checkpoint, bad data or tokenizer):
-#: re-raised in the parent as they are, one line, no traceback (mt-dist's supervise).
-EXPECTED = (ConfigError, CheckpointError, NonFiniteLossError, TaskError, TokenizerError)
+#: Failures every rank meets alike (bad config, damaged checkpoint, bad data or tokenizer),
+#: and a rank's failed allocation: re-raised in the parent as they are, one line, no
+#: traceback (mt-dist's supervise).
+EXPECTED = (ConfigError, CheckpointError, NonFiniteLossError, TaskError, TokenizerError,
+            RankOutOfMemory)
 
 
 def launch(config: PretrainConfig, environ: Mapping[str, str] | None = None,
@@ -58,6 +60,11 @@ def launch(config: PretrainConfig, environ: Mapping[str, str] | None = None,
         return run_rank(config, info, cache, keep_weights, restart)
     nproc = config.world_size_hint()
     plan = resolve(config, nproc)  # fail before starting anything
+    device = config.parallel.device
+    if device == "cpu" or (device == "auto" and not torch.backends.cuda.is_built()):
+        # A GPU's (or "auto" with a CUDA build) is checked by its rank: no CUDA call here,
+        # which would keep forked ranks from using CUDA.
+        check_memory(plan, "cpu", nproc)
     ckpt = config.checkpoint
     with run_folder_lock(ckpt.save_dir or ckpt.out_dir):  # no --overwrite of a running run
         claim_run_folder(ckpt, config.metrics_path)

@@ -38,6 +38,9 @@ class CheckpointMeta:
         source: who wrote it when not a training run (``"mt convert"``).
         tokenizer: the tokenizer the run trained with (a built-in name such as ``gpt2``,
             or a path); absent in old files.
+        tokenizer_sha256: that tokenizer's fingerprint (``mt_data``'s
+            ``Tokenizer.fingerprint``), so that a reader can tell it from a file edited or
+            replaced since; absent in old files.
         files: each rank file's ``bytes`` and ``crc32c`` (:mod:`mt_checkpoint.checksums`),
             filled in when the step is published; absent in files written before checksums.
     """
@@ -54,6 +57,7 @@ class CheckpointMeta:
     config: Mapping[str, Any] = field(default_factory=dict)
     source: str | None = None
     tokenizer: str | None = None
+    tokenizer_sha256: str | None = None
     files: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
     @property
@@ -97,6 +101,8 @@ class CheckpointMeta:
             out["source"] = self.source
         if self.tokenizer is not None:
             out["tokenizer"] = self.tokenizer
+        if self.tokenizer_sha256 is not None:
+            out["tokenizer_sha256"] = self.tokenizer_sha256
         if self.files:
             out["files"] = {name: dict(entry) for name, entry in sorted(self.files.items())}
         return out
@@ -129,13 +135,16 @@ class CheckpointMeta:
                 data_step=int(position.get("step", 0)),
                 data_order=int(data.get("data_order", 1)), tokens=int(data.get("tokens", 0)),
                 config=dict(data.get("config") or {}), source=data.get("source"),
-                tokenizer=data.get("tokenizer"),
+                tokenizer=data.get("tokenizer"), tokenizer_sha256=data.get("tokenizer_sha256"),
                 files={str(k): dict(v) for k, v in (data.get("files") or {}).items()})
         except (KeyError, TypeError, ValueError, AttributeError) as err:
             raise CheckpointError(f"{where}: damaged ({type(err).__name__}: {err})") from None
         if not isinstance(meta.tokenizer, (str, type(None))):
             raise CheckpointError(f"{where}: damaged (tokenizer {meta.tokenizer!r} is not a "
                                   "name or a path)")
+        if not isinstance(meta.tokenizer_sha256, (str, type(None))):
+            raise CheckpointError(f"{where}: damaged (tokenizer_sha256 "
+                                  f"{meta.tokenizer_sha256!r} is not a hex digest)")
         if sorted(meta.stage_params) != list(range(layout.pp)):
             raise CheckpointError(f"{where}: stage_params names stages "
                                   f"{sorted(meta.stage_params)}, the layout has pp {layout.pp}")

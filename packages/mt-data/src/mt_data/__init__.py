@@ -46,7 +46,15 @@ if TYPE_CHECKING:  # imported on first use (see __getattr__); named here for too
     from mt_data.quality import RULE_SETS, apply_rule_sets, parse_rule_sets
     from mt_data.shards import ShardSetWriter, TokenDataset
     from mt_data.stages import CleanConfig
-    from mt_data.tokenizer import EOD_TOKEN, Tokenizer, gpt2, load_tokenizer, train_tokenizer
+    from mt_data.tokenizer import (
+        EOD_TOKEN,
+        Tokenizer,
+        gpt2,
+        load_tokenizer,
+        recorded_tokenizer,
+        tokenizer_differs,
+        train_tokenizer,
+    )
 
 __all__ = [
     "EOD_TOKEN", "BadInputError", "BatchSchedule", "BlendedDataset", "CleanConfig",
@@ -63,7 +71,8 @@ __all__ = [
     "import_megatron", "iter_corpus", "iter_documents", "load_tokenizer", "output_clash",
     "parse_blend",
     "parse_rule_sets",
-    "prepare", "prepare_demo", "read_index", "split_documents", "train_tokenizer",
+    "prepare", "prepare_demo", "read_index", "recorded_tokenizer", "split_documents",
+    "tokenizer_differs", "train_tokenizer",
 ]
 
 #: Names load on first use (their modules import pyarrow, numpy, tokenizers...): a program
@@ -87,7 +96,8 @@ _LAZY = {name: module for module, names in {
     "mt_data.quality": ("RULE_SETS", "apply_rule_sets", "parse_rule_sets"),
     "mt_data.shards": ("ShardSetWriter", "TokenDataset"),
     "mt_data.stages": ("CleanConfig",),
-    "mt_data.tokenizer": ("EOD_TOKEN", "Tokenizer", "gpt2", "load_tokenizer", "train_tokenizer"),
+    "mt_data.tokenizer": ("EOD_TOKEN", "Tokenizer", "gpt2", "load_tokenizer", "recorded_tokenizer",
+                          "tokenizer_differs", "train_tokenizer"),
 }.items() for name in names}
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mt_data.errors import DatasetError
 from mt_data.gpt_dataset import DEFAULT_SPLIT, GPTDataset, SplitSpec
 
 
@@ -114,4 +115,18 @@ def build_blended(blend: str | Sequence[object], seq_len: int, num_samples: int,
         need = max(1, int(local[owner == k].max(initial=-1)) + 1)
         # Different seeds per source so identical sources would not shuffle identically.
         datasets.append(GPTDataset(path, seq_len, need, seed + 7919 * k, split, split_spec))
+    check_one_tokenizer([(str(p), ds.data.tokenizer) for (_, p), ds in zip(pairs, datasets)])
     return BlendedDataset(datasets, weights, num_samples)
+
+
+def check_one_tokenizer(records: Sequence[tuple[str, dict]]) -> None:
+    """The datasets of a blend (``(path, index.json's tokenizer)``) were prepared with one
+    tokenizer: ids of two tokenizers mean different text, so their blend trains on noise."""
+    from mt_data.tokenizer import tokenizer_differs
+
+    first, want = records[0]
+    for path, record in records[1:]:
+        if why := tokenizer_differs(want, record):
+            raise DatasetError(f"blend: {path} was prepared with tokenizer "
+                               f"{record.get('name')!r} and {first} with "
+                               f"{want.get('name')!r} ({why}): blend datasets of one tokenizer")

@@ -30,6 +30,7 @@ from rich.table import Table
 from rich.text import Text
 from typer.core import TyperCommand
 
+from mt_data.badinput import ON_ERROR
 from mt_data.decontam import DecontamConfig
 from mt_data.dedup import DedupConfig
 from mt_data.errors import DataError
@@ -37,12 +38,12 @@ from mt_data.filters import FilterConfig
 from mt_data.group_counts import group_rows, occupation_rows, read_group_counts
 from mt_data.ingest import ErrorLog, IngestConfig, iter_documents
 from mt_data.megatron import export_megatron, import_megatron
-from mt_data.paths import blocking_file, output_clash
+from mt_data.paths import blocking_file, existing_file, output_clash, unwritable
 from mt_data.pipeline import PrepareConfig, prepare, read_dropped, select_dropped, summary_rows
 from mt_data.quality import parse_rule_sets
 from mt_data.shards import TokenDataset
 from mt_data.stages import CleanConfig
-from mt_data.tokenizer import TokenizerError, load_tokenizer, train_tokenizer
+from mt_data.tokenizer import TokenizerError, load_tokenizer, recorded_tokenizer, train_tokenizer
 
 #: Below this many columns --help is click's plain layout (see :class:`HelpFitsTerminal`).
 NARROW_COLUMNS = 100
@@ -159,6 +160,16 @@ def _errors(writing: Path | None = None) -> Iterator[None]:
         _fail(str(exc))
 
 
+@contextmanager
+def _writing(flag: str, path: Path) -> Iterator[None]:
+    """Turn an operating-system error while writing ``path`` (given as ``flag``) into one
+    ``error: FLAG PATH: writing failed: REASON`` line and exit status 2."""
+    try:
+        yield
+    except OSError as exc:
+        _fail(f"{flag} {path}: writing failed: {exc.strerror or exc}")
+
+
 def _bad_inputs(samples: list[str], total: int) -> None:
     for sample in samples[:10]:
         console.print(Text.assemble(("bad input", "yellow"), " ", sample), soft_wrap=True)
@@ -272,6 +283,8 @@ def prepare_cmd(
         _fail("; ".join(idle))
     if workers > MAX_WORKERS:
         _fail(f"--workers must be at most {MAX_WORKERS:,}, got {workers:,}")
+    if on_error not in ON_ERROR:
+        _fail(f"--on-error must be {' or '.join(ON_ERROR)}, got {on_error!r}")
     if (blocker := blocking_file(output)) is not None:
         _fail(f"--output {output}: {blocker} is a file, not a folder; name a path in a folder")
     with _errors(writing=output):
@@ -313,6 +326,7 @@ def train_tokenizer_cmd(
     text_key: Annotated[str, typer.Option(help="JSON field / Parquet column with the "
                                           "text.")] = "text",
     min_frequency: Annotated[int, typer.Option(help="Minimum pair frequency to merge.")] = 2,
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing output file.")] = False,
 ) -> None:
     """Train a GPT-2 style byte-level BPE tokenizer (EOD token <|endoftext|> = id 0)."""
     clash = output_clash("--output", output, inputs)
@@ -322,6 +336,8 @@ def train_tokenizer_cmd(
         _fail(f"--output {output} is a folder; name the tokenizer.json to write")
     if (blocker := blocking_file(output)) is not None:
         _fail(f"--output {output}: {blocker} is a file, not a folder; name a path in a folder")
+    if why := unwritable("--output", output) or existing_file("--output", output, overwrite):
+        _fail(why)
     log = ErrorLog("skip")
     docs, nbytes = 0, 0
     start = time.perf_counter()
@@ -342,7 +358,7 @@ def train_tokenizer_cmd(
     if docs == 0:
         _fail(f"no documents in {', '.join(map(str, inputs))}: nothing to train on "
               f"({log.total:,} bad inputs)")
-    with _errors():
+    with _writing("--output", output):
         output.parent.mkdir(parents=True, exist_ok=True)
         tok.save(output)
     _table(f"tokenizer {output}", [
@@ -356,12 +372,14 @@ def train_tokenizer_cmd(
 def export_megatron_cmd(
     data: Annotated[Path, typer.Argument(help="Prepared dataset folder.")],
     prefix: Annotated[Path, typer.Argument(help="Output prefix: writes PREFIX.bin, PREFIX.idx.")],
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing PREFIX.bin / "
+                                            "PREFIX.idx.")] = False,
 ) -> None:
     """Write Megatron-LM MMIDIDX PREFIX.bin / PREFIX.idx (one sequence per document, EOD in)."""
     start = time.perf_counter()
     with _errors(), _progress(refresh_thread=True) as progress:
         task = progress.add_task("export .bin/.idx", total=None, unit="")
-        info = export_megatron(data, prefix)
+        info = export_megatron(data, prefix, overwrite=overwrite)
         progress.update(task, total=1, completed=1)
     seconds = time.perf_counter() - start
     _table(f"exported {prefix}", [
@@ -456,8 +474,10 @@ def inspect_cmd(
     if len(ds) and 0 <= document < len(ds):
         doc_id, source = ds.metadata(document)
         try:
-            text = load_tokenizer(ds.tokenizer["name"]).decode(ds.document(document))
-        except TokenizerError:
+            text = recorded_tokenizer(ds.tokenizer, str(data)).decode(ds.document(document))
+        except TokenizerError as err:  # the ids are still worth seeing: said why
+            console.print(Text.assemble(("warning:", "yellow"), " ", " ".join(
+                f"{err}; token ids shown".split())), soft_wrap=True)
             text = " ".join(str(t) for t in ds.document(document)[:200])
         Console().print(f"[bold]document {document}[/bold] ({doc_id}, {source}, "
                         f"{len(ds.document(document))} tokens):")

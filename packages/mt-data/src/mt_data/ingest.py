@@ -17,6 +17,7 @@ import os
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 import pyarrow as pa
@@ -36,6 +37,7 @@ from mt_data.badinput import (
 )
 from mt_data.compressed import COMPRESSED, check_stream, is_compressed, open_binary
 from mt_data.errors import DataNotFoundError, StreamError
+from mt_data.text import not_utf8
 
 __all__ = [  # the report types are defined in mt_data.badinput; importable from here as before
     "DOC_SCHEMA", "ON_ERROR", "BadInputError", "ErrorLog", "IngestConfig", "InputError",
@@ -175,6 +177,28 @@ def _json_fields(
     )
 
 
+@cache
+def _quoted(names: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(json.dumps(name, ensure_ascii=False) for name in names)
+
+
+def _given_twice(line: str, config: IngestConfig) -> str | None:
+    """The first of the text, id and source fields that ``line``'s top-level object gives
+    twice, or None. Only a line naming one of them twice in quotes is parsed again."""
+    names = (config.text_key, config.id_key, config.source_key)
+    if not any(line.count(quoted) > 1 for quoted in _quoted(names)):
+        return None
+    last: list[str] = []
+
+    def pairs(items: list[tuple[str, object]]) -> dict[str, object]:
+        keys = [key for key, _ in items]
+        last[:] = [name for name in names if keys.count(name) > 1]
+        return dict(items)
+
+    json.loads(line, object_pairs_hook=pairs)  # the outermost object closes last
+    return last[0] if last else None
+
+
 def _parse_line(raw: bytes, config: IngestConfig, path: Path, line_no: int, log: ErrorLog,
                 tally: KeyTally) -> tuple[str, str, str] | None:
     """(id, source, text) of one non-blank JSONL line, or None after reporting it."""
@@ -193,15 +217,16 @@ def _parse_line(raw: bytes, config: IngestConfig, path: Path, line_no: int, log:
                    "characters; Python's parser stops near 1,000 levels)")
         return None
     if isinstance(record, dict):
+        if (twice := _given_twice(line, config)) is not None:
+            log.report(path, line_no, "json", f"{twice!r} is given twice in the line (JSON "
+                       "readers keep one of them, which one differs): keep one")
+            return None
         tally.count(record, config.text_key)
     fields = _json_fields(record, config, path, line_no, log)
     if fields is not None and _SURROGATE_ESCAPE.search(line):
         for name, value in zip(("id", "source", "text"), fields):
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError as exc:  # an escaped half of a UTF-16 pair, alone
-                log.report(path, line_no, "utf8", f"the {name} holds a lone surrogate "
-                           f"{value[exc.start]!r} at character {exc.start}: not UTF-8 text")
+            if why := not_utf8(value):  # an escaped half of a UTF-16 pair, alone
+                log.report(path, line_no, "utf8", f"the {name} holds {why}: not UTF-8 text")
                 return None
     return fields
 

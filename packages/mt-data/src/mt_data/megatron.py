@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from mt_data.errors import DataError, DataNotFoundError, DatasetError
-from mt_data.paths import blocking_file, foreign_entries, output_clash
+from mt_data.paths import blocking_file, existing_file, foreign_entries, output_clash, unwritable
 from mt_data.shards import (
     ShardSetWriter,
     TokenDataset,
@@ -122,8 +122,11 @@ class MegatronReader:
         return np.frombuffer(self.bin, dtype=self.index.dtype, count=length, offset=start)
 
 
-def export_megatron(data: TokenDataset | str | Path, prefix: str | Path) -> dict[str, Any]:
-    """Write ``PREFIX.bin`` / ``PREFIX.idx``: one sequence per document, EOD included."""
+def export_megatron(data: TokenDataset | str | Path, prefix: str | Path,
+                    overwrite: bool = True) -> dict[str, Any]:
+    """Write ``PREFIX.bin`` / ``PREFIX.idx``: one sequence per document, EOD included.
+    Without ``overwrite`` (the command line's default) an existing ``.bin`` or ``.idx`` is
+    refused; like a prefix where no file can be created, before anything is read."""
     prefix = Path(prefix)
     bin_path, idx_path = Path(f"{prefix}.bin"), Path(f"{prefix}.idx")
     if prefix.name in ("", ".", "..") or prefix.is_dir():
@@ -138,9 +141,24 @@ def export_megatron(data: TokenDataset | str | Path, prefix: str | Path) -> dict
     if not isinstance(data, TokenDataset) and (
             clash := output_clash("PREFIX", prefix, [data])) is not None:
         raise DataError(clash)
+    for path in (bin_path, idx_path):
+        if why := existing_file(f"PREFIX {prefix}:", path, overwrite):
+            raise DataError(why)
+    if why := unwritable("PREFIX", prefix):
+        raise DataError(why)
     ds = data if isinstance(data, TokenDataset) else TokenDataset(data)
     dtype = megatron_dtype(ds.dtype)
-    prefix.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        _write_pair(ds, dtype, bin_path, idx_path)
+    except OSError as err:  # e.g. a full disk
+        raise DataError(f"PREFIX {prefix}: writing failed: {err.strerror or err}") from None
+    return {"documents": len(ds), "tokens": ds.num_tokens, "dtype": dtype.name,
+            "bin": str(bin_path), "idx": str(idx_path), "bytes": bin_path.stat().st_size}
+
+
+def _write_pair(ds: TokenDataset, dtype: np.dtype, bin_path: Path, idx_path: Path) -> None:
+    """Write the ``.bin`` then the ``.idx`` of ``ds``, each atomically."""
+    bin_path.parent.mkdir(parents=True, exist_ok=True)
     tmp_bin = temp_path(bin_path)
     with open(tmp_bin, "wb") as f:
         for k in range(len(ds.index["shards"])):
@@ -152,8 +170,6 @@ def export_megatron(data: TokenDataset | str | Path, prefix: str | Path) -> dict
             f.write(ds.tokens(int(docs[0]), 0, stop - start).astype(dtype, copy=False).tobytes())
     atomic_replace(tmp_bin, bin_path)  # .bin first: readers check it holds what .idx says
     atomic_write_bytes(idx_path, encode_index(dtype, ds.doc_lengths, np.arange(len(ds) + 1)))
-    return {"documents": len(ds), "tokens": ds.num_tokens, "dtype": dtype.name,
-            "bin": str(bin_path), "idx": str(idx_path), "bytes": bin_path.stat().st_size}
 
 
 def _check_ids(reader: MegatronReader, prefix: str | Path, tokenizer: dict[str, Any]) -> int:

@@ -7,7 +7,9 @@ replaces, deletes or hides something the same command reads. A command that writ
 existing folder, or deletes one to replace it, first asks :func:`foreign_output` whether the
 folder holds anything the command did not write (names it does not use): the one rule of
 "mt's own output", with or without ``--overwrite``, so that no user file is ever deleted or
-overwritten by a command pointed at the wrong folder.
+overwritten by a command pointed at the wrong folder. A command that writes one file asks
+:func:`existing_file` before it starts: a file already there is replaced only with
+``--overwrite``.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ from collections.abc import Iterable
 from fnmatch import fnmatchcase
 from pathlib import Path
 
-__all__ = ["blocking_file", "foreign_entries", "foreign_message", "foreign_output", "output_clash",
-           "unwritable"]
+__all__ = ["blocking_file", "existing_file", "foreign_entries", "foreign_message",
+           "foreign_output", "output_clash", "unwritable"]
 
 #: How many of the foreign entries a message names.
 SHOWN = 3
@@ -44,6 +46,21 @@ def blocking_file(output: str | Path) -> Path | None:
     for parent in Path(output).absolute().parents:
         if parent.exists():
             return None if parent.is_dir() else parent
+    return None
+
+
+def existing_file(flag: str, path: str | Path, overwrite: bool) -> str | None:
+    """Why the file ``path`` (given as ``flag``) may not be written over, or None: it exists
+    and ``overwrite`` (the command's ``--overwrite``) is off, or it is no regular file (a
+    device, a pipe), which no output replaces. An absent path or a folder (which
+    :func:`unwritable` words) is None."""
+    path = Path(path)
+    if not os.path.lexists(path) or path.is_dir():
+        return None
+    if path.exists() and not path.is_file():
+        return f"{flag} {path} is not a regular file; name a file to write"
+    if not overwrite:
+        return f"{flag} {path} already exists; pass --overwrite to replace it"
     return None
 
 

@@ -258,7 +258,7 @@ class ShardSetWriter:
 _INDEX_FIELDS = {"version": int, "documents": int, "tokens": int, "dtype": str,
                  "tokenizer": dict, "sources": dict, "shards": list}
 _SHARD_FIELDS = {"file": str, "sha256": str, "documents": int, "tokens": int}
-_TOKENIZER_FIELDS = {"name": str, "vocab_size": int, "eod_id": int}
+_TOKENIZER_FIELDS = {"name": str, "vocab_size": int, "eod_id": int, "sha256": str}
 
 
 def _check_index(index: dict[str, Any], path: Path) -> None:

@@ -8,8 +8,9 @@ the layout the token shards store.
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from itertools import chain
@@ -61,6 +62,7 @@ class Tokenizer:
         self.eod_token = eod_token
         self.eod_id = int(eod_id)
         self._fast: FastByteLevelBPE | None = None
+        self._fingerprint: str | None = None
         self.fast = is_gpt2_style(backend)
         """Use the exact cached encoder (GPT-2 style pipelines only; see ``mt_data.fastbpe``)."""
 
@@ -68,6 +70,16 @@ class Tokenizer:
     def vocab_size(self) -> int:
         """Number of ids, added special tokens included."""
         return int(self.backend.get_vocab_size(with_added_tokens=True))
+
+    @property
+    def fingerprint(self) -> str:
+        """SHA-256 of the tokenizer's canonical JSON (``tokenizers``' ``to_str``): the same
+        for the same vocabulary, merges, pipeline and special tokens, however they were loaded
+        (``gpt2``, its vocab.json + merges.txt, or the tokenizer.json it saves)."""
+        if self._fingerprint is None:
+            text = self.backend.to_str().encode("utf-8")
+            self._fingerprint = hashlib.sha256(text).hexdigest()
+        return self._fingerprint
 
     @property
     def dtype(self) -> np.dtype:
@@ -121,6 +133,7 @@ class Tokenizer:
             "vocab_size": self.vocab_size,
             "eod_id": self.eod_id,
             "eod_token": self.eod_token,
+            "sha256": self.fingerprint,
         }
 
     def __repr__(self) -> str:
@@ -156,12 +169,21 @@ def from_vocab_merges(vocab_path: str | Path, merges_path: str | Path, name: str
     if not isinstance(vocab, dict):
         raise TokenizerError(f"{vocab_path}: not a vocab.json (a JSON object of token -> id "
                              f"expected, got {type(vocab).__name__})")
+    try:
+        lines = _read_text(Path(merges_path)).splitlines()
+    except (UnicodeDecodeError, EOFError, gzip.BadGzipFile) as exc:
+        raise TokenizerError(f"{merges_path}: not a readable merges.txt ({exc})") from None
     merges = []
-    for line in _read_text(Path(merges_path)).splitlines():
+    for line in lines:
         if line and not line.startswith("#version"):
             left, _, right = line.partition(" ")
             merges.append((left, right))
-    return Tokenizer(_byte_level(vocab, merges), name or str(vocab_path))
+    try:
+        backend = _byte_level(vocab, merges)
+    except Exception as exc:  # the tokenizers library raises a bare Exception
+        raise TokenizerError(f"{merges_path}: merges that do not fit {vocab_path} "
+                             f"({' '.join(str(exc).split())})") from None
+    return Tokenizer(backend, name or str(vocab_path))
 
 
 def gpt2() -> Tokenizer:
@@ -193,7 +215,8 @@ def load_tokenizer(spec: str | Path = "gpt2") -> Tokenizer:
         else:
             for vocab, merges in (("vocab.json", "merges.txt"), ("encoder.json", "vocab.bpe")):
                 if (path / vocab).is_file() and (path / merges).is_file():
-                    return from_vocab_merges(path / vocab, path / merges, name=str(path))
+                    return from_vocab_merges(path / vocab, path / merges,
+                                            name=str(path.resolve()))
             raise TokenizerError(
                 f"{path} holds neither tokenizer.json nor vocab.json + merges.txt"
             )
@@ -205,7 +228,39 @@ def load_tokenizer(spec: str | Path = "gpt2") -> Tokenizer:
         backend = HFTokenizer.from_file(str(path))
     except Exception as exc:  # the tokenizers library raises a bare Exception
         raise TokenizerError(f"{path}: not a readable tokenizer.json ({exc})") from None
-    return Tokenizer(backend, str(path))
+    return Tokenizer(backend, str(path.resolve()))
+
+
+def recorded_tokenizer(record: Mapping[str, object], where: str) -> Tokenizer:
+    """The tokenizer ``record`` (a dataset index's ``tokenizer``: name, vocab_size, eod_id,
+    sha256) names, loaded and checked to be the one recorded: a tokenizer file edited or
+    replaced since is refused, in one line naming ``where`` (the dataset or checkpoint)."""
+    name = str(record.get("name") or "")
+    try:
+        tokenizer = load_tokenizer(name)
+    except TokenizerError as err:
+        raise TokenizerError(f"{where} records tokenizer {name!r}, which does not load: "
+                             f"{err}") from None
+    if why := tokenizer_differs(record, tokenizer.describe(), names=False):
+        raise TokenizerError(f"{where} records tokenizer {name!r}, but the tokenizer there now "
+                             f"is another one ({why}): restore it, or prepare the data again")
+    return tokenizer
+
+
+def tokenizer_differs(a: Mapping[str, object], b: Mapping[str, object],
+                      names: bool = True) -> str | None:
+    """Why two recorded tokenizers (index.json's ``tokenizer``, :meth:`Tokenizer.describe`)
+    are not the same one, or None. Their SHA-256 decides where both record one; without it
+    (datasets prepared before it was recorded) their vocabulary size, end-of-document id
+    and (with ``names``) name must all agree."""
+    if a.get("sha256") and b.get("sha256"):
+        if a["sha256"] != b["sha256"]:
+            return f"sha256 {str(a['sha256'])[:12]}... against {str(b['sha256'])[:12]}..."
+        return None
+    for key in ("vocab_size", "eod_id", "name")[:3 if names else 2]:
+        if key in a and key in b and a[key] != b[key]:
+            return f"{key} {a[key]!r} against {b[key]!r}"
+    return None
 
 
 def train_tokenizer(

@@ -34,6 +34,7 @@ from typing import Any
 
 import yaml
 
+from mt_data.text import not_utf8
 from mt_eval.errors import TaskError, yaml_problem
 
 __all__ = ["DEFAULT_METRICS", "OUTPUT_TYPES", "Task", "jsonl_task", "load_jsonl", "yaml_task"]
@@ -127,11 +128,8 @@ def _lone_surrogate(row: dict[str, Any]) -> str | None:
         elif isinstance(value, list):
             todo += [(item, f"{where}[{i}]") for i, item in enumerate(value)]
         for text, place in texts:
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError as err:
-                return (f"{place} holds a lone surrogate \\u{ord(text[err.start]):04x} at "
-                        f"character {err.start}")
+            if why := not_utf8(text):
+                return f"{place} holds {why}"
     return None
 
 

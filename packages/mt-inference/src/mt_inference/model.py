@@ -50,11 +50,12 @@ def as_pretrain_checkpoint(path: str, tokenizer: str | None
     tokenizer the folder carries unless ``tokenizer`` is given."""
     try:
         find_checkpoint(path)
-        yield path, tokenizer
-        return
     except CheckpointError:
         if not Path(path).is_dir():
             raise
+    else:  # the work's own errors pass through: not taken for another format's folder
+        yield path, tokenizer
+        return
     with tempfile.TemporaryDirectory(prefix="mt-eval-") as tmp:
         target = Path(tmp) / "checkpoint"
         try:
@@ -78,7 +79,29 @@ def load_eval_model(path: str | Path, tokenizer: str | None = None) -> EvalModel
         raise CheckpointError(f"{folder}: the tokenizer the run trained with is not recorded "
                               "and its dataset is not here; pass --tokenizer (gpt2, "
                               "tokenizer-1k, a tokenizer.json or a folder)")
+    if meta.tokenizer_sha256 is not None:
+        _check_tokenizer(name, meta.tokenizer, meta.tokenizer_sha256, folder, tokenizer)
     return EvalModel(config, weights, name, str(folder), meta.step)
+
+
+def _check_tokenizer(name: str, trained: str | None, fingerprint: str, folder: Path,
+                     given: str | None) -> None:
+    """The tokenizer ``name`` is the one the run trained with (``fingerprint``), not a file
+    edited or replaced since: ids of another tokenizer read as other text."""
+    from mt_data import load_tokenizer
+    from mt_data.tokenizer import TokenizerError
+
+    try:
+        have = load_tokenizer(name).fingerprint
+    except TokenizerError as err:
+        raise CheckpointError(f"{folder}: the tokenizer the run trained with does not load "
+                              f"({err}); pass --tokenizer with that one") from None
+    if have != fingerprint:
+        where = f"--tokenizer {given}" if given else f"the tokenizer at {trained}"
+        raise CheckpointError(f"{folder}: {where} is not the one the run trained with (sha256 "
+                              f"{have[:12]}..., the run's {fingerprint[:12]}...): "
+                              + ("pass the run's tokenizer" if given else
+                                 "restore it, or pass --tokenizer with the run's"))
 
 
 def whole_model(loaded: EvalModel, device: torch.device, dtype: torch.dtype) -> Any:

@@ -7,7 +7,9 @@ NVLink bandwidth per GPU and direction, and the InfiniBand bandwidth one GPU get
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, fields
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -205,6 +207,8 @@ def _from_mapping(data: Any, source: str) -> GPUSpec:
             value = data[key]
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise GPUSpecError(f"{source}: {key} must be a number, got {value!r}")
+            if field == "gpus_per_node" and not isinstance(value, int):
+                raise GPUSpecError(f"{source}: {key} must be an integer, got {value!r}")
             kwargs[field] = int(value) if field == "gpus_per_node" else float(value) * scale
     return GPUSpec(**kwargs)
 
@@ -226,7 +230,9 @@ def load_gpu(name_or_path: str) -> GPUSpec:
         import yaml
 
         try:
-            data = yaml.safe_load(path.read_text(encoding="utf-8"))
+            data = yaml.load(path.read_text(encoding="utf-8"), Loader=_strict_loader())
+        except GPUSpecError as err:  # a key given twice, an ambiguous number
+            raise GPUSpecError(f"{path} {err}") from None
         except UnicodeDecodeError as err:
             raise GPUSpecError(f"{path} is not UTF-8 text (byte {err.object[err.start]:#04x} "
                                f"at offset {err.start})") from None
@@ -238,3 +244,55 @@ def load_gpu(name_or_path: str) -> GPUSpec:
         return _from_mapping(data, str(path))
     raise GPUSpecError(f"unknown GPU type {name_or_path!r}; use one of {sorted(GPUS)} "
                        "or a .yaml file")
+
+
+@cache
+def _strict_loader() -> type:
+    """YAML's safe loader, refusing what PyYAML reads silently otherwise: a key given twice
+    in one mapping (the last one won), and the numbers YAML 1.1 and YAML 1.2 read apart: an
+    integer with a leading zero (``010``: octal 8 in 1.1, 10 in 1.2) and a sexagesimal number
+    (``1:30``: 90 in 1.1, text in 1.2). Errors are :class:`GPUSpecError` naming the line."""
+    import yaml
+
+    class Strict(yaml.SafeLoader):
+        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                if isinstance(key, (str, int, float, bool, type(None))):
+                    if key in seen:
+                        raise GPUSpecError(f"line {key_node.start_mark.line + 1}: {key} is "
+                                           "given twice; keep one")
+                    seen.add(key)
+            return super().construct_mapping(node, deep)
+
+        def construct_yaml_int(self, node: Any) -> int:
+            value = super().construct_yaml_int(node)
+            text, line = str(node.value), node.start_mark.line + 1
+            if _LEADING_ZERO.match(text):
+                raise GPUSpecError(
+                    f"line {line}: {text} is ambiguous: YAML 1.1 reads it as octal {value}, "
+                    f"YAML 1.2 as {int(text.replace('_', ''))}; write the number without the "
+                    "leading zero")
+            return _decimal(text, value, line)
+
+        def construct_yaml_float(self, node: Any) -> float:
+            value = super().construct_yaml_float(node)
+            return _decimal(str(node.value), value, node.start_mark.line + 1)
+
+    Strict.add_constructor("tag:yaml.org,2002:int", Strict.construct_yaml_int)
+    Strict.add_constructor("tag:yaml.org,2002:float", Strict.construct_yaml_float)
+    return Strict
+
+
+#: An integer YAML 1.1 reads as octal: a zero, then more digits.
+_LEADING_ZERO = re.compile(r"^[-+]?0[0-9_]+$")
+
+
+def _decimal(text: str, value: float, line: int) -> Any:
+    """``value``, read from ``text`` on ``line``, unless ``text`` is sexagesimal (a
+    :class:`GPUSpecError`)."""
+    if ":" in text:
+        raise GPUSpecError(f"line {line}: {text} is ambiguous: YAML 1.1 reads it as {value} "
+                           "(base 60), YAML 1.2 as text; write the number in decimal")
+    return value

@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-__all__ = ["GIB", "MMAP_THRESHOLD", "MemoryPeaks", "MemoryReading", "gather_memory",
-           "map_large_blocks", "read_memory", "summary_line"]
+__all__ = ["GIB", "MMAP_THRESHOLD", "MemoryPeaks", "MemoryReading", "device_memory",
+           "gather_memory", "map_large_blocks", "read_memory", "summary_line"]
 
 GIB = float(2**30)
 _MAX_LISTED = 16  # ranks listed one by one in the summary line
@@ -124,6 +124,25 @@ def read_memory(device: torch.device | str) -> MemoryReading:
                0.0 if math.isnan(current) else current)
     _HIGH_WATER = (os.getpid(), high)
     return MemoryReading("rss", high, current)
+
+
+def device_memory(device: torch.device | str) -> tuple[float, str] | None:
+    """The bytes of ``device`` on this machine, and the same in words (``the 23.5 GiB of RAM
+    here``): on CUDA the GPU's total memory, on CPU the host's physical memory (which the
+    ranks on it share). None where it cannot be told (no such GPU here, no figure from the
+    system)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            return None
+        props = torch.cuda.get_device_properties(device)
+        return float(props.total_memory), f"the {props.total_memory / GIB:.1f} GiB of the " \
+            f"{props.name}"
+    try:
+        total = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError):
+        return None
+    return total, f"the {total / GIB:.1f} GiB of RAM here"
 
 
 @dataclass(frozen=True)

@@ -124,12 +124,13 @@ def plot(
         "loss"),
     x: Annotated[str, typer.Option(help="Horizontal axis: step or tokens.")] = "step",
     log_y: Annotated[bool, typer.Option("--log-y", help="Logarithmic vertical axis.")] = False,
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing output file.")] = False,
 ) -> None:
     """Draw a metric (default: the loss curve) of one or more runs to a PNG."""
     from mt_pretrain.cli.plot import plot_metrics
 
     try:
-        path = plot_metrics(metrics, output, key=key, x=x, log_y=log_y)
+        path = plot_metrics(metrics, output, key=key, x=x, log_y=log_y, overwrite=overwrite)
     except ValueError as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None

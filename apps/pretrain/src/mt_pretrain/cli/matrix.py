@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from mt_data.paths import unwritable
+from mt_data.paths import existing_file, unwritable
 from mt_zero.precision import PRECISIONS
 
 __all__ = ["matrix", "markdown_table"]
@@ -82,10 +82,31 @@ def _floor(steps: int, console: Console) -> None:
 
 #: The flags of `mt matrix` by parameter name, and those --noise-floor and --list leave unused.
 _FLAGS = {"which": "--set", "only": "--only", "markdown": "--markdown", "work_dir": "--work-dir",
-          "list_only": "--list", "steps": "--steps"}
+          "list_only": "--list", "steps": "--steps", "overwrite": "--overwrite"}
 _UNUSED = {"--noise-floor measures the noise floors only": ("which", "only", "markdown",
-                                                            "work_dir", "list_only"),
-           "--list names the cases only": ("markdown", "work_dir", "steps")}
+                                                            "overwrite", "work_dir", "list_only"),
+           "--list names the cases only": ("markdown", "overwrite", "work_dir", "steps")}
+
+
+def _check_markdown(markdown: Path | None, overwrite: bool) -> str | None:
+    """Why the --markdown file cannot be written (before any case runs), or None."""
+    if markdown is None:
+        return ("--overwrite replaces the --markdown file: give --markdown too, or leave "
+                "--overwrite out") if overwrite else None
+    return unwritable("--markdown", markdown) or existing_file("--markdown", markdown, overwrite)
+
+
+def _write_markdown(markdown: Path, outcomes: list, errors: Console) -> None:
+    """Write the Markdown table atomically (a temporary file beside it, then a rename),
+    creating the folders missing on the way."""
+    tmp = markdown.with_name(f".{markdown.name}.tmp")
+    try:
+        markdown.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(markdown_table(outcomes), encoding="utf-8")
+        os.replace(tmp, markdown)
+    except OSError as err:  # e.g. a full disk, or the folder changed since it was checked
+        raise _fail(errors, f"--markdown {markdown}: writing failed: {err.strerror or err}"
+                    ) from None
 
 
 def _idle_flags(ctx: typer.Context, floor: bool, list_only: bool) -> str | None:
@@ -111,6 +132,8 @@ def matrix(
     list_only: Annotated[bool, typer.Option("--list", help="Print the cases and exit.")] = False,
     markdown: Annotated[Path | None, typer.Option(
         help="Also write the table as Markdown to this file.")] = None,
+    overwrite: Annotated[bool, typer.Option(
+        help="Replace an existing --markdown file.")] = False,
     floor: Annotated[bool, typer.Option(
         "--noise-floor", help="Measure the bf16 and fp16 noise floors the tolerances are "
         "derived from (every run measures them again: they depend on the CPU's instruction "
@@ -136,8 +159,7 @@ def matrix(
     if floor:
         _floor(steps, console)
         return
-    if markdown is not None and not list_only and (
-            why := unwritable("--markdown", markdown)):
+    if not list_only and (why := _check_markdown(markdown, overwrite)):
         raise _fail(errors, why)
     cases = _cases(which, only, errors)
     if list_only:
@@ -158,9 +180,7 @@ def matrix(
     console.print(f"{len(outcomes) - len(failed)} of {len(outcomes)} cases pass; "
                   f"{sum(o.seconds for o in outcomes):.0f} s of runs", highlight=False)
     if markdown is not None:
-        tmp = markdown.with_name(f".{markdown.name}.tmp")
-        tmp.write_text(markdown_table(outcomes), encoding="utf-8")
-        os.replace(tmp, markdown)
+        _write_markdown(markdown, outcomes, errors)
     if failed:
         raise typer.Exit(1)
 

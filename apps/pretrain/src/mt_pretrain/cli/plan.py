@@ -86,30 +86,79 @@ def _fail(message: str) -> typer.Exit:
     return typer.Exit(2)
 
 
-def _model(name: str | None, config: Path | None) -> Any:
+def _model(name: str | None, config: Path | None) -> tuple[Any, ParallelLayout | None]:
+    """The model of --model or --config, and, when the config is an ``mt pretrain`` one, the
+    layout of its run (as ``mt pretrain --config FILE --dry-run`` resolves it)."""
     from mt_model import GPTConfig, GPTConfigError, preset
 
     if (name is None) == (config is None):
         raise _fail("give exactly one of --model PRESET or --config FILE")
     try:
         if name is not None:
-            return preset(name)
+            return preset(name), None
         if not config.is_file():
             raise _fail(f"config file {config} not found")
+        from mt_checkpoint import CheckpointError
         from mt_pretrain.config.load import load_config, read_yaml
-        from mt_pretrain.config.schema import ConfigError
+        from mt_pretrain.config.resolve import resolve
+        from mt_pretrain.config.schema import SECTIONS, ConfigError
 
         try:
             data = read_yaml(config)
-            if isinstance(data, dict) and "model" in data:  # an `mt pretrain` YAML
-                return load_config(config).model.gpt_config()
-        except ConfigError as err:  # not UTF-8, not YAML, bad fields
+            if isinstance(data, dict) and set(data) & set(SECTIONS):  # an `mt pretrain` YAML
+                run = load_config(config)
+                plan = resolve(run, run.world_size_hint())
+                return plan.gpt, plan.layout
+        except (ConfigError, CheckpointError) as err:  # not UTF-8, not YAML, bad fields
             raise _fail(str(err)) from None
         if not isinstance(data, dict):
             raise _fail(f"{config}: expected a mapping of GPTConfig fields")
-        return GPTConfig.from_dict(data)
+        return GPTConfig.from_dict(data), None
     except (GPTConfigError, TypeError) as err:
         raise _fail(str(err)) from None
+
+
+#: mt plan's layout flags and the :class:`ParallelLayout` fields they set (--gpus: the
+#: world size): what an ``mt pretrain`` config gives, unless the flag is given.
+_LAYOUT_FLAGS = {"gpus": "world_size", "tp": "tp", "cp": "cp", "pp": "pp",
+                 "global_batch_size": "global_batch", "micro_batch_size": "micro_batch",
+                 "zero_stage": "zero_stage", "schedule": "schedule",
+                 "virtual_stages": "virtual_stages", "sequence_parallel": "sequence_parallel",
+                 "recompute": "recompute", "precision": "precision",
+                 "chunked_loss": "chunked_loss", "main_grads": "main_grads"}
+
+
+def _given(ctx: typer.Context, name: str) -> bool:
+    """Whether the option ``name`` (its parameter) was given on the command line."""
+    return getattr(ctx.get_parameter_source(name), "name", None) == "COMMANDLINE"
+
+
+def _run_flags(ctx: typer.Context, run: ParallelLayout) -> dict[str, Any]:
+    """The layout flags' values (in :data:`_LAYOUT_FLAGS` order): the config's run's, but
+    for the flags given on the command line."""
+    return {flag: ctx.params[flag] if _given(ctx, flag) else getattr(run, field)
+            for flag, field in _LAYOUT_FLAGS.items()}
+
+
+#: Options and the option they do nothing without (unset, 0 or false).
+_NEEDS = {"failures_per_day": "save_interval", "save_interval": "failures_per_day",
+          "restart_minutes": "failures_per_day", "top": "search", "overwrite": "calibrate"}
+#: The checkpoint options, of one planned layout only (--search prints no checkpoint lines).
+_SAVE_FLAGS = ("save_interval", "failures_per_day", "restart_minutes", "write_gb_per_s",
+               "host_gb_per_s")
+
+
+def _idle_options(ctx: typer.Context) -> list[str]:
+    """Options given on the command line that would change nothing, one message each."""
+    def flag(name: str) -> str:
+        return f"--{name.replace('_', '-')}"
+
+    idle = [f"{flag(name)} does nothing without {flag(need)}: leave it out"
+            for name, need in _NEEDS.items() if _given(ctx, name) and not ctx.params[need]]
+    if ctx.params["search"]:
+        idle += [f"{flag(name)} does nothing with --search (it prints no checkpoint figures): "
+                 "leave it out" for name in _SAVE_FLAGS if _given(ctx, name)]
+    return idle
 
 
 def _number_problems(numbers: dict[str, int | None], zero_stage: int) -> list[str]:
@@ -136,8 +185,7 @@ def _search_ignores(ctx: typer.Context, calibrate: Path | None) -> list[str]:
               "recompute"]
     if calibrate is not None:
         chosen = [name for name in chosen if name not in ("tp", "micro_batch_size")]
-    return [f"--{name.replace('_', '-')}" for name in chosen
-            if getattr(ctx.get_parameter_source(name), "name", None) == "COMMANDLINE"]
+    return [f"--{name.replace('_', '-')}" for name in chosen if _given(ctx, name)]
 
 
 def _search(gpt: Any, gpu: GPUSpec, gpus: int, global_batch: int, zero: int, schedule: str,
@@ -262,9 +310,10 @@ def _calibrate(gpt: Any, base: GPUSpec, explicit: str | None, path: Path, micro_
     return spec
 
 
-def _check_calibrate(calibrate: Path, inputs: list[str | Path]) -> None:
-    """--calibrate writes a new file: not over the model config or GPU file it reads, and
-    somewhere writable (checked before the measurement, not after)."""
+def _check_calibrate(calibrate: Path, inputs: list[str | Path], overwrite: bool) -> None:
+    """--calibrate writes a new file: not over the model config or GPU file it reads, nor
+    over an existing file without --overwrite, and somewhere writable (checked before the
+    measurement, not after)."""
     from mt_data import output_clash
     from mt_data.paths import unwritable
 
@@ -272,6 +321,9 @@ def _check_calibrate(calibrate: Path, inputs: list[str | Path]) -> None:
         raise _fail(clash)
     if why := unwritable("--calibrate", calibrate):
         raise _fail(why)
+    if calibrate.exists() and not overwrite:
+        raise _fail(f"--calibrate {calibrate} exists; pass --overwrite to replace it, or name "
+                    "another file")
 
 
 def _check_micro_batches(layout: ParallelLayout) -> None:
@@ -287,7 +339,10 @@ def plan(
     ctx: typer.Context,
     model: Annotated[str | None, typer.Option(help="Model preset (tiny .. mt-nlg-530b).")] = None,
     config: Annotated[Path | None, typer.Option(
-        help="YAML: GPTConfig fields, or an mt pretrain config with a model section.")] = None,
+        help="YAML: GPTConfig fields, or an mt pretrain config: its model and the layout of "
+             "its run (as mt pretrain --dry-run resolves it: --gpus its world size, --tp, "
+             "--micro-batch-size, --precision ... its values), the flags given overriding "
+             "it.")] = None,
     gpu: Annotated[str | None, typer.Option(
         help=f"GPU type {sorted(GPUS)} or a YAML file (peak_tflops, memory_gb, "
              "nvlink_gb_per_s, ib_gb_per_s, gpus_per_node). Default a100-80gb; with "
@@ -320,20 +375,25 @@ def plan(
         "default); off: 16-bit gradients (half the gradient memory).")] = True,
     search: Annotated[bool, typer.Option(
         "--search", help="Search layouts on --gpus GPUs instead of --tp/--pp.")] = False,
-    top: Annotated[int, typer.Option(help="Rows of --search output.")] = 10,
+    top: Annotated[int, typer.Option(help="Rows of --search output (with --search).")] = 10,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     calibrate: Annotated[Path | None, typer.Option(
         help="Measure this machine first (CUDA if present, else CPU) at the model's shapes "
              "and --micro-batch-size / --tp / --precision: matmul, attention, memory and "
              "AdamW rates; write them to this YAML (--gpu gives capacity and links) and plan "
-             "with them. Later runs reuse it as --gpu FILE.")] = None,
+             "with them. Later runs reuse it as --gpu FILE. An existing FILE is refused "
+             "unless --overwrite.")] = None,
+    overwrite: Annotated[bool, typer.Option(
+        "--overwrite", help="With --calibrate: replace the FILE if it exists.")] = False,
     save_interval: Annotated[int, typer.Option(
         help="Steps between checkpoints: with --failures-per-day, the work saves and "
              "failures are expected to cost, synchronous and asynchronous.")] = 0,
     failures_per_day: Annotated[float, typer.Option(
-        help="Failures of the whole job per day (MT-NLG: about one node a day).")] = 0.0,
+        help="Failures of the whole job per day (MT-NLG: about one node a day); with "
+             "--save-interval.")] = 0.0,
     restart_minutes: Annotated[float, typer.Option(
-        help="Minutes from a failure to training again (requeue, start, load).")] = 10.0,
+        help="Minutes from a failure to training again (requeue, start, load); with "
+             "--failures-per-day.")] = 10.0,
     write_gb_per_s: Annotated[float, typer.Option(
         help="Checkpoint write bandwidth of one node to its storage, GB/s.")] = 5.0,
     host_gb_per_s: Annotated[float, typer.Option(
@@ -348,20 +408,25 @@ def plan(
     saves = {"save-interval": save_interval, "failures-per-day": failures_per_day,
              "restart-minutes": restart_minutes, "write-gb-per-s": write_gb_per_s,
              "host-gb-per-s": host_gb_per_s}
-    problems += _save_problems(saves)
+    problems += _save_problems(saves) + _idle_options(ctx)
     if search and (ignored := _search_ignores(ctx, calibrate)):
         problems.append(f"--search chooses {', '.join(ignored)} itself: leave "
                         f"{'it' if len(ignored) == 1 else 'them'} out, or plan one layout "
                         "without --search")
-    else:  # the rule of mt pretrain
-        problems += idle_option_problems(
-            tp=tp, pp=pp, virtual_stages=virtual_stages, sequence_parallel=sequence_parallel,
-            main_grads=main_grads, precision=precision)
     if problems:
         raise _fail("; ".join(problems))
     if calibrate is not None:
-        _check_calibrate(calibrate, [p for p in (config, gpu) if p and Path(p).exists()])
-    gpt = _model(model, config)
+        _check_calibrate(calibrate, [p for p in (config, gpu) if p and Path(p).exists()],
+                         overwrite)
+    gpt, run = _model(model, config)
+    if run is not None:  # an mt pretrain config: its run's layout, the flags given on top
+        (gpus, tp, cp, pp, global_batch_size, micro_batch_size, zero_stage, schedule,
+         virtual_stages, sequence_parallel, recompute, precision, chunked_loss,
+         main_grads) = _run_flags(ctx, run).values()
+    if not search and (idle := idle_option_problems(  # the rule of mt pretrain
+            tp=tp, pp=pp, virtual_stages=virtual_stages, sequence_parallel=sequence_parallel,
+            main_grads=main_grads, precision=precision)):
+        raise _fail("; ".join(idle))
     try:
         # An empty --gpu is refused by load_gpu.
         spec = load_gpu(gpu if gpu is not None else

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -13,13 +12,14 @@ __all__ = ["plot_metrics"]
 
 
 def plot_metrics(paths: Sequence[str | Path], output: str | Path, key: str = "loss",
-                 x: str = "step", log_y: bool = False) -> Path:
+                 x: str = "step", log_y: bool = False, overwrite: bool = False) -> Path:
     """Plot ``key`` against ``x`` for every metrics file (plus ``val_loss`` if present).
 
-    ``output`` is checked first (:func:`check_output`): a ValueError in one line, before any
-    metrics file is read or anything drawn."""
+    ``output`` is checked first (:func:`check_output`; an existing file is replaced only with
+    ``overwrite``): a ValueError in one line, before any metrics file is read or anything
+    drawn."""
     output = Path(output)
-    check_output(output, paths)
+    check_output(output, paths, overwrite)
     try:
         import matplotlib  # pants: no-infer-dep (optional: mt-pretrain[plot])
     except ImportError:
@@ -59,7 +59,6 @@ def plot_metrics(paths: Sequence[str | Path], output: str | Path, key: str = "lo
     ax.legend()
     fig.tight_layout()
     try:
-        output.parent.mkdir(parents=True, exist_ok=True)
         save_figure(fig, output)
     except OSError as err:  # e.g. a full disk, or the folder changed since it was checked
         raise ValueError(f"--output {output}: writing failed: {err.strerror or err}") from None
@@ -68,27 +67,26 @@ def plot_metrics(paths: Sequence[str | Path], output: str | Path, key: str = "lo
     return output
 
 
-def check_output(output: Path, inputs: Sequence[str | Path]) -> None:
+def check_output(output: Path, inputs: Sequence[str | Path], overwrite: bool = False) -> None:
     """A ValueError (one line) when ``output`` cannot be written as an image: it is one of
-    the metrics files (``output_clash``), a folder, or lies under a file or in a folder this
-    process cannot write."""
-    from mt_data.paths import output_clash
+    the metrics files (``output_clash``), a folder, lies under a file, in a folder that does
+    not exist (none is created) or one where this process cannot create a file
+    (``unwritable``), or is a file already there and ``overwrite`` is off
+    (``existing_file``)."""
+    from mt_data.paths import existing_file, output_clash, unwritable
 
     clash = output_clash("--output", output, inputs)
     if clash:
         raise ValueError(clash)
     if output.is_dir():
         raise ValueError(f"--output {output} is a folder; name the image file to write")
-    for parent in output.parents:  # the nearest one that exists
-        if not parent.exists():
-            continue
-        if not parent.is_dir():
-            raise ValueError(f"--output {output}: cannot write there: {parent} is a file, "
-                             "not a folder")
-        if not os.access(parent, os.W_OK | os.X_OK):
-            raise ValueError(f"--output {output}: cannot write there: {parent} is not "
-                             "writable")
-        break
+    if why := unwritable("--output", output):
+        raise ValueError(why)
+    if not output.parent.is_dir():
+        raise ValueError(f"--output {output}: the folder {output.parent} does not exist; "
+                         "create it first or name a file in an existing folder")
+    if why := existing_file("--output", output, overwrite):
+        raise ValueError(why)
 
 
 def _number(value: Any) -> bool:

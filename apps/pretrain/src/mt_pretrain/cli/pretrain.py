@@ -32,13 +32,22 @@ def _error(console: Console, text: str) -> None:
 
 
 def dry_run(config: PretrainConfig, environ: Mapping[str, str]) -> str:
-    """The plan of ``config`` at the world size of the launcher (or --nproc) as text."""
-    from mt_dist import discover
-    from mt_pretrain.config.resolve import describe, resolve
+    """The plan of ``config`` at the world size of the launcher (or --nproc) as text, and a
+    warning line when its memory per rank exceeds this machine's (a run would be refused)."""
+    from mt_dist import discover, local_device
+    from mt_pretrain.config.resolve import describe, memory_shortfall, resolve
 
     info = discover(environ, use_mpi4py=False)
-    world = info.world_size if info.launcher != "single" else config.world_size_hint()
-    return describe(config, resolve(config, world))
+    single = info.launcher == "single"
+    world = config.world_size_hint() if single else info.world_size
+    plan = resolve(config, world)
+    text = describe(config, plan)
+    device = local_device(info, use_cuda={"auto": None, "cpu": False, "cuda": True}[
+        config.parallel.device])
+    short = memory_shortfall(plan, device, world if single else info.local_world_size)
+    if short and config.log.says("warning"):
+        text += f"\nwarning    {short}: a run here would be refused"
+    return text
 
 
 def pretrain_main(config_path: Path | None, overrides: dict[str, Any],

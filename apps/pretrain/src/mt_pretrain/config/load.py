@@ -14,7 +14,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from mt_data.paths import blocking_file, output_clash
+from mt_data.paths import blocking_file, output_clash, unwritable
 from mt_eval import TaskError, load_task
 from mt_pretrain.config.fields import field_docs, flat_fields
 from mt_pretrain.config.refusals import unsupported
@@ -147,6 +147,8 @@ def build_config(nested: Mapping[str, Any], flat: Mapping[str, Any],
     if missing:
         raise ConfigError(f"invalid configuration: data path(s) not found: {missing} (prepare "
                           "them with `mt data prepare`, or omit --data for the embedded corpus)")
+    if config.data.data is not None:
+        _check_prepared_tokenizer(dataset_paths(config.data), config.data.tokenizer)
     for task in config.train.eval_tasks:  # read now: a bad task file fails before training
         try:
             load_task(task)
@@ -190,6 +192,8 @@ def load_config(path: str | Path | None = None,
         shipped = SHIPPED / f"{path.name.removesuffix('.yaml')}.yaml"
         if not path.is_file() and len(path.parts) == 1 and shipped.is_file():  # a bare name
             path = shipped
+        if path.exists() and not path.is_file():  # a device (/dev/null), a pipe, a folder
+            raise ConfigError(f"config file {path} is not a regular file; name a YAML file")
         if not path.is_file():
             names = sorted(p.stem for p in SHIPPED.glob("*.yaml"))
             raise ConfigError(f"config file {path} not found (shipped configs: {names})")
@@ -229,9 +233,10 @@ def read_yaml(path: Path) -> Any:
 @cache
 def _unique_keys_loader() -> type:
     """YAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last
-    one silently), and reading ``1e-05`` as a number as YAML 1.2 does (PyYAML's YAML 1.1 wants
-    a dot, ``1.0e-05``, and gave the string '1e-05': `mt plan --config` refused a model's
-    own ``layernorm_eps``)."""
+    one silently), reading ``1e-05`` as a number as YAML 1.2 does (PyYAML's YAML 1.1 wants a
+    dot, ``1.0e-05``, and gives the string '1e-05'), and refusing the integers YAML 1.1 and
+    1.2 read differently: ``010`` (octal 8 to PyYAML, 10 to YAML 1.2) and base 60 ``1:30``
+    (90 to PyYAML, a string to YAML 1.2)."""
     import re
 
     import yaml
@@ -252,6 +257,20 @@ def _unique_keys_loader() -> type:
                 seen.add(key)
             return super().construct_mapping(node, deep)
 
+        def construct_yaml_int(self, node: Any) -> int:
+            value = super().construct_yaml_int(node)
+            text, line = node.value.replace("_", ""), node.start_mark.line + 1
+            if ":" in text:
+                raise ConfigError(f"line {line}: {node.value} is a base-60 number to YAML 1.1 "
+                                  f"({value}) and a string to YAML 1.2; write {value}, or quote "
+                                  "it")
+            if re.fullmatch(r"[-+]?0[0-7]+", text):
+                decimal = int(text)
+                raise ConfigError(f"line {line}: {node.value} is octal {value} to YAML 1.1 and "
+                                  f"{decimal} to YAML 1.2; write {value} or {decimal}")
+            return value
+
+    UniqueKeys.add_constructor("tag:yaml.org,2002:int", UniqueKeys.construct_yaml_int)
     exponent = re.compile(r"^[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE][-+]?[0-9]+$")
     UniqueKeys.add_implicit_resolver("tag:yaml.org,2002:float", exponent,
                                      list("-+0123456789."))
@@ -274,15 +293,9 @@ def _check_paths(config: PretrainConfig) -> None:
 
             raise ConfigError(f"{flag} {path}: {blocker} is a file, not a folder; name a "
                               "path in a folder")
-    if data.tokenizer is None:
-        return
-    if data.data is not None:
-        used = sorted(set(_prepared_with(dataset_paths(data))))
-        if used != [data.tokenizer]:  # naming the dataset's own one still runs, as it did
-            raise ConfigError(f"--tokenizer {data.tokenizer} applies to the embedded corpus "
-                              f"only: a prepared dataset (--data) keeps the tokenizer it was "
-                              f"prepared with ({', '.join(used) or 'unknown'}); leave out "
-                              "--tokenizer")
+    if metrics is not None and (why := unwritable("--metrics", metrics)):
+        raise ConfigError(why)
+    if data.tokenizer is None or data.data is not None:  # --data's: _check_prepared_tokenizer
         return
     if data.tokenizer not in ("gpt2", "tokenizer-1k"):
         from mt_data import DataError, load_tokenizer
@@ -310,15 +323,39 @@ def _check_outputs(config: PretrainConfig, source: str | None) -> None:
                 raise ConfigError(str(output_clash(flag, path, [given])))
 
 
-def _prepared_with(paths: list[Path]) -> list[str]:
-    """The tokenizer names the index.json of each readable dataset folder records."""
-    names = []
+def _check_prepared_tokenizer(paths: list[Path], given: str | None) -> None:
+    """The datasets of ``--data`` were prepared with one tokenizer, which loads from here and
+    is still the one they record (not edited or replaced since); ``--tokenizer``, if
+    ``given``, is that one too (it applies to the embedded corpus only)."""
+    from mt_data import DataError, load_tokenizer, recorded_tokenizer, tokenizer_differs
+    from mt_data.blend import check_one_tokenizer
+
+    records = _prepared_with(paths)
+    try:
+        if records:
+            check_one_tokenizer(records)
+            recorded_tokenizer(records[0][1], f"dataset {records[0][0]}")
+        mine = load_tokenizer(given).describe() if given is not None else None
+    except DataError as err:
+        raise ConfigError(str(err)) from None
+    if mine is not None and (not records or tokenizer_differs(records[0][1], mine)):
+        used = records[0][1].get("name") if records else "unknown"
+        raise ConfigError(f"--tokenizer {given} applies to the embedded corpus only: a "
+                          f"prepared dataset (--data) keeps the tokenizer it was prepared with "
+                          f"({used}); leave out --tokenizer")
+
+
+def _prepared_with(paths: list[Path]) -> list[tuple[str, dict]]:
+    """(folder, the tokenizer its index.json records) of each readable dataset folder."""
+    records = []
     for path in paths:
         try:
-            names.append(str(json.loads((path / "index.json").read_text())["tokenizer"]["name"]))
+            record = json.loads((path / "index.json").read_text())["tokenizer"]
         except (OSError, ValueError, KeyError, TypeError):
             continue  # a missing or damaged dataset is reported by the checks that follow
-    return names
+        if isinstance(record, dict):
+            records.append((str(path), record))
+    return records
 
 
 def blend_text(data: DataArgs) -> str:

@@ -39,8 +39,8 @@ from mt_pretrain.config.schema import (
     PretrainConfig,
 )
 
-__all__ = ["RunPlan", "activation_shape", "describe", "elastic_world", "memory_estimate",
-           "model_of", "resolve", "runtime_spec"]
+__all__ = ["RunPlan", "activation_shape", "check_memory", "describe", "elastic_world",
+           "memory_estimate", "memory_shortfall", "model_of", "resolve", "runtime_spec"]
 
 
 @dataclass(frozen=True)
@@ -305,6 +305,40 @@ def fullest_stage_memory(plan: RunPlan, device: str) -> tuple[int, dict[str, flo
     estimates = [memory_estimate(plan, sp.stage, gpu) for sp in plan.stages.stages]
     stage = max(range(len(estimates)), key=lambda s: estimates[s]["total"])
     return stage, estimates[stage]
+
+
+def memory_shortfall(plan: RunPlan, device: Any, ranks_here: int) -> str | None:
+    """How the plan's memory exceeds this machine's ``device`` (a torch device or its name),
+    in words: on CUDA, the fullest stage's per rank above the GPU's memory; on CPU, what its
+    ``ranks_here`` ranks on this host need together above its RAM (those of the leanest
+    stages: exact when every rank is here, never more than the ranks a launcher placed here
+    need). None when it fits or either figure is unknown."""
+    from mt_plan.memory import device_memory
+
+    kind = str(device).split(":")[0]
+    gpu = runtime_spec(kind)
+    per_stage = [memory_estimate(plan, s, gpu)["total"] for s in range(plan.topology.pp)]
+    stage = max(range(len(per_stage)), key=per_stage.__getitem__)
+    need, what = per_stage[stage], f"~{_gib(per_stage[stage])} per rank (stage {stage})"
+    if kind == "cpu" and ranks_here > 1:
+        need, left = 0.0, ranks_here
+        for total in sorted(per_stage):  # each stage has world / pp ranks
+            taken = min(left, plan.topology.world_size // plan.topology.pp)
+            need, left = need + taken * total, left - taken
+        what = (f"~{_gib(need)} for its {ranks_here} ranks on this host (up to "
+                f"~{_gib(per_stage[stage])} a rank, stage {stage})")
+    memory = device_memory(device)
+    if memory is None or not need > memory[0]:  # NaN: no estimate
+        return None
+    return f"the plan needs {what}, more than {memory[1]}"
+
+
+def check_memory(plan: RunPlan, device: Any, ranks_here: int) -> None:
+    """Refuse (:class:`ConfigError`) a plan whose memory exceeds this machine's
+    (:func:`memory_shortfall`), before any rank builds its model."""
+    if short := memory_shortfall(plan, device, ranks_here):
+        raise ConfigError(f"invalid layout: {short}; use a smaller --seq-len, "
+                          "--micro-batch-size or model, recomputation, or more machines")
 
 
 def measured_memory_note(device: str) -> str:

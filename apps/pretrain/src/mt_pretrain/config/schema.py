@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mt_data.text import not_utf8
 from mt_pipeline import DEFAULT_SCHEDULE
 from mt_plan.layout import SCHEDULES, ParallelLayout, idle_option_problems, option_problems
 from mt_pretrain.config.engines import ENGINES
@@ -435,6 +436,8 @@ class TrainArgs:
             problems.append(f"--seed must be between 0 and 2**63 - 1, got {self.seed!r}")
         if self.eval_task_interval < 0:
             problems.append(f"--eval-task-interval must be >= 0, got {self.eval_task_interval}")
+        if isinstance(self.prompt, str) and (why := not_utf8(self.prompt)):
+            problems.append(f"--prompt holds {why}: give UTF-8 text")
         if self.exit_duration is not None and not self.exit_duration > 0:
             problems.append(f"--exit-duration must be > 0 minutes, got {self.exit_duration}")
         elif self.exit_duration == math.inf:

@@ -4,8 +4,10 @@ a cache folder), packed GPT samples and this data-parallel rank's loader."""
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import warnings
 from collections.abc import Mapping
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +22,8 @@ from mt_data import (
     SplitSpec,
     TokenDataset,
     build_blended,
-    load_tokenizer,
     prepare_demo,
+    recorded_tokenizer,
 )
 from mt_pretrain.config.load import blend_text, dataset_paths
 from mt_pretrain.config.resolve import RunPlan
@@ -49,6 +51,19 @@ def default_tokenizer(data: DataArgs, vocab_size: int) -> str:
     return "tokenizer-1k" if vocab_size < GPT2_VOCAB else "gpt2"
 
 
+def _demo_key(tokenizer: str) -> str:
+    """What the embedded corpus' tokens depend on, hashed (12 hex digits): the tokenizer's
+    fingerprint and the corpus files. A tokenizer file edited since, or another file of the
+    same name, gets its own cache folder instead of tokens another tokenizer made."""
+    from mt_data import corpus_path
+    from mt_data.corpus import CORPORA
+
+    digest = hashlib.sha256(_fingerprint(tokenizer).encode())
+    for name in CORPORA:
+        digest.update(corpus_path(name).read_bytes())
+    return digest.hexdigest()[:12]
+
+
 def ensure_data(data: DataArgs, vocab_size: int, cache_dir: Path) -> list[Path]:
     """The dataset folders of the run, tokenizing the embedded corpus once if needed (for a
     model of ``vocab_size`` ids). Safe to call from every rank at once: a file lock
@@ -56,7 +71,8 @@ def ensure_data(data: DataArgs, vocab_size: int, cache_dir: Path) -> list[Path]:
     if data.data is not None:
         return dataset_paths(data)
     tokenizer = default_tokenizer(data, vocab_size)
-    folder = cache_dir / "data" / f"embedded-{Path(tokenizer).name.replace('.json', '')}"
+    folder = cache_dir / "data" / f"embedded-{Path(tokenizer).name.replace('.json', '')}-" \
+        f"{_demo_key(tokenizer)}"
     folder.parent.mkdir(parents=True, exist_ok=True)
     with open(folder.parent / f".{folder.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -67,24 +83,32 @@ def ensure_data(data: DataArgs, vocab_size: int, cache_dir: Path) -> list[Path]:
     return [folder]
 
 
-def run_tokenizer(data: DataArgs, vocab_size: int) -> str | None:
-    """The tokenizer a run trains with, as ``mt_data.load_tokenizer`` takes it: the one its
-    dataset's index records, else the embedded corpus' (None if the dataset is not here)."""
+def run_tokenizer(data: DataArgs, vocab_size: int) -> tuple[str | None, str | None]:
+    """The tokenizer a run trains with, as ``mt_data.load_tokenizer`` takes it, and its
+    fingerprint: the one its dataset's index records, else the embedded corpus' ((None,
+    None) if the dataset is not here; no fingerprint for a dataset prepared before one was
+    recorded)."""
     if data.data is None:
-        return default_tokenizer(data, vocab_size)
+        name = default_tokenizer(data, vocab_size)
+        return name, _fingerprint(name)
     paths = dataset_paths(data)
     if not all(p.exists() for p in paths):
-        return None
-    info = TokenDataset(paths[0]).index.get("tokenizer", {})
-    name = info.get("name") if isinstance(info, dict) else info
-    return str(name) if name else None
+        return None, None
+    info = TokenDataset(paths[0]).tokenizer
+    return (str(info["name"]) if info.get("name") else None), info.get("sha256")
+
+
+@cache
+def _fingerprint(tokenizer: str) -> str:
+    from mt_data import load_tokenizer
+
+    return load_tokenizer(tokenizer).fingerprint
 
 
 def tokenizer_for(paths: list[Path]) -> Any:
-    """The tokenizer recorded in the first dataset's index (for decoding samples)."""
-    info = TokenDataset(paths[0]).index.get("tokenizer", {})
-    name = info.get("name") if isinstance(info, dict) else info
-    return load_tokenizer(name or "gpt2")
+    """The tokenizer recorded in the first dataset's index (for decoding samples), checked to
+    be the one it records (``mt_data.recorded_tokenizer``)."""
+    return recorded_tokenizer(TokenDataset(paths[0]).tokenizer, f"dataset {paths[0]}")
 
 
 def _dataset(data: DataArgs, seed: int, paths: list[Path], seq_len: int, samples: int,

@@ -166,6 +166,7 @@ class Checkpointer:
         _publish(self.root, tmp, meta, self.keep_last)
 
     def _meta(self, step: int, data_state: DataLoaderState) -> CheckpointMeta:
+        tokenizer, fingerprint = run_tokenizer(self.config.data, self.plan.gpt.vocab_size)
         return CheckpointMeta(
             step=step, layout=SavedLayout.of(self.plan.layout), model=self.plan.model.to_dict(),
             styles=self.built.styles,
@@ -173,7 +174,7 @@ class Checkpointer:
             consumed_samples=data_state.consumed_samples, data_step=data_state.step,
             tokens=data_state.consumed_samples * self.plan.gpt.seq_len,
             config=self.config.to_dict(),
-            tokenizer=run_tokenizer(self.config.data, self.plan.gpt.vocab_size))
+            tokenizer=tokenizer, tokenizer_sha256=fingerprint)
 
 
 def write_in_background(tmp: Path, rank: int, payload: dict[str, Any],

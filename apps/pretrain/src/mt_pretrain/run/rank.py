@@ -6,7 +6,9 @@ launcher info -> process group -> plan -> groups -> model shard + optimizer -> d
 
 from __future__ import annotations
 
+import errno
 import os
+import re
 import signal
 import socket
 import sys
@@ -34,9 +36,9 @@ from mt_dist import (
 )
 from mt_dist.restarts import Restart, agreed_restart
 from mt_model import count_parameters
-from mt_plan.memory import MemoryPeaks, gather_memory, map_large_blocks
+from mt_plan.memory import MemoryPeaks, device_memory, gather_memory, map_large_blocks
 from mt_pretrain.config.refusals import engine_of
-from mt_pretrain.config.resolve import RunPlan, fullest_stage_memory, resolve
+from mt_pretrain.config.resolve import RunPlan, check_memory, fullest_stage_memory, resolve
 from mt_pretrain.config.schema import ConfigError, PretrainConfig, TrainArgs
 from mt_pretrain.data.inputs import ensure_data, make_loaders, tokenizer_for
 from mt_pretrain.engines.base import Engine
@@ -52,7 +54,17 @@ from mt_pretrain.run.sample import (
 from mt_pretrain.run.tasks import task_scorer
 from mt_pretrain.run.train import StepStats, Trainer, stats_dict
 
-__all__ = ["RunSummary", "make_engine", "run_rank"]
+__all__ = ["RankOutOfMemory", "RunSummary", "make_engine", "run_rank"]
+
+
+class RankOutOfMemory(OSError):
+    """A rank's allocation failed (torch's CPU or CUDA allocator, or Python's): the run
+    failed for want of memory (exit 1, as any ENOMEM), said in one line naming the rank and
+    the bytes asked for."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.errno = errno.ENOMEM
 
 
 @dataclass
@@ -189,17 +201,52 @@ def run_rank(config: PretrainConfig, info: LaunchInfo, cache_dir: Path,
             # a rank of an agent that joined an elastic job later: it continues the run too
             config, restart = replace(config, checkpoint=ckpt.resuming_own()), agreed
         plan = resolve(config, info.world_size)
+        check_memory(plan, device, info.local_world_size)
         groups = build_groups(plan.topology, device, timeout=config.parallel.timeout)
         with ExitStack() as held:
             _claim_run_folder(config, groups, held)
             flag = StopFlag()
             with _stop_on_signals(flag):
-                summary = _train(config, plan, groups, device, cache_dir, flag, info.launcher,
-                                 keep_weights, restart)
+                try:
+                    summary = _train(config, plan, groups, device, cache_dir, flag,
+                                     info.launcher, keep_weights, restart)
+                except (MemoryError, RuntimeError) as err:
+                    if (line := _out_of_memory(err, info, device, plan)) is None:
+                        raise
+                    raise RankOutOfMemory(line) from None
         completed = True
         return summary
     finally:
         finalize_distributed(completed=completed)
+
+
+#: The bytes a failed allocation asked for, in torch's CPU and CUDA messages.
+_ASKED = (re.compile(r"you tried to allocate (\d+) bytes"),
+          re.compile(r"Tried to allocate (\d+(?:\.\d+)? [KMGTP]?i?B)"))
+
+
+def _out_of_memory(err: BaseException, info: LaunchInfo, device: torch.device,
+                   plan: RunPlan) -> str | None:
+    """One line for a failed allocation (``err``: torch's CPU allocator, a CUDA out of memory
+    error, a MemoryError): the rank, the bytes asked for, the plan's estimate and this
+    machine's memory; None for any other error."""
+    text = str(err)
+    if not (isinstance(err, (MemoryError, torch.cuda.OutOfMemoryError))
+            or "DefaultCPUAllocator: can't allocate memory" in text):
+        return None
+    asked = next((m.group(1) for m in (p.search(text) for p in _ASKED) if m), None)
+    if asked is not None and asked.isdigit():
+        asked = f"{int(asked) / 2**30:,.3f} GiB"
+    stage, estimate = fullest_stage_memory(plan, device.type)
+    memory = device_memory(device)
+    shared = f", {info.local_world_size} ranks" if device.type == "cpu" and \
+        info.local_world_size > 1 else ""
+    return (f"rank {info.rank} of {info.world_size} ran out of memory on {device}: an "
+            f"allocation of {asked or 'unknown size'} failed (the plan: "
+            f"~{estimate['total'] / 2**30:,.3f} GiB per rank, stage {stage}; "
+            f"{memory[1] if memory else 'memory unknown'}{shared}); free memory for the run, "
+            "or use a smaller --seq-len, --micro-batch-size or model, recomputation, or more "
+            "machines")
 
 
 def _claim_run_folder(config: PretrainConfig, groups: ParallelGroups,

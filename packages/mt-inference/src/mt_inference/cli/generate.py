@@ -97,12 +97,15 @@ def _input_problems(placement: Placement, prompt: str | None, input: Path | None
                     output: Path | None, stop: list[str], logprobs: bool) -> list[str]:
     """What is wrong with the prompts, the output and the stop strings."""
     from mt_data.paths import output_clash, unwritable
+    from mt_data.text import not_utf8
 
     problems = []
     if (prompt is None) == (input is None):
         problems.append("give --prompt TEXT or --input prompts.jsonl (one of them)")
     if prompt == "":
         problems.append("--prompt is empty")
+    elif prompt is not None and (why := not_utf8(prompt)):
+        problems.append(f"--prompt holds {why}: give UTF-8 text")
     if output is not None and input is None:
         problems.append("--output is for --input's results (one --prompt streams to the "
                         "terminal)")
@@ -117,6 +120,7 @@ def _input_problems(placement: Placement, prompt: str | None, input: Path | None
         problems.append(why)
     if "" in stop:
         problems.append("--stop is empty: give the text to stop before")
+    problems += [f"--stop holds {why}: give UTF-8 text" for why in map(not_utf8, stop) if why]
     return problems
 
 

@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from mt_data.text import not_utf8
 from mt_model import SEED_MAX, PromptScores, Sampling, Token
 
 __all__ = ["ApiError", "Choice", "Completion", "FIELDS", "Limits", "chunk_body",
@@ -114,13 +115,10 @@ def _unicode(body: Any) -> None:
 
 
 def _valid_text(text: str, where: str) -> None:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as err:
+    if why := not_utf8(text):
         name = where.split("[")[0].split(".")[0]
-        raise ApiError(400, f"'{where}' is not valid Unicode: a lone surrogate "
-                       f"\\u{ord(text[err.start]):04x} at character {err.start}",
-                       name if name in FIELDS else None) from None
+        raise ApiError(400, f"'{where}' is not valid Unicode: {why}",
+                       name if name in FIELDS else None)
 
 
 def _number(body: dict, name: str, default: Any, kind: type, low: float,
