@@ -406,6 +406,36 @@ def test_a_full_disk_names_the_output(docs, tmp_path: Path) -> None:
     assert f"error: {out}: writing failed: File too large" in done.stdout + done.stderr
 
 
+def test_a_full_disk_leaves_no_partial_file(docs, tmp_path: Path) -> None:
+    """export-megatron and train-tokenizer past a file-size limit: one line naming the
+    output, and no temporary file left beside it."""
+    import resource
+    import signal
+    import subprocess
+    import sys
+
+    def limit() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, 20_000))
+
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(_lines(docs, 300))
+    result = runner.invoke(app, ["prepare", str(path), "-o", str(tmp_path / "ds"), *FAST])
+    assert result.exit_code == 0, result.output
+    out = tmp_path / "out"
+    out.mkdir()
+    for args, message in (
+            (["export-megatron", str(tmp_path / "ds"), str(out / "m")],
+             f"PREFIX {out / 'm'}: writing failed: File too large"),
+            (["train-tokenizer", str(path), "--vocab-size", "2000", "-o", str(out / "t.json")],
+             f"--output {out / 't.json'}: writing failed: File too large")):
+        done = subprocess.run([sys.executable, "-c", "from mt_data.cli import app; app()",
+                               *args], capture_output=True, text=True, preexec_fn=limit,
+                              env={**os.environ, "COLUMNS": "300"})
+        assert done.returncode == 2 and message in done.stdout + done.stderr, done.stderr
+        assert sorted(p.name for p in out.iterdir()) == [], args
+
+
 def _one_line_error(args: list[str]) -> str:
     """The ``error:`` line of a command that must exit 2 (no traceback)."""
     result = runner.invoke(app, args, env={"COLUMNS": "300"})

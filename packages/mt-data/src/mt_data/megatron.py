@@ -27,6 +27,7 @@ from mt_data.shards import (
     TokenDataset,
     atomic_replace,
     atomic_write_bytes,
+    removed_on_failure,
     temp_path,
 )
 
@@ -159,16 +160,17 @@ def export_megatron(data: TokenDataset | str | Path, prefix: str | Path,
 def _write_pair(ds: TokenDataset, dtype: np.dtype, bin_path: Path, idx_path: Path) -> None:
     """Write the ``.bin`` then the ``.idx`` of ``ds``, each atomically."""
     bin_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp_bin = temp_path(bin_path)
-    with open(tmp_bin, "wb") as f:
-        for k in range(len(ds.index["shards"])):
-            docs = np.flatnonzero(ds.doc_shards == k)
-            if len(docs) == 0:
-                continue
-            start = int(ds.doc_starts[docs[0]])
-            stop = int(ds.doc_starts[docs[-1]] + ds.doc_lengths[docs[-1]])
-            f.write(ds.tokens(int(docs[0]), 0, stop - start).astype(dtype, copy=False).tobytes())
-    atomic_replace(tmp_bin, bin_path)  # .bin first: readers check it holds what .idx says
+    with removed_on_failure(temp_path(bin_path)) as tmp_bin:
+        with open(tmp_bin, "wb") as f:
+            for k in range(len(ds.index["shards"])):
+                docs = np.flatnonzero(ds.doc_shards == k)
+                if len(docs) == 0:
+                    continue
+                start = int(ds.doc_starts[docs[0]])
+                stop = int(ds.doc_starts[docs[-1]] + ds.doc_lengths[docs[-1]])
+                f.write(ds.tokens(int(docs[0]), 0, stop - start).astype(dtype,
+                                                                       copy=False).tobytes())
+        atomic_replace(tmp_bin, bin_path)  # .bin first: readers check it holds what .idx says
     atomic_write_bytes(idx_path, encode_index(dtype, ds.doc_lengths, np.arange(len(ds) + 1)))
 
 

@@ -18,8 +18,8 @@ import hashlib
 import json
 import os
 from collections import Counter
-from collections.abc import Sequence
-from contextlib import suppress
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -64,12 +64,23 @@ def atomic_replace(tmp: Path, path: Path) -> None:
     _fsync(path.parent)
 
 
+@contextmanager
+def removed_on_failure(tmp: Path) -> Iterator[Path]:
+    """``tmp``, a temporary file being written, removed if the writing fails (a full disk
+    leaves no partial file behind, under any name)."""
+    try:
+        yield tmp
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` via a temporary file and a rename."""
-    tmp = temp_path(path)
-    with open(tmp, "wb") as f:
-        f.write(data)
-    atomic_replace(tmp, path)
+    with removed_on_failure(temp_path(path)) as tmp:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        atomic_replace(tmp, path)
 
 
 def atomic_write_json(path: Path, obj: Any) -> None:

@@ -234,7 +234,7 @@ def load_tokenizer(spec: str | Path = "gpt2") -> Tokenizer:
 def recorded_tokenizer(record: Mapping[str, object], where: str) -> Tokenizer:
     """The tokenizer ``record`` (a dataset index's ``tokenizer``: name, vocab_size, eod_id,
     sha256) names, loaded and checked to be the one recorded: a tokenizer file edited or
-    replaced since is refused, in one line naming ``where`` (the dataset or checkpoint)."""
+    replaced since is refused, in one line naming ``where`` (the dataset)."""
     name = str(record.get("name") or "")
     try:
         tokenizer = load_tokenizer(name)
@@ -257,7 +257,7 @@ def tokenizer_differs(a: Mapping[str, object], b: Mapping[str, object],
         if a["sha256"] != b["sha256"]:
             return f"sha256 {str(a['sha256'])[:12]}... against {str(b['sha256'])[:12]}..."
         return None
-    for key in ("vocab_size", "eod_id", "name")[:3 if names else 2]:
+    for key in ("vocab_size", "eod_id", "name") if names else ("vocab_size", "eod_id"):
         if key in a and key in b and a[key] != b[key]:
             return f"{key} {a[key]!r} against {b[key]!r}"
     return None

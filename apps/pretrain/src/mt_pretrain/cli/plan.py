@@ -315,15 +315,14 @@ def _check_calibrate(calibrate: Path, inputs: list[str | Path], overwrite: bool)
     over an existing file without --overwrite, and somewhere writable (checked before the
     measurement, not after)."""
     from mt_data import output_clash
-    from mt_data.paths import unwritable
+    from mt_data.paths import existing_file, unwritable
 
     if clash := output_clash("--calibrate", calibrate, inputs):
         raise _fail(clash)
     if why := unwritable("--calibrate", calibrate):
         raise _fail(why)
-    if calibrate.exists() and not overwrite:
-        raise _fail(f"--calibrate {calibrate} exists; pass --overwrite to replace it, or name "
-                    "another file")
+    if why := existing_file("--calibrate", calibrate, overwrite):
+        raise _fail(why)
 
 
 def _check_micro_batches(layout: ParallelLayout) -> None:
