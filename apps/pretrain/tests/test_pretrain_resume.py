@@ -61,6 +61,32 @@ def test_pretrain_resume_at_another_layout(full_run: tuple[Path, Path, Any], tmp
     assert resumed.losses == pytest.approx(full.losses[HALF:], rel=1e-4)
 
 
+def test_a_checkpoint_continues_only_on_data_of_its_tokenizer(
+        full_run: tuple[Path, Path, Any], tmp_path: Path) -> None:
+    """--load of a run trained with tokenizer-1k on data prepared with another tokenizer
+    (whose ids fit the model's vocabulary, so nothing else stops it) is refused before any
+    step: the checkpoint and the dataset each record their tokenizer's fingerprint."""
+    from mt_data import PrepareConfig, load_tokenizer, prepare, train_tokenizer
+    from mt_data.corpus import CORPORA, corpus_path, corpus_texts
+
+    from mt_pretrain.config.schema import ConfigError
+
+    out, cache, _ = full_run
+    tok = tmp_path / "tok.json"
+    train_tokenizer(corpus_texts()[:60], 500).save(tok)
+    data = tmp_path / "data"
+    prepare([corpus_path(name) for name in CORPORA], data,
+            PrepareConfig(tokenizer=str(tok), workers=1))
+    step = out / "checkpoints" / "step-00000006"
+    with pytest.raises(ConfigError) as err:
+        _run(tmp_path / "run", cache, nproc=1, save="none", load=str(step), data=str(data))
+    assert str(err.value) == (
+        f"--load {step}: its run trained with tokenizer tokenizer-1k (sha256 "
+        f"{load_tokenizer('tokenizer-1k').fingerprint[:12]}...), this run's data is of "
+        f"tokenizer {tok} ({load_tokenizer(tok).fingerprint[:12]}...): the same ids would "
+        "mean other text; train on data prepared with tokenizer-1k")
+
+
 def test_pretrain_checkpoint_consolidates(full_run: tuple[Path, Path, Any]) -> None:
     out, _, _ = full_run
     model, weights = load_state_dict(out / "checkpoints")  # follows `latest`

@@ -27,10 +27,10 @@ from mt_data import (
 )
 from mt_pretrain.config.load import blend_text, dataset_paths
 from mt_pretrain.config.resolve import RunPlan
-from mt_pretrain.config.schema import ConfigError, DataArgs, TrainArgs
+from mt_pretrain.config.schema import ConfigError, DataArgs, PretrainConfig, TrainArgs
 
-__all__ = ["check_vocab", "default_cache_dir", "default_tokenizer", "ensure_data",
-           "inputs_targets", "make_loaders", "tokenizer_for"]
+__all__ = ["check_load_tokenizer", "check_vocab", "default_cache_dir", "default_tokenizer",
+           "ensure_data", "inputs_targets", "make_loaders", "tokenizer_for"]
 
 GPT2_VOCAB = 50257
 
@@ -96,6 +96,27 @@ def run_tokenizer(data: DataArgs, vocab_size: int) -> tuple[str | None, str | No
         return None, None
     info = TokenDataset(paths[0]).tokenizer
     return (str(info["name"]) if info.get("name") else None), info.get("sha256")
+
+
+def check_load_tokenizer(config: PretrainConfig, vocab_size: int) -> None:
+    """The checkpoint ``--load`` names trained with the tokenizer of this run's data, where
+    both record its fingerprint: ids of another tokenizer mean other text, and the run would
+    go on training on it without a word."""
+    from mt_checkpoint import CheckpointError, find_checkpoint, read_meta
+
+    if not config.checkpoint.load:
+        return
+    try:
+        folder = find_checkpoint(config.checkpoint.load)
+        meta = read_meta(folder)
+    except CheckpointError:  # none yet, or another engine's: the load itself says so
+        return
+    name, fingerprint = run_tokenizer(config.data, vocab_size)
+    if meta.tokenizer_sha256 and fingerprint and meta.tokenizer_sha256 != fingerprint:
+        raise ConfigError(f"--load {folder}: its run trained with tokenizer {meta.tokenizer} "
+                          f"(sha256 {meta.tokenizer_sha256[:12]}...), this run's data is of "
+                          f"tokenizer {name} ({fingerprint[:12]}...): the same ids would mean "
+                          f"other text; train on data prepared with {meta.tokenizer}")
 
 
 @cache

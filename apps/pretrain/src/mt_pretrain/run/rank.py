@@ -40,7 +40,12 @@ from mt_plan.memory import MemoryPeaks, device_memory, gather_memory, map_large_
 from mt_pretrain.config.refusals import engine_of
 from mt_pretrain.config.resolve import RunPlan, check_memory, fullest_stage_memory, resolve
 from mt_pretrain.config.schema import ConfigError, PretrainConfig, TrainArgs
-from mt_pretrain.data.inputs import ensure_data, make_loaders, tokenizer_for
+from mt_pretrain.data.inputs import (
+    check_load_tokenizer,
+    ensure_data,
+    make_loaders,
+    tokenizer_for,
+)
 from mt_pretrain.engines.base import Engine
 from mt_pretrain.run.folder import claim_run_folder, run_folder_lock
 from mt_pretrain.run.metrics import MetricsWriter, WandbTarget
@@ -202,6 +207,7 @@ def run_rank(config: PretrainConfig, info: LaunchInfo, cache_dir: Path,
             config, restart = replace(config, checkpoint=ckpt.resuming_own()), agreed
         plan = resolve(config, info.world_size)
         check_memory(plan, device, info.local_world_size)
+        check_load_tokenizer(config, plan.gpt.vocab_size)
         groups = build_groups(plan.topology, device, timeout=config.parallel.timeout)
         with ExitStack() as held:
             _claim_run_folder(config, groups, held)
