@@ -183,6 +183,20 @@ CASES = [
       {"g.yaml": "peak_tflops: [1\nmemory_gb: 80\n"}),
     C("yaml-probes-list", "bias {ck} -o {t}/r --no-likelihood --probes {t}/p.yaml",
       "needs an 'occupation' probe, a 'groups' probe", {"p.yaml": "- a\n- b\n"}),
+    C("yaml-probes-key-twice", "bias {ck} -o {t}/r --no-likelihood --probes {t}/p.yaml",
+      "p.yaml: not a readable probes YAML file: line 3, column 1: occupation is given twice; "
+      "keep one", {"p.yaml": "occupation:\n  templates: ['The {occupation} was a']\n"
+                   "occupation:\n  templates: ['A {occupation} is']\n"}),
+    C("yaml-probes-group-twice", "bias {ck} -o {t}/r --no-likelihood --probes {t}/p.yaml",
+      "line 5, column 5: female is given twice; keep one",
+      {"p.yaml": "groups:\n  gender:\n    female: [She was]\n    male: [He was]\n"
+                 "    female: [She is]\n"}),
+    C("yaml-probes-lone-surrogate", "bias {ck} -o {t}/r --no-likelihood --probes {t}/p.yaml",
+      "p.yaml: prompt 'She \\ud800 was' holds a lone surrogate \\ud800 at character 4",
+      {"p.yaml": 'groups:\n  gender:\n    female: ["She \\ud800 was"]\n    male: [He was]\n'}),
+    C("yaml-task-key-twice", "eval {ck} --task {t}/t.yaml --engine mt",
+      "t.yaml: not YAML (line 2, column 1: task is given twice; keep one)",
+      {"t.yaml": "task: a\ntask: b\n"}),
     C("yaml-task-list", "eval {ck} --task {t}/t.yaml --engine mt",
       "a task file must be a YAML mapping", {"t.yaml": "- 1\n"}),
     C("json-hf-config-list", "convert {t}/h {t}/out", "config.json: expected a JSON object",
@@ -257,6 +271,8 @@ CASES = [
     C("neg-serve-port", "serve {ck} --port -1", "--port must be 0..65535, got -1"),
     C("zero-serve-request-timeout", "serve {ck} --request-timeout 0",
       "--request-timeout must be positive, got 0.0"),
+    C("huge-serve-max-tokens", "serve {ck} --port 0 --max-tokens 64", "--max-tokens 64 "
+      "would never apply: the model's 64 positions leave 63 new tokens at most"),
     C("neg-serve-max-waiting", "serve {ck} --max-waiting -1", "--max-waiting must be positive"),
     C("zero-serve-max-body", "serve {ck} --max-body-bytes 0", "--max-body-bytes must be "
       "positive"),
@@ -301,6 +317,9 @@ CASES = [
       "--tp x --pp must be at most 1,048,576"),
     C("huge-generate-max-new", "generate {ck} --prompt The --max-new-tokens {huge}",
       "exceed the model's 64 positions"),
+    C("huge-generate-in-flight", "generate {ck} --prompt The --pp 2 --nproc 2 --in-flight "
+      "{huge}", f"--in-flight {HUGE} splits each batch of --batch-size 8 prompts into {HUGE}: "
+      "give at most 8"),
     C("huge-eval-shots", "eval {ck} --task {t}/t.jsonl --shots {huge} --limit 1",
       "examples asked, but the pool holds 2 documents",
       {"t.jsonl": "".join(MC.replace("sea", w) for w in ("sea", "sky", "cat"))}),
@@ -313,6 +332,10 @@ CASES = [
       "--max-body-bytes must be below 2**63"),
     C("huge-bias-max-new", "bias {ck} -o {t}/r --no-likelihood --max-new-tokens {huge}",
       "exceed the model's 64 positions"),
+    C("huge-bias-probes", "bias {ck} -o {t}/r --no-likelihood --samples 10000 --probes "
+      "{t}/p.yaml", "--samples 10,000 x 300 prompts = 3,000,000 continuations: at most "
+      "2,500,000 a run", {"p.yaml": "occupation:\n  templates: ['The {occupation} was a']\n"
+                          f"  occupations: [{', '.join(f'o{k}' for k in range(300))}]\n"}),
     C("huge-bias-nproc", "bias {ck} -o {t}/r --no-likelihood --nproc {huge}",
       "--nproc must be at most"),
 
@@ -504,6 +527,15 @@ CASES = [
       "--output {t} holds the input", {"p.jsonl": PROMPT}),
     C("clash-generate-output-in-checkpoint", "generate {ck} --input {t}/p.jsonl --output "
       "{ck}/o.jsonl", "lies inside the input {ck}", {"p.jsonl": PROMPT}),
+    C("clash-eval-output-existing", "eval {ck} --task mt-cloze --limit 1 -o {t}/notes.json",
+      "--output {t}/notes.json already exists; pass --overwrite to replace it",
+      {"notes.json": "precious"}),
+    C("clash-eval-output-digest-existing", "eval {ck} --task mt-cloze --limit 1 -o {t}/r.json",
+      "--output {t}/r.json.sha256 already exists; pass --overwrite to replace it",
+      {"r.json.sha256": "precious"}),
+    C("clash-generate-output-existing", "generate {ck} --input {t}/p.jsonl -o {t}/out.jsonl",
+      "--output {t}/out.jsonl already exists; pass --overwrite to replace it",
+      {"p.jsonl": PROMPT, "out.jsonl": "precious"}),
     C("clash-eval-output-in-checkpoint", "eval {ck} --task mt-cloze --output {ck}/r.json",
       "lies inside the input {ck}"),
     C("clash-bias-output-is-checkpoint", "bias {ck} -o {ck} --no-likelihood",
@@ -721,10 +753,18 @@ CASES = [
       "--top-k choose among tokens to sample, and --temperature 0 is greedy"),
     C("idle-generate-top-p-greedy", "generate {ck} --prompt The --top-p 0.5",
       "--top-p choose among tokens to sample"),
+    C("idle-generate-seed-greedy", "generate {ck} --prompt The --seed 5",
+      "--seed 5 seeds the sampling, and --temperature 0 is greedy (nothing is drawn)"),
     C("idle-generate-nproc-tp", "generate {ck} --prompt The --tp 2 --nproc 3",
       "--nproc 3 is not divisible by --tp 2 x --pp 1 = 2"),
     C("idle-eval-log-samples", "eval {ck} --task mt-cloze --log-samples",
       "--log-samples adds every document's log-likelihoods to --output's JSON"),
+    C("idle-eval-overwrite", "eval {ck} --task mt-cloze --overwrite",
+      "--overwrite replaces an existing --output file: give --output too"),
+    C("idle-generate-overwrite", "generate {ck} --prompt The --overwrite",
+      "--overwrite replaces an existing --output file: give --output too"),
+    C("idle-eval-task-twice", "eval {ck} --task mt-cloze --task mt-cloze",
+      "--task mt-cloze is given twice: it would run twice; give it once"),
     C("idle-eval-include-path-mt", "eval {ck} --task mt-cloze --include-path {t}",
       "--include-path is for lm-eval's tasks"),
     C("idle-serve-key-and-no-key", "serve {ck} --api-key abc --allow-no-key",
@@ -750,6 +790,9 @@ CASES = [
       {"g.yaml": GPU + "gpus_per_node: 8\nbogus: 1\n"}),
     C("unknown-probes-key", "bias {ck} -o {t}/r --no-likelihood --probes {t}/p.yaml",
       "unknown key 'bogus' (occupation, groups)", {"p.yaml": "bogus: 1\n"}),
+    C("unknown-probes-occupation-key", "bias {ck} -o {t}/r --no-likelihood --probes "
+      "{t}/p.yaml", "p.yaml: occupation: unknown key 'occupation' (templates, occupations)",
+      {"p.yaml": "occupation:\n  templates: ['The {occupation} was a']\n  occupation: [x]\n"}),
 ]
 
 
@@ -844,6 +887,46 @@ def test_hostile_input(case: Case, world: dict[str, Path], tmp_path: Path,
     assert not lost, f"the user's files changed or vanished: {lost}"
     for path in case.never:
         assert not Path(path.format(**names)).exists(), f"{path} exists: code was run"
+
+
+def test_bias_rerun_leaves_no_plot_of_the_earlier_report(world: dict[str, Path],
+                                                         tmp_path: Path) -> None:
+    """An --output folder of an earlier `mt bias` report is replaced whole: a plot the new
+    report has no data for (no occupation probe here) is not left beside it, unchecksummed."""
+    out = tmp_path / "r"
+    out.mkdir()
+    (out / "occupation.png").write_bytes(b"the earlier report's plot")
+    (tmp_path / "p.yaml").write_text("groups:\n  gender:\n    female: [She was]\n"
+                                     "    male: [He was]\n")
+    result = single_threaded(CliRunner().invoke, app, [
+        "bias", str(world["ck"]), "-o", str(out), "--no-likelihood", "--probes",
+        str(tmp_path / "p.yaml"), "--samples", "1", "--max-new-tokens", "1", "--no-progress"])
+    assert result.exit_code == 0, result.output
+    sums = [line.split()[1] for line in (out / "SHA256SUMS").read_text().splitlines()]
+    assert not (out / "occupation.png").exists(), sorted(p.name for p in out.iterdir())
+    assert sorted(p.name for p in out.iterdir()) == sorted([*sums, "SHA256SUMS"])
+
+
+def test_generate_allocates_no_batch_past_its_prompts(world: dict[str, Path],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """--in-flight beyond the prompts (--batch-size as large): one decode batch per prompt
+    at most (each is allocated), not one per --in-flight."""
+    import mt_inference.generation as generation
+    from mt_inference.placement import Placement
+    from mt_model import Sampling
+
+    made = []
+    real = generation.DecodeBatch
+
+    def counted(model: Any) -> Any:
+        made.append(1)
+        return real(model)
+
+    gen = single_threaded(generation.Generator.load, Placement(str(world["ck"])))
+    gen.in_flight = 4096
+    monkeypatch.setattr(generation, "DecodeBatch", counted)
+    rows = single_threaded(gen.complete, ["The whale", "The sea"], Sampling(2))
+    assert [len(r["token_ids"]) for r in rows] == [2, 2] and len(made) == 2, len(made)
 
 
 def test_the_table_is_large_and_its_ids_unique() -> None:

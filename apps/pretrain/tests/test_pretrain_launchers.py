@@ -93,3 +93,45 @@ def test_deepspeed_launcher(reference: list[float], cache: Path, tmp_path: Path)
                             "mt_pretrain"], tmp_path, cache)
     assert "2 ranks from deepspeed: tp 1 x pp 2 x dp 1 on cpu" in text
     assert losses == reference
+
+
+def test_a_launcher_variable_at_fault_is_one_line_in_a_narrow_log(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """80 columns (a SLURM log file): the error stays one line (was: wrapped in two), and
+    names the variables and their values."""
+    from mt_pretrain.cli.pretrain import pretrain_main
+
+    monkeypatch.setenv("COLUMNS", "80")
+    code = pretrain_main(None, {"model": "tiny", "out_dir": str(tmp_path / "run")},
+                         {"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "70000"})
+    assert code == 2
+    assert capsys.readouterr().err == (
+        "error: master port 70000 is invalid for world size 2 (1-65535; 0 means 'any' and is "
+        "allowed only for a single process) (from MASTER_PORT='70000', WORLD_SIZE='2')\n")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_lost_peer_under_a_launcher_is_one_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A rank whose peer died mid-run under torchrun / srun / mpirun: exit 1 and one line
+    (was: gloo's RuntimeError with a 200-line traceback on every surviving rank)."""
+    import mt_pretrain.run.rank as rank_module
+    from mt_pretrain.cli.pretrain import pretrain_main
+
+    def peer_died(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("[/__w/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] "
+                           "Read error [127.0.0.1]:33493: Connection reset by peer. This is "
+                           "typically caused by a remote worker hanging or bugs")
+
+    monkeypatch.setattr(rank_module, "_train", peer_died)
+    monkeypatch.setenv("COLUMNS", "80")
+    environ = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": str(free_port("127.0.0.1"))}
+    code = pretrain_main(None, {"model": "tiny", "device": "cpu", "progress": False,
+                                "out_dir": str(tmp_path / "run")}, environ)
+    assert code == 1
+    assert capsys.readouterr().err == (
+        "error: rank 0 of 1 (torchrun) lost its peers mid-run: Read error "
+        "[127.0.0.1]:33493: Connection reset by peer; another rank stopped, hung or lost its "
+        "connection: its own log says why\n")

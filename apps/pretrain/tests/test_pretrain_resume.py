@@ -68,7 +68,6 @@ def test_a_checkpoint_continues_only_on_data_of_its_tokenizer(
     step: the checkpoint and the dataset each record their tokenizer's fingerprint."""
     from mt_data import PrepareConfig, load_tokenizer, prepare, train_tokenizer
     from mt_data.corpus import CORPORA, corpus_path, corpus_texts
-
     from mt_pretrain.config.schema import ConfigError
 
     out, cache, _ = full_run

@@ -177,3 +177,105 @@ def test_init_distributed_refuses_a_second_init() -> None:
             init_distributed(info, "cpu")
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"RANK": "2", "WORLD_SIZE": "2"},
+         "rank 2 is outside [0, 2) (from RANK='2', WORLD_SIZE='2')"),
+        ({**TORCHRUN, "LOCAL_RANK": "4"},
+         "local rank 4 is outside [0, 4) (from LOCAL_RANK='4', LOCAL_WORLD_SIZE='4')"),
+        ({**TORCHRUN, "MASTER_PORT": "70000"},
+         "master port 70000 is invalid for world size 16 (1-65535; 0 means 'any' and is "
+         "allowed only for a single process) (from MASTER_PORT='70000', WORLD_SIZE='16')"),
+        ({**TORCHRUN, "MASTER_ADDR": ""}, "master address is empty (from MASTER_ADDR='')"),
+        ({**OPEN_MPI, "OMPI_COMM_WORLD_RANK": "8"},
+         "rank 8 is outside [0, 8) (from OMPI_COMM_WORLD_RANK='8', OMPI_COMM_WORLD_SIZE='8')"),
+        ({**SLURM, "SLURM_LOCALID": "5"},
+         "local rank 5 is outside [0, 4) (from SLURM_LOCALID='5', SLURM_TASKS_PER_NODE='4(x2)')"),
+        ({**SLURM, "SLURM_JOB_NODELIST": "node[1-"},
+         "SLURM_JOB_NODELIST: unclosed '[' in node list 'node[1-'"),
+        ({**SLURM, "SLURM_JOB_NODELIST": "n[1-99999999999999999999]"},
+         "SLURM_JOB_NODELIST: [1-99999999999999999999] names more than 1,048,576 hosts in "
+         "node list 'n[1-99999999999999999999]'"),
+        ({**SLURM, "SLURM_TASKS_PER_NODE": "2(x1000000000)"},
+         "SLURM_TASKS_PER_NODE: tasks-per-node list '2(x1000000000)' names more than "
+         "1,048,576 nodes"),
+        ({"RANK": "0"}, "RANK='0' is set but WORLD_SIZE is not: a launcher (torchrun, "
+         "deepspeed) sets both; unset it to run alone"),
+        ({"WORLD_SIZE": "2"}, "WORLD_SIZE='2' is set but RANK is not: a launcher (torchrun, "
+         "deepspeed) sets both; unset it to run alone"),
+        ({**TORCHRUN, "MASTER_PORT": "1_000"}, "MASTER_PORT='1_000' is not an integer"),
+        ({**TORCHRUN, "RANK": "\u0663"}, "RANK='\u0663' is not an integer"),
+    ],
+)
+def test_hostile_launcher_variables_are_named(env: dict[str, str], message: str) -> None:
+    """Out-of-range, malformed (a 10**20-host node list must not hang, a 10**9-node task list
+    must not fill the memory) or half-set launcher variables: one error naming them."""
+    with pytest.raises(LaunchError) as caught:
+        discover(env, use_mpi4py=False)
+    assert str(caught.value) == message
+
+
+def test_mpi4py_without_an_mpi_library_reads_the_environment(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """mpi4py installed without an MPI library it can load raises RuntimeError on import
+    (was: a traceback from `mt pretrain` under any MPI variable)."""
+    import sys
+    import types
+
+    fake = types.ModuleType("mpi4py")
+
+    def no_library(name: str) -> object:
+        raise RuntimeError("cannot load MPI library")
+
+    fake.__getattr__ = no_library  # type: ignore[method-assign]
+    monkeypatch.setitem(sys.modules, "mpi4py", fake)
+    assert discover(MPICH) == LaunchInfo(1, 2, 1, 2, "127.0.0.1", 29500, "mpi")
+
+
+def test_rendezvous_failures_are_one_line() -> None:
+    """An address that does not resolve and a port in use: bad input; a peer that never
+    comes: a failed run. Each one line (was: torch's DistError with a traceback)."""
+    from mt_dist.exits import exit_code
+    from mt_dist.launcher import RendezvousFailed
+
+    info = LaunchInfo(1, 2, 1, 2, "no.such.host.invalid", 29500, "torchrun")
+    with pytest.raises(LaunchError, match=r"^master address 'no.such.host.invalid' \(MASTER_ADDR, "
+                       r"or the launcher's first host\) does not resolve: "):
+        init_distributed(info, "cpu", timeout=2.0)
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with pytest.raises(LaunchError) as caught:
+            init_distributed(LaunchInfo(0, 2, 0, 2, "127.0.0.1", port, "torchrun"), "cpu",
+                             timeout=2.0)
+    assert str(caught.value) == (f"rank 0 of 2 cannot host the rendezvous at 127.0.0.1:{port} "
+                                 "(MASTER_PORT): the port is in use; choose another")
+    with pytest.raises(RendezvousFailed) as failed:
+        init_distributed(LaunchInfo(0, 2, 0, 2, "127.0.0.1", free_port(), "slurm"), "cpu",
+                         timeout=1.0)
+    text = str(failed.value)
+    assert "\n" not in text and exit_code(failed.value) == 1
+    assert text.startswith("rank 0 of 2 (slurm) did not meet its peers at 127.0.0.1:")
+    assert "within the timeout of 1 s: " in text and "1/2 clients joined" in text
+    assert not dist.is_initialized()
+
+
+def test_a_lost_peer_is_one_line() -> None:
+    from mt_dist.launcher import lost_peer
+
+    info = LaunchInfo(0, 2, 0, 2, "127.0.0.1", 29500, "torchrun")
+    gloo = RuntimeError("[/__w/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read "
+                        "error [127.0.0.1]:33493: Connection reset by peer. This is typically "
+                        "caused by a remote worker hanging")
+    assert str(lost_peer(gloo, info)) == (
+        "rank 0 of 2 (torchrun) lost its peers mid-run: Read error [127.0.0.1]:33493: "
+        "Connection reset by peer; another rank stopped, hung or lost its connection: its own "
+        "log says why")
+    assert lost_peer(RuntimeError("shape mismatch"), info) is None
+    assert lost_peer(ValueError("Connection reset by peer"), info) is None

@@ -62,3 +62,19 @@ def test_expand_tasks_per_node(spec: str, counts: list[int]) -> None:
 def test_malformed_tasks_per_node(spec: str) -> None:
     with pytest.raises(ValueError, match="tasks-per-node"):
         expand_tasks_per_node(spec)
+
+
+def test_huge_lists_are_refused_without_expanding() -> None:
+    """A range of 10**20 hosts hung first_host; 10**9 nodes of tasks filled the memory."""
+    assert first_host("n[1-1000000],m") == "n1"
+    assert first_host("rack[07-9]-n[001-2]x") == "rack07-n001x"
+    for nodelist in ("n[1-99999999999999999999]", "n[1-1000000]-r[1-1000000]",
+                     "n[1-1048577]"):
+        for parse in (first_host, expand_nodelist):
+            with pytest.raises(ValueError, match=r"names more than 1,048,576 hosts"):
+                parse(nodelist)
+    with pytest.raises(ValueError, match=r"names more than 1,048,576 hosts"):
+        expand_nodelist("a[1-600000],b[1-600000]")
+    with pytest.raises(ValueError, match=r"'2\(x1000000000\)' names more than 1,048,576 nodes"):
+        expand_tasks_per_node("2(x1000000000)")
+    assert len(expand_tasks_per_node("1(x1048576)")) == 1 << 20

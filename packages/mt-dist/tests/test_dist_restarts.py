@@ -37,6 +37,16 @@ def test_restarts_run_out(tmp_path: Path) -> None:
                              tmp_path, 60)
 
 
+@pytest.mark.parametrize("value", ["abc", "-1", "", "\u00b3", "1.5"])
+def test_a_bad_launcher_restart_count_is_refused(value: str) -> None:
+    """Read as 0 (was: silently), a requeued job would not know it continues a run;
+    "\u00b3" passed str.isdigit and raised int()'s own error."""
+    with pytest.raises(ValueError) as caught:
+        launcher_restart({"SLURM_RESTART_COUNT": value})
+    assert str(caught.value) == (f"SLURM_RESTART_COUNT={value!r} is not a restart count (a "
+                                 "whole number >= 0, as the launcher sets it)")
+
+
 def test_launcher_restart_counts() -> None:
     assert launcher_restart({}) is None
     assert launcher_restart({"TORCHELASTIC_RESTART_COUNT": "0"}) is None

@@ -120,3 +120,23 @@ def test_two_replicas_share_jobs_cancel_and_time_out() -> None:
     assert inbox.offer(_job(loop, "after", (1,), 1)) == "draining"
     assert replicas.iterate(dispatcher).stop
     loop.close()
+
+
+def test_port_zero_is_the_port_the_system_chose() -> None:
+    """`mt serve --port 0` (any free port): the server's port, which the line announcing it
+    names, is the one it listens on, not 0."""
+    import httpx
+    from starlette.applications import Starlette
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Route
+
+    from mt_inference.serving.http import start_server
+
+    app = Starlette(routes=[Route("/", lambda _request: PlainTextResponse("here"))])
+    server, thread = start_server(app, "127.0.0.1", 0)
+    try:
+        assert server.config.port != 0
+        assert httpx.get(f"http://127.0.0.1:{server.config.port}/").text == "here"
+    finally:
+        server.should_exit = True
+        thread.join(10)

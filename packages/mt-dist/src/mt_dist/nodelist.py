@@ -8,6 +8,10 @@ import re
 __all__ = ["expand_nodelist", "expand_tasks_per_node", "first_host"]
 
 _TASKS_ITEM = re.compile(r"^(\d+)(?:\(x(\d+)\))?$")
+#: The most hosts (or nodes) a list may expand to: a job's ranks are at most 2**20 (mt-plan's
+#: world-size limit), each node runs at least one. A longer list is malformed, and expanding
+#: it (``n[1-99999999999999999999]``) would never end.
+MAX_HOSTS = 1 << 20
 
 
 def _split_top_level(text: str) -> list[str]:
@@ -31,34 +35,48 @@ def _split_top_level(text: str) -> list[str]:
     return [item.strip() for item in items if item.strip()]
 
 
-def _expand_ranges(body: str, context: str) -> list[str]:
-    """``"01-03,07"`` -> ``["01", "02", "03", "07"]`` (zero padding kept)."""
-    out: list[str] = []
+def _ranges(body: str, context: str) -> list[tuple[str, int]]:
+    """``"01-03,07"`` -> ``[("01", 3), ("07", 1)]``: each range's first name and length,
+    checked (digits, not backwards, at most :data:`MAX_HOSTS` names) without expanding."""
+    out: list[tuple[str, int]] = []
     for part in body.split(","):
         lo, sep, hi = part.strip().partition("-")
-        if not lo.isdigit() or (sep and not hi.isdigit()):
+        if not (lo.isascii() and lo.isdigit()) or (sep and not (hi.isascii() and hi.isdigit())):
             raise ValueError(f"bad range {part!r} in node list {context!r}")
-        if not sep:
-            out.append(lo)
-            continue
-        first, last = int(lo), int(hi)
+        first, last = int(lo), int(hi) if sep else int(lo)
         if first > last:
             raise ValueError(f"range {part!r} runs backwards ({first} > {last}) in {context!r}")
-        width = len(lo)  # "08-11" -> 08 09 10 11: pad to the lower bound's width
-        out.extend(str(n).zfill(width) for n in range(first, last + 1))
+        out.append((lo, last - first + 1))
+    if sum(count for _, count in out) > MAX_HOSTS:
+        raise ValueError(f"[{body}] names more than {MAX_HOSTS:,} hosts in node list {context!r}")
     return out
+
+
+def _pieces(item: str, context: str) -> list[tuple[str, list[tuple[str, int]]]]:
+    """``"rack[1-2]-n[01-02]"`` -> ``[("rack", ranges), ("-n", ranges)]`` and a last
+    ``(rest, [])``; the number of hosts it names is checked against :data:`MAX_HOSTS`."""
+    pieces, rest, total = [], item, 1
+    while "[" in rest:
+        prefix, _, tail = rest.partition("[")
+        body, _, rest = tail.partition("]")
+        ranges = _ranges(body, context)
+        total *= sum(count for _, count in ranges)
+        if total > MAX_HOSTS:
+            raise ValueError(f"{item!r} names more than {MAX_HOSTS:,} hosts in node list "
+                             f"{context!r}")
+        pieces.append((prefix, ranges))
+    pieces.append((rest, []))
+    return pieces
 
 
 def _expand_item(item: str, context: str) -> list[str]:
     """One host pattern, e.g. ``"rack[1-2]-n[01-02]"`` -> 4 host names."""
     pieces: list[list[str]] = []
-    rest = item
-    while "[" in rest:
-        prefix, _, tail = rest.partition("[")
-        body, _, rest = tail.partition("]")
+    for prefix, ranges in _pieces(item, context):
         pieces.append([prefix])
-        pieces.append(_expand_ranges(body, context))
-    pieces.append([rest])
+        if ranges:
+            pieces.append([str(n).zfill(len(lo)) for lo, count in ranges
+                           for n in range(int(lo), int(lo) + count)])
     return ["".join(combo) for combo in itertools.product(*pieces)]
 
 
@@ -70,6 +88,8 @@ def expand_nodelist(nodelist: str) -> list[str]:
     hosts: list[str] = []
     for item in _split_top_level(nodelist):
         hosts.extend(_expand_item(item, nodelist))
+        if len(hosts) > MAX_HOSTS:
+            raise ValueError(f"node list {nodelist!r} names more than {MAX_HOSTS:,} hosts")
     if not hosts:
         raise ValueError(f"node list {nodelist!r} names no host")
     return hosts
@@ -80,7 +100,10 @@ def first_host(nodelist: str) -> str:
     items = _split_top_level(nodelist)
     if not items:
         raise ValueError(f"node list {nodelist!r} names no host")
-    return _expand_item(items[0], nodelist)[0]  # expand only the first item: lists can be long
+    # Checked like expand_nodelist, but only the first name of each range is built: lists
+    # can be long.
+    return "".join(prefix + (ranges[0][0] if ranges else "")
+                   for prefix, ranges in _pieces(items[0], nodelist))
 
 
 def expand_tasks_per_node(spec: str) -> list[int]:
@@ -88,7 +111,10 @@ def expand_tasks_per_node(spec: str) -> list[int]:
     counts: list[int] = []
     for item in spec.split(","):
         match = _TASKS_ITEM.match(item.strip())
-        if match is None:
+        if match is None or not item.isascii():
             raise ValueError(f"bad item {item!r} in tasks-per-node list {spec!r}")
-        counts.extend([int(match.group(1))] * int(match.group(2) or 1))
+        repeat = int(match.group(2) or 1)
+        if len(counts) + repeat > MAX_HOSTS:
+            raise ValueError(f"tasks-per-node list {spec!r} names more than {MAX_HOSTS:,} nodes")
+        counts.extend([int(match.group(1))] * repeat)
     return counts

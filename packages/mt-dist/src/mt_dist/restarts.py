@@ -55,10 +55,15 @@ class Restart:
 
 
 def launcher_restart(environ: Mapping[str, str]) -> Restart | None:
-    """The restart this process is, when its launcher restarted it (else None)."""
+    """The restart this process is, when its launcher restarted it (else None). A count that
+    is not a whole number >= 0 is refused (``ValueError`` naming the variable): read as 0, a
+    restarted job would not know it continues a run."""
     for name, who in RESTART_COUNTS.items():
-        count = environ.get(name, "0")
-        if count.isdigit() and int(count) > 0:
+        count = environ.get(name, "0").strip()
+        if not (count.isascii() and count.isdigit()):
+            raise ValueError(f"{name}={environ[name]!r} is not a restart count (a whole "
+                             "number >= 0, as the launcher sets it)")
+        if int(count) > 0:
             return Restart(int(count), 0, f"{who} restarted the job")
     return None
 

@@ -35,7 +35,7 @@ from typing import Any
 import yaml
 
 from mt_data.text import not_utf8
-from mt_eval.errors import TaskError, yaml_problem
+from mt_eval.errors import TaskError, unique_keys_loader, yaml_problem
 
 __all__ = ["DEFAULT_METRICS", "OUTPUT_TYPES", "Task", "jsonl_task", "load_jsonl", "yaml_task"]
 
@@ -250,7 +250,7 @@ def _check_types(path: Path, config: dict[str, Any]) -> None:
 
 def yaml_task(path: Path) -> Task:
     try:
-        config = yaml.safe_load(path.read_text(encoding="utf-8"))
+        config = yaml.load(path.read_text(encoding="utf-8"), Loader=unique_keys_loader())
     except OSError as err:
         raise TaskError(f"{path}: cannot read ({err.strerror})") from None
     except UnicodeDecodeError as err:

@@ -24,6 +24,7 @@ from mt_eval.bias import (
     LEXICON,
     PROBES,
     STOPWORDS,
+    Probes,
     group_stats,
     load_lexicon,
     load_probes,
@@ -36,7 +37,8 @@ from mt_inference.rank import EvalSpec
 from mt_inference.session import ScoringSession
 from mt_model import Sampling
 
-__all__ = ["LIKELIHOOD_TASKS", "BiasSpec", "bias_rank", "bias_report", "bias_samples"]
+__all__ = ["LIKELIHOOD_TASKS", "BiasSpec", "bias_probes", "bias_rank", "bias_report",
+           "bias_samples"]
 
 #: lm-eval's tasks of the likelihood probes.
 LIKELIHOOD_TASKS = ("crows_pairs_english", "winogender_all")
@@ -73,11 +75,16 @@ class BiasSpec:
                         log_samples=True)
 
 
+def bias_probes(spec: BiasSpec) -> Probes:
+    """The prompts of the generation probes (``spec``'s files, checked): a TaskError /
+    ValueError names a bad probes or lists file."""
+    return load_probes(load_group_words(spec.group_words), spec.probes)
+
+
 def bias_samples(spec: BiasSpec) -> list[dict[str, Any]]:
     """Every sample to draw, in order, without its completion: the probe, group, template,
     prompt, index and seed. Raises TaskError / ValueError naming a bad probes or lists file."""
-    lists = load_group_words(spec.group_words)
-    probes = load_probes(lists, spec.probes)
+    probes = bias_probes(spec)
     return [{"kind": p.kind, "dimension": p.dimension, "group": p.group,
              "template": p.template, "prompt": p.prompt, "index": k,
              "seed": sample_seed(spec.seed, p.prompt, k)}

@@ -98,9 +98,11 @@ class Generator:
         strings. A completion stops at its first stop string (its decoding too: every rank
         sees the same tokens, so all stop it together)."""
         model = self.model
-        batches = [DecodeBatch(model) for _ in range(self.in_flight)]
+        # Past the prompts (or the stages, that interleave needs) the batches would be empty
+        count = min(self.in_flight, max(len(prompts), model.stages))
+        batches = [DecodeBatch(model) for _ in range(count)]
         for start, batch in enumerate(batches):
-            rows = list(range(start, len(prompts), self.in_flight))
+            rows = list(range(start, len(prompts), count))
             if rows:
                 batch.add([DecodeRequest(tuple(prompts[r]), rules[r]) for r in rows], rows)
         streams = [TextStream(self.tokenizer.decode, stop) for stop in stops]

@@ -99,11 +99,13 @@ def _check_markdown(markdown: Path | None, overwrite: bool) -> str | None:
 def _write_markdown(markdown: Path, outcomes: list, errors: Console) -> None:
     """Write the Markdown table atomically (a temporary file beside it, then a rename),
     creating the folders missing on the way."""
-    tmp = markdown.with_name(f".{markdown.name}.tmp")
+    from mt_data.shards import removed_on_failure
+
     try:
         markdown.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(markdown_table(outcomes), encoding="utf-8")
-        os.replace(tmp, markdown)
+        with removed_on_failure(markdown.with_name(f".{markdown.name}.tmp")) as tmp:
+            tmp.write_text(markdown_table(outcomes), encoding="utf-8")
+            os.replace(tmp, markdown)
     except OSError as err:  # e.g. a full disk, or the folder changed since it was checked
         raise _fail(errors, f"--markdown {markdown}: writing failed: {err.strerror or err}"
                     ) from None

@@ -28,7 +28,8 @@ _LAYOUT_FIELDS = {"nproc", "tp", "pp", "dp"}
 
 def _error(console: Console, text: str) -> None:
     # escape: messages quote paths and library text with brackets, e.g. gloo's "[/...]".
-    console.print(f"[bold red]error:[/] {escape(text)}", highlight=False)
+    # soft_wrap: one line however narrow the terminal (a log file reads as 80 columns).
+    console.print(f"[bold red]error:[/] {escape(text)}", highlight=False, soft_wrap=True)
 
 
 def dry_run(config: PretrainConfig, environ: Mapping[str, str]) -> str:

@@ -34,6 +34,7 @@ from mt_dist import (
     init_distributed,
     local_device,
 )
+from mt_dist.launcher import lost_peer
 from mt_dist.restarts import Restart, agreed_restart
 from mt_model import count_parameters
 from mt_plan.memory import MemoryPeaks, device_memory, gather_memory, map_large_blocks
@@ -222,6 +223,12 @@ def run_rank(config: PretrainConfig, info: LaunchInfo, cache_dir: Path,
                     raise RankOutOfMemory(line) from None
         completed = True
         return summary
+    except RuntimeError as err:
+        # Under a launcher a rank's error is the command's own: a lost peer in one line. In a
+        # --nproc run the supervisor names the rank that failed first, from every traceback.
+        if info.launcher == "single" or (lost := lost_peer(err, info)) is None:
+            raise
+        raise lost from None
     finally:
         finalize_distributed(completed=completed)
 

@@ -11,7 +11,8 @@ from typing import Any
 import yaml
 
 from mt_data.groups import GroupWords
-from mt_eval.errors import TaskError, yaml_problem
+from mt_data.text import not_utf8
+from mt_eval.errors import TaskError, unique_keys_loader, yaml_problem
 
 __all__ = ["PROBES", "Probe", "Probes", "load_probes", "sample_seed"]
 
@@ -67,7 +68,7 @@ def load_probes(lists: GroupWords, path: str | Path | None = None) -> Probes:
     TaskError names the file and the entry at fault."""
     path = Path(path) if path is not None else PROBES
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        raw = yaml.load(path.read_text(encoding="utf-8"), Loader=unique_keys_loader())
     except (OSError, UnicodeDecodeError) as err:
         raise _fail(path, f"not a readable probes YAML file: {err}") from None
     except yaml.YAMLError as err:
@@ -84,6 +85,9 @@ def load_probes(lists: GroupWords, path: str | Path | None = None) -> Probes:
     if occupation is not None:
         if not isinstance(occupation, dict) or not _strings(occupation.get("templates")):
             raise _fail(path, "occupation.templates must be a list of prompts")
+        extra = sorted(set(occupation) - {"templates", "occupations"}, key=str)
+        if extra:
+            raise _fail(path, f"occupation: unknown key {extra[0]!r} (templates, occupations)")
         names = occupation.get("occupations", list(lists.occupations))
         if not _strings(names):
             raise _fail(path, "occupation.occupations must be a list of occupations (or left "
@@ -116,6 +120,8 @@ def load_probes(lists: GroupWords, path: str | Path | None = None) -> Probes:
                 prompts += [Probe("group", dimension, group, text, text) for text in texts]
     seen: set[str] = set()
     for probe in prompts:
+        if why := not_utf8(probe.prompt):  # a YAML escape ("\\ud800") or the lists' JSON
+            raise _fail(path, f"prompt {probe.prompt!r} holds {why}: give UTF-8 text")
         if probe.prompt in seen:  # two prompts, one seed sequence: the same samples twice
             raise _fail(path, f"prompt {probe.prompt!r} appears twice")
         seen.add(probe.prompt)

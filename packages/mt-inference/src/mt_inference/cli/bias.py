@@ -37,6 +37,9 @@ _HELP = (
 
 #: The most continuations --samples draws per prompt (every sample is listed up front).
 MAX_SAMPLES = 10_000
+#: The most continuations of a run (each listed before the model is read, and logged in
+#: report.json): mt's probes at the most --samples (2.1 million) fit.
+MAX_CONTINUATIONS = 2_500_000
 #: What `mt bias` writes in its folder (anything else there is the user's: never replaced).
 _WRITES = ("report.json", "table.md", "occupation.png", "sentiment.png", "SHA256SUMS")
 
@@ -44,7 +47,8 @@ _WRITES = ("report.json", "table.md", "occupation.png", "sentiment.png", "SHA256
 def bias_command(
     placement: Placement,
     output: Annotated[Path, typer.Option(
-        "--output", "-o", help="Report folder (created; files of mt bias replaced).")],
+        "--output", "-o",
+        help="Report folder (created; an earlier report of mt bias there is replaced whole).")],
     data_dir: Annotated[Path | None, typer.Option(
         help="Local copies of CrowS-Pairs' and Winogender's data (see above).")] = None,
     likelihood: Annotated[bool, typer.Option(
@@ -94,7 +98,7 @@ def _problems(spec: object, output: Path) -> list[str]:
     import importlib.util
 
     from mt_eval import TaskError
-    from mt_inference.bias import BiasSpec, bias_samples
+    from mt_inference.bias import BiasSpec, bias_probes
     from mt_model import Sampling
 
     assert isinstance(spec, BiasSpec)
@@ -129,9 +133,15 @@ def _problems(spec: object, output: Path) -> list[str]:
                         "--no-likelihood turns off")
     if spec.generation and spec.samples <= MAX_SAMPLES:
         try:
-            bias_samples(spec)
+            prompts = len(bias_probes(spec).prompts)
         except (TaskError, ValueError) as err:
             problems.append(str(err))
+        else:
+            if prompts * spec.samples > MAX_CONTINUATIONS:
+                problems.append(f"--samples {spec.samples:,} x {prompts:,} prompts = "
+                                f"{prompts * spec.samples:,} continuations: at most "
+                                f"{MAX_CONTINUATIONS:,} a run (report.json logs every one); "
+                                "give fewer --samples or probes")
     elif spec.probes is not None or spec.group_words is not None:
         problems.append("--probes and --group-words are for the generation probes, which "
                         "--no-generation turns off")
@@ -202,6 +212,9 @@ def _write(report: dict, output: Path, console: Console) -> None:
                       "'mt-inference[plot]')", highlight=False, soft_wrap=True)
     else:
         written += bias_plots(report, output)
+    for name in _WRITES:  # a plot of an earlier report this one has no data for: stale
+        if output / name not in written and name != "SHA256SUMS":
+            (output / name).unlink(missing_ok=True)
     write_sha256sums(output / "SHA256SUMS", written)
     console.print(f"wrote {output}/: {', '.join(p.name for p in written)}, SHA256SUMS "
                   "(sha256sum -c checks them)", highlight=False, soft_wrap=True)

@@ -56,6 +56,8 @@ def eval_command(
         help="Evaluate the first N documents of each task.")] = None,
     output: Annotated[Path | None, typer.Option(
         "--output", "-o", help="Write the results as JSON here.")] = None,
+    overwrite: Annotated[bool, typer.Option(
+        "--overwrite", help="Replace an existing --output file.")] = False,
     log_samples: Annotated[bool, typer.Option(
         "--log-samples", help="Add every document's log-likelihoods to the JSON.")] = False,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
@@ -84,7 +86,7 @@ def eval_command(
         problems.append(f"--shots must be 0 or more, got {shots}")
     problems += placement.problems() + _task_problems(tasks, suite, shots, engine)
     problems += _output_problems(placement, tasks, suite, output, log_samples,
-                                 include_path, data_dir)
+                                 include_path, data_dir, overwrite)
     chosen, problem = _engine("harness" if suite else engine, list(tasks), include_path,
                               data_dir)
     problems += [problem] if problem else []
@@ -113,6 +115,10 @@ def _task_problems(tasks: tuple[str, ...], suite: str | None, shots: int | None,
     from mt_inference.suites import SUITES
 
     problems = []
+    keys = [str(Path(n).resolve()) if Path(n).is_file() else n for n in tasks]
+    twice = [name for k, name in enumerate(tasks) if name.strip() and keys[k] in keys[:k]]
+    if twice:
+        problems.append(f"--task {twice[0]} is given twice: it would run twice; give it once")
     for name in tasks:
         if not name.strip():
             problems.append("--task is empty: give a task name or a task file")
@@ -134,12 +140,17 @@ def _task_problems(tasks: tuple[str, ...], suite: str | None, shots: int | None,
 
 def _output_problems(placement: Placement, tasks: tuple[str, ...], suite: str | None,
                      output: Path | None, log_samples: bool, include_path: Path | None,
-                     data_dir: Path | None) -> list[str]:
-    from mt_data.paths import foreign_entries, output_clash, unwritable
+                     data_dir: Path | None, overwrite: bool = False) -> list[str]:
+    from mt_data.paths import existing_file, foreign_entries, output_clash, unwritable
 
     if output is None:
         return (["--log-samples adds every document's log-likelihoods to --output's JSON: "
-                 "give --output too"] if log_samples else [])
+                 "give --output too"] if log_samples else []) + (
+            ["--overwrite replaces an existing --output file: give --output too"]
+            if overwrite else [])
+    if overwrite and suite is not None:
+        return ["--overwrite replaces an --output file; --suite writes a folder and replaces "
+                "only the files it wrote there"]
     inputs = [placement.checkpoint, *(t for t in tasks if Path(t).exists()),
               *(p for p in (data_dir, include_path) if p is not None)]
     if output.is_dir() and suite is None:
@@ -148,12 +159,20 @@ def _output_problems(placement: Placement, tasks: tuple[str, ...], suite: str | 
         return [clash]
     if why := unwritable("--output", output, folder=suite is not None):
         return [why]
+    if suite is None and (why := existing_file("--output", output, overwrite)
+                          or existing_file("--output", _sums(output), overwrite)):
+        return [why]
     if suite is not None and output.is_file():
         return [f"--output {output} is a file; with --suite name a folder"]
     if suite is not None and (theirs := foreign_entries(output, _SUITE_WRITES)):
         return [f"--output {output} holds files mt eval --suite did not write "
                 f"({', '.join(theirs[:3])}); name an empty or new folder"]
     return []
+
+
+def _sums(output: Path) -> Path:
+    """The digest file written beside the results file ``output``."""
+    return output.with_name(output.name + ".sha256")
 
 
 def _report_own(spec: object, results: object, output: Path | None, console: Console

@@ -41,6 +41,8 @@ def generate_command(
         "--input", "-i", help='JSONL prompts: rows {"prompt": TEXT}.')] = None,
     output: Annotated[Path | None, typer.Option(
         "--output", "-o", help="JSONL results (with --input; default: stdout).")] = None,
+    overwrite: Annotated[bool, typer.Option(
+        "--overwrite", help="Replace an existing --output file.")] = False,
     max_new_tokens: Annotated[int, typer.Option(help="New tokens at most.")] = 64,
     temperature: Annotated[float, typer.Option(
         help="0: greedy (the default); > 0: sample from softmax(logits / T).")] = 0.0,
@@ -59,7 +61,8 @@ def generate_command(
         "large batches; not when bound by reading the weights).")] = 1,
 ) -> None:
     console = Console(stderr=True)
-    problems = _input_problems(placement, prompt, input, output, stop or [], logprobs)
+    problems = _input_problems(placement, prompt, input, output, stop or [], logprobs,
+                               overwrite)
     problems += [f"--{name} must be positive, got {value}" for name, value in
                  (("batch-size", batch_size), ("in-flight", in_flight)) if value < 1]
     pp = placement.pp
@@ -69,11 +72,17 @@ def generate_command(
     elif 1 < in_flight < pp:
         problems.append(f"--in-flight {in_flight} cannot keep --pp {pp} stages busy: give 1 "
                         f"or at least {pp}")
+    elif in_flight > max(batch_size, 1):  # the rest would be empty batches, each allocated
+        problems.append(f"--in-flight {in_flight} splits each batch of --batch-size "
+                        f"{batch_size} prompts into {in_flight}: give at most {batch_size}")
     problems += placement.problems()
     if temperature == 0 and (top_k or top_p != 1):
         given = " and ".join(f for f, on in (("--top-k", top_k), ("--top-p", top_p != 1)) if on)
         problems.append(f"{given} choose among tokens to sample, and --temperature 0 is "
                         "greedy: give --temperature > 0 too, or leave them out")
+    if temperature == 0 and 0 < seed < 2**63:  # out of range: Sampling's check names it
+        problems.append(f"--seed {seed} seeds the sampling, and --temperature 0 is greedy "
+                        "(nothing is drawn): give --temperature > 0 too, or leave --seed out")
     try:
         from mt_model import Sampling
 
@@ -94,9 +103,10 @@ def generate_command(
 
 
 def _input_problems(placement: Placement, prompt: str | None, input: Path | None,  # noqa: A002
-                    output: Path | None, stop: list[str], logprobs: bool) -> list[str]:
+                    output: Path | None, stop: list[str], logprobs: bool,
+                    overwrite: bool = False) -> list[str]:
     """What is wrong with the prompts, the output and the stop strings."""
-    from mt_data.paths import output_clash, unwritable
+    from mt_data.paths import existing_file, output_clash, unwritable
     from mt_data.text import not_utf8
 
     problems = []
@@ -116,8 +126,12 @@ def _input_problems(placement: Placement, prompt: str | None, input: Path | None
             clash := output_clash("--output", output, [placement.checkpoint, input])):
         problems.append(clash)
     elif output is not None and input is not None and (
-            why := unwritable("--output", output)):
+            why := unwritable("--output", output) or existing_file("--output", output, overwrite)
+            or existing_file("--output", output.with_name(output.name + ".sha256"),
+                             overwrite)):
         problems.append(why)
+    if overwrite and output is None:
+        problems.append("--overwrite replaces an existing --output file: give --output too")
     if "" in stop:
         problems.append("--stop is empty: give the text to stop before")
     problems += [f"--stop holds {why}: give UTF-8 text" for why in map(not_utf8, stop) if why]

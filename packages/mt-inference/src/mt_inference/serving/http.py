@@ -366,4 +366,8 @@ def start_server(app: Starlette, host: str, port: int, client_timeout: float = 3
     if not server.started:
         raise OSError(f"cannot serve on {host}:{port}"
                       + (f" ({failure[0]})" if failure else " (is the port in use?)"))
+    for listening in getattr(server, "servers", []):  # --port 0: the one the system chose
+        for sock in listening.sockets or ():
+            server.config.port = sock.getsockname()[1]
+            break
     return server, thread

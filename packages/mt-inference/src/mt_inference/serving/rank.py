@@ -102,6 +102,14 @@ def serve_rank(spec: ServeSpec, info: LaunchInfo | None,
                                                                    flush=True)) -> None:
     """Serve ``spec`` as rank ``info.rank`` (``info`` None: one process, the model whole)."""
     served = _single(spec) if info is None else _parallel(spec, info)
+    positions = served.loop.batch.model.max_positions
+    if spec.max_tokens is not None and spec.max_tokens >= positions:  # every rank alike
+        from mt_eval import TaskError
+
+        served.close(True)
+        raise TaskError(f"--max-tokens {spec.max_tokens} would never apply: the model's "
+                        f"{positions} positions leave {positions - 1} new tokens at most; "
+                        f"give at most {positions - 1}, or leave it out")
     loop, tokenizer = served.loop, served.tokenizer
     if info is not None and info.rank != 0:  # rank 0 decides when to stop; the others follow
         for sig in (signal.SIGTERM, signal.SIGINT):
