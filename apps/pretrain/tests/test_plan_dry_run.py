@@ -43,8 +43,9 @@ def _world(overrides: dict) -> int:
 
 def test_dry_run_warns_when_a_rank_would_not_fit_this_machine(
         capsys: pytest.CaptureFixture[str]) -> None:
-    """--seq-len 100000000 printed ~6,199 GiB per rank without a word: now one warning line
-    with the estimate and this machine's memory; the demo's (KiB) gets none."""
+    """A layout that cannot fit this machine (--seq-len 100000000: thousands of GiB per
+    rank): one warning line with the estimate and this machine's memory; the demo's (KiB)
+    gets none."""
     from mt_plan.memory import device_memory
     from mt_pretrain.cli.pretrain import DEMO_CONFIG, pretrain_main
 

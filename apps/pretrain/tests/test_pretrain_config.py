@@ -386,8 +386,8 @@ def test_the_datasets_tokenizer_is_one_and_the_one_they_record(tmp_path: Path) -
     ({"eval_iters": 2**64}, r"--eval-iters must be below 2\*\*63"),
     ({"zero_stage": 2**64}, r"--zero-stage must be below 2\*\*63"),
     ({"dropout": float("nan")}, r"--dropout must be in \[0, 1\), got nan"),
-    # Was: a traceback at the sample after the whole run. A byte of a command line that
-    # is not UTF-8 reaches Python as a lone surrogate (surrogateescape).
+    # A prompt that is not UTF-8, refused before the run, not at its sample. A byte of a
+    # command line that is not UTF-8 reaches Python as a lone surrogate (surrogateescape).
     ({"prompt": b"caf\xe9".decode("utf-8", "surrogateescape")},
      r"--prompt holds the byte 0xe9, not UTF-8, at character 3: give UTF-8 text"),
     ({"prompt": "a \ud800"}, r"--prompt holds a lone surrogate \\ud800 at character 2"),

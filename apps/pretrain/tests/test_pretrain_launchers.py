@@ -98,8 +98,8 @@ def test_deepspeed_launcher(reference: list[float], cache: Path, tmp_path: Path)
 def test_a_launcher_variable_at_fault_is_one_line_in_a_narrow_log(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """80 columns (a SLURM log file): the error stays one line (was: wrapped in two), and
-    names the variables and their values."""
+    """80 columns (a SLURM log file): the error stays one line, unwrapped, and names the
+    variables and their values."""
     from mt_pretrain.cli.pretrain import pretrain_main
 
     monkeypatch.setenv("COLUMNS", "80")
@@ -116,7 +116,7 @@ def test_a_lost_peer_under_a_launcher_is_one_line(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A rank whose peer died mid-run under torchrun / srun / mpirun: exit 1 and one line
-    (was: gloo's RuntimeError with a 200-line traceback on every surviving rank)."""
+    on every surviving rank, not gloo's RuntimeError with its traceback."""
     import mt_pretrain.run.rank as rank_module
     from mt_pretrain.cli.pretrain import pretrain_main
 

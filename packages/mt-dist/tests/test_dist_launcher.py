@@ -220,8 +220,8 @@ def test_hostile_launcher_variables_are_named(env: dict[str, str], message: str)
 
 def test_mpi4py_without_an_mpi_library_reads_the_environment(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """mpi4py installed without an MPI library it can load raises RuntimeError on import
-    (was: a traceback from `mt pretrain` under any MPI variable)."""
+    """mpi4py installed without an MPI library it can load raises RuntimeError on import:
+    the job is read from the launcher's variables, as without mpi4py."""
     import sys
     import types
 
@@ -237,7 +237,7 @@ def test_mpi4py_without_an_mpi_library_reads_the_environment(
 
 def test_rendezvous_failures_are_one_line() -> None:
     """An address that does not resolve and a port in use: bad input; a peer that never
-    comes: a failed run. Each one line (was: torch's DistError with a traceback)."""
+    comes: a failed run. Each one line, no traceback."""
     from mt_dist.exits import exit_code
     from mt_dist.launcher import RendezvousFailed
 

@@ -39,8 +39,9 @@ def test_restarts_run_out(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("value", ["abc", "-1", "", "\u00b3", "1.5"])
 def test_a_bad_launcher_restart_count_is_refused(value: str) -> None:
-    """Read as 0 (was: silently), a requeued job would not know it continues a run;
-    "\u00b3" passed str.isdigit and raised int()'s own error."""
+    """A restart count that is no non-negative ASCII integer is refused, naming the
+    variable: read as 0, a requeued job would not know it continues a run ("\u00b3" passes
+    str.isdigit, and int() then raises its own error)."""
     with pytest.raises(ValueError) as caught:
         launcher_restart({"SLURM_RESTART_COUNT": value})
     assert str(caught.value) == (f"SLURM_RESTART_COUNT={value!r} is not a restart count (a "
