@@ -484,3 +484,33 @@ def test_a_bf16_model_s_fp32_main_params_become_the_masters(tmp_path: Path) -> N
     again = stored(tmp_path / "again")
     for key, master in masters.items():
         assert torch.equal(again[state_key("param", key)], master), key
+
+
+def test_two_threads_reading_at_once_each_get_their_own_tensor(tmp_path: Path) -> None:
+    """`mt convert` reads the next tensor in one thread while the writer asks the source for
+    the current one's optimizer state in another, both through the reader's one-layer
+    cache. Each read gets its own layer: a cache shared between the threads once handed one
+    thread the other's tensor (a 64 x 64 weight written as a layer norm's Adam state)."""
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+
+    save_model(GPT(LLAMA, seed=0), tmp_path / "ckpt", to="mcore")
+    with open_checkpoint(tmp_path / "ckpt") as reader:
+        names = [name for name in reader.names() if mcore_parts(name).layer >= 0]
+        expected = {name: reader.read(name) for name in names}
+        wrong: list[str] = []
+
+        def read_all(order: list[str]) -> None:
+            for _ in range(200):
+                wrong.extend(name for name in order
+                             if not torch.equal(reader.read(name), expected[name]))
+
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(1e-6)  # switch threads between nearly any two bytecodes
+        try:
+            with ThreadPoolExecutor(2) as pool:  # result() raises what a thread raised
+                for done in [pool.submit(read_all, order) for order in (names, names[::-1])]:
+                    done.result()
+        finally:
+            sys.setswitchinterval(interval)
+    assert len(names) >= 8 and wrong == []

@@ -306,10 +306,12 @@ class McoreReader(CheckpointReader):
             if name in ("embed.tokens.weight", "head.weight"):
                 return tensor[:self.config.vocab_size].contiguous()  # padding rows dropped
             return tensor
-        at = (key, part.layer)
-        if self._cached is None or self._cached[0] != at:  # q then kv read one qkv layer once
-            self._cached = (at, self._folder.load_layer(*at))
-        stored = self._cached[1]
+        at, cached = (key, part.layer), self._cached
+        if cached is None or cached[0] != at:  # q then kv read one qkv layer once
+            # A local reference: the writer asks for optimizer state in its thread while the
+            # next tensor is read in another (convert's read-ahead), both through here.
+            cached = self._cached = (at, self._folder.load_layer(*at))
+        stored = cached[1]
         return from_groups(stored, part.select, self.config) if part.select else stored
 
     def optimizer_state(self, name: str) -> dict[str, torch.Tensor] | None:
