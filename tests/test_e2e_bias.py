@@ -78,11 +78,10 @@ def report(setup: dict[str, Path]) -> dict[str, Any]:
 def test_likelihood_probes_equal_lm_eval_hf(setup: dict[str, Path],
                                             report: dict[str, Any]) -> None:
     import lm_eval
-    from lm_eval.tasks import TaskManager
 
-    from mt_inference.harness import local_task
+    from mt_inference.harness import local_task, task_manager
 
-    manager = TaskManager()
+    manager = task_manager()
     theirs = single_threaded(
         lm_eval.simple_evaluate, model="hf",
         model_args=f"pretrained={setup['hf']},dtype=float32",

@@ -46,7 +46,7 @@ TASKS = {
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("eval")
-    ckpt, _hf = trained_gpt2_vocab(root)
+    ckpt, _hf = trained_gpt2_vocab(root, steps=12)  # enough for some greedy continuations
     assert (root / "hf" / "tokenizer.json").exists(), "the export must carry its tokenizer"
     # ... that transformers loads unaided: GPT-2's ids, and a text-generation pipeline.
     import transformers
@@ -92,12 +92,13 @@ def one_process(setup: dict[str, Path]) -> dict:
 
 def _lm_eval(setup: dict[str, Path], names: list[str], shots: int) -> dict:
     import lm_eval
-    from lm_eval.tasks import TaskManager
+
+    from mt_inference.harness import task_manager
 
     out = single_threaded(lambda: lm_eval.simple_evaluate(
         model="hf", model_args=f"pretrained={setup['hf']},dtype=float32",
         tasks=[f"t_{n}" for n in names], num_fewshot=shots, batch_size=8, device="cpu",
-        log_samples=True, task_manager=TaskManager(include_path=str(setup["tasks"])),
+        log_samples=True, task_manager=task_manager((str(setup["tasks"]),)),
         fewshot_random_seed=1234, bootstrap_iters=0))
     return out
 

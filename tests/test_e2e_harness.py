@@ -74,11 +74,10 @@ def _hf(setup: dict[str, Any], shots: int) -> dict:
 
 def _hf_run(setup: dict[str, Any], shots: int) -> dict:
     import lm_eval
-    from lm_eval.tasks import TaskManager
 
-    from mt_inference.harness import local_task
+    from mt_inference.harness import local_task, task_manager
 
-    manager = TaskManager()
+    manager = task_manager()
     tasks = [local_task(t, setup["data"], manager, shots) for t in TASKS]
     return single_threaded(
         lm_eval.simple_evaluate, model="hf",
@@ -133,11 +132,10 @@ def test_lm_eval_command_line_with_model_mt(setup: dict[str, Any], tmp_path: Pat
     """`python -m mt_inference.lm_eval --model mt` is lm-eval's command line with mt
     registered: its results file holds lm-eval --model hf's numbers."""
     import yaml
-    from lm_eval.tasks import TaskManager
 
-    from mt_inference.harness import local_task
+    from mt_inference.harness import local_task, task_manager
 
-    config = local_task("boolq", setup["data"], TaskManager(), 2)
+    config = local_task("boolq", setup["data"], task_manager(), 2)
     config = {**{k: v for k, v in config.items() if not callable(v)}, "task": "boolq_local"}
     (tmp_path / "tasks").mkdir()
     (tmp_path / "tasks" / "boolq_local.yaml").write_text(yaml.safe_dump(config))

@@ -83,12 +83,13 @@ def test_generate_until_equals_lm_eval_hf(setup: dict[str, Path], tmp_path: Path
     ours = single_threaded(evaluate, spec, {}, 600)
 
     import lm_eval
-    from lm_eval.tasks import TaskManager
+
+    from mt_inference.harness import task_manager
 
     theirs = single_threaded(
         lm_eval.simple_evaluate, model="hf",
         model_args=f"pretrained={setup['hf']},dtype=float32", tasks=["t_gen"], batch_size=1,
-        device="cpu", log_samples=True, task_manager=TaskManager(include_path=str(tmp_path)))
+        device="cpu", log_samples=True, task_manager=task_manager((str(tmp_path),)))
     texts = [s["resps"][0][0] for s in ours["samples"]["t_gen"]]
     assert texts == [s["resps"][0][0] for s in theirs["samples"]["t_gen"]]
     assert all(texts), texts  # real continuations (this barely trained model: " the the...")

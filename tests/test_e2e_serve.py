@@ -80,9 +80,8 @@ def _greedy_hf(hf_dir: Path, prompt: str, new: int) -> str:
 def test_lm_eval_local_completions_scores_as_hf(model: dict[str, Path], server: Server
                                                 ) -> None:
     import lm_eval
-    from lm_eval.tasks import TaskManager
 
-    from mt_inference.harness import local_task
+    from mt_inference.harness import local_task, task_manager
 
     data = model["root"] / "data"
     layout = {t: LAYOUT[t] for t in ("lambada_openai", "piqa")}
@@ -93,7 +92,7 @@ def test_lm_eval_local_completions_scores_as_hf(model: dict[str, Path], server: 
             ("local-completions", f"model={NAME},base_url={server.url}/v1/completions,"
              f"tokenizer_backend=huggingface,tokenizer={model['hf']},max_length=320,"
              "num_concurrent=1,max_retries=1,tokenized_requests=True")):
-        manager = TaskManager()
+        manager = task_manager()
         tasks = [local_task(t, data, manager, 0) for t in layout]
         results[backend] = single_threaded(
             lm_eval.simple_evaluate, model=backend, model_args=args, tasks=tasks,

@@ -29,7 +29,8 @@ def task_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def lm_tasks(task_dir: Path) -> dict:
-    manager = lm_eval_tasks.TaskManager(include_path=str(task_dir))
+    # only these tasks: indexing the ones lm-eval ships takes seconds
+    manager = lm_eval_tasks.TaskManager(include_path=str(task_dir), include_defaults=False)
     return manager.load(list(TASKS))["tasks"]
 
 
@@ -70,7 +71,7 @@ def test_a_task_without_test_split_draws_as_lm_eval(tmp_path: Path, shots: int) 
         f"    validation: {tmp_path / 'validation.jsonl'}\ntraining_split: train\n"
         "validation_split: validation\noutput_type: multiple_choice\ndoc_to_text: context\n"
         "doc_to_choice: choices\ndoc_to_target: label\n", encoding="utf-8")
-    manager = lm_eval_tasks.TaskManager(include_path=str(tmp_path))
+    manager = lm_eval_tasks.TaskManager(include_path=str(tmp_path), include_defaults=False)
     theirs = manager.load(["t_boolq_like"])["tasks"]["t_boolq_like"]
     theirs.set_config(key="num_fewshot", value=shots)
     theirs.set_fewshot_seed(1234)

@@ -99,13 +99,12 @@ def _likelihood(spec: BiasSpec, session: ScoringSession) -> dict[str, Any]:
     """lm-eval's CrowS-Pairs and Winogender on local data: metrics, and every item with its
     log-likelihoods."""
     import lm_eval  # pants: no-infer-dep (the harness extra)
-    from lm_eval.tasks import TaskManager, get_task_dict  # pants: no-infer-dep
+    from lm_eval.tasks import get_task_dict  # pants: no-infer-dep
 
     from mt_eval import TaskError
-    from mt_inference.harness import MTLM, task_config
-    from mt_inference.suites import TASK_FILES
+    from mt_inference.harness import MTLM, task_config, task_manager
 
-    manager = TaskManager(include_path=[str(TASK_FILES)])
+    manager = task_manager()
     tasks = [task_config(t, manager, spec.data_dir) for t in LIKELIHOOD_TASKS]
     try:  # lm-eval's own loading of the local rows: one line if it fails
         get_task_dict(tasks, manager)

@@ -19,6 +19,7 @@ launcher), and lm-eval's own command line with mt registered,
 from __future__ import annotations
 
 import atexit
+import functools
 import importlib
 from collections.abc import Callable
 from pathlib import Path
@@ -37,7 +38,8 @@ from mt_inference.suites import SUITES, TASK_FILES
 # lm-eval registers its own models only while its registry is empty: first theirs, then mt.
 importlib.import_module("lm_eval.models")
 
-__all__ = ["MTLM", "harness_rank", "local_task", "task_config"]
+__all__ = ["MTLM", "harness_rank", "include_paths", "local_task", "task_config",
+           "task_manager"]
 
 #: Where lm-eval reads a task's documents, by split: its config keys.
 _SPLITS = ("test_split", "validation_split", "training_split", "fewshot_split")
@@ -290,16 +292,31 @@ def local_task(name: str, data_dir: str | Path, manager: Any, shots: int = 0
             "dataset_kwargs": {"data_files": {k: str(v) for k, v in files.items()}}}
 
 
+@functools.cache
+def task_manager(include_path: tuple[str, ...] = ()) -> Any:
+    """lm-eval's ``TaskManager`` of its own tasks, mt's task files and ``include_path``.
+    It reads every task YAML lm-eval ships (5.6 s on a 2-core machine), and holds only their
+    index, so a process builds it once; the launcher builds it before the ranks fork, and
+    they share it."""
+    from lm_eval.tasks import TaskManager  # pants: no-infer-dep
+
+    return TaskManager(include_path=[str(TASK_FILES), *include_path])
+
+
+def include_paths(spec: EvalSpec) -> tuple[str, ...]:
+    """The task folders ``spec`` adds to lm-eval's (``--include-path``)."""
+    return (spec.include_path,) if spec.include_path else ()
+
+
 def harness_rank(spec: EvalSpec, info: LaunchInfo) -> dict[str, Any] | None:
     """Evaluate ``spec.tasks`` (or ``spec.suite``: each of its settings) with lm-eval as rank
     ``info.rank`` (every rank runs the harness; mt's scorer shares the batches out); on rank
     0 lm-eval's results (a suite: ``{"suite", "source", "settings": {setting: results}}``),
     else None. The model is loaded once."""
     import lm_eval  # pants: no-infer-dep
-    from lm_eval.tasks import TaskManager, get_task_dict  # pants: no-infer-dep
+    from lm_eval.tasks import get_task_dict  # pants: no-infer-dep
 
-    paths = [str(TASK_FILES)] + ([spec.include_path] if spec.include_path else [])
-    manager = TaskManager(include_path=paths)
+    manager = task_manager(include_paths(spec))
     suite = SUITES[spec.suite] if spec.suite else None
     names = suite.tasks if suite else list(spec.tasks)
     unknown = [t for t in names if t not in manager.task_index and not Path(t).is_file()]

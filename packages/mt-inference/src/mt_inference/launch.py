@@ -78,8 +78,9 @@ def evaluate(spec: Any, environ: Mapping[str, str] | None = None,
     from mt_inference.rank import eval_rank
 
     if spec.engine == "harness":
-        from mt_inference.harness import harness_rank  # lm-eval: the harness extra
+        from mt_inference.harness import harness_rank, include_paths, task_manager
 
+        task_manager(include_paths(spec))  # built once here, shared by the forked ranks
         return launch(spec, harness_rank, environ, timeout)
     for name in spec.tasks:
         load_task(name)

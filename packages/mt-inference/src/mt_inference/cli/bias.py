@@ -175,13 +175,11 @@ def _output_problems(spec: object, output: Path) -> list[str]:
 
 def _local_data(data_dir: str) -> list[str]:
     """The likelihood tasks' local files, checked before the model is read."""
-    from lm_eval.tasks import TaskManager  # pants: no-infer-dep (the harness extra)
-
     from mt_eval import TaskError
     from mt_inference.bias import LIKELIHOOD_TASKS
-    from mt_inference.harness import local_task
+    from mt_inference.harness import local_task, task_manager
 
-    manager = TaskManager()
+    manager = task_manager()  # the ranks forked later share it
     problems = []
     for task in LIKELIHOOD_TASKS:
         try:
