@@ -509,6 +509,47 @@ def test_a_folder_reads_from_several_threads_at_once(tmp_path: Path) -> None:
                 assert torch.equal(loaded[key], tensor), key
 
 
+def test_compressed_reads_from_two_threads_leave_the_warning_filters_as_they_were(
+        tmp_path: Path) -> None:
+    """A compressed folder carrying Adam's state, converted to DCP: the weights are read on
+    the converter's read-ahead thread while the writer reads the moments on its own, both
+    through ``dcp.load`` (whose "single process" warning is silenced around each call).
+    Afterwards the process's warning filters are those it had: none silences every warning
+    for good. (A tiny switch interval makes the threads interleave at every few bytecodes.)"""
+    import sys
+    import warnings
+
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint._extension import ZStandard
+
+    generator = torch.Generator().manual_seed(5)
+    state = titan_state(LLAMA)
+    saved = dict(state)
+    for key, tensor in state.items():
+        saved[f"optimizer.state.{key}.exp_avg"] = torch.randn(tensor.shape, generator=generator)
+        saved[f"optimizer.state.{key}.exp_avg_sq"] = torch.rand(tensor.shape, generator=generator)
+        saved[f"optimizer.state.{key}.step"] = torch.tensor(3.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # dcp.save's own "single process" warning
+        dcp.save(saved, storage_writer=FileSystemWriter(tmp_path / "zst",
+                                                        _extensions=[ZStandard()]), no_dist=True)
+    before = list(warnings.filters)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        changed = 0
+        for run in range(10):
+            convert_checkpoint(tmp_path / "zst", tmp_path / f"out{run}", to="dcp", model=LLAMA)
+            changed += warnings.filters != before
+            warnings.filters[:] = before
+    finally:
+        sys.setswitchinterval(interval)
+    assert changed == 0, f"{changed} of 10 conversions left the warning filters changed"
+    with open_checkpoint(tmp_path / "out0") as out:
+        moments = out.optimizer_state(out.names()[0])
+        assert moments is not None and int(moments["step"]) == 3
+
+
 def test_a_written_folder_reads_back_from_disk(tmp_path: Path) -> None:
     """The data file is written past the page cache (whole blocks directly, the ends of
     each ``torch.save`` record buffered): dropped from the cache, what the disk holds is

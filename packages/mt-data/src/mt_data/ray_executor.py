@@ -100,11 +100,13 @@ class RayExecutor(Executor):
             if mine.cancelled():  # the run stopped: its queued task need not run
                 ray.cancel(ref)
 
-        def settle(done: Future[Any]) -> None:
-            if future.done():
-                return
+        def settle(done: Future[Any]) -> None:  # on Ray's thread, as the driver goes on
             if done.cancelled():
                 future.cancel()
+                return
+            # Pending -> running in one step, under the future's lock: a cancel by the driver
+            # after it is refused (the result comes), one before it stands.
+            if not future.set_running_or_notify_cancel():
                 return
             error = done.exception()
             if error is None:

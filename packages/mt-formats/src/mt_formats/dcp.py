@@ -31,6 +31,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import threading
 import uuid
 import warnings
 from collections.abc import Callable, Mapping
@@ -82,6 +83,11 @@ __all__ = ["DCP_FORMAT", "DCPFileWriter", "DCPFolder", "DCPReader", "DCPWriter",
            "write_sidecar"]
 
 DATA_FILE = "__0_0.distcp"
+#: Held around ``dcp.load``'s silenced warning: ``warnings.catch_warnings`` swaps the
+#: process-wide filter list and puts back the one it found, so two threads inside at once
+#: (the converter's read-ahead and the writer's optimizer-state reads) could put back the
+#: other's silenced list, leaving every warning ignored for good.
+_SILENCED = threading.Lock()
 
 _METADATA_CLASSES = {
     ("torch.distributed.checkpoint.metadata", name) for name in (
@@ -275,7 +281,7 @@ class DCPFolder:
         meta = self.tensors[key]
         out = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
         try:
-            with warnings.catch_warnings():
+            with _SILENCED, warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # "...assuming the intent is to load in a
                 # single process": it is
                 dcp.load({key: out}, storage_reader=self._storage, no_dist=True)
