@@ -63,3 +63,20 @@ def test_help_keeps_the_extras_to_install() -> None:
     for command, extra in (("eval", "harness"), ("bias", "harness"), ("serve", "serve")):
         result = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "200"})
         assert result.exit_code == 0 and f"'mt-inference[{extra}]'" in result.output, command
+
+
+def test_serve_refuses_a_host_that_is_no_address(tmp_path: Path) -> None:
+    """A port given with --host, a URL: named as such (not as a host other machines reach,
+    which asked for an --api-key the address could never use)."""
+    missing = str(tmp_path / "no-checkpoint")
+    for host, said in (
+            ("127.0.0.1:8000", "--host 127.0.0.1:8000 holds a port: give --host 127.0.0.1 "
+             "--port 8000"),
+            ("[::1]:80", "--host [::1]:80 holds a port: give --host [::1] --port 80"),
+            ("http://0.0.0.0", "--host http://0.0.0.0 is not an address or host name to "
+             "listen on")):
+        code, text = _run("serve", missing, "--host", host)
+        assert code == 2 and said in text and "api-key" not in text, text
+    for host in ("::1", "[::1]", "localhost"):  # addresses: only the checkpoint is missing
+        code, text = _run("serve", missing, "--host", host)
+        assert code == 2 and "--host" not in text, text

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import math
 from typing import Annotated
@@ -81,10 +82,13 @@ def serve_command(
         problems.append(f"--port must be 0..65535, got {port}")
     if not host.strip():
         problems.append("--host is empty: give an address to listen on, e.g. 127.0.0.1")
+    elif (why := _host_problem(host)) is not None:
+        problems.append(why)
     if model_name is not None and not model_name.strip():
         problems.append("--model-name is empty: give the model's name in the API, or leave "
                         "it out for the checkpoint folder's name")
-    problems += _key_problems(host, api_key, allow_no_key) if host.strip() else []
+    problems += _key_problems(host, api_key, allow_no_key) if host.strip() and \
+        _host_problem(host) is None else []
     problems += placement.problems()
     missing = [m for m in ("starlette", "uvicorn") if importlib.util.find_spec(m) is None]
     if missing:
@@ -117,6 +121,24 @@ def _key_problems(host: str, api_key: str | None, allow_no_key: bool) -> list[st
         return [f"--host {host} is reachable from other machines: give --api-key (or set "
                 "MT_API_KEY), or --allow-no-key to serve it open on purpose"]
     return []
+
+
+def _host_problem(host: str) -> str | None:
+    """Why ``host`` is no address or host name to listen on (a port given with it, a URL,
+    spaces), or None."""
+    import ipaddress
+    import re
+
+    with contextlib.suppress(ValueError):
+        ipaddress.ip_address(host.removeprefix("[").removesuffix("]"))
+        return None
+    name, colon, port = host.rpartition(":")
+    if colon and port.isdigit() and "://" not in host:
+        return f"--host {host} holds a port: give --host {name} --port {port}"
+    if "://" in host or not re.fullmatch(r"[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?", host):
+        return (f"--host {host} is not an address or host name to listen on (e.g. 127.0.0.1, "
+                "0.0.0.0, ::1 or localhost)")
+    return None
 
 
 def _loopback(host: str) -> bool:
