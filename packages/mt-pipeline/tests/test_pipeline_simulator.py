@@ -6,6 +6,7 @@ import pytest
 
 from mt_pipeline import (
     Backward,
+    CheckedSchedule,
     DeadlockError,
     Exchange,
     Forward,
@@ -18,6 +19,7 @@ from mt_pipeline import (
     ScheduleError,
     SendActivation,
     SendGrad,
+    checked_schedule,
     get_schedule,
     gpipe,
     interleaved_1f1b,
@@ -168,6 +170,23 @@ def test_dataflow_errors() -> None:
         simulate([[Exchange((SendActivation(0, 5),)), *END]])
     with pytest.raises(ScheduleError, match="one per stage"):
         simulate(good, forward_time=[1.0, 2.0, 3.0])
+
+
+@pytest.mark.parametrize("name,v", [("1f1b", 1), ("interleaved", 2)])
+def test_a_checked_schedule_simulates_as_the_schedule_and_is_built_once(name: str,
+                                                                        v: int) -> None:
+    """What the checks found travels with the checked schedule: simulating it gives every
+    event, peak and time the unchecked one gives; the same arguments give the same object;
+    a schedule that fails a check is no CheckedSchedule."""
+    plain = get_schedule(name, 4, 8, v)
+    checked = checked_schedule(name, 4, 8, v)
+    assert checked is checked_schedule(name, 4, 8, v) and checked == CheckedSchedule(plain)
+    times = {"forward_time": [1.0, 1.5, 1.0, 2.0], "backward_time": 2.0, "p2p_time": 0.25}
+    assert simulate(checked, **times) == simulate(plain, **times)
+    assert (checked.micro_batches, checked.chunks) == (8, v)
+    good = one_f_one_b(2, 2)
+    with pytest.raises(ScheduleError, match="no backward"):
+        CheckedSchedule([good[0][:-4] + good[0][-2:], good[1]])
 
 
 @pytest.mark.parametrize("p", [1, 3, 5, 6])

@@ -53,12 +53,14 @@ from mt_pipeline.schedules import (
     one_f_one_b,
 )
 from mt_pipeline.simulator import (
+    CheckedSchedule,
     DeadlockError,
     Event,
     MismatchError,
     SimulationResult,
     check_dataflow,
     check_matching,
+    checked_schedule,
     peak_in_flight,
     simulate,
 )
@@ -94,6 +96,7 @@ __all__ = [
     "DEFAULT_SCHEDULE",
     "SCHEDULES",
     "Backward",
+    "CheckedSchedule",
     "DeadlockError",
     "Event",
     "Exchange",
@@ -129,6 +132,7 @@ __all__ = [
     "chunked_schedules",
     "check_dataflow",
     "check_matching",
+    "checked_schedule",
     "event_name",
     "explicit_partition",
     "decode_step",

@@ -14,8 +14,9 @@ last stage reach it.
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from mt_pipeline.checks import (
@@ -36,15 +37,18 @@ from mt_pipeline.schedules import (
     P2POp,
     ReduceTiedGrads,
     ScheduleError,
+    get_schedule,
 )
 
 __all__ = [
+    "CheckedSchedule",
     "DeadlockError",
     "Event",
     "MismatchError",
     "SimulationResult",
     "check_dataflow",
     "check_matching",
+    "checked_schedule",
     "peak_in_flight",
     "simulate",
 ]
@@ -52,6 +56,35 @@ __all__ = [
 
 class DeadlockError(ScheduleError):
     """No stage can make progress; the message lists each stuck stage and instruction."""
+
+
+class CheckedSchedule(tuple[tuple[Instruction, ...], ...]):
+    """A schedule, immutable, that passed :func:`check_dataflow` and :func:`check_matching`,
+    with what they found (``micro_batches``, ``chunks``, each stage's ``peak_in_flight``):
+    :func:`simulate` does not check it again."""
+
+    micro_batches: int
+    chunks: int
+    peak_in_flight: tuple[int, ...]
+
+    def __new__(cls, schedule: Iterable[Iterable[Instruction]]) -> CheckedSchedule:
+        stages = tuple(tuple(stage) for stage in schedule)
+        m, v = check_dataflow(stages)
+        check_matching(stages)
+        checked = super().__new__(cls, stages)
+        checked.micro_batches, checked.chunks = m, v
+        checked.peak_in_flight = tuple(peak_in_flight(stage) for stage in stages)
+        return checked
+
+
+@functools.lru_cache(maxsize=32)
+def checked_schedule(name: str, num_stages: int, num_micro_batches: int,
+                     virtual_stages: int = 1) -> CheckedSchedule:
+    """:func:`~mt_pipeline.schedules.get_schedule`'s schedule, checked; built once per
+    process for each set of arguments (a planner simulates one schedule under many
+    timings, and building and checking a 35-stage schedule of hundreds of micro-batches
+    takes longer than simulating it)."""
+    return CheckedSchedule(get_schedule(name, num_stages, num_micro_batches, virtual_stages))
 
 
 @dataclass(frozen=True)
@@ -246,8 +279,12 @@ def simulate(
     dataflow error, :class:`MismatchError` when sends and receives do not pair up and
     :class:`DeadlockError` when the stages block each other.
     """
-    m, v = check_dataflow(schedule)
-    check_matching(schedule)
+    if isinstance(schedule, CheckedSchedule):
+        m, v, peaks = schedule.micro_batches, schedule.chunks, schedule.peak_in_flight
+    else:
+        m, v = check_dataflow(schedule)
+        check_matching(schedule)
+        peaks = tuple(peak_in_flight(ins) for ins in schedule)
     p = len(schedule)
     costs = _Costs(
         _per_stage(forward_time, p, "forward_time"),
@@ -280,7 +317,7 @@ def simulate(
         virtual_stages=v,
         num_micro_batches=m,
         events=tuple(tuple(ev) for ev in clock.events),
-        peak_in_flight=tuple(peak_in_flight(ins) for ins in schedule),
+        peak_in_flight=peaks,
         busy_time=tuple(sum(e.duration for e in ev) for ev in compute),
         pipeline_time=max((e.end for ev in compute for e in ev), default=0.0),
         total_time=max((e.end for ev in clock.events for e in ev), default=0.0),

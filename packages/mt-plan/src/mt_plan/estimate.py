@@ -44,7 +44,7 @@ from mt_model import (
     count_parameters,
     model_flops_per_iteration,
 )
-from mt_pipeline import SCHEDULES, get_schedule, simulate
+from mt_pipeline import SCHEDULES, checked_schedule, simulate
 from mt_plan.gpus import GPUS, GPUSpec
 from mt_plan.layout import RECOMPUTE, LayoutError, ParallelLayout, stage_layers
 from mt_zero.precision import PRECISIONS
@@ -743,7 +743,7 @@ def estimate(gpt: GPTConfig, layout: ParallelLayout, gpu: GPUSpec, efficiency: f
     times = _times(gpt, layout, gpu, efficiency)
     p, m, v = layout.pp, layout.num_micro_batches, layout.virtual_stages
     if simulate_pipeline:
-        schedule = get_schedule(layout.schedule, p, m, v)
+        schedule = checked_schedule(layout.schedule, p, m, v)
         sim = simulate(schedule, forward_time=times["fwd"], backward_time=times["bwd"],
                        p2p_time=times["p2p"], reduce_time=times["tied"])
         pipeline_time, in_flight = sim.pipeline_time, list(sim.peak_in_flight)
