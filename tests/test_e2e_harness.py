@@ -160,3 +160,23 @@ def test_a_missing_local_file_is_named(setup: dict[str, Any], tmp_path: Path) ->
     assert result.exit_code == 2, result.output
     expected = tmp_path / "baber" / "piqa" / "validation.jsonl"
     assert f"task piqa: no local copy of {expected}" in " ".join(result.output.split())
+
+
+def test_a_task_from_a_hub_out_of_reach_fails_at_once(setup: dict[str, Any]) -> None:
+    """No --data-dir and no hub (an endpoint that cannot resolve): one warning says the
+    datasets come from the local cache only, and a dataset not cached fails in one line,
+    without `datasets`' minute of download retries."""
+    env = {k: v for k, v in os.environ.items() if k not in (
+        "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    env.update(HF_ENDPOINT="https://hub.invalid", HF_HOME=str(setup["root"] / "hf-home"),
+               OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(os.path.abspath(p) for p in sys.path if p))
+    run = subprocess.run(
+        [sys.executable, "-c", "import sys; sys.argv[0] = 'mt'; from mt_cli import app; app()",
+         "eval", str(setup["ckpt"]), "--task", "boolq", "--no-progress"],
+        env=env, capture_output=True, text=True, timeout=300)
+    said = " ".join(run.stderr.split())
+    assert run.returncode == 2, run.stderr[-3000:]
+    assert "warning: the Hugging Face hub cannot be reached (hub.invalid does not resolve" in said
+    assert "error: --task boolq: lm-evaluation-harness cannot load it:" in said, said
+    assert "Retrying" not in said, said

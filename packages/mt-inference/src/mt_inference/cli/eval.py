@@ -96,6 +96,13 @@ def eval_command(
                     engine=chosen, include_path=str(include_path) if include_path else None,
                     data_dir=str(data_dir) if data_dir else None, log_samples=log_samples,
                     suite=suite)
+    if chosen == "harness" and data_dir is None:  # the datasets come from the hub
+        from mt_inference.hub import offline_unless_reachable
+
+        if (why := offline_unless_reachable()) is not None:
+            console.print(f"warning: the Hugging Face hub cannot be reached ({why}): the "
+                          "tasks' datasets are read from its local cache only (--data-dir "
+                          "reads local copies)", highlight=False, soft_wrap=True)
     from mt_inference.launch import evaluate
 
     with errors(console):
