@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 
-from mt_data import load_tokenizer
 from mt_dist import LaunchInfo
 from mt_eval import TaskError
 from mt_eval.tasks import numbered_rows
@@ -72,7 +71,7 @@ class Generator:
         with as_pretrain_checkpoint(placement.checkpoint, placement.tokenizer) as (path, tok):
             loaded = load_eval_model(path, tok)
         return cls(WholeModel(whole_model(loaded, where, compute_dtype(precision))),
-                   load_tokenizer(loaded.tokenizer))
+                   loaded.open_tokenizer())
 
     def complete(self, prompts: Sequence[str], sampling: Sampling, stop: Sequence[str] = (),
                  on_text: Callable[[int, str], None] | None = None) -> list[dict[str, Any]]:

@@ -9,15 +9,18 @@ from __future__ import annotations
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from mt_checkpoint import CheckpointError, find_checkpoint, read_meta
 from mt_formats import ConvertError, convert_checkpoint, load_state_dict
 from mt_model import GPTConfig
+
+if TYPE_CHECKING:
+    from mt_data import Tokenizer
 
 __all__ = ["EvalModel", "as_pretrain_checkpoint", "load_eval_model", "whole_model"]
 
@@ -31,6 +34,14 @@ class EvalModel:
     tokenizer: str
     source: str
     step: int | None = None
+    loaded: Tokenizer | None = field(default=None, repr=False, compare=False)
+    """The tokenizer, where checking its fingerprint has loaded it already."""
+
+    def open_tokenizer(self) -> Tokenizer:
+        """The tokenizer, loaded once."""
+        from mt_data import load_tokenizer
+
+        return self.loaded if self.loaded is not None else load_tokenizer(self.tokenizer)
 
 
 def _folder_tokenizer(folder: Path) -> str | None:
@@ -79,20 +90,21 @@ def load_eval_model(path: str | Path, tokenizer: str | None = None) -> EvalModel
         raise CheckpointError(f"{folder}: the tokenizer the run trained with is not recorded "
                               "and its dataset is not here; pass --tokenizer (gpt2, "
                               "tokenizer-1k, a tokenizer.json or a folder)")
-    if meta.tokenizer_sha256 is not None:
-        _check_tokenizer(name, meta.tokenizer, meta.tokenizer_sha256, folder, tokenizer)
-    return EvalModel(config, weights, name, str(folder), meta.step)
+    loaded = None if meta.tokenizer_sha256 is None else _check_tokenizer(
+        name, meta.tokenizer, meta.tokenizer_sha256, folder, tokenizer)
+    return EvalModel(config, weights, name, str(folder), meta.step, loaded)
 
 
 def _check_tokenizer(name: str, trained: str | None, fingerprint: str, folder: Path,
-                     given: str | None) -> None:
-    """The tokenizer ``name`` is the one the run trained with (``fingerprint``), not a file
-    edited or replaced since: ids of another tokenizer read as other text."""
+                     given: str | None) -> Tokenizer:
+    """The tokenizer ``name``, checked to be the one the run trained with (``fingerprint``),
+    not a file edited or replaced since: ids of another tokenizer read as other text."""
     from mt_data import load_tokenizer
     from mt_data.tokenizer import TokenizerError
 
     try:
-        have = load_tokenizer(name).fingerprint
+        loaded = load_tokenizer(name)
+        have = loaded.fingerprint
     except TokenizerError as err:
         raise CheckpointError(f"{folder}: the tokenizer the run trained with does not load "
                               f"({err}); pass --tokenizer with that one") from None
@@ -102,6 +114,7 @@ def _check_tokenizer(name: str, trained: str | None, fingerprint: str, folder: P
                               f"{have[:12]}..., the run's {fingerprint[:12]}...): "
                               + ("pass the run's tokenizer" if given else
                                  "restore it, or pass --tokenizer with the run's"))
+    return loaded
 
 
 def whole_model(loaded: EvalModel, device: torch.device, dtype: torch.dtype) -> Any:

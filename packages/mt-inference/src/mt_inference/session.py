@@ -13,7 +13,6 @@ import os
 from dataclasses import replace
 
 from mt_checkpoint import materialize_stage
-from mt_data import load_tokenizer
 from mt_dist import (
     LaunchInfo,
     Topology,
@@ -60,7 +59,7 @@ class ScoringSession:
         device = local_device(info, use_cuda=use_cuda)
         model = load_eval_model(placement.checkpoint, placement.tokenizer)
         layout = check_layout(placement, model, info.world_size)
-        tokenizer = load_tokenizer(model.tokenizer)
+        tokenizer = model.open_tokenizer()
         if tokenizer.vocab_size > model.config.vocab_size:
             raise PlacementError(f"tokenizer {model.tokenizer} has {tokenizer.vocab_size} ids, "
                                  f"more than the model's vocabulary of "
