@@ -116,7 +116,8 @@ def test_an_elastic_run_loses_two_ranks_and_ends_as_the_whole_run(
     assert [r["step"] for r in trace.records] == list(range(1, STEPS + 1)), where
     assert [r["global_batch_size"] for r in trace.records] == [12] * STEPS, where
     restarted = [r for r in trace.records if "restart" in r]
-    assert [r["restart"] for r in restarted] == [1, 2], (where, restarted)
+    assert [(r["restart"], r["restart_world_size"]) for r in restarted] == [(1, 3), (2, 2)], (
+        where, restarted)
     tiny = load_config(None, {"model": "tiny", "seq_len": 32}).model.gpt_config()
     diff = compare(trace, reference, gradient_free_slices(tiny))
     assert diff.within(FP32), (where, diff)
@@ -216,18 +217,18 @@ def test_a_torchrun_elastic_job_shrinks_and_grows_back(cache: Path, tmp_path: Pa
         for agent in (first, second, third):
             if agent is not None and agent.poll() is None:
                 os.killpg(agent.pid, signal.SIGKILL)
-    text = logs[0].read_text()
-    sizes = [line.split(" x dp ")[1].split()[0] for line in text.splitlines()
-             if " ranks from torchrun: " in line]
-    # Each attempt once (the first agent may start alone for a moment): no attempt failed
-    # but the one that lost a node.
-    assert sizes in (["2", "1", "2"], ["1", "2", "1", "2"]), (sizes, text[-3000:])
     trace, reference = _trace(out), _trace(whole)
     assert [r["step"] for r in trace.records] == list(range(1, TORCHRUN_STEPS + 1))
     assert [r["global_batch_size"] for r in trace.records] == [12] * TORCHRUN_STEPS
     causes = {r.get("restart_cause") for r in trace.records if "restart" in r}
     assert causes == {"torchrun restarted the job"}, trace.records
-    assert sum("restart" in r for r in trace.records) >= 2  # lost a node, then grew back
+    # The ranks of each attempt after the first, as its first metrics record says (the
+    # start-up line says it too, but global rank 0 prints it, and after the regrow that may
+    # be the third agent's worker: torchrun ranks agents by process id, which wraps). Each
+    # attempt once (the first agent may start alone for a moment): no attempt failed but
+    # the one that lost a node.
+    resized = [r["restart_world_size"] for r in trace.records if "restart" in r]
+    assert resized in ([1, 2], [2, 1, 2]), trace.records
     tiny = load_config(None, {"model": "tiny", "seq_len": 32}).model.gpt_config()
     diff = compare(trace, reference, gradient_free_slices(tiny))
     assert diff.within(FP32), diff

@@ -109,6 +109,7 @@ def test_a_lost_rank_restarts_the_run_from_its_newest_checkpoint(
     assert len(restarted) <= 1, (where, restarted)  # none when it died after the last save
     if restarted:
         assert restarted[0]["restart"] == 1 and restarted[0]["restart_cause"] == cause, where
+        assert restarted[0]["restart_world_size"] == NPROC, where
     assert weights.keys() == whole_weights.keys()
     assert all(torch.equal(weights[k], whole_weights[k]) for k in weights), where
 

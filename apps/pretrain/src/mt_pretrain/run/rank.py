@@ -301,7 +301,8 @@ def _train(config: PretrainConfig, plan: RunPlan, groups: ParallelGroups, device
     summary = RunSummary(start_step=start_step, final_step=start_step,
                          restarts=restart.count if restart else 0)
     saver = engine.saver(ckpt.save_dir, ckpt.keep_last) if ckpt.save_dir is not None else None
-    restarted = {"restart": restart.count, "restart_cause": restart.cause} if restart else {}
+    restarted = {"restart": restart.count, "restart_cause": restart.cause,
+                 "restart_world_size": plan.topology.world_size} if restart else {}
 
     def on_step(stats: StepStats) -> None:
         summary.losses.append(stats.loss)
