@@ -33,8 +33,8 @@ def trained_gpt2_vocab(root: Path, model: str = "tiny", seq_len: int | None = No
     """(the checkpoint of ``steps`` steps of `mt pretrain --model MODEL --vocab-size 50257`
     (tiny: GPT-2-shaped; llama-test: grouped-query heads, RoPE), its Hugging Face export with
     the tokenizer) under ``root``. The tests compare mt with its references on the same
-    weights, so a few steps do (each step computes 50257 logits a position: 3.5 s at 320
-    positions here)."""
+    weights, so a few steps do (each step computes 50257 logits a position: seconds each at
+    320 positions)."""
     config = load_config(None, {
         "model": model, "vocab_size": 50257, "tokenizer": "gpt2", "nproc": 1,
         "micro_batch_size": 4, "global_batch_size": 8, "train_steps": steps, "eval_interval": 0,

@@ -295,7 +295,7 @@ def local_task(name: str, data_dir: str | Path, manager: Any, shots: int = 0
 @functools.cache
 def task_manager(include_path: tuple[str, ...] = ()) -> Any:
     """lm-eval's ``TaskManager`` of its own tasks, mt's task files and ``include_path``.
-    It reads every task YAML lm-eval ships (5.6 s on a 2-core machine), and holds only their
+    It reads every task YAML lm-eval ships (seconds on a small machine) and holds only their
     index, so a process builds it once; the launcher builds it before the ranks fork, and
     they share it."""
     from lm_eval.tasks import TaskManager  # pants: no-infer-dep

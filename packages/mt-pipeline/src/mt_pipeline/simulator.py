@@ -77,7 +77,7 @@ class CheckedSchedule(tuple[tuple[Instruction, ...], ...]):
         return checked
 
 
-@functools.lru_cache(maxsize=32)
+@functools.lru_cache(maxsize=8)  # a schedule of thousands of micro-batches is large
 def checked_schedule(name: str, num_stages: int, num_micro_batches: int,
                      virtual_stages: int = 1) -> CheckedSchedule:
     """:func:`~mt_pipeline.schedules.get_schedule`'s schedule, checked; built once per
