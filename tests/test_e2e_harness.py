@@ -7,7 +7,8 @@ scoring included) read local rows in each dataset's own schema through `mt eval 
 `mt eval` (the harness engine) scores the mt checkpoint, lm-eval's HF backend the export: every
 per-item log-likelihood within 1e-4 (fp32), greedy flags and metrics identical, at 0 and 2
 shots; the same at TP 2 x PP 2 (4 processes); `python -m mt_inference.lm_eval --model mt`
-(lm-eval's own command line) writes lm-eval's numbers; a missing file is named.
+(lm-eval's own command line) writes lm-eval's numbers; a missing file is named; without
+--data-dir and with the hub out of reach, a dataset not cached fails at once.
 """
 
 from __future__ import annotations
@@ -165,7 +166,7 @@ def test_a_missing_local_file_is_named(setup: dict[str, Any], tmp_path: Path) ->
 def test_a_task_from_a_hub_out_of_reach_fails_at_once(setup: dict[str, Any]) -> None:
     """No --data-dir and no hub (an endpoint that cannot resolve): one warning says the
     datasets come from the local cache only, and a dataset not cached fails in one line,
-    without `datasets`' minute of download retries."""
+    without `datasets`' 40 s of download retries."""
     env = {k: v for k, v in os.environ.items() if k not in (
         "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")}
     env.update(HF_ENDPOINT="https://hub.invalid", HF_HOME=str(setup["root"] / "hf-home"),
