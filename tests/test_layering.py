@@ -127,10 +127,10 @@ def test_no_two_packages_export_one_name() -> None:
 #: scores tasks during training through mt-inference's scorer); launch starts ranks; contract
 #: (the layout matrix) launches runs; the command line sits on everything.
 #: mt_inference: the placement; figures and text (plots written atomically, text as tokens
-#: come); whether the hub answers; the model read from a checkpoint; the scorer, then the session (a model's stage on
-#: this rank, with its scorer), decoding by stages, generation; evaluation (mt-eval's engine,
-#: the suites, lm-evaluation-harness), the bias report; the launcher; the server; lm-eval's
-#: command line with mt registered; the commands.
+#: come); whether the hub answers; the model read from a checkpoint; the scorer, then the
+#: session (a model's stage on this rank, with its scorer), decoding by stages, generation;
+#: evaluation (mt-eval's engine, the suites, lm-evaluation-harness), the bias report; the
+#: launcher; the server; lm-eval's command line with mt registered; the commands.
 STACKS = {
     "mt_pretrain": ["config", "data", "engines", "run", "launch", "contract", "cli",
                     "__main__"],
