@@ -166,7 +166,7 @@ def test_a_missing_local_file_is_named(setup: dict[str, Any], tmp_path: Path) ->
 def test_a_task_from_a_hub_out_of_reach_fails_at_once(setup: dict[str, Any]) -> None:
     """No --data-dir and no hub (an endpoint that cannot resolve): one warning says the
     datasets come from the local cache only, and a dataset not cached fails in one line,
-    without `datasets`' 40 s of download retries."""
+    without `datasets`' download retries."""
     env = {k: v for k, v in os.environ.items() if k not in (
         "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")}
     env.update(HF_ENDPOINT="https://hub.invalid", HF_HOME=str(setup["root"] / "hf-home"),

@@ -80,3 +80,6 @@ def test_serve_refuses_a_host_that_is_no_address(tmp_path: Path) -> None:
     for host in ("::1", "[::1]", "localhost"):  # addresses: only the checkpoint is missing
         code, text = _run("serve", missing, "--host", host)
         assert code == 2 and "--host" not in text, text
+    # a host name (a compose service's, with an underscore), reachable from others: a key
+    code, text = _run("serve", missing, "--host", "model_server", "--api-key", "k3y")
+    assert code == 2 and "--host" not in text, text

@@ -489,8 +489,8 @@ def test_a_bf16_model_s_fp32_main_params_become_the_masters(tmp_path: Path) -> N
 def test_two_threads_reading_at_once_each_get_their_own_tensor(tmp_path: Path) -> None:
     """`mt convert` reads the next tensor in one thread while the writer asks the source for
     the current one's optimizer state in another, both through the reader's one-layer
-    cache. Each read gets its own layer: a cache shared between the threads once handed one
-    thread the other's tensor (a 64 x 64 weight written as a layer norm's Adam state)."""
+    cache. Each read gets its own layer, never the one the other thread loaded (which would
+    write, e.g., a 64 x 64 weight as a layer norm's Adam state)."""
     import sys
     from concurrent.futures import ThreadPoolExecutor
 

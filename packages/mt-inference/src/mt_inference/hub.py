@@ -1,5 +1,5 @@
 """Whether the Hugging Face hub can be reached, asked once before lm-eval loads a task's
-dataset from it: without the hub, `datasets` retries every download for about 40 s before it
+dataset from it: without the hub, `datasets` retries every download with backoff before it
 fails. With the hub out of reach, the run reads the datasets' cached copies only (the hub's
 own offline settings), and a dataset that is not cached fails at once."""
 

@@ -135,7 +135,7 @@ def _host_problem(host: str) -> str | None:
     name, colon, port = host.rpartition(":")
     if colon and port.isdigit() and "://" not in host:
         return f"--host {host} holds a port: give --host {name} --port {port}"
-    if "://" in host or not re.fullmatch(r"[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?", host):
+    if "://" in host or not re.fullmatch(r"[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_])?", host):
         return (f"--host {host} is not an address or host name to listen on (e.g. 127.0.0.1, "
                 "0.0.0.0, ::1 or localhost)")
     return None
