@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 from datetime import timedelta
+from typing import Any
 
 import pytest
 import torch
@@ -263,6 +264,29 @@ def test_rendezvous_failures_are_one_line() -> None:
     assert "\n" not in text and exit_code(failed.value) == 1
     assert text.startswith("rank 0 of 2 (slurm) did not meet its peers at 127.0.0.1:")
     assert "within the timeout of 1 s: " in text and "1/2 clients joined" in text
+    assert not dist.is_initialized()
+
+
+def test_a_rank_whose_store_never_answers_fails_in_one_line_alone(capfd: Any) -> None:
+    """Rank 1 of 2, with nothing listening at the rendezvous address: one line naming the
+    address and the refusal, within the timeout and a try, and nothing else on stderr (torch's
+    store client logs each failed connection with its C++ stack trace)."""
+    import time
+
+    from mt_dist.launcher import RendezvousFailed
+
+    port = free_port()
+    start = time.monotonic()
+    with pytest.raises(RendezvousFailed) as failed:
+        init_distributed(LaunchInfo(1, 2, 1, 2, "127.0.0.1", port, "torchrun"), "cpu",
+                         timeout=2.0)
+    assert time.monotonic() - start < 4.0
+    assert str(failed.value) == (
+        f"rank 1 of 2 (torchrun) did not meet its peers at 127.0.0.1:{port} (MASTER_ADDR:"
+        "MASTER_PORT) within the timeout of 2 s: no rendezvous store accepted a connection "
+        "(Connection refused); start every rank with the same MASTER_ADDR and MASTER_PORT, "
+        "reachable from every node")
+    assert capfd.readouterr().err == ""
     assert not dist.is_initialized()
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import re
 import socket
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -384,9 +385,11 @@ def init_distributed(
     except (OSError, UnicodeError) as err:  # socket.gaierror; UnicodeError: a bad IDNA name
         raise LaunchError(f"master address {info.master_addr!r} (MASTER_ADDR, or the "
                           f"launcher's first host) does not resolve: {err}") from None
+    hosts_store = info.rank == 0 and not info.agent_store
+    if not hosts_store and (unreachable := _unanswered(host, info.master_port, timeout)):
+        raise _rendezvous_error(TimeoutError(unreachable), info, timeout)
     try:
-        store = dist.TCPStore(host, info.master_port, info.world_size,
-                              is_master=info.rank == 0 and not info.agent_store,
+        store = dist.TCPStore(host, info.master_port, info.world_size, is_master=hosts_store,
                               timeout=timeout, multi_tenant=True)
         # The agent's store outlives an attempt: each attempt keys its rendezvous apart. A
         # store of rank 0's own is new with every attempt, and the agents' restart counts may
@@ -403,6 +406,23 @@ def init_distributed(
         )
     except dist.DistError as err:
         raise _rendezvous_error(err, info, timeout) from None
+
+
+def _unanswered(host: str, port: int, timeout: timedelta) -> str | None:
+    """Why no rendezvous store accepted a connection at ``host:port`` within ``timeout``, or
+    None once one did. A rank that joins a store hosted elsewhere waits here, not in torch's
+    store client, which logs every failed try with its C++ stack trace."""
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            with socket.create_connection((host, port), timeout=max(left, 0.5)):
+                return None
+        except OSError as err:
+            if left <= 0:
+                return (f"no rendezvous store accepted a connection "
+                        f"({err.strerror or str(err) or type(err).__name__})")
+        time.sleep(min(0.2, max(deadline - time.monotonic(), 0.0)))
 
 
 def _rendezvous_error(err: BaseException, info: LaunchInfo, timeout: timedelta) -> Exception:
