@@ -496,3 +496,47 @@ def test_two_prepares_into_one_folder(docs, tmp_path: Path) -> None:
         assert f"{out} is being prepared by another process: wait for it to end" in text
     ok = runner.invoke(app, ["prepare", str(raw), "-o", str(out), *FAST], env={"COLUMNS": "300"})
     assert ok.exit_code == 0, ok.output
+
+
+def _not_utf8(values: list[bytes]) -> pa.Array:
+    """A Parquet string column as other writers may leave it: bytes never checked as UTF-8."""
+    return pa.array(values, pa.binary()).view(pa.string())
+
+
+def test_a_parquet_value_that_is_not_utf8_is_a_bad_row(docs, tmp_path: Path) -> None:
+    """A text or id value of a Parquet string column that is not UTF-8 is one bad row naming
+    the file and the row (skipped and counted, or stopping the run), not an error naming
+    nothing."""
+    texts = [d["text"].encode() for d in docs[:4]]
+    path = tmp_path / "part.parquet"
+    pq.write_table(pa.table({
+        "text": _not_utf8([texts[0], b"caf\xe9 " * 40, texts[1], texts[2]]),
+        "id": _not_utf8([b"a", b"b", b"c\xff", b"d"])}), path, row_group_size=3)
+    log = ErrorLog("skip")
+    assert _texts(list(iter_documents([path], IngestConfig(), log))) == [docs[0]["text"],
+                                                                         docs[2]["text"]]
+    assert [str(e) for e in log.errors] == [
+        f"{path}:2: utf8: the text column holds bytes that are not UTF-8 text",
+        f"{path}:3: utf8: the id column holds bytes that are not UTF-8 text"]
+    with pytest.raises(BadInputError, match=f"{path}:2: utf8: the text column"):
+        list(iter_documents([path], IngestConfig(), ErrorLog("stop")))
+    good = tmp_path / "good.jsonl"
+    good.write_bytes(_lines(docs, 40))
+    ok = runner.invoke(app, ["prepare", str(path), str(good), "-o", str(tmp_path / "out"),
+                             *FAST], env={"COLUMNS": "300"})
+    assert ok.exit_code == 0, ok.output
+    assert f"{path}:2: utf8: the text column holds bytes" in " ".join(ok.output.split())
+
+
+def test_a_compressed_parquet_file_is_named_as_such(docs, tmp_path: Path) -> None:
+    """A gzipped Parquet file (its name says .parquet.gz) is one bad input saying what it is
+    and what to do, not "not a parquet file"."""
+    path = tmp_path / "part.parquet.gz"
+    buffer = pa.BufferOutputStream()
+    pq.write_table(pa.table({"text": [d["text"] for d in docs[:3]]}), buffer)
+    path.write_bytes(gzip.compress(buffer.getvalue().to_pybytes()))
+    log = ErrorLog("skip")
+    assert _texts(list(iter_documents([path], IngestConfig(), log))) == []
+    assert [str(e) for e in log.errors] == [
+        f"{path}:0: parquet: a compressed Parquet file, which mt reads only uncompressed "
+        "(Parquet compresses its columns itself): decompress it"]

@@ -145,6 +145,23 @@ def test_missing_input(tmp_path: Path) -> None:
         expand_inputs([tmp_path / "nope.jsonl"])
 
 
+def test_a_linked_folder_in_an_input_folder_is_read(tmp_path: Path) -> None:
+    """A folder linked into an input folder is searched like the others (not skipped without
+    a word); a link back to a folder already searched (a loop) is searched once."""
+    shared = tmp_path / "shared"
+    (shared / "deep").mkdir(parents=True)
+    (shared / "deep" / "b.txt").write_text("b")
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("a")
+    (corpus / ".hidden.txt").write_text("hidden")
+    (corpus / "linked").symlink_to(shared)
+    (corpus / "linked-file.txt").symlink_to(shared / "deep" / "b.txt")
+    (shared / "deep" / "back").symlink_to(corpus)  # a loop
+    assert expand_inputs([corpus]) == [corpus / "a.txt", corpus / "linked" / "deep" / "b.txt",
+                                       corpus / "linked-file.txt"]
+
+
 def test_large_jsonl_split_into_ranges(docs: list[dict[str, str]], tmp_path: Path) -> None:
     lines = [json.dumps({"text": d["text"]}) for d in docs]
     lines.insert(25, "{broken")

@@ -353,3 +353,61 @@ def test_train_tokenizer_and_export_say_in_one_line_that_they_cannot_write(
         result = runner.invoke(app, args, env=WIDE)
         assert result.exit_code == 2, result.output
         assert _error(result.output) == line
+
+
+def test_overwrite_never_empties_a_cache_folder_it_did_not_write(docs, tmp_path: Path) -> None:
+    """-o DIR whose cache/ holds the user's files (cache/ is also the name of a dataset's
+    readers' cache): refused with or without --overwrite, naming it; a dataset's own cache/
+    is still replaced."""
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(_jsonl(docs, 30))
+    mine = tmp_path / "mine"
+    (mine / "cache").mkdir(parents=True)
+    (mine / "cache" / "notes.txt").write_text("keep me")
+    for extra in ([], ["--overwrite"]):
+        result = runner.invoke(app, ["prepare", str(corpus), "-o", str(mine), *FAST, *extra],
+                               env=WIDE)
+        assert result.exit_code == 2, result.output
+        line = _error(result.output)
+        assert "holds cache/, which mt data prepare did not write" in line, line
+        assert (mine / "cache" / "notes.txt").read_text() == "keep me"
+        assert sorted(p.name for p in mine.rglob("*")) == ["cache", "notes.txt"]
+    out = tmp_path / "out"
+    prepare([corpus], out, PrepareConfig(tokenizer="tokenizer-1k", workers=1))
+    TokenDataset(out).check_shards()  # writes cache/verified.json
+    (out / "cache" / ".verified.json.123.tmp").write_text("{}")  # left by a killed reader
+    result = runner.invoke(app, ["prepare", str(corpus), "-o", str(out), *FAST, "--overwrite"],
+                           env=WIDE)
+    assert result.exit_code == 0, result.output
+    assert not (out / "cache").exists()
+
+
+def test_a_finished_dataset_missing_a_shard_is_not_complete(docs, tmp_path: Path) -> None:
+    """Rerunning prepare over a finished dataset whose shard was deleted or cut, or whose
+    index.json records were damaged by hand: one line naming what is wrong and --overwrite,
+    exit 2; never "prepared" over a dataset that cannot be read, never a traceback."""
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(_jsonl(docs, 40))
+    out = tmp_path / "out"
+    args = ["prepare", str(corpus), "-o", str(out), *FAST]
+    assert runner.invoke(app, args, env=WIDE).exit_code == 0
+    shard = next(out.glob("shard-*.arrow"))
+    data = shard.read_bytes()
+    index = json.loads((out / "index.json").read_text())
+    for damage in (shard.unlink, lambda: shard.write_bytes(data[: len(data) // 2])):
+        damage()
+        result = runner.invoke(app, args, env=WIDE)
+        assert result.exit_code == 2, result.output
+        line = _error(result.output)
+        assert f"{out} holds a finished dataset that cannot be read" in line, line
+        assert shard.name in line and "pass --overwrite" in line, line
+    shard.write_bytes(data)
+    assert runner.invoke(app, args, env=WIDE).exit_code == 0
+    fingerprint = index["stats"]["fingerprint"]
+    for stats in ([1], {**index["stats"], "fingerprint": {**fingerprint, "files": 5}}):
+        (out / "index.json").write_text(json.dumps({**index, "stats": stats}))
+        result = runner.invoke(app, args, env=WIDE)
+        assert result.exit_code == 2, result.output
+        assert "--overwrite" in _error(result.output)
+    assert runner.invoke(app, [*args, "--overwrite"], env=WIDE).exit_code == 0
+    assert runner.invoke(app, args, env=WIDE).exit_code == 0

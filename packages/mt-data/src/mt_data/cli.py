@@ -221,7 +221,8 @@ def _basic_filters(on: bool, rule_sets: str | None, given: FilterConfig) -> Filt
 def prepare_cmd(
     ctx: typer.Context,
     inputs: Annotated[list[Path], typer.Argument(help="JSONL / Parquet / text files or folders "
-                                                 "(.gz and .zst read transparently).")],
+                                                 "(JSONL and text .gz and .zst read "
+                                                 "transparently).")],
     output: Annotated[Path, typer.Option("--output", "-o", help="Output dataset folder.")],
     text_key: Annotated[str, typer.Option(help="JSON field / Parquet column with the "
                                           "text.")] = "text",

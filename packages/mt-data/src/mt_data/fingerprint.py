@@ -123,7 +123,7 @@ def check_recorded(recorded: dict[str, Any], fingerprint: dict[str, Any], output
         what, harm, way = ("holds an unfinished run of an earlier mt-data", "whether they "
                            "changed since cannot be checked, and resuming could mix chunks of "
                            "another input into the dataset", "pass --overwrite to start again")
-    if "files" not in recorded:
+    if not isinstance(recorded.get("files"), list):
         raise PrepareError(f"{output} {what}, which recorded no size, modified time or "
                            f"content of its inputs: {harm}; {way}, or choose another --output")
     change = changed_file(recorded["files"], fingerprint["files"])

@@ -94,16 +94,36 @@ def file_kind(path: Path) -> str:
     return "unknown"
 
 
+def _raise(err: OSError) -> None:
+    raise err
+
+
+def _folder_files(folder: Path) -> list[Path]:
+    """The files under ``folder``, sorted: searched recursively, folders linked into it
+    followed (each real folder once, so that a link loop ends), hidden files and folders
+    skipped; a folder that cannot be read raises its OSError."""
+    files: list[Path] = []
+    searched: set[str] = set()
+    for root, dirs, names in os.walk(folder, onerror=_raise, followlinks=True):
+        real = os.path.realpath(root)
+        if real in searched:
+            dirs.clear()
+            continue
+        searched.add(real)
+        dirs[:] = [name for name in dirs if not name.startswith(".")]
+        files.extend(Path(root) / name for name in names
+                     if not name.startswith(".") and (Path(root) / name).is_file())
+    return sorted(files)
+
+
 def expand_inputs(paths: Iterable[str | Path]) -> list[Path]:
-    """Input files: files as given, folders searched recursively (sorted, hidden files skipped)."""
+    """Input files: files as given, folders searched recursively (sorted, folders linked into
+    them followed, hidden files skipped)."""
     files: list[Path] = []
     for raw in paths:
         path = Path(raw)
         if path.is_dir():
-            files.extend(sorted(
-                p for p in path.rglob("*")
-                if p.is_file() and not any(s.startswith(".") for s in p.relative_to(path).parts)
-            ))
+            files.extend(_folder_files(path))
         elif path.exists():
             files.append(path)
         else:
@@ -278,8 +298,32 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split())
 
 
+_NOT_UTF8 = object()
+"""A Parquet string value whose bytes are not UTF-8 (a writer that never checked them)."""
+
+
+def _value(scalar: pa.Scalar) -> object:
+    try:
+        return scalar.as_py()
+    except UnicodeDecodeError:
+        return _NOT_UTF8
+
+
+def _column_values(column: pa.Array) -> list[object]:
+    """A Parquet column's values, with :data:`_NOT_UTF8` for each string value that is not
+    UTF-8 (converted one by one only in a batch holding one)."""
+    try:
+        return column.to_pylist()
+    except UnicodeDecodeError:
+        return [_value(scalar) for scalar in column]
+
+
 def read_parquet(path: Path, config: IngestConfig, log: ErrorLog) -> Iterator[pa.RecordBatch]:
     """Stream a Parquet file's text column (row numbers are reported as lines)."""
+    if is_compressed(path):
+        log.report(path, 0, "parquet", "a compressed Parquet file, which mt reads only "
+                   "uncompressed (Parquet compresses its columns itself): decompress it")
+        return
     try:
         pf = pq.ParquetFile(path)
     except (pa.ArrowInvalid, OSError) as exc:
@@ -297,10 +341,14 @@ def read_parquet(path: Path, config: IngestConfig, log: ErrorLog) -> Iterator[pa
     row = 0
     try:
         for rb in pf.iter_batches(batch_size=config.batch_docs, columns=columns):
-            data = {name: rb.column(name).to_pylist() for name in columns}
+            data = {name: _column_values(rb.column(name)) for name in columns}
             for i in range(rb.num_rows):
                 row += 1
                 record = {name: data[name][i] for name in columns}
+                if bad := [name for name, value in record.items() if value is _NOT_UTF8]:
+                    log.report(path, row, "utf8", f"the {bad[0]} column holds bytes that are "
+                               "not UTF-8 text")
+                    continue
                 fields = _json_fields(record, config, path, row, log)
                 if fields is not None and (batch := batcher.add(*fields)) is not None:
                     yield batch

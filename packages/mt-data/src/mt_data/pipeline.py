@@ -63,6 +63,7 @@ from mt_data.shards import (
     INDEX_FILE,
     ShardInfo,
     ShardSetWriter,
+    TokenDataset,
     atomic_replace,
     atomic_write_json,
     file_sha256,
@@ -332,10 +333,12 @@ def _prepare_locked(inputs: Sequence[str | Path], files: list[Path], items: list
                     lists: GroupWords | None) -> dict[str, Any]:
     if (output / INDEX_FILE).exists() and not config.overwrite:
         index = json.loads((output / INDEX_FILE).read_text())
-        recorded = (index.get("stats") or {}).get("fingerprint")
+        stats = index.get("stats")
+        recorded = stats.get("fingerprint") if isinstance(stats, dict) else None
         if not isinstance(recorded, dict) or not same_run(recorded, fingerprint):
             raise PrepareError(f"{output} already holds a prepared dataset; pass --overwrite")
         check_recorded(recorded, fingerprint, output, finished=True)
+        _check_readable(output)
         return dict(index["stats"], resumed="already complete")
     check_output(output, fingerprint, config.overwrite)
     work = output / "work"
@@ -358,6 +361,22 @@ def _prepare_locked(inputs: Sequence[str | Path], files: list[Path], items: list
     if not config.keep_work:
         shutil.rmtree(work)
     return summary
+
+
+def _check_readable(output: Path) -> None:
+    """Raise :class:`PrepareError` unless the finished dataset in ``output`` opens: its index
+    whole and every shard it records there, of the recorded size (a shard deleted or cut
+    since is named)."""
+    try:
+        dataset = TokenDataset(output)
+        for shard in dataset.index["shards"]:
+            size = (output / shard["file"]).stat().st_size
+            if shard.get("bytes", size) != size:
+                raise DatasetError(f"{output / shard['file']}: {size:,} bytes, {INDEX_FILE} "
+                                   f"records {shard['bytes']!r}")
+    except DatasetError as err:
+        raise PrepareError(f"{output} holds a finished dataset that cannot be read ({err}); "
+                           "pass --overwrite to prepare it again") from None
 
 
 def _pool(config: PrepareConfig, workers: int, stack: ExitStack) -> Executor | None:

@@ -18,7 +18,13 @@ from mt_data.errors import PrepareError
 from mt_data.fingerprint import check_recorded, same_run
 from mt_data.group_counts import GROUPS_FILE
 from mt_data.paths import foreign_entries, foreign_message
-from mt_data.shards import FORMAT, INDEX_FILE, PROGRESS_FILE, atomic_write_json
+from mt_data.shards import (
+    FORMAT,
+    INDEX_FILE,
+    PROGRESS_FILE,
+    VERIFIED_FILE,
+    atomic_write_json,
+)
 
 __all__ = ["PREPARE_OUTPUT", "check_output", "is_dataset_index", "output_lock",
            "refuse_foreign"]
@@ -28,6 +34,11 @@ PREPARE_OUTPUT = (INDEX_FILE, PROGRESS_FILE, GROUPS_FILE, "dropped.json", "shard
                   ".*.tmp", "work/", "cache/")
 """The names ``prepare`` writes in its output folder (shards, index, records, the work
 folder, readers' caches, temporary files): a folder holding anything else is not its own."""
+
+DATASET_CACHE = ("gpt-*.npz", "max-token-id.json", VERIFIED_FILE, ".*.tmp", ".*.tmp.npz")
+"""The names a dataset's readers write in its ``cache/`` folder (sample indexes, the largest
+token id, verified checksums, their temporary files): a ``cache/`` holding anything else is
+not a dataset's."""
 
 
 def is_dataset_index(path: Path) -> bool:
@@ -48,6 +59,9 @@ def refuse_foreign(output: Path) -> None:
     if work.is_dir() and not work.is_symlink() and any(work.iterdir()) and \
             not (work / "config.json").is_file():
         foreign.append("work/")  # not a work folder of prepare's (it writes config.json first)
+    cache = output / "cache"
+    if cache.is_dir() and not cache.is_symlink() and foreign_entries(cache, DATASET_CACHE):
+        foreign.append("cache/")  # not the cache of a dataset's readers
     if foreign:
         raise PrepareError(foreign_message("--output", output, sorted(foreign),
                                            "mt data prepare"))
