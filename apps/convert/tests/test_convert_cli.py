@@ -127,6 +127,34 @@ def test_convert_cli_python_dash_m(checkpoint: Path, tmp_path: Path) -> None:
     assert "transformer.wte.weight" in proc.stdout
 
 
+def test_convert_cli_sigterm_mid_way_leaves_nothing(checkpoint: Path, tmp_path: Path) -> None:
+    """SIGTERM (a scheduler's, a container's stop) during the write is an interrupt like
+    Ctrl-C: exit 130, one line, no half-written staging folder left beside the destination;
+    a rerun then converts."""
+    script = (  # SIGTERM to itself after the third tensor
+        "import os, signal, sys\n"
+        "import mt_formats.convert as convert\n"
+        "stream = convert._stream\n"
+        "def stopped(names, get):\n"
+        "    for done, item in enumerate(stream(names, get)):\n"
+        "        if done == 3:\n"
+        "            os.kill(os.getpid(), signal.SIGTERM)\n"
+        "        yield item\n"
+        "convert._stream = stopped\n"
+        "from mt_convert.cli import main\n"
+        "sys.argv = ['mt-convert', *sys.argv[1:]]\n"
+        "main()\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-c", script, str(checkpoint), str(out), "--to",
+                           "hf"], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 130, (proc.returncode, proc.stderr)
+    assert "interrupted: nothing was written" in proc.stderr, proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    result = runner.invoke(app, [str(checkpoint), str(out), "--to", "hf"])
+    assert result.exit_code == 0, result.output
+
+
 def test_convert_cli_dcp_folders(tmp_path: Path) -> None:
     # mt's own state dict saved by torch's dcp.save (no model config): exit 2 with one
     # line asking for --model; with it, the same tensors

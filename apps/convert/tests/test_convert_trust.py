@@ -80,10 +80,14 @@ def test_convert_force_replaces_only_its_own_output(checkpoint: Path, tmp_path: 
         convert_checkpoint(checkpoint, mine, to="tp", tp=2, overwrite=True)
     # Its own outputs, of every format it writes, are replaced with --force.
     for to, extra in (("hf", []), ("tp", ["--tp", "2", "--pp", "2"]), ("megatron", []),
-                      ("pretrain", []), ("consolidated", [])):
+                      ("pretrain", []), ("dcp", []), ("mcore", []), ("gguf", []),
+                      ("consolidated", [])):
         out = tmp_path / "out"
         result = runner.invoke(app, [str(checkpoint), str(out), "--to", to, *extra, "--force"],
                                env=WIDE)
+        assert result.exit_code == 0, (to, result.output)
+        result = runner.invoke(app, [str(checkpoint), str(out), "--to", to, *extra, "--force"],
+                               env=WIDE)  # onto a folder of its own format
         assert result.exit_code == 0, (to, result.output)
     pretrain = tmp_path / "pretrain"
     assert runner.invoke(app, [str(checkpoint), str(pretrain), "--to", "pretrain"]).exit_code == 0

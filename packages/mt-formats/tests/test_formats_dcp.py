@@ -568,3 +568,33 @@ def test_a_written_folder_reads_back_from_disk(tmp_path: Path) -> None:
     back = load_model(tmp_path / "dcp")
     for (name, a), b in zip(model.state_dict().items(), back.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
+
+
+def test_metadata_that_misstates_a_chunk_is_one_line_naming_it(tmp_path: Path) -> None:
+    """A .metadata (valid pickle) whose dtype of a tensor differs from its stored chunk's, or
+    whose storage entry names no file: refused in one line naming .metadata's claim, neither
+    read as the other dtype nor blamed on the destination."""
+    model = GPT(preset("tiny"), seed=2)
+    folder = tmp_path / "plain"
+    dcp.save(model.state_dict(), checkpoint_id=folder, no_dist=True)
+    original = (folder / ".metadata").read_bytes()
+    metadata = pickle.loads(original)
+    properties = metadata.state_dict_metadata["blocks.0.attn.proj.weight"].properties
+    properties.dtype = torch.float16
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+    fields = {"n_heads": 4}
+    with open_checkpoint(folder, model=fields) as reader, pytest.raises(
+            ConvertError, match=r"__0_0\.distcp: tensor 'blocks\.0\.attn\.proj\.weight': chunk "
+            r"at \[0, 0\] holds float32, \.metadata records float16"):
+        reader.read("blocks.0.attn.proj.weight")
+    with pytest.raises(ConvertError) as err:
+        convert_checkpoint(folder, tmp_path / "out", model=fields)
+    assert "partial" not in str(err.value) and "float16" in str(err.value)
+    metadata = pickle.loads(original)
+    index = next(iter(metadata.storage_data))
+    metadata.storage_data[index].relative_path = index  # what a damaged pickle memo yields
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(ConvertError, match=rf"\.metadata: tensor {index.fqn!r}: its storage "
+                       "entry names no file"):
+        open_checkpoint(folder, model=fields)
+    assert not (tmp_path / "out").exists()

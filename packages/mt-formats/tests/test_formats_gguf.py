@@ -156,3 +156,19 @@ def test_gguf_mt_json_names_only_stored_tensors(tmp_path: Path) -> None:
     with open_checkpoint(tmp_path / "g") as reader, pytest.raises(
             ConvertError, match=r"mt\.json: records no checksum of tensor 'blk\.0\.ffn_up"):
         reader.read("blocks.0.mlp.fc.weight")
+
+
+@pytest.mark.parametrize(("kind", "value"), [("f16", 1e5), ("q8_0", 1e7)])
+def test_gguf_refuses_a_value_its_type_cannot_hold(tmp_path: Path, kind: str,
+                                                   value: float) -> None:
+    """A matrix value beyond what f16 (or q8_0's f16 scale) holds is refused in one line
+    naming the tensor, not written as inf; f32 stores it."""
+    model = GPT(preset("tiny"), seed=1)
+    with torch.no_grad():
+        model.blocks[0].attn.proj.weight[0, 0] = value
+    save_model(model, tmp_path / "mt")
+    with pytest.raises(ConvertError, match=r"'blocks\.0\.attn\.proj\.weight'.*--gguf-type f32"):
+        convert_checkpoint(tmp_path / "mt", tmp_path / "g", to="gguf", gguf_type=kind)
+    assert not (tmp_path / "g").exists()
+    convert_checkpoint(tmp_path / "mt", tmp_path / "g", to="gguf", gguf_type="f32")
+    assert load_model(tmp_path / "g").blocks[0].attn.proj.weight[0, 0].item() == value

@@ -8,6 +8,10 @@ sub-command name. Expected failures print one ``error:`` line and exit with stat
 
 from __future__ import annotations
 
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
@@ -76,6 +80,25 @@ def _dry_run(src: Path, dst: Path, to: str, from_format: str | None, layout: Lay
             lines.extend(f"  <- {ref.describe()}" for ref in entry.sources)
             lines.extend(f"  -> {ref.describe()}" for ref in entry.targets)
         console.print("\n".join(lines), markup=False, highlight=False, soft_wrap=True)
+
+
+def _interrupt(_signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+@contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM raises KeyboardInterrupt, as Ctrl-C does, so that the staging folder is
+    removed rather than left beside the destination (in the main thread; elsewhere a signal
+    handler cannot be set)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _convert(src: Path, dst: Path, to: str, from_format: str | None, layout: Layout,
@@ -188,8 +211,9 @@ def convert(
         elif dry_run:
             _dry_run(src, dst, target, source, layout, Console(), model, gguf_type)
         else:
-            _convert(src, dst, target, source, layout, force, console, model, optimizer,
-                     tokenizer, gguf_type)
+            with _sigterm_interrupts():
+                _convert(src, dst, target, source, layout, force, console, model, optimizer,
+                         tokenizer, gguf_type)
     except ConvertError as err:  # bad input exits 2, a failed write 1 (as mt pretrain)
         console.print(f"[bold red]error:[/] {escape(str(err))}", highlight=False,
                       soft_wrap=True)

@@ -32,13 +32,29 @@ CONVERT_OUTPUT = (
     "tp_rank_[0-9][0-9]/", "pp_rank_[0-9][0-9]_tp_rank_[0-9][0-9]/",  # tp
     "latest_checkpointed_iteration.txt", "iter_[0-9]*/", "release/",  # megatron
     "meta.json", "rank-[0-9][0-9][0-9][0-9][0-9].pt",  # pretrain (a step folder)
+    ".metadata", "__[0-9]*_[0-9]*.distcp", "mt.json",  # dcp (and mcore's, gguf's mt.json)
+    "metadata.json", "common.pt",  # mcore
+    "model.gguf",  # gguf
 )
 """The names mt convert's writers put in a destination folder."""
+
+
+def _dangling_link(destination: Path) -> Path | None:
+    """The link at or on the way to ``destination`` whose target does not exist, or None
+    (no folder can be created there, nor renamed onto it)."""
+    for path in (destination, *destination.parents):
+        if path.is_symlink() and not path.exists():
+            return path
+    return None
 
 
 def check_destination(destination: Path, overwrite: bool) -> None:
     """Raise :class:`ConvertError` (one line) unless ``destination`` is absent, or an empty
     folder or one mt convert wrote and ``overwrite`` (``--force``) is given."""
+    if (link := _dangling_link(Path(destination))) is not None:
+        where = "" if link == Path(destination) else f"{destination}: "
+        raise ConvertError(f"{where}{link} is a link to {os.readlink(link)}, which does not "
+                           "exist; choose a destination that does not go through it")
     if (blocker := blocking_file(destination)) is not None:
         raise ConvertError(f"{destination}: {blocker} is a file, not a folder; choose a "
                            "destination in a folder")

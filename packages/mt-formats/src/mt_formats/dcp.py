@@ -132,7 +132,11 @@ def read_metadata(root: Path) -> Metadata:
                 and isinstance(getattr(info, "length", None), int)):
             raise ConvertError(f"{path}: tensor {getattr(index, 'fqn', index)!r}: its storage "
                                "entry has no integer offset and length")
-        file = str(getattr(info, "relative_path", ""))
+        file = getattr(info, "relative_path", None)
+        if not isinstance(file, str):
+            raise ConvertError(f"{path}: tensor {getattr(index, 'fqn', index)!r}: its storage "
+                               f"entry names no file (a {type(file).__name__}): the metadata "
+                               "is damaged")
         if Path(file).name != file or file in ("", ".", ".."):
             raise ConvertError(f"{path}: tensor {index.fqn!r} is stored in {file!r}, not a "
                                "plain file name of the folder")
@@ -145,6 +149,10 @@ def read_metadata(root: Path) -> Metadata:
                                f"{info.offset}..{info.offset + info.length}, the file has "
                                f"{sizes[file]} (truncated?)")
     return metadata
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _volume(extent: tuple[int, ...]) -> int:
@@ -308,6 +316,11 @@ class DCPFolder:
             raise ConvertError(f"{self.root / info.relative_path}: tensor {key!r}: chunk at "
                                f"{list(start)} holds {getattr(piece, 'shape', piece)!r}, "
                                f"not a tensor of shape {list(extent)}")
+        recorded = self.tensors[key].properties.dtype
+        if piece.dtype != recorded:  # else copied into place as the other dtype, or not
+            raise ConvertError(f"{self.root / info.relative_path}: tensor {key!r}: chunk at "
+                               f"{list(start)} holds {_dtype_name(piece.dtype)}, "
+                               f"{METADATA_FILE} records {_dtype_name(recorded)}")
         return piece
 
     def load_object(self, key: str) -> Any:

@@ -9,11 +9,12 @@ llama.cpp's own converter (``convert_hf_to_gguf.py``): ``token_embd``, ``positio
 that converter does, Llama's ``attn_q`` / ``attn_k`` rows are permuted per head to the
 adjacent-pair RoPE order llama.cpp computes. Matrices are stored as ``--gguf-type`` (f32,
 f16, bf16 or q8_0: blocks of 32 int8 with one f16 scale; a matrix whose rows are not a
-multiple of 32 stays f16), vectors (norms, biases) as f32. The tokenizer (a byte-level BPE,
-as mt's are) goes in as ``tokenizer.ggml.model = gpt2``. mt's whole config rides along under
-``mt.config`` (JSON), so mt reads its own files back without guessing; GGUF has no
-checksums, so ``mt.json`` beside ``model.gguf`` records the CRC-32C of every tensor's stored
-bytes (checked when mt reads the folder).
+multiple of 32 stays f16), vectors (norms, biases) as f32; a value the type would store as
+inf (beyond f16's 65504) is refused. The tokenizer (a byte-level BPE, as mt's are) goes in
+as ``tokenizer.ggml.model = gpt2``. mt's whole config rides along under ``mt.config`` (JSON),
+so mt reads its own files back without guessing; GGUF has no checksums, so ``mt.json``
+beside ``model.gguf`` records the CRC-32C of every tensor's stored bytes (checked when mt
+reads the folder).
 
 Read: ``model.gguf`` (or any ``.gguf`` file) of those two architectures, also as llama.cpp's
 converter writes them (config from the ``gpt2.*`` / ``llama.*`` keys), every tensor
@@ -185,9 +186,10 @@ class GGUFWriter(CheckpointWriter):
         writer.write_ti_data_to_file()
         self._writer = writer
 
-    def _encode(self, key: str, tensor: torch.Tensor) -> np.ndarray:
+    def _encode(self, name: str, key: str, tensor: torch.Tensor) -> np.ndarray:
         qtype = self.qtype(self._shapes[key])
         data = tensor.detach().to(torch.float32).contiguous().numpy()
+        _check_range(name, data, qtype.name)
         types = self._gguf.GGMLQuantizationType
         if qtype == types.F32:
             return data
@@ -202,7 +204,7 @@ class GGUFWriter(CheckpointWriter):
             count = tensor.shape[0] if rows < 0 else rows
             piece = tensor[start:start + count]
             start += count
-            self._waiting[key] = self._encode(key, to_interleaved(piece, heads) if heads
+            self._waiting[key] = self._encode(name, key, to_interleaved(piece, heads) if heads
                                               else piece)
         while self._next < len(self._order) and self._order[self._next] in self._waiting:
             key = self._order[self._next]
@@ -226,6 +228,24 @@ class GGUFWriter(CheckpointWriter):
     def abort(self) -> None:
         if self._writer is not None:
             self._writer.close()
+
+
+_F16_MAX = 65504.0
+#: The largest magnitude each GGML type stores finite (q8_0: 127 x its f16 block scale).
+_LIMITS = {"F16": _F16_MAX, "Q8_0": 127 * _F16_MAX}
+
+
+def _check_range(name: str, data: np.ndarray, qtype: str) -> None:
+    """Refuse (one line naming the tensor) a finite value that GGML type ``qtype`` would
+    store as inf."""
+    limit = _LIMITS.get(qtype)
+    if limit is None or data.size == 0 or max(float(data.max()), -float(data.min())) <= limit:
+        return
+    finite = np.abs(data[np.isfinite(data)])  # an inf or nan of the source stays as it is
+    if finite.size == 0 or (largest := float(finite.max())) <= limit:
+        return
+    raise ConvertError(f"tensor {name!r} holds {largest:g}, beyond what {qtype.lower()} stores "
+                       f"(|x| <= {limit:g}; it would be inf): --gguf-type f32 or bf16 keeps it")
 
 
 def _add_tokenizer(writer: Any, tokenizer: str, vocab_size: int) -> None:
