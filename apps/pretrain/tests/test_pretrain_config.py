@@ -112,6 +112,14 @@ def test_yaml_sections_flat_keys_and_cli_overrides(tmp_path: Path) -> None:
     ({"nproc": 1, "micro_batch_size": 1, "global_batch_size": 80_000_000_000},
      r"global batch size 80,000,000,000 is 80,000,000,000 micro-batches of 1 on each of dp 1 "
      r"replicas per step; at most 100,000"),
+    # --async-save where it would write nothing in the background.
+    ({"async_save": True, "save": "none", "save_interval": 5},
+     r"--async-save writes checkpoints in the background, and --save none keeps none: leave "
+     r"out one of them"),
+    ({"async_save": True},
+     r"--async-save writes the checkpoints of --save-interval in the background, and "
+     r"--save-interval 0 saves only when the run ends \(in the foreground\): give "
+     r"--save-interval N or leave out --async-save"),
 ])
 def test_bad_configs_name_the_numbers(overrides: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):

@@ -569,6 +569,14 @@ class CheckpointArgs:
                             "checkpoints, and --save none keeps none: a restart would start "
                             "over at step 0; save (--save-interval N) or leave out "
                             "--max-restarts")
+        if self.async_save and self.save_dir is None:
+            problems.append("--async-save writes checkpoints in the background, and --save "
+                            "none keeps none: leave out one of them")
+        elif self.async_save and not self.save_interval:
+            problems.append("--async-save writes the checkpoints of --save-interval in the "
+                            "background, and --save-interval 0 saves only when the run ends "
+                            "(in the foreground): give --save-interval N or leave out "
+                            "--async-save")
         _raise(problems, "checkpoint arguments")
 
     def resuming_own(self) -> CheckpointArgs:
