@@ -172,3 +172,21 @@ def test_gguf_refuses_a_value_its_type_cannot_hold(tmp_path: Path, kind: str,
     assert not (tmp_path / "g").exists()
     convert_checkpoint(tmp_path / "mt", tmp_path / "g", to="gguf", gguf_type="f32")
     assert load_model(tmp_path / "g").blocks[0].attn.proj.weight[0, 0].item() == value
+
+
+def test_a_gguf_type_that_rounds_the_source_says_so(tmp_path: Path) -> None:
+    """An fp32 model stored as f16 (the default), bf16 or q8_0 gets one note saying its
+    values were rounded; stored as f32, or a bf16 model as bf16, none."""
+    model = GPT(preset("tiny"), seed=1)
+    save_model(model, tmp_path / "fp32")
+    for kind in ("f16", "bf16", "q8_0", "f32"):
+        notes = convert_checkpoint(tmp_path / "fp32", tmp_path / kind, to="gguf",
+                                   gguf_type=kind).notes
+        rounded = [note for note in notes if "rounded" in note]
+        assert rounded == ([] if kind == "f32" else [
+            f"matrices stored as {kind} (--gguf-type): their float32 values rounded; "
+            "--gguf-type f32 keeps every value"]), (kind, notes)
+    save_model(model.to(torch.bfloat16), tmp_path / "bf16-model")
+    notes = convert_checkpoint(tmp_path / "bf16-model", tmp_path / "bf16-as-bf16", to="gguf",
+                               gguf_type="bf16").notes
+    assert not [note for note in notes if "rounded" in note], notes

@@ -127,6 +127,7 @@ class GGUFWriter(CheckpointWriter):
         self._next = 0
         self._checksums: dict[str, str] = {}
         self._directory: Path | None = None
+        self._rounded: set[torch.dtype] = set()  # source dtypes stored in fewer bits
 
     def _shape(self, name: str, rows: int) -> tuple[int, ...]:
         shape = self.specs[name].shape
@@ -190,6 +191,8 @@ class GGUFWriter(CheckpointWriter):
         qtype = self.qtype(self._shapes[key])
         data = tensor.detach().to(torch.float32).contiguous().numpy()
         _check_range(name, data, qtype.name)
+        if tensor.dtype not in _EXACT.get(qtype.name, ()):
+            self._rounded.add(tensor.dtype)
         types = self._gguf.GGMLQuantizationType
         if qtype == types.F32:
             return data
@@ -224,12 +227,19 @@ class GGUFWriter(CheckpointWriter):
             os.fsync(file.fileno())
         write_sidecar(self._directory, {"names": "gguf", "file": GGUF_FILE,
                                         "checksums": self._checksums})
+        if self._rounded:
+            dtypes = ", ".join(sorted(str(d).removeprefix("torch.") for d in self._rounded))
+            self.notes.append(f"matrices stored as {self.gguf_type} (--gguf-type): their "
+                              f"{dtypes} values rounded; --gguf-type f32 keeps every value")
 
     def abort(self) -> None:
         if self._writer is not None:
             self._writer.close()
 
 
+#: The source dtypes each GGML type stores without rounding.
+_EXACT = {"F32": (torch.float32, torch.float16, torch.bfloat16), "F16": (torch.float16,),
+          "BF16": (torch.bfloat16,)}
 _F16_MAX = 65504.0
 #: The largest magnitude each GGML type stores finite (q8_0: 127 x its f16 block scale).
 _LIMITS = {"F16": _F16_MAX, "Q8_0": 127 * _F16_MAX}
