@@ -162,6 +162,20 @@ def test_a_linked_folder_in_an_input_folder_is_read(tmp_path: Path) -> None:
                                        corpus / "linked-file.txt"]
 
 
+def test_a_utf8_byte_order_mark_is_not_text(docs: list[dict[str, str]], tmp_path: Path) -> None:
+    """A file starting with UTF-8's byte-order mark (as some Windows editors write them): a
+    JSONL file's first document is read (not a malformed line), a text file's text does not
+    start with U+FEFF; one inside a document's text stays."""
+    bom = b"\xef\xbb\xbf"
+    (tmp_path / "a.jsonl").write_bytes(bom + _jsonl(docs[:3]))
+    (tmp_path / "b.txt").write_bytes(bom + b"plain text\n" + bom + b"kept")
+    log = ErrorLog("stop")
+    texts = _texts(list(iter_documents([tmp_path / "a.jsonl", tmp_path / "b.txt"],
+                                       IngestConfig(), log)))
+    assert texts == [d["text"] for d in docs[:3]] + ["plain text\n\ufeffkept"]
+    assert log.errors == []
+
+
 def test_large_jsonl_split_into_ranges(docs: list[dict[str, str]], tmp_path: Path) -> None:
     lines = [json.dumps({"text": d["text"]}) for d in docs]
     lines.insert(25, "{broken")

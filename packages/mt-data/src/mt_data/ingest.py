@@ -166,6 +166,11 @@ class _Batcher:
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
+#: The byte-order mark some editors put at the start of a UTF-8 file: an encoding mark, not
+#: text (dropped there).
+UTF8_BOM = b"\xef\xbb\xbf"
+
+
 def source_name(path: Path) -> str:
     """Default source of a file's documents: its name without extensions."""
     return path.name.split(".")[0] or path.name
@@ -277,7 +282,9 @@ def read_jsonl(path: Path, config: IngestConfig, log: ErrorLog, start: int = 0,
             for line_no, raw in enumerate(f, start=first_line):
                 if end is not None and pos >= end:
                     break
-                pos += len(raw)
+                pos, first = pos + len(raw), pos == 0
+                if first:
+                    raw = raw.removeprefix(UTF8_BOM)
                 if not raw.strip():
                     continue
                 seen += 1
@@ -371,6 +378,7 @@ def read_text_files(
         except StreamError as exc:
             log.report(path, 0, exc.kind, exc.message)
             continue
+        data = data.removeprefix(UTF8_BOM)
         try:
             text = data.decode("utf-8")
         except UnicodeDecodeError as exc:
