@@ -797,6 +797,23 @@ CASES = [
     C("unknown-probes-occupation-key", "bias {ck} -o {t}/r --no-likelihood --probes "
       "{t}/p.yaml", "p.yaml: occupation: unknown key 'occupation' (templates, occupations)",
       {"p.yaml": "occupation:\n  templates: ['The {occupation} was a']\n  occupation: [x]\n"}),
+
+    # --- eval and plan: results that could be wrong --------------------------------------------
+    C("eval-rolling-empty-document", "eval {ck} --task {t}/t.yaml --engine mt --no-progress",
+      "t.yaml: document 1: the text encodes to no tokens",
+      {"t.yaml": "task: roll\ndataset_path: json\ndataset_kwargs: {data_files: {test: r.jsonl}}"
+                 "\ntest_split: test\noutput_type: loglikelihood_rolling\ndoc_to_target: text\n",
+       "r.jsonl": '{"text": "the whale"}\n{"text": ""}\n'}),
+    C("eval-two-tasks-one-name", "eval {ck} --task {t}/a/t.jsonl --task {t}/b/t.jsonl "
+      "--no-progress -o {t}/r.json", "{t}/b/t.jsonl: its task name 't' is also {t}/a/t.jsonl's",
+      {"a/t.jsonl": MC, "b/t.jsonl": MC}),
+    C("inf-gpu-yaml", "plan --model tiny --gpu {t}/g.yaml", "memory_gb must be a finite number",
+      {"g.yaml": GPU.replace("80", ".inf")}),
+    C("clash-eval-output-task-data", "eval {ck} --task {t}/t.yaml --engine mt -o {t}/r.jsonl "
+      "--overwrite", "--output {t}/r.jsonl is the input {t}/r.jsonl",
+      {"t.yaml": "task: t\ndataset_path: json\ndataset_kwargs: {data_files: {test: r.jsonl}}\n"
+                 "test_split: test\noutput_type: multiple_choice\ndoc_to_text: context\n"
+                 "doc_to_choice: choices\ndoc_to_target: label\n", "r.jsonl": MC}),
 ]
 
 

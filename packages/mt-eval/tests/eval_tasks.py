@@ -19,10 +19,12 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 TASKS = {
     "t_choice": ("mt-choice", 12, "output_type: multiple_choice\nfewshot_split: test\n"
                  "doc_to_text: context\ndoc_to_choice: choices\ndoc_to_target: label\n"),
-    # Templates, a description and examples drawn from the evaluated split without
-    # leaving the document out (no fewshot_split: lm-eval's fallback to the test docs).
+    # Templates (the description's too: lm-eval renders it per document), and examples
+    # drawn from the evaluated split without leaving the document out (no fewshot_split:
+    # lm-eval's fallback to the test docs).
     "t_choice_tpl": ("mt-choice", 12, "output_type: multiple_choice\n"
-                     "description: \"Pick the word.\\n\\n\"\n"
+                     "description: \"Pick the word after '{{context.split(' ')[-1]}}'."
+                     "\\n\\n\"\n"
                      "doc_to_text: \"Passage: {{context}}\\nAnswer:\"\n"
                      "doc_to_choice: \"{{choices}}\"\ndoc_to_target: \"{{label}}\"\n"),
     "t_cloze": ("mt-cloze", 12, "output_type: loglikelihood\nfewshot_split: test\n"

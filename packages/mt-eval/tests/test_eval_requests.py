@@ -17,7 +17,16 @@ from eval_tasks import TASKS, write_tasks
 from lm_eval.api.model import TemplateLM
 
 from mt_data import load_tokenizer
-from mt_eval import TaskError, aggregate, builtin_task, encode_pair, load_task, rolling_windows
+from mt_eval import (
+    TaskError,
+    aggregate,
+    build_requests,
+    builtin_task,
+    encode_pair,
+    load_task,
+    load_tasks,
+    rolling_windows,
+)
 from mt_eval.requests import context, continuations, fewshot_sample
 from mt_eval.tasks import load_jsonl
 
@@ -285,3 +294,48 @@ def test_a_task_file_that_is_not_utf8_is_one_line(tmp_path: Path) -> None:
     path.write_text(_GOOD_TASK + "num_fewshot: 2\n")
     (tmp_path / "rows.jsonl").write_text('{"text": "one two three"}\n')
     assert load_task(str(path)).num_fewshot == 2
+
+
+def _rolling_task(tmp_path: Path, rows: str) -> Path:
+    (tmp_path / "rows.jsonl").write_text(rows)
+    path = tmp_path / "roll.yaml"
+    path.write_text("task: roll\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+                    "    test: rows.jsonl\ntest_split: test\n"
+                    "output_type: loglikelihood_rolling\ndoc_to_target: text\n")
+    return path
+
+
+def test_a_rolling_document_of_no_tokens_is_named(tmp_path: Path) -> None:
+    """Was: dropped from the metrics without a word (fewer documents than the task holds),
+    and a ZeroDivisionError when every document was empty."""
+    tok = load_tokenizer("gpt2")
+    task = load_task(str(_rolling_task(tmp_path, '{"text": "the whale"}\n{"text": ""}\n')))
+    with pytest.raises(TaskError, match=r"roll.yaml: document 1: the text encodes to no "
+                                        r"tokens"):
+        build_requests(task, tok.encode, tok.eod_id, 64, 0, 1234)
+    assert len(build_requests(task, tok.encode, tok.eod_id, 64, 0, 1234, limit=1)) == 1
+
+
+def test_a_perplexity_beyond_floats_is_inf_not_a_traceback() -> None:
+    """Was: OverflowError (math.exp of a mean log-likelihood below -709)."""
+    values, errors = aggregate("loglikelihood", [{"ll": -800.0, "greedy": False},
+                                                 {"ll": -900.0, "greedy": False}],
+                               ("perplexity", "acc"))
+    assert values["perplexity"] == math.inf and errors["perplexity"] == math.inf
+    values, _ = aggregate("loglikelihood_rolling", [{"ll": -2000.0, "words": 1, "bytes": 400}],
+                          ("word_perplexity", "byte_perplexity", "bits_per_byte"))
+    assert values["word_perplexity"] == math.inf
+    assert values["byte_perplexity"] == pytest.approx(math.exp(5.0))
+
+
+def test_two_tasks_of_one_name_are_refused(tmp_path: Path) -> None:
+    """Was: both evaluated, and the results JSON (keyed by task name) kept the last one."""
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "t.jsonl").write_text('{"text": "one two three"}\n')
+    first, second = str(tmp_path / "a" / "t.jsonl"), str(tmp_path / "b" / "t.jsonl")
+    with pytest.raises(TaskError) as err:
+        load_tasks([first, second])
+    assert str(err.value) == (f"{second}: its task name 't' is also {first}'s; the results "
+                              "are keyed by task name: rename one")
+    assert [t.name for t in load_tasks([first, "mt-cloze"])] == ["t", "mt-cloze"]

@@ -12,7 +12,7 @@ errors are lm-eval's. The package knows no model: ``mt eval`` and ``mt pretrain
 
 from mt_eval.builtin import BUILTIN, builtin_task
 from mt_eval.errors import TaskError
-from mt_eval.load import load_task
+from mt_eval.load import load_task, load_tasks
 from mt_eval.metrics import aggregate, mean_stderr
 from mt_eval.requests import Request, build_requests, encode_pair, rolling_windows
 from mt_eval.results import results_json, results_table, write_json
@@ -35,6 +35,7 @@ __all__ = [
     "encode_pair",
     "evaluate",
     "load_task",
+    "load_tasks",
     "mean_stderr",
     "results_json",
     "results_table",

@@ -40,6 +40,14 @@ def choice_scores(lls: Sequence[float], choices: Sequence[str], gold: int) -> di
             "acc_norm": float(int(np.argmax(lls_arr / lengths)) == gold)}
 
 
+def _exp(x: float) -> float:
+    """``math.exp(x)``, infinite past the largest float (a perplexity beyond it)."""
+    try:
+        return math.exp(x)
+    except OverflowError:
+        return math.inf
+
+
 def words(text: str) -> int:
     return len(re.split(r"\s+", text))
 
@@ -57,7 +65,7 @@ def aggregate(output_type: str, items: list[dict[str, Any]], metrics: Sequence[s
             values[metric], errors[metric] = sum(xs) / len(xs), mean_stderr(xs)
         elif metric == "perplexity":
             lls = [item["ll"] for item in items]
-            values[metric] = math.exp(-sum(lls) / len(lls))
+            values[metric] = _exp(-sum(lls) / len(lls))
             err = mean_stderr(lls)
             errors[metric] = None if err is None else values[metric] * err
         else:
@@ -65,6 +73,6 @@ def aggregate(output_type: str, items: list[dict[str, Any]], metrics: Sequence[s
             unit = "words" if metric == "word_perplexity" else "bytes"
             per_unit = -total / sum(item[unit] for item in items)
             values[metric] = per_unit / math.log(2) if metric == "bits_per_byte" \
-                else math.exp(per_unit)
+                else _exp(per_unit)
             errors[metric] = None
     return values, errors

@@ -22,7 +22,7 @@ from typing import Any
 
 from mt_eval.errors import TaskError
 from mt_eval.tasks import Task
-from mt_eval.template import render_choices, render_target, render_text
+from mt_eval.template import render_choices, render_description, render_target, render_text
 
 __all__ = ["Request", "build_requests", "encode_pair", "fewshot_sample", "rolling_windows"]
 
@@ -122,7 +122,7 @@ def _question(task: Task, doc: dict[str, Any], where: str) -> str:
 
 def context(task: Task, doc_id: int, examples: list[dict[str, Any]]) -> str:
     """The prompt of document ``doc_id`` with its few-shot ``examples``."""
-    parts = [task.description]
+    parts = [render_description(task.description, task.docs[doc_id], _where(task, doc_id))]
     for example in examples:
         where = f"{task.source or task.name}: few-shot example"
         answer, question = _answer(task, example, where), _question(task, example, where)
@@ -194,8 +194,11 @@ def build_requests(task: Task, encode: Encode, prefix: int, max_length: int, sho
     if task.output_type == "loglikelihood_rolling":
         for doc_id in range(n):
             where = _where(task, doc_id)
-            text = continuations(task, doc_id)[0]
-            for i, (ctx, pred) in enumerate(rolling_windows(encode(text), prefix, max_length)):
+            windows = rolling_windows(encode(continuations(task, doc_id)[0]), prefix,
+                                      max_length)
+            if not windows:  # nothing to score: its metrics would leave it out
+                raise TaskError(f"{where}: the text encodes to no tokens")
+            for i, (ctx, pred) in enumerate(windows):
                 requests.append(_request(doc_id, i, ctx, pred, max_length, where))
         return requests
     examples = fewshot_sample(task, shots, seed)[:n] if shots else [[]] * n

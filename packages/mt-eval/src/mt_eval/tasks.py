@@ -37,7 +37,8 @@ import yaml
 from mt_data.text import not_utf8
 from mt_eval.errors import TaskError, unique_keys_loader, yaml_problem
 
-__all__ = ["DEFAULT_METRICS", "OUTPUT_TYPES", "Task", "jsonl_task", "load_jsonl", "yaml_task"]
+__all__ = ["DEFAULT_METRICS", "OUTPUT_TYPES", "Task", "jsonl_task", "load_jsonl",
+           "task_data_files", "yaml_task"]
 
 OUTPUT_TYPES = ("multiple_choice", "loglikelihood", "loglikelihood_rolling")
 #: Metrics of each output type when the task names none (lm-eval's defaults).
@@ -248,9 +249,10 @@ def _check_types(path: Path, config: dict[str, Any]) -> None:
                             f"a path, a list of paths or {{split: path(s)}}, got {files!r}")
 
 
-def yaml_task(path: Path) -> Task:
+def _read_config(path: Path) -> Any:
+    """The YAML document of the task file ``path``; a TaskError names what is wrong."""
     try:
-        config = yaml.load(path.read_text(encoding="utf-8"), Loader=unique_keys_loader())
+        return yaml.load(path.read_text(encoding="utf-8"), Loader=unique_keys_loader())
     except OSError as err:
         raise TaskError(f"{path}: cannot read ({err.strerror})") from None
     except UnicodeDecodeError as err:
@@ -263,6 +265,28 @@ def yaml_task(path: Path) -> Task:
         raise TaskError(f"{path}: not YAML ({yaml_problem(err)})") from None
     except RecursionError:
         raise TaskError(f"{path}: not YAML (nested too deeply to read)") from None
+
+
+def task_data_files(spec: str) -> list[Path]:
+    """The data files the task YAML ``spec`` names (relative to it), inputs that a results
+    file must not replace; none for any other task, or a YAML that cannot be read (its
+    error is reported when the task is loaded)."""
+    path = Path(spec)
+    if path.suffix not in (".yaml", ".yml") or not path.is_file():
+        return []
+    try:
+        config = _read_config(path)
+    except TaskError:
+        return []
+    kwargs = config.get("dataset_kwargs") if isinstance(config, dict) else None
+    files = kwargs.get("data_files") if isinstance(kwargs, dict) else None
+    named = files.values() if isinstance(files, dict) else [files]
+    names = [n for names in named for n in (names if isinstance(names, list) else [names])]
+    return [path.parent / n for n in names if isinstance(n, str)]
+
+
+def yaml_task(path: Path) -> Task:
+    config = _read_config(path)
     if not isinstance(config, dict):
         raise TaskError(f"{path}: a task file must be a YAML mapping")
     unknown = sorted(set(config) - _KEYS - {"dataset_name"}, key=str)  # keys of any type

@@ -1,9 +1,10 @@
 """Fields of a task document as lm-evaluation-harness renders them.
 
-A ``doc_to_text`` / ``doc_to_choice`` / ``doc_to_target`` spec is a document field name, a
-Jinja template (strict: an unknown name is an error), a constant (int or list), exactly as
-in lm-eval's task YAML. The same conversions apply: a rendered target of digits is a choice
-index when the task has choices, a rendered ``[...]`` is a Python literal.
+A ``doc_to_text`` / ``doc_to_choice`` / ``doc_to_target`` / ``description`` spec is a
+document field name, a Jinja template (strict: an unknown name is an error), a constant (int
+or list), exactly as in lm-eval's task YAML. The same conversions apply: a rendered target
+of digits is a choice index when the task has choices, a rendered ``[...]`` is a Python
+literal.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import jinja2
 
 from mt_eval.errors import TaskError
 
-__all__ = ["render_choices", "render_target", "render_text"]
+__all__ = ["render_choices", "render_description", "render_target", "render_text"]
 
 
 def _regex_replace(string: str, pattern: str, repl: str, count: int = 0) -> str:
@@ -45,6 +46,17 @@ def render_text(spec: Any, doc: dict[str, Any], has_choices: bool, where: str) -
         text = _render(spec, doc, where)
         return ast.literal_eval(text) if text.isdigit() and has_choices else text
     raise TaskError(f"{where}: doc_to_text must be a field name or a template, got {spec!r}")
+
+
+def render_description(spec: str, doc: dict[str, Any], where: str) -> str:
+    """``description`` of ``doc`` (lm-eval renders it for each evaluated document): a field
+    name or a template; "" when unset."""
+    if not spec:
+        return ""
+    text = doc[spec] if spec in doc else _render(spec, doc, where)
+    if not isinstance(text, str):
+        raise TaskError(f"{where}: description {spec!r} gave {text!r}, not text")
+    return text
 
 
 def render_target(spec: Any, doc: dict[str, Any], has_choices: bool,

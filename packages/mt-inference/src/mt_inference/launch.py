@@ -74,7 +74,7 @@ def evaluate(spec: Any, environ: Mapping[str, str] | None = None,
     mt-eval's (its tasks loaded first: a bad task file fails before any process starts; the
     results), or lm-evaluation-harness (lm-eval's results dict); None on ranks other than 0
     under a launcher."""
-    from mt_eval import load_task
+    from mt_eval import load_tasks
     from mt_inference.rank import eval_rank
 
     if spec.engine == "harness":
@@ -82,6 +82,5 @@ def evaluate(spec: Any, environ: Mapping[str, str] | None = None,
 
         task_manager(include_paths(spec))  # built once here, shared by the forked ranks
         return launch(spec, harness_rank, environ, timeout)
-    for name in spec.tasks:
-        load_task(name)
+    load_tasks(spec.tasks)
     return launch(spec, eval_rank, environ, timeout)

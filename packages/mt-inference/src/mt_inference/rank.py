@@ -18,7 +18,7 @@ from rich.progress import (
 )
 
 from mt_dist import LaunchInfo
-from mt_eval import TaskResult, evaluate, load_task
+from mt_eval import TaskResult, evaluate, load_tasks
 from mt_inference.placement import Placement
 from mt_inference.session import ScoringSession
 
@@ -67,7 +67,7 @@ def progress_bar(show: bool) -> Iterator[Callable[[int, int], None] | None]:
 def eval_rank(spec: EvalSpec, info: LaunchInfo) -> list[TaskResult] | None:
     """Evaluate with mt-eval's engine as rank ``info.rank``; returns the results on rank 0,
     None elsewhere."""
-    tasks = [load_task(name) for name in spec.tasks]
+    tasks = load_tasks(spec.tasks)
     session = ScoringSession(spec.placement, info)
     completed = False
     try:

@@ -149,6 +149,7 @@ def _output_problems(placement: Placement, tasks: tuple[str, ...], suite: str | 
                      output: Path | None, log_samples: bool, include_path: Path | None,
                      data_dir: Path | None, overwrite: bool = False) -> list[str]:
     from mt_data.paths import existing_file, foreign_entries, output_clash, unwritable
+    from mt_eval.tasks import task_data_files
 
     if output is None:
         return (["--log-samples adds every document's log-likelihoods to --output's JSON: "
@@ -159,6 +160,7 @@ def _output_problems(placement: Placement, tasks: tuple[str, ...], suite: str | 
         return ["--overwrite replaces an --output file; --suite writes a folder and replaces "
                 "only the files it wrote there"]
     inputs = [placement.checkpoint, *(t for t in tasks if Path(t).exists()),
+              *(f for t in tasks for f in task_data_files(t)),
               *(p for p in (data_dir, include_path) if p is not None)]
     if output.is_dir() and suite is None:
         return [f"--output {output} is a folder; name the JSON file to write"]
