@@ -149,6 +149,25 @@ def test_gpu_yaml_refuses_what_yaml_reads_silently(tmp_path: Path, extra: str,
     assert (load_gpu(str(spec)).gpus_per_node, load_gpu(str(spec)).name) == (10, "010")
 
 
+def test_gpu_yaml_numbers_are_finite_and_read_in_exponent_form(tmp_path: Path) -> None:
+    """Was: an infinite peak or memory planned as given ("of inf GB: fits"), and 1e3 refused
+    as "must be a number" (PyYAML reads it as text; mt pretrain's configs as a number)."""
+    spec = tmp_path / "gpu.yaml"
+    links = "nvlink_gb_per_s: 300\nib_gb_per_s: 25\n"
+    spec.write_text("peak_tflops: .inf\nmemory_gb: 80\n" + links)
+    with pytest.raises(GPUSpecError, match=r"gpu.yaml: peak_tflops must be a finite number, "
+                                           r"got inf"):
+        load_gpu(str(spec))
+    spec.write_text("peak_tflops: 100\nmemory_gb: 1.0e+300\n" + links)  # 1e309 bytes
+    with pytest.raises(GPUSpecError, match=r"memory_gb must be a finite number, got 1e\+300"):
+        load_gpu(str(spec))
+    spec.write_text("peak_tflops: 1" + "0" * 400 + "\nmemory_gb: 80\n" + links)
+    with pytest.raises(GPUSpecError, match=r"peak_tflops must be a finite number, got 401 digits"):
+        load_gpu(str(spec))  # was: OverflowError: int too large to convert to float
+    spec.write_text("peak_tflops: 1e3\nmemory_gb: 8E+1\n" + links)
+    assert (load_gpu(str(spec)).peak_flops, load_gpu(str(spec)).memory_bytes) == (1e15, 80e9)
+
+
 def test_calibrated_machine_costs_and_peak_phases() -> None:
     """A measured machine (CPU-like GPUSpec): fixed costs slow the estimate down, and the
     peak memory is the persistent states plus the largest short-lived phase."""

@@ -7,6 +7,7 @@ NVLink bandwidth per GPU and direction, and the InfiniBand bandwidth one GPU get
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, fields
 from functools import cache
@@ -209,8 +210,22 @@ def _from_mapping(data: Any, source: str) -> GPUSpec:
                 raise GPUSpecError(f"{source}: {key} must be a number, got {value!r}")
             if field == "gpus_per_node" and not isinstance(value, int):
                 raise GPUSpecError(f"{source}: {key} must be an integer, got {value!r}")
-            kwargs[field] = int(value) if field == "gpus_per_node" else float(value) * scale
+            scaled = _scaled(value, scale)
+            if scaled is None:
+                shown = repr(value) if len(repr(value)) <= 24 else f"{len(str(value))} digits"
+                raise GPUSpecError(f"{source}: {key} must be a finite number, got {shown}")
+            kwargs[field] = int(value) if field == "gpus_per_node" else scaled
     return GPUSpec(**kwargs)
+
+
+def _scaled(value: float, scale: float) -> float | None:
+    """``value`` x ``scale`` as a float; None when it is infinite (``.inf``, or a number past
+    the largest float once in bytes or FLOP/s). NaN passes, for GPUSpec's check."""
+    try:
+        scaled = float(value) * scale
+    except OverflowError:  # an integer of hundreds of digits
+        return None
+    return None if math.isinf(scaled) else scaled
 
 
 def load_gpu(name_or_path: str) -> GPUSpec:
@@ -282,9 +297,13 @@ def _strict_loader() -> type:
 
     Strict.add_constructor("tag:yaml.org,2002:int", Strict.construct_yaml_int)
     Strict.add_constructor("tag:yaml.org,2002:float", Strict.construct_yaml_float)
+    # 1e3 is a number (YAML 1.2, mt pretrain's configs); YAML 1.1 wants 1.0e+3.
+    Strict.add_implicit_resolver("tag:yaml.org,2002:float", _EXPONENT, list("-+0123456789."))
     return Strict
 
 
+#: A number in exponent form without YAML 1.1's dot and sign (1e3, 2.5E-4).
+_EXPONENT = re.compile(r"^[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE][-+]?[0-9]+$")
 #: An integer YAML 1.1 reads as octal: a zero, then more digits.
 _LEADING_ZERO = re.compile(r"^[-+]?0[0-9_]+$")
 
