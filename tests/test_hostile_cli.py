@@ -134,6 +134,18 @@ def corpus_text(docs: int = 40, words: int = 60) -> str:
 
 C = Case
 CASES = [
+    # --- mt pretrain: link loops, metrics that are no file or where checkpoints go -------------
+    C("link-pretrain-out-dir-loop", f"pretrain --out-dir {{t}}/a {PRETRAIN}",
+      "--out-dir {t}/a: a symbolic link on the way loops back on itself",
+      {"a": link("b"), "b": link("a")}),
+    C("link-pretrain-load-loop", "pretrain --load {t}/a --dry-run",
+      "--load {t}/a: a symbolic link on the way loops back on itself",
+      {"a": link("b"), "b": link("a")}),
+    C("path-pretrain-metrics-device", f"pretrain --metrics /dev/full {PRETRAIN}",
+      "--metrics /dev/full is not a regular file"),
+    C("clash-pretrain-metrics-is-latest", "pretrain --out-dir {t}/run --metrics "
+      "{t}/run/checkpoints/latest --train-steps 1 --sample-tokens 0 --eval-interval 0",
+      "lies where the checkpoints of {t}/run/checkpoints go (latest)"),
     # --- `mt --help`-level: unknown commands and options, missing and malformed values -------
     C("root-unknown-command", "nosuch", "No such command 'nosuch'"),
     C("root-data-unknown-command", "data nosuch", "No such command 'nosuch'"),

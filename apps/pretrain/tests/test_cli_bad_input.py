@@ -64,3 +64,27 @@ def test_matrix_replaces_a_markdown_file_only_with_overwrite(tmp_path: Path,
         assert code == 0, text
         assert path.read_text() == markdown_table([])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.md", "new"]
+
+
+def test_matrix_refuses_a_work_dir_it_cannot_use(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """--work-dir naming a file, a device or a path under a file: one line, exit 2, before any
+    case runs (each case failed instead, and the table said "0 of N cases pass", exit 1, as if
+    the layouts trained differently)."""
+    import mt_pretrain.contract.runner as runner
+
+    monkeypatch.setattr(runner, "run_matrix", lambda *args: [])  # reached: not refused
+    monkeypatch.setattr(runner, "cpu_isa", lambda: "stub")
+    mine = tmp_path / "notes.txt"
+    mine.write_text("mine")
+    for work, line in ((mine, f"error: --work-dir {mine} is not a folder; name a folder for "
+                        "the runs"),
+                       (Path("/dev/null"), "error: --work-dir /dev/null is not a folder; name "
+                        "a folder for the runs"),
+                       (mine / "runs", f"error: --work-dir {mine / 'runs'}: {mine} is a file, "
+                        "not a folder; name a path in a folder")):
+        code, text = _run("matrix", "--only", "tp2.pp2.dp2", "--work-dir", str(work))
+        assert code == 2 and text == line, text
+    assert mine.read_text() == "mine"
+    code, text = _run("matrix", "--only", "tp2.pp2.dp2", "--work-dir", str(tmp_path / "w"))
+    assert code == 0, text

@@ -269,6 +269,19 @@ def test_bad_yaml_is_one_line_naming_file_field_and_line(tmp_path: Path, text: b
     assert "\n" not in str(err.value) and len(str(err.value)) < 300
 
 
+def test_yaml_anchors_and_merge_keys_are_read_as_yaml_defines_them(tmp_path: Path) -> None:
+    """A merge key (``<<: *base``, then a key of its own that overrides the merged one) is
+    YAML: read as YAML defines it, not refused as a syntax error; a key given twice beside
+    the merge is still refused."""
+    path = tmp_path / "run.yaml"
+    path.write_text("train:\n  <<: &base {train_steps: 2, lr: 0.001}\n  lr: 0.002\n")
+    config = load_config(path)
+    assert (config.train.train_steps, config.train.lr) == (2, 0.002)
+    path.write_text("train:\n  <<: {train_steps: 2}\n  lr: 0.002\n  lr: 0.003\n")
+    with pytest.raises(ConfigError, match=r"run.yaml line 4: lr is given twice; keep one"):
+        load_config(path)
+
+
 def test_a_config_path_that_is_not_there_is_not_a_shipped_one(tmp_path: Path) -> None:
     """A bare name finds a shipped config; a path that does not exist is refused, even where
     its file name is a shipped config's."""
@@ -335,6 +348,53 @@ def test_paths_the_flags_name_are_checked_before_anything_starts(tmp_path: Path)
     assert load_config(None, {"tokenizer": "gpt2", "data": str(data)}).data.tokenizer == "gpt2"
     with pytest.raises(ConfigError, match=r"prepared with \(gpt2\); leave out --tokenizer"):
         load_config(None, {"tokenizer": "tokenizer-1k", "data": str(data)})
+
+
+def test_a_path_through_a_link_loop_is_one_line_naming_the_flag(tmp_path: Path) -> None:
+    """A symbolic link loop as (or on the way to) an output, the data or --load: one line
+    naming the flag, not a RuntimeError from Path.resolve."""
+    loop = tmp_path / "loop"
+    loop.symlink_to(tmp_path / "back")
+    (tmp_path / "back").symlink_to(loop)
+    for flag, path in (("out_dir", loop), ("save", loop / "ck"), ("metrics", loop / "m.jsonl"),
+                       ("cache_dir", loop), ("data", loop), ("load", loop)):
+        with pytest.raises(ConfigError) as err:
+            load_config(None, {"out_dir": str(tmp_path / "run"), flag: str(path)})
+        assert str(err.value) == (f"--{flag.replace('_', '-')} {path}: a symbolic link on "
+                                  "the way loops back on itself; name another path")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["back", "loop"]
+
+
+def test_metrics_that_is_no_regular_file_or_where_checkpoints_go_is_refused(
+        tmp_path: Path) -> None:
+    """--metrics naming a pipe or a device (opening a pipe waits for a reader forever,
+    /dev/full fails after the run started), the checkpoint folder itself, its `latest` or a
+    place inside a step folder (a save replaces those: the metrics were lost without a
+    word): one line, before anything starts."""
+    import os
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    run = tmp_path / "run"
+    ck = run / "checkpoints"
+    for overrides, line in (
+            ({"metrics": str(fifo)}, f"--metrics {fifo} is not a regular file; name the JSONL "
+                                     "file to write (or 'none')"),
+            ({"metrics": "/dev/full"}, "--metrics /dev/full is not a regular file; name the "
+                                       "JSONL file to write (or 'none')"),
+            ({"metrics": str(ck / "latest")}, f"--metrics {ck / 'latest'} lies where the "
+             f"checkpoints of {ck} go (latest): a save would replace it; choose another "
+             "--metrics"),
+            ({"metrics": str(ck / "step-00000001" / "m.jsonl")}, f"--metrics "
+             f"{ck / 'step-00000001' / 'm.jsonl'} lies where the checkpoints of {ck} go "
+             "(step-00000001): a save would replace it; choose another --metrics"),
+            ({"save": str(run / "metrics.jsonl")}, f"--metrics {run / 'metrics.jsonl'} is "
+             "the checkpoint folder (--save); choose another --metrics or --save")):
+        with pytest.raises(ConfigError) as err:
+            load_config(None, {"out_dir": str(run), **overrides})
+        assert str(err.value) == line
+    assert not run.exists()
+    assert load_config(None, {"out_dir": str(run), "metrics": str(ck / "m.jsonl")})
 
 
 def _dataset(folder: Path, tokenizer: str) -> Path:

@@ -179,3 +179,25 @@ def test_a_checkpoint_of_the_old_sample_order_resumes_with_a_warning(
         resumed = _run(tmp_path / "run", cache, nproc=1, tp=1, pp=1, zero_stage=0,
                        save="none", load=str(folder))
     assert resumed.start_step == HALF
+
+
+def test_a_resume_at_another_global_batch_size_is_refused(cache: Path, tmp_path: Path) -> None:
+    """--load of a run trained at global batch 8 with --global-batch-size 4: refused in one
+    line naming both, before any step (the run was built for the new schedule's samples and
+    failed with an IndexError in the data loader); the same batch size resumes."""
+    from mt_pretrain.config.schema import ConfigError
+
+    one = {"nproc": 1, "tp": 1, "pp": 1, "train_steps": 2}
+    _run(tmp_path / "first", cache, **one)
+    ck = tmp_path / "first" / "checkpoints"
+    with pytest.raises(ConfigError) as err:
+        _run(tmp_path / "smaller", cache, **{**one, "train_steps": 3}, save="none",
+             load=str(ck), global_batch_size=4)
+    assert str(err.value) == (
+        f"--load {ck / 'step-00000002'}: its run consumed 16 samples in 2 steps (global batch "
+        "size 8), where this run's batch schedule (--global-batch-size 4) consumes 8: resume "
+        "with the global batch size and ramp-up the run started with")
+    assert not (tmp_path / "smaller" / "metrics.jsonl").exists()
+    resumed = _run(tmp_path / "same", cache, **{**one, "train_steps": 3}, save="none",
+                   load=str(ck))
+    assert (resumed.start_step, resumed.final_step) == (2, 3)

@@ -96,6 +96,15 @@ def _check_markdown(markdown: Path | None, overwrite: bool) -> str | None:
     return unwritable("--markdown", markdown) or existing_file("--markdown", markdown, overwrite)
 
 
+def _check_work_dir(work_dir: Path | None) -> str | None:
+    """Why the runs cannot go in --work-dir (before any case runs), or None."""
+    if work_dir is None:
+        return None
+    if work_dir.exists() and not work_dir.is_dir():
+        return f"--work-dir {work_dir} is not a folder; name a folder for the runs"
+    return unwritable("--work-dir", work_dir, folder=True)
+
+
 def _write_markdown(markdown: Path, outcomes: list, errors: Console) -> None:
     """Write the Markdown table atomically (a temporary file beside it, then a rename),
     creating the folders missing on the way."""
@@ -161,7 +170,8 @@ def matrix(
     if floor:
         _floor(steps, console)
         return
-    if not list_only and (why := _check_markdown(markdown, overwrite)):
+    if not list_only and (why := _check_markdown(markdown, overwrite) or
+                          _check_work_dir(work_dir)):
         raise _fail(errors, why)
     cases = _cases(which, only, errors)
     if list_only:

@@ -4,11 +4,14 @@ against the data, the task files and the engines."""
 from __future__ import annotations
 
 import dataclasses
+import errno
+import fnmatch
 import importlib.util
 import json
 import math
+import os
 import reprlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import fields
 from functools import cache
 from pathlib import Path
@@ -142,6 +145,7 @@ def build_config(nested: Mapping[str, Any], flat: Mapping[str, Any],
                           "pip install 'mt-pretrain[wandb]' (or leave out --wandb-project)")
     _check_paths(config)
     _check_blend(config.data)
+    _check_link_loops(("--data", path) for path in dataset_paths(config.data))
     _check_outputs(config, source)
     missing = [str(p) for p in dataset_paths(config.data) if not p.is_dir()]
     if missing:
@@ -233,7 +237,8 @@ def read_yaml(path: Path) -> Any:
 @cache
 def _unique_keys_loader() -> type:
     """YAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last
-    one silently), reading ``1e-05`` as a number as YAML 1.2 does (PyYAML's YAML 1.1 wants a
+    one silently; a key a merge ``<<:`` brings in is overridden by the mapping's own, as YAML
+    defines it), reading ``1e-05`` as a number as YAML 1.2 does (PyYAML's YAML 1.1 wants a
     dot, ``1.0e-05``, and gives the string '1e-05'), and refusing the integers YAML 1.1 and
     1.2 read differently: ``010`` (octal 8 to PyYAML, 10 to YAML 1.2) and base 60 ``1:30``
     (90 to PyYAML, a string to YAML 1.2)."""
@@ -245,6 +250,8 @@ def _unique_keys_loader() -> type:
         def construct_mapping(self, node: Any, deep: bool = False) -> Any:
             seen = set()
             for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue  # construct_mapping merges it
                 key = self.construct_object(key_node, deep=deep)
                 mark = key_node.start_mark
                 if not isinstance(key, (str, int, float, bool, type(None))):
@@ -281,9 +288,17 @@ def _check_paths(config: PretrainConfig) -> None:
     """Files and folders the flags name, checked before anything starts."""
     data, ckpt = config.data, config.checkpoint
     metrics = config.metrics_path
+    _check_link_loops((("--out-dir", ckpt.out_dir), ("--save", ckpt.save_dir),
+                       ("--metrics", metrics), ("--cache-dir", data.cache_dir),
+                       ("--load", ckpt.load)))
     if metrics is not None and metrics.is_dir():
         raise ConfigError(f"--metrics {metrics} is a folder; name the JSONL file to write "
                           "(or 'none')")
+    if metrics is not None and metrics.exists() and not metrics.is_file():
+        raise ConfigError(f"--metrics {metrics} is not a regular file; name the JSONL file "
+                          "to write (or 'none')")
+    if metrics is not None and ckpt.save_dir is not None:
+        _check_metrics_beside_checkpoints(metrics, ckpt.save_dir)
     if data.cache_dir is not None and Path(data.cache_dir).exists() and \
             not Path(data.cache_dir).is_dir():
         raise ConfigError(f"--cache-dir {data.cache_dir} is a file; name a folder")
@@ -304,6 +319,43 @@ def _check_paths(config: PretrainConfig) -> None:
             load_tokenizer(data.tokenizer)
         except (DataError, OSError, ValueError) as err:
             raise ConfigError(f"--tokenizer: {err}") from None
+
+
+def _check_link_loops(paths: Iterable[tuple[str, str | Path | None]]) -> None:
+    """No path of ``paths`` ((flag, path) pairs) goes through a symbolic link that leads
+    back to itself."""
+    for flag, path in paths:
+        if path is not None and _link_loop(path):
+            raise ConfigError(f"{flag} {path}: a symbolic link on the way loops back on "
+                              "itself; name another path")
+
+
+def _link_loop(path: str | Path) -> bool:
+    """Whether a symbolic link on the way to ``path`` leads back to itself."""
+    try:
+        os.stat(path)
+    except OSError as err:
+        return err.errno == errno.ELOOP
+    return False
+
+
+#: What a save writes, replaces or prunes in the checkpoint folder (mt_checkpoint's
+#: ``latest`` and step folders, mt pretrain's run lock).
+_CHECKPOINT_NAMES = ("latest", "step-*", ".step-*", ".mt-run.lock")
+
+
+def _check_metrics_beside_checkpoints(metrics: Path, save_dir: Path) -> None:
+    """The metrics file is not the checkpoint folder, nor anything a save replaces in it."""
+    out, folder = metrics.resolve(), save_dir.resolve()
+    if out == folder:
+        raise ConfigError(f"--metrics {metrics} is the checkpoint folder (--save); choose "
+                          "another --metrics or --save")
+    if folder not in out.parents:
+        return
+    name = out.relative_to(folder).parts[0]
+    if any(fnmatch.fnmatchcase(name, pattern) for pattern in _CHECKPOINT_NAMES):
+        raise ConfigError(f"--metrics {metrics} lies where the checkpoints of {save_dir} go "
+                          f"({name}): a save would replace it; choose another --metrics")
 
 
 def _check_outputs(config: PretrainConfig, source: str | None) -> None:

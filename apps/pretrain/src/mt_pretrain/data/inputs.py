@@ -29,8 +29,9 @@ from mt_pretrain.config.load import blend_text, dataset_paths
 from mt_pretrain.config.resolve import RunPlan
 from mt_pretrain.config.schema import ConfigError, DataArgs, PretrainConfig, TrainArgs
 
-__all__ = ["check_load_tokenizer", "check_vocab", "default_cache_dir", "default_tokenizer",
-           "ensure_data", "inputs_targets", "make_loaders", "tokenizer_for"]
+__all__ = ["check_load_batches", "check_load_tokenizer", "check_vocab", "default_cache_dir",
+           "default_tokenizer", "ensure_data", "inputs_targets", "make_loaders",
+           "tokenizer_for"]
 
 GPT2_VOCAB = 50257
 
@@ -98,25 +99,54 @@ def run_tokenizer(data: DataArgs, vocab_size: int) -> tuple[str | None, str | No
     return (str(info["name"]) if info.get("name") else None), info.get("sha256")
 
 
+def _loaded(config: PretrainConfig) -> tuple[Path, Any] | None:
+    """(the step folder ``--load`` names, its meta.json), or None: no --load, no checkpoint
+    there yet, or another engine's (the load itself says so)."""
+    from mt_checkpoint import CheckpointError, find_checkpoint, read_meta
+
+    if not config.checkpoint.load:
+        return None
+    try:
+        folder = find_checkpoint(config.checkpoint.load)
+        return folder, read_meta(folder)
+    except CheckpointError:
+        return None
+
+
 def check_load_tokenizer(config: PretrainConfig, vocab_size: int) -> None:
     """The checkpoint ``--load`` names trained with the tokenizer of this run's data, where
     both record its fingerprint: ids of another tokenizer mean other text, and the run would
     go on training on it without a word."""
-    from mt_checkpoint import CheckpointError, find_checkpoint, read_meta
-
-    if not config.checkpoint.load:
+    if (loaded := _loaded(config)) is None:
         return
-    try:
-        folder = find_checkpoint(config.checkpoint.load)
-        meta = read_meta(folder)
-    except CheckpointError:  # none yet, or another engine's: the load itself says so
-        return
+    folder, meta = loaded
     name, fingerprint = run_tokenizer(config.data, vocab_size)
     if meta.tokenizer_sha256 and fingerprint and meta.tokenizer_sha256 != fingerprint:
         raise ConfigError(f"--load {folder}: its run trained with tokenizer {meta.tokenizer} "
                           f"(sha256 {meta.tokenizer_sha256[:12]}...), this run's data is of "
                           f"tokenizer {name} ({fingerprint[:12]}...): the same ids would mean "
                           f"other text; train on data prepared with {meta.tokenizer}")
+
+
+def check_load_batches(config: PretrainConfig, plan: RunPlan) -> None:
+    """The checkpoint ``--load`` names consumed the samples this run's batch schedule
+    (global batch size, ramp-up) gives for its steps: the data position, the LR schedule
+    and the samples the run is built with all count on it."""
+    if (loaded := _loaded(config)) is None:
+        return
+    folder, meta = loaded
+    mine = BatchSchedule(config.train.global_batch_size, plan.rampup).consumed_at(meta.step)
+    if meta.consumed_samples == mine:
+        return
+    train = meta.config.get("train")
+    saved = train.get("global_batch_size") if isinstance(train, dict) else None
+    was = f" (global batch size {saved})" if saved is not None else ""
+    given = f"--global-batch-size {config.train.global_batch_size}" + \
+        (" and ramp-up" if plan.rampup else "")
+    raise ConfigError(f"--load {folder}: its run consumed {meta.consumed_samples:,} samples "
+                      f"in {meta.step} steps{was}, where this run's batch schedule ({given}) "
+                      f"consumes {mine:,}: resume with the global batch size and ramp-up the "
+                      "run started with")
 
 
 @cache

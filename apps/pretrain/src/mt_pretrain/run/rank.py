@@ -42,6 +42,7 @@ from mt_pretrain.config.refusals import engine_of
 from mt_pretrain.config.resolve import RunPlan, check_memory, fullest_stage_memory, resolve
 from mt_pretrain.config.schema import ConfigError, PretrainConfig, TrainArgs
 from mt_pretrain.data.inputs import (
+    check_load_batches,
     check_load_tokenizer,
     ensure_data,
     make_loaders,
@@ -209,6 +210,7 @@ def run_rank(config: PretrainConfig, info: LaunchInfo, cache_dir: Path,
         plan = resolve(config, info.world_size)
         check_memory(plan, device, info.local_world_size)
         check_load_tokenizer(config, plan.gpt.vocab_size)
+        check_load_batches(config, plan)
         groups = build_groups(plan.topology, device, timeout=config.parallel.timeout)
         with ExitStack() as held:
             _claim_run_folder(config, groups, held)
