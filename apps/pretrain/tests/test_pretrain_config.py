@@ -106,6 +106,8 @@ def test_yaml_sections_flat_keys_and_cli_overrides(tmp_path: Path) -> None:
     ({"nproc": 2, "cp": 2, "engine": "deepspeed"},
      r"--cp 2 is not supported with --engine deepspeed"),
     ({"cp": 2, "compile": True}, r"--cp 2 with --compile is not supported yet"),
+    ({"eval_task": "mt-cloze,mt-choice,mt-cloze"},
+     r"--eval-task: mt-cloze is given twice: give each task once"),
     ({"cp": 2, "eval_task": "lambada"},
      r"--eval-task with --cp 2 is not supported.*score the checkpoint after training"),
     ({"cp": 0}, r"cp must be >= 1|--cp must be"),

@@ -32,6 +32,8 @@ def load_tasks(specs: Sequence[str]) -> list[Task]:
     seen: dict[str, str] = {}
     for spec in specs:
         task = load_task(spec)
+        if task.name in seen and seen[task.name] == spec:
+            raise TaskError(f"{spec} is given twice: give each task once")
         if task.name in seen:
             raise TaskError(f"{spec}: its task name {task.name!r} is also {seen[task.name]}'s; "
                             "the results are keyed by task name: rename one")

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from mt_data.paths import blocking_file, output_clash, unwritable
-from mt_eval import TaskError, load_task
+from mt_eval import TaskError, load_tasks
 from mt_pretrain.config.fields import field_docs, flat_fields
 from mt_pretrain.config.refusals import unsupported
 from mt_pretrain.config.resolve import elastic_world, resolve
@@ -153,11 +153,10 @@ def build_config(nested: Mapping[str, Any], flat: Mapping[str, Any],
                           "them with `mt data prepare`, or omit --data for the embedded corpus)")
     if config.data.data is not None:
         _check_prepared_tokenizer(dataset_paths(config.data), config.data.tokenizer)
-    for task in config.train.eval_tasks:  # read now: a bad task file fails before training
-        try:
-            load_task(task)
-        except TaskError as err:
-            raise ConfigError(f"--eval-task: {err}") from None
+    try:  # read now: a bad task file fails before training
+        load_tasks(config.train.eval_tasks)
+    except TaskError as err:
+        raise ConfigError(f"--eval-task: {err}") from None
     if config.parallel.nproc is not None or config.parallel.dp is not None:
         resolve(config, config.world_size_hint())  # the flags fix the world size: check now
         _check_elastic(config)

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from mt_data import Tokenizer
 from mt_dist import ParallelGroups
-from mt_eval import evaluate, load_task
+from mt_eval import evaluate, load_tasks
 from mt_inference.scorer import StageScorer
 from mt_pretrain.config.resolve import RunPlan
 from mt_pretrain.config.schema import TrainArgs
@@ -24,7 +24,7 @@ def task_scorer(train: TrainArgs, plan: RunPlan, groups: ParallelGroups, engine:
                 tokenizer: Tokenizer) -> Callable[[], dict[str, float]]:
     """A function that scores ``train.eval_tasks`` now (collective) and returns their
     metrics by ``TASK/METRIC``; requests hold at most the training sequence length."""
-    tasks = [load_task(name) for name in train.eval_tasks]
+    tasks = load_tasks(train.eval_tasks)
     gpt = plan.gpt
     scorer = StageScorer(engine.stage, groups, gpt.vocab_size, gpt.seq_len,
                          compute_dtype(plan.layout.precision), gpt.hidden,
