@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pytest
 from typer.testing import CliRunner
 
@@ -223,3 +224,42 @@ def test_outputs_are_whole_and_leave_no_temporaries(dataset: Path, tmp_path: Pat
     again = GPTDataset(small, 64, seed=3)
     np.testing.assert_array_equal(again[5], ds[5])
     assert np.load(cache)["epochs"] == ds.epochs  # and written again whole
+
+
+def _swap_shard(folder: Path, batch: pa.RecordBatch | None) -> Path:
+    """Replace the dataset's first shard with an Arrow file holding ``batch`` (None: no
+    batch at all); returns the shard's path."""
+    shard = folder / "shard-00000.arrow"
+    schema = batch.schema if batch is not None else pa.schema([("tokens", pa.list_(pa.uint16()))])
+    with pa.ipc.new_file(str(shard), schema) as writer:
+        if batch is not None:
+            writer.write_batch(batch)
+    return shard
+
+
+def test_foreign_shard_is_named_not_read(dataset: Path, tmp_path: Path) -> None:
+    """A valid Arrow file that is not the shard index.json records (no tokens column, tokens
+    of another type, other counts, no batch) is one line naming it, never a traceback nor
+    other documents shown as the dataset's."""
+    text = pa.array(["a", "b"])
+    cases = {
+        "no-tokens": (pa.record_batch({"text": text}), "no 'tokens' column"),
+        "text-tokens": (pa.record_batch({"tokens": text, "id": text, "source": text}),
+                        "'tokens' is string"),
+        "wide-tokens": (pa.record_batch({"tokens": pa.array([[1, 2], [3]], pa.list_(pa.int64())),
+                                         "id": text, "source": text}),
+                        "'tokens' is list<item: int64>"),
+        "other-counts": (pa.record_batch({"tokens": pa.array([[1, 2], [3]],
+                                                             pa.list_(pa.uint16())),
+                                          "id": text, "source": text}),
+                         "holds 2 documents and 3 tokens"),
+        "no-batch": (None, "holds no record batch"),
+    }
+    for name, (batch, why) in cases.items():
+        shard = _swap_shard(_copy(dataset, tmp_path / name), batch)
+        with pytest.raises(DatasetError) as info:
+            TokenDataset(shard.parent)
+        assert str(info.value).startswith(f"{shard}: ") and why in str(info.value), name
+        result = runner.invoke(app, ["inspect", str(shard.parent)], env={"COLUMNS": "300"})
+        assert result.exit_code == 2 and f"error: {shard}: " in result.output, name
+        assert result.exception is None or isinstance(result.exception, SystemExit), name

@@ -309,6 +309,37 @@ def _check_index(index: dict[str, Any], path: Path) -> None:
                                "dataset folder (damaged? prepare the dataset again)")
 
 
+def _read_shard(file: Path, shard: dict[str, Any], dtype: np.dtype) -> pa.RecordBatch:
+    """The record batch of a shard file, checked to be the one ``shard`` (its index.json
+    entry) records: tokens, id and source columns, token ids of the index's dtype, its
+    documents and tokens."""
+    try:
+        reader = pa.ipc.open_file(pa.memory_map(str(file), "r"))
+        if reader.num_record_batches < 1:
+            raise DatasetError(f"{file}: unreadable shard (it holds no record batch)")
+        batch = reader.get_batch(0)
+    except (OSError, pa.ArrowInvalid) as exc:
+        raise DatasetError(f"{file}: unreadable shard ({' '.join(str(exc).split())})"
+                           ) from None
+    missing = [n for n in ("tokens", "id", "source") if n not in batch.schema.names]
+    if missing:
+        raise DatasetError(f"{file}: not a shard of this dataset (no {missing[0]!r} column; "
+                           "damaged? prepare the dataset again)")
+    kind = batch.schema.field("tokens").type
+    if not (pa.types.is_list(kind) or pa.types.is_large_list(kind)) or \
+            kind.value_type != pa.from_numpy_dtype(dtype):
+        raise DatasetError(f"{file}: not a shard of this dataset ('tokens' is {kind}, "
+                           f"{INDEX_FILE} records lists of {dtype.name}; damaged? prepare the "
+                           "dataset again)")
+    offsets = batch.column("tokens").offsets
+    tokens = offsets[-1].as_py() - offsets[0].as_py()
+    if (batch.num_rows, tokens) != (shard["documents"], shard["tokens"]):
+        raise DatasetError(f"{file}: holds {batch.num_rows} documents and {tokens} tokens, "
+                           f"{INDEX_FILE} records {shard['documents']} and {shard['tokens']} "
+                           "(damaged? prepare the dataset again)")
+    return batch
+
+
 class TokenDataset:
     """Read-only, memory-mapped view of a prepared dataset folder (``index.json`` + shards).
 
@@ -340,11 +371,7 @@ class TokenDataset:
             file = self.path / shard["file"]
             if verify and file_sha256(file) != shard["sha256"]:
                 raise DatasetError(f"checksum mismatch for {file}")
-            try:
-                batch = pa.ipc.open_file(pa.memory_map(str(file), "r")).get_batch(0)
-            except (OSError, pa.ArrowInvalid) as exc:
-                raise DatasetError(f"{file}: unreadable shard ({' '.join(str(exc).split())})"
-                                   ) from None
+            batch = _read_shard(file, shard, self.dtype)
             column = batch.column("tokens")
             offsets = column.offsets.to_numpy()
             base = int(offsets[0])
