@@ -105,3 +105,18 @@ def test_stop_streaming_and_bad_input(model: dict[str, Path], tmp_path: Path) ->
     assert code == 2 and "--top-p must be in (0, 1], got 0" in text
     code, text = _generate(str(model["ckpt"]), "--prompt", "x", "--max-new-tokens", "5000")
     assert code == 2 and "exceed the model's 64 positions" in text, text
+
+
+def test_a_prompt_too_long_is_named_by_its_line(model: dict[str, Path], tmp_path: Path) -> None:
+    """A row of --input whose prompt and --max-new-tokens exceed the model's positions is
+    refused before any decoding, naming its file and line (whatever batch it falls in)."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n"
+                               for p in [*PROMPTS, "whale " * 80]))
+    out = tmp_path / "out.jsonl"
+    code, text = _generate(str(model["ckpt"]), "--input", str(prompts), "--output", str(out),
+                           "--max-new-tokens", "4", "--batch-size", "2")
+    text = " ".join(text.split())
+    assert code == 2 and f"{prompts}:4: a prompt of " in text, text
+    assert "tokens + 4 new tokens exceed the model's 64 positions" in text, text
+    assert not out.exists()

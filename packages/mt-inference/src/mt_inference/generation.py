@@ -39,14 +39,15 @@ from mt_zero.precision import compute_dtype
 __all__ = ["GenerateSpec", "Generator", "generate_rank", "read_prompts"]
 
 
-def read_prompts(path: Path) -> list[str]:
-    """The ``prompt`` of every row of a JSONL file; a TaskError names the line at fault."""
+def read_prompts(path: Path) -> list[tuple[str, str]]:
+    """Where each row of a JSONL file is (``PATH:LINE``) and its ``prompt``; a TaskError
+    names the line at fault."""
     prompts = []
     for number, row in numbered_rows(path):
         if not isinstance(row.get("prompt"), str) or not row["prompt"]:
             raise TaskError(f'{path}:{number}: a row must be {{"prompt": TEXT}} with a '
                             f"non-empty TEXT, got {json.dumps(row)[:80]}")
-        prompts.append(row["prompt"])
+        prompts.append((f"{path}:{number}", row["prompt"]))
     return prompts
 
 
@@ -72,6 +73,17 @@ class Generator:
             loaded = load_eval_model(path, tok)
         return cls(WholeModel(whole_model(loaded, where, compute_dtype(precision))),
                    loaded.open_tokenizer())
+
+    def check_room(self, prompts: Sequence[str], max_new_tokens: int,
+                   sources: Sequence[str]) -> None:
+        """A TaskError naming the first prompt (by its source) whose tokens and
+        ``max_new_tokens`` new ones exceed the model's positions."""
+        positions = self.model.max_positions
+        for prompt, source in zip(prompts, sources, strict=True):
+            count = len(self.tokenizer.encode(prompt))
+            if count + max_new_tokens > positions:
+                raise TaskError(f"{source}: a prompt of {count} tokens + {max_new_tokens} new "
+                                f"tokens exceed the model's {positions} positions")
 
     def complete(self, prompts: Sequence[str], sampling: Sampling, stop: Sequence[str] = (),
                  on_text: Callable[[int, str], None] | None = None) -> list[dict[str, Any]]:
@@ -147,6 +159,13 @@ class GenerateSpec:
     stream: bool = False
     """Write the (one) prompt's completion to stdout as it comes (rank 0)."""
     in_flight: int = 1
+    sources: tuple[str, ...] = ()
+    """Where each prompt comes from (``PATH:LINE``, ``--prompt``), for errors that name it."""
+
+    def check_room(self, generator: Generator) -> None:
+        """Every prompt fits the model with its new tokens (checked before any decoding)."""
+        sources = self.sources or tuple(f"prompt {i + 1}" for i in range(len(self.prompts)))
+        generator.check_room(self.prompts, self.sampling.max_new_tokens, sources)
 
 
 def generate_rank(spec: GenerateSpec, info: LaunchInfo) -> list[dict[str, Any]] | None:
@@ -163,6 +182,7 @@ def generate_rank(spec: GenerateSpec, info: LaunchInfo) -> list[dict[str, Any]] 
     completed = False
     try:
         generator = Generator(StageDecoder(session), session.tokenizer, spec.in_flight)
+        spec.check_room(generator)
         groups = session.groups
         mine = list(range(groups.dp_rank, len(spec.prompts), groups.dp_size))
 

@@ -94,9 +94,11 @@ def generate_command(
     with errors(console):
         from mt_inference.generation import GenerateSpec, read_prompts
 
-        prompts = [prompt] if prompt is not None else read_prompts(input)  # type: ignore
-        spec = GenerateSpec(placement, tuple(prompts), sampling, tuple(stop or []),
-                            batch_size, stream=prompt is not None, in_flight=in_flight)
+        given = [("--prompt", prompt)] if prompt is not None else \
+            read_prompts(input)  # type: ignore[arg-type]
+        spec = GenerateSpec(placement, tuple(text for _, text in given), sampling,
+                            tuple(stop or []), batch_size, stream=prompt is not None,
+                            in_flight=in_flight, sources=tuple(where for where, _ in given))
         rows = _generate(spec, console)
         if rows is not None:  # None: a rank other than 0 under a launcher
             _report(rows, prompt, output, logprobs, console)
@@ -155,6 +157,7 @@ def _generate(spec: object, console: Console) -> list[dict] | None:
                 f"generating at tp {place.tp} x pp {place.pp} on {place.nproc} processes"):
             return launch(spec, generate_rank)
     generator = Generator.load(place)
+    spec.check_room(generator)
     if prompt is not None:
         def show(_row: int, text: str) -> None:
             sys.stdout.write(text)
