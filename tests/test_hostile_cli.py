@@ -684,8 +684,8 @@ CASES = [
       {"d": copy_of("ds", json_edit("index.json", dtype="float64"))}),
     C("corrupt-export-shard", "data export-megatron {t}/d {t}/out", "unreadable shard",
       {"d": copy_of("ds", cut("shard-00000-00000.arrow", 5000))}),
-    C("corrupt-checkpoint-cut", f"pretrain --load {{t}}/ck --out-dir {{t}}/run {PRETRAIN}",
-      "damaged or truncated", {"ck": copy_of("ck", cut("rank-00000.pt", 100000))}),
+    C("corrupt-checkpoint-cut", "pretrain --load {t}/ck --out-dir {t}/run --global-batch-size "
+      f"8 {PRETRAIN}", "damaged or truncated", {"ck": copy_of("ck", cut("rank-00000.pt", 100000))}),
     C("corrupt-checkpoint-meta-binary", "convert {t}/c {t}/out", "meta.json: damaged",
       {"c/meta.json": BIN, "c/rank-00000.pt": b"x"}),
     C("corrupt-checkpoint-latest-escape", f"pretrain --load {{t}}/ck --out-dir {{t}}/run "
