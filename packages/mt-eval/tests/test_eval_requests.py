@@ -306,8 +306,8 @@ def _rolling_task(tmp_path: Path, rows: str) -> Path:
 
 
 def test_a_rolling_document_of_no_tokens_is_named(tmp_path: Path) -> None:
-    """Was: dropped from the metrics without a word (fewer documents than the task holds),
-    and a ZeroDivisionError when every document was empty."""
+    """A rolling document whose text encodes to no tokens is refused, naming it (its
+    metrics would leave it out); --limit past it scores the rest."""
     tok = load_tokenizer("gpt2")
     task = load_task(str(_rolling_task(tmp_path, '{"text": "the whale"}\n{"text": ""}\n')))
     with pytest.raises(TaskError, match=r"roll.yaml: document 1: the text encodes to no "
@@ -317,7 +317,8 @@ def test_a_rolling_document_of_no_tokens_is_named(tmp_path: Path) -> None:
 
 
 def test_a_perplexity_beyond_floats_is_inf_not_a_traceback() -> None:
-    """Was: OverflowError (math.exp of a mean log-likelihood below -709)."""
+    """A perplexity past the largest float (a mean log-likelihood below -709) is inf, as
+    lm-eval writes it; a smaller one is computed as before."""
     values, errors = aggregate("loglikelihood", [{"ll": -800.0, "greedy": False},
                                                  {"ll": -900.0, "greedy": False}],
                                ("perplexity", "acc"))
@@ -329,7 +330,8 @@ def test_a_perplexity_beyond_floats_is_inf_not_a_traceback() -> None:
 
 
 def test_two_tasks_of_one_name_are_refused(tmp_path: Path) -> None:
-    """Was: both evaluated, and the results JSON (keyed by task name) kept the last one."""
+    """Two tasks of one name are refused (the results JSON is keyed by task name, where the
+    second would replace the first); the same task given twice says so."""
     for folder in ("a", "b"):
         (tmp_path / folder).mkdir()
         (tmp_path / folder / "t.jsonl").write_text('{"text": "one two three"}\n')
@@ -339,3 +341,5 @@ def test_two_tasks_of_one_name_are_refused(tmp_path: Path) -> None:
     assert str(err.value) == (f"{second}: its task name 't' is also {first}'s; the results "
                               "are keyed by task name: rename one")
     assert [t.name for t in load_tasks([first, "mt-cloze"])] == ["t", "mt-cloze"]
+    with pytest.raises(TaskError, match=r"^mt-cloze is given twice: give each task once$"):
+        load_tasks(["mt-cloze", first, "mt-cloze"])

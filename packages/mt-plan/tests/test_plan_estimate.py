@@ -150,8 +150,9 @@ def test_gpu_yaml_refuses_what_yaml_reads_silently(tmp_path: Path, extra: str,
 
 
 def test_gpu_yaml_numbers_are_finite_and_read_in_exponent_form(tmp_path: Path) -> None:
-    """Was: an infinite peak or memory planned as given ("of inf GB: fits"), and 1e3 refused
-    as "must be a number" (PyYAML reads it as text; mt pretrain's configs as a number)."""
+    """A GPU YAML's numbers are finite (.inf, or a number past the largest float once in
+    bytes or FLOP/s, is refused in one line), and 1e3 is a number there as in mt pretrain's
+    configs (PyYAML alone reads it as text)."""
     spec = tmp_path / "gpu.yaml"
     links = "nvlink_gb_per_s: 300\nib_gb_per_s: 25\n"
     spec.write_text("peak_tflops: .inf\nmemory_gb: 80\n" + links)
@@ -163,7 +164,7 @@ def test_gpu_yaml_numbers_are_finite_and_read_in_exponent_form(tmp_path: Path) -
         load_gpu(str(spec))
     spec.write_text("peak_tflops: 1" + "0" * 400 + "\nmemory_gb: 80\n" + links)
     with pytest.raises(GPUSpecError, match=r"peak_tflops must be a finite number, got 401 digits"):
-        load_gpu(str(spec))  # was: OverflowError: int too large to convert to float
+        load_gpu(str(spec))  # too large for a float
     spec.write_text("peak_tflops: 1e3\nmemory_gb: 8E+1\n" + links)
     assert (load_gpu(str(spec)).peak_flops, load_gpu(str(spec)).memory_bytes) == (1e15, 80e9)
 
