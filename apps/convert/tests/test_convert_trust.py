@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed.checkpoint as dcp
 from typer.testing import CliRunner
 
 from mt_convert.cli import app
@@ -89,6 +91,15 @@ def test_convert_force_replaces_only_its_own_output(checkpoint: Path, tmp_path: 
         result = runner.invoke(app, [str(checkpoint), str(out), "--to", to, *extra, "--force"],
                                env=WIDE)  # onto a folder of its own format
         assert result.exit_code == 0, (to, result.output)
+    # A DCP folder torch itself saved (torchtitan's checkpoints; no mt.json) is not one of its.
+    theirs = tmp_path / "titan"
+    dcp.save({"w": torch.ones(4)}, checkpoint_id=str(theirs), no_dist=True)
+    before = sorted(p.name for p in theirs.iterdir())
+    result = runner.invoke(app, [str(checkpoint), str(theirs), "--to", "dcp", "--force"],
+                           env=WIDE)
+    assert result.exit_code == 2, result.output
+    assert ".metadata" in _error(result.output) and "did not write" in _error(result.output)
+    assert sorted(p.name for p in theirs.iterdir()) == before
     pretrain = tmp_path / "pretrain"
     assert runner.invoke(app, [str(checkpoint), str(pretrain), "--to", "pretrain"]).exit_code == 0
     result = runner.invoke(app, [str(pretrain), str(tmp_path / "re"), "--to", "pretrain",

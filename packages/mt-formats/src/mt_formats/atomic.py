@@ -6,7 +6,8 @@ of the ``with`` block finishes without an exception. On any failure, including C
 the temporary directory is removed and an existing destination is left untouched.
 
 An existing destination is replaced (``--force``) only when it is a folder mt convert wrote:
-one holding nothing but the names its writers use (:data:`CONVERT_OUTPUT`); a file, or a
+one holding nothing but the names its writers use (:data:`CONVERT_OUTPUT`; a dcp, mcore or
+gguf folder only with mt's ``mt.json`` beside its files, :data:`MARKED_OUTPUT`); a file, or a
 folder holding anything else (a user's own files), is refused with or without ``--force``,
 naming what is there (``mt_data.paths``' rule of mt's own output).
 """
@@ -21,10 +22,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from mt_checkpoint import fsync_dir
-from mt_data.paths import blocking_file, foreign_output
+from mt_data.paths import blocking_file, foreign_entries, foreign_message, foreign_output
 from mt_formats.errors import ConvertError
 
-__all__ = ["CONVERT_OUTPUT", "atomic_directory", "check_destination"]
+__all__ = ["CONVERT_OUTPUT", "MARKED_OUTPUT", "atomic_directory", "check_destination"]
 
 CONVERT_OUTPUT = (
     "config.json", "model.safetensors",  # consolidated, Hugging Face (and tp's config)
@@ -37,6 +38,12 @@ CONVERT_OUTPUT = (
     "model.gguf",  # gguf
 )
 """The names mt convert's writers put in a destination folder."""
+
+MARKED_OUTPUT = (".metadata", "__[0-9]*_[0-9]*.distcp", "metadata.json", "common.pt",
+                 "model.gguf")
+"""The names of the formats mt convert writes with its ``mt.json`` beside them (dcp, mcore,
+gguf): without it, such files are another program's (torchtitan, Megatron-core, llama.cpp's
+converter)."""
 
 
 def _dangling_link(destination: Path) -> Path | None:
@@ -59,6 +66,9 @@ def check_destination(destination: Path, overwrite: bool) -> None:
         raise ConvertError(f"{destination}: {blocker} is a file, not a folder; choose a "
                            "destination in a folder")
     refusal = foreign_output("", destination, CONVERT_OUTPUT, "mt convert", option="--force")
+    if refusal is None and not (Path(destination) / "mt.json").is_file() and (
+            theirs := foreign_entries(destination, (), among=MARKED_OUTPUT)):
+        refusal = foreign_message("", destination, theirs, "mt convert", option="--force")
     if refusal is not None:
         raise ConvertError(refusal)
     if destination.exists() and not overwrite:
