@@ -371,8 +371,8 @@ def test_metrics_that_is_no_regular_file_or_where_checkpoints_go_is_refused(
         tmp_path: Path) -> None:
     """--metrics naming a pipe or a device (opening a pipe waits for a reader forever,
     /dev/full fails after the run started), the checkpoint folder itself, its `latest` or a
-    place inside a step folder (a save replaces those: the metrics were lost without a
-    word): one line, before anything starts."""
+    place inside a step folder (a save replaces those, and the metrics with them): one line,
+    before anything starts; /dev/null is taken (the metrics thrown away)."""
     import os
 
     fifo = tmp_path / "fifo"
@@ -397,6 +397,8 @@ def test_metrics_that_is_no_regular_file_or_where_checkpoints_go_is_refused(
         assert str(err.value) == line
     assert not run.exists()
     assert load_config(None, {"out_dir": str(run), "metrics": str(ck / "m.jsonl")})
+    assert load_config(None, {"out_dir": str(run), "metrics": "/dev/null"}).metrics_path == \
+        Path("/dev/null")  # thrown away, as the command line asks
 
 
 def _dataset(folder: Path, tokenizer: str) -> Path:

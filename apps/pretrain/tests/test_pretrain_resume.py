@@ -183,8 +183,9 @@ def test_a_checkpoint_of_the_old_sample_order_resumes_with_a_warning(
 
 def test_a_resume_at_another_global_batch_size_is_refused(cache: Path, tmp_path: Path) -> None:
     """--load of a run trained at global batch 8 with --global-batch-size 4: refused in one
-    line naming both, before any step (the run was built for the new schedule's samples and
-    failed with an IndexError in the data loader); the same batch size resumes."""
+    line naming both, before any step (the data position, the LR schedule and the dataset's
+    size all count on the batch schedule the run started with); the same batch size
+    resumes."""
     from mt_pretrain.config.schema import ConfigError
 
     one = {"nproc": 1, "tp": 1, "pp": 1, "train_steps": 2}

@@ -293,7 +293,8 @@ def _check_paths(config: PretrainConfig) -> None:
     if metrics is not None and metrics.is_dir():
         raise ConfigError(f"--metrics {metrics} is a folder; name the JSONL file to write "
                           "(or 'none')")
-    if metrics is not None and metrics.exists() and not metrics.is_file():
+    if metrics is not None and metrics.exists() and not metrics.is_file() and \
+            metrics != Path(os.devnull):  # /dev/null: the metrics thrown away, as asked
         raise ConfigError(f"--metrics {metrics} is not a regular file; name the JSONL file "
                           "to write (or 'none')")
     if metrics is not None and ckpt.save_dir is not None:
