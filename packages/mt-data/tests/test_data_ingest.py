@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 from pathlib import Path
 
 import pyarrow as pa
@@ -11,6 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from mt_data.corpus import iter_corpus
+from mt_data.errors import DataNotFoundError
 from mt_data.ingest import (
     BadInputError,
     ErrorLog,
@@ -160,6 +162,22 @@ def test_a_linked_folder_in_an_input_folder_is_read(tmp_path: Path) -> None:
     (shared / "deep" / "back").symlink_to(corpus)  # a loop
     assert expand_inputs([corpus]) == [corpus / "a.txt", corpus / "linked" / "deep" / "b.txt",
                                        corpus / "linked-file.txt"]
+
+
+def test_an_input_folder_entry_that_cannot_be_read_is_named(tmp_path: Path) -> None:
+    """A link to nothing, or a pipe, inside an input folder is refused in one line naming it,
+    not left out of the dataset without a word."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("a")
+    (corpus / "gone.txt").symlink_to(tmp_path / "moved.txt")
+    with pytest.raises(DataNotFoundError, match=r"gone.txt is a link to .*moved.txt, which "
+                                                "does not exist"):
+        expand_inputs([corpus])
+    (corpus / "gone.txt").unlink()
+    os.mkfifo(corpus / "pipe.jsonl")
+    with pytest.raises(DataNotFoundError, match="pipe.jsonl is not a regular file"):
+        expand_inputs([corpus])
 
 
 def test_a_utf8_byte_order_mark_is_not_text(docs: list[dict[str, str]], tmp_path: Path) -> None:

@@ -101,7 +101,9 @@ def _raise(err: OSError) -> None:
 def _folder_files(folder: Path) -> list[Path]:
     """The files under ``folder``, sorted: searched recursively, folders linked into it
     followed (each real folder once, so that a link loop ends), hidden files and folders
-    skipped; a folder that cannot be read raises its OSError."""
+    skipped; a folder that cannot be read raises its OSError, a link to nothing or an entry
+    that is not a regular file (a pipe, a socket, a device) raises :class:`DataNotFoundError`
+    naming it (it would otherwise be left out without a word)."""
     files: list[Path] = []
     searched: set[str] = set()
     for root, dirs, names in os.walk(folder, onerror=_raise, followlinks=True):
@@ -111,9 +113,19 @@ def _folder_files(folder: Path) -> list[Path]:
             continue
         searched.add(real)
         dirs[:] = [name for name in dirs if not name.startswith(".")]
-        files.extend(Path(root) / name for name in names
-                     if not name.startswith(".") and (Path(root) / name).is_file())
+        files.extend(_regular(Path(root) / name) for name in names if not name.startswith("."))
     return sorted(files)
+
+
+def _regular(path: Path) -> Path:
+    """``path``, a regular file (or a link to one) found in an input folder."""
+    if path.is_file():
+        return path
+    if path.is_symlink() and not path.exists():
+        raise DataNotFoundError(f"input {path} is a link to {os.readlink(path)}, which does "
+                                "not exist: remove the link or restore its target")
+    raise DataNotFoundError(f"input {path} is not a regular file (a pipe, socket or device in "
+                            "an input folder): move it out, or give it as an input of its own")
 
 
 def expand_inputs(paths: Iterable[str | Path]) -> list[Path]:
