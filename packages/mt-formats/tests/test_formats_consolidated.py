@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from mt_formats import (
@@ -20,6 +21,7 @@ from mt_formats import (
     save_model,
     save_state_dict,
 )
+from mt_formats.manifest import MODEL_KEY
 from mt_formats.safetensors_io import SafetensorsWriter
 from mt_formats.tensors import TensorSpec, tensor_checksum, tensor_sha256
 from mt_model import GPT, preset
@@ -108,6 +110,15 @@ def test_convert_consolidated_wrong_shape_and_bad_config(tmp_path: Path) -> None
     manifest["model"]["hidden"] = 32  # the stored tensors no longer fit the config
     manifest["model"]["ffn_hidden"] = 128
     config_path.write_text(json.dumps(manifest))
+    with pytest.raises(ConvertError, match=r"a/config\.json: model\.hidden is 32, where "
+                                           r"model\.safetensors was written for 64 \(1 more "
+                                           r"field\(s\) differ\)"):
+        open_checkpoint(tmp_path / "a")
+    # a file that does not record its model config (older mt-convert): the shapes still tell
+    path = tmp_path / "a" / "model.safetensors"
+    with safe_open(str(path), framework="pt") as handle:
+        metadata = {k: v for k, v in (handle.metadata() or {}).items() if k != MODEL_KEY}
+    save_file(load_file(str(path)), str(path), metadata=metadata)
     with pytest.raises(ConvertError, match=r"tensor 'embed\.tokens\.weight' is \[1000, 64\] "
                                            r"F32, .* the model config needs \[1000, 32\]"):
         open_checkpoint(tmp_path / "a")

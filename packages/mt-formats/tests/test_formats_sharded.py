@@ -116,6 +116,37 @@ def test_convert_tp_errors(tmp_path: Path) -> None:
         open_checkpoint(tmp_path / "tp")
 
 
+def test_a_model_section_edited_after_the_weights_is_refused(tmp_path: Path) -> None:
+    """config.json's model section must be the one the weights were written for: a vocabulary
+    size the padded rows of a tp file would hide, or a RoPE base no shape shows, is refused in
+    one line naming the field; a training setting (dropout) may change."""
+    save_model(_model(), tmp_path / "tp", to="tp", tp=2)
+    config_path = tmp_path / "tp" / "config.json"
+    manifest = json.loads(config_path.read_text())
+    for field, value in (("vocab_size", 999), ("vocab_size", 1001), ("layernorm_eps", 1e-6)):
+        config_path.write_text(json.dumps({**manifest,
+                                           "model": {**manifest["model"], field: value}}))
+        with pytest.raises(ConvertError, match=rf"config.json: model.{field} is {value!r}, where "
+                                               rf"model.safetensors was written for "
+                                               rf"{manifest['model'][field]!r}: the model section "
+                                               "was edited after the weights were written"):
+            open_checkpoint(tmp_path / "tp")
+    config_path.write_text(json.dumps({**manifest, "model": {**manifest["model"],
+                                                             "dropout": 0.1}}))
+    assert open_checkpoint(tmp_path / "tp").config.dropout == 0.1
+
+    rope = GPTConfig(**{**preset("tiny").to_dict(), "position": "rope"})
+    save_model(GPT(rope, seed=1), tmp_path / "full")
+    config_path = tmp_path / "full" / "config.json"
+    manifest = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**manifest, "model": {**manifest["model"],
+                                                             "rope_theta": 500000.0}}))
+    with pytest.raises(ConvertError, match=r"model.rope_theta is 500000.0, where "
+                                           r"model.safetensors was written for 10000.0"):
+        convert_checkpoint(tmp_path / "full", tmp_path / "out", to="hf")
+    assert not (tmp_path / "out").exists()
+
+
 def test_convert_tp_replicated_tensors_must_agree(tmp_path: Path) -> None:
     save_model(_model(), tmp_path / "tp", to="tp", tp=2)
     path = tmp_path / "tp" / "tp_rank_01" / "model.safetensors"

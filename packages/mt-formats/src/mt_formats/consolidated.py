@@ -23,7 +23,13 @@ from mt_formats.canonical import (
 )
 from mt_formats.crc import CHECKSUM_ALGORITHM, crc_kind, join_crcs
 from mt_formats.errors import ConvertError
-from mt_formats.manifest import FileEntries, open_checked, read_manifest, write_manifest
+from mt_formats.manifest import (
+    FileEntries,
+    model_metadata,
+    open_checked,
+    read_manifest,
+    write_manifest,
+)
 from mt_formats.safetensors_io import SafetensorsWriter
 from mt_formats.streams import Found, Plan, StreamingReader, span_groups
 from mt_formats.tensors import TensorSpec
@@ -104,7 +110,8 @@ class ConsolidatedWriter(CheckpointWriter):
     def open(self, directory: Path) -> None:
         self._directory = Path(directory)
         self._writer = SafetensorsWriter(self._directory / MODEL_FILE, self.specs,
-                                         {"mt.format": CONSOLIDATED_FORMAT})
+                                         {"mt.format": CONSOLIDATED_FORMAT,
+                                          **model_metadata(self.config)})
 
     def write(self, name: str, tensor: torch.Tensor) -> str:
         assert self._writer is not None, "open() first"

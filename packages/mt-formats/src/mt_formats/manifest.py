@@ -18,7 +18,9 @@ accepts only its own checksum kind (:data:`CHECKSUM_KINDS`); anything else is re
 a message naming the file, the entry and what that version supports.
 
 Each safetensors file also carries its own digests in its header metadata, so a file
-copied out of its directory can still be verified.
+copied out of its directory can still be verified, and the model config it was written for
+(``mt.model``): a ``model`` section edited afterwards (a vocabulary size the padded rows of a
+sharded file would hide, a RoPE base no shape shows) is refused when the file is opened.
 """
 
 from __future__ import annotations
@@ -40,7 +42,9 @@ __all__ = [
     "CONFIG_FILE",
     "FORMAT_VERSION",
     "FileEntries",
+    "MODEL_KEY",
     "Manifest",
+    "model_metadata",
     "open_checked",
     "read_manifest",
     "write_manifest",
@@ -53,6 +57,9 @@ CHECKSUM_KINDS: Mapping[int, tuple[str, ...]] = types.MappingProxyType(
 """Checksum kinds (:func:`mt_formats.crc.algorithm_of`) each format version records."""
 READABLE_VERSIONS = tuple(CHECKSUM_KINDS)
 WRITER = "mt-convert 0.3.0"
+
+MODEL_KEY = "mt.model"
+"""Safetensors ``__metadata__`` key holding the JSON model config a file's weights are for."""
 
 FileEntries = dict[str, tuple[TensorSpec, str]]
 """Tensor name -> (spec, checksum string of :func:`mt_formats.crc.digest`)."""
@@ -103,6 +110,41 @@ def write_manifest(directory: Path, format: str, config: GPTConfig, layout: Mapp
         handle.flush()
         os.fsync(handle.fileno())
     return path
+
+
+def model_metadata(config: GPTConfig) -> dict[str, str]:
+    """The ``__metadata__`` entry recording the model config a safetensors file is for."""
+    return {MODEL_KEY: json.dumps(config.to_dict(), sort_keys=True)}
+
+
+#: Model fields the weights do not depend on (training settings, and the sequence length:
+#: learned positions show it in their shape, RoPE does not fix it): editable.
+_FREE_FIELDS = frozenset({"dropout", "attention_dropout", "init_std", "scaled_output_init",
+                          "seq_len"})
+
+
+def _check_model(manifest: Manifest, reader: SafetensorsReader) -> None:
+    """The manifest's model section is the config ``reader``'s file was written for, in
+    every field the weights' meaning depends on (files written before :data:`MODEL_KEY`
+    existed carry none: nothing to compare)."""
+    raw = reader.metadata.get(MODEL_KEY)
+    if raw is None:
+        return
+    try:
+        written = GPTConfig.from_dict(json.loads(raw)).to_dict()
+    except (json.JSONDecodeError, TypeError, ValueError) as err:
+        raise ConvertError(f"{reader.path}: malformed {MODEL_KEY} metadata: {err}") from None
+    given = manifest.config.to_dict()
+    changed = [key for key in given
+               if key not in _FREE_FIELDS and given[key] != written.get(key)]
+    if changed:
+        key = changed[0]
+        raise ConvertError(
+            f"{manifest.path}: model.{key} is {given[key]!r}, where {reader.path.name} was "
+            f"written for {written.get(key)!r}" + (f" ({len(changed) - 1} more field(s) "
+                                                   "differ)" if len(changed) > 1 else "")
+            + ": the model section was edited after the weights were written; put back the "
+            "values they were written for")
 
 
 def _format(body: dict[str, Any]) -> str:
@@ -198,6 +240,7 @@ def open_checked(root: Path, manifest: Manifest, file: str,
     check_names(manifest.path, list(entries), list(expected))
     reader = SafetensorsReader(Path(root) / file, manifest.checksums(file))
     try:
+        _check_model(manifest, reader)
         check_names(reader.path, reader.keys(), list(expected))
         for name, shape in expected.items():
             spec = reader.spec(name)

@@ -39,7 +39,13 @@ from mt_formats.canonical import (
 )
 from mt_formats.crc import CHECKSUM_ALGORITHM, crc_kind, digest, join_crcs
 from mt_formats.errors import ConvertError
-from mt_formats.manifest import FileEntries, open_checked, read_manifest, write_manifest
+from mt_formats.manifest import (
+    FileEntries,
+    model_metadata,
+    open_checked,
+    read_manifest,
+    write_manifest,
+)
 from mt_formats.safetensors_io import SafetensorsReader, SafetensorsWriter
 from mt_formats.shard_pieces import (
     ShardCutter,
@@ -200,7 +206,8 @@ class ShardedWriter(CheckpointWriter):
 
     def open(self, directory: Path) -> None:
         self._directory = Path(directory)
-        meta = {"mt.format": SHARDED_FORMAT, "mt.tp": str(self.tp), "mt.pp": str(self.pp)}
+        meta = {"mt.format": SHARDED_FORMAT, "mt.tp": str(self.tp), "mt.pp": str(self.pp),
+                **model_metadata(self.config)}
         for stage, rank, file in self._layout.files():
             self._writers[(stage, rank)] = SafetensorsWriter(
                 self._directory / file, self._layout.file_specs(stage, rank),
