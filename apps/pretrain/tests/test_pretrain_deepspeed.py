@@ -170,14 +170,21 @@ def test_pretrain_deepspeed_exact_resume(stage: int, cache: Path, tmp_path: Path
 
 def test_pretrain_deepspeed_refuses_another_layout_and_damaged_files(cache: Path,
                                                                      tmp_path: Path) -> None:
-    """A DeepSpeed-engine checkpoint resumes only at its layout, and only undamaged: mt's
-    checksums (mt-checksums.json) list every file of the step folder, DeepSpeed's own
-    included, and 64 flipped bytes inside a ZeRO optimizer shard are one line naming it."""
+    """A DeepSpeed-engine checkpoint resumes only at its layout and batch schedule, and only
+    undamaged: mt's checksums (mt-checksums.json) list every file of the step folder,
+    DeepSpeed's own included, and 64 flipped bytes inside a ZeRO optimizer shard are one line
+    naming it."""
     pytest.importorskip("deepspeed")
     fast = {"engine": "deepspeed", "train_steps": 1, "eval_interval": 0, "sample_tokens": 0}
     _run(tmp_path / "a", cache, **fast)
     with pytest.raises(Exception, match="same layout"):
         _run(tmp_path / "b", cache, tp=2, save="none",
+             load=str(tmp_path / "a" / "checkpoints"), **{**fast, "train_steps": 2})
+    with pytest.raises(ConfigError, match=r"its run consumed 8 samples in 1 step, where this "
+                       r"run's batch schedule \(--global-batch-size 16\) consumes 16: --engine "
+                       "deepspeed resumes at the global batch size and ramp-up its run "
+                       "started with"):
+        _run(tmp_path / "b", cache, global_batch_size=16, save="none",
              load=str(tmp_path / "a" / "checkpoints"), **{**fast, "train_steps": 2})
     folder = tmp_path / "a" / "checkpoints" / "step-00000001"
     listed = json.loads((folder / MANIFEST).read_text())["files"]

@@ -181,24 +181,26 @@ def test_a_checkpoint_of_the_old_sample_order_resumes_with_a_warning(
     assert resumed.start_step == HALF
 
 
-def test_a_resume_at_another_global_batch_size_is_refused(cache: Path, tmp_path: Path) -> None:
-    """--load of a run trained at global batch 8 with --global-batch-size 4: refused in one
-    line naming both, before any step (the data position, the LR schedule and the dataset's
-    size all count on the batch schedule the run started with); the same batch size
-    resumes."""
-    from mt_pretrain.config.schema import ConfigError
-
-    one = {"nproc": 1, "tp": 1, "pp": 1, "train_steps": 2}
-    _run(tmp_path / "first", cache, **one)
+def test_a_resume_at_another_global_batch_size_counts_on_from_its_checkpoint(
+        cache: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """4 steps at global batch 8, then --load at --global-batch-size 16 for 2 more: bit for
+    bit the run whose ramp-up gives those batch sizes (8 until 32 samples, then 16) in one go.
+    The data goes on after the 32 samples the checkpoint consumed, and the LR (a function of
+    the tokens consumed) and the dataset's size count from there; the start line says so."""
+    one = {"nproc": 1, "tp": 1, "pp": 1, "warmup_tokens": 8 * 32, "decay_tokens": 64 * 32}
+    whole = _run(tmp_path / "ramp", cache, **one, train_steps=6, global_batch_size=16,
+                 rampup_start=8, rampup_increment=8, rampup_tokens=32 * 32, save="none")
+    first = _run(tmp_path / "first", cache, **one, train_steps=4, global_batch_size=8)
+    capsys.readouterr()
     ck = tmp_path / "first" / "checkpoints"
-    with pytest.raises(ConfigError) as err:
-        _run(tmp_path / "smaller", cache, **{**one, "train_steps": 3}, save="none",
-             load=str(ck), global_batch_size=4)
-    assert str(err.value) == (
-        f"--load {ck / 'step-00000002'}: its run consumed 16 samples in 2 steps (global batch "
-        "size 8), where this run's batch schedule (--global-batch-size 4) consumes 8: resume "
-        "with the global batch size and ramp-up the run started with")
-    assert not (tmp_path / "smaller" / "metrics.jsonl").exists()
-    resumed = _run(tmp_path / "same", cache, **{**one, "train_steps": 3}, save="none",
-                   load=str(ck))
-    assert (resumed.start_step, resumed.final_step) == (2, 3)
+    then = _run(tmp_path / "then", cache, **one, train_steps=6, global_batch_size=16,
+                load=str(ck), save="none")
+    assert (then.start_step, then.final_step) == (4, 6)
+    assert first.losses + then.losses == whole.losses  # identical, not just close
+    sizes = [r["global_batch_size"] for r in read_metrics(tmp_path / "ramp" / "metrics.jsonl")]
+    assert sizes == [8, 8, 8, 8, 16, 16]
+    assert [r["global_batch_size"] for r in read_metrics(tmp_path / "then" / "metrics.jsonl")
+            ] == sizes[4:]
+    assert f"resumed from {ck} at step 4 (its run consumed 32 samples in 4 steps at global " \
+           "batch size 8; the run goes on from there at global batch size 16)" \
+        in capsys.readouterr().out

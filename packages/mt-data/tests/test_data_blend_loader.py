@@ -138,6 +138,13 @@ def test_resume_at_another_dp_size(sources: dict[str, Path]) -> None:
         np.testing.assert_array_equal(a, b)
     assert [len(b) for b in uninterrupted] == [8, 8, 8, 8, 16, 16, 24, 24, 24, 24]
     assert final["consumed_samples"] == schedule.consumed_at(10) == 160
+    # Counting on from any point of the ramp (a resumed run) gives the same sums.
+    for step in range(11):
+        consumed = schedule.consumed_at(step)
+        assert schedule.consumed_after(consumed, 10 - step) == 160
+        assert schedule.steps_to(consumed, 160) == (10 - step, 160)
+    assert schedule.steps_to(40, 150) == (6, 168)  # off the ramp's grid: 16, 16, 24 x 4
+    assert BatchSchedule(16).consumed_after(40, 3) == 88
     # global_batch(step) agrees with the streamed batches.
     loader = DPDataLoader(ds, schedule, 2, 1, 2)
     mine = loader.global_batch(5)  # 16 samples = 4 micro-steps of 2 ranks x 2 samples

@@ -82,16 +82,30 @@ class BatchSchedule:
 
     def consumed_at(self, step: int) -> int:
         """Samples consumed before ``step``."""
-        if self.rampup is None:
-            return step * self.global_batch_size
-        consumed, s = 0, 0
-        while s < step:
+        return self.consumed_after(0, step)
+
+    def consumed_after(self, consumed: int, steps: int) -> int:
+        """Samples consumed after ``steps`` more steps from ``consumed`` (a run resumed from
+        a checkpoint counts on from the samples it consumed, at whatever batch sizes)."""
+        for s in range(steps):
             size = self.batch_size(consumed)
             if size == self.global_batch_size:  # ramp over: closed form for the rest
-                return consumed + (step - s) * size
+                return consumed + (steps - s) * size
             consumed += size
-            s += 1
         return consumed
+
+    def steps_to(self, consumed: int, target: int) -> tuple[int, int]:
+        """(steps, samples consumed after them) from ``consumed`` until at least ``target``
+        samples are consumed (none when ``consumed`` is there already)."""
+        steps = 0
+        while consumed < target:
+            size = self.batch_size(consumed)
+            if size == self.global_batch_size:  # ramp over: closed form for the rest
+                extra = -(-(target - consumed) // size)
+                return steps + extra, consumed + extra * size
+            consumed += size
+            steps += 1
+        return steps, consumed
 
 
 class DPDataLoader:

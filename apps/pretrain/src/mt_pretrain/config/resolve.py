@@ -8,7 +8,9 @@ the layout cannot work. Every rank calls it; ``--dry-run`` prints :func:`describ
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from mt_checkpoint import CheckpointError, find_checkpoint, fresh_start, read_meta
@@ -39,8 +41,20 @@ from mt_pretrain.config.schema import (
     PretrainConfig,
 )
 
-__all__ = ["RunPlan", "activation_shape", "check_memory", "describe", "elastic_world",
-           "memory_estimate", "memory_shortfall", "model_of", "resolve", "runtime_spec"]
+__all__ = ["ResumePoint", "RunPlan", "activation_shape", "check_memory", "describe",
+           "elastic_world", "memory_estimate", "memory_shortfall", "model_of", "resolve",
+           "runtime_spec"]
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where the mt-engine checkpoint ``--load`` names left its run: the step and the samples
+    consumed, which the run's batch schedule counts on from (so a resumed run may change its
+    global batch size), and the global batch size it recorded (None if unreadable)."""
+
+    step: int
+    consumed_samples: int
+    global_batch_size: int | None
 
 
 @dataclass(frozen=True)
@@ -56,7 +70,8 @@ class RunPlan:
         stages: layers of every pipeline stage.
         rampup: (start, increment, samples) for mt_data.BatchSchedule, or None.
         train_steps: optimizer steps of the whole run.
-        train_samples: samples consumed by the whole run.
+        train_samples: samples consumed by the whole run (with :attr:`resumed`, those its
+            checkpoint consumed and those of the steps left at this run's batch sizes).
         model: the model as built and saved: the same as ``gpt`` but for ``seq_len``, the
             rows of its position table, which a run resumed from a checkpoint may use only
             in part.
@@ -70,6 +85,7 @@ class RunPlan:
     train_steps: int
     train_samples: int
     model: GPTConfig
+    resumed: ResumePoint | None = None
 
     @property
     def topology(self) -> Topology:
@@ -84,22 +100,17 @@ def _batch_schedule(config: PretrainConfig, rampup: tuple[int, int, int] | None)
 
 
 def _steps_and_samples(config: PretrainConfig, rampup: tuple[int, int, int] | None,
-                       seq_len: int) -> tuple[int, int]:
+                       seq_len: int, resumed: ResumePoint | None) -> tuple[int, int]:
+    """(steps, samples) of the whole run: from step 0, or from where ``resumed`` left off at
+    this run's batch sizes."""
     schedule = _batch_schedule(config, rampup)
     train = config.train
+    step, consumed = (resumed.step, resumed.consumed_samples) if resumed else (0, 0)
     if train.train_tokens is None:
         steps = train.train_steps or DEFAULT_TRAIN_STEPS
-        return steps, schedule.consumed_at(steps)
-    target = -(-train.train_tokens // seq_len)  # samples, rounded up
-    steps, consumed = 0, 0
-    while consumed < target:
-        size = schedule.batch_size(consumed)
-        if size == train.global_batch_size:  # after the ramp: closed form
-            extra = -(-(target - consumed) // size)
-            return steps + extra, consumed + extra * size
-        consumed += size
-        steps += 1
-    return steps, consumed
+        return steps, schedule.consumed_after(consumed, max(steps - step, 0))
+    more, consumed = schedule.steps_to(consumed, -(-train.train_tokens // seq_len))
+    return step + more, consumed
 
 
 def saved_model(model: Any, folder: Any) -> GPTConfig:
@@ -111,17 +122,36 @@ def saved_model(model: Any, folder: Any) -> GPTConfig:
         raise CheckpointError(f"{folder}/meta.json: damaged model ({err})") from None
 
 
-def model_of(config: PretrainConfig) -> tuple[GPTConfig, int]:
-    """(the model to build, the training sequence length): from the flags, or with --load
-    from the checkpoint (see :meth:`~mt_pretrain.config.schema.ModelArgs.on_checkpoint`)."""
+def _loaded(config: PretrainConfig) -> tuple[Path, Any] | None:
+    """(the step folder, its meta.json) of the mt-engine checkpoint --load resumes, or None:
+    no --load, a fresh start, or another engine's checkpoint (which records no model)."""
     load = config.checkpoint.load
     if load and engine_of(config).checkpoint_has_model and not fresh_start(
             load, config.checkpoint.save_dir):
         folder = find_checkpoint(load)
-        saved = saved_model(read_meta(folder).model, folder)
-        return config.model.on_checkpoint(saved, str(folder))
+        return folder, read_meta(folder)
+    return None
+
+
+def model_of(config: PretrainConfig, loaded: tuple[Path, Any] | None = None
+             ) -> tuple[GPTConfig, int]:
+    """(the model to build, the training sequence length): from the flags, or with --load
+    from the checkpoint (see :meth:`~mt_pretrain.config.schema.ModelArgs.on_checkpoint`;
+    ``loaded``: :func:`_loaded`'s answer, when already read)."""
+    if loaded is not None or (loaded := _loaded(config)) is not None:
+        folder, meta = loaded
+        return config.model.on_checkpoint(saved_model(meta.model, folder), str(folder))
     gpt = config.model.gpt_config()
     return gpt, gpt.seq_len
+
+
+def _resume_point(loaded: tuple[Path, Any] | None) -> ResumePoint | None:
+    if loaded is None:
+        return None
+    meta = loaded[1]
+    train = meta.config.get("train")
+    size = train.get("global_batch_size") if isinstance(train, Mapping) else None
+    return ResumePoint(meta.step, meta.consumed_samples, size if isinstance(size, int) else None)
 
 
 def resolve(config: PretrainConfig, world_size: int) -> RunPlan:
@@ -133,7 +163,8 @@ def resolve(config: PretrainConfig, world_size: int) -> RunPlan:
     refused = unsupported(config)
     if refused:
         raise ConfigError("invalid configuration: " + "; ".join(refused))
-    model, seq_len = model_of(config)
+    loaded = _loaded(config)
+    model, seq_len = model_of(config, loaded)
     gpt = model.replace(seq_len=seq_len)
     refused = unsupported(config, gpt)  # the options passed above: the architecture
     if refused:
@@ -174,9 +205,10 @@ def resolve(config: PretrainConfig, world_size: int) -> RunPlan:
                     raise ScheduleError(f"ramp-up batch {size}: " + "; ".join(refused))
     except (PartitionError, ScheduleError) as err:
         raise ConfigError(f"invalid pipeline: {err}") from None
-    steps, samples = _steps_and_samples(config, rampup, gpt.seq_len)
+    resumed = _resume_point(loaded)
+    steps, samples = _steps_and_samples(config, rampup, gpt.seq_len, resumed)
     _check_length(config, steps, samples, gpt.seq_len)
-    plan = RunPlan(layout, gpt, pipeline, stages, rampup, steps, samples, model)
+    plan = RunPlan(layout, gpt, pipeline, stages, rampup, steps, samples, model, resumed)
     stage, memory = fullest_stage_memory(plan, "cpu")  # "cpu": no CUDA call in the parent
     if memory["total"] >= INT_LIMIT:
         raise ConfigError(

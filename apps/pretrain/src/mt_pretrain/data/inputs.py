@@ -29,7 +29,7 @@ from mt_pretrain.config.load import blend_text, dataset_paths
 from mt_pretrain.config.resolve import RunPlan
 from mt_pretrain.config.schema import ConfigError, DataArgs, PretrainConfig, TrainArgs
 
-__all__ = ["check_load_batches", "check_load_tokenizer", "check_vocab", "default_cache_dir",
+__all__ = ["check_load_tokenizer", "check_vocab", "default_cache_dir",
            "default_tokenizer", "ensure_data", "inputs_targets", "make_loaders",
            "tokenizer_for"]
 
@@ -128,25 +128,21 @@ def check_load_tokenizer(config: PretrainConfig, vocab_size: int) -> None:
                           f"other text; train on data prepared with {meta.tokenizer}")
 
 
-def check_load_batches(config: PretrainConfig, plan: RunPlan) -> None:
-    """The checkpoint ``--load`` names consumed the samples this run's batch schedule
-    (global batch size, ramp-up) gives for its steps: the data position, the LR schedule
-    and the samples the run is built with all count on it."""
-    if (loaded := _loaded(config)) is None:
-        return
-    folder, meta = loaded
-    mine = BatchSchedule(config.train.global_batch_size, plan.rampup).consumed_at(meta.step)
-    if meta.consumed_samples == mine:
-        return
-    train = meta.config.get("train")
-    saved = train.get("global_batch_size") if isinstance(train, dict) else None
-    was = f" (global batch size {saved})" if saved is not None else ""
-    given = f"--global-batch-size {config.train.global_batch_size}" + \
-        (" and ramp-up" if plan.rampup else "")
-    raise ConfigError(f"--load {folder}: its run consumed {meta.consumed_samples:,} samples "
-                      f"in {meta.step} steps{was}, where this run's batch schedule ({given}) "
-                      f"consumes {mine:,}: resume with the global batch size and ramp-up the "
-                      "run started with")
+def batch_change_note(config: PretrainConfig, plan: RunPlan) -> str | None:
+    """What a run resumed at another batch schedule than its checkpoint's says (None when
+    the schedule is the same): the samples consumed, and the batch size it goes on at."""
+    resumed = plan.resumed
+    schedule = BatchSchedule(config.train.global_batch_size, plan.rampup)
+    if resumed is None or schedule.consumed_at(resumed.step) == resumed.consumed_samples:
+        return None
+    was = f" at global batch size {resumed.global_batch_size}" \
+        if resumed.global_batch_size is not None else ""
+    now = f"global batch size {schedule.batch_size(resumed.consumed_samples)}" + \
+        (" (ramp-up)" if plan.rampup and schedule.batch_size(resumed.consumed_samples) <
+         config.train.global_batch_size else "")
+    steps = f"{resumed.step:,} step{'s' * (resumed.step != 1)}"
+    return (f"its run consumed {resumed.consumed_samples:,} samples in {steps}{was}; the run "
+            f"goes on from there at {now}")
 
 
 @cache

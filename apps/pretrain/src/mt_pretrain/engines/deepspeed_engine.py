@@ -49,12 +49,12 @@ from mt_checkpoint import (
     verify_files,
     write_manifest,
 )
-from mt_data import DataLoaderState
+from mt_data import BatchSchedule, DataLoaderState
 from mt_dist import ParallelGroups
 from mt_model import GPT
 from mt_pipeline import ModelLayout
 from mt_pretrain.config.resolve import RunPlan
-from mt_pretrain.config.schema import PretrainConfig
+from mt_pretrain.config.schema import ConfigError, PretrainConfig
 from mt_pretrain.data.inputs import default_cache_dir, to_batch
 from mt_pretrain.engines.base import Engine, Saver
 from mt_pretrain.engines.build import build_model_stage, seed_everything
@@ -169,7 +169,19 @@ class DeepSpeedEngine(Engine):
                                                      if self.pipelined else None))
 
     def load(self, path: str | Path) -> tuple[int, DataLoaderState]:
-        return load_deepspeed_checkpoint(path, self.ds, self.groups, self.built.tracker)
+        step, state = load_deepspeed_checkpoint(path, self.ds, self.groups, self.built.tracker)
+        train = self.config.train
+        mine = BatchSchedule(train.global_batch_size, self.plan.rampup).consumed_at(step)
+        if state.consumed_samples != mine:  # its own schedule: DeepSpeed's batch settings
+            given = f"--global-batch-size {train.global_batch_size}" + \
+                (" and ramp-up" if self.plan.rampup else "")
+            steps = f"{step} step{'s' * (step != 1)}"
+            raise ConfigError(f"--load {path}: its run consumed {state.consumed_samples:,} "
+                              f"samples in {steps}, where this run's batch schedule "
+                              f"({given}) consumes {mine:,}: --engine deepspeed resumes at "
+                              "the global batch size and ramp-up its run started with "
+                              "(--engine mt checkpoints may change them)")
+        return step, state
 
 
 def universal_state(plan: RunPlan, pipeline: ModelLayout | None) -> dict[str, Any]:

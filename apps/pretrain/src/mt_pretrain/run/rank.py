@@ -42,7 +42,7 @@ from mt_pretrain.config.refusals import engine_of
 from mt_pretrain.config.resolve import RunPlan, check_memory, fullest_stage_memory, resolve
 from mt_pretrain.config.schema import ConfigError, PretrainConfig, TrainArgs
 from mt_pretrain.data.inputs import (
-    check_load_batches,
+    batch_change_note,
     check_load_tokenizer,
     ensure_data,
     make_loaders,
@@ -210,7 +210,6 @@ def run_rank(config: PretrainConfig, info: LaunchInfo, cache_dir: Path,
         plan = resolve(config, info.world_size)
         check_memory(plan, device, info.local_world_size)
         check_load_tokenizer(config, plan.gpt.vocab_size)
-        check_load_batches(config, plan)
         groups = build_groups(plan.topology, device, timeout=config.parallel.timeout)
         with ExitStack() as held:
             _claim_run_folder(config, groups, held)
@@ -411,6 +410,8 @@ def _announce(config: PretrainConfig, plan: RunPlan, groups: ParallelGroups,
     resumed = (f"resumed from {ckpt.load} at step {start_step}" if start_step else
                f"no checkpoint in {ckpt.load} yet: starting at step 0"
                if ckpt.load and not resuming else None)
+    if resumed and (change := batch_change_note(config, plan)):
+        resumed += f" ({change})"
     if rank0 and restart is not None and config.log.says("warning"):
         print(restart.line(resumed or "starting at step 0"), flush=True)
     elif rank0 and resumed:
