@@ -78,8 +78,14 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """A head and a worker node on this machine (one CPU each); stopped afterwards."""
+    """A head and a worker node on this machine (one CPU each); stopped afterwards. Token
+    authentication is off for the cluster and every driver of this module: where
+    ``~/.ray/auth_token`` exists (a local ``ray.init()`` writes one, as ``mt data prepare
+    --executor ray`` without ``--ray-address`` does), ``ray start --head`` turns it on by
+    itself and the worker, whose mode is off, fails to join (InvalidAuthToken)."""
     port = _free_port()
+    patch = pytest.MonkeyPatch()
+    patch.setenv("RAY_AUTH_MODE", "disabled")
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0",
            "PYTHONPATH": os.pathsep.join(sys.path)}
     temp = Path("/tmp") / f"ray-mt-{os.getpid()}"  # a short path: Ray's sockets live there
@@ -96,6 +102,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
         if ray.is_initialized():
             ray.shutdown()
         subprocess.run([*RAY, "stop", "--force"], env=env, capture_output=True, timeout=120)
+        patch.undo()
 
 
 def _files(folder: Path) -> dict[str, bytes]:
