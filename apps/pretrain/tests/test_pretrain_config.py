@@ -439,6 +439,26 @@ def test_the_datasets_tokenizer_is_one_and_the_one_they_record(tmp_path: Path) -
         load_config(None, {"data": str(mine)})
 
 
+def test_a_tokenizer_file_edited_between_runs_of_one_process_is_read_again(
+        tmp_path: Path) -> None:
+    """The embedded corpus' cache key and a run's tokenizer fingerprint follow a tokenizer
+    file edited in place between two runs of one process (a notebook): not the file as the
+    first run read it."""
+    from mt_data import load_tokenizer, train_tokenizer
+    from mt_data.corpus import corpus_texts
+    from mt_pretrain.data.inputs import _demo_key, run_tokenizer
+
+    texts, path = corpus_texts(), tmp_path / "tok.json"
+    train_tokenizer(texts[:40], 400).save(path)
+    data = load_config(None, {"tokenizer": str(path)}).data
+    before = run_tokenizer(data, 400)[1], _demo_key(str(path))
+    assert before[0] == load_tokenizer(str(path)).fingerprint
+    train_tokenizer(texts[40:80], 400).save(path)
+    after = run_tokenizer(data, 400)[1], _demo_key(str(path))
+    assert after[0] == load_tokenizer(str(path)).fingerprint
+    assert after[0] != before[0] and after[1] != before[1]
+
+
 @pytest.mark.parametrize("overrides, message", [
     # Was: a traceback from torch.manual_seed ("Overflow when unpacking long long").
     ({"seed": 2**70}, r"--seed must be between 0 and 2\*\*63 - 1, got 1180591620717411303424"),

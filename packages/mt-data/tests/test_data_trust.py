@@ -411,3 +411,29 @@ def test_a_finished_dataset_missing_a_shard_is_not_complete(docs, tmp_path: Path
         assert "--overwrite" in _error(result.output)
     assert runner.invoke(app, [*args, "--overwrite"], env=WIDE).exit_code == 0
     assert runner.invoke(app, args, env=WIDE).exit_code == 0
+
+
+def test_a_tokenizer_edited_between_two_prepares_of_one_process_is_loaded_again(
+        docs, tmp_path: Path) -> None:
+    """Two `prepare` calls in one process (a notebook) with the tokenizer file (or a file of
+    a tokenizer folder) edited in between: the second dataset is tokenized by, and records,
+    the tokenizer the files hold now, not the one the first call loaded."""
+    from mt_data.tokenizer import train_tokenizer
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(_jsonl(docs, 20))
+    texts = [d["text"] for d in docs]
+    for spec in (tmp_path / "tok.json", tmp_path / "folder"):
+        path = spec / "tokenizer.json" if spec.suffix != ".json" else spec
+        path.parent.mkdir(exist_ok=True)
+        train_tokenizer(texts[:40], 400).save(path)
+        prepare([corpus], tmp_path / f"{spec.name}-1", PrepareConfig(tokenizer=str(spec),
+                                                                     workers=1))
+        train_tokenizer(texts[40:80], 400).save(path)  # edited in place
+        second = tmp_path / f"{spec.name}-2"
+        prepare([corpus], second, PrepareConfig(tokenizer=str(spec), workers=1))
+        now = load_tokenizer(spec)
+        data = TokenDataset(second)
+        assert data.tokenizer["sha256"] == now.fingerprint
+        first_doc = json.loads(corpus.read_text().splitlines()[0])["text"]
+        assert list(data.document(0)) == list(now.encode_batch([first_doc]).tokens)

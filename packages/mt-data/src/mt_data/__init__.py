@@ -53,6 +53,7 @@ if TYPE_CHECKING:  # imported on first use (see __getattr__); named here for too
         load_tokenizer,
         recorded_tokenizer,
         tokenizer_differs,
+        tokenizer_version,
         train_tokenizer,
     )
 
@@ -72,7 +73,7 @@ __all__ = [
     "parse_blend",
     "parse_rule_sets",
     "prepare", "prepare_demo", "read_index", "recorded_tokenizer", "split_documents",
-    "tokenizer_differs", "train_tokenizer",
+    "tokenizer_differs", "tokenizer_version", "train_tokenizer",
 ]
 
 #: Names load on first use (their modules import pyarrow, numpy, tokenizers...): a program
@@ -97,7 +98,7 @@ _LAZY = {name: module for module, names in {
     "mt_data.shards": ("ShardSetWriter", "TokenDataset"),
     "mt_data.stages": ("CleanConfig",),
     "mt_data.tokenizer": ("EOD_TOKEN", "Tokenizer", "gpt2", "load_tokenizer", "recorded_tokenizer",
-                          "tokenizer_differs", "train_tokenizer"),
+                          "tokenizer_differs", "tokenizer_version", "train_tokenizer"),
 }.items() for name in names}
 
 

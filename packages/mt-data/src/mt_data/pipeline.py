@@ -79,7 +79,7 @@ from mt_data.stages import (
     load_eval_index,
     read_chunk_stats,
 )
-from mt_data.tokenizer import Tokenizer, load_tokenizer
+from mt_data.tokenizer import Tokenizer, load_tokenizer, tokenizer_version
 
 
 class ProgressHook(Protocol):
@@ -242,9 +242,15 @@ def _run_dedup(chunks: list[Path], config: PrepareConfig, work: Path, pool: Exec
     return keep, stats
 
 
-@lru_cache(maxsize=2)
 def _worker_tokenizer(spec: str) -> Tokenizer:
-    # One tokenizer per (worker) process and spec: loading GPT-2 takes ~0.4 s, a chunk less.
+    """One tokenizer per (worker) process, spec and version of its files (loading GPT-2
+    takes ~0.4 s, a chunk less): a tokenizer file edited between two runs of one process,
+    or of the workers it forks, is loaded again."""
+    return _loaded_tokenizer(spec, tokenizer_version(spec))
+
+
+@lru_cache(maxsize=2)
+def _loaded_tokenizer(spec: str, version: tuple[Any, ...]) -> Tokenizer:
     return load_tokenizer(spec)
 
 

@@ -195,6 +195,29 @@ def gpt2() -> Tokenizer:
         return from_vocab_merges(vocab, merges, name="gpt2")
 
 
+#: The files a tokenizer folder may hold (:func:`load_tokenizer` reads one set of them).
+_FOLDER_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "encoder.json", "vocab.bpe")
+
+
+def tokenizer_version(spec: str | Path) -> tuple[tuple[int, int, int] | None, ...]:
+    """(size, modified time, inode) of each file :func:`load_tokenizer` may read for ``spec``
+    (None where there is none; nothing for a built-in tokenizer). A cache of loaded
+    tokenizers keyed by it, not by the name alone, loads a file edited since again."""
+    if str(spec) in BUILTIN:
+        return ()
+    path = Path(spec)
+    files = [path / name for name in _FOLDER_FILES] if path.is_dir() else [path]
+    stamps: list[tuple[int, int, int] | None] = []
+    for file in files:
+        try:
+            status = file.stat()
+        except OSError:
+            stamps.append(None)
+        else:
+            stamps.append((status.st_size, status.st_mtime_ns, status.st_ino))
+    return tuple(stamps)
+
+
 def load_tokenizer(spec: str | Path = "gpt2") -> Tokenizer:
     """Load a tokenizer.
 

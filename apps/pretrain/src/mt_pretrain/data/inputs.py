@@ -145,8 +145,17 @@ def batch_change_note(config: PretrainConfig, plan: RunPlan) -> str | None:
             f"goes on from there at {now}")
 
 
-@cache
 def _fingerprint(tokenizer: str) -> str:
+    """The fingerprint of tokenizer ``tokenizer``, read once per version of its files
+    (``mt_data.tokenizer_version``): a process that runs several times (a notebook, the
+    tests) never keys its data by what an edited tokenizer file held before."""
+    from mt_data import tokenizer_version
+
+    return _fingerprint_of(tokenizer, tokenizer_version(tokenizer))
+
+
+@cache
+def _fingerprint_of(tokenizer: str, version: tuple[Any, ...]) -> str:
     from mt_data import load_tokenizer
 
     return load_tokenizer(tokenizer).fingerprint
