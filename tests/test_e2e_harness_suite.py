@@ -95,6 +95,10 @@ def test_generate_until_equals_lm_eval_hf(setup: dict[str, Path], tmp_path: Path
     assert all(texts), texts  # real continuations (this barely trained model: " the the...")
     assert ours["results"]["t_gen"]["exact_match,none"] == \
         theirs["results"]["t_gen"]["exact_match,none"]
+    # A task file added to the folder since: the process's next index has it.
+    yaml = (tmp_path / "t_gen.yaml").read_text(encoding="utf-8")
+    (tmp_path / "t_gen2.yaml").write_text(yaml.replace("task: t_gen", "task: t_gen2"))
+    assert "t_gen2" in task_manager((str(tmp_path),)).task_index
     # Decoded by two replicas (DP 2: each completes half the requests; TP and PP decoding are
     # test_e2e_generate_layouts.py's): the same texts.
     parallel = EvalSpec(Placement(str(setup["ckpt"]), nproc=2),

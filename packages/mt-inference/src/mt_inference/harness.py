@@ -39,7 +39,7 @@ from mt_inference.suites import SUITES, TASK_FILES
 importlib.import_module("lm_eval.models")
 
 __all__ = ["MTLM", "harness_rank", "include_paths", "local_task", "task_config",
-           "task_manager"]
+           "task_files_version", "task_manager"]
 
 #: Where lm-eval reads a task's documents, by split: its config keys.
 _SPLITS = ("test_split", "validation_split", "training_split", "fewshot_split")
@@ -292,12 +292,28 @@ def local_task(name: str, data_dir: str | Path, manager: Any, shots: int = 0
             "dataset_kwargs": {"data_files": {k: str(v) for k, v in files.items()}}}
 
 
-@functools.cache
 def task_manager(include_path: tuple[str, ...] = ()) -> Any:
     """lm-eval's ``TaskManager`` of its own tasks, mt's task files and ``include_path``.
     It reads every task YAML lm-eval ships (seconds on a small machine) and holds only their
-    index, so a process builds it once; the launcher builds it before the ranks fork, and
-    they share it."""
+    index, so a process builds it once per version of ``include_path``'s task files (one
+    added, removed or edited since is indexed again: :func:`task_files_version`); the
+    launcher builds it before the ranks fork, and they share it."""
+    return _task_manager(include_path, task_files_version(include_path))
+
+
+def task_files_version(include_path: tuple[str, ...]) -> tuple[tuple[str, int, int], ...]:
+    """(path, size, modified time) of every task YAML under the ``include_path`` folders."""
+    found = []
+    for folder in include_path:
+        for path in sorted(Path(folder).rglob("*")) if Path(folder).is_dir() else ():
+            if path.suffix in (".yaml", ".yml") and path.is_file():
+                status = path.stat()
+                found.append((str(path), status.st_size, status.st_mtime_ns))
+    return tuple(found)
+
+
+@functools.cache
+def _task_manager(include_path: tuple[str, ...], version: tuple[Any, ...]) -> Any:
     from lm_eval.tasks import TaskManager  # pants: no-infer-dep
 
     return TaskManager(include_path=[str(TASK_FILES), *include_path])
