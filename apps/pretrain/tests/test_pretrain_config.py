@@ -460,16 +460,16 @@ def test_a_tokenizer_file_edited_between_runs_of_one_process_is_read_again(
 
 
 @pytest.mark.parametrize("overrides, message", [
-    # Was: a traceback from torch.manual_seed ("Overflow when unpacking long long").
+    # Unchecked: a traceback from torch.manual_seed ("Overflow when unpacking long long").
     ({"seed": 2**70}, r"--seed must be between 0 and 2\*\*63 - 1, got 1180591620717411303424"),
-    # Was: numpy's "expected non-negative integer" from the data shuffle, caught as too
-    # little text: "use a shorter --seq-len or more data".
+    # Unchecked: numpy's "expected non-negative integer" from the data shuffle, caught as
+    # too little text: "use a shorter --seq-len or more data".
     ({"seed": -1}, r"--seed must be between 0 and 2\*\*63 - 1, got -1"),
-    # Was: an OverflowError in every rank's process group.
+    # Unchecked: an OverflowError in every rank's process group.
     ({"timeout": float("inf")}, r"--timeout must be at most 1e\+09 seconds .*got inf"),
     ({"timeout": 1e300}, r"--timeout must be at most 1e\+09 seconds .*got 1e\+300"),
     ({"timeout": float("nan")}, r"--timeout must be at least 1 seconds .*got nan"),
-    # Was: accepted, doing nothing (never exits; every MFU 0).
+    # Unchecked: accepted, doing nothing (never exits; every MFU 0).
     ({"exit_duration": float("inf")}, r"--exit-duration must be a finite number of minutes"),
     ({"peak_tflops": float("inf")}, r"--peak-tflops must be a finite number, got inf"),
     ({"split": "inf,1,1"}, r"--split must be three weights like '969,30,1', got 'inf,1,1'"),
@@ -483,7 +483,7 @@ def test_a_tokenizer_file_edited_between_runs_of_one_process_is_read_again(
     ({"prompt": b"caf\xe9".decode("utf-8", "surrogateescape")},
      r"--prompt holds the byte 0xe9, not UTF-8, at character 3: give UTF-8 text"),
     ({"prompt": "a \ud800"}, r"--prompt holds a lone surrogate \\ud800 at character 2"),
-    # Was: torch's "Storage size calculation overflowed" in the rank, as a traceback.
+    # Unchecked: torch's "Storage size calculation overflowed" in the rank, as a traceback.
     ({"nproc": 1, "hidden": 2**40, "n_heads": 1},
      r"invalid model: 4 layers, hidden 1,099,511,627,776, .* more than 2\*\*63 bytes"),
     ({"nproc": 1, "vocab_size": 2**62}, r"invalid model: .*vocab 4,611,686,018,427,387,904"),

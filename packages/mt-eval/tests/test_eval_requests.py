@@ -238,7 +238,7 @@ _GOOD_TASK = ("task: t\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    
 
 
 @pytest.mark.parametrize("change, message", [
-    # Was: read as given, a TypeError when the examples were drawn.
+    # Unchecked: read as given, a TypeError when the examples are drawn.
     ("num_fewshot: three", "num_fewshot must be a whole number >= 0, got 'three'"),
     ("num_fewshot: -1", "num_fewshot must be a whole number >= 0, got -1"),
     ("num_fewshot: 1.5", "num_fewshot must be a whole number >= 0, got 1.5"),
@@ -249,15 +249,15 @@ _GOOD_TASK = ("task: t\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    
     ("task: {a: 1}", "task must be a name, got {'a': 1}"),
     ("doc_to_text: 1.5", "doc_to_text must be a field name, a template or an int, got 1.5"),
     ("doc_to_choice: {a: b}", "doc_to_choice as a mapping is not read by mt's own engine"),
-    # Was: "TypeError: unhashable type: 'list'".
+    # Unchecked: "TypeError: unhashable type: 'list'".
     ("test_split: [test]", "test_split must be the name of a data_files split, got ['test']"),
     ("output_type: [a]", "output_type must be one of multiple_choice, loglikelihood, "
                          "loglikelihood_rolling, got ['a']"),
-    # Was: KeyError 'metric' / TypeError: 'int' object is not iterable.
+    # Unchecked: KeyError 'metric' / TypeError: 'int' object is not iterable.
     ("metric_list:\n  - aggregation: mean", "metric_list entries must be {metric: NAME} (or a "
                                             "name), got {'aggregation': 'mean'}"),
     ("metric_list: 3", "metric_list must be a list of {metric: NAME} entries, got 3"),
-    # Was: AttributeError: 'str' object has no attribute 'get'; TypeErrors on the files.
+    # Unchecked: AttributeError: 'str' object has no attribute 'get'; TypeErrors on the files.
     ("dataset_kwargs: rows.jsonl", "dataset_kwargs must be a mapping (data_files: ...), got "
                                    "'rows.jsonl'"),
     ("dataset_kwargs: {data_files: {test: 5}}", "dataset_kwargs.data_files must name the JSONL "
