@@ -73,7 +73,8 @@ def test_search_drops_layouts_that_do_not_fit() -> None:
 
 
 def test_search_without_any_layout_says_why_and_what_would() -> None:
-    """Was: "none of 0 layouts fits"."""
+    """No layout at all: the one line says why and what GPU counts would split the run (not
+    "none of 0 layouts fits")."""
     result = _plan("--model", "tiny", "--gpus", "3", "--search")
     assert result.exit_code == 2
     assert " ".join(result.output.split()) == (
@@ -258,8 +259,9 @@ def test_search_splits_sequences_when_asked(tmp_path: Path) -> None:
 
 
 def test_numeric_flags_name_the_flag_and_value() -> None:
-    """Was: --tp -2 --pp -2 blamed divisibility ("--gpus 4 is not divisible by --tp -2 x --pp
-    -2 = 4"); a huge --gpus searched for hours; 1e11 micro-batches simulated for hours."""
+    """Each numeric flag out of range is named with its value (unchecked: --tp -2 --pp -2 would
+    blame divisibility, "--gpus 4 is not divisible by --tp -2 x --pp -2 = 4"; a huge --gpus
+    would search for hours, 1e11 micro-batches be simulated for hours)."""
     cases = [
         (["--tp", "-2", "--pp", "-2"], "--tp must be a positive integer, got -2; --pp must be "
                                        "a positive integer, got -2"),

@@ -315,7 +315,8 @@ def test_a_toml_config_and_bad_data_flags_are_named_for_what_they_are(tmp_path: 
 @pytest.mark.skipif(importlib.util.find_spec("tensorboard") is not None,
                     reason="tensorboard is installed here")
 def test_tensorboard_without_its_package_is_refused_up_front() -> None:
-    """Was: a raw UserWarning in the middle of the run, which then went on without it."""
+    """--tensorboard without its package is one line before the run (not a warning in the
+    middle of the run, which would go on without it)."""
     with pytest.raises(ConfigError, match=r"--tensorboard needs the tensorboard package, which "
                        r"is not installed: pip install tensorboard"):
         load_config(None, {"tensorboard": True})
@@ -535,8 +536,9 @@ def test_the_seed_range_holds_on_the_command_line_and_in_yaml(tmp_path: Path) ->
      "schedule '1f1b' runs one chunk per stage, got virtual_stages 2"),
 ])
 def test_options_that_would_do_nothing_are_refused(flags: list[str], message: str) -> None:
-    """Was: accepted in silence (sequence parallelism without TP, model chunks without a
-    pipeline, fp32 main gradients of fp32 gradients)."""
+    """Options that would change nothing (sequence parallelism without TP, model chunks
+    without a pipeline, fp32 main gradients of fp32 gradients) are refused in one line, not
+    accepted in silence."""
     result = CliRunner().invoke(app, ["pretrain", *flags, "--dry-run"],
                                 env={"COLUMNS": "300"})
     assert result.exit_code == 2, result.output
