@@ -116,6 +116,7 @@ def test_mt_gpt2_to_dcp_loads_into_transformers(tmp_path: Path) -> None:
     convert_checkpoint(tmp_path / "again", tmp_path / "dcp2", to="dcp")
     first, second = (json.loads((tmp_path / d / "mt.json").read_bytes()) for d in ("dcp", "dcp2"))
     assert first.pop("files").keys() == second.pop("files").keys() == {".metadata"}
+    first.pop("checksum"), second.pop("checksum")  # of the files' checksums too
     assert first == second
     assert (tmp_path / "dcp" / DATA_FILE).read_bytes() == (tmp_path / "dcp2" / DATA_FILE
                                                           ).read_bytes()
@@ -248,11 +249,20 @@ def test_mt_json_checks_the_small_files_and_names_only_stored_entries(tmp_path: 
     convert_checkpoint(tmp_path / "mt", tmp_path / "dcp", to="dcp")
     path = tmp_path / "dcp" / "mt.json"
     text = path.read_text()
+    sidecar = json.loads(text)
+    for edit in ({"rope_theta": 500000.0}, {"n_layers": 3}):  # the model no longer the weights'
+        path.write_text(json.dumps({**sidecar, "model": {**sidecar["model"], **edit}}))
+        with pytest.raises(ConvertError, match=rf"^{path}: edited or damaged since mt wrote it "
+                           r"\(its contents give crc32c:[0-9a-f]{8}, it records "
+                           rf"{sidecar['checksum']}\): the model config it holds describes"):
+            convert_checkpoint(tmp_path / "dcp", tmp_path / "out")
+    # A sidecar without its own checksum (an earlier mt's): its entries are still checked.
+    del sidecar["checksum"]
+    text = json.dumps(sidecar)
     path.write_text(text.replace('"transformer.h.1.ln_2.bias"', '"transformer/h.1.ln_2.bias"'))
     with pytest.raises(ConvertError, match=r"mt\.json: records a checksum of "
                        r"'transformer/h\.1\.ln_2\.bias', which \.metadata does not list"):
         convert_checkpoint(tmp_path / "dcp", tmp_path / "out")
-    sidecar = json.loads(text)
     del sidecar["checksums"]["transformer.h.1.ln_2.bias"]
     path.write_text(json.dumps(sidecar))
     with pytest.raises(ConvertError, match=r"mt\.json: records no checksum of tensor "

@@ -140,12 +140,19 @@ def test_gguf_refusals(tmp_path: Path) -> None:
 
 
 def test_gguf_mt_json_names_only_stored_tensors(tmp_path: Path) -> None:
-    """mt.json beside model.gguf: a checksum of a tensor the file does not hold, or a tensor
+    """mt.json beside model.gguf: edited since mt wrote it (its own checksum), or, in one
+    without its own checksum, a checksum of a tensor the file does not hold or a tensor
     without one, is refused in one line (a renamed key would leave a tensor unchecked)."""
     save_model(GPT(preset("tiny"), seed=1), tmp_path / "mt")
     convert_checkpoint(tmp_path / "mt", tmp_path / "g", to="gguf")
     path = tmp_path / "g" / "mt.json"
-    text = path.read_text()
+    sidecar = json.loads(path.read_text())
+    path.write_text(json.dumps({**sidecar, "checksums": {**sidecar["checksums"],
+                                                         "token_embd.weight": "crc32c:00000000"}}))
+    with pytest.raises(ConvertError, match=r"mt\.json: edited or damaged since mt wrote it"):
+        open_checkpoint(tmp_path / "g")
+    del sidecar["checksum"]
+    text = json.dumps(sidecar)
     path.write_text(text.replace('"blk.0.ffn_up.weight"', '"blk.0.ffn_up/weight"'))
     with pytest.raises(ConvertError, match=r"mt\.json: records a checksum of "
                        r"'blk\.0\.ffn_up/weight', which model\.gguf does not hold"):

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from mt_formats.crc import algorithm_of, digest
+from mt_formats.crc import CHECKSUM_ALGORITHM, algorithm_of, digest
 from mt_formats.errors import ConvertError
 from mt_formats.manifest import read_json
 
@@ -44,8 +44,19 @@ def is_mcore_checkpoint(path: Path) -> bool:
         return False
 
 
+#: The key of ``mt.json``'s own checksum (of the rest of it, :func:`_own_checksum`).
+_OWN = "checksum"
+
+
+def _own_checksum(body: dict[str, Any], algorithm: str = CHECKSUM_ALGORITHM) -> str:
+    """The checksum of ``body`` but its own checksum, as canonical JSON (keys sorted)."""
+    rest = {key: value for key, value in body.items() if key != _OWN}
+    return digest(json.dumps(rest, sort_keys=True, separators=(",", ":")).encode(), algorithm)
+
+
 def read_sidecar(root: Path) -> dict[str, Any] | None:
-    """``mt.json`` of a folder mt wrote, or None."""
+    """``mt.json`` of a folder mt wrote, checked against its own checksum (where it records
+    one: the model config it holds is bound to the weights beside it), or None."""
     path = root / SIDECAR
     if not path.is_file():
         return None
@@ -54,6 +65,17 @@ def read_sidecar(root: Path) -> dict[str, Any] | None:
         raise ConvertError(f"{path}: format {data.get('format')!r} version "
                            f"{data.get('format_version')!r}; this mt reads "
                            f"{SIDECAR_FORMAT!r} version 1")
+    recorded = data.get(_OWN)
+    if recorded is not None:
+        try:
+            found = _own_checksum(data, algorithm_of(str(recorded)))
+        except ConvertError as err:
+            raise ConvertError(f"{path}: {_OWN}: {err}") from None
+        if found != recorded:
+            raise ConvertError(f"{path}: edited or damaged since mt wrote it (its contents "
+                               f"give {found}, it records {recorded}): the model config it "
+                               "holds describes the weights beside it; restore the file or "
+                               "convert again")
     return data
 
 
@@ -62,9 +84,10 @@ def write_sidecar(directory: Path, body: dict[str, Any], files: tuple[str, ...] 
     already written beside it (``.metadata``, ``common.pt``), whose checksums it records
     under ``files`` (checked on reading by :func:`check_files`)."""
     sums = {name: digest((directory / name).read_bytes()) for name in files}
+    sidecar = {"format": SIDECAR_FORMAT, "format_version": 1, **body,
+               **({"files": sums} if sums else {})}
     with open(directory / SIDECAR, "w", encoding="utf-8") as file:
-        file.write(json.dumps({"format": SIDECAR_FORMAT, "format_version": 1, **body,
-                               **({"files": sums} if sums else {})}, indent=1) + "\n")
+        file.write(json.dumps({**sidecar, _OWN: _own_checksum(sidecar)}, indent=1) + "\n")
         file.flush()
         os.fsync(file.fileno())
 
