@@ -312,7 +312,7 @@ def task_files_version(include_path: tuple[str, ...]) -> tuple[tuple[str, int, i
     return tuple(found)
 
 
-@functools.cache
+@functools.lru_cache(maxsize=2)  # a folder edited again and again keeps two indexes at most
 def _task_manager(include_path: tuple[str, ...], version: tuple[Any, ...]) -> Any:
     from lm_eval.tasks import TaskManager  # pants: no-infer-dep
 

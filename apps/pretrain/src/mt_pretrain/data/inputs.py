@@ -129,11 +129,13 @@ def check_load_tokenizer(config: PretrainConfig, vocab_size: int) -> None:
 
 
 def batch_change_note(config: PretrainConfig, plan: RunPlan) -> str | None:
-    """What a run resumed at another batch schedule than its checkpoint's says (None when
-    the schedule is the same): the samples consumed, and the batch size it goes on at."""
+    """What a run resumed at another global batch size than its checkpoint's run says (None
+    when it is the same, a restart of a run that changed it included): the samples consumed,
+    and the batch size it goes on at."""
     resumed = plan.resumed
     schedule = BatchSchedule(config.train.global_batch_size, plan.rampup)
-    if resumed is None or schedule.consumed_at(resumed.step) == resumed.consumed_samples:
+    if resumed is None or schedule.consumed_at(resumed.step) == resumed.consumed_samples or \
+            resumed.global_batch_size == config.train.global_batch_size:
         return None
     was = f" at global batch size {resumed.global_batch_size}" \
         if resumed.global_batch_size is not None else ""
