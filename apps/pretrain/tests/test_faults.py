@@ -178,12 +178,22 @@ def test_meta_json_fields_of_the_wrong_type_are_one_clear_error(cache: Path, two
              "meta.json: damaged model (invalid GPTConfig: n_layers must be a positive int"),
             ("styles", lambda m: m.update(styles=5), "meta.json: damaged (AttributeError"),
             ("tokenizer", lambda m: m.update(tokenizer=5),
-             "meta.json: damaged (tokenizer 5 is not a name or a path)")]:
+             "meta.json: damaged (tokenizer 5 is not a name or a path)"),
+            ("consumed", lambda m: m["data"].update(consumed_samples="16"),
+             'meta.json: damaged (data.consumed_samples is "16", expected a whole number >= 0)'),
+            ("bool", lambda m: m["data"].update(consumed_samples=True),
+             "meta.json: damaged (data.consumed_samples is true, expected a whole number >= 0)"),
+            ("negative", lambda m: m.update(step=-2),
+             "meta.json: damaged (step is -2, expected a whole number >= 0)"),
+            ("data", lambda m: m.update(data="x"),
+             'meta.json: damaged (data is \'x\', expected {"consumed_samples": N, "step": N})'),
+            ("null", lambda m: m.update(crc32c=None),
+             "meta.json: damaged (its content does not match its checksum None)")]:
         folder = tmp_path / name / "step-00000002"
         shutil.copytree(tmp_path / "a" / "checkpoints" / "step-00000002", folder)
         meta = json.loads((folder / "meta.json").read_text())
         del meta["crc32c"]
-        edit(meta)
+        edit(meta)  # (a crc32c of null is no file's: refused as damaged)
         (folder / "meta.json").write_text(json.dumps(meta))
         with pytest.raises(CheckpointError) as err:
             _run(tmp_path / name / "run", cache, train_steps=4, save="none", load=str(folder))

@@ -196,6 +196,7 @@ def test_a_resume_at_another_global_batch_size_counts_on_from_its_checkpoint(
     then = _run(tmp_path / "then", cache, **one, train_steps=6, global_batch_size=16,
                 load=str(ck), save="none")
     assert (then.start_step, then.final_step) == (4, 6)
+    assert (first.tokens, then.tokens) == (4 * 8 * 32, 2 * 16 * 32)  # each run's own tokens
     assert first.losses + then.losses == whole.losses  # identical, not just close
     sizes = [r["global_batch_size"] for r in read_metrics(tmp_path / "ramp" / "metrics.jsonl")]
     assert sizes == [8, 8, 8, 8, 16, 16]

@@ -185,7 +185,8 @@ def test_meta_is_typed_and_moves_to_another_layout(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match=r"m: stage_params names stages \[0\], the "
                        r"layout has pp 2"):
         CheckpointMeta.from_dict({**data, "stage_params": {"0": ["w"]}}, "m")
-    with pytest.raises(CheckpointError, match=r"m: damaged \(ValueError"):
+    with pytest.raises(CheckpointError, match=r'm: damaged \(step is "four", expected a '
+                       r"whole number >= 0\)"):
         CheckpointMeta.from_dict({**data, "step": "four"}, "m")
 
 

@@ -151,6 +151,9 @@ def test_gguf_mt_json_names_only_stored_tensors(tmp_path: Path) -> None:
                                                          "token_embd.weight": "crc32c:00000000"}}))
     with pytest.raises(ConvertError, match=r"mt\.json: edited or damaged since mt wrote it"):
         open_checkpoint(tmp_path / "g")
+    path.write_text(json.dumps({**sidecar, "checksum": None}))
+    with pytest.raises(ConvertError, match=r"mt\.json: checksum: unrecognised checksum 'None'"):
+        open_checkpoint(tmp_path / "g")
     del sidecar["checksum"]
     text = json.dumps(sidecar)
     path.write_text(text.replace('"blk.0.ffn_up.weight"', '"blk.0.ffn_up/weight"'))

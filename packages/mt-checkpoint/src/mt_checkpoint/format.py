@@ -122,10 +122,13 @@ def find_checkpoint(path: str | Path) -> Path:
                    f"{pointer} is damaged (it names {name!r}, not a step folder of {path})")
         else:
             named = path / name
-            if _problem(named) is None:
+            if (problem := _problem(named)) is None:
                 return named
-            why = f"{pointer} names {name}, which is {_problem(named)}"
+            why = f"{pointer} names {name}" + (  # a state, or a message naming its file
+                f", which is {problem}" if problem.startswith("missing") else f": {problem}")
     fallback, skipped = _newest_complete(path)
+    if named is not None:  # said once, in ``why``
+        skipped = [entry for entry in skipped if not entry.startswith(f"{named.name} (")]
     if fallback is None:
         what = why if pointer.is_file() else f"neither {META} nor {LATEST} found"
         raise CheckpointError(f"no complete checkpoint at {path}: {what}"

@@ -113,8 +113,8 @@ class CheckpointMeta:
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             found = data.get("format") if isinstance(data, dict) else type(data).__name__
             raise CheckpointError(f"{where}: format {found!r}, expected {FORMAT!r}")
-        stored = data.get("crc32c")
-        if stored is not None:  # absent in files written before meta.json carried one
+        if "crc32c" in data:  # absent in files written before meta.json carried one
+            stored = data["crc32c"]
             body = {k: v for k, v in data.items() if k != "crc32c"}
             if json_crc(body) != stored:
                 raise CheckpointError(f"{where}: damaged (its content does not match its "
@@ -124,8 +124,19 @@ class CheckpointMeta:
         if missing:
             raise CheckpointError(f"{where}: damaged (no {', '.join(missing)})")
         layout = SavedLayout.from_dict(data["layout"], where)
+        position = data["data"]
+        if not isinstance(position, dict) or "consumed_samples" not in position:
+            raise CheckpointError(f"{where}: damaged (data is {position!r}, expected "
+                                  "{\"consumed_samples\": N, \"step\": N})")
+        for key, value in (("step", data["step"]),
+                           ("data.consumed_samples", position["consumed_samples"]),
+                           ("data.step", position.get("step", 0)),
+                           ("data_order", data.get("data_order", 1)),
+                           ("tokens", data.get("tokens", 0))):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise CheckpointError(f"{where}: damaged ({key} is {json.dumps(value)}, "
+                                      "expected a whole number >= 0)")
         try:
-            position = data["data"]
             meta = cls(
                 step=int(data["step"]), layout=layout, model=dict(data["model"]),
                 styles={str(k): str(v) for k, v in data["styles"].items()},

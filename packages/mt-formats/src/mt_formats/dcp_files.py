@@ -65,8 +65,8 @@ def read_sidecar(root: Path) -> dict[str, Any] | None:
         raise ConvertError(f"{path}: format {data.get('format')!r} version "
                            f"{data.get('format_version')!r}; this mt reads "
                            f"{SIDECAR_FORMAT!r} version 1")
-    recorded = data.get(_OWN)
-    if recorded is not None:
+    if _OWN in data:  # absent in sidecars written before mt.json carried one
+        recorded = data[_OWN]
         try:
             found = _own_checksum(data, algorithm_of(str(recorded)))
         except ConvertError as err:

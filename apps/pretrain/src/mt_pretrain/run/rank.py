@@ -88,6 +88,7 @@ class RunSummary:
     start_step: int = 0
     final_step: int = 0
     tokens: int = 0
+    """The tokens this run trained on (its steps; a resumed run's checkpoint's not counted)."""
     tokens_per_s: float = 0.0
     wall_time: float = 0.0
     val_loss: float | None = None
@@ -367,7 +368,7 @@ def _train(config: PretrainConfig, plan: RunPlan, groups: ParallelGroups, device
         return None
     summary.memory = memory
     summary.checkpoint = str(saver.last_saved) if saver and saver.last_saved else None
-    _totals(summary, plan, loader.state, stats, started, device)
+    _totals(summary, plan, stats, started, device)
     return summary
 
 
@@ -423,10 +424,10 @@ def _announce(config: PretrainConfig, plan: RunPlan, groups: ParallelGroups,
               flush=True)
 
 
-def _totals(summary: RunSummary, plan: RunPlan, state: DataLoaderState,
-            stats: list[StepStats], started: float, device: torch.device) -> None:
+def _totals(summary: RunSummary, plan: RunPlan, stats: list[StepStats], started: float,
+            device: torch.device) -> None:
     """Rank 0's run totals: tokens, throughput, wall time, planned memory."""
-    summary.tokens = state.consumed_samples * plan.gpt.seq_len
+    summary.tokens = sum(s.global_batch_size for s in stats) * plan.gpt.seq_len  # this run's
     timed = stats[1:] or stats
     if timed:
         summary.tokens_per_s = sum(s.global_batch_size * plan.gpt.seq_len for s in timed) / \
