@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import os
 import shutil
 from importlib import resources
 from pathlib import Path
@@ -18,6 +19,7 @@ from mt_data.tokenizer import (
     load_tokenizer,
     recorded_tokenizer,
     tokenizer_differs,
+    tokenizer_version,
     train_tokenizer,
 )
 
@@ -146,6 +148,25 @@ def test_an_edited_tokenizer_is_not_the_recorded_one(tmp_path: Path, texts: list
     path.unlink()
     with pytest.raises(TokenizerError, match="does not load: no tokenizer at"):
         recorded_tokenizer(record, "dataset d")
+
+
+def test_a_tokenizer_version_follows_its_content(tmp_path: Path, texts: list[str]) -> None:
+    """tokenizer_version (the key mt's tokenizer caches use) changes with a file's content,
+    even when an edit keeps its size and its modification time (``cp -p``, ``touch -r``);
+    built-in tokenizers have none."""
+    path = tmp_path / "tok.json"
+    train_tokenizer(texts[:50], 400).save(path)
+    before, status = tokenizer_version(path), path.stat()
+    data = bytearray(path.read_bytes())
+    at = data.index(b'"merges"')
+    data[at + 1:at + 7] = b"MERGES"  # the same size
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(status.st_atime_ns, status.st_mtime_ns))
+    assert path.stat().st_size == status.st_size
+    assert path.stat().st_mtime_ns == status.st_mtime_ns
+    assert tokenizer_version(path) != before
+    assert tokenizer_version("gpt2") == ()
+    assert tokenizer_version(tmp_path / "missing.json") == (None,)
 
 
 TRICKY = [

@@ -10,6 +10,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import zlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
@@ -199,22 +200,24 @@ def gpt2() -> Tokenizer:
 _FOLDER_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "encoder.json", "vocab.bpe")
 
 
-def tokenizer_version(spec: str | Path) -> tuple[tuple[int, int, int] | None, ...]:
-    """(size, modified time, inode) of each file :func:`load_tokenizer` may read for ``spec``
-    (None where there is none; nothing for a built-in tokenizer). A cache of loaded
-    tokenizers keyed by it, not by the name alone, loads a file edited since again."""
+def tokenizer_version(spec: str | Path) -> tuple[tuple[int, int] | None, ...]:
+    """(size, CRC-32 of the content) of each file :func:`load_tokenizer` may read for
+    ``spec`` (None where there is none; nothing for a built-in tokenizer): a cache of loaded
+    tokenizers keyed by it, not by the name alone, loads a file edited since again, even one
+    whose size and modification time were kept. (A tokenizer's files are a few MB: hashing
+    them takes milliseconds.)"""
     if str(spec) in BUILTIN:
         return ()
     path = Path(spec)
     files = [path / name for name in _FOLDER_FILES] if path.is_dir() else [path]
-    stamps: list[tuple[int, int, int] | None] = []
+    stamps: list[tuple[int, int] | None] = []
     for file in files:
         try:
-            status = file.stat()
+            data = file.read_bytes()
         except OSError:
             stamps.append(None)
         else:
-            stamps.append((status.st_size, status.st_mtime_ns, status.st_ino))
+            stamps.append((len(data), zlib.crc32(data)))
     return tuple(stamps)
 
 
