@@ -42,8 +42,8 @@ from mt_pretrain.config.schema import (
 )
 
 __all__ = ["ResumePoint", "RunPlan", "activation_shape", "check_memory", "describe",
-           "elastic_world", "memory_estimate", "memory_shortfall", "model_of", "resolve",
-           "runtime_spec"]
+           "elastic_world", "loaded_checkpoint", "memory_estimate", "memory_shortfall",
+           "model_of", "resolve", "runtime_spec"]
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,7 @@ def saved_model(model: Any, folder: Any) -> GPTConfig:
         raise CheckpointError(f"{folder}/meta.json: damaged model ({err})") from None
 
 
-def _loaded(config: PretrainConfig) -> tuple[Path, Any] | None:
+def loaded_checkpoint(config: PretrainConfig) -> tuple[Path, Any] | None:
     """(the step folder, its meta.json) of the mt-engine checkpoint --load resumes, or None:
     no --load, a fresh start, or another engine's checkpoint (which records no model)."""
     load = config.checkpoint.load
@@ -137,8 +137,8 @@ def model_of(config: PretrainConfig, loaded: tuple[Path, Any] | None = None
              ) -> tuple[GPTConfig, int]:
     """(the model to build, the training sequence length): from the flags, or with --load
     from the checkpoint (see :meth:`~mt_pretrain.config.schema.ModelArgs.on_checkpoint`;
-    ``loaded``: :func:`_loaded`'s answer, when already read)."""
-    if loaded is not None or (loaded := _loaded(config)) is not None:
+    ``loaded``: :func:`loaded_checkpoint`'s answer, when already read)."""
+    if loaded is not None or (loaded := loaded_checkpoint(config)) is not None:
         folder, meta = loaded
         return config.model.on_checkpoint(saved_model(meta.model, folder), str(folder))
     gpt = config.model.gpt_config()
@@ -163,7 +163,7 @@ def resolve(config: PretrainConfig, world_size: int) -> RunPlan:
     refused = unsupported(config)
     if refused:
         raise ConfigError("invalid configuration: " + "; ".join(refused))
-    loaded = _loaded(config)
+    loaded = loaded_checkpoint(config)
     model, seq_len = model_of(config, loaded)
     gpt = model.replace(seq_len=seq_len)
     refused = unsupported(config, gpt)  # the options passed above: the architecture

@@ -26,7 +26,7 @@ from mt_data import (
     recorded_tokenizer,
 )
 from mt_pretrain.config.load import blend_text, dataset_paths
-from mt_pretrain.config.resolve import RunPlan
+from mt_pretrain.config.resolve import RunPlan, loaded_checkpoint
 from mt_pretrain.config.schema import ConfigError, DataArgs, PretrainConfig, TrainArgs
 
 __all__ = ["check_load_tokenizer", "check_vocab", "default_cache_dir",
@@ -99,25 +99,12 @@ def run_tokenizer(data: DataArgs, vocab_size: int) -> tuple[str | None, str | No
     return (str(info["name"]) if info.get("name") else None), info.get("sha256")
 
 
-def _loaded(config: PretrainConfig) -> tuple[Path, Any] | None:
-    """(the step folder ``--load`` names, its meta.json), or None: no --load, no checkpoint
-    there yet, or another engine's (the load itself says so)."""
-    from mt_checkpoint import CheckpointError, find_checkpoint, read_meta
-
-    if not config.checkpoint.load:
-        return None
-    try:
-        folder = find_checkpoint(config.checkpoint.load)
-        return folder, read_meta(folder)
-    except CheckpointError:
-        return None
-
-
 def check_load_tokenizer(config: PretrainConfig, vocab_size: int) -> None:
     """The checkpoint ``--load`` names trained with the tokenizer of this run's data, where
     both record its fingerprint: ids of another tokenizer mean other text, and the run would
-    go on training on it without a word."""
-    if (loaded := _loaded(config)) is None:
+    go on training on it without a word. (Called after :func:`resolve`, which read the
+    checkpoint already and raised on a damaged one.)"""
+    if (loaded := loaded_checkpoint(config)) is None:
         return
     folder, meta = loaded
     name, fingerprint = run_tokenizer(config.data, vocab_size)
