@@ -13,7 +13,9 @@ DistributedOptimizer (benchmarks/mcore_peer.py runs it the same way) also needs
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +26,7 @@ from torch.overrides import TorchFunctionMode
 
 from mt_dist.testing import run_distributed
 from mt_formats import ConvertError, convert_checkpoint, load_model, open_checkpoint, save_model
-from mt_formats.mcore import mcore_parts, state_key
+from mt_formats.mcore import LAYERS, mcore_parts, state_key
 from mt_formats.pretrain import PretrainReader
 from mt_model import GPT, GPTConfig
 
@@ -111,16 +113,19 @@ def _group_settings(optimizer: Any) -> list[dict[str, Any]]:
             for group in optimizer.state_dict()["optimizer"]["param_groups"]]
 
 
-def _adam(config: GPTConfig, **settings: float) -> tuple[Any, Any, Any]:
+def _adam(config: GPTConfig, bucket_size: int | None = None, **settings: float
+          ) -> tuple[Any, Any, Any]:
     """megatron-core's GPTModel, its DistributedDataParallel and its DistributedOptimizer
     (torch AdamW: no apex / Transformer Engine here) at TP 1 x DP world size, with Adam
-    ``settings`` (OptimizerConfig's; default lr 1e-3)."""
+    ``settings`` (OptimizerConfig's; default lr 1e-3); with ``bucket_size``, gradients
+    reduced in buckets of about that many elements while the backward runs (else one)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     model = _mcore_model(config, tp=1).train()
     ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
-        use_distributed_optimizer=True), model)
+        use_distributed_optimizer=True, overlap_grad_reduce=bucket_size is not None,
+        bucket_size=bucket_size), model)
     with _CudaOnCpu():
         optimizer = get_megatron_optimizer(OptimizerConfig(
             optimizer="adam", use_distributed_optimizer=True, **{"lr": 1e-3, **settings}),
@@ -128,10 +133,11 @@ def _adam(config: GPTConfig, **settings: float) -> tuple[Any, Any, Any]:
     return model, ddp, optimizer
 
 
-def _optimizer_state(model: Any, optimizer: Any, loading: bool = False) -> Any:
+def _optimizer_state(model: Any, optimizer: Any, loading: bool = False,
+                     sharding: str = OPTIM_FORMAT["distrib_optim_sharding_type"]) -> Any:
     with _CudaOnCpu():
         return optimizer.sharded_state_dict(model.sharded_state_dict(), is_loading=loading,
-                                            metadata=OPTIM_FORMAT)
+                                            metadata={"distrib_optim_sharding_type": sharding})
 
 
 def _states(state: Any) -> dict[str, torch.Tensor]:
@@ -152,16 +158,18 @@ def _states(state: Any) -> dict[str, torch.Tensor]:
     return whole
 
 
-def _train_save(directory: str, steps: int, **settings: float
+def _train_save(directory: str, steps: int, sharding: str = "fully_reshardable",
+                bucket_size: int | None = None, **settings: float
                 ) -> tuple[dict[str, torch.Tensor], float, list[dict[str, Any]]]:
     """LLAMA trained ``steps`` Adam steps (each DP rank its own batch, settings
-    :data:`ADAM` and ``settings``), saved with its distributed optimizer's state by
-    ``dist_checkpointing.save`` as Megatron-LM saves it (``model`` and ``optimizer``);
-    returns megatron-core's states, step count and param groups' settings."""
+    :data:`ADAM` and ``settings``, gradients in buckets of ``bucket_size``), saved with its
+    distributed optimizer's state in layout ``sharding`` by ``dist_checkpointing.save`` as
+    Megatron-LM saves it (``model`` and ``optimizer``); returns megatron-core's states (its
+    gathered ``fully_reshardable`` view), step count and param groups' settings."""
     from megatron.core import dist_checkpointing
     from megatron.core.distributed import finalize_model_grads
 
-    model, ddp, optimizer = _adam(LLAMA, **ADAM, **settings)
+    model, ddp, optimizer = _adam(LLAMA, bucket_size, **ADAM, **settings)
     tokens = torch.randint(0, LLAMA.vocab_size, (2, 16), generator=torch.Generator()
                            .manual_seed(torch.distributed.get_rank()))
     positions = torch.arange(16)[None].expand_as(tokens)
@@ -175,13 +183,41 @@ def _train_save(directory: str, steps: int, **settings: float
         finalize_model_grads([ddp])
         with _CudaOnCpu():
             optimizer.step()
-    state = {"model": model.sharded_state_dict(), "optimizer": _optimizer_state(model,
-                                                                                 optimizer),
+    state = {"model": model.sharded_state_dict(),
+             "optimizer": _optimizer_state(model, optimizer, sharding=sharding),
              "iteration": steps}  # Megatron-LM's training step, in the common state
     dist_checkpointing.save(state, directory)
     states = _states(_optimizer_state(model, optimizer))
     step = optimizer.state_dict()["optimizer"]["param_groups"][0]["step"]
-    return states, float(step), _group_settings(optimizer)
+    return states, float(step), _group_settings(optimizer), _pieces(model, optimizer)
+
+
+#: The local spec's norms and the keys they are saved under.
+_NORM_KEYS = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+              "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
+
+
+def _pieces(model: Any, optimizer: Any) -> dict[tuple[str, int], dict[str, Any]]:
+    """This DP rank's pieces of the distributed optimizer's state straight from its memory
+    (no checkpoint code): per stored key and layer (-1: not stacked), per state, the first
+    element of the piece in the flattened parameter and its values."""
+    inner = optimizer.chained_optimizers[0]
+    pieces: dict[tuple[str, int], dict[str, Any]] = {}
+    for name, param in model.named_parameters():
+        if param not in inner.model_param_gbuf_map:  # all of it on the other rank
+            continue
+        buffer, dtypes, bucket = inner.model_param_gbuf_map[param]
+        ranges = inner.gbuf_ranges[buffer][dtypes][bucket]["param_map"][param]
+        layer, key = -1, name
+        if (match := re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)", name)) is not None:
+            rest = match[2]
+            for module, saved in _NORM_KEYS.items():
+                rest = rest.replace(module, saved)
+            layer, key = int(match[1]), LAYERS + rest
+        tensors = inner._get_main_param_and_optimizer_states(param)
+        pieces[key, layer] = {state: (ranges["param"].start, tensors[state].detach().clone())
+                              for state in ("param", "exp_avg", "exp_avg_sq")}
+    return pieces
 
 
 def _set_states_but_step(self: Any, model_param: Any, tensors: dict[str, Any]) -> None:
@@ -343,7 +379,7 @@ def test_megatron_lm_torch_dist_reads_its_args(tmp_path: Path) -> None:
 
 def test_mcore_distributed_adam_state_round_trip(tmp_path: Path) -> None:
     (tmp_path / "ckpt").mkdir()
-    theirs, step, settings = run_distributed(_train_save, 2, str(tmp_path / "ckpt"), 2,
+    theirs, step, settings, _ = run_distributed(_train_save, 2, str(tmp_path / "ckpt"), 2,
                                              timeout=300)[0]
     assert step == 2.0 and [group["wd_mult"] for group in settings] == [1.0, 0.0]
     fields = tmp_path / "llama.json"
@@ -388,7 +424,7 @@ def test_a_decoupled_learning_rate_group_is_not_guessed(tmp_path: Path) -> None:
     ``wd_mult`` 1 that differ) and says so, while the norms' group is read; the moments
     and the step still travel."""
     (tmp_path / "ckpt").mkdir()
-    _, step, settings = run_distributed(_train_save, 2, str(tmp_path / "ckpt"), 1,
+    _, step, settings, _ = run_distributed(_train_save, 2, str(tmp_path / "ckpt"), 1,
                                         decoupled_lr=5e-2, timeout=300)[0]
     assert sorted((g["wd_mult"], g["max_lr"]) for g in settings) == [  # megatron-core's
         (0.0, 1e-2), (1.0, 1e-2), (1.0, 5e-2)]
@@ -405,35 +441,125 @@ def test_a_decoupled_learning_rate_group_is_not_guessed(tmp_path: Path) -> None:
     assert any("no Adam hyperparameters" in note for note in result.notes), result.notes
 
 
-def test_bucketed_optimizer_state_is_refused_in_one_line(tmp_path: Path) -> None:
-    """A folder holding the distributed optimizer's per-bucket state ('dp_reshardable',
-    ``optimizer.distributed.*``: flat buffers laid out by megatron-core's gradient buckets)
-    is refused in one line naming the file, the layout mt reads and --drop-optimizer; with
-    --drop-optimizer the weights convert."""
+def _tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a DCP folder, whole."""
+    meta = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+    state = {key: torch.empty(m.size, dtype=m.properties.dtype)
+             for key, m in meta.items() if hasattr(m, "size")}
+    dcp.load(state, checkpoint_id=str(folder), no_dist=True)
+    return state
+
+
+@pytest.fixture(scope="module")
+def bucketed(tmp_path_factory: pytest.TempPathFactory
+             ) -> tuple[Path, dict[tuple[str, int], dict[str, torch.Tensor]], Path]:
+    """LLAMA trained 2 steps at DP 2, its gradients reduced in buckets of about 20,000
+    elements, saved as Megatron-LM saves it by default ('dp_reshardable'); with the
+    optimizer's state as its ranks held it (per stored key and layer, per state: the whole
+    flattened tensor, from both ranks' pieces) and the model config file."""
+    root = tmp_path_factory.mktemp("bucketed")
+    (root / "ckpt").mkdir()
+    ranks = run_distributed(_train_save, 2, str(root / "ckpt"), 2, "dp_reshardable", 20_000,
+                            timeout=300)
+    assert ranks[0][1] == 2.0
+    found: dict[tuple[tuple[str, int], str], list[tuple[int, torch.Tensor]]] = {}
+    for *_, pieces in ranks:
+        for param, states in pieces.items():
+            for state, piece in states.items():
+                found.setdefault((param, state), []).append(piece)
+    held: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
+    for (param, state), parts in found.items():  # in order, the pieces make the whole tensor
+        parts.sort(key=lambda piece: piece[0])
+        assert [start for start, _ in parts] == list(itertools.accumulate(
+            [0] + [values.numel() for _, values in parts[:-1]]))
+        held.setdefault(param, {})[state] = torch.cat([values for _, values in parts])
+    fields = root / "llama.json"
+    fields.write_text(json.dumps(LLAMA.to_dict()))
+    return root / "ckpt", held, fields
+
+
+def test_megatron_lm_s_default_bucketed_optimizer_state_reads_bit_for_bit(
+        bucketed: tuple[Path, dict[tuple[str, int], dict[str, torch.Tensor]], Path],
+        tmp_path: Path) -> None:
+    """Megatron-LM's default layout of the distributed optimizer's state ('dp_reshardable':
+    per gradient bucket, flat buffers laid out by megatron-core's DistributedDataParallel;
+    here three buckets) converts to the 'fully_reshardable' layout bit for bit as the
+    ranks held the state: moments and fp32 main params, which are the weights; the step
+    travels. (megatron-core 0.16.1's own gathered 'fully_reshardable' view of this
+    optimizer is off past its first bucket, with a warning that a parameter's range
+    "exceeds unpadded buffer by 64 elements": with one bucket it equals this.)"""
+    ckpt, held, fields = bucketed
+    stored = dcp.FileSystemReader(ckpt).read_metadata().state_dict_metadata
+    assert len({key.rpartition(".")[0] for key in stored if ".bucket_idx_" in key}) == 3
+    convert_checkpoint(ckpt, tmp_path / "mcore", to="mcore", model=str(fields))
+    ours = _tensors(tmp_path / "mcore")
+    assert len(held) == 15  # the embedding, 2 x 6 in the layers, the final norm, the head
+    for (key, layer), states in held.items():
+        for state, values in states.items():
+            tensor = ours[state_key(state, key)]
+            assert torch.equal((tensor if layer < 0 else tensor[layer]).flatten(), values), (
+                key, layer, state)
+        weight = ours[key] if layer < 0 else ours[key][layer]
+        assert torch.equal(weight.flatten(), states["param"]), (key, layer)
+    with open_checkpoint(tmp_path / "mcore") as reader:
+        assert float(reader.optimizer_state("blocks.1.mlp.fc.weight")["step"]) == 2.0
+
+
+def test_a_bucket_layout_that_does_not_fit_the_weights_is_refused(
+        bucketed: tuple[Path, dict[tuple[str, int], dict[str, torch.Tensor]], Path],
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The buckets record their sizes, not where each parameter lies: of the layer orders
+    mt knows, the one that fills the sizes and whose main parameters round to the weights is
+    read. Given only orders that do not (Transformer Engine's, for a run of the local spec),
+    the conversion is refused in one line naming what was tried and --drop-optimizer, which
+    converts the weights."""
+    from mt_formats import mcore_buckets
+
+    ckpt, held, fields = bucketed
+    monkeypatch.setattr(mcore_buckets, "LAYER_ORDERS", {
+        name: order for name, order in mcore_buckets.LAYER_ORDERS.items() if name != "local"})
+    with pytest.raises(ConvertError) as refused:
+        convert_checkpoint(ckpt, tmp_path / "out", to="pretrain", model=str(fields))
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith(f"{ckpt / '.metadata'}:"), message
+    assert "transformer_engine: fills them, but its main parameters do not round" in message
+    assert "fit none of the layer orders" in message and "--drop-optimizer" in message, message
+    assert not (tmp_path / "out").exists()
+    convert_checkpoint(ckpt, tmp_path / "out", to="mcore", model=str(fields),
+                       drop_optimizer=True)
+    ours = _tensors(tmp_path / "out")
+    assert torch.equal(ours[LAYERS + "mlp.linear_fc2.weight"][1].flatten(),
+                       held[LAYERS + "mlp.linear_fc2.weight", 1]["param"])
+
+
+def test_buckets_of_several_model_parallel_ranks_are_refused_in_one_line(tmp_path: Path
+                                                                        ) -> None:
+    """Buckets of a run of TP or PP > 1 (several ``dp_group_idx``: each model-parallel
+    rank's own buffers) are refused in one line naming the file, the layout mt reads and
+    --drop-optimizer; with --drop-optimizer the weights convert."""
     model = GPT(GPTConfig(n_layers=2, hidden=32, n_heads=4, vocab_size=64, seq_len=16), seed=0)
     save_model(model, tmp_path / "mcore", to="mcore")
-    stored = dcp.FileSystemReader(tmp_path / "mcore").read_metadata().state_dict_metadata
-    state = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
-             for key, meta in stored.items() if hasattr(meta, "size")}
-    dcp.load(state, checkpoint_id=str(tmp_path / "mcore"), no_dist=True)
-    state["optimizer.distributed.dp_group_idx_0.gbuf_idx_0.dtype_(torch.float32, "
-          "torch.float32).bucket_idx_0.exp_avg"] = torch.zeros(10)
+    state = _tensors(tmp_path / "mcore")
+    for rank in (0, 1):
+        state[f"optimizer.distributed.dp_group_idx_{rank}.gbuf_idx_0.dtype_(torch.float32, "
+              "torch.float32).bucket_idx_0.exp_avg"] = torch.zeros(10)
     (tmp_path / "bucketed").mkdir()
     dcp.save(state, checkpoint_id=str(tmp_path / "bucketed"), no_dist=True)
-    for name in ("metadata.json", "common.pt"):
-        (tmp_path / "bucketed" / name).write_bytes((tmp_path / "mcore" / name).read_bytes())
-    sidecar = json.loads((tmp_path / "mcore" / "mt.json").read_bytes())
-    sidecar["files"].pop(".metadata")  # dcp.save wrote this one
-    sidecar.pop("checksum")  # of the files' checksums too: a sidecar without one
-    (tmp_path / "bucketed" / "mt.json").write_text(json.dumps(sidecar))
+    (tmp_path / "bucketed" / "metadata.json").write_bytes(
+        (tmp_path / "mcore" / "metadata.json").read_bytes())
+    torch.save({"optimizer": {"param_state_sharding_type": "dp_reshardable"}},
+               tmp_path / "bucketed" / "common.pt")
+    fields = tmp_path / "gpt.json"
+    fields.write_text(json.dumps(model.config.to_dict()))
     with pytest.raises(ConvertError) as refused:
-        convert_checkpoint(tmp_path / "bucketed", tmp_path / "out", to="pretrain")
+        convert_checkpoint(tmp_path / "bucketed", tmp_path / "out", to="pretrain",
+                           model=str(fields))
     message = str(refused.value)
     assert "\n" not in message and message.startswith(f"{tmp_path / 'bucketed' / '.metadata'}:")
-    assert "'dp_reshardable'" in message and "'fully_reshardable'" in message
+    assert "2 model-parallel ranks" in message and "TP 1 x PP 1" in message, message
     assert "--drop-optimizer" in message and not (tmp_path / "out").exists()
     convert_checkpoint(tmp_path / "bucketed", tmp_path / "out", to="pretrain",
-                       drop_optimizer=True)
+                       model=str(fields), drop_optimizer=True)
     with open_checkpoint(tmp_path / "out") as reader:
         for name, tensor in model.state_dict().items():
             assert torch.equal(reader.read(name), tensor), name

@@ -347,19 +347,37 @@ class DCPFolder:
             raise ConvertError(f"{path}: entry {key!r}: not readable (malformed, truncated or "
                                f"not a plain value): {type(err).__name__}") from None
 
+    def _unrecorded(self, key: str, what: str = "") -> ConvertError:
+        return ConvertError(f"{self.root / SIDECAR}: records no checksum of tensor {key!r}"
+                            f"{what}, which mt writes for every tensor: the file was changed")
+
     def _checked(self, key: str, layer: int | None, tensor: torch.Tensor) -> torch.Tensor:
         name = key if layer is None else f"{key}[{layer}]"
         expected = self.checksums.get(name)
         what = "" if layer is None else f" layer {layer}"
         if expected is None and self._recorded:
-            raise ConvertError(f"{self.root / SIDECAR}: records no checksum of tensor "
-                               f"{key!r}{what}, which mt writes for every tensor: the file "
-                               "was changed")
+            raise self._unrecorded(key, what)
         if expected is not None and tensor_checksum(tensor, expected.split(":")[0]) != expected:
             raise ConvertError(f"{self.root / self.file_of(key)}: tensor {key!r}{what}: "
                                f"checksum mismatch (recorded {expected} in {SIDECAR}): the "
                                "file is corrupted")
         return tensor
+
+    def load_range(self, key: str, start: int, length: int) -> torch.Tensor:
+        """Elements ``[start, start + length)`` of the 1-D tensor ``key``, read from the
+        chunks that hold them. Checksums cover whole tensors or layers: ranges are read
+        from folders mt did not write (mt writes a checksum of every tensor it stores)."""
+        if self._recorded:
+            raise self._unrecorded(key)
+        meta = self.tensors[key]
+        out = torch.empty(length, dtype=meta.properties.dtype)
+        for chunk in meta.chunks:
+            (offset,), (size,) = tuple(chunk.offsets), tuple(chunk.sizes)
+            low, high = max(offset, start), min(offset + size, start + length)
+            if low < high:
+                out[low - start:high - start] = self._chunk(key, (offset,), (size,))[
+                    low - offset:high - offset]
+        return out
 
     def load_layer(self, key: str, layer: int) -> torch.Tensor:
         """``tensor[layer]`` of a tensor stacked along its first axis, read from the chunks

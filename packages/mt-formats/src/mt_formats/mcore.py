@@ -28,7 +28,9 @@ The vocabulary is stored unpadded.
 Adam's state: the ``fully_reshardable`` layout of megatron-core's ``DistributedOptimizer``
 (``optimizer.state.{param,exp_avg,exp_avg_sq}.<parameter key>``, each stored as its
 parameter; the step in ``common.pt``'s param groups) is read (:meth:`McoreReader.
-optimizer_state`) and written (:class:`McoreWriter`, :func:`optimizer_common`).
+optimizer_state`) and written (:class:`McoreWriter`, :func:`optimizer_common`); its
+``dp_reshardable`` layout (per gradient bucket, Megatron-LM's default) is read from runs of
+TP 1 x PP 1 (:mod:`mt_formats.mcore_buckets`).
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ from mt_formats.dcp_files import (
 from mt_formats.deepspeed_universal import config_fields
 from mt_formats.errors import ConvertError
 from mt_formats.manifest import read_json
+from mt_formats.mcore_buckets import BUCKET_STATE, BucketState
 from mt_formats.megatron_args import config_from_args, load_megatron_file
 from mt_formats.tensors import TensorSpec, check_names, tensor_checksum
 from mt_model import GPTConfig
@@ -84,10 +87,10 @@ _MODULES = {"ln1": "self_attention.linear_qkv.layer_norm_", "ln2": "mlp.linear_f
             "attn.kv": "self_attention.linear_qkv.", "attn.proj": "self_attention.linear_proj.",
             "mlp.fc": "mlp.linear_fc1.", "mlp.proj": "mlp.linear_fc2."}
 STATE_PREFIX = "optimizer.state."
-#: Keys of the distributed optimizer's per-bucket ('dp_reshardable') state, which mt does not read.
-BUCKET_STATE = "optimizer.distributed."
-#: The distributed optimizer's sharding type whose state mt reads and writes.
+#: The distributed optimizer's sharding type whose state mt writes (and reads, with
+#: ``dp_reshardable``: :mod:`mt_formats.mcore_buckets`).
 SHARDING = "fully_reshardable"
+BUCKETED = "dp_reshardable"
 MOMENTS = ("exp_avg", "exp_avg_sq")
 #: Megatron-core's param group identifiers (``param_group_identifier_keys``) of its default
 #: groups: weight decay on matrices (wd_mult 1), none on biases and norms (wd_mult 0).
@@ -232,6 +235,7 @@ class McoreReader(CheckpointReader):
         self._check(shapes)
         self._cached: tuple[tuple[str, int], torch.Tensor] | None = None
         self._step: float | bool | None = None  # read on the first optimizer_state()
+        self._buckets: BucketState | None = None  # with the step, where the folder has them
         self._roles: dict[bool, dict[str, Any]] = {}  # with the step
 
     def _common(self) -> dict[str, Any]:
@@ -300,18 +304,24 @@ class McoreReader(CheckpointReader):
     def _canonical(self, name: str, key: str) -> torch.Tensor:
         """Canonical tensor ``name`` from stored tensor ``key`` (the parameter's own or one
         of its optimizer states, which share its layout)."""
-        part = self._parts[name]
-        if part.layer < 0:
-            tensor = self._folder.load(key)
-            if name in ("embed.tokens.weight", "head.weight"):
-                return tensor[:self.config.vocab_size].contiguous()  # padding rows dropped
-            return tensor
-        at, cached = (key, part.layer), self._cached
+        return self._shaped(name, self._stored(key, self._parts[name].layer))
+
+    def _stored(self, key: str, layer: int) -> torch.Tensor:
+        """Stored tensor ``key`` (``layer`` of it where stacked: >= 0)."""
+        if layer < 0:
+            return self._folder.load(key)
+        at, cached = (key, layer), self._cached
         if cached is None or cached[0] != at:  # q then kv read one qkv layer once
             # A local reference: the writer asks for optimizer state in its thread while the
             # next tensor is read in another (convert's read-ahead), both through here.
             cached = self._cached = (at, self._folder.load_layer(*at))
-        stored = cached[1]
+        return cached[1]
+
+    def _shaped(self, name: str, stored: torch.Tensor) -> torch.Tensor:
+        """Canonical tensor ``name`` from its stored form (one layer of it where stacked)."""
+        part = self._parts[name]
+        if name in ("embed.tokens.weight", "head.weight"):
+            return stored[:self.config.vocab_size].contiguous()  # padding rows dropped
         return from_groups(stored, part.select, self.config) if part.select else stored
 
     def optimizer_state(self, name: str) -> dict[str, torch.Tensor] | None:
@@ -319,13 +329,20 @@ class McoreReader(CheckpointReader):
         state (``optimizer.state.<moment>.<parameter key>``, the parameter's stored shape,
         permuted as the weight), its fp32 main parameter as ``master`` where the folder
         holds one (``optimizer.state.param.<key>``: a bf16 model's weights are a rounding of
-        it), the step from the param groups in ``common.pt``; None where the folder holds no
-        optimizer state."""
+        it), the step from the param groups in ``common.pt``; or the same from its
+        ``dp_reshardable`` buckets (:mod:`mt_formats.mcore_buckets`); None where the folder
+        holds no optimizer state."""
         if self._step is None:
             self._step = self._optimizer_step()
         if self._step is False:
             return None
         part = self._parts[name]
+        if self._buckets is not None:
+            states = self._buckets.read((part.key, part.layer),
+                                        self._stored(part.key, part.layer))
+            return {"master": self._shaped(name, states["param"]),
+                    **{moment: self._shaped(name, states[moment]) for moment in MOMENTS},
+                    "step": torch.tensor(self._step)}
         result: dict[str, torch.Tensor] = {}
         for state in ("param", *MOMENTS):
             key = state_key(state, part.key)
@@ -344,34 +361,42 @@ class McoreReader(CheckpointReader):
         return result
 
     def _optimizer_step(self) -> float | bool:
-        """The distributed optimizer's step count (its param groups' ``step`` in
-        ``common.pt``), or False where the folder holds no optimizer state."""
+        """The distributed optimizer's step count (its param groups' ``step``: in
+        ``common.pt``, or beside the buckets), or False where the folder holds no optimizer
+        state."""
         keys = self._folder.tensors
-        if any(key.startswith(BUCKET_STATE) for key in keys):
-            raise ConvertError(
-                f"{self.root / METADATA_FILE}: the distributed optimizer's state is stored "
-                "per gradient bucket ('dp_reshardable', keys "
-                f"{BUCKET_STATE}*), a layout of megatron-core's internal buffers; mt reads "
-                "'fully_reshardable' (save with metadata={'distrib_optim_sharding_type': "
-                "'fully_reshardable'}), or give --drop-optimizer")
-        if not any(key.startswith(STATE_PREFIX) for key in keys):
+        bucketed = any(key.startswith(BUCKET_STATE) for key in keys)
+        if not bucketed and not any(key.startswith(STATE_PREFIX) for key in keys):
             return False
         path = self.root / COMMON_FILE
         common = load_megatron_file(path)
         try:
-            groups = common["optimizer"]["optimizer"]["param_groups"]
             sharding = common["optimizer"]["param_state_sharding_type"]
+        except (KeyError, TypeError) as err:
+            raise ConvertError(f"{path}: no optimizer.param_state_sharding_type: "
+                               f"{err!r}") from None
+        if sharding != (BUCKETED if bucketed else SHARDING):
+            stored = f"{BUCKET_STATE}* buckets" if bucketed else f"{STATE_PREFIX}* tensors"
+            raise ConvertError(f"{path}: optimizer state of sharding type {sharding!r} beside "
+                               f"{stored}; mt reads {SHARDING!r} and {BUCKETED!r}")
+        if bucketed:
+            self._buckets = BucketState(self._folder, self._folder.shapes(),
+                                        "or give --drop-optimizer to convert the weights alone")
+            self._buckets.locate(self._stored)
+            groups: Any = self._buckets.groups
+            where = f"{self.root / METADATA_FILE}: {BUCKET_STATE}dp_group_idx_0.optimizer"
+        else:
+            groups = (common["optimizer"].get("optimizer") or {}).get("param_groups")
+            where = f"{path}: optimizer.optimizer"
+        try:
             steps = {float(group["step"]) for group in groups}
         except (KeyError, TypeError, ValueError) as err:
-            raise ConvertError(f"{path}: no optimizer param groups with a step "
-                               f"(optimizer.optimizer.param_groups[*].step): {err!r}") from None
-        if sharding != SHARDING:
-            raise ConvertError(f"{path}: optimizer state of sharding type {sharding!r}; mt "
-                               f"reads {SHARDING!r}")
+            raise ConvertError(f"{where}: no param groups with a step (param_groups[*].step): "
+                               f"{err!r}") from None
         if len(steps) != 1:
-            raise ConvertError(f"{path}: the optimizer's param groups were stepped "
+            raise ConvertError(f"{where}: the optimizer's param groups were stepped "
                                f"{sorted(steps)} times")
-        self._roles = _role_settings(groups, f"{path}: optimizer.optimizer.param_groups")
+        self._roles = _role_settings(groups, f"{where}.param_groups")
         return steps.pop()
 
     def optimizer_settings(self, name: str) -> dict[str, Any] | None:
