@@ -6,11 +6,12 @@ past its deadline free their rows, and a full batch leaves jobs waiting."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 
 import torch
 
-from mt_inference.serving.api import Completion
+from mt_inference.serving.api import ApiError, Completion
 from mt_inference.serving.engine import Command, Dispatcher, Inbox, Job, ServeLoop
 from mt_model import GPT, GPTConfig, Sampling, WholeModel
 
@@ -138,5 +139,74 @@ def test_port_zero_is_the_port_the_system_chose() -> None:
         assert server.config.port != 0
         assert httpx.get(f"http://127.0.0.1:{server.config.port}/").text == "here"
     finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def test_stopping_at_once_ends_the_waiting_requests_too() -> None:
+    """A second interrupt stops the server at once (``fail_all``): every accepted request,
+    running or still waiting for room in the batch, gets the error at once, and no new one
+    is accepted. A waiting request left unanswered would hang until the HTTP server gives up
+    on it and answer with its plain-text 500."""
+    model = GPT(GPTConfig(2, 32, 4, 97, 48), seed=3).eval()
+    replicas = Replicas(model)
+    inbox = Inbox(max_waiting=8)
+    dispatcher = Dispatcher(inbox, _decode, replicas=2, max_batch=1,
+                            check=replicas.loops[0].batch.check)
+    loop = asyncio.new_event_loop()
+    jobs = [_job(loop, f"job{i}", (1, 2), 10) for i in range(4)]
+    for job in jobs:
+        assert inbox.offer(job) is None
+    replicas.iterate(dispatcher)
+    assert len(dispatcher.rows) == 2 and len(inbox) == 2  # one running per replica
+    dispatcher.fail_all(ApiError(500, "the server stopped", kind="server_error"))
+    for job in jobs:
+        kind, error = _outcome(loop, job)
+        assert kind == "error" and error.message == "the server stopped", job.ident
+    assert inbox.offer(_job(loop, "late", (1,), 1)) == "draining"
+    loop.close()
+
+
+def test_a_client_that_never_reads_its_response_is_cut_off() -> None:
+    """A client that sends requests back to back (HTTP/1.1 pipelining) for large responses
+    and reads none of them holds a connection with a request in progress for ever (the
+    second response waits for the first to drain). With every connection taken
+    (``max_connections`` 1) nobody else is answered, so the connection is aborted once its
+    unsent bytes have not drained for ``client_timeout`` seconds, and the next client is
+    answered."""
+    import httpx
+    from starlette.applications import Starlette
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Route
+
+    from mt_inference.serving.http import start_server
+
+    size = 64 * 2**20
+    app = Starlette(routes=[Route("/big", lambda _request: PlainTextResponse("x" * size)),
+                            Route("/", lambda _request: PlainTextResponse("here"))])
+    server, thread = start_server(app, "127.0.0.1", 0, client_timeout=1.0, max_connections=1)
+    hog = socket.socket()
+    try:
+        port = server.config.port
+        hog.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        hog.connect(("127.0.0.1", port))
+        hog.sendall(b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n" * 2)
+        time.sleep(0.3)
+        started, answer = time.monotonic(), None
+        while answer is None and time.monotonic() < started + 10:
+            try:
+                answer = httpx.get(f"http://127.0.0.1:{port}/", timeout=2).text
+            except httpx.HTTPError:  # closed for want of a free connection
+                time.sleep(0.2)
+        assert answer == "here"
+        received = 0
+        try:
+            while chunk := hog.recv(2**20):
+                received += len(chunk)
+        except ConnectionResetError:
+            pass
+        assert received < 2 * size  # aborted, not sent whole
+    finally:
+        hog.close()
         server.should_exit = True
         thread.join(10)

@@ -56,8 +56,9 @@ def serve_command(
     request_timeout: Annotated[float, typer.Option(
         help="Seconds a request may take, waiting included (then 504).")] = 600.0,
     client_timeout: Annotated[float, typer.Option(
-        help="Seconds a client has to send a request's headers, and then its body (else "
-        "its connection is closed; a late body: 408).")] = 30.0,
+        help="Seconds a client has to send a request's headers, and then its body, and to "
+        "take in its response once the server's send buffer is full (else its connection "
+        "is closed; a late body: 408).")] = 30.0,
     max_connections: Annotated[int, typer.Option(
         help="Open connections at most: past it, the one idle longest (no request in "
         "progress) is closed for the new one.")] = 512,

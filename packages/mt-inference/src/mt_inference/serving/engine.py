@@ -302,9 +302,13 @@ class Dispatcher:
             row.job.put("done", [done[i] for i in sorted(done)])
 
     def fail_all(self, error: ApiError) -> None:
-        """End every running job with ``error`` (the engine failed)."""
+        """End every accepted job with ``error`` (the engine failed or was stopped at once):
+        the running ones and those still waiting, and refuse new ones."""
+        self.inbox.drain()
         for job in {id(r.job): r.job for r in self.rows.values()}.values():
             self._end(job, "error", error)
+        for job in self.inbox.take(lambda _job: True):
+            job.put("error", error)
 
 
 class ServeLoop:

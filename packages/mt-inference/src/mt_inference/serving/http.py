@@ -12,9 +12,12 @@ engine's next step.
 
 Clients that hold connections without asking anything are cut off: a connection whose
 request headers have not arrived ``client_timeout`` seconds after it opened (or after its
-last response) is closed, and so is a body still arriving that long after its headers (408);
-past ``max_connections`` open connections, the idlest one without a request in progress
-makes room for the new one. Parsing and checking a body (up to ``max_body_bytes``) runs on a
+last response) is closed, and so is a body still arriving that long after its headers (408),
+and one whose client stops reading its response: when the response's unsent bytes pass the
+transport's high-water mark and do not drain within ``client_timeout`` seconds, the
+connection is aborted (a client that asks and never reads would hold its connection, and
+with enough of them every connection, for ever); past ``max_connections`` open connections,
+the idlest one without a request in progress makes room for the new one. Parsing and checking a body (up to ``max_body_bytes``) runs on a
 worker thread, so that large bodies do not stall the event loop that answers everyone.
 """
 
@@ -69,7 +72,8 @@ class ServerConfig:
     api_key: str | None = None
     """The /v1 routes need ``Authorization: Bearer API_KEY`` (None: no key)."""
     client_timeout: float = 30.0
-    """Seconds a client has to send a request's headers, and then its body."""
+    """Seconds a client has to send a request's headers, then its body, and to take in a
+    response once the send buffer is full."""
     max_connections: int = 512
     """Open connections at most (more: the idlest without a request is closed)."""
 
@@ -291,12 +295,15 @@ def build_app(config: ServerConfig, inbox: Inbox) -> Starlette:
 def _guarded_protocol(client_timeout: float, max_connections: int) -> type:
     """uvicorn's h11 protocol, cutting off clients that hold a connection without asking:
     each connection must deliver a request's headers within ``client_timeout`` seconds of
-    opening or of its last response; past ``max_connections``, the connection idle longest
-    (no request in progress) is closed for the new one, or the new one if all are busy."""
+    opening or of its last response, and read its response (a write paused by a full buffer
+    must resume within ``client_timeout`` seconds); past ``max_connections``, the connection
+    idle longest (no request in progress) is closed for the new one, or the new one if all
+    are busy."""
     from uvicorn.protocols.http.h11_impl import H11Protocol  # pants: no-infer-dep
 
     class Guarded(H11Protocol):
         _deadline: asyncio.TimerHandle | None = None
+        _stalled: asyncio.TimerHandle | None = None
         _idle_since = 0.0
 
         def connection_made(self, transport: Any) -> None:  # type: ignore[override]
@@ -333,9 +340,21 @@ def _guarded_protocol(client_timeout: float, max_connections: int) -> type:
             super().on_response_complete()
             self._await_request()
 
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            if self._stalled is None:  # unsent bytes can never go: abort, not close
+                self._stalled = self.loop.call_later(client_timeout, self.transport.abort)
+
+        def resume_writing(self) -> None:
+            if self._stalled is not None:
+                self._stalled.cancel()
+                self._stalled = None
+            super().resume_writing()
+
         def connection_lost(self, exc: Exception | None) -> None:
-            if self._deadline is not None:
-                self._deadline.cancel()
+            for timer in (self._deadline, self._stalled):
+                if timer is not None:
+                    timer.cancel()
             super().connection_lost(exc)
 
     return Guarded

@@ -39,7 +39,8 @@ class ServeSpec:
     api_key: str | None = field(default=None, repr=False)
     """The /v1 routes need ``Authorization: Bearer API_KEY`` (None: open)."""
     client_timeout: float = 30.0
-    """Seconds a client has to send a request's headers, and then its body."""
+    """Seconds a client has to send a request's headers, then its body, and to take in a
+    response once the send buffer is full."""
     max_connections: int = 512
     """Open connections at most (the idlest without a request makes room)."""
 
