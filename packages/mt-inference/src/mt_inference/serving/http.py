@@ -10,15 +10,16 @@ otherwise). Every refusal is a JSON error object: malformed JSON, a wrong or unk
 (503), a request past its time (504). A client that disconnects frees its rows at the
 engine's next step.
 
-Clients that hold connections without asking anything are cut off: a connection whose
+Clients that hold connections without asking are cut off: a connection whose
 request headers have not arrived ``client_timeout`` seconds after it opened (or after its
 last response) is closed, and so is a body still arriving that long after its headers (408),
 and one whose client stops reading its response: when the response's unsent bytes pass the
 transport's high-water mark and do not drain within ``client_timeout`` seconds, the
 connection is aborted (a client that asks and never reads would hold its connection, and
 with enough of them every connection, for ever); past ``max_connections`` open connections,
-the idlest one without a request in progress makes room for the new one. Parsing and checking a body (up to ``max_body_bytes``) runs on a
-worker thread, so that large bodies do not stall the event loop that answers everyone.
+the idlest one without a request in progress makes room for the new one. Parsing and
+checking a body (up to ``max_body_bytes``) runs on a worker thread, so that large bodies do
+not stall the event loop that answers everyone.
 """
 
 from __future__ import annotations
