@@ -77,6 +77,18 @@ def test_convert_force_replaces_only_its_own_output(checkpoint: Path, tmp_path: 
     assert result.exit_code == 2, result.output
     assert f"{notes} is a file" in _error(result.output)
     assert notes.read_text() == "mine"
+    # Folders named as mt convert's are its own only holding what it writes there.
+    looks = tmp_path / "looks"
+    for folder, name in (("release", "notes.txt"), ("iter_2024_photos", "a.jpg"),
+                         ("tp_rank_00", "draft.md")):
+        (looks / folder).mkdir(parents=True)
+        (looks / folder / name).write_text("mine")
+    (looks / "config.json").write_text("{}")
+    result = runner.invoke(app, [str(checkpoint), str(looks), "--force"], env=WIDE)
+    assert result.exit_code == 2, result.output
+    line = _error(result.output)
+    assert "iter_2024_photos/, release/notes.txt, tp_rank_00/draft.md" in line, line
+    assert (looks / "release" / "notes.txt").read_text() == "mine"
     # The library refuses the same (--to pretrain from an mt pretrain source goes another way).
     with pytest.raises(ConvertError, match="thesis.txt, which mt convert did not write"):
         convert_checkpoint(checkpoint, mine, to="tp", tp=2, overwrite=True)

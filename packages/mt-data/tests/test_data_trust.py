@@ -437,3 +437,27 @@ def test_a_tokenizer_edited_between_two_prepares_of_one_process_is_loaded_again(
         assert data.tokenizer["sha256"] == now.fingerprint
         first_doc = json.loads(corpus.read_text().splitlines()[0])["text"]
         assert list(data.document(0)) == list(now.encode_batch([first_doc]).tokens)
+
+
+def test_a_user_folder_named_like_one_a_command_writes_is_foreign(tmp_path: Path) -> None:
+    """Ownership patterns of the form ``folder/inner``: a folder matching ``folder`` is a
+    command's own only if every entry in it (at every depth) matches an inner pattern; a
+    user's files inside it are named with the folder, and a look-alike name (``iter_2024_
+    photos`` for seven digits) is foreign. ``folder/`` alone still owns whatever it holds."""
+    from mt_data.paths import foreign_entries
+
+    owned = ("config.json", "iter_" + "[0-9]" * 7 + "*/mp_rank_[0-9][0-9]/model.pt", "cache/")
+    (tmp_path / "iter_0000004" / "mp_rank_00").mkdir(parents=True)
+    (tmp_path / "iter_0000004" / "mp_rank_00" / "model.pt").write_bytes(b"w")
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "anything").write_text("x")
+    (tmp_path / "config.json").write_text("{}")
+    assert foreign_entries(tmp_path, owned) == []
+    (tmp_path / "iter_0000004" / "notes.txt").write_text("mine")
+    (tmp_path / "iter_0000004" / "mp_rank_00" / "draft.md").write_text("mine")
+    (tmp_path / "iter_2024_photos").mkdir()
+    (tmp_path / "iter_2024_photos" / "a.jpg").write_bytes(b"jpg")
+    assert foreign_entries(tmp_path, owned) == [
+        "iter_0000004/mp_rank_00/draft.md", "iter_0000004/notes.txt", "iter_2024_photos/"]
+    (tmp_path / "iter_0000004" / "model.pt").mkdir()  # a folder where a file is owned
+    assert "iter_0000004/model.pt/" in foreign_entries(tmp_path, owned)

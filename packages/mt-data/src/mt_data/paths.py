@@ -64,34 +64,44 @@ def existing_file(flag: str, path: str | Path, overwrite: bool) -> str | None:
     return None
 
 
-def _matches(entry: Path, patterns: Iterable[str]) -> bool:
+def _foreign(entry: Path, patterns: Iterable[str]) -> list[str]:
+    """What of ``entry`` no pattern matches (see :func:`foreign_entries`): nothing, the entry
+    itself, or, in a folder named as one the patterns write into, its entries no inner
+    pattern matches (``release/notes.txt``)."""
     folder = entry.is_dir() and not entry.is_symlink()
+    name = entry.name + ("/" if folder else "")
+    inner = []
     for pattern in patterns:
-        if pattern.endswith("/"):
-            if folder and fnmatchcase(entry.name, pattern[:-1]):
-                return True
-        elif not folder and fnmatchcase(entry.name, pattern):
-            return True
-    return False
+        head, nested, rest = pattern.partition("/")
+        if folder == bool(nested) and fnmatchcase(entry.name, head):
+            if not rest:
+                return []
+            inner.append(rest)
+    return [name + found for found in foreign_entries(entry, inner)] if inner else [name]
+
+
+def _matches(entry: Path, patterns: Iterable[str]) -> bool:
+    return not _foreign(entry, patterns)
 
 
 def foreign_entries(folder: str | Path, owned: Iterable[str],
                     among: Iterable[str] | None = None) -> list[str]:
     """The entries of ``folder`` (sorted; a folder's name ends in ``/``) that no pattern of
     ``owned`` matches: what the command owning those names did not write. Patterns are
-    shell globs of names (``shard-*.arrow``); one ending in ``/`` matches folders only, the
-    others files (and links) only. With ``among``, only the entries matching one of those
-    patterns are considered (what a command would delete). An absent folder has none."""
+    shell globs of names (``shard-*.arrow``); one ending in ``/`` matches folders only
+    (whatever they hold), one of the form ``folder/inner`` folders only, every entry of which
+    an ``inner`` pattern must match (``iter_*/mp_rank_*/model_optim_rng.pt``: a user's folder
+    named like one a command writes is not its own), the others files (and links) only; a
+    foreign entry inside such a folder is named with it (``release/notes.txt``). With
+    ``among``, only the entries matching one of those patterns are considered (what a command
+    would delete). An absent folder has none."""
     folder, owned = Path(folder), tuple(owned)
     if not folder.is_dir():
         return []
     found = []
     for entry in sorted(folder.iterdir()):
-        if among is not None and not _matches(entry, among):
-            continue
-        if not _matches(entry, owned):
-            found.append(entry.name + ("/" if entry.is_dir() and not entry.is_symlink()
-                                       else ""))
+        if among is None or _matches(entry, among):
+            found += _foreign(entry, owned)
     return found
 
 

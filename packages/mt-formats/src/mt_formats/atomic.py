@@ -30,14 +30,19 @@ __all__ = ["CONVERT_OUTPUT", "MARKED_OUTPUT", "atomic_directory", "check_destina
 CONVERT_OUTPUT = (
     "config.json", "model.safetensors",  # consolidated, Hugging Face (and tp's config)
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",  # hf --tokenizer
-    "tp_rank_[0-9][0-9]/", "pp_rank_[0-9][0-9]_tp_rank_[0-9][0-9]/",  # tp
-    "latest_checkpointed_iteration.txt", "iter_[0-9]*/", "release/",  # megatron
+    "tp_rank_[0-9][0-9]/model.safetensors",  # tp, one stage
+    "pp_rank_[0-9][0-9]_tp_rank_[0-9][0-9]/model.safetensors",  # tp, stages
+    "latest_checkpointed_iteration.txt",  # megatron
+    *(f"{iteration}/mp_rank_[0-9][0-9]{stage}/model_optim_rng.pt"
+      for iteration in ("iter_[0-9][0-9][0-9][0-9][0-9][0-9][0-9]*", "release")
+      for stage in ("", "_[0-9][0-9][0-9]")),
     "meta.json", "rank-[0-9][0-9][0-9][0-9][0-9].pt",  # pretrain (a step folder)
     ".metadata", "__[0-9]*_[0-9]*.distcp", "mt.json",  # dcp (and mcore's, gguf's mt.json)
     "metadata.json", "common.pt",  # mcore
     "model.gguf",  # gguf
 )
-"""The names mt convert's writers put in a destination folder."""
+"""The names mt convert's writers put in a destination folder, and in its folders (a user's
+folder named like one of them holds other files: ``mt_data.paths.foreign_entries``)."""
 
 MARKED_OUTPUT = (".metadata", "__[0-9]*_[0-9]*.distcp", "metadata.json", "common.pt",
                  "model.gguf")
