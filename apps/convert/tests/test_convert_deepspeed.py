@@ -175,6 +175,13 @@ def test_convert_deepspeed_errors_name_file_and_tensor(universal: tuple[Path, An
                            model=CONFIG)
     broken = tmp_path / "broken"
     shutil.copytree(root / "universal", broken)
+    step = broken / "zero" / "ln_f.bias" / "step.pt"
+    for value in (torch.tensor(float("nan")), -3, 7.5, True, torch.ones(2)):
+        torch.save(value, step)  # what a resumed run's Adam would take as its step count
+        with pytest.raises(ConvertError, match=r"ln_f\.bias/step\.pt: tensor 'ln_f\.bias': "
+                           "Adam's step is .*, not a whole number >= 0"):
+            convert_checkpoint(broken, tmp_path / "out", to="pretrain", model=CONFIG)
+    torch.save(torch.tensor(float(STEPS)), step)
     fp32 = broken / "zero" / "blocks.1.mlp.proj.weight" / "fp32.pt"
     fp32.write_bytes(fp32.read_bytes()[:200])  # truncated
     with pytest.raises(ConvertError, match=r"blocks\.1\.mlp\.proj\.weight/fp32\.pt: not a "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import pickle
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -608,3 +609,43 @@ def test_metadata_that_misstates_a_chunk_is_one_line_naming_it(tmp_path: Path) -
                        "entry names no file"):
         open_checkpoint(folder, model=fields)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("entry", "value", "said"), [
+    ("step", torch.tensor(float("nan")), "Adam's step is nan, not a whole number >= 0"),
+    ("step", torch.tensor(-2.0), "Adam's step is -2.0, not a whole number >= 0"),
+    ("step", torch.tensor(2.5), "Adam's step is 2.5, not a whole number >= 0"),
+    ("step", torch.ones(2), "Adam's step is a tensor of shape [2], not a whole number"),
+    ("lr", float("nan"), "param group lr is nan, not a finite number >= 0"),
+    ("eps", -1e-8, "param group eps is -1e-08, not a finite number >= 0"),
+    ("betas", (0.9, 1.5), "param group betas is (0.9, 1.5), not a finite number in [0, 1)"),
+])
+def test_adam_steps_and_settings_out_of_range_are_one_line(tmp_path: Path, entry: str,
+                                                            value: Any, said: str) -> None:
+    """Adam's step count (a whole number >= 0) and its settings (finite, in torch AdamW's
+    range) of a DCP folder are checked when read: a NaN step would reach the bias
+    correction of the next update, and a run resumed from it would end in "loss is nan",
+    pointing at the learning rate. Each is refused in one line naming the file and the
+    value, for every target that carries Adam's state."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    root = _titan_module()
+    adamw = torch.optim.AdamW(root.parameters(), lr=1e-2)
+    _train(root, adamw, 1)
+    flat = get_optimizer_state_dict(root, adamw,
+                                    options=StateDictOptions(flatten_optimizer_state_dict=True))
+    key = next(k for k in flat if k.endswith(f".{entry}"))
+    flat[key] = value
+    dcp.save({**get_model_state_dict(root), "optimizer": flat},
+             checkpoint_id=tmp_path / "titan", no_dist=True)
+    for to in ("pretrain", "mcore"):
+        with pytest.raises(ConvertError) as refused:
+            convert_checkpoint(tmp_path / "titan", tmp_path / to, to=to, model=LLAMA)
+        message = str(refused.value)
+        assert "\n" not in message and message.startswith(str(tmp_path / "titan")), message
+        assert said in message, message
+        assert not (tmp_path / to).exists()

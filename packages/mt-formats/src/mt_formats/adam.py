@@ -12,6 +12,7 @@ writer of a format that keeps param groups writes them with the moments: per par
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -20,7 +21,8 @@ import torch
 from mt_formats.errors import ConvertError
 from mt_zero import decays as zero_decays
 
-__all__ = ["SETTINGS", "adamw_group", "by_role", "decays", "settings_of", "two_groups"]
+__all__ = ["SETTINGS", "adam_step", "adamw_group", "by_role", "decays", "settings_of",
+           "two_groups"]
 
 #: The hyperparameters carried from one format to another.
 SETTINGS = ("lr", "betas", "eps", "weight_decay", "initial_lr")
@@ -33,10 +35,23 @@ def decays(shape: Sequence[int]) -> bool:
     return zero_decays(torch.empty(tuple(shape), device="meta"))
 
 
+def adam_step(value: Any, where: str) -> float:
+    """Adam's step count from a stored ``value`` (a number or a one-element tensor), or a
+    :class:`ConvertError` naming ``where``: a count is a whole number >= 0 (a NaN or a
+    negative step would reach the bias correction of the next update)."""
+    number = value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
+    if isinstance(number, bool) or not isinstance(number, (int, float)) or not (
+            math.isfinite(number) and number >= 0 and number == int(number)):
+        what = (f"a tensor of shape {list(value.shape)}" if isinstance(value, torch.Tensor)
+                and value.numel() != 1 else repr(number))
+        raise ConvertError(f"{where}: Adam's step is {what}, not a whole number >= 0")
+    return float(number)
+
+
 def settings_of(group: Mapping[str, Any], where: str) -> dict[str, Any]:
     """The keys of :data:`SETTINGS` that param group ``group`` holds, as floats (``betas``
-    a pair of floats); a value that is not a number is a :class:`ConvertError` naming
-    ``where``."""
+    a pair of floats); a value that is not a finite number in torch AdamW's range (lr, eps,
+    weight decay >= 0; each beta in [0, 1)) is a :class:`ConvertError` naming ``where``."""
     out: dict[str, Any] = {}
     for key in SETTINGS:
         if key not in group:
@@ -49,6 +64,12 @@ def settings_of(group: Mapping[str, Any], where: str) -> dict[str, Any]:
                                ) from None
         if key == "betas" and len(out[key]) != 2:
             raise ConvertError(f"{where}: param group betas is {value!r}, not a pair")
+        numbers = out[key] if key == "betas" else (out[key],)
+        high = 1.0 if key == "betas" else math.inf
+        if not all(math.isfinite(n) and 0 <= n < high for n in numbers):
+            span = "in [0, 1)" if key == "betas" else ">= 0"
+            raise ConvertError(f"{where}: param group {key} is {value!r}, not a finite "
+                               f"number {span}")
     return out
 
 

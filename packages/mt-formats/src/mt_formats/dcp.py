@@ -54,7 +54,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from mt_checkpoint import DirectFile
-from mt_formats.adam import SETTINGS, adamw_group, settings_of
+from mt_formats.adam import SETTINGS, adam_step, adamw_group, settings_of
 from mt_formats.canonical import (
     CheckpointReader,
     CheckpointWriter,
@@ -518,7 +518,9 @@ class DCPReader(CheckpointReader):
                 raise ConvertError(f"{self.root / METADATA_FILE}: {state} of {name!r} has shape "
                                    f"{list(result[state].shape)}, the parameter "
                                    f"{list(self._shapes[name])}")
-        steps = {float(self._folder.load(keys[(part.key, "step")])) for part in parts}
+        steps = {adam_step(self._folder.load(keys[(part.key, "step")]),
+                           f"{self.root / METADATA_FILE}: {keys[(part.key, 'step')]}")
+                 for part in parts}
         if len(steps) != 1:
             raise ConvertError(f"{self.root / METADATA_FILE}: the parts of {name!r} were "
                                f"stepped {sorted(steps)} times")

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from mt_formats.adam import decays, two_groups
+from mt_formats.adam import adam_step, decays, two_groups
 from mt_formats.canonical import (
     CheckpointReader,
     TensorRef,
@@ -369,10 +369,7 @@ class DeepSpeedUniversalReader(CheckpointReader):
         path = self._file(name, key)
         if key == "step":
             value = load_weights_only(path, missing=f"file not found (tensor {name!r})")
-            if not isinstance(value, (torch.Tensor, int, float)):
-                raise ConvertError(f"{path}: tensor {name!r}: expected a step number, got "
-                                   f"{type(value).__name__}")
-            return torch.as_tensor(value)
+            return torch.tensor(adam_step(value, f"{path}: tensor {name!r}"))
         tensor = _load_param(path, name)
         if tuple(tensor.shape) != self._shapes[name]:
             raise ConvertError(f"{path}: tensor {name!r} has shape {list(tensor.shape)}, "

@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from mt_formats.adam import adamw_group, by_role, decays, settings_of
+from mt_formats.adam import adam_step, adamw_group, by_role, decays, settings_of
 from mt_formats.canonical import (
     CheckpointReader,
     CheckpointWriter,
@@ -389,8 +389,8 @@ class McoreReader(CheckpointReader):
             groups = (common["optimizer"].get("optimizer") or {}).get("param_groups")
             where = f"{path}: optimizer.optimizer"
         try:
-            steps = {float(group["step"]) for group in groups}
-        except (KeyError, TypeError, ValueError) as err:
+            steps = {adam_step(group["step"], f"{where}.param_groups") for group in groups}
+        except (KeyError, TypeError) as err:
             raise ConvertError(f"{where}: no param groups with a step (param_groups[*].step): "
                                f"{err!r}") from None
         if len(steps) != 1:
