@@ -3,12 +3,16 @@ the root ``mt`` Typer app, and ``python -m mt_convert``."""
 
 from __future__ import annotations
 
+import io
 import os
+import resource
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 import typer
 from typer.testing import CliRunner
 
@@ -153,6 +157,43 @@ def test_convert_cli_sigterm_mid_way_leaves_nothing(checkpoint: Path, tmp_path: 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
     result = runner.invoke(app, [str(checkpoint), str(out), "--to", "hf"])
     assert result.exit_code == 0, result.output
+
+
+def _file_size_limit(limit: int) -> None:
+    """For ``preexec_fn``: writes past ``limit`` bytes fail (EFBIG) as on a full disk."""
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+
+@pytest.mark.parametrize("to", ["megatron", "mcore"])
+def test_convert_cli_a_full_disk_inside_torch_save_is_a_failed_write(
+        checkpoint: Path, tmp_path: Path, to: str) -> None:
+    """Targets written with ``torch.save`` (megatron's rank files, mcore's chunks): a write
+    that fails inside it (torch's zip writer reports it as a RuntimeError of its own) is
+    the one line of any failed write, exit 1, and nothing is left."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "mt_convert", str(checkpoint), str(out),
+                           "--to", to], capture_output=True, text=True, env=env, timeout=120,
+                          preexec_fn=lambda: _file_size_limit(100_000))
+    assert proc.returncode == 1, (proc.returncode, proc.stderr)
+    error = proc.stderr.replace("\n", "")
+    assert f"{out}: writing failed, nothing was written: [Errno 27] File too large" in error
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_an_interrupt_inside_torch_save_stays_an_interrupt() -> None:
+    """A signal's KeyboardInterrupt raised by a write in the middle of ``torch.save`` (which
+    its zip writer would report as a RuntimeError) reaches the caller as KeyboardInterrupt."""
+    from mt_formats.torch_io import save_into
+
+    class Interrupted(io.BytesIO):
+        def write(self, data: object) -> int:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        save_into({"w": torch.zeros(1000)}, Interrupted())
 
 
 def test_convert_cli_dcp_folders(tmp_path: Path) -> None:

@@ -76,6 +76,7 @@ from mt_formats.dcp_names import Naming, Part, detect_naming, writer_naming
 from mt_formats.deepspeed_universal import config_fields
 from mt_formats.errors import ConvertError
 from mt_formats.tensors import TensorSpec, check_names, tensor_checksum
+from mt_formats.torch_io import save_into
 from mt_model import GPTConfig
 
 __all__ = ["DCP_FORMAT", "DCPFileWriter", "DCPFolder", "DCPReader", "DCPWriter", "config_from",
@@ -600,7 +601,7 @@ class DCPFileWriter:
 
     def _append(self, index: MetadataIndex, payload: Any) -> None:
         start = self._file.tell()
-        torch.save(payload, self._file)
+        save_into(payload, self._file)
         self._storage[index] = _StorageInfo(DATA_FILE, start, self._file.tell() - start)
 
     def add_chunk(self, key: str, chunk: torch.Tensor, size: tuple[int, ...] | None = None,

@@ -68,6 +68,7 @@ from mt_formats.manifest import read_json
 from mt_formats.mcore_buckets import BUCKET_STATE, BucketState
 from mt_formats.megatron_args import config_from_args, load_megatron_file
 from mt_formats.tensors import TensorSpec, check_names, tensor_checksum
+from mt_formats.torch_io import save_into
 from mt_model import GPTConfig
 
 __all__ = ["MCORE_FORMAT", "McoreReader", "McoreWriter", "is_mcore_checkpoint", "mcore_parts",
@@ -505,7 +506,7 @@ class McoreWriter(CheckpointWriter):
         self._files.close()
         directory = self._files.directory
         with open(directory / COMMON_FILE, "wb") as file:
-            torch.save(common, file)
+            save_into(common, file)
             file.flush()
             os.fsync(file.fileno())
         with open(directory / METADATA_JSON, "w", encoding="utf-8") as file:

@@ -44,6 +44,7 @@ from mt_formats.errors import ConvertError
 from mt_formats.megatron_args import config_from_args, layout_from_args, load_megatron_file
 from mt_formats.sharded import stage_layers, stages_of
 from mt_formats.tensors import TensorSpec, tensor_sha256
+from mt_formats.torch_io import save_into
 from mt_model import GPTConfig
 from mt_tensor_parallel import (
     DEFAULT_PAD_MULTIPLE,
@@ -239,7 +240,7 @@ class MegatronWriter(CheckpointWriter):
         path = self._directory / self._plan.file(stage, rank)
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "wb") as handle:
-            torch.save(payload, handle)
+            save_into(payload, handle)
             handle.flush()
             os.fsync(handle.fileno())
         self._saved.add((stage, rank))

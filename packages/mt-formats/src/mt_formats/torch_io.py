@@ -1,11 +1,12 @@
-"""Weights-only reading of torch pickle files, with errors that name the file."""
+"""Weights-only reading of torch pickle files, with errors that name the file, and
+``torch.save`` with the failures of its writes as themselves."""
 
 from __future__ import annotations
 
 import pickle
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
@@ -30,3 +31,16 @@ def load_weights_only(path: Path, missing: str = "file not found",
         first = next(iter(str(err).splitlines()), type(err).__name__)  # one line, as above
         raise ConvertError(f"{path}: not a readable torch checkpoint (malformed or "
                            f"truncated): {first}") from None
+
+
+def save_into(payload: Any, file: IO[bytes]) -> None:
+    """``torch.save(payload, file)``. Its zip writer reports a write that raised (a full
+    disk's OSError, the KeyboardInterrupt of a signal arriving in the middle) as a
+    RuntimeError of its own ("unexpected pos"); that exception is raised instead, so that a
+    full disk is a failed write and an interrupt an interrupt."""
+    try:
+        torch.save(payload, file)
+    except RuntimeError as err:
+        if isinstance(err.__context__, (OSError, KeyboardInterrupt)):
+            raise err.__context__ from None
+        raise
