@@ -177,6 +177,9 @@ def test_meta_json_fields_of_the_wrong_type_are_one_clear_error(cache: Path, two
             ("model", lambda m: m["model"].update(n_layers="x"),
              "meta.json: damaged model (invalid GPTConfig: n_layers must be a positive int"),
             ("styles", lambda m: m.update(styles=5), "meta.json: damaged (AttributeError"),
+            ("style", lambda m: m["styles"].update({"blocks.0.attn.qkv.weight": "bogus"}),
+             "meta.json: damaged (styles['blocks.0.attn.qkv.weight'] is 'bogus', not one of "
+             "replicate, column"),
             ("tokenizer", lambda m: m.update(tokenizer=5),
              "meta.json: damaged (tokenizer 5 is not a name or a path)"),
             ("consumed", lambda m: m["data"].update(consumed_samples="16"),

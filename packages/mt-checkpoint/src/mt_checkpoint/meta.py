@@ -150,6 +150,12 @@ class CheckpointMeta:
                 files={str(k): dict(v) for k, v in (data.get("files") or {}).items()})
         except (KeyError, TypeError, ValueError, AttributeError) as err:
             raise CheckpointError(f"{where}: damaged ({type(err).__name__}: {err})") from None
+        from mt_tensor_parallel import PARAM_STYLES  # torch: not at the CLI's start
+
+        unknown = next(((k, v) for k, v in meta.styles.items() if v not in PARAM_STYLES), None)
+        if unknown is not None:
+            raise CheckpointError(f"{where}: damaged (styles[{unknown[0]!r}] is {unknown[1]!r}, "
+                                  f"not one of {', '.join(PARAM_STYLES)})")
         if not isinstance(meta.tokenizer, (str, type(None))):
             raise CheckpointError(f"{where}: damaged (tokenizer {meta.tokenizer!r} is not a "
                                   "name or a path)")
