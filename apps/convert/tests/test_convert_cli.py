@@ -64,6 +64,27 @@ def test_convert_cli_dry_run_prints_mapping_and_writes_nothing(checkpoint: Path,
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize(("options", "said"), [
+    (["--dp", "2", "--to", "consolidated"], "--dp and --zero-stage only apply"),
+    (["--zero-stage", "2", "--to", "hf"], "--dp and --zero-stage only apply"),
+    (["--drop-optimizer", "--to", "hf"], "--drop-optimizer only applies"),
+    (["--tokenizer", "gpt2", "--to", "tp"], "--tokenizer only applies to the hf and gguf"),
+    (["--gguf-type", "q8_0", "--to", "hf"], "--gguf-type only applies to the gguf target"),
+    (["--tokenizer", "/nonexistent/tokenizer.json", "--to", "hf"], "tokenizer: "),
+])
+def test_convert_cli_dry_run_refuses_what_the_conversion_refuses(
+        checkpoint: Path, tmp_path: Path, options: list[str], said: str) -> None:
+    """The dry run refuses, in the same line and exit 2, the options the conversion would:
+    ones that do not apply to the target, and a tokenizer that cannot be loaded (found
+    before any tensor is written)."""
+    for dry in (["--dry-run"], []):
+        result = runner.invoke(app, [str(checkpoint), str(tmp_path / "out"), *options, *dry],
+                               env={"COLUMNS": "400"})
+        assert result.exit_code == 2, (dry, result.output)
+        assert said in result.output and "Traceback" not in result.output, result.output
+    assert not (tmp_path / "out").exists()
+
+
 def test_convert_cli_pipeline_and_megatron_layouts(checkpoint: Path, tmp_path: Path) -> None:
     result = runner.invoke(app, [str(checkpoint), str(tmp_path / "out"), "--pp", "2",
                                  "--tp", "2", "--pad-multiple", "8", "--dry-run"])

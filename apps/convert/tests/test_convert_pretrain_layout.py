@@ -136,6 +136,10 @@ def test_convert_pretrain_errors_name_the_file(source: tuple[Path, GPT, dict[str
         convert_checkpoint(folder, tmp_path / "x", to="pretrain", zero_stage=4)
     with pytest.raises(ConvertError, match=r"cannot split the model into pp=3 stages"):
         convert_checkpoint(folder, tmp_path / "x", to="pretrain", pp=3)
+    with pytest.raises(ConvertError, match=r"--model does not apply to an mt pretrain source"):
+        convert_checkpoint(folder, tmp_path / "x", to="pretrain", model="tiny")
+    with pytest.raises(ConvertError, match=r"--gguf-type only applies to the gguf target"):
+        convert_checkpoint(folder, tmp_path / "x", to="pretrain", gguf_type="q8_0")
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "meta.json").write_text((folder / "meta.json").read_text())

@@ -195,15 +195,18 @@ def convert(
     source = from_format.value if from_format is not None else None
     console = Console(stderr=True)
     # Imported here: the format library needs torch (seconds), `mt --help` does not.
-    from mt_formats.convert import check_paths, detect_format
+    from mt_formats.convert import check_options, check_paths, detect_format
     from mt_formats.pretrain_relayout import PretrainTarget, describe_pretrain
 
     try:
-        if dry_run:  # what the conversion would refuse, the dry run says
-            check_paths(src, dst, force)
         if to is None and (sharded or dp is not None or zero_stage is not None) and (
                 source or detect_format(src)) == "pretrain":
             target = "pretrain"  # between mt pretrain layouts: keep the optimizer state
+        if dry_run:  # what the conversion would refuse, the dry run says
+            check_paths(src, dst, force)
+            check_options(src, target, source, pad_multiple=pad_multiple, dp=dp,
+                          zero_stage=zero_stage, drop_optimizer=drop_optimizer, model=model,
+                          tokenizer=tokenizer, gguf_type=gguf_type)
         if dry_run and target == "pretrain" and (source or detect_format(src)) == "pretrain":
             lines = describe_pretrain(src, PretrainTarget(tp, pp, dp, zero_stage,
                                                           drop_optimizer))

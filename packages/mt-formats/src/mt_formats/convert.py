@@ -57,6 +57,7 @@ __all__ = [
     "FORMATS",
     "ConversionResult",
     "MappingEntry",
+    "check_options",
     "check_paths",
     "convert_checkpoint",
     "detect_format",
@@ -368,19 +369,12 @@ def convert_checkpoint(source: Path, destination: Path, *, to: str = "consolidat
     """
     source, destination = Path(source), Path(destination)
     check_paths(source, destination, overwrite)  # fail before reading anything
-    if tokenizer is not None and to not in ("hf", GGUF_FORMAT):
-        raise ConvertError(f"--tokenizer only applies to the hf and gguf targets, not {to!r}")
-    if to == "pretrain" and (from_format or detect_format(source)) == "pretrain":
-        return _to_pretrain(source, destination, pad_multiple, overwrite, progress,
+    relayout = check_options(source, to, from_format, pad_multiple=pad_multiple, dp=dp,
+                             zero_stage=zero_stage, drop_optimizer=drop_optimizer,
+                             model=model, tokenizer=tokenizer, gguf_type=gguf_type)
+    if relayout:
+        return _to_pretrain(source, destination, overwrite, progress,
                             PretrainTarget(tp, pp, dp, zero_stage, drop_optimizer))
-    if dp is not None or zero_stage is not None:
-        raise ConvertError("--dp and --zero-stage only apply from an mt pretrain checkpoint "
-                           f"to the pretrain format, not to {to!r}")
-    if drop_optimizer and to not in ("pretrain", DCP_FORMAT, MCORE_FORMAT):
-        raise ConvertError("--drop-optimizer only applies to the formats that hold optimizer "
-                           f"state (pretrain, dcp, mcore), not to {to!r}")
-    if to not in _WRITABLE:  # fail before reading anything
-        raise ConvertError(f"cannot write the {to!r} format; writable: {list(_WRITABLE)}")
     start = time.perf_counter()
     with open_checkpoint(source, from_format, model) as reader:
         writer = make_writer(to, reader.config, _specs(reader), tp, pp, pad_multiple,
@@ -399,12 +393,45 @@ def convert_checkpoint(source: Path, destination: Path, *, to: str = "consolidat
                                 writer.tokenizer, tuple(writer.notes))
 
 
-def _to_pretrain(source: Path, destination: Path, pad_multiple: int | None, overwrite: bool,
+def check_options(source: Path, to: str, from_format: str | None, *,
+                  pad_multiple: int | None = None, dp: int | None = None,
+                  zero_stage: int | None = None, drop_optimizer: bool = False,
+                  model: GPTConfig | str | None = None, tokenizer: str | None = None,
+                  gguf_type: str | None = None) -> bool:
+    """A one-line :class:`ConvertError` for options the conversion of ``source`` to ``to``
+    would not use or cannot honour (the conversion and its dry run ask the same, before
+    reading any tensor); a ``tokenizer`` is loaded, so that a bad one fails here, not after
+    the weights are written. Returns whether it is mt pretrain -> pretrain (a relayout)."""
+    if tokenizer is not None and to not in ("hf", GGUF_FORMAT):
+        raise ConvertError(f"--tokenizer only applies to the hf and gguf targets, not {to!r}")
+    if gguf_type is not None and to != GGUF_FORMAT:
+        raise ConvertError(f"--gguf-type only applies to the gguf target, not {to!r}")
+    if to == "pretrain" and (from_format or detect_format(source)) == "pretrain":
+        if pad_multiple is not None:
+            raise ConvertError("--pad-multiple does not apply to the pretrain format (mt "
+                               "pretrain pads the vocabulary itself)")
+        if model is not None:
+            raise ConvertError("--model does not apply to an mt pretrain source: its "
+                               "meta.json records the model")
+        return True
+    if dp is not None or zero_stage is not None:
+        raise ConvertError("--dp and --zero-stage only apply from an mt pretrain checkpoint "
+                           f"to the pretrain format, not to {to!r}")
+    if drop_optimizer and to not in ("pretrain", DCP_FORMAT, MCORE_FORMAT):
+        raise ConvertError("--drop-optimizer only applies to the formats that hold optimizer "
+                           f"state (pretrain, dcp, mcore), not to {to!r}")
+    if to not in _WRITABLE:
+        raise ConvertError(f"cannot write the {to!r} format; writable: {list(_WRITABLE)}")
+    if tokenizer is not None:
+        from mt_formats.hf_tokenizer import load_named_tokenizer
+
+        load_named_tokenizer(tokenizer)
+    return False
+
+
+def _to_pretrain(source: Path, destination: Path, overwrite: bool,
                  progress: ProgressFn | None, target: PretrainTarget) -> ConversionResult:
     """pretrain -> pretrain at another layout, optimizer state carried (or dropped)."""
-    if pad_multiple is not None:
-        raise ConvertError("--pad-multiple does not apply to the pretrain format (mt "
-                           "pretrain pads the vocabulary itself)")
     start = time.perf_counter()
     fmt, count, moved = convert_pretrain(source, destination, target, overwrite, progress)
     return ConversionResult(fmt, "pretrain", destination, count, moved,
