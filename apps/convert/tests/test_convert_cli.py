@@ -245,3 +245,24 @@ def test_convert_cli_dcp_folders(tmp_path: Path) -> None:
     assert "(dcp) -> " in result.output.splitlines()[0]
     assert ("  <- __0_0.distcp:transformer.h.0.mlp.c_fc.weight [64, 256] F32 (transpose)"
             in result.output.splitlines())
+
+
+def test_convert_cli_carries_a_hugging_face_source_s_tokenizer(checkpoint: Path,
+                                                               tmp_path: Path) -> None:
+    """A Hugging Face folder's own tokenizer travels to the targets that store one (hf,
+    gguf) without --tokenizer; one mt cannot load is left out with a note saying why, and
+    the weights convert."""
+    hf = tmp_path / "hf"
+    result = runner.invoke(app, [str(checkpoint), str(hf), "--to", "hf", "--tokenizer",
+                                 "tokenizer-1k"], env={"COLUMNS": "400"})
+    assert result.exit_code == 0, result.output
+    again = tmp_path / "again"
+    result = runner.invoke(app, [str(hf), str(again), "--to", "hf"], env={"COLUMNS": "400"})
+    assert result.exit_code == 0 and "no tokenizer written" not in result.output, result.output
+    assert (again / "tokenizer.json").read_bytes() == (hf / "tokenizer.json").read_bytes()
+    (hf / "tokenizer.json").write_text("{not json")
+    result = runner.invoke(app, [str(hf), str(tmp_path / "third"), "--to", "hf"],
+                           env={"COLUMNS": "400"})
+    assert result.exit_code == 0, result.output
+    assert "note: the source's tokenizer is not written (tokenizer: " in result.output
+    assert not (tmp_path / "third" / "tokenizer.json").exists()

@@ -126,11 +126,11 @@ def _convert(src: Path, dst: Path, to: str, from_format: str | None, layout: Lay
     for note in result.notes:
         console.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
     if to == "hf" and not (dst / "tokenizer.json").exists():
-        console.print("note: no tokenizer written (the source records none); pass --tokenizer "
+        console.print("note: no tokenizer written; pass --tokenizer "
                       "so that transformers and lm-eval load the folder unaided",
                       markup=False, highlight=False, soft_wrap=True)
     if to == "gguf" and result.tokenizer is None:
-        console.print("note: no tokenizer written (the source records none); llama.cpp needs "
+        console.print("note: no tokenizer written; llama.cpp needs "
                       "one: pass --tokenizer", markup=False, highlight=False, soft_wrap=True)
 
 

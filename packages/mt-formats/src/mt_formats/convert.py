@@ -379,7 +379,7 @@ def convert_checkpoint(source: Path, destination: Path, *, to: str = "consolidat
     with open_checkpoint(source, from_format, model) as reader:
         writer = make_writer(to, reader.config, _specs(reader), tp, pp, pad_multiple,
                              gguf_type)
-        writer.tokenizer = tokenizer or reader.tokenizer
+        writer.tokenizer = tokenizer or _source_tokenizer(reader, writer)
         if writer.holds_optimizer_state and not drop_optimizer:
             writer.state_source = reader  # Adam's state, where the source holds it
         get: Callable[[str], _Read] = reader.read_deferred
@@ -427,6 +427,21 @@ def check_options(source: Path, to: str, from_format: str | None, *,
 
         load_named_tokenizer(tokenizer)
     return False
+
+
+def _source_tokenizer(reader: CheckpointReader, writer: CheckpointWriter) -> str | None:
+    """The source's tokenizer for a target that stores one, where mt can load it (else
+    None, with a note saying why: the conversion goes on without it)."""
+    if reader.tokenizer is None or writer.format not in ("hf", GGUF_FORMAT):
+        return reader.tokenizer
+    from mt_formats.hf_tokenizer import load_named_tokenizer
+
+    try:
+        load_named_tokenizer(reader.tokenizer)
+    except ConvertError as err:
+        writer.notes.append(f"the source's tokenizer is not written ({err}); pass --tokenizer")
+        return None
+    return reader.tokenizer
 
 
 def _to_pretrain(source: Path, destination: Path, overwrite: bool,

@@ -222,9 +222,11 @@ class HFWriter(CheckpointWriter):
 def open_hf(root: Path) -> CheckpointReader:
     """A Hugging Face folder's reader: ``LlamaForCausalLM`` (``model_type: llama``) or GPT-2."""
     data = read_json(Path(root) / "config.json")
-    if data.get("model_type") == "llama":
-        return LlamaReader(Path(root), data, _open_weight_files(Path(root)))
-    return HFReader(Path(root))
+    reader: CheckpointReader = (LlamaReader(Path(root), data, _open_weight_files(Path(root)))
+                                if data.get("model_type") == "llama" else HFReader(Path(root)))
+    if (Path(root) / "tokenizer.json").is_file():  # carried to the targets that store one
+        reader.tokenizer = str(root)
+    return reader
 
 
 def _first_line(err: BaseException) -> str:
