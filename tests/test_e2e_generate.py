@@ -118,5 +118,6 @@ def test_a_prompt_too_long_is_named_by_its_line(model: dict[str, Path], tmp_path
                            "--max-new-tokens", "4", "--batch-size", "2")
     text = " ".join(text.split())
     assert code == 2 and f"{prompts}:4: a prompt of " in text, text
-    assert "tokens + 4 new tokens exceed the model's 64 positions" in text, text
+    assert "tokens + 4 new tokens exceed the model's 64 positions: lower --max-new-tokens" \
+        in text, text
     assert not out.exists()

@@ -39,14 +39,28 @@ from mt_zero.precision import compute_dtype
 __all__ = ["GenerateSpec", "Generator", "generate_rank", "read_prompts"]
 
 
+#: Fields of an OpenAI-style request that a row might carry to set its own sampling: mt
+#: generate takes those from its options, for every row.
+_REQUEST_FIELDS = ("max_tokens", "max_new_tokens", "temperature", "top_p", "top_k", "stop",
+                   "seed", "n", "logprobs", "echo", "best_of", "suffix", "presence_penalty",
+                   "frequency_penalty", "logit_bias")
+
+
 def read_prompts(path: Path) -> list[tuple[str, str]]:
     """Where each row of a JSONL file is (``PATH:LINE``) and its ``prompt``; a TaskError
-    names the line at fault."""
+    names the line at fault, and a row setting its own sampling (``max_tokens``, ``stop``,
+    ...: options mt generate takes for every row) is refused rather than run without it.
+    Other fields (an id, metadata) are the user's and left alone."""
     prompts = []
     for number, row in numbered_rows(path):
         if not isinstance(row.get("prompt"), str) or not row["prompt"]:
             raise TaskError(f'{path}:{number}: a row must be {{"prompt": TEXT}} with a '
                             f"non-empty TEXT, got {json.dumps(row)[:80]}")
+        if fields := [key for key in _REQUEST_FIELDS if key in row]:
+            raise TaskError(f"{path}:{number}: the row sets {', '.join(fields)}, which mt "
+                            "generate takes from its options for every row (--max-new-tokens, "
+                            "--temperature, --top-k, --top-p, --stop, --seed); leave it out "
+                            "and give the option, or use mt serve for per-request settings")
         prompts.append((f"{path}:{number}", row["prompt"]))
     return prompts
 
@@ -83,7 +97,8 @@ class Generator:
             count = len(self.tokenizer.encode(prompt))
             if count + max_new_tokens > positions:
                 raise TaskError(f"{source}: a prompt of {count} tokens + {max_new_tokens} new "
-                                f"tokens exceed the model's {positions} positions")
+                                f"tokens exceed the model's {positions} positions: lower "
+                                "--max-new-tokens or shorten the prompt")
 
     def complete(self, prompts: Sequence[str], sampling: Sampling, stop: Sequence[str] = (),
                  on_text: Callable[[int, str], None] | None = None) -> list[dict[str, Any]]:
