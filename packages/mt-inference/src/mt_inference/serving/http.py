@@ -2,7 +2,8 @@
 
 Routes: ``POST /v1/completions`` (:mod:`mt_inference.serving.api`; ``stream`` answers with
 server-sent events ending in ``data: [DONE]``), ``GET /v1/models``, ``GET /v1/models/{id}``,
-``GET /health`` (503 while draining), ``GET /openapi.json`` (:mod:`.openapi`). With an API key
+``GET /health`` (503 while draining, or once the checkpoint's folder no longer holds what the
+server loaded: :mod:`.watch`), ``GET /openapi.json`` (:mod:`.openapi`). With an API key
 the /v1 routes need ``Authorization: Bearer KEY`` (compared in constant time; 401
 otherwise). Every refusal is a JSON error object: malformed JSON, a wrong or unknown field
 (400), a wrong key (401), an unknown model or route (404), another method (405, with
@@ -55,6 +56,7 @@ from mt_inference.serving.api import (
 )
 from mt_inference.serving.engine import Inbox, Job
 from mt_inference.serving.openapi import openapi_schema
+from mt_inference.serving.watch import CheckpointWatch
 
 __all__ = ["ServerConfig", "build_app", "start_server"]
 
@@ -77,6 +79,8 @@ class ServerConfig:
     response once the send buffer is full."""
     max_connections: int = 512
     """Open connections at most (more: the idlest without a request is closed)."""
+    watch: CheckpointWatch | None = None
+    """Whether the checkpoint is still what its path holds (None: not watched)."""
 
 
 def _error(error: ApiError, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -136,6 +140,8 @@ class _Handlers:
         self.config, self.inbox = config, inbox
         self.model_card = {"id": config.model, "object": "model", "created": now(),
                            "owned_by": "mt", "max_model_len": config.limits.max_positions}
+        if config.watch is not None:  # the folder served (vLLM's field for a model's path)
+            self.model_card["root"] = config.watch.folder
         self.schema = openapi_schema(config.model, config.limits, config.api_key is not None)
 
     def refuse_key(self, request: Request) -> Response | None:
@@ -156,6 +162,9 @@ class _Handlers:
         inbox = self.inbox
         if inbox.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
+        change = self.config.watch.change() if self.config.watch is not None else None
+        if change is not None:
+            return JSONResponse({"status": "stale", "message": change}, status_code=503)
         return JSONResponse({"status": "ok", "waiting": len(inbox), "running": inbox.running,
                              "gone": inbox.gone})
 
@@ -172,7 +181,8 @@ class _Handlers:
             return refused
         asked = request.path_params["model"]
         if asked != self.config.model:
-            return _error(ApiError(404, f"the model '{asked}' does not exist; this server "
+            shown = asked if len(asked) <= 60 else asked[:57] + "..."
+            return _error(ApiError(404, f"the model '{shown}' does not exist; this server "
                                    f"serves '{self.config.model}'", "model",
                                    code="model_not_found"))
         return JSONResponse(self.model_card)
@@ -182,6 +192,8 @@ class _Handlers:
         if refused:
             return refused
         config = self.config
+        if config.watch is not None:
+            config.watch.change()  # announced once, when first seen
         try:
             raw = await _body(request, config.max_body_bytes, config.client_timeout)
             completion = await run_in_threadpool(self.parse, raw)

@@ -102,6 +102,12 @@ def serve_rank(spec: ServeSpec, info: LaunchInfo | None,
                announce: Callable[[str], None] = lambda line: print(line, file=sys.stderr,
                                                                    flush=True)) -> None:
     """Serve ``spec`` as rank ``info.rank`` (``info`` None: one process, the model whole)."""
+    from mt_inference.serving.watch import CheckpointWatch
+
+    # What the checkpoint's path holds before the model is read: a change while it loads
+    # counts too.
+    watch = CheckpointWatch(spec.placement.checkpoint, announce) if info is None or \
+        info.rank == 0 else None
     served = _single(spec) if info is None else _parallel(spec, info)
     positions = served.loop.batch.model.max_positions
     if spec.max_tokens is not None and spec.max_tokens >= positions:  # every rank alike
@@ -131,7 +137,7 @@ def serve_rank(spec: ServeSpec, info: LaunchInfo | None,
     config = ServerConfig(spec.name, limits,
                           tokenizer.encode, tokenizer.decode, (tokenizer.eod_id,),
                           spec.max_body_bytes, spec.request_timeout, spec.api_key,
-                          spec.client_timeout, spec.max_connections)
+                          spec.client_timeout, spec.max_connections, watch)
     server, thread = start_server(build_app(config, inbox), spec.host, spec.port,
                                   spec.client_timeout, spec.max_connections)
     signals: list[int] = []
