@@ -6,6 +6,7 @@ llama.cpp's own forward on these files: ``benchmarks/gguf_llama_cpp.py``."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -200,3 +201,132 @@ def test_a_gguf_type_that_rounds_the_source_says_so(tmp_path: Path) -> None:
     notes = convert_checkpoint(tmp_path / "bf16-model", tmp_path / "bf16-as-bf16", to="gguf",
                                gguf_type="bf16").notes
     assert not [note for note in notes if "rounded" in note], notes
+
+
+@pytest.mark.parametrize(("before", "after"), [
+    (b'"layernorm_eps": 1e-05', b'"layernorm_eps": 1e-01'),  # in mt.config
+    (b'"n_heads": 4, "n_kv_heads": 4', b'"n_heads": 2, "n_kv_heads": 2')])
+def test_gguf_header_edit_is_refused(tmp_path: Path, before: bytes, after: bytes) -> None:
+    """mt.json records the CRC-32C of model.gguf's bytes before the tensor data (header,
+    key/values, tensor table): a same-length edit there is refused in one line; a sidecar
+    without that checksum (as mt wrote them before it) still reads."""
+    from mt_formats.dcp_files import write_sidecar
+
+    model = GPT(preset("tiny"), seed=1)
+    save_model(model, tmp_path / "mt")
+    convert_checkpoint(tmp_path / "mt", tmp_path / "g", to="gguf", gguf_type="f32")
+    path = tmp_path / "g" / "model.gguf"
+    data = path.read_bytes()
+    assert data.count(before) == 1
+    path.write_bytes(data.replace(before, after))
+    with pytest.raises(ConvertError, match=r"model\.gguf: header \(metadata keys and tensor "
+                       r"table\): checksum mismatch \(recorded crc32c:"):
+        open_checkpoint(tmp_path / "g")
+    path.write_bytes(data)
+    sidecar = json.loads((tmp_path / "g" / "mt.json").read_text())
+    assert sidecar["header"].startswith("crc32c:")
+    write_sidecar(tmp_path / "g", {key: value for key, value in sidecar.items()
+                                   if key not in ("format", "format_version", "checksum",
+                                                  "header")})
+    assert torch.equal(load_model(tmp_path / "g").blocks[0].mlp.fc.weight,
+                       model.blocks[0].mlp.fc.weight)
+
+
+def _foreign(src: Path, dst: Path, drop: set[str] = frozenset(),
+             keys: dict[str, tuple[object, gguf.GGUFValueType]] | None = None) -> Path:
+    """``src`` (an mt GGUF) rewritten as llama.cpp's converter would: no ``mt.config``,
+    without the tensors or keys in ``drop``, with ``keys`` added."""
+    reader = gguf.GGUFReader(src)
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(dst, arch)
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name in drop | {"general.architecture", "mt.config"}:
+            continue
+        sub = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, field.contents(), field.types[0], sub_type=sub)
+    for name, (value, kind) in (keys or {}).items():
+        writer.add_key_value(name, value, kind)
+    for tensor in reader.tensors:
+        if tensor.name not in drop:
+            writer.add_tensor(tensor.name, np.array(tensor.data))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
+
+
+_STRING, _FLOAT, _UINT = (gguf.GGUFValueType.STRING, gguf.GGUFValueType.FLOAT32,
+                         gguf.GGUFValueType.UINT32)
+
+
+@pytest.mark.parametrize(("drop", "keys", "message"), [
+    ({"token_embd.weight"}, {}, r"no tensor 'token_embd\.weight'"),
+    (set(), {"llama.rope.scaling.type": ("linear", _STRING),
+             "llama.rope.scaling.factor": (4.0, _FLOAT)},
+     r"llama\.rope\.scaling\.factor=4\.0 is not supported by mt's Llama"),
+    (set(), {"llama.rope.scaling.type": ("yarn", _STRING)},
+     r"llama\.rope\.scaling\.type='yarn' is not supported by mt's Llama"),
+    ({"llama.rope.dimension_count"}, {"llama.rope.dimension_count": (8, _UINT)},
+     r"llama\.rope\.dimension_count=8 is not supported by mt's Llama \(.* = 16")])
+def test_foreign_gguf_mt_cannot_honour_is_refused(
+        tmp_path: Path, drop: set[str], keys: dict[str, tuple[object, gguf.GGUFValueType]],
+        message: str) -> None:
+    """A llama.cpp GGUF (config from its keys) without token_embd.weight, with RoPE scaling
+    (linear with a factor, or yarn) or with RoPE on part of each head (rope.dimension_count
+    below the head width) is refused in one line naming the file and the tensor or key;
+    the same file without those reads back as the model."""
+    model = GPT(LLAMA, seed=3)
+    save_model(model, tmp_path / "g", to="gguf", gguf_type="f32")
+    src = tmp_path / "g" / "model.gguf"
+    back = load_model(_foreign(src, tmp_path / "plain.gguf"))
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(back.state_dict()[name], tensor), name
+    path = _foreign(src, tmp_path / "edited.gguf", drop, keys)
+    with pytest.raises(ConvertError, match=rf"^{re.escape(str(path))}: {message}"):
+        open_checkpoint(path)
+
+
+@pytest.mark.parametrize(("hidden", "file_type", "stored", "fallen"), [
+    (48, "MOSTLY_F16", "f16", "token_embd.weight, position_embd.weight, "
+     "blk.*.attn_qkv.weight, blk.*.attn_output.weight, blk.*.ffn_up.weight, "
+     "blk.*.ffn_down.weight"),
+    (64, "MOSTLY_Q8_0", "q8_0 / f16", "blk.*.ffn_down.weight")])
+def test_q8_0_notes_and_file_type_say_what_was_stored(tmp_path: Path, hidden: int,
+                                                      file_type: str, stored: str,
+                                                      fallen: str) -> None:
+    """--gguf-type q8_0 where rows are not a multiple of 32 (ffn_hidden 100; hidden 48 too)
+    stores those matrices as f16: general.file_type is the type holding most of the
+    matrices' values, and the notes name the types stored and the matrices stored as f16."""
+    save_model(GPT(preset("tiny").replace(hidden=hidden, n_heads=4, ffn_hidden=100), seed=1),
+               tmp_path / "mt")
+    notes = convert_checkpoint(tmp_path / "mt", tmp_path / "g", to="gguf",
+                               gguf_type="q8_0").notes
+    reader = gguf.GGUFReader(tmp_path / "g" / "model.gguf")
+    assert gguf.LlamaFileType(reader.fields["general.file_type"].contents()).name == file_type
+    types = {key: tensor.tensor_type.name for key, tensor in _stored(reader).items()}
+    assert (types["blk.0.ffn_down.weight"], types["blk.0.ffn_up.weight"]) == (
+        ("F16", "F16") if hidden == 48 else ("F16", "Q8_0"))
+    assert [note for note in notes if "q8_0" in note or "rounded" in note] == [
+        f"matrices stored as {stored} (--gguf-type): their float32 values rounded; "
+        "--gguf-type f32 keeps every value",
+        f"--gguf-type q8_0: {fallen} stored as f16, not q8_0: their rows are not a multiple "
+        "of q8_0's blocks of 32"], notes
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_q8_0_refuses_a_non_finite_value(tmp_path: Path, value: float) -> None:
+    """q8_0 would turn the whole block of 32 holding a nan or inf into nan: refused in one
+    line naming the tensor; f16 stores the value as it is."""
+    model = GPT(preset("tiny"), seed=1)
+    with torch.no_grad():
+        model.blocks[0].mlp.fc.weight[3, 5] = value
+    save_model(model, tmp_path / "mt")
+    with pytest.raises(ConvertError, match=r"^tensor 'blocks\.0\.mlp\.fc\.weight' holds "
+                       rf"{value}, which q8_0 cannot store .*--gguf-type f16"):
+        convert_checkpoint(tmp_path / "mt", tmp_path / "g", to="gguf", gguf_type="q8_0")
+    assert not (tmp_path / "g").exists()
+    convert_checkpoint(tmp_path / "mt", tmp_path / "g", to="gguf", gguf_type="f16")
+    weight = load_model(tmp_path / "g").blocks[0].mlp.fc.weight
+    assert weight[3, 5].item() == value or (value != value and weight[3, 5].isnan())
+    assert weight.isfinite().sum() == weight.numel() - 1

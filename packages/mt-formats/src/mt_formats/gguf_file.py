@@ -9,15 +9,19 @@ llama.cpp's own converter (``convert_hf_to_gguf.py``): ``token_embd``, ``positio
 that converter does, Llama's ``attn_q`` / ``attn_k`` rows are permuted per head to the
 adjacent-pair RoPE order llama.cpp computes. Matrices are stored as ``--gguf-type`` (f32,
 f16, bf16 or q8_0: blocks of 32 int8 with one f16 scale; a matrix whose rows are not a
-multiple of 32 stays f16), vectors (norms, biases) as f32; a value the type would store as
-inf (beyond f16's 65504) is refused. The tokenizer (a byte-level BPE, as mt's are) goes in
-as ``tokenizer.ggml.model = gpt2``. mt's whole config rides along under ``mt.config`` (JSON),
+multiple of 32 stays f16, named in a note, and ``general.file_type`` is the type holding most
+of the matrices' values), vectors (norms, biases) as f32; a value the type would store as
+inf (beyond f16's 65504) is refused, and so is an inf or nan in q8_0 (its whole block would
+read nan). The tokenizer (a byte-level BPE, as mt's are) goes in as
+``tokenizer.ggml.model = gpt2``. mt's whole config rides along under ``mt.config`` (JSON),
 so mt reads its own files back without guessing; GGUF has no checksums, so ``mt.json``
-beside ``model.gguf`` records the CRC-32C of every tensor's stored bytes (checked when mt
-reads the folder).
+beside ``model.gguf`` records the CRC-32C of every tensor's stored bytes and, under
+``header``, of the bytes before them (header, key/values, tensor table), checked when mt
+reads the folder (a ``mt.json`` without ``header``, as mt wrote before, still reads).
 
 Read: ``model.gguf`` (or any ``.gguf`` file) of those two architectures, also as llama.cpp's
-converter writes them (config from the ``gpt2.*`` / ``llama.*`` keys), every tensor
+converter writes them (config from the ``gpt2.*`` / ``llama.*`` keys; RoPE scaling or RoPE on
+part of each head, which mt does not compute, is refused naming the key), every tensor
 dequantised by ``gguf.quants`` (q8_0 -> f32; f32 / f16 / bf16 exactly as stored). Tensors
 are streamed: the header is written from the specs, then each tensor as it arrives.
 """
@@ -34,7 +38,7 @@ import numpy as np
 import torch
 
 from mt_formats.canonical import CheckpointReader, CheckpointWriter, TensorRef, canonical_shapes
-from mt_formats.crc import CHECKSUM_ALGORITHM, digest
+from mt_formats.crc import CHECKSUM_ALGORITHM, algorithm_of, digest
 from mt_formats.dcp_files import SIDECAR, read_sidecar, write_sidecar
 from mt_formats.dcp_names import from_interleaved, to_interleaved
 from mt_formats.errors import ConvertError
@@ -127,6 +131,7 @@ class GGUFWriter(CheckpointWriter):
         self._next = 0
         self._checksums: dict[str, str] = {}
         self._directory: Path | None = None
+        self._header_bytes = 0  # header, key/values and tensor table, padded to the data
         self._rounded: set[torch.dtype] = set()  # source dtypes stored in fewer bits
 
     def _shape(self, name: str, rows: int) -> tuple[int, ...]:
@@ -141,6 +146,25 @@ class GGUFWriter(CheckpointWriter):
         if self.gguf_type == "q8_0" and shape[-1] % 32:
             return types.F16  # q8_0 blocks run along rows of 32
         return {"f16": types.F16, "bf16": types.BF16, "q8_0": types.Q8_0}[self.gguf_type]
+
+    def _file_type(self) -> Any:
+        """``general.file_type``: the GGML type that holds most of the matrices' values."""
+        sizes: dict[str, int] = {}
+        for shape in self._shapes.values():
+            if len(shape) >= 2:
+                kind = self.qtype(shape).name
+                sizes[kind] = sizes.get(kind, 0) + int(np.prod(shape))
+        types = self._gguf.LlamaFileType
+        return {"F32": types.ALL_F32, "F16": types.MOSTLY_F16, "BF16": types.MOSTLY_BF16,
+                "Q8_0": types.MOSTLY_Q8_0}[max(sizes, key=sizes.__getitem__, default="F32")]
+
+    def _fallbacks(self) -> list[str]:
+        """The matrices ``--gguf-type q8_0`` stores as f16 (``blk.*`` for every layer's)."""
+        if self.gguf_type != "q8_0":
+            return []
+        keys = [re.sub(r"^blk\.\d+\.", "blk.*.", key) for key, shape in self._shapes.items()
+                if len(shape) >= 2 and self.qtype(shape).name == "F16"]
+        return list(dict.fromkeys(keys))
 
     def targets(self, name: str) -> list[TensorRef]:
         refs = []
@@ -170,10 +194,7 @@ class GGUFWriter(CheckpointWriter):
             writer.add_vocab_size(config.vocab_size)
         else:
             writer.add_layer_norm_eps(config.layernorm_eps)
-        file_type = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
-                     "bf16": gguf.LlamaFileType.MOSTLY_BF16,
-                     "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[self.gguf_type]
-        writer.add_file_type(int(file_type))
+        writer.add_file_type(int(self._file_type()))
         writer.add_string(MT_CONFIG_KEY, json.dumps(config.to_dict(), sort_keys=True))
         if self.tokenizer is not None:
             _add_tokenizer(writer, self.tokenizer, config.vocab_size)
@@ -184,7 +205,8 @@ class GGUFWriter(CheckpointWriter):
             writer.add_tensor_info(key, shape, np.dtype(np.float32), nbytes, raw_dtype=qtype)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
+        writer.write_ti_data_to_file()  # flushed: tell() is where the header ends
+        self._header_bytes = writer.ggml_pad(writer.fout[0].tell(), writer.data_alignment)
         self._writer = writer
 
     def _encode(self, name: str, key: str, tensor: torch.Tensor) -> np.ndarray:
@@ -225,12 +247,18 @@ class GGUFWriter(CheckpointWriter):
         assert self._directory is not None
         with open(self._directory / GGUF_FILE, "rb+") as file:  # durable before it is published
             os.fsync(file.fileno())
-        write_sidecar(self._directory, {"names": "gguf", "file": GGUF_FILE,
+            header = digest(file.read(self._header_bytes), CHECKSUM_ALGORITHM)
+        write_sidecar(self._directory, {"names": "gguf", "file": GGUF_FILE, "header": header,
                                         "checksums": self._checksums})
+        stored = sorted({self.qtype(s).name.lower() for s in self._shapes.values() if len(s) >= 2},
+                        key=lambda kind: kind != self.gguf_type)
         if self._rounded:
             dtypes = ", ".join(sorted(str(d).removeprefix("torch.") for d in self._rounded))
-            self.notes.append(f"matrices stored as {self.gguf_type} (--gguf-type): their "
+            self.notes.append(f"matrices stored as {' / '.join(stored)} (--gguf-type): their "
                               f"{dtypes} values rounded; --gguf-type f32 keeps every value")
+        if fallbacks := self._fallbacks():
+            self.notes.append(f"--gguf-type q8_0: {', '.join(fallbacks)} stored as f16, not "
+                              "q8_0: their rows are not a multiple of q8_0's blocks of 32")
 
     def abort(self) -> None:
         if self._writer is not None:
@@ -247,11 +275,16 @@ _LIMITS = {"F16": _F16_MAX, "Q8_0": 127 * _F16_MAX}
 
 def _check_range(name: str, data: np.ndarray, qtype: str) -> None:
     """Refuse (one line naming the tensor) a finite value that GGML type ``qtype`` would
-    store as inf."""
+    store as inf, and an inf or nan in q8_0 (which would make its whole block of 32 nan)."""
     limit = _LIMITS.get(qtype)
     if limit is None or data.size == 0 or max(float(data.max()), -float(data.min())) <= limit:
-        return
-    finite = np.abs(data[np.isfinite(data)])  # an inf or nan of the source stays as it is
+        return  # nan compares false: a tensor holding one goes on below
+    finite = np.isfinite(data)
+    if qtype == "Q8_0" and not finite.all():
+        raise ConvertError(f"tensor {name!r} holds {data[~finite][0]}, which q8_0 cannot store "
+                           "(its block of 32 values would all read nan): --gguf-type f16, "
+                           "bf16 or f32 keeps it")
+    finite = np.abs(data[finite])  # f16 stores an inf or nan of the source as it is
     if finite.size == 0 or (largest := float(finite.max())) <= limit:
         return
     raise ConvertError(f"tensor {name!r} holds {largest:g}, beyond what {qtype.lower()} stores "
@@ -298,7 +331,9 @@ def gguf_file(path: Path) -> Path:
 
 def _config_from_keys(fields: dict[str, Any], shapes: dict[str, tuple[int, ...]],
                       where: Path) -> GPTConfig:
-    """An mt config from llama.cpp's metadata keys (a file mt did not write)."""
+    """An mt config from llama.cpp's metadata keys (a file mt did not write); what mt cannot
+    reproduce (RoPE scaling, RoPE on part of each head) raises :class:`ConvertError` naming
+    the key."""
     arch = fields.get("general.architecture")
     if arch not in ("gpt2", "llama"):
         raise ConvertError(f"{where}: architecture {arch!r}; mt reads gpt2 and llama")
@@ -309,6 +344,9 @@ def _config_from_keys(fields: dict[str, Any], shapes: dict[str, tuple[int, ...]]
             raise ConvertError(f"{where}: no {arch}.{name} key")
         return value
 
+    if "token_embd.weight" not in shapes:
+        raise ConvertError(f"{where}: no tensor 'token_embd.weight' (the token embedding, "
+                           "whose rows give the vocabulary size)")
     common: dict[str, Any] = {
         "n_layers": int(key("block_count")), "hidden": int(key("embedding_length")),
         "n_heads": int(key("attention.head_count")), "seq_len": int(key("context_length")),
@@ -317,6 +355,20 @@ def _config_from_keys(fields: dict[str, Any], shapes: dict[str, tuple[int, ...]]
     if arch == "gpt2":
         return GPTConfig(**common, layernorm_eps=float(key("attention.layer_norm_epsilon")),
                          gelu_approximate="tanh")
+
+    def refuse(name: str, allowed: str) -> None:
+        raise ConvertError(f"{where}: {arch}.{name}={fields[f'{arch}.{name}']!r} is not "
+                           f"supported by mt's Llama ({allowed})")
+
+    if key("rope.scaling.type", "none") not in ("none", "linear"):
+        refuse("rope.scaling.type", "none: no RoPE scaling")
+    for name in ("rope.scaling.factor", "rope.scale_linear"):  # llama.cpp's linear scaling
+        if float(key(name, 1.0)) not in (0.0, 1.0):
+            refuse(name, "1: no RoPE scaling")
+    head_dim = common["hidden"] // max(common["n_heads"], 1)
+    if int(key("rope.dimension_count", head_dim)) != head_dim:
+        refuse("rope.dimension_count", f"embedding_length / attention.head_count = {head_dim}:"
+                                       " RoPE on the whole head")
     return GPTConfig(**common, position="rope", norm="rmsnorm", mlp="swiglu", bias=False,
                      n_kv_heads=int(key("attention.head_count_kv", common["n_heads"])),
                      layernorm_eps=float(key("attention.layer_norm_rms_epsilon")),
@@ -340,6 +392,8 @@ class GGUFReader(CheckpointReader):
                                f"{err}") from None
         sidecar = read_sidecar(self.file.parent) if self.file.name == GGUF_FILE else None
         self._checksums: dict[str, str] = dict((sidecar or {}).get("checksums") or {})
+        if sidecar is not None and "header" in sidecar:  # absent in files written before it
+            self._check_header(str(sidecar["header"]))
         self._tensors = {t.name: t for t in self._reader.tensors}
         if unknown := sorted(self._checksums.keys() - self._tensors.keys()):
             raise ConvertError(f"{self.file.parent / SIDECAR}: records a checksum of "
@@ -369,6 +423,21 @@ class GGUFReader(CheckpointReader):
             if shapes[key] != shape:
                 raise ConvertError(f"{self.file}: tensor {key!r} has shape {list(shapes[key])}, "
                                    f"the model config needs {list(shape)}")
+
+    def _check_header(self, expected: str) -> None:
+        """The bytes before the tensor data (header, key/values, tensor table) against the
+        checksum ``mt.json`` records of them: one edited (a config value, a tensor's type or
+        offset) is refused in one line."""
+        try:
+            algorithm = algorithm_of(expected)
+        except ConvertError as err:
+            raise ConvertError(f"{self.file.parent / SIDECAR}: header: {err}") from None
+        found = digest(np.ascontiguousarray(self._reader.data[:self._reader.data_offset]),
+                       algorithm)
+        if found != expected:
+            raise ConvertError(f"{self.file}: header (metadata keys and tensor table): checksum "
+                               f"mismatch (recorded {expected} in {SIDECAR}, found {found}): "
+                               "the file was edited or damaged")
 
     def names(self) -> list[str]:
         return list(self._shapes)
