@@ -260,6 +260,32 @@ def test_logprobs_follow_the_text_a_stop_string_cuts(server: Server) -> None:
         assert [o for c in chunks for o in c["logprobs"]["text_offset"]] == starts[:kept]
 
 
+def test_logprobs_of_tokens_inside_a_character_index_the_text(server: Server) -> None:
+    """A byte-level token that holds part of a character (GPT-2's tokens of "日本語", "€")
+    is written ``bytes:\\xNN...`` in ``tokens`` and ``top_logprobs``, as OpenAI writes such
+    tokens, and the character counts for the token that completes it: every ``text_offset``
+    indexes the text, echoed and generated, whole and streamed. Decoded on their own, those
+    tokens would each be "\ufffd" (one character too many each) and share one top entry."""
+    prompt = "café 日本語 €"
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "logprobs": 5, "echo": True}
+    full = server.post(body).json()["choices"][0]
+    text, entries = full["text"], full["logprobs"]
+    assert text.startswith(prompt)
+    assert any(t.startswith("bytes:\\x") for t in entries["tokens"]), entries["tokens"]
+    assert "\ufffd" not in "".join(entries["tokens"])
+    raw = b"".join(bytes.fromhex(t[6:].replace("\\x", "")) if t.startswith("bytes:") else
+                   t.encode() for t in entries["tokens"])
+    assert raw.decode() == text  # the tokens' bytes are the text's
+    offsets = entries["text_offset"]
+    assert offsets == sorted(offsets) and offsets[0] == 0 and offsets[-1] <= len(text)
+    for offset, token in zip(offsets, entries["tokens"], strict=True):
+        if not token.startswith("bytes:"):  # a whole token's text stands where it says
+            assert text[offset:offset + len(token)] == token, (offset, token)
+    assert all("\ufffd" not in key for top in entries["top_logprobs"][1:] for key in top)
+    streamed = _events(server, body)
+    assert [o for c in streamed for o in c["logprobs"]["text_offset"]] == offsets
+
+
 def test_a_stream_refused_before_its_first_token_gets_its_status(
         model: dict[str, Path]) -> None:
     """A request past its time before it started gets 504, streamed or not (a stream's

@@ -31,7 +31,7 @@ _PRETOKEN = re.compile(
 )
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character table used by ByteLevel."""
     printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
                  + list(range(ord("®"), ord("ÿ") + 1)))
@@ -99,7 +99,7 @@ class FastByteLevelBPE:
             raise ValueError("tokenizer pipeline is not plain GPT-2 style byte-level BPE")
         self.backend = backend
         self.model = backend.model
-        self.byte_map = _bytes_to_unicode()
+        self.byte_map = bytes_to_unicode()
         self._byte_table = {b: ch for b, ch in self.byte_map.items()}  # str.translate table
         self.risky = _risky_class()
         self.added = [t.content for t in backend.get_added_tokens_decoder().values()]

@@ -22,12 +22,15 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from mt_data.errors import DataError
-from mt_data.fastbpe import FastByteLevelBPE, is_gpt2_style
+from mt_data.fastbpe import FastByteLevelBPE, bytes_to_unicode, is_gpt2_style
 from mt_data.shards import atomic_write_bytes
 
 EOD_TOKEN = "<|endoftext|>"
 BUILTIN = ("gpt2", "tokenizer-1k")
 
+
+_BYTE_OF = {char: byte for byte, char in bytes_to_unicode().items()}
+"""ByteLevel's printable symbol -> the byte it stands for."""
 
 class TokenizerError(DataError, ValueError):
     """A tokenizer could not be loaded or trained."""
@@ -122,6 +125,20 @@ class Tokenizer:
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         """Text of a sequence of ids."""
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes id ``token`` stands for: a byte-level token may hold part of a
+        character's UTF-8 (which ``decode`` of it alone shows as U+FFFD); an added token's
+        (``<|endoftext|>``) is its text's UTF-8."""
+        piece = self.backend.id_to_token(int(token))
+        if piece is None:
+            raise TokenizerError(f"tokenizer {self.name!r} has no id {token}")
+        if int(token) in self.backend.get_added_tokens_decoder():
+            return piece.encode("utf-8")
+        try:
+            return bytes(_BYTE_OF[char] for char in piece)
+        except KeyError:  # not a byte-level symbol: the text it decodes to
+            return self.decode([token]).encode("utf-8")
 
     def save(self, path: str | Path) -> None:
         """Write the tokenizer as a HF ``tokenizer.json`` (atomically)."""

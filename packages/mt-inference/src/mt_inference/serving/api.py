@@ -16,6 +16,7 @@ Unicode (JSON allows lone surrogates, which no tokenizer or response can carry).
 
 from __future__ import annotations
 
+import codecs
 import difflib
 import hashlib
 import math
@@ -330,25 +331,69 @@ class Choice:
     offset: int = 0
     """Where the first of ``tokens`` starts in the whole text (a streamed chunk's: the
     characters of the tokens sent before it)."""
+    widths: list[int] | None = None
+    """The characters of the text each of ``tokens`` completes (:class:`TokenEntries`)."""
 
     def logprobs_body(self) -> dict[str, Any] | None:
         if self.tokens is None:
             return None
         offsets, at = [], self.offset
-        for token in self.tokens:
+        for width in self.widths or ():
             offsets.append(at)
-            at += len(token)
+            at += width
         return {"tokens": self.tokens, "token_logprobs": self.token_logprobs,
                 "top_logprobs": self.top_logprobs, "text_offset": offsets}
 
 
-def token_logprobs(choice: Choice, pieces: Sequence[str], logprobs: Sequence[float | None],
+def token_label(raw: bytes) -> str:
+    """A token's ``logprobs`` text: its bytes as text, or, where they are not UTF-8 alone
+    (part of a character), ``bytes:\\xNN...`` as OpenAI writes such tokens."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{byte:02x}" for byte in raw)
+
+
+class TokenEntries:
+    """One row's token entries for ``logprobs``: each token's text (:func:`token_label`)
+    and how many characters of the row's text it completes. A byte-level token may end
+    inside a character; the character counts for the token that completes it, so that the
+    ``text_offset`` of every token indexes the text, and the widths add up to its length."""
+
+    def __init__(self, token_bytes: Callable[[int], bytes]) -> None:
+        self._bytes = token_bytes
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def label(self, token: int) -> str:
+        return token_label(self._bytes(token))
+
+    def entries(self, tokens: Sequence[int]) -> tuple[list[str], list[int]]:
+        """The texts and widths of the row's next ``tokens``."""
+        raw = [self._bytes(token) for token in tokens]
+        return ([token_label(piece) for piece in raw],
+                [len(self._decoder.decode(piece)) for piece in raw])
+
+    def top(self, top: Sequence[tuple[int, float]]) -> dict[str, float]:
+        """OpenAI's ``top_logprobs`` entry: token text -> log-probability (the likelier
+        kept where two ids have the same text)."""
+        out: dict[str, float] = {}
+        for token, logprob in top:
+            out.setdefault(self.label(token), logprob)
+        return out
+
+
+def token_logprobs(choice: Choice, pieces: Sequence[str], widths: Sequence[int],
+                   logprobs: Sequence[float | None],
                    tops: Sequence[dict[str, float] | None]) -> None:
-    """Append tokens (their text), log-probabilities and alternatives to ``choice``."""
+    """Append tokens (their text and widths), log-probabilities and alternatives to
+    ``choice``."""
     if choice.tokens is None:
-        choice.tokens, choice.token_logprobs, choice.top_logprobs = [], [], []
+        choice.tokens, choice.widths = [], []
+        choice.token_logprobs, choice.top_logprobs = [], []
     assert choice.token_logprobs is not None and choice.top_logprobs is not None
+    assert choice.widths is not None
     choice.tokens += pieces
+    choice.widths += widths
     choice.token_logprobs += logprobs
     choice.top_logprobs += tops
 
@@ -359,39 +404,33 @@ def move_logprobs(source: Choice, targets: Sequence[Choice], keep: int | None = 
     if source.tokens is None:
         return
     assert source.token_logprobs is not None and source.top_logprobs is not None
+    assert source.widths is not None
     end = len(source.tokens) if keep is None else max(0, keep)
     for target in targets:
-        token_logprobs(target, source.tokens[:end], source.token_logprobs[:end],
-                       source.top_logprobs[:end])
-    source.tokens = source.token_logprobs = source.top_logprobs = None
+        token_logprobs(target, source.tokens[:end], source.widths[:end],
+                       source.token_logprobs[:end], source.top_logprobs[:end])
+    source.tokens = source.widths = source.token_logprobs = source.top_logprobs = None
 
 
-def top_dict(top: Sequence[tuple[int, float]], decode: Callable[[list[int]], str]
-             ) -> dict[str, float]:
-    """OpenAI's ``top_logprobs`` entry: token text -> log-probability (the likelier kept
-    where two ids decode to the same text)."""
-    out: dict[str, float] = {}
-    for token, logprob in top:
-        out.setdefault(decode([token]), logprob)
-    return out
+def scores_logprobs(choices: Sequence[Choice], prompt: Sequence[int],
+                    scores: PromptScores | None, entries: TokenEntries) -> None:
+    """The echoed prompt's tokens, appended to each of ``choices``: the first has no
+    log-probability (nothing before it)."""
+    pieces, widths = entries.entries(prompt)
+    logprobs: list[float | None] = [None] * len(prompt)
+    tops: list[dict[str, float] | None] = [None] * len(prompt)
+    if scores is not None:
+        logprobs = [None, *scores.logprobs]
+        tops = [None, *(entries.top(t) for t in scores.top)]
+    for choice in choices:
+        token_logprobs(choice, pieces, widths, logprobs, tops)
 
 
-def scores_logprobs(choice: Choice, prompt: Sequence[int], scores: PromptScores | None,
-                    decode: Callable[[list[int]], str]) -> None:
-    """The echoed prompt's tokens: the first has no log-probability (nothing before it)."""
-    pieces = [decode([t]) for t in prompt]
-    if scores is None:
-        token_logprobs(choice, pieces, [None] * len(prompt), [None] * len(prompt))
-        return
-    token_logprobs(choice, pieces, [None, *scores.logprobs],
-                   [None, *(top_dict(t, decode) for t in scores.top)])
-
-
-def new_logprobs(choice: Choice, event: Token, decode: Callable[[list[int]], str]) -> None:
+def new_logprobs(choice: Choice, event: Token, entries: TokenEntries) -> None:
     """A generated token's entry."""
     assert event.token is not None
-    token_logprobs(choice, [decode([event.token])], [event.logprob],
-                   [top_dict(event.top, decode)])
+    pieces, widths = entries.entries([event.token])
+    token_logprobs(choice, pieces, widths, [event.logprob], [entries.top(event.top)])
 
 
 def usage_body(choices: Sequence[Choice]) -> dict[str, int]:

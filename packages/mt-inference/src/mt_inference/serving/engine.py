@@ -27,6 +27,7 @@ from mt_inference.serving.api import (
     ApiError,
     Choice,
     Completion,
+    TokenEntries,
     move_logprobs,
     new_logprobs,
     scores_logprobs,
@@ -133,6 +134,8 @@ class _Row:
     replica: int
     stream: TextStream
     choice: Choice
+    entries: TokenEntries
+    """Its tokens' ``logprobs`` texts and the characters each completes."""
     held: Choice = field(default_factory=lambda: Choice(0))
     """Log-probability entries of tokens whose text is held back (a stop string may still
     cut them): sent with the text they make, dropped where a stop string cuts it."""
@@ -144,8 +147,11 @@ class Dispatcher:
     """Rank 0's side of the engine: commands out, tokens in, text to the jobs."""
 
     def __init__(self, inbox: Inbox, decode: Callable[[list[int]], str], replicas: int,
-                 max_batch: int, check: Callable[[DecodeRequest], None]) -> None:
+                 max_batch: int, check: Callable[[DecodeRequest], None],
+                 token_bytes: Callable[[int], bytes] | None = None) -> None:
         self.inbox, self.decode, self.check = inbox, decode, check
+        self.token_bytes = token_bytes or (lambda token: decode([token]).encode())
+        """A token's bytes (the tokenizer's; by default its text's)."""
         self.max_batch = max_batch
         self.load = [0] * replicas
         self.rows: dict[Hashable, _Row] = {}
@@ -211,7 +217,8 @@ class Dispatcher:
                 key = (job.ident, index)
                 self.rows[key] = _Row(job, index, replica, TextStream(
                     self.decode, job.completion.stop), Choice(index, prompt_tokens=len(
-                        request.prompt) if index % job.completion.n == 0 else 0))
+                        request.prompt) if index % job.completion.n == 0 else 0),
+                    TokenEntries(self.token_bytes))
                 admit.append((replica, key, request))
             self.left[job.ident] = job.rows
         cancel, self._cancel = tuple(self._cancel), []
@@ -258,10 +265,9 @@ class Dispatcher:
         delta = Choice(row.index, text)
         if completion.logprobs is not None:
             prompt = completion.prompts[row.index // completion.n]
-            scores_logprobs(delta, prompt, scores, self.decode)
-            scores_logprobs(row.choice, prompt, scores, self.decode)
+            scores_logprobs((delta, row.choice), prompt, scores, row.entries)
         row.choice.text += text
-        row.sent = sum(map(len, delta.tokens or ()))
+        row.sent = sum(delta.widths or ())
         if completion.stream:
             row.job.put("delta", delta)
 
@@ -272,7 +278,7 @@ class Dispatcher:
             delta.text = row.stream.push(event.token)
             row.choice.completion_tokens += 1
             if completion.logprobs is not None:
-                new_logprobs(row.held, event, self.decode)
+                new_logprobs(row.held, event, row.entries)
         finish = "stop" if row.stream.stopped else event.finish
         keep = None  # of the held entries
         if finish is not None:
@@ -286,7 +292,7 @@ class Dispatcher:
         if delta.text or finish is not None:  # the entries go out with the text they make
             delta.offset = row.sent
             move_logprobs(row.held, [delta, row.choice], keep)
-            row.sent += sum(map(len, delta.tokens or ()))
+            row.sent += sum(delta.widths or ())
         row.choice.text += delta.text
         if completion.stream and (delta.text or delta.tokens or delta.finish_reason):
             row.job.put("delta", delta)

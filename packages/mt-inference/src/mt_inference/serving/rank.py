@@ -156,7 +156,7 @@ def serve_rank(spec: ServeSpec, info: LaunchInfo | None,
     announce(f"serving '{spec.name}' at http://{spec.host}:{server.config.port}/v1 "
              f"(completions, models; health at /health, schema at /openapi.json); {key}")
     dispatcher = Dispatcher(inbox, tokenizer.decode, served.replicas, spec.max_batch,
-                            loop.batch.check)
+                            loop.batch.check, tokenizer.token_bytes)
     completed = False
     try:
         loop.run(dispatcher)
