@@ -51,7 +51,10 @@ def generate_command(
         help="Sample among the likeliest tokens holding probability p (1: all).")] = 1.0,
     stop: Annotated[list[str] | None, typer.Option(
         help="Stop before this text (repeatable).")] = None,
-    seed: Annotated[int, typer.Option(help="Seed of the sampling (each prompt its own).")] = 0,
+    seed: Annotated[int, typer.Option(
+        help="Seed of the sampling: each prompt draws from a generator of its own seeded with "
+        "it, so a prompt and seed give the same text alone or batched (and two rows of the "
+        "same prompt the same text).")] = 0,
     logprobs: Annotated[bool, typer.Option(
         "--logprobs", help="Write each new token's log-probability.")] = False,
     batch_size: Annotated[int, typer.Option(help="Prompts decoded together.")] = 8,
