@@ -330,3 +330,17 @@ def test_q8_0_refuses_a_non_finite_value(tmp_path: Path, value: float) -> None:
     weight = load_model(tmp_path / "g").blocks[0].mlp.fc.weight
     assert weight[3, 5].item() == value or (value != value and weight[3, 5].isnan())
     assert weight.isfinite().sum() == weight.numel() - 1
+
+
+def test_an_exact_gelu_model_says_llama_cpp_approximates_it(tmp_path: Path) -> None:
+    """llama.cpp's gpt2 computes GELU's tanh approximation: a GPT-2-shaped model with the
+    exact GELU (mt's default) says so in a note; one trained with the tanh GELU does not."""
+    from dataclasses import replace
+
+    for approximate in ("none", "tanh"):
+        config = replace(preset("tiny"), gelu_approximate=approximate)
+        save_model(GPT(config, seed=1), tmp_path / approximate)
+        notes = convert_checkpoint(tmp_path / approximate, tmp_path / f"g-{approximate}",
+                                   to="gguf", gguf_type="f32").notes
+        said = [note for note in notes if "tanh approximation of GELU" in note]
+        assert len(said) == (approximate == "none"), (approximate, notes)

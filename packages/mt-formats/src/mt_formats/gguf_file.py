@@ -259,6 +259,11 @@ class GGUFWriter(CheckpointWriter):
         if fallbacks := self._fallbacks():
             self.notes.append(f"--gguf-type q8_0: {', '.join(fallbacks)} stored as f16, not "
                               "q8_0: their rows are not a multiple of q8_0's blocks of 32")
+        if self.arch == "gpt2" and self.config.gelu_approximate != "tanh":
+            self.notes.append("llama.cpp's gpt2 computes the tanh approximation of GELU; this "
+                              "model uses the exact GELU (gelu_approximate "
+                              f"{self.config.gelu_approximate!r}), so llama.cpp's logits differ "
+                              "from mt's by that much (mt reads its own file back exactly)")
 
     def abort(self) -> None:
         if self._writer is not None:
