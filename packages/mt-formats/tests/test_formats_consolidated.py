@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import zlib
 from pathlib import Path
 
@@ -188,6 +189,31 @@ def test_convert_existing_destination_is_kept_on_failure(tmp_path: Path) -> None
     save_model(new, tmp_path / "ckpt", overwrite=True)
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
     assert _same(load_state_dict(tmp_path / "ckpt")[1], new.state_dict())
+
+
+def test_an_interrupt_between_the_renames_of_force_keeps_the_previous_destination(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--force moves the previous destination aside, then the new one into place: an
+    interrupt between the two renames puts the previous one back (not hidden in a
+    ``.ckpt.old-*`` folder, with no destination)."""
+    import mt_formats.atomic as atomic
+
+    old, new = _model(1), _model(2)
+    save_model(old, tmp_path / "ckpt")
+    replace, calls = os.replace, []
+
+    def interrupted(source: object, target: object) -> None:
+        calls.append(target)
+        if len(calls) == 2:  # the new one into place
+            raise KeyboardInterrupt
+        replace(source, target)
+
+    monkeypatch.setattr(atomic.os, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        save_model(new, tmp_path / "ckpt", overwrite=True)
+    monkeypatch.setattr(atomic.os, "replace", replace)
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
+    assert _same(load_state_dict(tmp_path / "ckpt")[1], old.state_dict())
 
 
 def test_convert_reads_format_version_1_checkpoints(tmp_path: Path) -> None:

@@ -108,8 +108,14 @@ def atomic_directory(destination: Path, overwrite: bool = False) -> Iterator[Pat
         fsync_dir(staging)
         if destination.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{destination.name}.old-", dir=parent))
-            os.replace(destination, old / "previous")
-            os.replace(staging, destination)
+            try:
+                os.replace(destination, old / "previous")
+                os.replace(staging, destination)
+            except BaseException:  # an interrupt between the two: the previous one goes back
+                if (old / "previous").exists() and not destination.exists():
+                    os.replace(old / "previous", destination)
+                old.rmdir()
+                raise
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(staging, destination)
