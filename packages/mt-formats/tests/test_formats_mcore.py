@@ -113,16 +113,16 @@ def _group_settings(optimizer: Any) -> list[dict[str, Any]]:
             for group in optimizer.state_dict()["optimizer"]["param_groups"]]
 
 
-def _adam(config: GPTConfig, bucket_size: int | None = None, **settings: float
-          ) -> tuple[Any, Any, Any]:
+def _adam(config: GPTConfig, bucket_size: int | None = None, tp: int = 1,
+          **settings: float) -> tuple[Any, Any, Any]:
     """megatron-core's GPTModel, its DistributedDataParallel and its DistributedOptimizer
-    (torch AdamW: no apex / Transformer Engine here) at TP 1 x DP world size, with Adam
-    ``settings`` (OptimizerConfig's; default lr 1e-3); with ``bucket_size``, gradients
+    (torch AdamW: no apex / Transformer Engine here) at TP ``tp`` x DP world size / tp, with
+    Adam ``settings`` (OptimizerConfig's; default lr 1e-3); with ``bucket_size``, gradients
     reduced in buckets of about that many elements while the backward runs (else one)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    model = _mcore_model(config, tp=1).train()
+    model = _mcore_model(config, tp=tp).train()
     ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
         use_distributed_optimizer=True, overlap_grad_reduce=bucket_size is not None,
         bucket_size=bucket_size), model)
@@ -159,19 +159,20 @@ def _states(state: Any) -> dict[str, torch.Tensor]:
 
 
 def _train_save(directory: str, steps: int, sharding: str = "fully_reshardable",
-                bucket_size: int | None = None, **settings: float
-                ) -> tuple[dict[str, torch.Tensor], float, list[dict[str, Any]]]:
-    """LLAMA trained ``steps`` Adam steps (each DP rank its own batch, settings
+                bucket_size: int | None = None, tp: int = 1, **settings: float
+                ) -> tuple[dict[str, torch.Tensor], float, list[dict[str, Any]], Any]:
+    """LLAMA trained ``steps`` Adam steps at TP ``tp`` (each DP rank its own batch, settings
     :data:`ADAM` and ``settings``, gradients in buckets of ``bucket_size``), saved with its
     distributed optimizer's state in layout ``sharding`` by ``dist_checkpointing.save`` as
     Megatron-LM saves it (``model`` and ``optimizer``); returns megatron-core's states (its
-    gathered ``fully_reshardable`` view), step count and param groups' settings."""
-    from megatron.core import dist_checkpointing
+    gathered ``fully_reshardable`` view; at TP 1 only), step count, param groups' settings
+    and the state as this rank holds it (:func:`_pieces`)."""
+    from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.distributed import finalize_model_grads
 
-    model, ddp, optimizer = _adam(LLAMA, bucket_size, **ADAM, **settings)
+    model, ddp, optimizer = _adam(LLAMA, bucket_size, tp, **ADAM, **settings)
     tokens = torch.randint(0, LLAMA.vocab_size, (2, 16), generator=torch.Generator()
-                           .manual_seed(torch.distributed.get_rank()))
+                           .manual_seed(parallel_state.get_data_parallel_rank()))
     positions = torch.arange(16)[None].expand_as(tokens)
     mask = torch.triu(torch.ones(1, 1, 16, 16), diagonal=1).bool()
     for _ in range(steps):
@@ -187,7 +188,7 @@ def _train_save(directory: str, steps: int, sharding: str = "fully_reshardable",
              "optimizer": _optimizer_state(model, optimizer, sharding=sharding),
              "iteration": steps}  # Megatron-LM's training step, in the common state
     dist_checkpointing.save(state, directory)
-    states = _states(_optimizer_state(model, optimizer))
+    states = _states(_optimizer_state(model, optimizer)) if tp == 1 else {}
     step = optimizer.state_dict()["optimizer"]["param_groups"][0]["step"]
     return states, float(step), _group_settings(optimizer), _pieces(model, optimizer)
 
@@ -197,12 +198,15 @@ _NORM_KEYS = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
               "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
 
 
-def _pieces(model: Any, optimizer: Any) -> dict[tuple[str, int], dict[str, Any]]:
-    """This DP rank's pieces of the distributed optimizer's state straight from its memory
-    (no checkpoint code): per stored key and layer (-1: not stacked), per state, the first
-    element of the piece in the flattened parameter and its values."""
+def _pieces(model: Any, optimizer: Any) -> dict[tuple[int, str, int], dict[str, Any]]:
+    """This rank's pieces of the distributed optimizer's state straight from its memory (no
+    checkpoint code): per TP rank, stored key and layer (-1: not stacked), per state, the
+    first element of the piece in the flattened shard of the parameter and its values."""
+    from megatron.core import parallel_state
+
     inner = optimizer.chained_optimizers[0]
-    pieces: dict[tuple[str, int], dict[str, Any]] = {}
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    pieces: dict[tuple[int, str, int], dict[str, Any]] = {}
     for name, param in model.named_parameters():
         if param not in inner.model_param_gbuf_map:  # all of it on the other rank
             continue
@@ -215,8 +219,9 @@ def _pieces(model: Any, optimizer: Any) -> dict[tuple[str, int], dict[str, Any]]
                 rest = rest.replace(module, saved)
             layer, key = int(match[1]), LAYERS + rest
         tensors = inner._get_main_param_and_optimizer_states(param)
-        pieces[key, layer] = {state: (ranges["param"].start, tensors[state].detach().clone())
-                              for state in ("param", "exp_avg", "exp_avg_sq")}
+        pieces[tp_rank, key, layer] = {state: (ranges["param"].start,
+                                               tensors[state].detach().clone())
+                                       for state in ("param", "exp_avg", "exp_avg_sq")}
     return pieces
 
 
@@ -450,25 +455,25 @@ def _tensors(folder: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-@pytest.fixture(scope="module")
-def bucketed(tmp_path_factory: pytest.TempPathFactory
-             ) -> tuple[Path, dict[tuple[str, int], dict[str, torch.Tensor]], Path]:
-    """LLAMA trained 2 steps at DP 2, its gradients reduced in buckets of about 20,000
-    elements, saved as Megatron-LM saves it by default ('dp_reshardable'); with the
-    optimizer's state as its ranks held it (per stored key and layer, per state: the whole
-    flattened tensor, from both ranks' pieces) and the model config file."""
-    root = tmp_path_factory.mktemp("bucketed")
-    (root / "ckpt").mkdir()
+Held = dict[tuple[int, str, int], dict[str, torch.Tensor]]
+
+
+def _bucketed_run(root: Path, tp: int) -> tuple[Path, Held, Path]:
+    """LLAMA trained 2 steps on two ranks (DP 2, or TP 2), its gradients reduced in buckets
+    of about 20,000 elements, saved as Megatron-LM saves it by default ('dp_reshardable');
+    with the optimizer's state as its ranks held it (per TP rank, stored key and layer, per
+    state: the whole flattened shard, from its DP ranks' pieces) and the model config file."""
+    (root / "ckpt").mkdir(parents=True)
     ranks = run_distributed(_train_save, 2, str(root / "ckpt"), 2, "dp_reshardable", 20_000,
-                            timeout=300)
+                            tp, timeout=300)
     assert ranks[0][1] == 2.0
-    found: dict[tuple[tuple[str, int], str], list[tuple[int, torch.Tensor]]] = {}
+    found: dict[tuple[tuple[int, str, int], str], list[tuple[int, torch.Tensor]]] = {}
     for *_, pieces in ranks:
         for param, states in pieces.items():
             for state, piece in states.items():
                 found.setdefault((param, state), []).append(piece)
-    held: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
-    for (param, state), parts in found.items():  # in order, the pieces make the whole tensor
+    held: Held = {}
+    for (param, state), parts in found.items():  # in order, the pieces make the whole shard
         parts.sort(key=lambda piece: piece[0])
         assert [start for start, _ in parts] == list(itertools.accumulate(
             [0] + [values.numel() for _, values in parts[:-1]]))
@@ -478,13 +483,48 @@ def bucketed(tmp_path_factory: pytest.TempPathFactory
     return root / "ckpt", held, fields
 
 
+@pytest.fixture(scope="module")
+def bucketed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Held, Path]:
+    return _bucketed_run(tmp_path_factory.mktemp("bucketed"), tp=1)
+
+
+def _cut(key: str, tensor: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
+    """Megatron-core's TP ``rank`` shard of stored tensor ``key`` (one layer of it): rows of
+    the column-parallel ones (of a gated ``linear_fc1``, its gate rows' and its up rows'),
+    columns of the row-parallel ones, all of a replicated one."""
+    leaf = key.removeprefix(LAYERS)
+    if leaf == "mlp.linear_fc1.weight":
+        gate, up = tensor.chunk(2)
+        return torch.cat([gate.chunk(tp)[rank], up.chunk(tp)[rank]])
+    if leaf in ("embedding.word_embeddings.weight", "output_layer.weight",
+                "self_attention.linear_qkv.weight"):
+        return tensor.chunk(tp)[rank]
+    if leaf in ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight"):
+        return tensor.chunk(tp, dim=1)[rank]
+    return tensor
+
+
+def _same_as_held(ours: dict[str, torch.Tensor], held: Held, tp: int) -> None:
+    """mt's fully_reshardable tensors, cut as each TP rank holds them, equal what the ranks
+    held, bit for bit: moments, fp32 main params, and the weights (those main params)."""
+    assert len(held) == 15 * tp  # the embedding, 2 x 6 in the layers, the final norm, the head
+    for (rank, key, layer), states in held.items():
+        for state, values in states.items():
+            tensor = ours[state_key(state, key)]
+            tensor = tensor if layer < 0 else tensor[layer]
+            assert torch.equal(_cut(key, tensor, rank, tp).flatten(), values), (
+                rank, key, layer, state)
+        weight = ours[key] if layer < 0 else ours[key][layer]
+        assert torch.equal(_cut(key, weight, rank, tp).flatten(), states["param"]), (
+            rank, key, layer)
+
+
 def test_megatron_lm_s_default_bucketed_optimizer_state_reads_bit_for_bit(
-        bucketed: tuple[Path, dict[tuple[str, int], dict[str, torch.Tensor]], Path],
-        tmp_path: Path) -> None:
+        bucketed: tuple[Path, Held, Path], tmp_path: Path) -> None:
     """Megatron-LM's default layout of the distributed optimizer's state ('dp_reshardable':
     per gradient bucket, flat buffers laid out by megatron-core's DistributedDataParallel;
-    here three buckets) converts to the 'fully_reshardable' layout bit for bit as the
-    ranks held the state: moments and fp32 main params, which are the weights; the step
+    here three buckets over DP 2) converts to the 'fully_reshardable' layout bit for bit as
+    the ranks held the state: moments and fp32 main params, which are the weights; the step
     travels. (megatron-core 0.16.1's own gathered 'fully_reshardable' view of this
     optimizer is off past its first bucket, with a warning that a parameter's range
     "exceeds unpadded buffer by 64 elements": with one bucket it equals this.)"""
@@ -492,22 +532,26 @@ def test_megatron_lm_s_default_bucketed_optimizer_state_reads_bit_for_bit(
     stored = dcp.FileSystemReader(ckpt).read_metadata().state_dict_metadata
     assert len({key.rpartition(".")[0] for key in stored if ".bucket_idx_" in key}) == 3
     convert_checkpoint(ckpt, tmp_path / "mcore", to="mcore", model=str(fields))
-    ours = _tensors(tmp_path / "mcore")
-    assert len(held) == 15  # the embedding, 2 x 6 in the layers, the final norm, the head
-    for (key, layer), states in held.items():
-        for state, values in states.items():
-            tensor = ours[state_key(state, key)]
-            assert torch.equal((tensor if layer < 0 else tensor[layer]).flatten(), values), (
-                key, layer, state)
-        weight = ours[key] if layer < 0 else ours[key][layer]
-        assert torch.equal(weight.flatten(), states["param"]), (key, layer)
+    _same_as_held(_tensors(tmp_path / "mcore"), held, tp=1)
     with open_checkpoint(tmp_path / "mcore") as reader:
         assert float(reader.optimizer_state("blocks.1.mlp.fc.weight")["step"]) == 2.0
 
 
+def test_bucketed_optimizer_state_of_a_tp2_run_joins_its_ranks_shards(tmp_path: Path) -> None:
+    """At TP 2 each rank's buffers (dp_group_idx 0 and 1) hold its own shards, laid out from
+    the shards' sizes: mt joins them (rows, columns, a gated MLP's gate and up halves), and
+    each rank's shard of the result is what that rank held, bit for bit."""
+    ckpt, held, fields = _bucketed_run(tmp_path / "tp2", tp=2)
+    stored = dcp.FileSystemReader(ckpt).read_metadata().state_dict_metadata
+    assert {key.split(".")[2] for key in stored if ".bucket_idx_" in key} == {
+        "dp_group_idx_0", "dp_group_idx_1"}
+    convert_checkpoint(ckpt, tmp_path / "mcore", to="mcore", model=str(fields))
+    _same_as_held(_tensors(tmp_path / "mcore"), held, tp=2)
+
+
 def test_a_bucket_layout_that_does_not_fit_the_weights_is_refused(
-        bucketed: tuple[Path, dict[tuple[str, int], dict[str, torch.Tensor]], Path],
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        bucketed: tuple[Path, Held, Path], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """The buckets record their sizes, not where each parameter lies: of the layer orders
     mt knows, the one that fills the sizes and whose main parameters round to the weights is
     read. Given only orders that do not (Transformer Engine's, for a run of the local spec),
@@ -529,40 +573,31 @@ def test_a_bucket_layout_that_does_not_fit_the_weights_is_refused(
                        drop_optimizer=True)
     ours = _tensors(tmp_path / "out")
     assert torch.equal(ours[LAYERS + "mlp.linear_fc2.weight"][1].flatten(),
-                       held[LAYERS + "mlp.linear_fc2.weight", 1]["param"])
+                       held[0, LAYERS + "mlp.linear_fc2.weight", 1]["param"])
 
 
-def test_buckets_of_several_model_parallel_ranks_are_refused_in_one_line(tmp_path: Path
-                                                                        ) -> None:
-    """Buckets of a run of TP or PP > 1 (several ``dp_group_idx``: each model-parallel
-    rank's own buffers) are refused in one line naming the file, the layout mt reads and
-    --drop-optimizer; with --drop-optimizer the weights convert."""
-    model = GPT(GPTConfig(n_layers=2, hidden=32, n_heads=4, vocab_size=64, seq_len=16), seed=0)
-    save_model(model, tmp_path / "mcore", to="mcore")
-    state = _tensors(tmp_path / "mcore")
-    for rank in (0, 1):
-        state[f"optimizer.distributed.dp_group_idx_{rank}.gbuf_idx_0.dtype_(torch.float32, "
-              "torch.float32).bucket_idx_0.exp_avg"] = torch.zeros(10)
-    (tmp_path / "bucketed").mkdir()
-    dcp.save(state, checkpoint_id=str(tmp_path / "bucketed"), no_dist=True)
-    (tmp_path / "bucketed" / "metadata.json").write_bytes(
-        (tmp_path / "mcore" / "metadata.json").read_bytes())
-    torch.save({"optimizer": {"param_state_sharding_type": "dp_reshardable"}},
-               tmp_path / "bucketed" / "common.pt")
-    fields = tmp_path / "gpt.json"
-    fields.write_text(json.dumps(model.config.to_dict()))
+def test_buckets_of_a_pipeline_parallel_run_are_refused_in_one_line(
+        bucketed: tuple[Path, Held, Path], tmp_path: Path) -> None:
+    """Buckets of a run of several pipeline stages (its Megatron-LM args say so) are refused
+    in one line naming the file, the layout mt reads and --drop-optimizer; with
+    --drop-optimizer the weights convert."""
+    import argparse
+    import shutil
+
+    ckpt, _, fields = bucketed
+    staged = tmp_path / "staged"
+    shutil.copytree(ckpt, staged)
+    common = torch.load(staged / "common.pt", weights_only=False)
+    common["args"] = argparse.Namespace(pipeline_model_parallel_size=2)
+    torch.save(common, staged / "common.pt")
     with pytest.raises(ConvertError) as refused:
-        convert_checkpoint(tmp_path / "bucketed", tmp_path / "out", to="pretrain",
-                           model=str(fields))
+        convert_checkpoint(staged, tmp_path / "out", to="pretrain", model=str(fields))
     message = str(refused.value)
-    assert "\n" not in message and message.startswith(f"{tmp_path / 'bucketed' / '.metadata'}:")
-    assert "2 model-parallel ranks" in message and "TP 1 x PP 1" in message, message
-    assert "--drop-optimizer" in message and not (tmp_path / "out").exists()
-    convert_checkpoint(tmp_path / "bucketed", tmp_path / "out", to="pretrain",
-                       model=str(fields), drop_optimizer=True)
-    with open_checkpoint(tmp_path / "out") as reader:
-        for name, tensor in model.state_dict().items():
-            assert torch.equal(reader.read(name), tensor), name
+    assert "\n" not in message and message.startswith(f"{staged / '.metadata'}:"), message
+    assert "a run of 2 pipeline stages" in message and "--drop-optimizer" in message, message
+    assert not (tmp_path / "out").exists()
+    convert_checkpoint(staged, tmp_path / "out", to="pretrain", model=str(fields),
+                       drop_optimizer=True)
 
 
 def test_a_bf16_model_s_fp32_main_params_become_the_masters(tmp_path: Path) -> None:

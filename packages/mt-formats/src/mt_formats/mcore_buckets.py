@@ -14,8 +14,13 @@ its recorded size is reached. The order within a layer depends on the layer spec
 parameters must round to the stored weights (megatron-core copies them into the model after
 every step) for the first layer and the tensors outside the layers; exactly one candidate
 may pass. Every other tensor's main parameter is checked against its weight when read.
-Read for runs of one model-parallel rank (TP 1 x PP 1, any data-parallel degree: the bucket
-tensors are whole); more are refused in one line.
+Tensor parallelism: each TP rank's buffers (``dp_group_idx`` = the TP rank when PP is 1)
+hold its own shards, laid out the same way from the shards' sizes; a state is the join of
+the ranks' shards (:data:`_SPLIT`: rows or columns, a gated MLP's gate and up halves each
+cut), a replicated tensor's the first rank's. Read for runs of PP 1 at any TP and any
+data-parallel degree (the bucket tensors are whole over DP); a run whose Megatron-LM args
+record several pipeline stages is refused in one line (without args, its stages' buckets fit
+no layout of one stage, and are refused as such).
 """
 
 from __future__ import annotations
@@ -32,7 +37,8 @@ from mt_formats.dcp import DCPFolder
 from mt_formats.dcp_files import METADATA_FILE
 from mt_formats.errors import ConvertError
 
-__all__ = ["BUCKET_STATE", "LAYER_ORDERS", "BucketState", "bucket_slots", "model_params"]
+__all__ = ["BUCKET_STATE", "LAYER_ORDERS", "BucketState", "bucket_slots", "join",
+           "model_params", "shard"]
 
 #: The prefix of the distributed optimizer's per-bucket keys.
 BUCKET_STATE = "optimizer.distributed."
@@ -65,6 +71,12 @@ LAYER_ORDERS: dict[str, tuple[str, ...]] = {
     "transformer_engine, norms last": _order((_PROJ, _LINEAR), (_QKV, _LINEAR + _NORM),
                                              (_FC1, _LINEAR + _NORM), (_FC2, _LINEAR)),
 }
+#: How tensor parallelism cuts a tensor (its key, below ``decoder.layers.`` for a layer's):
+#: along rows (0) or columns (1); absent: replicated. A gated MLP's ``linear_fc1`` rows are
+#: [gate; up], each half cut (:func:`shard`).
+_SPLIT = {"embedding.word_embeddings.weight": 0, "output_layer.weight": 0,
+          _QKV + "weight": 0, _QKV + "bias": 0, _PROJ + "weight": 1, _FC1 + "weight": 0,
+          _FC1 + "bias": 0, _FC2 + "weight": 1}
 _FIRST = ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight")
 _LAST = ("decoder.final_layernorm.weight", "decoder.final_layernorm.bias", "output_layer.weight")
 
@@ -72,16 +84,58 @@ _LAST = ("decoder.final_layernorm.weight", "decoder.final_layernorm.bias", "outp
 Param = tuple[str, int]
 
 
-def model_params(shapes: Mapping[str, tuple[int, ...]], order: Sequence[str]
-                 ) -> list[tuple[Param, int]]:
-    """GPTModel's parameters at TP 1 x PP 1 in registration order, with their sizes, from
-    the stored shapes (``decoder.layers.*`` stacked over the layers) and a layer ``order``."""
-    params = [((key, -1), math.prod(shapes[key])) for key in _FIRST if key in shapes]
-    layers = shapes[_LAYERS + _PROJ + "weight"][0]
-    for layer in range(layers):
-        params += [((_LAYERS + leaf, layer), math.prod(shapes[_LAYERS + leaf][1:]))
-                   for leaf in order if _LAYERS + leaf in shapes]
-    return params + [((key, -1), math.prod(shapes[key])) for key in _LAST if key in shapes]
+def _axis(key: str) -> int | None:
+    return _SPLIT.get(key.removeprefix(_LAYERS))
+
+
+def shard(key: str, tensor: torch.Tensor, rank: int, tp: int, gated: bool) -> torch.Tensor:
+    """TP rank ``rank``'s shard of stored tensor ``key`` (one layer of it)."""
+    axis = _axis(key)
+    if axis is None or tp == 1:
+        return tensor
+    if gated and key.endswith((_FC1 + "weight", _FC1 + "bias")):
+        gate, up = tensor.chunk(2)
+        return torch.cat([gate.chunk(tp)[rank], up.chunk(tp)[rank]])
+    return tensor.chunk(tp, dim=axis)[rank]
+
+
+def join(key: str, shards: Sequence[torch.Tensor], gated: bool) -> torch.Tensor:
+    """Stored tensor ``key`` (one layer of it) from its TP shards (:func:`shard`'s inverse;
+    a replicated tensor's first copy)."""
+    axis = _axis(key)
+    if axis is None or len(shards) == 1:
+        return shards[0]
+    if gated and key.endswith((_FC1 + "weight", _FC1 + "bias")):
+        halves = [piece.chunk(2) for piece in shards]
+        return torch.cat([gate for gate, _ in halves] + [up for _, up in halves])
+    return torch.cat(list(shards), dim=axis)
+
+
+def _local(key: str, shape: tuple[int, ...], tp: int) -> int | None:
+    """Elements of a TP rank's shard of a tensor of ``shape`` (None: it does not divide)."""
+    axis = _axis(key)
+    if axis is None:
+        return math.prod(shape)
+    if shape[axis] % tp or (axis == 0 and key.endswith(_FC1 + "weight") and
+                            shape[0] % (2 * tp)):
+        return None
+    return math.prod(shape) // tp
+
+
+def model_params(shapes: Mapping[str, tuple[int, ...]], order: Sequence[str], tp: int = 1
+                 ) -> list[tuple[Param, int]] | None:
+    """GPTModel's parameters on one TP rank of ``tp`` (PP 1) in registration order, with
+    their shards' sizes, from the stored shapes (``decoder.layers.*`` stacked over the
+    layers) and a layer ``order``; None where a tensor does not divide by ``tp``."""
+    found: list[tuple[Param, int | None]] = [
+        ((key, -1), _local(key, shapes[key], tp)) for key in _FIRST if key in shapes]
+    for layer in range(shapes[_LAYERS + _PROJ + "weight"][0]):
+        found += [((_LAYERS + leaf, layer), _local(_LAYERS + leaf, shapes[_LAYERS + leaf][1:],
+                                                    tp))
+                  for leaf in order if _LAYERS + leaf in shapes]
+    found += [((key, -1), _local(key, shapes[key], tp)) for key in _LAST if key in shapes]
+    params = [(param, numel) for param, numel in found if numel is not None]
+    return params if len(params) == len(found) else None
 
 
 @dataclass(frozen=True)
@@ -119,14 +173,15 @@ def _unwrapped(value: Any) -> Any:
 
 class BucketState:
     """A folder's ``dp_reshardable`` state (see the module docstring): ``groups`` (the
-    optimizer's param groups) and :meth:`read`, once :meth:`locate` has found the layout."""
+    optimizer's param groups) and :meth:`read`, once :meth:`locate` has found the layout.
+    ``gated``: the model's MLP is gated (``linear_fc1`` rows [gate; up])."""
 
     def __init__(self, folder: DCPFolder, shapes: Mapping[str, tuple[int, ...]],
-                 hint: str) -> None:
-        self._folder, self._shapes = folder, shapes
+                 gated: bool, hint: str, pipeline: int | None = None) -> None:
+        self._folder, self._shapes, self._gated = folder, shapes, gated
         self._where = folder.root / METADATA_FILE
-        keys: dict[tuple[str, int], str] = {}
-        ranks, buffers = set(), set()
+        keys: dict[tuple[int, str, int], str] = {}
+        buffers = set()
         for key in folder.tensors:
             if not key.startswith(BUCKET_STATE):
                 continue
@@ -134,102 +189,128 @@ class BucketState:
             if match is None or match[5] not in STATES:
                 raise ConvertError(f"{self._where}: {key!r} is not a bucket of megatron-core's "
                                    f"distributed optimizer state ({', '.join(STATES)}); {hint}")
-            ranks.add(int(match[1]))
             buffers.add((match[2], match[3]))
-            keys[match[5], int(match[4])] = key
-        if ranks != {0}:
+            keys[int(match[1]), match[5], int(match[4])] = key
+        ranks = sorted({rank for rank, _, _ in keys})
+        if ranks != list(range(len(ranks))):
+            raise ConvertError(f"{self._where}: the distributed optimizer's buckets are of "
+                               f"model-parallel ranks {ranks}, not 0 to {len(ranks) - 1}; {hint}")
+        if pipeline is not None and pipeline > 1:
             raise ConvertError(
-                f"{self._where}: the distributed optimizer's buckets of {len(ranks)} "
-                f"model-parallel ranks (dp_group_idx {sorted(ranks)}): mt reads this layout "
-                f"from runs of TP 1 x PP 1; {hint}")
+                f"{self._where}: the distributed optimizer's buckets of a run of "
+                f"{pipeline} pipeline stages (pipeline_model_parallel_size in its args): mt "
+                f"reads this layout from runs of one stage (any TP); {hint}")
         if len(buffers) != 1:
             raise ConvertError(f"{self._where}: the distributed optimizer's state is in "
                                f"{len(buffers)} gradient buffers {sorted(buffers)}; mt reads "
                                f"one (a model of one dtype); {hint}")
-        self.sizes = self._sizes()
-        expected = {(state, bucket) for state in STATES for bucket in range(len(self.sizes))}
+        self.tp = len(ranks)
+        self.sizes = [self._sizes(rank) for rank in ranks]
+        expected = {(rank, state, bucket) for rank in ranks for state in STATES
+                    for bucket in range(len(self.sizes[rank]))}
         if set(keys) != expected:
-            wrong = sorted(set(keys) ^ expected)[0]
-            raise ConvertError(f"{self._where}: {len(self.sizes)} buckets recorded in "
-                               "per_bucket_numel_unpadded, but state "
-                               f"{wrong[0]!r} of bucket {wrong[1]} is "
-                               f"{'absent' if wrong not in keys else 'stored'}")
-        for (_, bucket), key in keys.items():
+            rank, state, bucket = sorted(set(keys) ^ expected)[0]
+            raise ConvertError(f"{self._where}: per_bucket_numel_unpadded of dp_group_idx "
+                               f"{rank} records {len(self.sizes[rank])} buckets, but state "
+                               f"{state!r} of bucket {bucket} is "
+                               f"{'absent' if (rank, state, bucket) not in keys else 'stored'}")
+        for (rank, _, bucket), key in keys.items():
             stored = tuple(folder.tensors[key].size)
-            if stored != (self.sizes[bucket],):
+            if stored != (self.sizes[rank][bucket],):
                 raise ConvertError(f"{self._where}: {key!r} has shape {list(stored)}; "
-                                   f"per_bucket_numel_unpadded records {self.sizes[bucket]}")
+                                   "per_bucket_numel_unpadded records "
+                                   f"{self.sizes[rank][bucket]}")
             folder.check(key)
         self._keys = keys
-        groups = _unwrapped(self._object("optimizer"))
+        groups = _unwrapped(self._object(0, "optimizer"))
         if not isinstance(groups, dict) or not isinstance(groups.get("param_groups"), list):
             raise ConvertError(f"{self._where}: {BUCKET_STATE}dp_group_idx_0.optimizer holds "
                                "no param_groups")
         self.groups: list[dict[str, Any]] = groups["param_groups"]
-        self._slots: dict[Param, Slot] = {}
+        self._slots: list[dict[Param, Slot]] = []
         self.spec = ""
 
-    def _object(self, name: str) -> Any:
-        prefix = f"{BUCKET_STATE}dp_group_idx_0.{name}"
+    def _object(self, rank: int, name: str) -> Any:
+        prefix = f"{BUCKET_STATE}dp_group_idx_{rank}.{name}"
         found = [key for key in self._folder.objects if key.partition("/")[0] == prefix]
         if len(found) != 1:
             raise ConvertError(f"{self._where}: holds the distributed optimizer's buckets but "
                                f"{len(found)} entries {prefix!r}, not one")
         return self._folder.load_object(found[0])
 
-    def _sizes(self) -> list[int]:
-        """The buckets' sizes (``per_bucket_numel_unpadded``: per buffer, per dtype pair)."""
-        value = _unwrapped(self._object("per_bucket_numel_unpadded"))
+    def _sizes(self, rank: int) -> list[int]:
+        """Model-parallel ``rank``'s bucket sizes (``per_bucket_numel_unpadded``: per
+        buffer, per dtype pair)."""
+        value = _unwrapped(self._object(rank, "per_bucket_numel_unpadded"))
         buffers = value if isinstance(value, list) and len(value) == 1 else None
         sizes = list(buffers[0].values()) if buffers and isinstance(buffers[0], dict) else []
         if len(sizes) != 1 or not isinstance(sizes[0], list) or not sizes[0] or not all(
                 type(size) is int and size > 0 for size in sizes[0]):
-            raise ConvertError(f"{self._where}: per_bucket_numel_unpadded is {value!r}, not "
-                               "one buffer's list of bucket sizes")
+            raise ConvertError(f"{self._where}: per_bucket_numel_unpadded of dp_group_idx "
+                               f"{rank} is {value!r}, not one buffer's list of bucket sizes")
         return sizes[0]
 
     def locate(self, weight: Callable[[str, int], torch.Tensor]) -> None:
         """Find the layout (see the module docstring); ``weight(key, layer)`` reads a stored
-        weight."""
+        weight (one layer of it)."""
         verdicts: dict[str, str] = {}
-        fitting: dict[str, dict[Param, Slot]] = {}
+        fitting: dict[str, list[dict[Param, Slot]]] = {}
         for name, order in LAYER_ORDERS.items():
-            slots = bucket_slots(model_params(self._shapes, order), self.sizes)
-            if slots is None:
+            params = model_params(self._shapes, order, self.tp)
+            found = [bucket_slots(params, sizes) if params else None for sizes in self.sizes]
+            if not all(found):
                 verdicts[name] = "does not fill them"
-            elif not all(self._rounds_to(slots, param, weight(*param))
-                         for param in slots if param[1] <= 0):
+                continue
+            slots = [slot for slot in found if slot is not None]
+            if not all(self._rounds_to(slots, param, weight(*param))
+                       for param in slots[0] if param[1] <= 0):
                 verdicts[name] = "fills them, but its main parameters do not round to the weights"
             else:
                 verdicts[name], fitting[name] = "fits", slots
         if len(fitting) != 1:
             tried = "; ".join(f"{name}: {verdict}" for name, verdict in verdicts.items())
+            sizes = self.sizes[0] if self.tp == 1 else self.sizes
             raise ConvertError(
-                f"{self._where}: the distributed optimizer's buckets (sizes {self.sizes}) fit "
+                f"{self._where}: the distributed optimizer's buckets (sizes {sizes}"
+                f"{f', TP {self.tp}' if self.tp > 1 else ''}) fit "
                 f"{'none' if not fitting else 'more than one'} of the layer orders mt knows "
                 f"({tried}); give --drop-optimizer to convert the weights alone")
         (self.spec, self._slots), = fitting.items()
 
-    def _rounds_to(self, slots: Mapping[Param, Slot], param: Param,
-                   weight: torch.Tensor) -> bool:
-        main = self._range("param", slots[param], weight)
-        return torch.equal(main.to(weight.dtype), weight)
+    def _states(self, slots: Sequence[Mapping[Param, Slot]], param: Param,
+                weight: torch.Tensor, states: Sequence[str]) -> dict[str, list[torch.Tensor]]:
+        """Each TP rank's shard of each of ``states`` of ``param`` (shaped as its shard of
+        ``weight``)."""
+        out: dict[str, list[torch.Tensor]] = {state: [] for state in states}
+        for rank, found in enumerate(slots):
+            like = shard(param[0], weight, rank, self.tp, self._gated)
+            slot = found[param]
+            for state in states:
+                flat = self._folder.load_range(self._keys[rank, state, slot.bucket],
+                                               slot.start, like.numel())
+                out[state].append(flat.reshape(like.shape))
+        return out
 
-    def _range(self, state: str, slot: Slot, like: torch.Tensor) -> torch.Tensor:
-        flat = self._folder.load_range(self._keys[state, slot.bucket], slot.start, like.numel())
-        return flat.reshape(like.shape)
+    def _rounds_to(self, slots: Sequence[Mapping[Param, Slot]], param: Param,
+                   weight: torch.Tensor) -> bool:
+        mains = self._states(slots, param, weight, ("param",))["param"]
+        return all(torch.equal(main.to(weight.dtype),
+                               shard(param[0], weight, rank, self.tp, self._gated))
+                   for rank, main in enumerate(mains))
 
     def read(self, param: Param, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         """The states of ``param`` (shaped as its stored ``weight``, one layer of it), the
-        main parameter checked to round to the weight."""
-        slot = self._slots[param]
-        states = {state: self._range(state, slot, weight) for state in STATES}
-        if not torch.equal(states["param"].to(weight.dtype), weight):
-            key, layer = param
-            raise ConvertError(
-                f"{self._where}: the main parameter of {key!r}"
-                f"{f' layer {layer}' if layer >= 0 else ''} in bucket {slot.bucket} (from "
-                f"element {slot.start}, the {self.spec} layer order) does not round to its "
-                "stored weight: the buckets are not laid out as mt derived")
-        return states
-
+        main parameter checked to round to the weight on every TP rank."""
+        shards = self._states(self._slots, param, weight, STATES)
+        for rank, main in enumerate(shards["param"]):
+            if not torch.equal(main.to(weight.dtype),
+                               shard(param[0], weight, rank, self.tp, self._gated)):
+                key, layer = param
+                slot = self._slots[rank][param]
+                raise ConvertError(
+                    f"{self._where}: the main parameter of {key!r}"
+                    f"{f' layer {layer}' if layer >= 0 else ''} in bucket {slot.bucket} of "
+                    f"dp_group_idx {rank} (from element {slot.start}, the {self.spec} layer "
+                    "order) does not round to its stored weight: the buckets are not laid "
+                    "out as mt derived")
+        return {state: join(param[0], pieces, self._gated) for state, pieces in shards.items()}
