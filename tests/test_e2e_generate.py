@@ -121,3 +121,19 @@ def test_a_prompt_too_long_is_named_by_its_line(model: dict[str, Path], tmp_path
     assert "tokens + 4 new tokens exceed the model's 64 positions: lower --max-new-tokens" \
         in text, text
     assert not out.exists()
+
+
+def test_rows_with_data_of_their_own_are_prompts(tmp_path: Path) -> None:
+    """A row's own fields (an id, mt generate's own output: ``logprobs`` as a list, a
+    ``seed`` or ``n`` kept as metadata, a ``max_tokens`` of null) are the user's: the row is
+    read as its prompt; only a sampling setting the options give is refused."""
+    from mt_eval import TaskError
+    from mt_inference.generation import read_prompts
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": "a", "id": 1, "logprobs": [-1.5], "seed": 3, "n": 2, '
+                    '"max_tokens": null}\n')
+    assert read_prompts(rows) == [(f"{rows}:1", "a")]
+    rows.write_text('{"prompt": "a", "temperature": 0.5}\n')
+    with pytest.raises(TaskError, match=r"rows.jsonl:1: the row sets temperature"):
+        read_prompts(rows)

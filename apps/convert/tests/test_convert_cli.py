@@ -17,6 +17,7 @@ import typer
 from typer.testing import CliRunner
 
 from mt_convert.cli import app
+from mt_data import load_tokenizer
 from mt_formats import load_state_dict, save_model
 from mt_model import GPT, preset
 
@@ -250,8 +251,8 @@ def test_convert_cli_dcp_folders(tmp_path: Path) -> None:
 def test_convert_cli_carries_a_hugging_face_source_s_tokenizer(checkpoint: Path,
                                                                tmp_path: Path) -> None:
     """A Hugging Face folder's own tokenizer travels to the targets that store one (hf,
-    gguf) without --tokenizer; one mt cannot load is left out with a note saying why, and
-    the weights convert."""
+    gguf) without --tokenizer; one mt cannot load, or one of more ids than the model's
+    vocabulary, is left out with a note saying why, and the weights convert."""
     hf = tmp_path / "hf"
     result = runner.invoke(app, [str(checkpoint), str(hf), "--to", "hf", "--tokenizer",
                                  "tokenizer-1k"], env={"COLUMNS": "400"})
@@ -260,6 +261,11 @@ def test_convert_cli_carries_a_hugging_face_source_s_tokenizer(checkpoint: Path,
     result = runner.invoke(app, [str(hf), str(again), "--to", "hf"], env={"COLUMNS": "400"})
     assert result.exit_code == 0 and "no tokenizer written" not in result.output, result.output
     assert (again / "tokenizer.json").read_bytes() == (hf / "tokenizer.json").read_bytes()
+    load_tokenizer("gpt2").save(hf / "tokenizer.json")  # 50257 ids: more than the model's
+    result = runner.invoke(app, [str(hf), str(tmp_path / "second"), "--to", "hf"],
+                           env={"COLUMNS": "400"})
+    assert result.exit_code == 0, result.output
+    assert "its 50257 ids are more than the model's vocabulary of" in result.output
     (hf / "tokenizer.json").write_text("{not json")
     result = runner.invoke(app, [str(hf), str(tmp_path / "third"), "--to", "hf"],
                            env={"COLUMNS": "400"})

@@ -201,3 +201,38 @@ def test_fast_encoder_only_for_gpt2_style(tmp_path: Path) -> None:
     assert not lowered.fast  # a normalizer: the HF pipeline is used as is
     assert list(lowered.encode_batch(["Call Me"], append_eod=False).tokens) == \
         lowered.encode("call me")
+
+
+@pytest.mark.parametrize("name", ["gpt2", "tokenizer-1k"])
+def test_token_bytes_are_the_text_s_bytes(name: str) -> None:
+    """A byte-level token's bytes (part of a character for "日本語", "€"): joined they are
+    the text's UTF-8, though each such token decodes alone to U+FFFD; an added token's
+    bytes are its text."""
+    tokenizer = load_tokenizer(name)
+    text = "café 日本語 € naïve"
+    ids = tokenizer.encode(text)
+    assert b"".join(tokenizer.token_bytes(i) for i in ids) == text.encode()
+    assert any("\ufffd" in tokenizer.decode([i]) for i in ids)
+    assert tokenizer.token_bytes(tokenizer.eod_id) == b"<|endoftext|>"
+
+
+def test_token_bytes_of_a_tokenizer_that_is_not_byte_level(tmp_path: Path) -> None:
+    """A SentencePiece-style tokenizer (Metaspace pieces, byte fallback): a piece's bytes
+    are its text's, not GPT-2's byte table read over it ("é" is one of that table's
+    symbols), and a byte-fallback piece ``<0xE6>`` is that byte."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, normalizers, trainers
+
+    backend = HFTokenizer(models.BPE(byte_fallback=True, unk_token=None))
+    backend.normalizer = normalizers.Replace(" ", "▁")
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                         decoders.Fuse()])
+    alphabet = [f"<0x{i:02X}>" for i in range(256)]
+    backend.train_from_iterator(["the café is open", "naïve résumé"] * 20, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>", *alphabet], initial_alphabet=["é"]))
+    backend.save(str(tmp_path / "sp.json"))
+    tokenizer = load_tokenizer(str(tmp_path / "sp.json"))
+    assert tokenizer.token_bytes(backend.token_to_id("é")) == "é".encode()
+    assert tokenizer.token_bytes(backend.token_to_id("<0xE6>")) == b"\xe6"
+    ids = tokenizer.encode("café 日")  # 日: three byte-fallback pieces
+    assert b"".join(tokenizer.token_bytes(i) for i in ids) == "café 日".encode()

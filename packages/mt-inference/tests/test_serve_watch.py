@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
+import torch
 from starlette.testclient import TestClient
 
 from mt_inference.serving.api import Limits
@@ -26,11 +28,17 @@ class Clock:
 
 
 def _run(root: Path) -> Path:
-    """A run folder: two step folders and ``latest`` naming the first."""
-    for step in ("step-00000002", "step-00000004"):
-        (root / step).mkdir(parents=True)
-        (root / step / "meta.json").write_text("{}")
-        (root / step / "rank-00000.pt").write_bytes(b"weights " + step.encode())
+    """A run folder: two complete step folders of one rank (a tiny payload, a real
+    ``meta.json``) and ``latest`` naming the first."""
+    from mt_checkpoint import CheckpointMeta, SavedLayout, save_rank, write_meta
+
+    for step in (2, 4):
+        folder = root / f"step-{step:08d}"
+        folder.mkdir(parents=True)
+        save_rank(folder, 0, (0, 0, 0), {"w": torch.full((2,), float(step))}, {}, {})
+        write_meta(folder, CheckpointMeta(step=step, layout=SavedLayout(tp=1, pp=1, dp=1),
+                                          model={}, styles={"w": "replicate"},
+                                          stage_params={0: ["w"]}, consumed_samples=step))
     (root / "latest").write_text("step-00000002\n")
     return root
 
@@ -50,7 +58,10 @@ def test_a_moved_latest_and_an_edited_file_are_each_a_change(tmp_path: Path) -> 
     change = watch.change()
     assert change is not None and f"now designates {run / 'step-00000004'}" in change
     assert said == [f"warning: {change}"]
-    assert watch.change() == change and len(said) == 1  # said once, and it stays changed
+    assert watch.change() == change and len(said) == 1  # said once
+    (run / "latest").write_text("step-00000002\n")  # undone: what was loaded again
+    clock.now = 22.0
+    assert watch.change() is None
     step = tmp_path / "run" / "step-00000004"
     edited = CheckpointWatch(step, said.append, every=0.0, clock=clock)
     rank = step / "rank-00000.pt"
@@ -85,3 +96,22 @@ def test_a_long_unknown_model_name_is_cut_in_the_404(tmp_path: Path) -> None:
     answer = TestClient(build_app(config, Inbox(4))).get("/v1/models/" + "x" * 5000)
     message = answer.json()["error"]["message"]
     assert answer.status_code == 404 and "x" * 57 + "..." in message and len(message) < 200
+
+
+def test_a_file_gone_while_looked_at_is_a_change_not_an_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A training run pruning a step folder while the server looks at it (a file listed,
+    then gone before its ``stat``): a change, never an exception out of /health."""
+    from mt_inference.serving.watch import checkpoint_state
+
+    run = _run(tmp_path / "run")
+    before = checkpoint_state(run)
+    stat = Path.stat
+
+    def gone(self: Path, *args: object, **kwargs: object) -> os.stat_result:
+        if self.name == "rank-00000.pt":
+            raise FileNotFoundError(2, "No such file or directory", str(self))
+        return stat(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Path, "stat", gone)
+    assert checkpoint_state(run) != before

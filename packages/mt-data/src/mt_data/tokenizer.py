@@ -10,6 +10,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import re
 import zlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -31,6 +32,8 @@ BUILTIN = ("gpt2", "tokenizer-1k")
 
 _BYTE_OF = {char: byte for byte, char in bytes_to_unicode().items()}
 """ByteLevel's printable symbol -> the byte it stands for."""
+_FALLBACK_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+"""A byte-fallback token's piece (a byte no other token holds)."""
 
 class TokenizerError(DataError, ValueError):
     """A tokenizer could not be loaded or trained."""
@@ -133,12 +136,14 @@ class Tokenizer:
         piece = self.backend.id_to_token(int(token))
         if piece is None:
             raise TokenizerError(f"tokenizer {self.name!r} has no id {token}")
+        byte_level = isinstance(self.backend.decoder, decoders.ByteLevel)
+        if not byte_level and (byte := _FALLBACK_BYTE.fullmatch(piece)) is not None:
+            return bytes([int(byte[1], 16)])  # SentencePiece's byte fallback
         if int(token) in self.backend.get_added_tokens_decoder():
             return piece.encode("utf-8")
-        try:
+        if byte_level and all(char in _BYTE_OF for char in piece):
             return bytes(_BYTE_OF[char] for char in piece)
-        except KeyError:  # not a byte-level symbol: the text it decodes to
-            return self.decode([token]).encode("utf-8")
+        return self.decode([token]).encode("utf-8")  # the text it decodes to
 
     def save(self, path: str | Path) -> None:
         """Write the tokenizer as a HF ``tokenizer.json`` (atomically)."""

@@ -114,7 +114,7 @@ def atomic_directory(destination: Path, overwrite: bool = False) -> Iterator[Pat
             except BaseException:  # an interrupt between the two: the previous one goes back
                 if (old / "previous").exists() and not destination.exists():
                     os.replace(old / "previous", destination)
-                old.rmdir()
+                shutil.rmtree(old, ignore_errors=True)  # empty, or the replaced one
                 raise
             shutil.rmtree(old, ignore_errors=True)
         else:

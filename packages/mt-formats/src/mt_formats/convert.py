@@ -437,9 +437,14 @@ def _source_tokenizer(reader: CheckpointReader, writer: CheckpointWriter) -> str
     from mt_formats.hf_tokenizer import load_named_tokenizer
 
     try:
-        load_named_tokenizer(reader.tokenizer)
+        loaded = load_named_tokenizer(reader.tokenizer)
     except ConvertError as err:
         writer.notes.append(f"the source's tokenizer is not written ({err}); pass --tokenizer")
+        return None
+    if loaded.vocab_size > reader.config.vocab_size:
+        writer.notes.append(f"the source's tokenizer is not written: its {loaded.vocab_size} "
+                            f"ids are more than the model's vocabulary of "
+                            f"{reader.config.vocab_size}; pass --tokenizer")
         return None
     return reader.tokenizer
 

@@ -398,7 +398,8 @@ class McoreReader(CheckpointReader):
                                f"{err!r}") from None
         if len(steps) != 1:
             raise ConvertError(f"{where}: the optimizer's param groups were stepped "
-                               f"{sorted(steps)} times")
+                               f"{sorted(steps)} times" if steps else
+                               f"{where}: holds no optimizer param groups")
         self._roles = _role_settings(groups, f"{where}.param_groups")
         return steps.pop()
 

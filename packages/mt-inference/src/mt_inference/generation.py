@@ -40,10 +40,9 @@ __all__ = ["GenerateSpec", "Generator", "generate_rank", "read_prompts"]
 
 
 #: Fields of an OpenAI-style request that a row might carry to set its own sampling: mt
-#: generate takes those from its options, for every row.
-_REQUEST_FIELDS = ("max_tokens", "max_new_tokens", "temperature", "top_p", "top_k", "stop",
-                   "seed", "n", "logprobs", "echo", "best_of", "suffix", "presence_penalty",
-                   "frequency_penalty", "logit_bias")
+#: generate takes those from its options, for every row. (``seed``, ``n`` or ``logprobs``
+#: may be a row's own data: mt generate's output rows carry ``logprobs``.)
+_REQUEST_FIELDS = ("max_tokens", "max_new_tokens", "temperature", "top_p", "top_k", "stop")
 
 
 def read_prompts(path: Path) -> list[tuple[str, str]]:
@@ -56,10 +55,10 @@ def read_prompts(path: Path) -> list[tuple[str, str]]:
         if not isinstance(row.get("prompt"), str) or not row["prompt"]:
             raise TaskError(f'{path}:{number}: a row must be {{"prompt": TEXT}} with a '
                             f"non-empty TEXT, got {json.dumps(row)[:80]}")
-        if fields := [key for key in _REQUEST_FIELDS if key in row]:
+        if fields := [key for key in _REQUEST_FIELDS if row.get(key) is not None]:
             raise TaskError(f"{path}:{number}: the row sets {', '.join(fields)}, which mt "
                             "generate takes from its options for every row (--max-new-tokens, "
-                            "--temperature, --top-k, --top-p, --stop, --seed); leave it out "
+                            "--temperature, --top-k, --top-p, --stop); leave it out "
                             "and give the option, or use mt serve for per-request settings")
         prompts.append((f"{path}:{number}", row["prompt"]))
     return prompts

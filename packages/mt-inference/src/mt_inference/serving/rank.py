@@ -161,6 +161,9 @@ def serve_rank(spec: ServeSpec, info: LaunchInfo | None,
     try:
         loop.run(dispatcher)
         completed = True
+    except KeyboardInterrupt:  # a second signal: stopped at once
+        dispatcher.fail_all(ApiError(503, "the server was stopped", kind="unavailable"))
+        raise
     except BaseException:
         dispatcher.fail_all(ApiError(500, "the server stopped", kind="server_error"))
         raise
