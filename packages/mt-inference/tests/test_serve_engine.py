@@ -25,6 +25,7 @@ class Replicas:
     both; gather: both results joined)."""
 
     def __init__(self, model: GPT) -> None:
+        self.model = model
         self.loops = [ServeLoop(WholeModel(model), r, True, lambda c: c, lambda x: x)
                       for r in range(2)]
 
@@ -41,16 +42,21 @@ def _job(loop: asyncio.AbstractEventLoop, name: str, prompt: tuple[int, ...], to
     return Job(name, completion, loop, time.monotonic() + deadline)
 
 
+def _engine(max_batch: int) -> tuple[Replicas, Inbox, Dispatcher, asyncio.AbstractEventLoop]:
+    """Two replicas of a tiny model, rank 0's inbox and dispatcher (``max_batch`` rows per
+    replica), and the loop the jobs answer on."""
+    replicas = Replicas(GPT(GPTConfig(2, 32, 4, 97, 48), seed=3).eval())
+    inbox = Inbox(max_waiting=8)
+    dispatcher = Dispatcher(inbox, _decode, replicas=2, max_batch=max_batch,
+                            check=replicas.loops[0].batch.check)
+    return replicas, inbox, dispatcher, asyncio.new_event_loop()
+
+
 def test_one_failing_request_fails_alone() -> None:
     """A request the engine cannot run (here one whose seed got past the checks, so that its
     generator raises in the prefill, as an unchecked seed of 2**70 did) ends in an error of
     its own; the requests beside it finish, and the loop serves the next ones."""
-    model = GPT(GPTConfig(2, 32, 4, 97, 48), seed=3).eval()
-    replicas = Replicas(model)
-    inbox = Inbox(max_waiting=8)
-    dispatcher = Dispatcher(inbox, _decode, replicas=2, max_batch=4,
-                            check=replicas.loops[0].batch.check)
-    loop = asyncio.new_event_loop()
+    replicas, inbox, dispatcher, loop = _engine(max_batch=4)
     bad_rule = Sampling(max_new_tokens=4, temperature=1.0)
     object.__setattr__(bad_rule, "seed", 2**70)  # what the checks now refuse at the door
     bad = _job(loop, "bad", (5, 9), 4, rule=bad_rule)
@@ -82,12 +88,7 @@ def _outcome(loop: asyncio.AbstractEventLoop, job: Job) -> tuple[str, object]:
 
 
 def test_two_replicas_share_jobs_cancel_and_time_out() -> None:
-    model = GPT(GPTConfig(2, 32, 4, 97, 48), seed=3).eval()
-    replicas = Replicas(model)
-    inbox = Inbox(max_waiting=8)
-    dispatcher = Dispatcher(inbox, _decode, replicas=2, max_batch=2,
-                            check=replicas.loops[0].batch.check)
-    loop = asyncio.new_event_loop()
+    replicas, inbox, dispatcher, loop = _engine(max_batch=2)
     prompts = [(5, 9, 14), (1, 2, 3, 4), (42, 17), (7, 7, 7, 7, 7)]
     jobs = [_job(loop, f"j{i}", p, 6 + i) for i, p in enumerate(prompts)]
     late = _job(loop, "late", (3, 3), 4, deadline=-1.0)  # its time is up while it waits
@@ -109,7 +110,7 @@ def test_two_replicas_share_jobs_cancel_and_time_out() -> None:
             kind, choices = job.queue.get_nowait()
             ids = list(prompt)
             for _ in range(6 + i):  # greedy, alone, the full forward each token
-                ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+                ids.append(int(replicas.model(torch.tensor([ids]))[0, -1].argmax()))
             assert kind == "done" and choices[0].text == _decode(ids[len(prompt):]), i
             assert choices[0].finish_reason == "length"
     kind, error = late.queue.get_nowait()
@@ -148,12 +149,7 @@ def test_stopping_at_once_ends_the_waiting_requests_too() -> None:
     running or still waiting for room in the batch, gets the error at once, and no new one
     is accepted. A waiting request left unanswered would hang until the HTTP server gives up
     on it and answer with its plain-text 500."""
-    model = GPT(GPTConfig(2, 32, 4, 97, 48), seed=3).eval()
-    replicas = Replicas(model)
-    inbox = Inbox(max_waiting=8)
-    dispatcher = Dispatcher(inbox, _decode, replicas=2, max_batch=1,
-                            check=replicas.loops[0].batch.check)
-    loop = asyncio.new_event_loop()
+    replicas, inbox, dispatcher, loop = _engine(max_batch=1)
     jobs = [_job(loop, f"job{i}", (1, 2), 10) for i in range(4)]
     for job in jobs:
         assert inbox.offer(job) is None
