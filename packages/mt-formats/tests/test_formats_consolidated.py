@@ -303,3 +303,21 @@ def test_convert_reads_format_version_2_crc32_checkpoints(tmp_path: Path) -> Non
                                            r"\.bias\.checksum: unrecognised checksum "
                                            r"'md5:.*supported: 'crc32c:' or 'crc32:'"):
         load_state_dict(tmp_path / "ckpt")
+
+
+def test_unfinished_folders_of_a_killed_conversion_are_named(tmp_path: Path) -> None:
+    """A conversion killed (SIGKILL) leaves its ``.NAME.partial-*`` folder: the next
+    conversion to the same place names it in a note, and deletes nothing (another
+    conversion may be writing it)."""
+    from mt_formats import convert_checkpoint
+
+    save_model(_model(), tmp_path / "ckpt")
+    left = tmp_path / ".out.partial-abc123"
+    left.mkdir()
+    (left / "model.safetensors").write_bytes(b"x" * 2**20)
+    notes = convert_checkpoint(tmp_path / "ckpt", tmp_path / "out", to="hf").notes
+    said = [note for note in notes if "unfinished folder" in note]
+    assert len(said) == 1 and ".out.partial-abc123" in said[0] and "1.0 MiB" in said[0]
+    assert left.is_dir()
+    notes = convert_checkpoint(tmp_path / "ckpt", tmp_path / "other", to="hf").notes
+    assert not [note for note in notes if "unfinished folder" in note]

@@ -390,7 +390,7 @@ def convert_checkpoint(source: Path, destination: Path, *, to: str = "consolidat
         moved = _write(writer, reader.names(), get, destination, overwrite, progress)
         return ConversionResult(reader.format, writer.format, destination,
                                 len(reader.names()), moved, time.perf_counter() - start,
-                                writer.tokenizer, tuple(writer.notes))
+                                writer.tokenizer, (*writer.notes, *_leftovers(destination)))
 
 
 def check_options(source: Path, to: str, from_format: str | None, *,
@@ -449,13 +449,29 @@ def _source_tokenizer(reader: CheckpointReader, writer: CheckpointWriter) -> str
     return reader.tokenizer
 
 
+def _leftovers(destination: Path) -> tuple[str, ...]:
+    """A note naming the unfinished folders of conversions to ``destination`` that were
+    killed (``.NAME.partial-*``, ``.NAME.old-*`` beside it), which nothing removes: mt
+    does not delete them itself (another conversion to the same place may be writing one)."""
+    found = sorted(path for pattern in (".partial-*", ".old-*")
+                   for path in destination.parent.glob(f".{destination.name}{pattern}"))
+    if not found:
+        return ()
+    size = sum(file.stat().st_size for path in found for file in path.rglob("*")
+               if file.is_file())
+    return (f"{len(found)} unfinished folder(s) of earlier conversions to {destination.name} "
+            f"lie beside it ({found[0].name}{', ...' if len(found) > 1 else ''}; "
+            f"{size / 2**20:.1f} MiB), left by a conversion that was killed; delete them "
+            "once no other conversion to it is running",)
+
+
 def _to_pretrain(source: Path, destination: Path, overwrite: bool,
                  progress: ProgressFn | None, target: PretrainTarget) -> ConversionResult:
     """pretrain -> pretrain at another layout, optimizer state carried (or dropped)."""
     start = time.perf_counter()
     fmt, count, moved = convert_pretrain(source, destination, target, overwrite, progress)
     return ConversionResult(fmt, "pretrain", destination, count, moved,
-                            time.perf_counter() - start)
+                            time.perf_counter() - start, notes=_leftovers(destination))
 
 
 def save_state_dict(state_dict: Mapping[str, torch.Tensor], config: GPTConfig,
