@@ -457,12 +457,17 @@ def _leftovers(destination: Path) -> tuple[str, ...]:
                    for path in destination.parent.glob(f".{destination.name}{pattern}"))
     if not found:
         return ()
-    size = sum(file.stat().st_size for path in found for file in path.rglob("*")
-               if file.is_file())
+    size = 0
+    for path in found:
+        for file in path.rglob("*"):
+            try:
+                size += file.stat().st_size if file.is_file() else 0
+            except OSError:  # removed meanwhile by the conversion writing it
+                pass
     return (f"{len(found)} unfinished folder(s) of earlier conversions to {destination.name} "
             f"lie beside it ({found[0].name}{', ...' if len(found) > 1 else ''}; "
-            f"{size / 2**20:.1f} MiB), left by a conversion that was killed; delete them "
-            "once no other conversion to it is running",)
+            f"{size / 2**20:.1f} MiB), left by a conversion that was killed or written by "
+            "one running now; delete them once no other conversion to it is running",)
 
 
 def _to_pretrain(source: Path, destination: Path, overwrite: bool,

@@ -116,8 +116,7 @@ def _local(key: str, shape: tuple[int, ...], tp: int) -> int | None:
     axis = _axis(key)
     if axis is None:
         return math.prod(shape)
-    if shape[axis] % tp or (axis == 0 and key.endswith(_FC1 + "weight") and
-                            shape[0] % (2 * tp)):
+    if shape[axis] % tp:
         return None
     return math.prod(shape) // tp
 

@@ -162,11 +162,17 @@ class _Handlers:
         inbox = self.inbox
         if inbox.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
-        change = self.config.watch.change() if self.config.watch is not None else None
+        change = await self.checkpoint_change()
         if change is not None:
             return JSONResponse({"status": "stale", "message": change}, status_code=503)
         return JSONResponse({"status": "ok", "waiting": len(inbox), "running": inbox.running,
                              "gone": inbox.gone})
+
+    async def checkpoint_change(self) -> str | None:
+        """:meth:`CheckpointWatch.change` on a worker thread (its ``stat`` calls may be slow
+        on a network file system; the event loop answers everyone)."""
+        watch = self.config.watch
+        return None if watch is None else await run_in_threadpool(watch.change)
 
     async def openapi(self, _request: Request) -> Response:
         return JSONResponse(self.schema)
@@ -192,8 +198,7 @@ class _Handlers:
         if refused:
             return refused
         config = self.config
-        if config.watch is not None:
-            config.watch.change()  # announced once, when first seen
+        await self.checkpoint_change()  # announced once, when first seen
         try:
             raw = await _body(request, config.max_body_bytes, config.client_timeout)
             completion = await run_in_threadpool(self.parse, raw)

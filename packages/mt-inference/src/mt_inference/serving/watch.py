@@ -13,6 +13,7 @@ model card names the folder it serves (``root``), and the change is announced on
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -62,11 +63,16 @@ class CheckpointWatch:
         self._announce, self._every, self._clock = announce, every, clock
         self._next = clock() + every
         self._change: str | None = None
+        self._lock = threading.Lock()  # asked from the HTTP side's worker threads
 
     def change(self) -> str | None:
         """None while ``path`` holds what the server loaded; else one line saying what
         changed (looked at again at most every ``every`` seconds; announced when it is
         first seen, and again after ``path`` held the loaded checkpoint in between)."""
+        with self._lock:
+            return self._look()
+
+    def _look(self) -> str | None:
         if self._clock() < self._next:
             return self._change
         self._next = self._clock() + self._every
