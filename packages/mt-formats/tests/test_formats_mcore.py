@@ -46,8 +46,11 @@ def _tokens(vocab: int) -> torch.Tensor:
     return torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(9))
 
 
-def _mcore_model(config: GPTConfig, tp: int) -> Any:
-    """megatron-core's GPTModel for ``config`` on this CPU rank (see the module docstring)."""
+def _mcore_model(config: GPTConfig, tp: int, pp: int = 1, first_layers: int | None = None,
+                 parallel_output: bool = False) -> Any:
+    """megatron-core's GPTModel for ``config`` on this CPU rank (see the module docstring):
+    at TP ``tp`` x PP ``pp`` (this rank's stage; ``first_layers`` in the first stage, else
+    even stages), its logits gathered over TP unless ``parallel_output``."""
     import torch.nn.functional as F
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -57,7 +60,7 @@ def _mcore_model(config: GPTConfig, tp: int) -> Any:
 
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda *args, **kwargs: None
-    parallel_state.initialize_model_parallel(tp, 1)
+    parallel_state.initialize_model_parallel(tp, pp)
     initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     torch.manual_seed(1)
     llama = config.mlp == "swiglu"
@@ -66,17 +69,22 @@ def _mcore_model(config: GPTConfig, tp: int) -> Any:
         num_layers=config.n_layers, hidden_size=config.hidden,
         num_attention_heads=config.n_heads, num_query_groups=config.n_kv_heads,
         ffn_hidden_size=config.ffn_hidden, tensor_model_parallel_size=tp,
-        use_cpu_initialization=True, params_dtype=torch.float32, hidden_dropout=0.0,
-        attention_dropout=0.0, normalization=norm, layernorm_epsilon=config.layernorm_eps,
+        pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32,
+        num_layers_in_first_pipeline_stage=first_layers, use_cpu_initialization=True,
+        params_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0,
+        normalization=norm, layernorm_epsilon=config.layernorm_eps,
         gated_linear_unit=llama, activation_func=F.silu if llama else F.gelu,
         add_bias_linear=config.bias, init_method_std=0.05)
-    return GPTModel(config=transformer, vocab_size=config.vocab_size,
-                    transformer_layer_spec=get_gpt_layer_local_spec(normalization=norm),
-                    max_sequence_length=config.seq_len,
-                    position_embedding_type="rope" if llama else "learned_absolute",
-                    rotary_base=int(config.rope_theta),
-                    share_embeddings_and_output_weights=config.tied_embeddings,
-                    parallel_output=False).eval()
+    with _CudaOnCpu():  # a later stage's copy of tied embeddings is moved to "cuda"
+        return GPTModel(config=transformer, vocab_size=config.vocab_size,
+                        transformer_layer_spec=get_gpt_layer_local_spec(normalization=norm),
+                        max_sequence_length=config.seq_len,
+                        position_embedding_type="rope" if llama else "learned_absolute",
+                        rotary_base=int(config.rope_theta),
+                        share_embeddings_and_output_weights=config.tied_embeddings,
+                        parallel_output=parallel_output,
+                        pre_process=parallel_state.is_pipeline_first_stage(),
+                        post_process=parallel_state.is_pipeline_last_stage()).eval()
 
 
 class _CudaOnCpu(TorchFunctionMode):
@@ -206,6 +214,7 @@ def _pieces(model: Any, optimizer: Any) -> dict[tuple[int, str, int], dict[str, 
 
     inner = optimizer.chained_optimizers[0]
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    layers = getattr(model.decoder, "layers", [])
     pieces: dict[tuple[int, str, int], dict[str, Any]] = {}
     for name, param in model.named_parameters():
         if param not in inner.model_param_gbuf_map:  # all of it on the other rank
@@ -217,7 +226,7 @@ def _pieces(model: Any, optimizer: Any) -> dict[tuple[int, str, int], dict[str, 
             rest = match[2]
             for module, saved in _NORM_KEYS.items():
                 rest = rest.replace(module, saved)
-            layer, key = int(match[1]), LAYERS + rest
+            layer, key = layers[int(match[1])].layer_number - 1, LAYERS + rest  # global
         tensors = inner._get_main_param_and_optimizer_states(param)
         pieces[tp_rank, key, layer] = {state: (ranges["param"].start,
                                                tensors[state].detach().clone())
@@ -285,7 +294,8 @@ def _logits(model: Any, vocab: int | None = None) -> torch.Tensor:
         return model(tokens, positions, attention_mask=mask)
 
 
-def _megatron_lm_args(config: GPTConfig, tp: int, vocab: int) -> Any:
+def _megatron_lm_args(config: GPTConfig, tp: int, vocab: int, pp: int = 1,
+                      first_layers: int | None = None) -> Any:
     """The ``args`` Megatron-LM puts in a checkpoint's common state (the settings that
     describe the model and layout, and a real Megatron-core enum and torch dtype)."""
     import argparse
@@ -299,7 +309,8 @@ def _megatron_lm_args(config: GPTConfig, tp: int, vocab: int) -> Any:
         norm_epsilon=config.layernorm_eps, normalization="LayerNorm", swiglu=False,
         position_embedding_type="learned_absolute", group_query_attention=False,
         add_bias_linear=True, untie_embeddings_and_output_weights=False,
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        decoder_first_pipeline_num_layers=first_layers,
         padded_vocab_size=config.vocab_size, vocab_size=vocab, make_vocab_size_divisible_by=64,
         params_dtype=torch.float32, attention_backend=AttnBackend.auto, init_method_std=0.05)
 
@@ -488,16 +499,18 @@ def bucketed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Held, Path
     return _bucketed_run(tmp_path_factory.mktemp("bucketed"), tp=1)
 
 
-def _cut(key: str, tensor: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
+def _cut(key: str, tensor: torch.Tensor, rank: int, tp: int, gated: bool = True
+         ) -> torch.Tensor:
     """Megatron-core's TP ``rank`` shard of stored tensor ``key`` (one layer of it): rows of
-    the column-parallel ones (of a gated ``linear_fc1``, its gate rows' and its up rows'),
-    columns of the row-parallel ones, all of a replicated one."""
+    the column-parallel ones (of a ``gated`` ``linear_fc1``, its gate rows' and its up
+    rows'), columns of the row-parallel ones, all of a replicated one."""
     leaf = key.removeprefix(LAYERS)
-    if leaf == "mlp.linear_fc1.weight":
+    if gated and leaf == "mlp.linear_fc1.weight":
         gate, up = tensor.chunk(2)
         return torch.cat([gate.chunk(tp)[rank], up.chunk(tp)[rank]])
     if leaf in ("embedding.word_embeddings.weight", "output_layer.weight",
-                "self_attention.linear_qkv.weight"):
+                "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
+                "mlp.linear_fc1.weight", "mlp.linear_fc1.bias"):
         return tensor.chunk(tp)[rank]
     if leaf in ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight"):
         return tensor.chunk(tp, dim=1)[rank]
@@ -549,6 +562,101 @@ def test_bucketed_optimizer_state_of_a_tp2_run_joins_its_ranks_shards(tmp_path: 
     _same_as_held(_tensors(tmp_path / "mcore"), held, tp=2)
 
 
+#: GPT-2-shaped, 3 layers: over two pipeline stages, 1 in the first and 2 in the last.
+GPT3 = GPTConfig(n_layers=3, hidden=64, n_heads=4, vocab_size=128, seq_len=32,
+                 layernorm_eps=1e-5)
+
+
+def _train_save_pipelined(directory: str, tp: int, pp: int) -> Any:
+    """GPT3 (tied embeddings) trained 2 Adam steps at TP ``tp`` x PP ``pp`` by
+    megatron-core's pipeline schedule (2 micro-batches; the first stage holds 1 layer),
+    gradients in buckets of about 20,000 elements (megatron-core buckets the first stage's
+    only) and reduced as Megatron-LM's training loop does (``finalize_model_grads``: the two
+    copies of the embeddings summed), saved as Megatron-LM saves it by default
+    ('dp_reshardable', with its args and iteration); returns this rank's state
+    (:func:`_pieces`)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    model = _mcore_model(GPT3, tp, pp, first_layers=1, parallel_output=True).train()
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
+        use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=20_000), model)
+    model.config.finalize_model_grads_func = finalize_model_grads
+    with _CudaOnCpu():
+        optimizer = get_megatron_optimizer(OptimizerConfig(
+            optimizer="adam", use_distributed_optimizer=True, **ADAM), [ddp])
+    tokens = _tokens(GPT3.vocab_size)
+    positions = torch.arange(tokens.shape[1])[None].expand_as(tokens)
+    mask = torch.triu(torch.ones(1, 1, tokens.shape[1], tokens.shape[1]), diagonal=1).bool()
+
+    def forward_step(_: Any, chunk: Any) -> Any:
+        losses = chunk(tokens, positions, attention_mask=mask, labels=tokens.roll(-1, 1))
+        return losses, lambda out: (out.mean(), {"loss": out.mean().detach()})
+
+    for _ in range(2):
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        with _CudaOnCpu():
+            get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=None, model=[ddp],
+                num_microbatches=2, seq_length=tokens.shape[1], micro_batch_size=2)
+            optimizer.step()
+    dist_checkpointing.save({
+        "model": model.sharded_state_dict(),
+        "optimizer": _optimizer_state(model, optimizer, sharding="dp_reshardable"),
+        "args": _megatron_lm_args(GPT3, tp, GPT3.vocab_size, pp=pp, first_layers=1),
+        "checkpoint_version": 3.0, "iteration": 2}, directory)
+    return _pieces(model, optimizer)
+
+
+def test_bucketed_optimizer_state_of_a_tp2_pp2_run_reads_bit_for_bit(tmp_path: Path) -> None:
+    """At TP 2 x PP 2 model-parallel rank ``pp_rank * 2 + tp_rank`` holds its shards of its
+    stage's parameters; with tied embeddings the last stage holds a copy of the word
+    embeddings as its output layer, each copy in a bucket of its own, and the first stage's
+    buckets only are cut by size. mt finds how many layers each stage holds (1 and 2) from
+    the buckets' sizes and reads the state bit for bit as the ranks held it (the last
+    stage's copy equal to the first's): from the run's args, and without them (every split
+    of the 4 ranks tried)."""
+    import shutil
+
+    (tmp_path / "ckpt").mkdir()
+    ranks = run_distributed(_train_save_pipelined, 4, str(tmp_path / "ckpt"), 2, 2,
+                            timeout=300)
+    held: Held = {}
+    for pieces in ranks:  # DP 1: each piece is its rank's whole shard
+        for param, states in pieces.items():
+            held[param] = {state: values for state, (start, values) in states.items()}
+            assert all(start == 0 for start, _ in states.values())
+    stored = dcp.FileSystemReader(tmp_path / "ckpt").read_metadata().state_dict_metadata
+    assert {key.split(".")[2] for key in stored if ".bucket_idx_" in key} == {
+        f"dp_group_idx_{rank}" for rank in range(4)}
+    bare = tmp_path / "bare"  # the same run without Megatron-LM's args
+    shutil.copytree(tmp_path / "ckpt", bare)
+    common = torch.load(bare / "common.pt", weights_only=False)
+    del common["args"]
+    torch.save(common, bare / "common.pt")
+    fields = tmp_path / "gpt3.json"
+    fields.write_text(json.dumps(GPT3.to_dict()))
+    for source, model in ((tmp_path / "ckpt", None), (bare, str(fields))):
+        out = tmp_path / f"{source.name}-mcore"
+        convert_checkpoint(source, out, to="mcore", model=model)
+        ours = _tensors(out)
+        assert len(held) == 2 * (2 + 3 * 12 + 2 + 1)  # per TP rank: + the tied copy
+        for (rank, key, layer), states in held.items():
+            key = key.replace("output_layer.weight", "embedding.word_embeddings.weight")
+            for state, values in states.items():
+                tensor = ours[state_key(state, key)]
+                tensor = tensor if layer < 0 else tensor[layer]
+                assert torch.equal(_cut(key, tensor, rank, 2, gated=False).flatten(),
+                                   values), (source.name, rank, key, layer, state)
+
+
 def test_a_bucket_layout_that_does_not_fit_the_weights_is_refused(
         bucketed: tuple[Path, Held, Path], tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -576,26 +684,32 @@ def test_a_bucket_layout_that_does_not_fit_the_weights_is_refused(
                        held[0, LAYERS + "mlp.linear_fc2.weight", 1]["param"])
 
 
-def test_buckets_of_a_pipeline_parallel_run_are_refused_in_one_line(
+def test_buckets_whose_args_disagree_or_interleave_stages_are_refused_in_one_line(
         bucketed: tuple[Path, Held, Path], tmp_path: Path) -> None:
-    """Buckets of a run of several pipeline stages (its Megatron-LM args say so) are refused
-    in one line naming the file, the layout mt reads and --drop-optimizer; with
-    --drop-optimizer the weights convert."""
+    """Buckets of one model-parallel rank whose Megatron-LM args record 2 pipeline stages,
+    or a run of interleaved (virtual) pipeline stages, are refused in one line naming the
+    file and --drop-optimizer; with --drop-optimizer the weights convert."""
     import argparse
     import shutil
 
     ckpt, _, fields = bucketed
-    staged = tmp_path / "staged"
-    shutil.copytree(ckpt, staged)
-    common = torch.load(staged / "common.pt", weights_only=False)
-    common["args"] = argparse.Namespace(pipeline_model_parallel_size=2)
-    torch.save(common, staged / "common.pt")
-    with pytest.raises(ConvertError) as refused:
-        convert_checkpoint(staged, tmp_path / "out", to="pretrain", model=str(fields))
-    message = str(refused.value)
-    assert "\n" not in message and message.startswith(f"{staged / '.metadata'}:"), message
-    assert "a run of 2 pipeline stages" in message and "--drop-optimizer" in message, message
-    assert not (tmp_path / "out").exists()
+    for args, expected in (
+            (argparse.Namespace(pipeline_model_parallel_size=2),
+             "buckets are of 1 model-parallel ranks, but the run's args record "
+             "tensor_model_parallel_size None and pipeline_model_parallel_size 2"),
+            (argparse.Namespace(virtual_pipeline_model_parallel_size=2),
+             "interleaved pipeline stages (virtual_pipeline_model_parallel_size 2")):
+        staged = tmp_path / f"staged-{len(expected)}"
+        shutil.copytree(ckpt, staged)
+        common = torch.load(staged / "common.pt", weights_only=False)
+        common["args"] = args
+        torch.save(common, staged / "common.pt")
+        with pytest.raises(ConvertError) as refused:
+            convert_checkpoint(staged, tmp_path / "out", to="pretrain", model=str(fields))
+        message = str(refused.value)
+        assert "\n" not in message and message.startswith(f"{staged / '.metadata'}:"), message
+        assert expected in message and "--drop-optimizer" in message, message
+        assert not (tmp_path / "out").exists()
     convert_checkpoint(staged, tmp_path / "out", to="pretrain", model=str(fields),
                        drop_optimizer=True)
 

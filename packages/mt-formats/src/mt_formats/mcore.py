@@ -30,7 +30,7 @@ Adam's state: the ``fully_reshardable`` layout of megatron-core's ``DistributedO
 parameter; the step in ``common.pt``'s param groups) is read (:meth:`McoreReader.
 optimizer_state`) and written (:class:`McoreWriter`, :func:`optimizer_common`); its
 ``dp_reshardable`` layout (per gradient bucket, Megatron-LM's default) is read from runs of
-one pipeline stage, any TP (:mod:`mt_formats.mcore_buckets`).
+any TP x PP split, one model chunk per stage (:mod:`mt_formats.mcore_buckets`).
 """
 
 from __future__ import annotations
@@ -384,7 +384,7 @@ class McoreReader(CheckpointReader):
             self._buckets = BucketState(
                 self._folder, self._folder.shapes(), self.config.mlp == "swiglu",
                 "or give --drop-optimizer to convert the weights alone",
-                getattr(common.get("args"), "pipeline_model_parallel_size", None))
+                common.get("args"))
             self._buckets.locate(self._stored)
             groups: Any = self._buckets.groups
             where = f"{self.root / METADATA_FILE}: {BUCKET_STATE}dp_group_idx_0.optimizer"

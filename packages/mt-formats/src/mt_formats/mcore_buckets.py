@@ -14,13 +14,19 @@ its recorded size is reached. The order within a layer depends on the layer spec
 parameters must round to the stored weights (megatron-core copies them into the model after
 every step) for the first layer and the tensors outside the layers; exactly one candidate
 may pass. Every other tensor's main parameter is checked against its weight when read.
-Tensor parallelism: each TP rank's buffers (``dp_group_idx`` = the TP rank when PP is 1)
-hold its own shards, laid out the same way from the shards' sizes; a state is the join of
-the ranks' shards (:data:`_SPLIT`: rows or columns, a gated MLP's gate and up halves each
-cut), a replicated tensor's the first rank's. Read for runs of PP 1 at any TP and any
-data-parallel degree (the bucket tensors are whole over DP); a run whose Megatron-LM args
-record several pipeline stages is refused in one line (without args, its stages' buckets fit
-no layout of one stage, and are refused as such).
+Parallelism: model-parallel rank ``pp_rank * TP + tp_rank`` holds its TP shards of its stage's
+parameters, laid out the same way from the shards' sizes; a state is the join of the TP
+ranks' shards (:data:`_SPLIT`: rows or columns, a gated MLP's gate and up halves each cut),
+a replicated tensor's the first rank's. A pipeline stage registers the embeddings (the
+first), its contiguous run of layers, the final norm and the output layer (the last); with
+tied embeddings over several stages the last stage holds a copy of the word embeddings as
+its output layer, and both copies lie in buckets of their own (megatron-core's
+``shared_embedding``); the first stage's is read. How many layers each stage holds is found
+from the sizes (a stage's buckets fill for one count only). TP and PP come from the run's
+Megatron-LM args, else every split of the model-parallel ranks is tried. Read at any TP, PP
+and data-parallel degree (the bucket tensors are whole over DP); interleaved (virtual)
+pipeline stages, whose model chunks each have buffers of their own, are refused in one
+line.
 """
 
 from __future__ import annotations
@@ -82,6 +88,10 @@ _LAST = ("decoder.final_layernorm.weight", "decoder.final_layernorm.bias", "outp
 
 #: A parameter: its stored key and layer (-1: not stacked).
 Param = tuple[str, int]
+#: The last stage's output layer where it is a copy of the first stage's word embeddings
+#: (tied embeddings over several stages): not stored, cut as the embeddings are.
+_COPY: Param = ("output_layer.weight (a copy of embedding.word_embeddings.weight)", -1)
+_SPLIT[_COPY[0]] = 0
 
 
 def _axis(key: str) -> int | None:
@@ -121,19 +131,43 @@ def _local(key: str, shape: tuple[int, ...], tp: int) -> int | None:
     return math.prod(shape) // tp
 
 
-def model_params(shapes: Mapping[str, tuple[int, ...]], order: Sequence[str], tp: int = 1
-                 ) -> list[tuple[Param, int]] | None:
-    """GPTModel's parameters on one TP rank of ``tp`` (PP 1) in registration order, with
-    their shards' sizes, from the stored shapes (``decoder.layers.*`` stacked over the
-    layers) and a layer ``order``; None where a tensor does not divide by ``tp``."""
-    found: list[tuple[Param, int | None]] = [
-        ((key, -1), _local(key, shapes[key], tp)) for key in _FIRST if key in shapes]
-    for layer in range(shapes[_LAYERS + _PROJ + "weight"][0]):
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A pipeline stage's place: its layers ``first_layer`` to ``first_layer + layers - 1``;
+    ``first`` / ``last``: it holds the embeddings / the final norm and output layer."""
+
+    first_layer: int
+    layers: int
+    first: bool
+    last: bool
+
+
+def model_params(shapes: Mapping[str, tuple[int, ...]], order: Sequence[str], tp: int = 1,
+                 stage: Stage | None = None) -> list[tuple[Param, int, bool]] | None:
+    """GPTModel's parameters on one TP rank of ``tp`` of ``stage`` (default: the whole
+    model) in registration order, with their shards' sizes and whether the parameter lies in
+    a bucket of its own (a shared embedding), from the stored shapes (``decoder.layers.*``
+    stacked over the layers) and a layer ``order``; None where a tensor does not divide by
+    ``tp``."""
+    total = shapes[_LAYERS + _PROJ + "weight"][0]
+    stage = stage or Stage(0, total, True, True)
+    shared = "output_layer.weight" not in shapes and not (stage.first and stage.last)
+    found: list[tuple[Param, int | None, bool]] = []
+    if stage.first:
+        found += [((key, -1), _local(key, shapes[key], tp), shared and key == _FIRST[0])
+                  for key in _FIRST if key in shapes]
+    for layer in range(stage.first_layer, stage.first_layer + stage.layers):
         found += [((_LAYERS + leaf, layer), _local(_LAYERS + leaf, shapes[_LAYERS + leaf][1:],
-                                                    tp))
+                                                    tp), False)
                   for leaf in order if _LAYERS + leaf in shapes]
-    found += [((key, -1), _local(key, shapes[key], tp)) for key in _LAST if key in shapes]
-    params = [(param, numel) for param, numel in found if numel is not None]
+    if stage.last:
+        found += [((key, -1), _local(key, shapes[key], tp), False)
+                  for key in _LAST if key in shapes]
+        if shared:
+            found.append((_COPY, _local(_FIRST[0], shapes[_FIRST[0]], tp), True))
+    params = [(param, numel, alone) for param, numel, alone in found if numel is not None]
     return params if len(params) == len(found) else None
 
 
@@ -145,24 +179,81 @@ class Slot:
     start: int
 
 
-def bucket_slots(params: Sequence[tuple[Param, int]], sizes: Sequence[int]
+def bucket_slots(params: Sequence[tuple[Param, int, bool]], sizes: Sequence[int]
                  ) -> dict[Param, Slot] | None:
     """Each parameter's slot when megatron-core lays out ``params`` (registration order,
-    with sizes) in buckets of ``sizes`` elements (unpadded): in reverse order, each at the
-    next multiple of :data:`ALIGN`, a bucket closing where its size is reached; None where
-    they do not fill the buckets exactly."""
+    with sizes and whether each lies in a bucket of its own) in buckets of ``sizes``
+    elements (unpadded): in reverse order, each at the next multiple of :data:`ALIGN`, a
+    bucket closing where its size is reached, or before and after a parameter of its own
+    (the bucket before it then ends at its aligned start); None where they do not fill the
+    buckets exactly."""
     slots: dict[Param, Slot] = {}
     bucket, offset = 0, 0
-    for param, numel in reversed(params):
+    for param, numel, alone in reversed(params):
         if bucket == len(sizes):
             return None
         start = -(-offset // ALIGN) * ALIGN
+        if alone and offset:
+            if start != sizes[bucket]:
+                return None
+            bucket, start = bucket + 1, 0
+            if bucket == len(sizes):
+                return None
         end = start + numel
-        if end > sizes[bucket]:
+        if end > sizes[bucket] or (alone and end != sizes[bucket]):
             return None
         slots[param] = Slot(bucket, start)
         bucket, offset = (bucket + 1, 0) if end == sizes[bucket] else (bucket, end)
     return slots if bucket == len(sizes) else None
+
+
+def stage_slots(shapes: Mapping[str, tuple[int, ...]], order: Sequence[str], tp: int,
+                sizes: Sequence[Sequence[int]]) -> list[dict[Param, Slot]] | str:
+    """Each model-parallel rank's slots (rank ``pp_rank * tp + tp_rank``; ``sizes``: each
+    rank's bucket sizes) for ``order`` over ``len(sizes) // tp`` stages, each stage holding
+    the one count of layers whose parameters fill its ranks' buckets; or why not."""
+    total = shapes[_LAYERS + _PROJ + "weight"][0]
+    stages = len(sizes) // tp
+    slots: list[dict[Param, Slot]] = []
+    taken = 0
+    for index in range(stages):
+        last = index == stages - 1
+        counts = [total - taken] if last else range(total - taken + 1)
+        fitting = []
+        for count in counts:
+            stage = Stage(taken, count, index == 0, last)
+            params = model_params(shapes, order, tp, stage)
+            if params is None:
+                return f"does not divide by TP {tp}"
+            if sum(numel for _, numel, _ in params) > sum(sizes[index * tp]):
+                break  # more layers only add
+            found = [bucket_slots(params, sizes[index * tp + rank]) for rank in range(tp)]
+            if all(found):
+                fitting.append((count, [slot for slot in found if slot is not None]))
+        if len(fitting) != 1:
+            return (f"{'no' if not fitting else 'more than one'} count of layers fills "
+                    f"{'its' if stages == 1 else f'stage {index}' + chr(39) + 's'} buckets")
+        count, found_slots = fitting[0]
+        slots += found_slots
+        taken += count
+    return slots
+
+
+def _probes(slots: Mapping[Param, Slot]) -> list[Param]:
+    """The parameters of a stage (one rank's ``slots``) whose main parameters are checked
+    against the weights when its layout is chosen: those outside the layers and its first
+    layer's."""
+    layers = [layer for _, layer in slots if layer >= 0]
+    return [param for param in slots if param[1] < 0 or param[1] == min(layers, default=-1)]
+
+
+def _splits(ranks: int, args: Any) -> list[tuple[int, int]]:
+    """The (TP, PP) splits of ``ranks`` model-parallel ranks that the run's Megatron-LM
+    ``args`` allow (each size they record), TP first."""
+    tp = getattr(args, "tensor_model_parallel_size", None)
+    pp = getattr(args, "pipeline_model_parallel_size", None)
+    return [(size, ranks // size) for size in range(1, ranks + 1) if ranks % size == 0
+            and tp in (None, size) and pp in (None, ranks // size)]
 
 
 def _unwrapped(value: Any) -> Any:
@@ -176,7 +267,7 @@ class BucketState:
     ``gated``: the model's MLP is gated (``linear_fc1`` rows [gate; up])."""
 
     def __init__(self, folder: DCPFolder, shapes: Mapping[str, tuple[int, ...]],
-                 gated: bool, hint: str, pipeline: int | None = None) -> None:
+                 gated: bool, hint: str, args: Any = None) -> None:
         self._folder, self._shapes, self._gated = folder, shapes, gated
         self._where = folder.root / METADATA_FILE
         keys: dict[tuple[int, str, int], str] = {}
@@ -194,16 +285,28 @@ class BucketState:
         if ranks != list(range(len(ranks))):
             raise ConvertError(f"{self._where}: the distributed optimizer's buckets are of "
                                f"model-parallel ranks {ranks}, not 0 to {len(ranks) - 1}; {hint}")
-        if pipeline is not None and pipeline > 1:
-            raise ConvertError(
-                f"{self._where}: the distributed optimizer's buckets of a run of "
-                f"{pipeline} pipeline stages (pipeline_model_parallel_size in its args): mt "
-                f"reads this layout from runs of one stage (any TP); {hint}")
+        for name in ("virtual_pipeline_model_parallel_size",
+                     "num_layers_per_virtual_pipeline_stage"):
+            if getattr(args, name, None) not in (None, 1):
+                raise ConvertError(
+                    f"{self._where}: the distributed optimizer's buckets of a run of "
+                    f"interleaved pipeline stages ({name} {getattr(args, name)!r} in its "
+                    f"args): mt reads this layout from runs of one model chunk per stage; "
+                    f"{hint}")
         if len(buffers) != 1:
             raise ConvertError(f"{self._where}: the distributed optimizer's state is in "
                                f"{len(buffers)} gradient buffers {sorted(buffers)}; mt reads "
-                               f"one (a model of one dtype); {hint}")
-        self.tp = len(ranks)
+                               f"one (a model of one dtype, one model chunk per pipeline "
+                               f"stage); {hint}")
+        self.splits = _splits(len(ranks), args)
+        if not self.splits:
+            raise ConvertError(
+                f"{self._where}: the distributed optimizer's buckets are of {len(ranks)} "
+                f"model-parallel ranks, but the run's args record tensor_model_parallel_size "
+                f"{getattr(args, 'tensor_model_parallel_size', None)!r} and "
+                f"pipeline_model_parallel_size "
+                f"{getattr(args, 'pipeline_model_parallel_size', None)!r}; {hint}")
+        self.tp = self.pp = 1
         self.sizes = [self._sizes(rank) for rank in ranks]
         expected = {(rank, state, bucket) for rank in ranks for state in STATES
                     for bucket in range(len(self.sizes[rank]))}
@@ -227,6 +330,7 @@ class BucketState:
                                "no param_groups")
         self.groups: list[dict[str, Any]] = groups["param_groups"]
         self._slots: list[dict[Param, Slot]] = []
+        self._stage: dict[Param, int] = {}
         self.spec = ""
 
     def _object(self, rank: int, name: str) -> Any:
@@ -253,63 +357,72 @@ class BucketState:
         """Find the layout (see the module docstring); ``weight(key, layer)`` reads a stored
         weight (one layer of it)."""
         verdicts: dict[str, str] = {}
-        fitting: dict[str, list[dict[Param, Slot]]] = {}
+        fitting: dict[str, tuple[int, int, list[dict[Param, Slot]]]] = {}
         for name, order in LAYER_ORDERS.items():
-            params = model_params(self._shapes, order, self.tp)
-            found = [bucket_slots(params, sizes) if params else None for sizes in self.sizes]
-            if not all(found):
-                verdicts[name] = "does not fill them"
-                continue
-            slots = [slot for slot in found if slot is not None]
-            if not all(self._rounds_to(slots, param, weight(*param))
-                       for param in slots[0] if param[1] <= 0):
-                verdicts[name] = "fills them, but its main parameters do not round to the weights"
-            else:
-                verdicts[name], fitting[name] = "fits", slots
+            for tp, pp in self.splits:
+                label = name if len(self.splits) == 1 else f"{name} at TP {tp} x PP {pp}"
+                found = stage_slots(self._shapes, order, tp, self.sizes)
+                if isinstance(found, str):
+                    verdicts[label] = found
+                elif not all(self._rounds_to(found[stage * tp:(stage + 1) * tp], stage * tp,
+                                             param, weight)
+                             for stage in range(pp) for param in _probes(found[stage * tp])):
+                    verdicts[label] = ("fills them, but its main parameters do not round to "
+                                       "the weights")
+                else:
+                    verdicts[label], fitting[label] = "fits", (tp, pp, found)
         if len(fitting) != 1:
             tried = "; ".join(f"{name}: {verdict}" for name, verdict in verdicts.items())
-            sizes = self.sizes[0] if self.tp == 1 else self.sizes
+            sizes = self.sizes[0] if len(self.sizes) == 1 else self.sizes
+            ranks = f", {len(self.sizes)} model-parallel ranks" if len(self.sizes) > 1 else ""
             raise ConvertError(
-                f"{self._where}: the distributed optimizer's buckets (sizes {sizes}"
-                f"{f', TP {self.tp}' if self.tp > 1 else ''}) fit "
-                f"{'none' if not fitting else 'more than one'} of the layer orders mt knows "
-                f"({tried}); give --drop-optimizer to convert the weights alone")
-        (self.spec, self._slots), = fitting.items()
+                f"{self._where}: the distributed optimizer's buckets (sizes {sizes}{ranks}) "
+                f"fit {'none' if not fitting else 'more than one'} of the layer orders mt "
+                f"knows ({tried}); give --drop-optimizer to convert the weights alone")
+        (self.spec, (self.tp, self.pp, self._slots)), = fitting.items()
+        self._stage = {param: stage for stage in range(self.pp)
+                       for param in self._slots[stage * self.tp]}
 
     def _states(self, slots: Sequence[Mapping[Param, Slot]], param: Param,
-                weight: torch.Tensor, states: Sequence[str]) -> dict[str, list[torch.Tensor]]:
+                weight: torch.Tensor, states: Sequence[str], first: int = 0
+                ) -> dict[str, list[torch.Tensor]]:
         """Each TP rank's shard of each of ``states`` of ``param`` (shaped as its shard of
-        ``weight``)."""
+        ``weight``) from its stage's ranks' ``slots`` (model-parallel ranks ``first`` on)."""
         out: dict[str, list[torch.Tensor]] = {state: [] for state in states}
         for rank, found in enumerate(slots):
-            like = shard(param[0], weight, rank, self.tp, self._gated)
+            like = shard(param[0], weight, rank, len(slots), self._gated)
             slot = found[param]
             for state in states:
-                flat = self._folder.load_range(self._keys[rank, state, slot.bucket],
+                flat = self._folder.load_range(self._keys[first + rank, state, slot.bucket],
                                                slot.start, like.numel())
                 out[state].append(flat.reshape(like.shape))
         return out
 
-    def _rounds_to(self, slots: Sequence[Mapping[Param, Slot]], param: Param,
-                   weight: torch.Tensor) -> bool:
-        mains = self._states(slots, param, weight, ("param",))["param"]
-        return all(torch.equal(main.to(weight.dtype),
-                               shard(param[0], weight, rank, self.tp, self._gated))
+    def _rounds_to(self, slots: Sequence[Mapping[Param, Slot]], first: int, param: Param,
+                   weight: Callable[[str, int], torch.Tensor]) -> bool:
+        """The main parameter of ``param`` rounds to its weight on each of its stage's TP
+        ranks (``slots``, of model-parallel ranks ``first`` on; the last stage's copy of the
+        embeddings to the embeddings)."""
+        stored = weight(*((_FIRST[0], -1) if param == _COPY else param))
+        mains = self._states(slots, param, stored, ("param",), first)["param"]
+        return all(torch.equal(main.to(stored.dtype),
+                               shard(param[0], stored, rank, len(slots), self._gated))
                    for rank, main in enumerate(mains))
 
     def read(self, param: Param, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         """The states of ``param`` (shaped as its stored ``weight``, one layer of it), the
-        main parameter checked to round to the weight on every TP rank."""
-        shards = self._states(self._slots, param, weight, STATES)
+        main parameter checked to round to the weight on every TP rank of its stage."""
+        first = self._stage[param] * self.tp
+        shards = self._states(self._slots[first:first + self.tp], param, weight, STATES, first)
         for rank, main in enumerate(shards["param"]):
             if not torch.equal(main.to(weight.dtype),
                                shard(param[0], weight, rank, self.tp, self._gated)):
                 key, layer = param
-                slot = self._slots[rank][param]
+                slot = self._slots[first + rank][param]
                 raise ConvertError(
                     f"{self._where}: the main parameter of {key!r}"
                     f"{f' layer {layer}' if layer >= 0 else ''} in bucket {slot.bucket} of "
-                    f"dp_group_idx {rank} (from element {slot.start}, the {self.spec} layer "
-                    "order) does not round to its stored weight: the buckets are not laid "
-                    "out as mt derived")
+                    f"dp_group_idx {first + rank} (from element {slot.start}, the {self.spec} "
+                    "layer order) does not round to its stored weight: the buckets are not "
+                    "laid out as mt derived")
         return {state: join(param[0], pieces, self._gated) for state, pieces in shards.items()}
