@@ -12,6 +12,7 @@ DistributedOptimizer (benchmarks/mcore_peer.py runs it the same way) also needs
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import itertools
 import json
@@ -46,11 +47,18 @@ def _tokens(vocab: int) -> torch.Tensor:
     return torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(9))
 
 
-def _mcore_model(config: GPTConfig, tp: int, pp: int = 1, first_layers: int | None = None,
-                 parallel_output: bool = False) -> Any:
-    """megatron-core's GPTModel for ``config`` on this CPU rank (see the module docstring):
-    at TP ``tp`` x PP ``pp`` (this rank's stage; ``first_layers`` in the first stage, else
-    even stages), its logits gathered over TP unless ``parallel_output``."""
+def _mcore_model(config: GPTConfig, tp: int) -> Any:
+    """megatron-core's GPTModel for ``config`` on this CPU rank at TP ``tp`` (see the module
+    docstring), its logits gathered over TP."""
+    return _mcore_chunks(config, tp)[0]
+
+
+def _mcore_chunks(config: GPTConfig, tp: int, pp: int = 1, virtual: int | None = None,
+                  first_layers: int | None = None, parallel_output: bool = False) -> list[Any]:
+    """megatron-core's GPTModel for ``config`` on this CPU rank at TP ``tp`` x PP ``pp``: this
+    rank's stage, or with ``virtual`` (interleaved) stages per rank its model chunk of each
+    (``first_layers`` in the first stage, else even stages); logits gathered over TP unless
+    ``parallel_output``."""
     import torch.nn.functional as F
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -60,7 +68,7 @@ def _mcore_model(config: GPTConfig, tp: int, pp: int = 1, first_layers: int | No
 
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda *args, **kwargs: None
-    parallel_state.initialize_model_parallel(tp, pp)
+    parallel_state.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=virtual)
     initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     torch.manual_seed(1)
     llama = config.mlp == "swiglu"
@@ -69,22 +77,26 @@ def _mcore_model(config: GPTConfig, tp: int, pp: int = 1, first_layers: int | No
         num_layers=config.n_layers, hidden_size=config.hidden,
         num_attention_heads=config.n_heads, num_query_groups=config.n_kv_heads,
         ffn_hidden_size=config.ffn_hidden, tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32,
+        pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=virtual,
+        pipeline_dtype=torch.float32,
         num_layers_in_first_pipeline_stage=first_layers, use_cpu_initialization=True,
         params_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0,
         normalization=norm, layernorm_epsilon=config.layernorm_eps,
         gated_linear_unit=llama, activation_func=F.silu if llama else F.gelu,
         add_bias_linear=config.bias, init_method_std=0.05)
+    chunks = [None] if virtual is None else list(range(virtual))
     with _CudaOnCpu():  # a later stage's copy of tied embeddings is moved to "cuda"
-        return GPTModel(config=transformer, vocab_size=config.vocab_size,
-                        transformer_layer_spec=get_gpt_layer_local_spec(normalization=norm),
-                        max_sequence_length=config.seq_len,
-                        position_embedding_type="rope" if llama else "learned_absolute",
-                        rotary_base=int(config.rope_theta),
-                        share_embeddings_and_output_weights=config.tied_embeddings,
-                        parallel_output=parallel_output,
-                        pre_process=parallel_state.is_pipeline_first_stage(),
-                        post_process=parallel_state.is_pipeline_last_stage()).eval()
+        return [GPTModel(
+            config=transformer, vocab_size=config.vocab_size,
+            transformer_layer_spec=get_gpt_layer_local_spec(normalization=norm),
+            max_sequence_length=config.seq_len,
+            position_embedding_type="rope" if llama else "learned_absolute",
+            rotary_base=int(config.rope_theta),
+            share_embeddings_and_output_weights=config.tied_embeddings,
+            parallel_output=parallel_output, vp_stage=chunk,
+            pre_process=parallel_state.is_pipeline_first_stage(False, vp_stage=chunk),
+            post_process=parallel_state.is_pipeline_last_stage(False, vp_stage=chunk)).eval()
+            for chunk in chunks]
 
 
 class _CudaOnCpu(TorchFunctionMode):
@@ -567,11 +579,13 @@ GPT3 = GPTConfig(n_layers=3, hidden=64, n_heads=4, vocab_size=128, seq_len=32,
                  layernorm_eps=1e-5)
 
 
-def _train_save_pipelined(directory: str, tp: int, pp: int) -> Any:
-    """GPT3 (tied embeddings) trained 2 Adam steps at TP ``tp`` x PP ``pp`` by
-    megatron-core's pipeline schedule (2 micro-batches; the first stage holds 1 layer),
-    gradients in buckets of about 20,000 elements (megatron-core buckets the first stage's
-    only) and reduced as Megatron-LM's training loop does (``finalize_model_grads``: the two
+def _train_save_pipelined(directory: str, config: GPTConfig, tp: int, pp: int,
+                          virtual: int | None = None, first_layers: int | None = None) -> Any:
+    """``config`` (tied embeddings) trained 2 Adam steps at TP ``tp`` x PP ``pp`` (with
+    ``virtual`` interleaved stages per rank; ``first_layers`` in the first stage) by
+    megatron-core's pipeline schedule (2 micro-batches per stage), gradients in buckets of
+    about 20,000 elements (megatron-core buckets the first stage's first model chunk only)
+    and reduced as Megatron-LM's training loop does (``finalize_model_grads``: the two
     copies of the embeddings summed), saved as Megatron-LM saves it by default
     ('dp_reshardable', with its args and iteration); returns this rank's state
     (:func:`_pieces`)."""
@@ -584,14 +598,16 @@ def _train_save_pipelined(directory: str, tp: int, pp: int) -> Any:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    model = _mcore_model(GPT3, tp, pp, first_layers=1, parallel_output=True).train()
-    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
-        use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=20_000), model)
-    model.config.finalize_model_grads_func = finalize_model_grads
+    chunks = [chunk.train() for chunk in _mcore_chunks(
+        config, tp, pp, virtual, first_layers=first_layers, parallel_output=True)]
+    ddps = [DistributedDataParallel(chunk.config, DistributedDataParallelConfig(
+        use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=20_000), chunk,
+        disable_bucketing=index > 0) for index, chunk in enumerate(chunks)]
+    chunks[0].config.finalize_model_grads_func = finalize_model_grads
     with _CudaOnCpu():
         optimizer = get_megatron_optimizer(OptimizerConfig(
-            optimizer="adam", use_distributed_optimizer=True, **ADAM), [ddp])
-    tokens = _tokens(GPT3.vocab_size)
+            optimizer="adam", use_distributed_optimizer=True, **ADAM), ddps)
+    tokens = _tokens(config.vocab_size)
     positions = torch.arange(tokens.shape[1])[None].expand_as(tokens)
     mask = torch.triu(torch.ones(1, 1, tokens.shape[1], tokens.shape[1]), diagonal=1).bool()
 
@@ -600,19 +616,55 @@ def _train_save_pipelined(directory: str, tp: int, pp: int) -> Any:
         return losses, lambda out: (out.mean(), {"loss": out.mean().detach()})
 
     for _ in range(2):
-        ddp.zero_grad_buffer()
+        for ddp in ddps:
+            ddp.zero_grad_buffer()
         optimizer.zero_grad()
         with _CudaOnCpu():
             get_forward_backward_func()(
-                forward_step_func=forward_step, data_iterator=None, model=[ddp],
-                num_microbatches=2, seq_length=tokens.shape[1], micro_batch_size=2)
+                forward_step_func=forward_step, data_iterator=[None] * len(ddps),
+                model=ddps, num_microbatches=2 * pp, seq_length=tokens.shape[1],
+                micro_batch_size=2)
             optimizer.step()
-    dist_checkpointing.save({
-        "model": model.sharded_state_dict(),
-        "optimizer": _optimizer_state(model, optimizer, sharding="dp_reshardable"),
-        "args": _megatron_lm_args(GPT3, tp, GPT3.vocab_size, pp=pp, first_layers=1),
-        "checkpoint_version": 3.0, "iteration": 2}, directory)
-    return _pieces(model, optimizer)
+    state: dict[str, Any] = {f"model{index}": chunk.sharded_state_dict()
+                             for index, chunk in enumerate(chunks)}
+    with _CudaOnCpu():
+        state["optimizer"] = optimizer.sharded_state_dict(
+            state, metadata={"distrib_optim_sharding_type": "dp_reshardable"})
+    args = _megatron_lm_args(config, tp, config.vocab_size, pp=pp, first_layers=first_layers)
+    args.virtual_pipeline_model_parallel_size = virtual
+    dist_checkpointing.save({**state, "args": args, "checkpoint_version": 3.0,
+                             "iteration": 2}, directory)
+    return {key: states for chunk in chunks for key, states in
+            _pieces(chunk, optimizer).items()}
+
+
+def _pipelined_run(root: Path, config: GPTConfig, tp: int, pp: int, **layout: Any
+                   ) -> tuple[Path, Held]:
+    """:func:`_train_save_pipelined` on ``tp * pp`` ranks (DP 1: each rank's pieces are its
+    whole shards): its folder and the state its ranks held."""
+    (root / "ckpt").mkdir(parents=True)
+    ranks = run_distributed(_train_save_pipelined, tp * pp, str(root / "ckpt"), config, tp,
+                            pp, timeout=300, **layout)
+    held: Held = {}
+    for pieces in ranks:
+        for param, states in pieces.items():
+            assert all(start == 0 for start, _ in states.values())
+            held[param] = {state: values for state, (_, values) in states.items()}
+    return root / "ckpt", held
+
+
+def _same_as_held_pipelined(ours: dict[str, torch.Tensor], held: Held, tp: int,
+                            where: str) -> None:
+    """mt's fully_reshardable tensors of a GPT-2-shaped model, cut as each TP rank holds
+    them, equal what the ranks held bit for bit; the last stage's copy of the tied
+    embeddings equal to the embeddings."""
+    for (rank, key, layer), states in held.items():
+        key = key.replace("output_layer.weight", "embedding.word_embeddings.weight")
+        for state, values in states.items():
+            tensor = ours[state_key(state, key)]
+            tensor = tensor if layer < 0 else tensor[layer]
+            assert torch.equal(_cut(key, tensor, rank, tp, gated=False).flatten(), values), (
+                where, rank, key, layer, state)
 
 
 def test_bucketed_optimizer_state_of_a_tp2_pp2_run_reads_bit_for_bit(tmp_path: Path) -> None:
@@ -625,36 +677,38 @@ def test_bucketed_optimizer_state_of_a_tp2_pp2_run_reads_bit_for_bit(tmp_path: P
     of the 4 ranks tried)."""
     import shutil
 
-    (tmp_path / "ckpt").mkdir()
-    ranks = run_distributed(_train_save_pipelined, 4, str(tmp_path / "ckpt"), 2, 2,
-                            timeout=300)
-    held: Held = {}
-    for pieces in ranks:  # DP 1: each piece is its rank's whole shard
-        for param, states in pieces.items():
-            held[param] = {state: values for state, (start, values) in states.items()}
-            assert all(start == 0 for start, _ in states.values())
-    stored = dcp.FileSystemReader(tmp_path / "ckpt").read_metadata().state_dict_metadata
+    ckpt, held = _pipelined_run(tmp_path, GPT3, 2, 2, first_layers=1)
+    assert len(held) == 2 * (2 + 3 * 12 + 2 + 1)  # per TP rank: + the tied copy
+    stored = dcp.FileSystemReader(ckpt).read_metadata().state_dict_metadata
     assert {key.split(".")[2] for key in stored if ".bucket_idx_" in key} == {
         f"dp_group_idx_{rank}" for rank in range(4)}
     bare = tmp_path / "bare"  # the same run without Megatron-LM's args
-    shutil.copytree(tmp_path / "ckpt", bare)
+    shutil.copytree(ckpt, bare)
     common = torch.load(bare / "common.pt", weights_only=False)
     del common["args"]
     torch.save(common, bare / "common.pt")
     fields = tmp_path / "gpt3.json"
     fields.write_text(json.dumps(GPT3.to_dict()))
-    for source, model in ((tmp_path / "ckpt", None), (bare, str(fields))):
-        out = tmp_path / f"{source.name}-mcore"
-        convert_checkpoint(source, out, to="mcore", model=model)
-        ours = _tensors(out)
-        assert len(held) == 2 * (2 + 3 * 12 + 2 + 1)  # per TP rank: + the tied copy
-        for (rank, key, layer), states in held.items():
-            key = key.replace("output_layer.weight", "embedding.word_embeddings.weight")
-            for state, values in states.items():
-                tensor = ours[state_key(state, key)]
-                tensor = tensor if layer < 0 else tensor[layer]
-                assert torch.equal(_cut(key, tensor, rank, 2, gated=False).flatten(),
-                                   values), (source.name, rank, key, layer, state)
+    for source, model in ((ckpt, None), (bare, str(fields))):
+        convert_checkpoint(source, tmp_path / f"{source.name}-mcore", to="mcore", model=model)
+        _same_as_held_pipelined(_tensors(tmp_path / f"{source.name}-mcore"), held, 2,
+                                source.name)
+
+
+def test_bucketed_optimizer_state_of_interleaved_pipeline_stages_reads_bit_for_bit(
+        tmp_path: Path) -> None:
+    """With 2 interleaved (virtual) stages per rank at PP 2, each rank holds two model
+    chunks, each in a buffer of its own (``gbuf_idx`` 0 and 1): buffer ``c`` of pipeline
+    rank ``p`` is virtual stage ``c * 2 + p``, one layer each here. mt reads the state bit
+    for bit as the ranks held it."""
+    config = dataclasses.replace(GPT3, n_layers=4)
+    ckpt, held = _pipelined_run(tmp_path, config, 1, 2, virtual=2)
+    stored = dcp.FileSystemReader(ckpt).read_metadata().state_dict_metadata
+    assert {tuple(key.split(".")[2:4]) for key in stored if ".bucket_idx_" in key} == {
+        (f"dp_group_idx_{rank}", f"gbuf_idx_{chunk}") for rank in (0, 1) for chunk in (0, 1)}
+    convert_checkpoint(ckpt, tmp_path / "mcore", to="mcore")
+    _same_as_held_pipelined(_tensors(tmp_path / "mcore"), held, 1, "interleaved")
+    assert len(held) == 2 + 4 * 12 + 2 + 1
 
 
 def test_a_bucket_layout_that_does_not_fit_the_weights_is_refused(
@@ -684,10 +738,10 @@ def test_a_bucket_layout_that_does_not_fit_the_weights_is_refused(
                        held[0, LAYERS + "mlp.linear_fc2.weight", 1]["param"])
 
 
-def test_buckets_whose_args_disagree_or_interleave_stages_are_refused_in_one_line(
+def test_buckets_whose_args_disagree_with_them_are_refused_in_one_line(
         bucketed: tuple[Path, Held, Path], tmp_path: Path) -> None:
-    """Buckets of one model-parallel rank whose Megatron-LM args record 2 pipeline stages,
-    or a run of interleaved (virtual) pipeline stages, are refused in one line naming the
+    """Buckets of one model-parallel rank with one buffer whose Megatron-LM args record 2
+    pipeline stages, or 2 interleaved (virtual) stages, are refused in one line naming the
     file and --drop-optimizer; with --drop-optimizer the weights convert."""
     import argparse
     import shutil
@@ -698,7 +752,8 @@ def test_buckets_whose_args_disagree_or_interleave_stages_are_refused_in_one_lin
              "buckets are of 1 model-parallel ranks, but the run's args record "
              "tensor_model_parallel_size None and pipeline_model_parallel_size 2"),
             (argparse.Namespace(virtual_pipeline_model_parallel_size=2),
-             "interleaved pipeline stages (virtual_pipeline_model_parallel_size 2")):
+             "args record virtual_pipeline_model_parallel_size 2, but each rank holds 1 "
+             "buffer(s)")):
         staged = tmp_path / f"staged-{len(expected)}"
         shutil.copytree(ckpt, staged)
         common = torch.load(staged / "common.pt", weights_only=False)

@@ -30,7 +30,7 @@ Adam's state: the ``fully_reshardable`` layout of megatron-core's ``DistributedO
 parameter; the step in ``common.pt``'s param groups) is read (:meth:`McoreReader.
 optimizer_state`) and written (:class:`McoreWriter`, :func:`optimizer_common`); its
 ``dp_reshardable`` layout (per gradient bucket, Megatron-LM's default) is read from runs of
-any TP x PP split, one model chunk per stage (:mod:`mt_formats.mcore_buckets`).
+any TP x PP split, interleaved stages included (:mod:`mt_formats.mcore_buckets`).
 """
 
 from __future__ import annotations

@@ -14,19 +14,20 @@ its recorded size is reached. The order within a layer depends on the layer spec
 parameters must round to the stored weights (megatron-core copies them into the model after
 every step) for the first layer and the tensors outside the layers; exactly one candidate
 may pass. Every other tensor's main parameter is checked against its weight when read.
-Parallelism: model-parallel rank ``pp_rank * TP + tp_rank`` holds its TP shards of its stage's
-parameters, laid out the same way from the shards' sizes; a state is the join of the TP
-ranks' shards (:data:`_SPLIT`: rows or columns, a gated MLP's gate and up halves each cut),
-a replicated tensor's the first rank's. A pipeline stage registers the embeddings (the
-first), its contiguous run of layers, the final norm and the output layer (the last); with
-tied embeddings over several stages the last stage holds a copy of the word embeddings as
-its output layer, and both copies lie in buckets of their own (megatron-core's
+Parallelism: model-parallel rank ``pp_rank * TP + tp_rank`` holds its TP shards of its
+stages' parameters, laid out the same way from the shards' sizes; a state is the join of the
+TP ranks' shards (:data:`_SPLIT`: rows or columns, a gated MLP's gate and up halves each
+cut), a replicated tensor's the first rank's. With interleaved (virtual) pipeline stages a
+rank holds several model chunks, each in a buffer of its own: buffer ``c`` of pipeline rank
+``p`` is virtual stage ``c * PP + p``. A stage registers the embeddings (the first), its
+contiguous run of layers, the final norm and the output layer (the last); with tied
+embeddings over several stages the last stage holds a copy of the word embeddings as its
+output layer, and both copies lie in buckets of their own (megatron-core's
 ``shared_embedding``); the first stage's is read. How many layers each stage holds is found
 from the sizes (a stage's buckets fill for one count only). TP and PP come from the run's
-Megatron-LM args, else every split of the model-parallel ranks is tried. Read at any TP, PP
-and data-parallel degree (the bucket tensors are whole over DP); interleaved (virtual)
-pipeline stages, whose model chunks each have buffers of their own, are refused in one
-line.
+Megatron-LM args, else every split of the model-parallel ranks is tried. Read at any TP, PP,
+virtual stages and data-parallel degree (the bucket tensors are whole over DP), for a model
+of one dtype (one buffer per model chunk).
 """
 
 from __future__ import annotations
@@ -207,14 +208,14 @@ def bucket_slots(params: Sequence[tuple[Param, int, bool]], sizes: Sequence[int]
     return slots if bucket == len(sizes) else None
 
 
-def stage_slots(shapes: Mapping[str, tuple[int, ...]], order: Sequence[str], tp: int,
-                sizes: Sequence[Sequence[int]]) -> list[dict[Param, Slot]] | str:
-    """Each model-parallel rank's slots (rank ``pp_rank * tp + tp_rank``; ``sizes``: each
-    rank's bucket sizes) for ``order`` over ``len(sizes) // tp`` stages, each stage holding
-    the one count of layers whose parameters fill its ranks' buckets; or why not."""
+def stage_slots(shapes: Mapping[str, tuple[int, ...]], order: Sequence[str],
+                sizes: Sequence[Sequence[Sequence[int]]]) -> list[list[dict[Param, Slot]]] | str:
+    """Each stage's TP ranks' slots for ``order`` (``sizes[stage][tp_rank]``: that rank's
+    bucket sizes for the stage), each stage holding the one count of layers whose parameters
+    fill its ranks' buckets; or why not."""
     total = shapes[_LAYERS + _PROJ + "weight"][0]
-    stages = len(sizes) // tp
-    slots: list[dict[Param, Slot]] = []
+    stages, tp = len(sizes), len(sizes[0])
+    slots: list[list[dict[Param, Slot]]] = []
     taken = 0
     for index in range(stages):
         last = index == stages - 1
@@ -225,16 +226,16 @@ def stage_slots(shapes: Mapping[str, tuple[int, ...]], order: Sequence[str], tp:
             params = model_params(shapes, order, tp, stage)
             if params is None:
                 return f"does not divide by TP {tp}"
-            if sum(numel for _, numel, _ in params) > sum(sizes[index * tp]):
+            if sum(numel for _, numel, _ in params) > sum(sizes[index][0]):
                 break  # more layers only add
-            found = [bucket_slots(params, sizes[index * tp + rank]) for rank in range(tp)]
+            found = [bucket_slots(params, sizes[index][rank]) for rank in range(tp)]
             if all(found):
                 fitting.append((count, [slot for slot in found if slot is not None]))
         if len(fitting) != 1:
             return (f"{'no' if not fitting else 'more than one'} count of layers fills "
                     f"{'its' if stages == 1 else f'stage {index}' + chr(39) + 's'} buckets")
         count, found_slots = fitting[0]
-        slots += found_slots
+        slots.append(found_slots)
         taken += count
     return slots
 
@@ -247,13 +248,15 @@ def _probes(slots: Mapping[Param, Slot]) -> list[Param]:
     return [param for param in slots if param[1] < 0 or param[1] == min(layers, default=-1)]
 
 
-def _splits(ranks: int, args: Any) -> list[tuple[int, int]]:
+def _splits(ranks: int, chunks: int, args: Any) -> list[tuple[int, int]]:
     """The (TP, PP) splits of ``ranks`` model-parallel ranks that the run's Megatron-LM
-    ``args`` allow (each size they record), TP first."""
+    ``args`` allow (each size they record), TP first; several model ``chunks`` per rank
+    need several stages."""
     tp = getattr(args, "tensor_model_parallel_size", None)
     pp = getattr(args, "pipeline_model_parallel_size", None)
     return [(size, ranks // size) for size in range(1, ranks + 1) if ranks % size == 0
-            and tp in (None, size) and pp in (None, ranks // size)]
+            and tp in (None, size) and pp in (None, ranks // size)
+            and (chunks == 1 or ranks // size > 1)]
 
 
 def _unwrapped(value: Any) -> Any:
@@ -264,14 +267,15 @@ def _unwrapped(value: Any) -> Any:
 class BucketState:
     """A folder's ``dp_reshardable`` state (see the module docstring): ``groups`` (the
     optimizer's param groups) and :meth:`read`, once :meth:`locate` has found the layout.
-    ``gated``: the model's MLP is gated (``linear_fc1`` rows [gate; up])."""
+    ``gated``: the model's MLP is gated (``linear_fc1`` rows [gate; up]); ``args``: the
+    run's Megatron-LM args, where the folder has them."""
 
     def __init__(self, folder: DCPFolder, shapes: Mapping[str, tuple[int, ...]],
                  gated: bool, hint: str, args: Any = None) -> None:
         self._folder, self._shapes, self._gated = folder, shapes, gated
         self._where = folder.root / METADATA_FILE
-        keys: dict[tuple[int, str, int], str] = {}
-        buffers = set()
+        keys: dict[tuple[int, int, str, int], str] = {}
+        dtypes: dict[tuple[int, int], set[str]] = {}
         for key in folder.tensors:
             if not key.startswith(BUCKET_STATE):
                 continue
@@ -279,26 +283,34 @@ class BucketState:
             if match is None or match[5] not in STATES:
                 raise ConvertError(f"{self._where}: {key!r} is not a bucket of megatron-core's "
                                    f"distributed optimizer state ({', '.join(STATES)}); {hint}")
-            buffers.add((match[2], match[3]))
-            keys[int(match[1]), match[5], int(match[4])] = key
-        ranks = sorted({rank for rank, _, _ in keys})
+            rank, chunk = int(match[1]), int(match[2])
+            dtypes.setdefault((rank, chunk), set()).add(match[3])
+            keys[rank, chunk, match[5], int(match[4])] = key
+        ranks = sorted({rank for rank, _ in dtypes})
         if ranks != list(range(len(ranks))):
             raise ConvertError(f"{self._where}: the distributed optimizer's buckets are of "
                                f"model-parallel ranks {ranks}, not 0 to {len(ranks) - 1}; {hint}")
-        for name in ("virtual_pipeline_model_parallel_size",
-                     "num_layers_per_virtual_pipeline_stage"):
-            if getattr(args, name, None) not in (None, 1):
+        mixed = [(rank, chunk) for (rank, chunk), found in dtypes.items() if len(found) > 1]
+        if mixed:
+            raise ConvertError(f"{self._where}: the distributed optimizer's buffer {mixed[0][1]} "
+                               f"of dp_group_idx {mixed[0][0]} holds parameters of "
+                               f"{len(dtypes[mixed[0]])} dtypes {sorted(dtypes[mixed[0]])}; mt "
+                               f"reads a model of one dtype; {hint}")
+        self.chunks = 1 + max(chunk for _, chunk in dtypes)
+        for rank in ranks:
+            chunks = sorted(chunk for found, chunk in dtypes if found == rank)
+            if chunks != list(range(self.chunks)):
                 raise ConvertError(
-                    f"{self._where}: the distributed optimizer's buckets of a run of "
-                    f"interleaved pipeline stages ({name} {getattr(args, name)!r} in its "
-                    f"args): mt reads this layout from runs of one model chunk per stage; "
-                    f"{hint}")
-        if len(buffers) != 1:
-            raise ConvertError(f"{self._where}: the distributed optimizer's state is in "
-                               f"{len(buffers)} gradient buffers {sorted(buffers)}; mt reads "
-                               f"one (a model of one dtype, one model chunk per pipeline "
-                               f"stage); {hint}")
-        self.splits = _splits(len(ranks), args)
+                    f"{self._where}: the distributed optimizer's buffers of dp_group_idx "
+                    f"{rank} are {chunks}, not 0 to {self.chunks - 1} as on the others (a "
+                    f"buffer per model chunk); {hint}")
+        virtual = getattr(args, "virtual_pipeline_model_parallel_size", None)
+        if virtual not in (None, self.chunks) and not (virtual == 1 and self.chunks == 1):
+            raise ConvertError(
+                f"{self._where}: the run's args record virtual_pipeline_model_parallel_size "
+                f"{virtual!r}, but each rank holds {self.chunks} buffer(s) of the "
+                f"distributed optimizer's state (a buffer per model chunk); {hint}")
+        self.splits = _splits(len(ranks), self.chunks, args)
         if not self.splits:
             raise ConvertError(
                 f"{self._where}: the distributed optimizer's buckets are of {len(ranks)} "
@@ -306,22 +318,24 @@ class BucketState:
                 f"{getattr(args, 'tensor_model_parallel_size', None)!r} and "
                 f"pipeline_model_parallel_size "
                 f"{getattr(args, 'pipeline_model_parallel_size', None)!r}; {hint}")
-        self.tp = self.pp = 1
-        self.sizes = [self._sizes(rank) for rank in ranks]
-        expected = {(rank, state, bucket) for rank in ranks for state in STATES
-                    for bucket in range(len(self.sizes[rank]))}
+        self.sizes = [[self._sizes(rank, chunk) for chunk in range(self.chunks)]
+                      for rank in ranks]
+        expected = {(rank, chunk, state, bucket) for rank in ranks
+                    for chunk in range(self.chunks) for state in STATES
+                    for bucket in range(len(self.sizes[rank][chunk]))}
         if set(keys) != expected:
-            rank, state, bucket = sorted(set(keys) ^ expected)[0]
+            odd = sorted(set(keys) ^ expected)[0]
+            rank, chunk, state, bucket = odd
             raise ConvertError(f"{self._where}: per_bucket_numel_unpadded of dp_group_idx "
-                               f"{rank} records {len(self.sizes[rank])} buckets, but state "
-                               f"{state!r} of bucket {bucket} is "
-                               f"{'absent' if (rank, state, bucket) not in keys else 'stored'}")
-        for (rank, _, bucket), key in keys.items():
+                               f"{rank} records {len(self.sizes[rank][chunk])} buckets in "
+                               f"buffer {chunk}, but state {state!r} of bucket {bucket} is "
+                               f"{'stored' if odd in keys else 'absent'}")
+        for (rank, chunk, _, bucket), key in keys.items():
             stored = tuple(folder.tensors[key].size)
-            if stored != (self.sizes[rank][bucket],):
+            if stored != (self.sizes[rank][chunk][bucket],):
                 raise ConvertError(f"{self._where}: {key!r} has shape {list(stored)}; "
                                    "per_bucket_numel_unpadded records "
-                                   f"{self.sizes[rank][bucket]}")
+                                   f"{self.sizes[rank][chunk][bucket]}")
             folder.check(key)
         self._keys = keys
         groups = _unwrapped(self._object(0, "optimizer"))
@@ -329,7 +343,8 @@ class BucketState:
             raise ConvertError(f"{self._where}: {BUCKET_STATE}dp_group_idx_0.optimizer holds "
                                "no param_groups")
         self.groups: list[dict[str, Any]] = groups["param_groups"]
-        self._slots: list[dict[Param, Slot]] = []
+        self.tp = self.pp = 1
+        self._slots: list[list[dict[Param, Slot]]] = []  # per stage, per TP rank
         self._stage: dict[Param, int] = {}
         self.spec = ""
 
@@ -341,88 +356,99 @@ class BucketState:
                                f"{len(found)} entries {prefix!r}, not one")
         return self._folder.load_object(found[0])
 
-    def _sizes(self, rank: int) -> list[int]:
-        """Model-parallel ``rank``'s bucket sizes (``per_bucket_numel_unpadded``: per
-        buffer, per dtype pair)."""
+    def _sizes(self, rank: int, chunk: int) -> list[int]:
+        """Model-parallel ``rank``'s bucket sizes in buffer ``chunk``
+        (``per_bucket_numel_unpadded``: per buffer, per dtype pair)."""
         value = _unwrapped(self._object(rank, "per_bucket_numel_unpadded"))
-        buffers = value if isinstance(value, list) and len(value) == 1 else None
-        sizes = list(buffers[0].values()) if buffers and isinstance(buffers[0], dict) else []
+        buffers = value if isinstance(value, list) and len(value) == self.chunks else None
+        sizes = list(buffers[chunk].values()) if buffers and isinstance(
+            buffers[chunk], dict) else []
         if len(sizes) != 1 or not isinstance(sizes[0], list) or not sizes[0] or not all(
                 type(size) is int and size > 0 for size in sizes[0]):
             raise ConvertError(f"{self._where}: per_bucket_numel_unpadded of dp_group_idx "
-                               f"{rank} is {value!r}, not one buffer's list of bucket sizes")
+                               f"{rank} is {value!r}, not {self.chunks} buffer(s)' list of "
+                               "bucket sizes")
         return sizes[0]
+
+    def _place(self, stage: int, tp_rank: int, tp: int, pp: int) -> tuple[int, int]:
+        """The model-parallel rank and buffer holding TP rank ``tp_rank``'s shards of
+        (virtual) ``stage`` at TP ``tp`` x PP ``pp``."""
+        return stage % pp * tp + tp_rank, stage // pp
 
     def locate(self, weight: Callable[[str, int], torch.Tensor]) -> None:
         """Find the layout (see the module docstring); ``weight(key, layer)`` reads a stored
         weight (one layer of it)."""
         verdicts: dict[str, str] = {}
-        fitting: dict[str, tuple[int, int, list[dict[Param, Slot]]]] = {}
+        fitting: dict[str, tuple[int, int, list[list[dict[Param, Slot]]]]] = {}
         for name, order in LAYER_ORDERS.items():
             for tp, pp in self.splits:
                 label = name if len(self.splits) == 1 else f"{name} at TP {tp} x PP {pp}"
-                found = stage_slots(self._shapes, order, tp, self.sizes)
+                sizes = [[self.sizes[rank][chunk] for rank, chunk in
+                          (self._place(stage, tp_rank, tp, pp) for tp_rank in range(tp))]
+                         for stage in range(pp * self.chunks)]
+                found = stage_slots(self._shapes, order, sizes)
                 if isinstance(found, str):
                     verdicts[label] = found
-                elif not all(self._rounds_to(found[stage * tp:(stage + 1) * tp], stage * tp,
-                                             param, weight)
-                             for stage in range(pp) for param in _probes(found[stage * tp])):
+                elif not all(self._rounds_to(found[stage], stage, tp, pp, param, weight)
+                             for stage in range(len(found))
+                             for param in _probes(found[stage][0])):
                     verdicts[label] = ("fills them, but its main parameters do not round to "
                                        "the weights")
                 else:
                     verdicts[label], fitting[label] = "fits", (tp, pp, found)
         if len(fitting) != 1:
             tried = "; ".join(f"{name}: {verdict}" for name, verdict in verdicts.items())
-            sizes = self.sizes[0] if len(self.sizes) == 1 else self.sizes
+            sizes = self.sizes[0][0] if len(self.sizes) == self.chunks == 1 else self.sizes
             ranks = f", {len(self.sizes)} model-parallel ranks" if len(self.sizes) > 1 else ""
             raise ConvertError(
                 f"{self._where}: the distributed optimizer's buckets (sizes {sizes}{ranks}) "
                 f"fit {'none' if not fitting else 'more than one'} of the layer orders mt "
                 f"knows ({tried}); give --drop-optimizer to convert the weights alone")
         (self.spec, (self.tp, self.pp, self._slots)), = fitting.items()
-        self._stage = {param: stage for stage in range(self.pp)
-                       for param in self._slots[stage * self.tp]}
+        self._stage = {param: stage for stage, found in enumerate(self._slots)
+                       for param in found[0]}
 
-    def _states(self, slots: Sequence[Mapping[Param, Slot]], param: Param,
-                weight: torch.Tensor, states: Sequence[str], first: int = 0
+    def _states(self, slots: Sequence[Mapping[Param, Slot]], stage: int, pp: int,
+                param: Param, weight: torch.Tensor, states: Sequence[str]
                 ) -> dict[str, list[torch.Tensor]]:
         """Each TP rank's shard of each of ``states`` of ``param`` (shaped as its shard of
-        ``weight``) from its stage's ranks' ``slots`` (model-parallel ranks ``first`` on)."""
+        ``weight``) from ``stage``'s TP ranks' ``slots``."""
         out: dict[str, list[torch.Tensor]] = {state: [] for state in states}
-        for rank, found in enumerate(slots):
-            like = shard(param[0], weight, rank, len(slots), self._gated)
+        for tp_rank, found in enumerate(slots):
+            like = shard(param[0], weight, tp_rank, len(slots), self._gated)
+            rank, chunk = self._place(stage, tp_rank, len(slots), pp)
             slot = found[param]
             for state in states:
-                flat = self._folder.load_range(self._keys[first + rank, state, slot.bucket],
+                flat = self._folder.load_range(self._keys[rank, chunk, state, slot.bucket],
                                                slot.start, like.numel())
                 out[state].append(flat.reshape(like.shape))
         return out
 
-    def _rounds_to(self, slots: Sequence[Mapping[Param, Slot]], first: int, param: Param,
-                   weight: Callable[[str, int], torch.Tensor]) -> bool:
-        """The main parameter of ``param`` rounds to its weight on each of its stage's TP
-        ranks (``slots``, of model-parallel ranks ``first`` on; the last stage's copy of the
-        embeddings to the embeddings)."""
+    def _rounds_to(self, slots: Sequence[Mapping[Param, Slot]], stage: int, tp: int, pp: int,
+                   param: Param, weight: Callable[[str, int], torch.Tensor]) -> bool:
+        """The main parameter of ``param`` rounds to its weight on each of ``stage``'s TP
+        ranks (``slots``; the last stage's copy of the embeddings to the embeddings)."""
         stored = weight(*((_FIRST[0], -1) if param == _COPY else param))
-        mains = self._states(slots, param, stored, ("param",), first)["param"]
+        mains = self._states(slots, stage, pp, param, stored, ("param",))["param"]
         return all(torch.equal(main.to(stored.dtype),
-                               shard(param[0], stored, rank, len(slots), self._gated))
+                               shard(param[0], stored, rank, tp, self._gated))
                    for rank, main in enumerate(mains))
 
     def read(self, param: Param, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         """The states of ``param`` (shaped as its stored ``weight``, one layer of it), the
         main parameter checked to round to the weight on every TP rank of its stage."""
-        first = self._stage[param] * self.tp
-        shards = self._states(self._slots[first:first + self.tp], param, weight, STATES, first)
-        for rank, main in enumerate(shards["param"]):
+        stage = self._stage[param]
+        shards = self._states(self._slots[stage], stage, self.pp, param, weight, STATES)
+        for tp_rank, main in enumerate(shards["param"]):
             if not torch.equal(main.to(weight.dtype),
-                               shard(param[0], weight, rank, self.tp, self._gated)):
+                               shard(param[0], weight, tp_rank, self.tp, self._gated)):
                 key, layer = param
-                slot = self._slots[first + rank][param]
+                slot = self._slots[stage][tp_rank][param]
+                rank, chunk = self._place(stage, tp_rank, self.tp, self.pp)
                 raise ConvertError(
                     f"{self._where}: the main parameter of {key!r}"
                     f"{f' layer {layer}' if layer >= 0 else ''} in bucket {slot.bucket} of "
-                    f"dp_group_idx {first + rank} (from element {slot.start}, the {self.spec} "
-                    "layer order) does not round to its stored weight: the buckets are not "
-                    "laid out as mt derived")
+                    f"dp_group_idx {rank} buffer {chunk} (from element {slot.start}, the "
+                    f"{self.spec} layer order) does not round to its stored weight: the "
+                    "buckets are not laid out as mt derived")
         return {state: join(param[0], pieces, self._gated) for state, pieces in shards.items()}
