@@ -133,23 +133,29 @@ def _group_settings(optimizer: Any) -> list[dict[str, Any]]:
             for group in optimizer.state_dict()["optimizer"]["param_groups"]]
 
 
-def _adam(config: GPTConfig, bucket_size: int | None = None, tp: int = 1,
+def _adam(config: GPTConfig, bucket_size: int | None = None, tp: int = 1, bf16: bool = False,
           **settings: float) -> tuple[Any, Any, Any]:
     """megatron-core's GPTModel, its DistributedDataParallel and its DistributedOptimizer
     (torch AdamW: no apex / Transformer Engine here) at TP ``tp`` x DP world size / tp, with
     Adam ``settings`` (OptimizerConfig's; default lr 1e-3); with ``bucket_size``, gradients
-    reduced in buckets of about that many elements while the backward runs (else one)."""
+    reduced in buckets of about that many elements while the backward runs (else one);
+    ``bf16``: the model in bf16 as Megatron-LM's ``--bf16`` runs it (``Float16Module``, fp32
+    main params, gradients reduced in fp32)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.module import Float16Module
 
     model = _mcore_model(config, tp=tp).train()
+    model.config.bf16 = bf16
     ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
         use_distributed_optimizer=True, overlap_grad_reduce=bucket_size is not None,
-        bucket_size=bucket_size), model)
+        bucket_size=bucket_size, grad_reduce_in_fp32=bf16),
+        Float16Module(model.config, model) if bf16 else model)
     with _CudaOnCpu():
         optimizer = get_megatron_optimizer(OptimizerConfig(
-            optimizer="adam", use_distributed_optimizer=True, **{"lr": 1e-3, **settings}),
-            [ddp])
+            optimizer="adam", use_distributed_optimizer=True, bf16=bf16,
+            params_dtype=torch.bfloat16 if bf16 else torch.float32,
+            **{"lr": 1e-3, **settings}), [ddp])
     return model, ddp, optimizer
 
 
@@ -179,10 +185,12 @@ def _states(state: Any) -> dict[str, torch.Tensor]:
 
 
 def _train_save(directory: str, steps: int, sharding: str = "fully_reshardable",
-                bucket_size: int | None = None, tp: int = 1, **settings: float
+                bucket_size: int | None = None, tp: int = 1, bf16: bool = False,
+                **settings: float
                 ) -> tuple[dict[str, torch.Tensor], float, list[dict[str, Any]], Any]:
     """LLAMA trained ``steps`` Adam steps at TP ``tp`` (each DP rank its own batch, settings
-    :data:`ADAM` and ``settings``, gradients in buckets of ``bucket_size``), saved with its
+    :data:`ADAM` and ``settings``, gradients in buckets of ``bucket_size``; in ``bf16`` as
+    :func:`_adam` says), saved with its
     distributed optimizer's state in layout ``sharding`` by ``dist_checkpointing.save`` as
     Megatron-LM saves it (``model`` and ``optimizer``); returns megatron-core's states (its
     gathered ``fully_reshardable`` view; at TP 1 only), step count, param groups' settings
@@ -190,7 +198,7 @@ def _train_save(directory: str, steps: int, sharding: str = "fully_reshardable",
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.distributed import finalize_model_grads
 
-    model, ddp, optimizer = _adam(LLAMA, bucket_size, tp, **ADAM, **settings)
+    model, ddp, optimizer = _adam(LLAMA, bucket_size, tp, bf16, **ADAM, **settings)
     tokens = torch.randint(0, LLAMA.vocab_size, (2, 16), generator=torch.Generator()
                            .manual_seed(parallel_state.get_data_parallel_rank()))
     positions = torch.arange(16)[None].expand_as(tokens)
@@ -198,7 +206,7 @@ def _train_save(directory: str, steps: int, sharding: str = "fully_reshardable",
     for _ in range(steps):
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
-        logits = ddp(tokens, positions, attention_mask=mask)
+        logits = ddp(tokens, positions, attention_mask=mask).float()
         torch.nn.functional.cross_entropy(logits.flatten(0, 1),
                                           tokens.roll(-1, 1).flatten()).backward()
         finalize_model_grads([ddp])
@@ -481,14 +489,15 @@ def _tensors(folder: Path) -> dict[str, torch.Tensor]:
 Held = dict[tuple[int, str, int], dict[str, torch.Tensor]]
 
 
-def _bucketed_run(root: Path, tp: int) -> tuple[Path, Held, Path]:
-    """LLAMA trained 2 steps on two ranks (DP 2, or TP 2), its gradients reduced in buckets
-    of about 20,000 elements, saved as Megatron-LM saves it by default ('dp_reshardable');
+def _bucketed_run(root: Path, tp: int, bf16: bool = False) -> tuple[Path, Held, Path]:
+    """LLAMA trained 2 steps on two ranks (DP 2, or TP 2; in ``bf16`` as :func:`_adam`
+    says), its gradients reduced in buckets of about 20,000 elements, saved as Megatron-LM
+    saves it by default ('dp_reshardable');
     with the optimizer's state as its ranks held it (per TP rank, stored key and layer, per
     state: the whole flattened shard, from its DP ranks' pieces) and the model config file."""
     (root / "ckpt").mkdir(parents=True)
     ranks = run_distributed(_train_save, 2, str(root / "ckpt"), 2, "dp_reshardable", 20_000,
-                            tp, timeout=300)
+                            tp, bf16, timeout=300)
     assert ranks[0][1] == 2.0
     found: dict[tuple[tuple[int, str, int], str], list[tuple[int, torch.Tensor]]] = {}
     for *_, pieces in ranks:
@@ -531,7 +540,8 @@ def _cut(key: str, tensor: torch.Tensor, rank: int, tp: int, gated: bool = True
 
 def _same_as_held(ours: dict[str, torch.Tensor], held: Held, tp: int) -> None:
     """mt's fully_reshardable tensors, cut as each TP rank holds them, equal what the ranks
-    held, bit for bit: moments, fp32 main params, and the weights (those main params)."""
+    held, bit for bit: moments, fp32 main params, and the weights (those main params, in the
+    weights' dtype)."""
     assert len(held) == 15 * tp  # the embedding, 2 x 6 in the layers, the final norm, the head
     for (rank, key, layer), states in held.items():
         for state, values in states.items():
@@ -540,8 +550,8 @@ def _same_as_held(ours: dict[str, torch.Tensor], held: Held, tp: int) -> None:
             assert torch.equal(_cut(key, tensor, rank, tp).flatten(), values), (
                 rank, key, layer, state)
         weight = ours[key] if layer < 0 else ours[key][layer]
-        assert torch.equal(_cut(key, weight, rank, tp).flatten(), states["param"]), (
-            rank, key, layer)
+        assert torch.equal(_cut(key, weight, rank, tp).flatten(),
+                           states["param"].to(weight.dtype)), (rank, key, layer)
 
 
 def test_megatron_lm_s_default_bucketed_optimizer_state_reads_bit_for_bit(
@@ -562,16 +572,25 @@ def test_megatron_lm_s_default_bucketed_optimizer_state_reads_bit_for_bit(
         assert float(reader.optimizer_state("blocks.1.mlp.fc.weight")["step"]) == 2.0
 
 
-def test_bucketed_optimizer_state_of_a_tp2_run_joins_its_ranks_shards(tmp_path: Path) -> None:
+def test_bucketed_optimizer_state_of_a_bf16_tp2_run_joins_its_ranks_shards(
+        tmp_path: Path) -> None:
     """At TP 2 each rank's buffers (dp_group_idx 0 and 1) hold its own shards, laid out from
     the shards' sizes: mt joins them (rows, columns, a gated MLP's gate and up halves), and
-    each rank's shard of the result is what that rank held, bit for bit."""
-    ckpt, held, fields = _bucketed_run(tmp_path / "tp2", tp=2)
+    each rank's shard of the result is what that rank held, bit for bit. The run is bf16
+    as Megatron-LM's ``--bf16`` runs it: bf16 weights, fp32 main params and gradients (its
+    buffers' dtype pair); mt writes bf16 weights and the fp32 main params beside them."""
+    ckpt, held, fields = _bucketed_run(tmp_path / "tp2", tp=2, bf16=True)
     stored = dcp.FileSystemReader(ckpt).read_metadata().state_dict_metadata
     assert {key.split(".")[2] for key in stored if ".bucket_idx_" in key} == {
         "dp_group_idx_0", "dp_group_idx_1"}
+    assert all("dtype_(torch.bfloat16, torch.float32)" in key for key in stored
+               if ".bucket_idx_" in key)
+    assert stored["output_layer.weight"].properties.dtype == torch.bfloat16
     convert_checkpoint(ckpt, tmp_path / "mcore", to="mcore", model=str(fields))
-    _same_as_held(_tensors(tmp_path / "mcore"), held, tp=2)
+    ours = _tensors(tmp_path / "mcore")
+    assert ours["output_layer.weight"].dtype == torch.bfloat16
+    assert ours[state_key("param", "output_layer.weight")].dtype == torch.float32
+    _same_as_held(ours, held, tp=2)
 
 
 #: GPT-2-shaped, 3 layers: over two pipeline stages, 1 in the first and 2 in the last.
