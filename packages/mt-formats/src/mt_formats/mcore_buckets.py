@@ -382,7 +382,7 @@ class BucketState:
         fitting: dict[str, tuple[int, int, list[list[dict[Param, Slot]]]]] = {}
         for name, order in LAYER_ORDERS.items():
             for tp, pp in self.splits:
-                label = name if len(self.splits) == 1 else f"{name} at TP {tp} x PP {pp}"
+                label = name if tp * pp == 1 else f"{name} at TP {tp} x PP {pp}"
                 sizes = [[self.sizes[rank][chunk] for rank, chunk in
                           (self._place(stage, tp_rank, tp, pp) for tp_rank in range(tp))]
                          for stage in range(pp * self.chunks)]
