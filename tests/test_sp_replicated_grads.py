@@ -9,6 +9,8 @@ at ZeRO 1-3, in fp32 and bf16."""
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 from typing import Any
 
 import pytest
@@ -163,6 +165,17 @@ def _train_deepspeed(stage: int, precision: str, main_grads: bool, mode: str
             "partial": [n for n, _ in partial]}
 
 
+def _import_deepspeed() -> None:
+    """Skip without DeepSpeed; else import it here, before the ranks are forked, with the
+    Muon optimizer module its ``initialize`` imports (it loads inductor: seconds a process),
+    as ``mt pretrain --nproc`` does for CPU ranks (not where CUDA is built: the import could
+    initialize CUDA before the fork)."""
+    pytest.importorskip("deepspeed")
+    if not torch.backends.cuda.is_built():
+        with contextlib.suppress(ImportError):
+            importlib.import_module("deepspeed.runtime.zero.muon.muon_optimizer")
+
+
 def _deepspeed_runs(extensions: str, cases: list[tuple[int, str, bool, list[str]]]
                     ) -> list[dict[str, Any]]:
     import os
@@ -192,7 +205,7 @@ def test_deepspeed_sums_replicated_grads_once_per_step(stage: int, tmp_path: Any
     reduction at ZeRO 1, on each rank's partition after it at ZeRO 2 and 3) train as the
     per-use sums within fp32 round-off, with 3 x (the partial parameters) - 1 fewer TP
     all-reduces per step."""
-    pytest.importorskip("deepspeed")
+    _import_deepspeed()
     runs = run_distributed(_deepspeed_runs, 4, str(tmp_path),
                            [(stage, "fp32", True, ["use", "step"])], timeout=300.0)
     for rank, [run] in enumerate(runs):
@@ -224,7 +237,7 @@ def test_deepspeed_sums_replicated_grads_once_per_step_in_bf16(tmp_path: Any) ->
     from those weights, its loss within 3e-4 (measured 5e-5) and its norm within 1e-3
     (measured 1e-4). The control (the partial gradients never summed) misses the per-use
     run's first norm by 2e-2 and its biases by 0.76: the checks tell the two apart."""
-    pytest.importorskip("deepspeed")
+    _import_deepspeed()
     runs = run_distributed(_deepspeed_runs, 4, str(tmp_path),
                            [(1, "bf16", True, ["use", "step", "none"]),
                             (2, "bf16", True, ["use", "step"]), (3, "bf16", True, ["use", "step"]),
@@ -281,6 +294,6 @@ def _refused_offload(extensions: str) -> str:
 
 
 def test_deepspeed_with_cpu_offload_refuses_the_once_per_step_sum(tmp_path: Any) -> None:
-    pytest.importorskip("deepspeed")
+    _import_deepspeed()
     for message in run_distributed(_refused_offload, 4, str(tmp_path), timeout=300.0):
         assert message.startswith("DeepSpeed's CPU offload moves every micro-batch's"), message

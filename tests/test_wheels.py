@@ -156,33 +156,20 @@ def test_mt_data_installs_from_its_folder_and_runs_its_readme_example(tmp_path: 
     assert where.stdout.split()[1].startswith(str(ROOT)), where.stdout  # editable: the source
 
 
-def test_all_wheels_install_and_mt_runs(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def wheel_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A fresh virtualenv with torch and the wheels mt-inference needs, not mt-pretrain's or
+    mt-convert's: mt-inference alone; the test after it installs those two into it (one
+    torch install, about a minute, for both)."""
     wheels = built_wheels()
-    python = make_venv(tmp_path / "venv")
+    python = make_venv(tmp_path_factory.mktemp("wheels") / "venv")
     # Name the local CPU build of torch so pip does not fetch a multi-GB CUDA build.
-    pip_install(python, "torch==2.13.0", *map(str, wheels.values()))
-    mt = python.parent / "mt"
-    done = subprocess.run([str(mt), "--version"], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    for dist in DISTRIBUTIONS:
-        assert f"{dist.replace('_', '-')}" in done.stdout
-    assert "(source)" not in done.stdout and "not installed" not in done.stdout, done.stdout
-    helped = subprocess.run([str(mt), "--help"], capture_output=True, text=True, timeout=300)
-    assert helped.returncode == 0, helped.stderr
-    for command in ("convert", "eval", "generate", "serve", "bias"):  # from entry points
-        assert command in helped.stdout, helped.stdout
-    # No wheel pulls an optional integration, and `mt convert --help` (the plug-in) starts
-    # without torch as `mt --help` does.
-    done = run(python, "import importlib.util as u; print([m for m in ('deepspeed', 'lm_eval', "
-                       "'wandb', 'tensorboard', 'matplotlib', 'mpi4py') if u.find_spec(m)])")
-    assert done.stdout.strip() == "[]", done.stdout + done.stderr
-    done = run(python, "import sys; sys.modules['torch'] = None; from mt_pretrain.cli.app "
-                       "import main; sys.argv = ['mt', 'convert', '--help']; main()")
-    assert done.returncode == 0 and "Usage:" in done.stdout, done.stdout + done.stderr
-    assert sys.version_info >= (3, 10)
+    pip_install(python, "torch==2.13.0", *(str(w) for dist, w in wheels.items()
+                                           if dist not in ("mt_pretrain", "mt_convert")))
+    return python
 
 
-def test_mt_inference_alone_scores_and_generates(tmp_path: Path) -> None:
+def test_mt_inference_alone_scores_and_generates(wheel_venv: Path, tmp_path: Path) -> None:
     """mt-inference's wheel and the libraries it needs, without mt-pretrain (the training
     app) or mt-convert, in a fresh virtualenv: `python -m mt_inference generate` completes a
     prompt from a checkpoint with the greedy text mt-model gives here, and `eval` scores a
@@ -193,10 +180,7 @@ def test_mt_inference_alone_scores_and_generates(tmp_path: Path) -> None:
     from mt_formats import save_model
     from mt_model import GPT, GPTConfig, Sampling, generate
 
-    wheels = built_wheels()
-    python = make_venv(tmp_path / "venv")
-    pip_install(python, "torch==2.13.0", *(str(w) for dist, w in wheels.items()
-                                           if dist not in ("mt_pretrain", "mt_convert")))
+    python = wheel_venv
     found = run(python, "import importlib.util as u; print(u.find_spec('mt_pretrain'), "
                         "u.find_spec('mt_convert'))")
     assert found.stdout.split() == ["None", "None"], found.stdout + found.stderr
@@ -220,3 +204,34 @@ def test_mt_inference_alone_scores_and_generates(tmp_path: Path) -> None:
                            str(results)], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     assert json.loads(results.read_text())["results"]["mt-cloze"]["sample_len"] == 4
+
+
+def test_all_wheels_install_and_mt_runs(wheel_venv: Path) -> None:
+    """The thirteen wheels in one virtualenv (mt-pretrain's and mt-convert's added to the
+    others: test_mt_inference_alone_scores_and_generates runs first), their requirements
+    consistent (pip check), and `mt` runs."""
+    wheels = built_wheels()
+    python = wheel_venv
+    pip_install(python, str(wheels["mt_pretrain"]), str(wheels["mt_convert"]))
+    checked = subprocess.run([str(python), "-m", "pip", "check"], capture_output=True,
+                             text=True, timeout=300)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    mt = python.parent / "mt"
+    done = subprocess.run([str(mt), "--version"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    for dist in DISTRIBUTIONS:
+        assert f"{dist.replace('_', '-')}" in done.stdout
+    assert "(source)" not in done.stdout and "not installed" not in done.stdout, done.stdout
+    helped = subprocess.run([str(mt), "--help"], capture_output=True, text=True, timeout=300)
+    assert helped.returncode == 0, helped.stderr
+    for command in ("convert", "eval", "generate", "serve", "bias"):  # from entry points
+        assert command in helped.stdout, helped.stdout
+    # No wheel pulls an optional integration, and `mt convert --help` (the plug-in) starts
+    # without torch as `mt --help` does.
+    done = run(python, "import importlib.util as u; print([m for m in ('deepspeed', 'lm_eval', "
+                       "'wandb', 'tensorboard', 'matplotlib', 'mpi4py') if u.find_spec(m)])")
+    assert done.stdout.strip() == "[]", done.stdout + done.stderr
+    done = run(python, "import sys; sys.modules['torch'] = None; from mt_pretrain.cli.app "
+                       "import main; sys.argv = ['mt', 'convert', '--help']; main()")
+    assert done.returncode == 0 and "Usage:" in done.stdout, done.stdout + done.stderr
+    assert sys.version_info >= (3, 10)
