@@ -17,6 +17,7 @@ import importlib.util
 import itertools
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from torch.overrides import TorchFunctionMode
 from mt_dist.testing import run_distributed
 from mt_formats import ConvertError, convert_checkpoint, load_model, open_checkpoint, save_model
 from mt_formats.mcore import LAYERS, mcore_parts, state_key
+from mt_formats.megatron_args import load_megatron_file
 from mt_formats.pretrain import PretrainReader
 from mt_model import GPT, GPTConfig
 
@@ -186,13 +188,14 @@ def _states(state: Any) -> dict[str, torch.Tensor]:
 
 def _train_save(directory: str, steps: int, sharding: str = "fully_reshardable",
                 bucket_size: int | None = None, tp: int = 1, bf16: bool = False,
-                **settings: float
+                legacy: str | None = None, **settings: float
                 ) -> tuple[dict[str, torch.Tensor], float, list[dict[str, Any]], Any]:
     """LLAMA trained ``steps`` Adam steps at TP ``tp`` (each DP rank its own batch, settings
     :data:`ADAM` and ``settings``, gradients in buckets of ``bucket_size``; in ``bf16`` as
     :func:`_adam` says), saved with its
     distributed optimizer's state in layout ``sharding`` by ``dist_checkpointing.save`` as
-    Megatron-LM saves it (``model`` and ``optimizer``); returns megatron-core's states (its
+    Megatron-LM saves it (``model`` and ``optimizer``; with ``legacy``, in Megatron-LM's
+    per-rank files there too: :func:`_save_legacy`); returns megatron-core's states (its
     gathered ``fully_reshardable`` view; at TP 1 only), step count, param groups' settings
     and the state as this rank holds it (:func:`_pieces`)."""
     from megatron.core import dist_checkpointing, parallel_state
@@ -216,6 +219,9 @@ def _train_save(directory: str, steps: int, sharding: str = "fully_reshardable",
              "optimizer": _optimizer_state(model, optimizer, sharding=sharding),
              "iteration": steps}  # Megatron-LM's training step, in the common state
     dist_checkpointing.save(state, directory)
+    if legacy is not None:  # the same model in Megatron-LM's per-rank files too
+        _save_legacy(legacy, [model], optimizer,
+                     _megatron_lm_args(LLAMA, tp, LLAMA.vocab_size), steps)
     states = _states(_optimizer_state(model, optimizer)) if tp == 1 else {}
     step = optimizer.state_dict()["optimizer"]["param_groups"][0]["step"]
     return states, float(step), _group_settings(optimizer), _pieces(model, optimizer)
@@ -315,7 +321,7 @@ def _logits(model: Any, vocab: int | None = None) -> torch.Tensor:
 
 
 def _megatron_lm_args(config: GPTConfig, tp: int, vocab: int, pp: int = 1,
-                      first_layers: int | None = None) -> Any:
+                      first_layers: int | None = None, virtual: int | None = None) -> Any:
     """The ``args`` Megatron-LM puts in a checkpoint's common state (the settings that
     describe the model and layout, and a real Megatron-core enum and torch dtype)."""
     import argparse
@@ -326,13 +332,53 @@ def _megatron_lm_args(config: GPTConfig, tp: int, vocab: int, pp: int = 1,
         num_layers=config.n_layers, hidden_size=config.hidden,
         num_attention_heads=config.n_heads, ffn_hidden_size=config.ffn_hidden,
         max_position_embeddings=config.seq_len, seq_length=config.seq_len,
-        norm_epsilon=config.layernorm_eps, normalization="LayerNorm", swiglu=False,
-        position_embedding_type="learned_absolute", group_query_attention=False,
-        add_bias_linear=True, untie_embeddings_and_output_weights=False,
+        norm_epsilon=config.layernorm_eps,
+        normalization="RMSNorm" if config.norm == "rmsnorm" else "LayerNorm",
+        swiglu=config.mlp == "swiglu",
+        position_embedding_type="rope" if config.position == "rope" else "learned_absolute",
+        rotary_base=int(config.rope_theta), group_query_attention=config.n_kv_heads is not None,
+        num_query_groups=config.n_kv_heads, add_bias_linear=config.bias,
+        untie_embeddings_and_output_weights=not config.tied_embeddings,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         decoder_first_pipeline_num_layers=first_layers,
+        virtual_pipeline_model_parallel_size=virtual,
         padded_vocab_size=config.vocab_size, vocab_size=vocab, make_vocab_size_divisible_by=64,
         params_dtype=torch.float32, attention_backend=AttnBackend.auto, init_method_std=0.05)
+
+
+def _save_legacy(folder: str, chunks: list[Any], optimizer: Any, args: Any,
+                 iteration: int) -> None:
+    """This rank's file of Megatron-LM's per-rank format (``--ckpt-format torch``) as its
+    ``save_checkpoint`` writes it for megatron-core models, from the data-parallel rank 0
+    of each model-parallel rank: ``model`` (``model0``, ``model1``, ... with interleaved
+    stages) the chunks' ``state_dict_for_save_checkpoint()``, the optimizer's state dict,
+    ``args``, the scheduler's and the RNG states."""
+    import random
+
+    import numpy as np
+    from megatron.core import parallel_state
+
+    if parallel_state.get_data_parallel_rank() != 0:
+        return
+    rank = f"mp_rank_{parallel_state.get_tensor_model_parallel_rank():02d}"
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        rank += f"_{parallel_state.get_pipeline_model_parallel_rank():03d}"
+    models = {"model": chunks[0].state_dict_for_save_checkpoint()} if len(chunks) == 1 else {
+        f"model{index}": chunk.state_dict_for_save_checkpoint()
+        for index, chunk in enumerate(chunks)}
+    with _CudaOnCpu():
+        state = optimizer.state_dict()
+    path = Path(folder) / f"iter_{iteration:07d}" / rank / "model_optim_rng.pt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"args": args, "checkpoint_version": 3.0, "iteration": iteration, **models,
+                "optimizer": state, "opt_param_scheduler": {"max_lr": 1e-2, "num_steps": 2},
+                "rng_state": [{"random_rng_state": random.getstate(),
+                               "np_rng_state": np.random.get_state(),
+                               "torch_rng_state": torch.get_rng_state(),
+                               "rng_tracker_states": {}}],
+                "num_floating_point_operations_so_far": 0}, path)
+    if torch.distributed.get_rank() == 0:
+        (Path(folder) / "latest_checkpointed_iteration.txt").write_text(f"{iteration}\n")
 
 
 def _save_tp2(directory: str, vocab: int | None = None) -> torch.Tensor:
@@ -489,15 +535,17 @@ def _tensors(folder: Path) -> dict[str, torch.Tensor]:
 Held = dict[tuple[int, str, int], dict[str, torch.Tensor]]
 
 
-def _bucketed_run(root: Path, tp: int, bf16: bool = False) -> tuple[Path, Held, Path]:
+def _bucketed_run(root: Path, tp: int, bf16: bool = False, legacy: bool = False
+                  ) -> tuple[Path, Held, Path]:
     """LLAMA trained 2 steps on two ranks (DP 2, or TP 2; in ``bf16`` as :func:`_adam`
     says), its gradients reduced in buckets of about 20,000 elements, saved as Megatron-LM
-    saves it by default ('dp_reshardable');
+    saves it by default ('dp_reshardable'; with ``legacy``, in its per-rank files under
+    ``root / "legacy"`` too);
     with the optimizer's state as its ranks held it (per TP rank, stored key and layer, per
     state: the whole flattened shard, from its DP ranks' pieces) and the model config file."""
     (root / "ckpt").mkdir(parents=True)
     ranks = run_distributed(_train_save, 2, str(root / "ckpt"), 2, "dp_reshardable", 20_000,
-                            tp, bf16, timeout=300)
+                            tp, bf16, str(root / "legacy") if legacy else None, timeout=300)
     assert ranks[0][1] == 2.0
     found: dict[tuple[tuple[int, str, int], str], list[tuple[int, torch.Tensor]]] = {}
     for *_, pieces in ranks:
@@ -578,8 +626,11 @@ def test_bucketed_optimizer_state_of_a_bf16_tp2_run_joins_its_ranks_shards(
     the shards' sizes: mt joins them (rows, columns, a gated MLP's gate and up halves), and
     each rank's shard of the result is what that rank held, bit for bit. The run is bf16
     as Megatron-LM's ``--bf16`` runs it: bf16 weights, fp32 main params and gradients (its
-    buffers' dtype pair); mt writes bf16 weights and the fp32 main params beside them."""
-    ckpt, held, fields = _bucketed_run(tmp_path / "tp2", tp=2, bf16=True)
+    buffers' dtype pair); mt writes bf16 weights and the fp32 main params beside them.
+    The same model in Megatron-LM's per-rank files (``--ckpt-format torch``: the local
+    spec's norms under their module names, each rank's shards, a gated MLP's halves cut)
+    reads as the same tensors; tampered ones are refused in one line."""
+    ckpt, held, fields = _bucketed_run(tmp_path / "tp2", tp=2, bf16=True, legacy=True)
     stored = dcp.FileSystemReader(ckpt).read_metadata().state_dict_metadata
     assert {key.split(".")[2] for key in stored if ".bucket_idx_" in key} == {
         "dp_group_idx_0", "dp_group_idx_1"}
@@ -591,6 +642,58 @@ def test_bucketed_optimizer_state_of_a_bf16_tp2_run_joins_its_ranks_shards(
     assert ours["output_layer.weight"].dtype == torch.bfloat16
     assert ours[state_key("param", "output_layer.weight")].dtype == torch.float32
     _same_as_held(ours, held, tp=2)
+    _same_weights(tmp_path / "tp2" / "legacy", ckpt, str(fields))
+    tampered = run_distributed(_tamper, 1, str(tmp_path / "tp2" / "legacy"), timeout=120)[0]
+    for folder, expected in tampered.items():
+        with pytest.raises(ConvertError) as refused:
+            convert_checkpoint(folder, tmp_path / "out", to="consolidated")
+        message = str(refused.value)
+        assert "\n" not in message and expected in message, (folder, message)
+        assert not (tmp_path / "out").exists()
+
+
+def _tamper(legacy: str) -> dict[str, str]:
+    """Copies of a TP 2 run's per-rank files (``legacy``) each spoilt one way (in a rank
+    process: their args unpickle megatron-core's enum), and the words their refusal names."""
+    import shutil
+
+    def spoil(name: str, change: Callable[[dict[str, Any]], Any], rank: int = 1) -> str:
+        folder = Path(legacy).parent / name
+        shutil.copytree(legacy, folder)
+        path = folder / "iter_0000002" / f"mp_rank_{rank:02d}" / "model_optim_rng.pt"
+        data = torch.load(path, weights_only=False)
+        change(data)
+        torch.save(data, path)
+        return str(folder)
+
+    def norm(data: dict[str, Any]) -> None:
+        data["model"]["decoder.layers.1.input_layernorm.weight"] += 1
+
+    def router(data: dict[str, Any]) -> None:
+        data["model"]["decoder.layers.0.mlp.router.weight"] = torch.zeros(4, 64)
+
+    def grid(data: dict[str, Any]) -> None:
+        data["args"].tensor_model_parallel_size = 4
+
+    return {spoil("norm", norm): "'decoder.layers.1.input_layernorm.weight' differs from",
+            spoil("router", router): "holds other tensors than",
+            spoil("grid", grid, rank=0): "not the TP 4 x PP 1 grid Megatron-LM's args record"}
+
+
+def _same_weights(legacy: Path, ckpt: Path, model: str | None = None) -> None:
+    """Megatron-LM's per-rank files of a megatron-core model (``--ckpt-format torch``) read
+    as the same tensors, bit for bit, as its ``torch_dist`` checkpoint (read against
+    megatron-core's logits and state above), with one note: their optimizer state is not
+    read."""
+    with open_checkpoint(legacy) as files, open_checkpoint(ckpt, model=model) as folder:
+        assert files.format == "megatron"  # init_std: the args' (0.05), not --model's
+        assert files.config == folder.config.replace(init_std=0.05)
+        assert files.names() == folder.names()
+        for name in files.names():
+            ours = files.read(name)
+            assert ours.dtype == folder.spec(name).dtype, name
+            assert torch.equal(ours, folder.read(name)), name
+        assert len(files.notes) == 1 and "optimizer state" in files.notes[0], files.notes
 
 
 #: GPT-2-shaped, 3 layers: over two pipeline stages, 1 in the first and 2 in the last.
@@ -606,7 +709,8 @@ def _train_save_pipelined(directory: str, config: GPTConfig, tp: int, pp: int,
     about 20,000 elements (megatron-core buckets the first stage's first model chunk only)
     and reduced as Megatron-LM's training loop does (``finalize_model_grads``: the two
     copies of the embeddings summed), saved as Megatron-LM saves it by default
-    ('dp_reshardable', with its args and iteration); returns this rank's state
+    ('dp_reshardable', with its args and iteration) and in its per-rank files under
+    ``directory``'s sibling ``legacy`` (:func:`_save_legacy`); returns this rank's state
     (:func:`_pieces`)."""
     from megatron.core import dist_checkpointing
     from megatron.core.distributed import (
@@ -649,10 +753,10 @@ def _train_save_pipelined(directory: str, config: GPTConfig, tp: int, pp: int,
     with _CudaOnCpu():
         state["optimizer"] = optimizer.sharded_state_dict(
             state, metadata={"distrib_optim_sharding_type": "dp_reshardable"})
-    args = _megatron_lm_args(config, tp, config.vocab_size, pp=pp, first_layers=first_layers)
-    args.virtual_pipeline_model_parallel_size = virtual
+    args = _megatron_lm_args(config, tp, config.vocab_size, pp, first_layers, virtual)
     dist_checkpointing.save({**state, "args": args, "checkpoint_version": 3.0,
                              "iteration": 2}, directory)
+    _save_legacy(str(Path(directory).parent / "legacy"), chunks, optimizer, args, 2)
     return {key: states for chunk in chunks for key, states in
             _pieces(chunk, optimizer).items()}
 
@@ -703,7 +807,7 @@ def test_bucketed_optimizer_state_of_a_tp2_pp2_run_reads_bit_for_bit(tmp_path: P
         f"dp_group_idx_{rank}" for rank in range(4)}
     bare = tmp_path / "bare"  # the same run without Megatron-LM's args
     shutil.copytree(ckpt, bare)
-    common = torch.load(bare / "common.pt", weights_only=False)
+    common = load_megatron_file(bare / "common.pt")  # not megatron-core's enum: see above
     del common["args"]
     torch.save(common, bare / "common.pt")
     fields = tmp_path / "gpt3.json"
@@ -712,6 +816,7 @@ def test_bucketed_optimizer_state_of_a_tp2_pp2_run_reads_bit_for_bit(tmp_path: P
         convert_checkpoint(source, tmp_path / f"{source.name}-mcore", to="mcore", model=model)
         _same_as_held_pipelined(_tensors(tmp_path / f"{source.name}-mcore"), held, 2,
                                 source.name)
+    _same_weights(tmp_path / "legacy", ckpt)  # the last stage's copy of the embeddings too
 
 
 def test_bucketed_optimizer_state_of_interleaved_pipeline_stages_reads_bit_for_bit(
@@ -728,6 +833,7 @@ def test_bucketed_optimizer_state_of_interleaved_pipeline_stages_reads_bit_for_b
     convert_checkpoint(ckpt, tmp_path / "mcore", to="mcore")
     _same_as_held_pipelined(_tensors(tmp_path / "mcore"), held, 1, "interleaved")
     assert len(held) == 2 + 4 * 12 + 2 + 1
+    _same_weights(tmp_path / "legacy", ckpt)  # model0 and model1 in each rank's file
 
 
 def test_a_bucket_layout_that_does_not_fit_the_weights_is_refused(

@@ -155,6 +155,9 @@ class CheckpointReader(ABC):
     tokenizer: str | None = None
     """The tokenizer the model was trained with (as ``mt_data.load_tokenizer`` takes it),
     when the checkpoint says."""
+    notes: tuple[str, ...] = ()
+    """What a conversion from this source leaves out that the user should know (each
+    printed as a ``note:`` line)."""
 
     @abstractmethod
     def names(self) -> list[str]:

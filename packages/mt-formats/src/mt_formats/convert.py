@@ -43,7 +43,7 @@ from mt_formats.gguf_file import GGUF_FORMAT, GGUFReader, GGUFWriter
 from mt_formats.hf import HFWriter, open_hf
 from mt_formats.hf_llama import LlamaWriter, is_llama
 from mt_formats.manifest import CONFIG_FILE, read_json
-from mt_formats.megatron import LATEST_FILE, MegatronReader, MegatronWriter
+from mt_formats.megatron import LATEST_FILE, MegatronWriter
 from mt_formats.pretrain import PretrainReader, is_pretrain_checkpoint
 from mt_formats.pretrain_from_weights import PretrainWriter
 from mt_formats.pretrain_relayout import PretrainTarget, convert_pretrain
@@ -93,11 +93,13 @@ DCPReader = _on_use("mt_formats.dcp", "DCPReader")
 DCPWriter = _on_use("mt_formats.dcp", "DCPWriter")
 McoreReader = _on_use("mt_formats.mcore", "McoreReader")
 McoreWriter = _on_use("mt_formats.mcore", "McoreWriter")
+#: Megatron-LM's per-rank files: of a Megatron-core model, or of its older GPT-2 modules.
+open_megatron = _on_use("mt_formats.megatron_mcore", "open_megatron")
 _READERS: dict[str, Callable[[Path], CheckpointReader]] = {
     "consolidated": ConsolidatedReader,
     "hf": open_hf,
     "tp": ShardedReader,
-    "megatron": MegatronReader,
+    "megatron": open_megatron,
     "pretrain": PretrainReader,
     "dcp": DCPReader,
     "mcore": McoreReader,
@@ -390,7 +392,8 @@ def convert_checkpoint(source: Path, destination: Path, *, to: str = "consolidat
         moved = _write(writer, reader.names(), get, destination, overwrite, progress)
         return ConversionResult(reader.format, writer.format, destination,
                                 len(reader.names()), moved, time.perf_counter() - start,
-                                writer.tokenizer, (*writer.notes, *_leftovers(destination)))
+                                writer.tokenizer, (*reader.notes, *writer.notes,
+                                                   *_leftovers(destination)))
 
 
 def check_options(source: Path, to: str, from_format: str | None, *,

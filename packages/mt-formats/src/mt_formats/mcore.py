@@ -167,6 +167,27 @@ def to_groups(q: torch.Tensor, kv: torch.Tensor, config: GPTConfig) -> torch.Ten
         groups * (per + 2) * dim, *rest).contiguous()
 
 
+def stored_shape(config: GPTConfig, name: str, shape: tuple[int, ...], rows: int
+                 ) -> tuple[int, ...]:
+    """The shape canonical tensor ``name`` of ``shape`` is stored in (one layer of it;
+    ``rows``: the vocabulary as padded)."""
+    if name in ("embed.tokens.weight", "head.weight"):  # Megatron-LM pads the vocabulary
+        shape = (rows, *shape[1:])
+    if mcore_parts(name).select:
+        groups, per, dim = _grouped(config)
+        shape = (groups * (per + 2) * dim, *shape[1:])
+    return shape
+
+
+def from_stored(config: GPTConfig, name: str, stored: torch.Tensor) -> torch.Tensor:
+    """Canonical tensor ``name`` from its stored form (one layer of it where stacked): the
+    vocabulary's padding rows dropped, ``linear_qkv``'s rows regrouped."""
+    if name in ("embed.tokens.weight", "head.weight"):
+        return stored[:config.vocab_size].contiguous()
+    select = mcore_parts(name).select
+    return from_groups(stored, select, config) if select else stored
+
+
 def _sizes(shapes: Mapping[str, tuple[int, ...]], fields: Mapping[str, Any],
            where: Path) -> dict[str, Any]:
     """Config fields the stored tensors decide, given ``n_heads`` and ``mlp`` from fields."""
@@ -266,13 +287,8 @@ class McoreReader(CheckpointReader):
                                         str(self.root / COMMON_FILE))
 
     def _stored_shape(self, name: str) -> tuple[int, ...]:
-        part, shape = self._parts[name], self._shapes[name]
-        if name in ("embed.tokens.weight", "head.weight"):  # Megatron-LM pads the vocabulary
-            shape = (self._rows, *shape[1:])
-        if part.select:
-            groups, per, dim = _grouped(self.config)
-            shape = (groups * (per + 2) * dim, *shape[1:])
-        return (self.config.n_layers, *shape) if part.layer >= 0 else shape
+        shape = stored_shape(self.config, name, self._shapes[name], self._rows)
+        return (self.config.n_layers, *shape) if self._parts[name].layer >= 0 else shape
 
     def _check(self, shapes: dict[str, tuple[int, ...]]) -> None:
         where = self.root / METADATA_FILE
@@ -319,11 +335,7 @@ class McoreReader(CheckpointReader):
         return cached[1]
 
     def _shaped(self, name: str, stored: torch.Tensor) -> torch.Tensor:
-        """Canonical tensor ``name`` from its stored form (one layer of it where stacked)."""
-        part = self._parts[name]
-        if name in ("embed.tokens.weight", "head.weight"):
-            return stored[:self.config.vocab_size].contiguous()  # padding rows dropped
-        return from_groups(stored, part.select, self.config) if part.select else stored
+        return from_stored(self.config, name, stored)
 
     def optimizer_state(self, name: str) -> dict[str, torch.Tensor] | None:
         """Adam's moments of ``name`` from the distributed optimizer's ``fully_reshardable``

@@ -53,7 +53,8 @@ from mt_tensor_parallel import (
     shard_tensor,
 )
 
-__all__ = ["LATEST_FILE", "MegatronReader", "MegatronWriter", "megatron_name", "rank_file"]
+__all__ = ["LATEST_FILE", "MegatronReader", "MegatronWriter", "iteration_folder",
+           "megatron_name", "rank_file"]
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 MODEL_FILE = "model_optim_rng.pt"
@@ -278,6 +279,12 @@ def _iteration(root: Path) -> int:
         raise ConvertError(f"{latest}: expected an iteration number or 'release', got "
                            f"{text!r}")
     return int(text)
+
+
+def iteration_folder(root: Path) -> Path:
+    """The folder of the iteration ``latest_checkpointed_iteration.txt`` names."""
+    iteration = _iteration(root)
+    return root / (f"iter_{iteration:07d}" if iteration >= 0 else "release")
 
 
 class MegatronReader(CheckpointReader):

@@ -1,0 +1,289 @@
+"""Megatron-LM's per-rank files (``--ckpt-format torch``) of a Megatron-core model:
+``iter_XXXXXXX/mp_rank_TT[_PPP]/model_optim_rng.pt``, laid out as :mod:`mt_formats.megatron`
+says, whose ``model`` is megatron-core ``GPTModel``'s plain state dict. Megatron-LM wrote
+these for its megatron-core models until ``torch_dist`` became its default format.
+
+Each file holds its TP rank's shards of its pipeline stage's tensors under flat keys:
+``embedding.word_embeddings.weight`` and ``embedding.position_embeddings.weight`` (first
+stage), ``decoder.layers.<layer>.*`` with the layers numbered from 0 on every stage,
+``decoder.final_layernorm.*`` and ``output_layer.weight`` (last stage; with tied embeddings
+over several stages, a copy of the word embeddings), and ``_extra_state`` entries; with
+interleaved (virtual) pipeline stages, one such state dict per model chunk (``model0``,
+``model1``, ...: chunk ``c`` of pipeline rank ``p`` is virtual stage ``c * PP + p``). The
+local layer spec's norms are modules of their own (``input_layernorm``,
+``pre_mlp_layernorm``), Transformer Engine's are fused (``linear_qkv.layer_norm_*``,
+``linear_fc1.layer_norm_*``): both are read as the Megatron-core names of
+:mod:`mt_formats.mcore`.
+
+mt numbers the layers globally (each stage's count from its files), joins each tensor's TP
+shards (rows, columns, a gated MLP's gate and up halves: :func:`mt_formats.mcore_buckets.join`)
+and reads the result as a Megatron-core checkpoint's tensors (``linear_qkv`` regrouped, the
+vocabulary's padding dropped). Every copy is compared: a replicated tensor across TP ranks,
+the last stage's copy of tied embeddings with the first stage's. The config comes from
+Megatron-LM's ``args`` (allow-listed unpickling); the ranks found must be the TP x PP grid
+they record. Megatron-LM's optimizer state (``distrib_optim.pt`` beside each file, or the
+files' ``optimizer`` entries) is not read: a note says so.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mt_formats.canonical import CheckpointReader, TensorRef, canonical_shapes
+from mt_formats.errors import ConvertError
+from mt_formats.mcore import LAYERS, from_stored, mcore_parts, stored_shape
+from mt_formats.mcore_buckets import join
+from mt_formats.megatron import MODEL_FILE, MegatronReader, iteration_folder
+from mt_formats.megatron_args import config_from_args, load_megatron_file
+from mt_formats.tensors import TensorSpec
+
+__all__ = ["MegatronMcoreReader", "open_megatron"]
+
+_RANK = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+#: The local layer spec's norm modules -> the names Megatron-core's checkpoints give them.
+_NORMS = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+          "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
+_TOP = ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight",
+        "decoder.final_layernorm.weight", "decoder.final_layernorm.bias",
+        "output_layer.weight")
+_EMBEDDING, _HEAD = _TOP[0], _TOP[-1]
+
+#: Where a stored tensor's TP shards are: per TP rank, (file, model entry, key in it).
+Places = list[tuple[Path, str, str]]
+
+
+def is_mcore_model(model: Any) -> bool:
+    """A rank file's model entry holds a Megatron-core model's flat state dict."""
+    return isinstance(model, dict) and any(
+        isinstance(key, str) and key.startswith(("decoder.", "embedding.")) for key in model)
+
+
+def _entries(data: dict[str, Any]) -> list[str]:
+    """A rank file's model entries: ``model``, or one per model chunk (``model0``, ...)."""
+    if "model" in data:
+        return ["model"]
+    return [f"model{chunk}" for chunk in range(len(data)) if f"model{chunk}" in data]
+
+
+def _load(path: Path) -> dict[str, Any]:
+    """A rank file (weights-only, memory-mapped, Megatron-LM's allow-list), which must hold
+    a model entry."""
+    data = load_megatron_file(path)
+    if not isinstance(data, dict) or not _entries(data):
+        raise ConvertError(f"{path}: not a Megatron-LM checkpoint (no 'model' dict)")
+    return data
+
+
+def open_megatron(root: Path) -> CheckpointReader:
+    """The reader of Megatron-LM's per-rank files at ``root``: this module's for a
+    Megatron-core model's, :class:`~mt_formats.megatron.MegatronReader` otherwise."""
+    folder = iteration_folder(Path(root))
+    files = sorted(folder.glob(f"mp_rank_*/{MODEL_FILE}"))
+    head = _load(files[0]) if files else {}
+    if files and any(is_mcore_model(head.get(entry)) for entry in _entries(head)):
+        return MegatronMcoreReader(Path(root), folder, files)
+    return MegatronReader(Path(root))
+
+
+def _stored_key(key: str) -> tuple[str, int] | None:
+    """(Megatron-core checkpoint key, stage-local layer or -1) of a state dict key; None for
+    what is not a parameter (``_extra_state``)."""
+    if key.endswith("_extra_state"):
+        return None
+    match = _LAYER.match(key)
+    if match is None:
+        return key, -1
+    rest = match[2]
+    for module, saved in _NORMS.items():
+        if rest.startswith(module):
+            rest = saved + rest.removeprefix(module)
+    return LAYERS + rest, int(match[1])
+
+
+class MegatronMcoreReader(CheckpointReader):
+    """Megatron-LM's per-rank files of a Megatron-core GPT model (see the module docstring)
+    as canonical mt tensors."""
+
+    format = "megatron"
+
+    def __init__(self, root: Path, folder: Path, files: list[Path]) -> None:
+        self.root = root
+        grid: dict[tuple[int, int], Path] = {}
+        for path in files:
+            match = _RANK.match(path.parent.name)
+            if match is None:
+                raise ConvertError(f"{path.parent}: not a rank folder (mp_rank_TT or "
+                                   "mp_rank_TT_PPP)")
+            grid[int(match[2] or 0), int(match[1])] = path
+        self.pp = 1 + max(stage for stage, _ in grid)
+        self.tp = 1 + max(rank for _, rank in grid)
+        head = _load(files[0])
+        entries = _entries(head)
+        args = head.get("args")
+        if args is None:
+            raise ConvertError(f"{files[0]}: a Megatron-core model's state without "
+                               "Megatron-LM's args, which mt reads the model config from")
+        self.config = config_from_args(args, files[0], gpt2_only=False)
+        try:
+            recorded = (int(getattr(args, "tensor_model_parallel_size", 1) or 1),
+                        int(getattr(args, "pipeline_model_parallel_size", 1) or 1))
+        except (TypeError, ValueError) as err:
+            raise ConvertError(f"{files[0]}: Megatron-LM's args record no usable TP and PP "
+                               f"sizes: {err}") from None
+        wanted = {(stage, rank) for stage in range(recorded[1]) for rank in range(recorded[0])}
+        if set(grid) != wanted:
+            raise ConvertError(
+                f"{folder}: rank files {sorted(path.parent.name for path in files)} are not "
+                f"the TP {recorded[0]} x PP {recorded[1]} grid Megatron-LM's args record")
+        virtual = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
+        if virtual != len(entries):
+            raise ConvertError(f"{files[0]}: model entries {entries}; Megatron-LM's args "
+                               f"record {virtual} model chunk(s) per pipeline rank")
+        self._models: dict[tuple[Path, str], dict[str, Any]] = {}  # memory-mapped
+        self._places: dict[tuple[str, int], Places] = {}
+        self._copies: list[tuple[Places, tuple[str, int]]] = []  # the tied embeddings' copy
+        self.notes: tuple[str, ...] = ()
+        offset = 0
+        for stage in range(self.pp * virtual):  # virtual stage c * PP + p: chunk c of rank p
+            offset += self._stage(offset, [grid[stage % self.pp, rank] for rank in
+                                           range(self.tp)], entries[stage // self.pp])
+        if offset != self.config.n_layers:
+            raise ConvertError(f"{folder}: the stages hold {offset} layers; Megatron-LM's "
+                               f"args record {self.config.n_layers}")
+        self._shapes = canonical_shapes(self.config)
+        self._check(folder)
+        self._cached: tuple[tuple[str, int], torch.Tensor] | None = None
+
+    def _stage(self, offset: int, paths: list[Path], entry: str) -> int:
+        """Record where a (virtual) stage's tensors are (its layers from ``offset`` on; its
+        TP ranks' files ``paths``, model entry ``entry`` in each); returns its count of
+        layers."""
+        keys: list[dict[tuple[str, int], str]] = []
+        for path in paths:
+            data = _load(path)
+            model = data.get(entry)
+            if not is_mcore_model(model):
+                raise ConvertError(f"{path}: {entry!r} is not a Megatron-core model's state "
+                                   "dict, as the first rank file's is")
+            if data.get("optimizer") or (path.parent / "distrib_optim.pt").is_file():
+                self.notes = ("Megatron-LM's optimizer state beside these weights "
+                              "(distrib_optim.pt, the files' optimizer entries) is not read: "
+                              "the target holds the weights only",)
+            found: dict[tuple[str, int], str] = {}
+            for key, value in model.items():
+                stored = _stored_key(key) if isinstance(key, str) else None
+                if stored is None:
+                    continue
+                if not isinstance(value, torch.Tensor):
+                    raise ConvertError(f"{path}: model entry {key!r} is a "
+                                       f"{type(value).__name__}, not a tensor")
+                found[stored] = key
+            keys.append(found)
+            self._models[path, entry] = model
+        if any(found.keys() != keys[0].keys() for found in keys):
+            odd = next(rank for rank, found in enumerate(keys) if found.keys() != keys[0].keys())
+            raise ConvertError(f"{paths[odd]}: holds other tensors than {paths[0]} "
+                               f"({sorted(keys[odd].keys() ^ keys[0].keys())[:3]})")
+        layers = sorted({layer for _, layer in keys[0] if layer >= 0})
+        if layers != list(range(len(layers))):
+            raise ConvertError(f"{paths[0]}: decoder layers {layers}, not 0 to "
+                               f"{len(layers) - 1}")
+        for (key, layer), local in keys[0].items():
+            places = [(path, entry, found[key, layer])
+                      for path, found in zip(paths, keys, strict=True)]
+            if key == _HEAD and self.config.tied_embeddings:
+                self._copies.append((places, (_EMBEDDING, -1)))
+                continue
+            where = (key, offset + layer if layer >= 0 else -1)
+            if where in self._places:
+                raise ConvertError(f"{paths[0]}: {local!r} is stored on an earlier stage too")
+            self._places[where] = places
+        return len(layers)
+
+    def _check(self, folder: Path) -> None:
+        """Every tensor the config needs is there (and nothing else), of the shape it
+        needs."""
+        parts = {name: mcore_parts(name) for name in self._shapes}
+        needed = {(part.key, part.layer) for part in parts.values()}
+        extra = sorted(set(self._places) - needed)
+        missing = sorted(needed - set(self._places))
+        if extra or missing:
+            raise ConvertError(f"{folder}: the rank files hold {extra[:3]} beyond the tensors "
+                               f"of the model Megatron-LM's args describe, and lack "
+                               f"{missing[:3]}" if extra else
+                               f"{folder}: the rank files lack {missing[:3]} of the model "
+                               "Megatron-LM's args describe")
+        rows = self._joined_shape((_EMBEDDING, -1))[0]
+        if rows < self.config.vocab_size:
+            raise ConvertError(f"{folder}: the embedding has {rows} rows, fewer than the "
+                               f"vocabulary of {self.config.vocab_size}")
+        for name, part in parts.items():
+            shape = self._joined_shape((part.key, part.layer))
+            expected = stored_shape(self.config, name, self._shapes[name], rows)
+            if shape != expected:
+                path, _, key = self._places[part.key, part.layer][0]
+                raise ConvertError(f"{path}: {key!r} joined over TP {self.tp} is "
+                                   f"{list(shape)}, the model needs {list(expected)}")
+        for places, original in self._copies:
+            if self._joined_shape(original, places) != self._joined_shape(original):
+                raise ConvertError(f"{places[0][0]}: {places[0][2]!r} is not shaped as the "
+                                   "word embeddings it is a copy of")
+
+    def _shards(self, places: Places) -> list[torch.Tensor]:
+        return [self._models[path, entry][key] for path, entry, key in places]
+
+    def _joined_shape(self, where: tuple[str, int], places: Places | None = None
+                      ) -> tuple[int, ...]:
+        shards = [torch.empty(shard.shape, device="meta")
+                  for shard in self._shards(places or self._places[where])]
+        return tuple(join(where[0], shards, self.config.mlp == "swiglu").shape)
+
+    def _joined(self, where: tuple[str, int]) -> torch.Tensor:
+        """Stored tensor ``where`` (key, global layer) joined over TP, its copies compared."""
+        cached = self._cached
+        if cached is not None and cached[0] == where:  # q then kv read one qkv layer once
+            return cached[1]
+        places = self._places[where]
+        shards = self._shards(places)
+        joined = join(where[0], shards, self.config.mlp == "swiglu")
+        if joined is shards[0]:  # replicated: every TP rank holds the same
+            for (path, _, key), shard in zip(places[1:], shards[1:], strict=True):
+                if not torch.equal(shard, shards[0]):
+                    raise ConvertError(f"{path}: {key!r} differs from {places[0][0]}'s copy")
+        for copy, original in self._copies:
+            if original == where and not torch.equal(
+                    join(where[0], self._shards(copy), self.config.mlp == "swiglu"), joined):
+                raise ConvertError(f"{copy[0][0]}: {copy[0][2]!r} (the tied output layer) "
+                                   f"differs from the word embeddings of {places[0][0]}")
+        self._cached = (where, joined)
+        return joined
+
+    def names(self) -> list[str]:
+        return list(self._shapes)
+
+    def spec(self, name: str) -> TensorSpec:
+        part = mcore_parts(name)
+        return TensorSpec(self._shapes[name], self._shards(self._places[part.key,
+                                                                        part.layer])[0].dtype)
+
+    def sources(self, name: str) -> list[TensorRef]:
+        part = mcore_parts(name)
+        return [TensorRef(str(path.relative_to(self.root)), f"{entry}.{key}",
+                          TensorSpec(tuple(shard.shape), shard.dtype),
+                          f"tp {rank}/{self.tp}{f' {part.describe()}' if part.select else ''}")
+                for rank, ((path, entry, key), shard) in enumerate(zip(
+                    self._places[part.key, part.layer],
+                    self._shards(self._places[part.key, part.layer]), strict=True))]
+
+    def read(self, name: str) -> torch.Tensor:
+        part = mcore_parts(name)
+        return from_stored(self.config, name, self._joined((part.key, part.layer)))
+
+    def close(self) -> None:
+        self._cached = None
+        self._models.clear()
