@@ -877,8 +877,8 @@ def test_buckets_whose_args_disagree_with_them_are_refused_in_one_line(
              "buckets are of 1 model-parallel ranks, but the run's args record "
              "tensor_model_parallel_size None and pipeline_model_parallel_size 2"),
             (argparse.Namespace(virtual_pipeline_model_parallel_size=2),
-             "args record virtual_pipeline_model_parallel_size 2, but each rank holds 1 "
-             "buffer(s)")):
+             "args record 2 model chunk(s) per pipeline rank "
+             "(virtual_pipeline_model_parallel_size), but each rank holds 1 buffer(s)")):
         staged = tmp_path / f"staged-{len(expected)}"
         shutil.copytree(ckpt, staged)
         common = torch.load(staged / "common.pt", weights_only=False)

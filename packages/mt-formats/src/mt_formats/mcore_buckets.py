@@ -132,8 +132,6 @@ def _local(key: str, shape: tuple[int, ...], tp: int) -> int | None:
     return math.prod(shape) // tp
 
 
-
-
 @dataclass(frozen=True)
 class Stage:
     """A pipeline stage's place: its layers ``first_layer`` to ``first_layer + layers - 1``;
@@ -259,6 +257,12 @@ def _splits(ranks: int, chunks: int, args: Any) -> list[tuple[int, int]]:
             and (chunks == 1 or ranks // size > 1)]
 
 
+def _place(stage: int, tp_rank: int, tp: int, pp: int) -> tuple[int, int]:
+    """The model-parallel rank and buffer holding TP rank ``tp_rank``'s shards of (virtual)
+    ``stage`` at TP ``tp`` x PP ``pp``."""
+    return stage % pp * tp + tp_rank, stage // pp
+
+
 def _unwrapped(value: Any) -> Any:
     """A megatron-core ``ShardedObject``'s value (saved as a one-element list)."""
     return value[0] if isinstance(value, list) and len(value) == 1 else value
@@ -290,12 +294,11 @@ class BucketState:
         if ranks != list(range(len(ranks))):
             raise ConvertError(f"{self._where}: the distributed optimizer's buckets are of "
                                f"model-parallel ranks {ranks}, not 0 to {len(ranks) - 1}; {hint}")
-        mixed = [(rank, chunk) for (rank, chunk), found in dtypes.items() if len(found) > 1]
-        if mixed:
-            raise ConvertError(f"{self._where}: the distributed optimizer's buffer {mixed[0][1]} "
-                               f"of dp_group_idx {mixed[0][0]} holds parameters of "
-                               f"{len(dtypes[mixed[0]])} dtypes {sorted(dtypes[mixed[0]])}; mt "
-                               f"reads a model of one dtype; {hint}")
+        pairs = sorted({pair for found in dtypes.values() for pair in found})
+        if len(pairs) > 1:
+            raise ConvertError(f"{self._where}: the distributed optimizer's buffers are of "
+                               f"{len(pairs)} dtype pairs {pairs}; mt reads a model of one "
+                               f"dtype (a buffer per model chunk); {hint}")
         self.chunks = 1 + max(chunk for _, chunk in dtypes)
         for rank in ranks:
             chunks = sorted(chunk for found, chunk in dtypes if found == rank)
@@ -304,13 +307,20 @@ class BucketState:
                     f"{self._where}: the distributed optimizer's buffers of dp_group_idx "
                     f"{rank} are {chunks}, not 0 to {self.chunks - 1} as on the others (a "
                     f"buffer per model chunk); {hint}")
-        virtual = getattr(args, "virtual_pipeline_model_parallel_size", None)
-        if virtual not in (None, self.chunks) and not (virtual == 1 and self.chunks == 1):
+        virtual = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
+        if args is not None and virtual != self.chunks:
             raise ConvertError(
-                f"{self._where}: the run's args record virtual_pipeline_model_parallel_size "
-                f"{virtual!r}, but each rank holds {self.chunks} buffer(s) of the "
-                f"distributed optimizer's state (a buffer per model chunk); {hint}")
+                f"{self._where}: the run's args record {virtual!r} model chunk(s) per pipeline "
+                f"rank (virtual_pipeline_model_parallel_size), but each rank holds "
+                f"{self.chunks} buffer(s) of the distributed optimizer's state (a buffer per "
+                f"model chunk); {hint}")
         self.splits = _splits(len(ranks), self.chunks, args)
+        if not self.splits and args is None:
+            raise ConvertError(
+                f"{self._where}: each of the {len(ranks)} model-parallel rank(s) holds "
+                f"{self.chunks} buffers of the distributed optimizer's state, one per model "
+                f"chunk of interleaved pipeline stages, which need several pipeline ranks; "
+                f"{hint}")
         if not self.splits:
             raise ConvertError(
                 f"{self._where}: the distributed optimizer's buckets are of {len(ranks)} "
@@ -370,11 +380,6 @@ class BucketState:
                                "bucket sizes")
         return sizes[0]
 
-    def _place(self, stage: int, tp_rank: int, tp: int, pp: int) -> tuple[int, int]:
-        """The model-parallel rank and buffer holding TP rank ``tp_rank``'s shards of
-        (virtual) ``stage`` at TP ``tp`` x PP ``pp``."""
-        return stage % pp * tp + tp_rank, stage // pp
-
     def locate(self, weight: Callable[[str, int], torch.Tensor]) -> None:
         """Find the layout (see the module docstring); ``weight(key, layer)`` reads a stored
         weight (one layer of it)."""
@@ -384,7 +389,7 @@ class BucketState:
             for tp, pp in self.splits:
                 label = name if tp * pp == 1 else f"{name} at TP {tp} x PP {pp}"
                 sizes = [[self.sizes[rank][chunk] for rank, chunk in
-                          (self._place(stage, tp_rank, tp, pp) for tp_rank in range(tp))]
+                          (_place(stage, tp_rank, tp, pp) for tp_rank in range(tp))]
                          for stage in range(pp * self.chunks)]
                 found = stage_slots(self._shapes, order, sizes)
                 if isinstance(found, str):
@@ -416,7 +421,7 @@ class BucketState:
         out: dict[str, list[torch.Tensor]] = {state: [] for state in states}
         for tp_rank, found in enumerate(slots):
             like = shard(param[0], weight, tp_rank, len(slots), self._gated)
-            rank, chunk = self._place(stage, tp_rank, len(slots), pp)
+            rank, chunk = _place(stage, tp_rank, len(slots), pp)
             slot = found[param]
             for state in states:
                 flat = self._folder.load_range(self._keys[rank, chunk, state, slot.bucket],
@@ -444,7 +449,7 @@ class BucketState:
                                shard(param[0], weight, tp_rank, self.tp, self._gated)):
                 key, layer = param
                 slot = self._slots[stage][tp_rank][param]
-                rank, chunk = self._place(stage, tp_rank, self.tp, self.pp)
+                rank, chunk = _place(stage, tp_rank, self.tp, self.pp)
                 raise ConvertError(
                     f"{self._where}: the main parameter of {key!r}"
                     f"{f' layer {layer}' if layer >= 0 else ''} in bucket {slot.bucket} of "
