@@ -122,7 +122,8 @@ class MegatronMcoreReader(CheckpointReader):
             grid[int(match[2] or 0), int(match[1])] = path
         self.pp = 1 + max(stage for stage, _ in grid)
         self.tp = 1 + max(rank for _, rank in grid)
-        head = _load(files[0])
+        self._files: dict[Path, dict[str, Any]] = {}  # each loaded once, memory-mapped
+        head = self._file(files[0])
         entries = _entries(head)
         args = head.get("args")
         if args is None:
@@ -144,7 +145,7 @@ class MegatronMcoreReader(CheckpointReader):
         if virtual != len(entries):
             raise ConvertError(f"{files[0]}: model entries {entries}; Megatron-LM's args "
                                f"record {virtual} model chunk(s) per pipeline rank")
-        self._models: dict[tuple[Path, str], dict[str, Any]] = {}  # memory-mapped
+        self._models: dict[tuple[Path, str], dict[str, Any]] = {}
         self._places: dict[tuple[str, int], Places] = {}
         self._copies: list[tuple[Places, tuple[str, int]]] = []  # the tied embeddings' copy
         self.notes: tuple[str, ...] = ()
@@ -159,13 +160,18 @@ class MegatronMcoreReader(CheckpointReader):
         self._check(folder)
         self._cached: tuple[tuple[str, int], torch.Tensor] | None = None
 
+    def _file(self, path: Path) -> dict[str, Any]:
+        if path not in self._files:
+            self._files[path] = _load(path)
+        return self._files[path]
+
     def _stage(self, offset: int, paths: list[Path], entry: str) -> int:
         """Record where a (virtual) stage's tensors are (its layers from ``offset`` on; its
         TP ranks' files ``paths``, model entry ``entry`` in each); returns its count of
         layers."""
         keys: list[dict[tuple[str, int], str]] = []
         for path in paths:
-            data = _load(path)
+            data = self._file(path)
             model = data.get(entry)
             if not is_mcore_model(model):
                 raise ConvertError(f"{path}: {entry!r} is not a Megatron-core model's state "
@@ -173,7 +179,7 @@ class MegatronMcoreReader(CheckpointReader):
             if data.get("optimizer") or (path.parent / "distrib_optim.pt").is_file():
                 self.notes = ("Megatron-LM's optimizer state beside these weights "
                               "(distrib_optim.pt, the files' optimizer entries) is not read: "
-                              "the target holds the weights only",)
+                              "the conversion carries the weights only",)
             found: dict[tuple[str, int], str] = {}
             for key, value in model.items():
                 stored = _stored_key(key) if isinstance(key, str) else None
@@ -287,3 +293,4 @@ class MegatronMcoreReader(CheckpointReader):
     def close(self) -> None:
         self._cached = None
         self._models.clear()
+        self._files.clear()
