@@ -348,28 +348,32 @@ def _megatron_lm_args(config: GPTConfig, tp: int, vocab: int, pp: int = 1,
 
 def _save_legacy(folder: str, chunks: list[Any], optimizer: Any, args: Any,
                  iteration: int) -> None:
-    """This rank's file of Megatron-LM's per-rank format (``--ckpt-format torch``) as its
-    ``save_checkpoint`` writes it for megatron-core models, from the data-parallel rank 0
-    of each model-parallel rank: ``model`` (``model0``, ``model1``, ... with interleaved
-    stages) the chunks' ``state_dict_for_save_checkpoint()``, the optimizer's state dict,
-    ``args``, the scheduler's and the RNG states."""
+    """This rank's files of Megatron-LM's per-rank format (``--ckpt-format torch``) as its
+    ``save_checkpoint`` writes them for megatron-core models with the distributed optimizer,
+    from the data-parallel rank 0 of each model-parallel rank: ``model_optim_rng.pt``
+    (``model``, or ``model0``, ``model1``, ... with interleaved stages: the chunks'
+    ``state_dict_for_save_checkpoint()``; the optimizer's state dict, ``args``, the
+    scheduler's and the RNG states) and ``distrib_optim.pt`` (``save_parameter_state``,
+    gathered over the data-parallel ranks)."""
     import random
 
     import numpy as np
     from megatron.core import parallel_state
 
-    if parallel_state.get_data_parallel_rank() != 0:
-        return
     rank = f"mp_rank_{parallel_state.get_tensor_model_parallel_rank():02d}"
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         rank += f"_{parallel_state.get_pipeline_model_parallel_rank():03d}"
+    path = Path(folder) / f"iter_{iteration:07d}" / rank / "model_optim_rng.pt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _CudaOnCpu():
+        optimizer.save_parameter_state(str(path.parent / "distrib_optim.pt"))
+    if parallel_state.get_data_parallel_rank() != 0:
+        return
     models = {"model": chunks[0].state_dict_for_save_checkpoint()} if len(chunks) == 1 else {
         f"model{index}": chunk.state_dict_for_save_checkpoint()
         for index, chunk in enumerate(chunks)}
     with _CudaOnCpu():
         state = optimizer.state_dict()
-    path = Path(folder) / f"iter_{iteration:07d}" / rank / "model_optim_rng.pt"
-    path.parent.mkdir(parents=True, exist_ok=True)
     torch.save({"args": args, "checkpoint_version": 3.0, "iteration": iteration, **models,
                 "optimizer": state, "opt_param_scheduler": {"max_lr": 1e-2, "num_steps": 2},
                 "rng_state": [{"random_rng_state": random.getstate(),
@@ -565,7 +569,7 @@ def _bucketed_run(root: Path, tp: int, bf16: bool = False, legacy: bool = False
 
 @pytest.fixture(scope="module")
 def bucketed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Held, Path]:
-    return _bucketed_run(tmp_path_factory.mktemp("bucketed"), tp=1)
+    return _bucketed_run(tmp_path_factory.mktemp("bucketed"), tp=1, legacy=True)
 
 
 def _cut(key: str, tensor: torch.Tensor, rank: int, tp: int, gated: bool = True
@@ -618,6 +622,7 @@ def test_megatron_lm_s_default_bucketed_optimizer_state_reads_bit_for_bit(
     _same_as_held(_tensors(tmp_path / "mcore"), held, tp=1)
     with open_checkpoint(tmp_path / "mcore") as reader:
         assert float(reader.optimizer_state("blocks.1.mlp.fc.weight")["step"]) == 2.0
+    _same_weights(ckpt.parent / "legacy", ckpt, str(fields))  # gathered over DP 2
 
 
 def test_bucketed_optimizer_state_of_a_bf16_tp2_run_joins_its_ranks_shards(
@@ -630,6 +635,8 @@ def test_bucketed_optimizer_state_of_a_bf16_tp2_run_joins_its_ranks_shards(
     The same model in Megatron-LM's per-rank files (``--ckpt-format torch``: the local
     spec's norms under their module names, each rank's shards, a gated MLP's halves cut)
     reads as the same tensors; tampered ones are refused in one line."""
+    import shutil
+
     ckpt, held, fields = _bucketed_run(tmp_path / "tp2", tp=2, bf16=True, legacy=True)
     stored = dcp.FileSystemReader(ckpt).read_metadata().state_dict_metadata
     assert {key.split(".")[2] for key in stored if ".bucket_idx_" in key} == {
@@ -644,9 +651,13 @@ def test_bucketed_optimizer_state_of_a_bf16_tp2_run_joins_its_ranks_shards(
     _same_as_held(ours, held, tp=2)
     _same_weights(tmp_path / "tp2" / "legacy", ckpt, str(fields))
     tampered = run_distributed(_tamper, 1, str(tmp_path / "tp2" / "legacy"), timeout=120)[0]
+    alone = tmp_path / "tp2" / "alone"  # one rank's distrib_optim.pt gone
+    shutil.copytree(tmp_path / "tp2" / "legacy", alone)
+    (alone / "iter_0000002" / "mp_rank_01" / "distrib_optim.pt").unlink()
+    tampered[str(alone)] = "mp_rank_01/distrib_optim.pt: absent, while"
     for folder, expected in tampered.items():
         with pytest.raises(ConvertError) as refused:
-            convert_checkpoint(folder, tmp_path / "out", to="consolidated")
+            convert_checkpoint(folder, tmp_path / "out", to="mcore")
         message = str(refused.value)
         assert "\n" not in message and expected in message, (folder, message)
         assert not (tmp_path / "out").exists()
@@ -680,11 +691,37 @@ def _tamper(legacy: str) -> dict[str, str]:
             spoil("grid", grid, rank=0): "not the TP 4 x PP 1 grid Megatron-LM's args record"}
 
 
+def test_a_coalesced_buffer_s_layout_is_the_one_whose_main_params_round_to_the_weights(
+        ) -> None:
+    """distrib_optim.pt records no bucket sizes: after each parameter its bucket may go on
+    (the next one at the next multiple of 64) or end (the next one right after it); the
+    main parameters found there must round to the weights, and the buffer be filled."""
+    from mt_formats.mcore_buckets import coalesced_starts
+
+    sizes = {"a": 100, "b": 30, "c": 50}  # registration order; laid out c, b, a
+    params = [((name, -1), numel, False) for name, numel in sizes.items()]
+    buffer = torch.zeros(300)
+    truth = {"c": 0, "b": 50, "a": 114}  # b opens a bucket at 50; a follows, 64 after it
+    for name, start in truth.items():
+        buffer[start:start + sizes[name]] = float(ord(name))
+
+    def rounds(param: tuple[str, int], start: int) -> bool:
+        return bool((buffer[start:start + sizes[param[0]]] == ord(param[0])).all())
+
+    assert coalesced_starts(params, 214, rounds) == [{(n, -1): s for n, s in truth.items()}]
+    assert coalesced_starts(params, 215, rounds) == []  # the buffer not filled
+    # Where every position rounds (all-zero state), two layouts put d at 178: b at 64, c at
+    # 128 and d opening a bucket; b opening one at 50, c at 114 and d following: refused.
+    both = [(("d", -1), 10, False), (("c", -1), 50, False), (("b", -1), 14, False),
+            (("a", -1), 50, False)]
+    assert len(coalesced_starts(both, 188, lambda param, start: True)) == 2
+
+
 def _same_weights(legacy: Path, ckpt: Path, model: str | None = None) -> None:
     """Megatron-LM's per-rank files of a megatron-core model (``--ckpt-format torch``) read
     as the same tensors, bit for bit, as its ``torch_dist`` checkpoint (read against
-    megatron-core's logits and state above), with one note: their optimizer state is not
-    read."""
+    megatron-core's logits and state above): the weights, and Adam's state from its
+    ``distrib_optim.pt`` files (moments, fp32 main params, step, settings)."""
     with open_checkpoint(legacy) as files, open_checkpoint(ckpt, model=model) as folder:
         assert files.format == "megatron"  # init_std: the args' (0.05), not --model's
         assert files.config == folder.config.replace(init_std=0.05)
@@ -693,7 +730,12 @@ def _same_weights(legacy: Path, ckpt: Path, model: str | None = None) -> None:
             ours = files.read(name)
             assert ours.dtype == folder.spec(name).dtype, name
             assert torch.equal(ours, folder.read(name)), name
-        assert len(files.notes) == 1 and "optimizer state" in files.notes[0], files.notes
+            state, theirs = files.optimizer_state(name), folder.optimizer_state(name)
+            assert state is not None and theirs is not None and state.keys() == theirs.keys()
+            for key, tensor in state.items():
+                assert torch.equal(tensor, theirs[key]), (name, key)
+            assert files.optimizer_settings(name) == folder.optimizer_settings(name), name
+        assert files.notes == ()
 
 
 #: GPT-2-shaped, 3 layers: over two pipeline stages, 1 in the first and 2 in the last.

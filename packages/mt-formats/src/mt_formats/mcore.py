@@ -275,16 +275,7 @@ class McoreReader(CheckpointReader):
         """Megatron-LM's ``iteration`` in ``common.pt`` (the steps taken) and, where its
         ``args`` record them, the tokens seen (``consumed_train_samples`` x
         ``seq_length``); None where ``common.pt`` holds no iteration."""
-        common = self._common()
-        if "iteration" not in common:
-            return None
-        args = common.get("args")
-        samples, seq = (getattr(args, key, None) for key in ("consumed_train_samples",
-                                                             "seq_length"))
-        tokens = samples * seq if isinstance(samples, int) and isinstance(seq, int) else None
-        return TrainingProgress.checked(("iteration", common["iteration"]),
-                                        ("args.consumed_train_samples x seq_length", tokens),
-                                        str(self.root / COMMON_FILE))
+        return megatron_progress(self._common(), self.root / COMMON_FILE)
 
     def _stored_shape(self, name: str) -> tuple[int, ...]:
         shape = stored_shape(self.config, name, self._shapes[name], self._rows)
@@ -403,17 +394,8 @@ class McoreReader(CheckpointReader):
         else:
             groups = (common["optimizer"].get("optimizer") or {}).get("param_groups")
             where = f"{path}: optimizer.optimizer"
-        try:
-            steps = {adam_step(group["step"], f"{where}.param_groups") for group in groups}
-        except (KeyError, TypeError) as err:
-            raise ConvertError(f"{where}: no param groups with a step (param_groups[*].step): "
-                               f"{err!r}") from None
-        if len(steps) != 1:
-            raise ConvertError(f"{where}: the optimizer's param groups were stepped "
-                               f"{sorted(steps)} times" if steps else
-                               f"{where}: holds no optimizer param groups")
-        self._roles = _role_settings(groups, f"{where}.param_groups")
-        return steps.pop()
+        step, self._roles = step_and_roles(groups, where)
+        return step
 
     def optimizer_settings(self, name: str) -> dict[str, Any] | None:
         """The hyperparameters of the param group holding ``name`` in ``common.pt``:
@@ -566,6 +548,37 @@ class McoreWriter(CheckpointWriter):
     def abort(self) -> None:
         if self._files is not None:
             self._files.abort()
+
+
+def megatron_progress(common: Mapping[str, Any], where: Path) -> TrainingProgress | None:
+    """Megatron-LM's ``iteration`` in a file's ``common`` state (the steps taken) and, where
+    its ``args`` record them, the tokens seen (``consumed_train_samples`` x
+    ``seq_length``); None without an iteration."""
+    if "iteration" not in common:
+        return None
+    args = common.get("args")
+    samples, seq = (getattr(args, key, None) for key in ("consumed_train_samples",
+                                                         "seq_length"))
+    tokens = samples * seq if isinstance(samples, int) and isinstance(seq, int) else None
+    return TrainingProgress.checked(("iteration", common["iteration"]),
+                                    ("args.consumed_train_samples x seq_length", tokens),
+                                    str(where))
+
+
+def step_and_roles(groups: Any, where: str) -> tuple[float, dict[bool, dict[str, Any]]]:
+    """The step count of megatron-core's distributed optimizer's param groups (``where``
+    names them: their step must agree) and their settings per role
+    (:func:`_role_settings`)."""
+    try:
+        steps = {adam_step(group["step"], f"{where}.param_groups") for group in groups}
+    except (KeyError, TypeError) as err:
+        raise ConvertError(f"{where}: no param groups with a step (param_groups[*].step): "
+                           f"{err!r}") from None
+    if len(steps) != 1:
+        raise ConvertError(f"{where}: the optimizer's param groups were stepped "
+                           f"{sorted(steps)} times" if steps else
+                           f"{where}: holds no optimizer param groups")
+    return steps.pop(), _role_settings(groups, f"{where}.param_groups")
 
 
 def _role_settings(groups: list[Mapping[str, Any]], where: str) -> dict[bool, dict[str, Any]]:

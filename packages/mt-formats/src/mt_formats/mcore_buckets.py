@@ -238,6 +238,45 @@ def stage_slots(shapes: Mapping[str, tuple[int, ...]], order: Sequence[str],
     return slots
 
 
+#: The most partial layouts of a coalesced buffer followed at once (each step doubles them
+#: at most; the rounding check prunes all but one in a trained model).
+_WIDEST = 16
+
+
+def coalesced_starts(params: Sequence[tuple[Param, int, bool]], total: int,
+                     rounds: Callable[[Param, int], bool]) -> list[dict[Param, int]]:
+    """Each parameter's first element in a legacy ``distrib_optim.pt`` buffer, which holds
+    megatron-core's buckets' unpadded contents one after another (``total`` elements) and no
+    bucket sizes: ``params`` (registration order, sizes, whether each lies in a bucket of its
+    own) in reverse order, each at the next multiple of :data:`ALIGN` from its bucket's
+    start; a bucket may end after any parameter (the next then starts where it ended) and
+    ends around a parameter of its own (before it, at its aligned start). Of the layouts
+    whose every main parameter ``rounds(param, start)`` to its weight and that fill
+    ``total`` exactly: none, the one, or two of them (ambiguous; also where more than
+    :data:`_WIDEST` partial layouts pass at once)."""
+    # Where the next parameter may go depends only on where the last one started (after it
+    # the offset from its bucket's start is its size mod ALIGN, or 0 after one of its own):
+    # the frontier maps that start to the starts so far; two paths to one start, two
+    # layouts.
+    frontier: dict[int, tuple[int, int, dict[Param, int]]] = {-1: (0, 0, {})}
+    for param, numel, alone in reversed(params):
+        grown: dict[int, tuple[int, int, dict[Param, int]]] = {}
+        for offset, phase, starts in frontier.values():
+            aligned = offset + (-phase) % ALIGN
+            options = [aligned] if alone or not phase else [aligned, offset]
+            for start in options:
+                if start + numel > total or not rounds(param, start):
+                    continue
+                if start in grown:  # reached by another layout as well
+                    return [grown[start][2], {**starts, param: start}]
+                grown[start] = (start + numel, 0 if alone else numel % ALIGN,
+                                {**starts, param: start})
+        if len(grown) > _WIDEST:
+            return [layout for _, _, layout in list(grown.values())[:2]]
+        frontier = grown
+    return [starts for offset, _, starts in frontier.values() if offset == total]
+
+
 def _probes(slots: Mapping[Param, Slot]) -> list[Param]:
     """The parameters of a stage (one rank's ``slots``) whose main parameters are checked
     against the weights when its layout is chosen: those outside the layers and its first

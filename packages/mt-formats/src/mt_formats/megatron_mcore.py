@@ -21,8 +21,17 @@ and reads the result as a Megatron-core checkpoint's tensors (``linear_qkv`` reg
 vocabulary's padding dropped). Every copy is compared: a replicated tensor across TP ranks,
 the last stage's copy of tied embeddings with the first stage's. The config comes from
 Megatron-LM's ``args`` (allow-listed unpickling); the ranks found must be the TP x PP grid
-they record. Megatron-LM's optimizer state (``distrib_optim.pt`` beside each file, or the
-files' ``optimizer`` entries) is not read: a note says so.
+they record.
+
+Adam's state: the distributed optimizer's ``distrib_optim.pt`` beside each rank file
+(``save_parameter_state``: per model chunk, ``{dtype pair: {"param", "exp_avg", "exp_avg_sq":
+flat fp32, "numel_unpadded"}}``, its buckets' unpadded contents one after another, gathered
+over data parallelism) with the step and param groups of the rank files' ``optimizer``
+entries. The file records neither the buckets' sizes nor where a parameter lies: mt lays the
+stage's parameters out from the state dict's order (the model's registration order) as
+megatron-core does (:func:`~mt_formats.mcore_buckets.coalesced_starts`), keeping the one
+layout whose every main parameter rounds to its weight. Other optimizer state (a
+non-distributed optimizer's, in the ``optimizer`` entries) is not read: a note says so.
 """
 
 from __future__ import annotations
@@ -33,10 +42,18 @@ from typing import Any
 
 import torch
 
-from mt_formats.canonical import CheckpointReader, TensorRef, canonical_shapes
+from mt_formats.adam import decays
+from mt_formats.canonical import CheckpointReader, TensorRef, TrainingProgress, canonical_shapes
 from mt_formats.errors import ConvertError
-from mt_formats.mcore import LAYERS, from_stored, mcore_parts, stored_shape
-from mt_formats.mcore_buckets import join
+from mt_formats.mcore import (
+    LAYERS,
+    from_stored,
+    mcore_parts,
+    megatron_progress,
+    step_and_roles,
+    stored_shape,
+)
+from mt_formats.mcore_buckets import STATES, coalesced_starts, join
 from mt_formats.megatron import MODEL_FILE, MegatronReader, iteration_folder
 from mt_formats.megatron_args import config_from_args, load_megatron_file
 from mt_formats.tensors import TensorSpec
@@ -52,9 +69,13 @@ _TOP = ("embedding.word_embeddings.weight", "embedding.position_embeddings.weigh
         "decoder.final_layernorm.weight", "decoder.final_layernorm.bias",
         "output_layer.weight")
 _EMBEDDING, _HEAD = _TOP[0], _TOP[-1]
+OPTIMIZER_FILE = "distrib_optim.pt"
 
 #: Where a stored tensor's TP shards are: per TP rank, (file, model entry, key in it).
 Places = list[tuple[Path, str, str]]
+#: A stored tensor: its Megatron-core key and global layer (-1: not stacked); the last
+#: stage's copy of tied embeddings is ``(output_layer.weight, -1)``.
+Where = tuple[str, int]
 
 
 def is_mcore_model(model: Any) -> bool:
@@ -123,6 +144,7 @@ class MegatronMcoreReader(CheckpointReader):
         self.pp = 1 + max(stage for stage, _ in grid)
         self.tp = 1 + max(rank for _, rank in grid)
         self._files: dict[Path, dict[str, Any]] = {}  # each loaded once, memory-mapped
+        self._rank_files = files
         head = self._file(files[0])
         entries = _entries(head)
         args = head.get("args")
@@ -148,27 +170,38 @@ class MegatronMcoreReader(CheckpointReader):
         self._models: dict[tuple[Path, str], dict[str, Any]] = {}
         self._places: dict[tuple[str, int], Places] = {}
         self._copies: list[tuple[Places, tuple[str, int]]] = []  # the tied embeddings' copy
+        # per (virtual) stage: its TP ranks' files, its parameters in registration order
+        # (where, its places, whether it lies in a bucket of its own)
+        self._stages: list[tuple[list[Path], list[tuple[Where, Places, bool]]]] = []
         self.notes: tuple[str, ...] = ()
+        self._head = head
         offset = 0
-        for stage in range(self.pp * virtual):  # virtual stage c * PP + p: chunk c of rank p
+        stages = self.pp * virtual
+        for stage in range(stages):  # virtual stage c * PP + p: chunk c of rank p
             offset += self._stage(offset, [grid[stage % self.pp, rank] for rank in
-                                           range(self.tp)], entries[stage // self.pp])
+                                           range(self.tp)], entries[stage // self.pp],
+                                  stage == 0, stage == stages - 1)
         if offset != self.config.n_layers:
             raise ConvertError(f"{folder}: the stages hold {offset} layers; Megatron-LM's "
                                f"args record {self.config.n_layers}")
         self._shapes = canonical_shapes(self.config)
         self._check(folder)
         self._cached: tuple[tuple[str, int], torch.Tensor] | None = None
+        self._starts: dict[Where, tuple[int, int]] | None = None  # with Adam's state:
+        self._buffers: list[list[dict[str, torch.Tensor]]] = []  # (stage, first element)
+        self._step = 0.0
+        self._roles: dict[bool, dict[str, Any]] = {}
 
     def _file(self, path: Path) -> dict[str, Any]:
         if path not in self._files:
             self._files[path] = _load(path)
         return self._files[path]
 
-    def _stage(self, offset: int, paths: list[Path], entry: str) -> int:
+    def _stage(self, offset: int, paths: list[Path], entry: str, first: bool,
+               last: bool) -> int:
         """Record where a (virtual) stage's tensors are (its layers from ``offset`` on; its
-        TP ranks' files ``paths``, model entry ``entry`` in each); returns its count of
-        layers."""
+        TP ranks' files ``paths``, model entry ``entry`` in each; ``first`` / ``last``: the
+        model's first / last stage); returns its count of layers."""
         keys: list[dict[tuple[str, int], str]] = []
         for path in paths:
             data = self._file(path)
@@ -176,10 +209,10 @@ class MegatronMcoreReader(CheckpointReader):
             if not is_mcore_model(model):
                 raise ConvertError(f"{path}: {entry!r} is not a Megatron-core model's state "
                                    "dict, as the first rank file's is")
-            if data.get("optimizer") or (path.parent / "distrib_optim.pt").is_file():
-                self.notes = ("Megatron-LM's optimizer state beside these weights "
-                              "(distrib_optim.pt, the files' optimizer entries) is not read: "
-                              "the conversion carries the weights only",)
+            if data.get("optimizer") and not (path.parent / OPTIMIZER_FILE).is_file():
+                self.notes = (f"the optimizer entries of Megatron-LM's files are not read "
+                              f"without its {OPTIMIZER_FILE} beside them (the distributed "
+                              "optimizer's state): the conversion carries the weights only",)
             found: dict[tuple[str, int], str] = {}
             for key, value in model.items():
                 stored = _stored_key(key) if isinstance(key, str) else None
@@ -199,16 +232,20 @@ class MegatronMcoreReader(CheckpointReader):
         if layers != list(range(len(layers))):
             raise ConvertError(f"{paths[0]}: decoder layers {layers}, not 0 to "
                                f"{len(layers) - 1}")
+        order: list[tuple[Where, Places, bool]] = []
+        shared = self.config.tied_embeddings and not (first and last)
         for (key, layer), local in keys[0].items():
             places = [(path, entry, found[key, layer])
                       for path, found in zip(paths, keys, strict=True)]
+            where = (key, offset + layer if layer >= 0 else -1)
+            order.append((where, places, shared and key in (_EMBEDDING, _HEAD)))
             if key == _HEAD and self.config.tied_embeddings:
                 self._copies.append((places, (_EMBEDDING, -1)))
                 continue
-            where = (key, offset + layer if layer >= 0 else -1)
             if where in self._places:
                 raise ConvertError(f"{paths[0]}: {local!r} is stored on an earlier stage too")
             self._places[where] = places
+        self._stages.append((paths, order))
         return len(layers)
 
     def _check(self, folder: Path) -> None:
@@ -271,6 +308,106 @@ class MegatronMcoreReader(CheckpointReader):
 
     def names(self) -> list[str]:
         return list(self._shapes)
+
+    def progress(self) -> TrainingProgress | None:
+        return megatron_progress(self._head, self.root)
+
+    def _buffer(self, path: Path, chunk: int) -> dict[str, torch.Tensor]:
+        """Model chunk ``chunk``'s buffer in ``distrib_optim.pt`` file ``path``: its
+        ``param``, ``exp_avg`` and ``exp_avg_sq`` (flat, ``numel_unpadded`` long)."""
+        if path not in self._files:
+            self._files[path] = load_megatron_file(path)
+        data = self._files[path]
+        if not isinstance(data, dict) or data.get("buckets_coalesced") is not True:
+            raise ConvertError(f"{path}: not megatron-core's distributed optimizer state "
+                               "(save_parameter_state: buckets_coalesced); give "
+                               "--drop-optimizer to convert the weights alone")
+        pairs = data.get(chunk)
+        buffer = next(iter(pairs.values())) if isinstance(pairs, dict) and len(pairs) == 1 \
+            else None
+        numel = buffer.get("numel_unpadded") if isinstance(buffer, dict) else None
+        if not isinstance(numel, int) or not all(
+                isinstance(buffer.get(state), torch.Tensor)
+                and tuple(buffer[state].shape) == (numel,) for state in STATES):
+            raise ConvertError(f"{path}: buffer {chunk} is not one dtype pair's "
+                               f"{', '.join(STATES)} of numel_unpadded elements each; give "
+                               "--drop-optimizer to convert the weights alone")
+        return buffer
+
+    def _optimizer(self) -> bool:
+        """Read where each parameter's state lies, once (see the module docstring); False
+        where the files hold no distributed optimizer state."""
+        if self._starts is not None:
+            return bool(self._starts)
+        self._starts = {}
+        files = [path.parent / OPTIMIZER_FILE for path in self._rank_files]
+        present = [path for path in files if path.is_file()]
+        if not present:
+            return False
+        if len(present) != len(files):
+            missing = next(path for path in files if not path.is_file())
+            raise ConvertError(f"{missing}: absent, while {present[0]} holds the distributed "
+                               "optimizer's state of another rank; give --drop-optimizer to "
+                               "convert the weights alone")
+        where = f"{self._stages[0][0][0]}: optimizer.optimizer"
+        groups = ((self._head.get("optimizer") or {}).get("optimizer") or {}).get(
+            "param_groups")
+        self._step, self._roles = step_and_roles(groups, where)
+        for stage, (paths, order) in enumerate(self._stages):
+            buffers = [self._buffer(path.parent / OPTIMIZER_FILE, stage // self.pp)
+                       for path in paths]
+            weights = {at: self._shards(places)[0].flatten() for at, places, _ in order}
+
+            def rounds(at: Where, start: int, weights: dict[Where, torch.Tensor] = weights,
+                       main: torch.Tensor = buffers[0]["param"]) -> bool:
+                weight = weights[at]
+                return torch.equal(main[start:start + weight.numel()].to(weight.dtype), weight)
+
+            params = [(at, weights[at].numel(), alone) for at, _, alone in order]
+            layouts = coalesced_starts(params, buffers[0]["param"].numel(), rounds)
+            if len(layouts) != 1:
+                raise ConvertError(
+                    f"{paths[0].parent / OPTIMIZER_FILE}: the distributed optimizer's buffer "
+                    f"{stage // self.pp} fits {'no' if not layouts else 'more than one'} "
+                    "layout of the stage's parameters whose main parameters round to its "
+                    "weights; give --drop-optimizer to convert the weights alone")
+            self._starts.update({at: (stage, start) for at, start in layouts[0].items()
+                                 if at in self._places})
+            self._buffers.append(buffers)
+        return True
+
+    def optimizer_state(self, name: str) -> dict[str, torch.Tensor] | None:
+        """Adam's moments of ``name``, its fp32 main parameter as ``master`` and the step,
+        from ``distrib_optim.pt`` (see the module docstring); None where the files hold
+        none."""
+        if not self._optimizer():
+            return None
+        part = mcore_parts(name)
+        stage, start = self._starts[part.key, part.layer]
+        places = self._places[part.key, part.layer]
+        pieces: dict[str, list[torch.Tensor]] = {state: [] for state in STATES}
+        for buffer, shard, (path, _, key) in zip(self._buffers[stage], self._shards(places),
+                                                 places, strict=True):
+            for state in STATES:
+                pieces[state].append(buffer[state][start:start + shard.numel()]
+                                     .reshape(shard.shape))
+            if not torch.equal(pieces["param"][-1].to(shard.dtype), shard):
+                raise ConvertError(f"{path.parent / OPTIMIZER_FILE}: the main parameter of "
+                                   f"{key!r} (from element {start}) does not round to its "
+                                   "weight: the buffer is not laid out as mt derived")
+        gated = self.config.mlp == "swiglu"
+        states = {state: from_stored(self.config, name, join(part.key, shards, gated))
+                  for state, shards in pieces.items()}
+        return {"master": states["param"], "exp_avg": states["exp_avg"],
+                "exp_avg_sq": states["exp_avg_sq"], "step": torch.tensor(self._step)}
+
+    def optimizer_settings(self, name: str) -> dict[str, Any] | None:
+        """The hyperparameters of the param group holding ``name`` (megatron-core's
+        defaults: ``wd_mult`` 1 for matrices, 0 for biases and norms); None without Adam's
+        state or where the groups do not say."""
+        if not self._optimizer():
+            return None
+        return self._roles.get(decays(self._shapes[name]))
 
     def spec(self, name: str) -> TensorSpec:
         part = mcore_parts(name)
