@@ -363,8 +363,9 @@ def convert_checkpoint(source: Path, destination: Path, *, to: str = "consolidat
     pretrain`` checkpoint writes a step folder at layout ``tp`` x ``pp`` x ``dp`` with
     ZeRO stage ``zero_stage`` (unset ones keep the source's), optimizer state included
     unless ``drop_optimizer``; from other formats it carries Adam's state where the source
-    holds one (pretrain, DCP, DeepSpeed universal, Megatron-core's ``fully_reshardable``
-    distributed optimizer) and the target can (pretrain, DCP, mcore),
+    holds one (pretrain, DCP, DeepSpeed universal, Megatron-core's distributed optimizer in
+    a ``torch_dist`` folder or Megatron-LM's ``distrib_optim.pt``) and the target can
+    (pretrain, DCP, mcore),
     unless ``drop_optimizer``. ``tokenizer`` (default: the one the source records) is
     written beside Hugging Face weights and into GGUF files; ``gguf_type`` is the GGUF
     target's matrix type. Raises :class:`ConvertError`.
