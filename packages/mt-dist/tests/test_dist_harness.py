@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -89,6 +91,30 @@ def test_times_out_on_a_hang_and_shows_the_stuck_stack() -> None:
     message = str(info.value)
     assert "timed out after 2 s" in message and "ranks [1] of 2 had not finished" in message
     assert "_hang_on_rank_one" in message  # faulthandler dump of the stuck rank
+
+
+def _answers_late(rank: int, ready: str) -> None:
+    """A stuck rank whose stack dump comes 1.5 s after it is asked for, as a rank continued
+    on a loaded machine may wait for a core (SIGUSR1 held back meanwhile: this process runs
+    no other thread that could take it)."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+    open(ready, "w").close()
+    time.sleep(1.5)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})
+    time.sleep(3600)
+
+
+def test_a_stuck_rank_s_stack_is_waited_for_when_it_answers_late(tmp_path: Path) -> None:
+    from mt_dist.supervisor import LocalRanks
+
+    ready = tmp_path / "ready"
+    with LocalRanks(_answers_late, 1, args=(str(ready),)) as ranks:
+        while not ready.exists():
+            time.sleep(0.01)
+        start = time.monotonic()
+        stack = ranks.stacks([0])[0]
+    assert "_answers_late" in stack, stack
+    assert 1.5 <= time.monotonic() - start < 10.0
 
 
 def _crash_on_rank_one() -> int:

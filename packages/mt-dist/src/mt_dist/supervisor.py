@@ -45,8 +45,11 @@ from mt_dist.exits import Interrupted, LaunchFailed
 __all__ = ["LocalRanks", "Outcome", "Report", "default_start_method", "supervise"]
 
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
-# After asking stuck ranks to dump their stacks (SIGUSR1), wait this long for the dumps.
-_STACK_DUMP_WAIT_S = 0.3
+# After asking stuck ranks to dump their stacks (SIGUSR1), wait at most this long for the
+# dumps (a rank continued on a busy machine may take seconds to be scheduled), and take a
+# dump as finished once its size holds for this long.
+_STACK_DUMP_WAIT_S = 10.0
+_STACK_DUMP_SETTLE_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -198,12 +201,20 @@ class LocalRanks:
     def stacks(self, ranks: Sequence[int]) -> dict[int, str]:
         """Python stacks of ``ranks`` (still running; a stopped one is continued first), ""
         where none could be dumped."""
+        asked = []
         for rank in ranks:
             proc = self._ranks[rank].proc
             if proc.is_alive() and hasattr(signal, "SIGUSR1"):
                 os.kill(proc.pid, signal.SIGCONT)
                 os.kill(proc.pid, signal.SIGUSR1)
-        time.sleep(_STACK_DUMP_WAIT_S)
+                asked.append(rank)
+        deadline, sizes = time.monotonic() + _STACK_DUMP_WAIT_S, {}
+        while asked and time.monotonic() < deadline:
+            time.sleep(_STACK_DUMP_SETTLE_S)
+            now = {rank: _size(self._ranks[rank].stack_file) for rank in asked}
+            if all(now[rank] and now[rank] == sizes.get(rank) for rank in asked):
+                break  # every dump written, none still growing
+            sizes = now
         return {rank: _read(self._ranks[rank].stack_file) for rank in ranks}
 
     def close(self) -> None:
@@ -282,6 +293,13 @@ def _die_with_parent(parent: int | None) -> None:
         return
     if os.getppid() != parent:  # the parent died before prctl took effect
         os._exit(1)
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
 
 
 def _read(path: str) -> str:

@@ -78,7 +78,8 @@ FORMATS: tuple[str, ...] = ("consolidated", "hf", "tp", "megatron", "pretrain", 
 
 if TYPE_CHECKING:  # imported on use (_on_use); named here for tools (Pants' dependencies)
     import mt_formats.dcp
-    import mt_formats.mcore  # noqa: F401
+    import mt_formats.mcore
+    import mt_formats.megatron_mcore  # noqa: F401
 
 
 def _on_use(module: str, name: str) -> Callable[..., Any]:
