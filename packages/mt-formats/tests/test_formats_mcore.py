@@ -634,7 +634,9 @@ def test_bucketed_optimizer_state_of_a_bf16_tp2_run_joins_its_ranks_shards(
     buffers' dtype pair); mt writes bf16 weights and the fp32 main params beside them.
     The same model in Megatron-LM's per-rank files (``--ckpt-format torch``: the local
     spec's norms under their module names, each rank's shards, a gated MLP's halves cut)
-    reads as the same tensors; tampered ones are refused in one line."""
+    reads as the same tensors; tampered ones (a replicated norm that differs, an extra
+    tensor, args off the grid, a shard of another dtype, another iteration, a rank's
+    distrib_optim.pt gone, a rank folder twice) are refused in one line."""
     import shutil
 
     ckpt, held, fields = _bucketed_run(tmp_path / "tp2", tp=2, bf16=True, legacy=True)
@@ -655,6 +657,11 @@ def test_bucketed_optimizer_state_of_a_bf16_tp2_run_joins_its_ranks_shards(
     shutil.copytree(tmp_path / "tp2" / "legacy", alone)
     (alone / "iter_0000002" / "mp_rank_01" / "distrib_optim.pt").unlink()
     tampered[str(alone)] = "mp_rank_01/distrib_optim.pt: absent, while"
+    twice = tmp_path / "tp2" / "twice"  # TP rank 0's folder under a pipeline rank's name too
+    shutil.copytree(tmp_path / "tp2" / "legacy", twice)
+    shutil.copytree(twice / "iter_0000002" / "mp_rank_00", twice / "iter_0000002" /
+                    "mp_rank_00_000")
+    tampered[str(twice)] = "holds TP rank 0 of stage 0, as"
     for folder, expected in tampered.items():
         with pytest.raises(ConvertError) as refused:
             convert_checkpoint(folder, tmp_path / "out", to="mcore")
@@ -686,9 +693,18 @@ def _tamper(legacy: str) -> dict[str, str]:
     def grid(data: dict[str, Any]) -> None:
         data["args"].tensor_model_parallel_size = 4
 
+    def dtype(data: dict[str, Any]) -> None:
+        key = "decoder.layers.0.self_attention.linear_qkv.weight"
+        data["model"][key] = data["model"][key].float()
+
+    def iteration(data: dict[str, Any]) -> None:
+        data["iteration"] = 3
+
     return {spoil("norm", norm): "'decoder.layers.1.input_layernorm.weight' differs from",
             spoil("router", router): "holds other tensors than",
-            spoil("grid", grid, rank=0): "not the TP 4 x PP 1 grid Megatron-LM's args record"}
+            spoil("grid", grid, rank=0): "not the TP 4 x PP 1 grid Megatron-LM's args record",
+            spoil("dtype", dtype): "linear_qkv.weight is torch.float32 [64, 64], ",
+            spoil("iteration", iteration): "iteration 3, in the folder of iteration 2"}
 
 
 def test_a_coalesced_buffer_s_layout_is_the_one_whose_main_params_round_to_the_weights(
@@ -839,7 +855,8 @@ def test_bucketed_optimizer_state_of_a_tp2_pp2_run_reads_bit_for_bit(tmp_path: P
     buckets only are cut by size. mt finds how many layers each stage holds (1 and 2) from
     the buckets' sizes and reads the state bit for bit as the ranks held it (the last
     stage's copy equal to the first's): from the run's args, and without them (every split
-    of the 4 ranks tried)."""
+    of the 4 ranks tried). The same model in Megatron-LM's per-rank files reads as the same
+    weights and state; with its stages' folders swapped it is refused."""
     import shutil
 
     ckpt, held = _pipelined_run(tmp_path, GPT3, 2, 2, first_layers=1)
@@ -859,6 +876,16 @@ def test_bucketed_optimizer_state_of_a_tp2_pp2_run_reads_bit_for_bit(tmp_path: P
         _same_as_held_pipelined(_tensors(tmp_path / f"{source.name}-mcore"), held, 2,
                                 source.name)
     _same_weights(tmp_path / "legacy", ckpt)  # the last stage's copy of the embeddings too
+    swapped = tmp_path / "swapped" / "iter_0000002"  # the stages' folders swapped
+    shutil.copytree(tmp_path / "legacy", swapped.parent)
+    for rank in ("mp_rank_00", "mp_rank_01"):
+        (swapped / f"{rank}_000").rename(swapped / "first")
+        (swapped / f"{rank}_001").rename(swapped / f"{rank}_000")
+        (swapped / "first").rename(swapped / f"{rank}_001")
+    with pytest.raises(ConvertError, match=r"mp_rank_00_000/model_optim_rng\.pt: model\."
+                                           r"decoder\.final_layernorm\.weight belongs to the "
+                                           r"last pipeline stage"):
+        convert_checkpoint(swapped.parent, tmp_path / "out", to="mcore")
 
 
 def test_bucketed_optimizer_state_of_interleaved_pipeline_stages_reads_bit_for_bit(

@@ -392,6 +392,16 @@ class BucketState:
             raise ConvertError(f"{self._where}: {BUCKET_STATE}dp_group_idx_0.optimizer holds "
                                "no param_groups")
         self.groups: list[dict[str, Any]] = groups["param_groups"]
+        for rank in ranks[1:]:  # every model-parallel rank's optimizer took the same steps
+            other = _unwrapped(self._object(rank, "optimizer"))
+            other = other.get("param_groups") if isinstance(other, dict) else None
+            steps = {repr(group.get("step")) for group in other or []
+                     if isinstance(group, dict)}
+            first = {repr(group.get("step")) for group in self.groups if isinstance(group, dict)}
+            if steps != first:
+                raise ConvertError(f"{self._where}: {BUCKET_STATE}dp_group_idx_{rank}.optimizer "
+                                   f"records steps {sorted(steps)}, dp_group_idx_0's "
+                                   f"{sorted(first)}: not one run's state; {hint}")
         self.tp = self.pp = 1
         self._slots: list[list[dict[Param, Slot]]] = []  # per stage, per TP rank
         self._stage: dict[Param, int] = {}

@@ -86,9 +86,8 @@ def is_mcore_model(model: Any) -> bool:
 
 def _entries(data: dict[str, Any]) -> list[str]:
     """A rank file's model entries: ``model``, or one per model chunk (``model0``, ...)."""
-    if "model" in data:
-        return ["model"]
-    return [f"model{chunk}" for chunk in range(len(data)) if f"model{chunk}" in data]
+    found = [key for key in data if isinstance(key, str) and re.fullmatch(r"model\d*", key)]
+    return sorted(found, key=lambda key: (len(key), key))
 
 
 def _load(path: Path) -> dict[str, Any]:
@@ -98,6 +97,40 @@ def _load(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict) or not _entries(data):
         raise ConvertError(f"{path}: not a Megatron-LM checkpoint (no 'model' dict)")
     return data
+
+
+#: Megatron-LM's args that every rank of one run records alike.
+_RUN_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+             "padded_vocab_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
+             "virtual_pipeline_model_parallel_size", "swiglu", "normalization")
+
+
+def _stage_layers(args: Any, layers: int, stages: int) -> list[int] | None:
+    """Layers per (virtual) stage as Megatron-LM splits them for ``args``: evenly, or with
+    ``decoder_first_pipeline_num_layers`` / ``decoder_last_pipeline_num_layers`` taken out
+    first; None for the splits it makes otherwise (a layout, embedding or loss counted)."""
+    if any(getattr(args, name, None) for name in (
+            "pipeline_model_parallel_layout", "account_for_embedding_in_pipeline_split",
+            "account_for_loss_in_pipeline_split", "num_layers_per_virtual_pipeline_stage")):
+        return None
+    first = getattr(args, "decoder_first_pipeline_num_layers", None)
+    last = getattr(args, "decoder_last_pipeline_num_layers", None)
+    if not all(value is None or type(value) is int for value in (first, last)):
+        return None
+    if stages == 1:
+        return [layers]
+    middle = stages - (first is not None) - (last is not None)
+    rest = layers - (first or 0) - (last or 0)
+    if middle < 0 or (middle == 0 and rest) or (middle and rest % middle):
+        return None
+    even = [rest // middle] * middle if middle else []
+    return ([first] if first is not None else []) + even + ([last] if last is not None else [])
+
+
+def _folder_iteration(folder: Path) -> int | None:
+    """The iteration an ``iter_XXXXXXX`` folder's name gives (None: ``release``)."""
+    match = re.fullmatch(r"iter_(\d+)", folder.name)
+    return int(match[1]) if match else None
 
 
 def open_megatron(root: Path) -> CheckpointReader:
@@ -140,7 +173,11 @@ class MegatronMcoreReader(CheckpointReader):
             if match is None:
                 raise ConvertError(f"{path.parent}: not a rank folder (mp_rank_TT or "
                                    "mp_rank_TT_PPP)")
-            grid[int(match[2] or 0), int(match[1])] = path
+            at = (int(match[2] or 0), int(match[1]))
+            if at in grid:
+                raise ConvertError(f"{path.parent}: holds TP rank {at[1]} of stage {at[0]}, as "
+                                   f"{grid[at].parent} does")
+            grid[at] = path
         self.pp = 1 + max(stage for stage, _ in grid)
         self.tp = 1 + max(rank for _, rank in grid)
         self._files: dict[Path, dict[str, Any]] = {}  # each loaded once, memory-mapped
@@ -164,10 +201,16 @@ class MegatronMcoreReader(CheckpointReader):
                 f"{folder}: rank files {sorted(path.parent.name for path in files)} are not "
                 f"the TP {recorded[0]} x PP {recorded[1]} grid Megatron-LM's args record")
         virtual = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
-        if virtual != len(entries):
+        if entries != (["model"] if virtual == 1 and "model" in head else
+                       [f"model{chunk}" for chunk in range(virtual)]):
             raise ConvertError(f"{files[0]}: model entries {entries}; Megatron-LM's args "
                                f"record {virtual} model chunk(s) per pipeline rank")
+        iteration = _folder_iteration(folder)
+        for path in files:
+            self._same_run(path, head, files[0], entries, iteration)
         self._models: dict[tuple[Path, str], dict[str, Any]] = {}
+        self._dtypes: dict[str, torch.dtype] = {}  # per stored key: one dtype in every layer
+        self._counts: list[int] = []  # layers per (virtual) stage
         self._places: dict[tuple[str, int], Places] = {}
         self._copies: list[tuple[Places, tuple[str, int]]] = []  # the tied embeddings' copy
         # per (virtual) stage: its TP ranks' files, its parameters in registration order
@@ -184,6 +227,11 @@ class MegatronMcoreReader(CheckpointReader):
         if offset != self.config.n_layers:
             raise ConvertError(f"{folder}: the stages hold {offset} layers; Megatron-LM's "
                                f"args record {self.config.n_layers}")
+        expected = _stage_layers(args, self.config.n_layers, stages)
+        if expected is not None and expected != self._counts:
+            raise ConvertError(f"{folder}: the (virtual) stages hold {self._counts} layers; "
+                               f"Megatron-LM's args split them {expected} (rank folders or "
+                               "model chunks misplaced)")
         self._shapes = canonical_shapes(self.config)
         self._check(folder)
         self._cached: tuple[tuple[str, int], torch.Tensor] | None = None
@@ -191,6 +239,24 @@ class MegatronMcoreReader(CheckpointReader):
         self._buffers: list[list[dict[str, torch.Tensor]]] = []  # (stage, first element)
         self._step = 0.0
         self._roles: dict[bool, dict[str, Any]] = {}
+
+    def _same_run(self, path: Path, head: dict[str, Any], first: Path, entries: list[str],
+                  iteration: int | None) -> None:
+        """Rank file ``path`` is of the run and step the first one (``head``, of ``first``)
+        and its folder (``iteration``) record: its model entries, iteration and args."""
+        data = self._file(path)
+        found = _entries(data)
+        if found != entries:
+            raise ConvertError(f"{path}: model entries {found}; {first} holds {entries}")
+        if iteration is not None and data.get("iteration") != iteration:
+            raise ConvertError(f"{path}: iteration {data.get('iteration')!r}, in the folder of "
+                               f"iteration {iteration}")
+        args = data.get("args")
+        for name in _RUN_ARGS:
+            if getattr(args, name, None) != getattr(head["args"], name, None):
+                raise ConvertError(f"{path}: args.{name} is {getattr(args, name, None)!r}, "
+                                   f"{first}'s {getattr(head['args'], name, None)!r}: not one "
+                                   "run's files")
 
     def _file(self, path: Path) -> dict[str, Any]:
         if path not in self._files:
@@ -232,6 +298,28 @@ class MegatronMcoreReader(CheckpointReader):
         if layers != list(range(len(layers))):
             raise ConvertError(f"{paths[0]}: decoder layers {layers}, not 0 to "
                                f"{len(layers) - 1}")
+        for (key, _), local in keys[0].items():  # each stage's own tensors
+            role = (key.startswith("embedding."), key.startswith(("decoder.final_layernorm.",
+                                                                   "output_layer.")))
+            if (role[0] and not first) or (role[1] and not last):
+                raise ConvertError(
+                    f"{paths[0]}: {entry}.{local} belongs to the "
+                    f"{'first' if role[0] else 'last'} pipeline stage, and this file's "
+                    f"{entry} is not it (rank folders or model chunks misplaced)")
+        for (key, layer), local in keys[0].items():
+            shards = [self._models[path, entry][found[key, layer]]
+                      for path, found in zip(paths, keys, strict=True)]
+            odd = next((rank for rank, shard in enumerate(shards) if shard.dtype !=
+                        shards[0].dtype or shard.shape != shards[0].shape), None)
+            if odd is not None:
+                raise ConvertError(
+                    f"{paths[odd]}: {entry}.{local} is {shards[odd].dtype} "
+                    f"{list(shards[odd].shape)}, {paths[0]}'s {shards[0].dtype} "
+                    f"{list(shards[0].shape)}: TP ranks hold equal shards")
+            if self._dtypes.setdefault(key, shards[0].dtype) != shards[0].dtype:
+                raise ConvertError(f"{paths[0]}: {entry}.{local} is {shards[0].dtype}, the "
+                                   f"other layers' {key.removeprefix(LAYERS)} "
+                                   f"{self._dtypes[key]}")
         order: list[tuple[Where, Places, bool]] = []
         shared = self.config.tied_embeddings and not (first and last)
         for (key, layer), local in keys[0].items():
@@ -246,6 +334,7 @@ class MegatronMcoreReader(CheckpointReader):
                 raise ConvertError(f"{paths[0]}: {local!r} is stored on an earlier stage too")
             self._places[where] = places
         self._stages.append((paths, order))
+        self._counts.append(len(layers))
         return len(layers)
 
     def _check(self, folder: Path) -> None:
@@ -262,6 +351,10 @@ class MegatronMcoreReader(CheckpointReader):
                                f"{folder}: the rank files lack {missing[:3]} of the model "
                                "Megatron-LM's args describe")
         rows = self._joined_shape((_EMBEDDING, -1))[0]
+        padded = getattr(self._head.get("args"), "padded_vocab_size", None)
+        if type(padded) is int and padded != rows:
+            raise ConvertError(f"{folder}: the embedding has {rows} rows; Megatron-LM's args "
+                               f"record padded_vocab_size {padded}")
         if rows < self.config.vocab_size:
             raise ConvertError(f"{folder}: the embedding has {rows} rows, fewer than the "
                                f"vocabulary of {self.config.vocab_size}")
@@ -322,6 +415,12 @@ class MegatronMcoreReader(CheckpointReader):
             raise ConvertError(f"{path}: not megatron-core's distributed optimizer state "
                                "(save_parameter_state: buckets_coalesced); give "
                                "--drop-optimizer to convert the weights alone")
+        extra = sorted(map(str, set(data) - {"buckets_coalesced", *range(len(self._stages) //
+                                                                          self.pp)}))
+        if extra:
+            raise ConvertError(f"{path}: entries {extra} beside the buffers of the "
+                               f"{len(self._stages) // self.pp} model chunk(s) mt reads; give "
+                               "--drop-optimizer to convert the weights alone")
         pairs = data.get(chunk)
         buffer = next(iter(pairs.values())) if isinstance(pairs, dict) and len(pairs) == 1 \
             else None
@@ -349,13 +448,26 @@ class MegatronMcoreReader(CheckpointReader):
             raise ConvertError(f"{missing}: absent, while {present[0]} holds the distributed "
                                "optimizer's state of another rank; give --drop-optimizer to "
                                "convert the weights alone")
-        where = f"{self._stages[0][0][0]}: optimizer.optimizer"
-        groups = ((self._head.get("optimizer") or {}).get("optimizer") or {}).get(
-            "param_groups")
-        self._step, self._roles = step_and_roles(groups, where)
+        for path in self._rank_files:
+            groups = ((self._file(path).get("optimizer") or {}).get("optimizer") or {}).get(
+                "param_groups")
+            step, roles = step_and_roles(groups, f"{path}: optimizer.optimizer")
+            if path == self._rank_files[0]:
+                self._step, self._roles = step, roles
+            elif step != self._step:
+                raise ConvertError(f"{path}: optimizer.optimizer.param_groups were stepped "
+                                   f"{step:g} times, {self._rank_files[0]}'s {self._step:g}")
         for stage, (paths, order) in enumerate(self._stages):
             buffers = [self._buffer(path.parent / OPTIMIZER_FILE, stage // self.pp)
                        for path in paths]
+            for path, buffer in zip(paths[1:], buffers[1:], strict=True):
+                if buffer["param"].numel() != buffers[0]["param"].numel():
+                    raise ConvertError(
+                        f"{path.parent / OPTIMIZER_FILE}: buffer {stage // self.pp} holds "
+                        f"numel_unpadded {buffer['param'].numel()}, "
+                        f"{paths[0].parent / OPTIMIZER_FILE}'s "
+                        f"{buffers[0]['param'].numel()}: TP ranks hold equal buffers; give "
+                        "--drop-optimizer to convert the weights alone")
             weights = {at: self._shards(places)[0].flatten() for at, places, _ in order}
 
             def rounds(at: Where, start: int, weights: dict[Where, torch.Tensor] = weights,
