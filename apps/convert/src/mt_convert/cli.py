@@ -174,7 +174,8 @@ def convert(
         "--drop-optimizer", help="pretrain, dcp or mcore target: write the weights alone (a "
         "fresh optimizer, no Adam moments) instead of carrying the source's (an mt pretrain "
         "checkpoint, a DeepSpeed universal one, a DCP folder with torch's optimizer "
-        "state, a Megatron-core one with its distributed optimizer's state).")] = False,
+        "state, a Megatron-core one with its distributed optimizer's state, Megatron-LM's "
+        "per-rank files with their distrib_optim.pt).")] = False,
     tokenizer: Annotated[str | None, typer.Option(
         "--tokenizer", help="hf or gguf target: the tokenizer to write beside the weights (gpt2, "
         "tokenizer-1k, a tokenizer.json or a folder; default: the one an mt pretrain source "

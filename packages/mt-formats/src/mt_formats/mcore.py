@@ -71,8 +71,8 @@ from mt_formats.tensors import TensorSpec, check_names, tensor_checksum
 from mt_formats.torch_io import save_into
 from mt_model import GPTConfig
 
-__all__ = ["MCORE_FORMAT", "McoreReader", "McoreWriter", "is_mcore_checkpoint", "mcore_parts",
-           "state_key"]
+__all__ = ["MCORE_FORMAT", "McoreReader", "McoreWriter", "from_stored", "is_mcore_checkpoint",
+           "mcore_parts", "megatron_progress", "state_key", "step_and_roles", "stored_shape"]
 
 COMMON_FILE = "common.pt"
 BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
