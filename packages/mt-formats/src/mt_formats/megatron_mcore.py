@@ -65,10 +65,7 @@ _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 #: The local layer spec's norm modules -> the names Megatron-core's checkpoints give them.
 _NORMS = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
           "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
-_TOP = ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight",
-        "decoder.final_layernorm.weight", "decoder.final_layernorm.bias",
-        "output_layer.weight")
-_EMBEDDING, _HEAD = _TOP[0], _TOP[-1]
+_EMBEDDING, _HEAD = "embedding.word_embeddings.weight", "output_layer.weight"
 OPTIMIZER_FILE = "distrib_optim.pt"
 
 #: Where a stored tensor's TP shards are: per TP rank, (file, model entry, key in it).
