@@ -1,17 +1,20 @@
 """DirectFile: the bytes of every run land where they were written, whatever the run's
 alignment, the stage size and the order of the runs; where the file system refuses
-O_DIRECT the same bytes are written buffered; a failed write names the file."""
+O_DIRECT the same bytes are written buffered; a failed write names the file; the buffers of
+direct requests lie in memory the kernel may back with huge pages."""
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import random
+import re
 from pathlib import Path
 
 import pytest
 
-from mt_checkpoint.direct_io import BLOCK, DirectFile
+from mt_checkpoint.direct_io import BLOCK, DirectFile, direct_buffer
 
 
 def _runs(seed: int, size: int) -> list[tuple[int, bytes]]:
@@ -110,3 +113,29 @@ def test_a_failed_write_names_the_file(tmp_path: Path) -> None:
         out.write(b"x" * 10)
         out.close()
     assert caught.value.errno == errno.ENOSPC and str(tmp_path / "f.bin") in str(caught.value)
+
+
+def _mapping(address: int) -> str:
+    """This process's ``/proc/self/smaps`` entry of the mapping holding ``address``."""
+    for entry in re.split(r"\n(?=[0-9a-f]+-[0-9a-f]+ )", Path("/proc/self/smaps").read_text()):
+        low, high = (int(part, 16) for part in entry.split(None, 1)[0].split("-"))
+        if low <= address < high:
+            return entry
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.parametrize("size", [1, BLOCK + 1, (2 << 20) - 1, 2 << 20, (8 << 20) + 5])
+def test_direct_buffers_are_aligned_and_huge_page_eligible_from_2_mib(size: int) -> None:
+    """The size asked, writable, page-aligned; from 2 MiB on at a 2 MiB boundary in private
+    memory the kernel may back with transparent huge pages (a shared mapping may not: a
+    direct request from it leaves in pieces of a few hundred KiB)."""
+    buffer = direct_buffer(size)
+    assert len(buffer) == size and not buffer.readonly
+    buffer[-1:] = b"\x07"
+    address = ctypes.addressof(ctypes.c_char.from_buffer(buffer))
+    assert address % (2 << 20 if size >= 2 << 20 else BLOCK) == 0
+    mapping = _mapping(address)
+    assert mapping.split()[1].endswith("p"), mapping.splitlines()[0]  # private
+    enabled = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if size >= 2 << 20 and enabled.exists() and "[never]" not in enabled.read_text():
+        assert re.search(r"^THPeligible:\s+1$", mapping, re.M), mapping

@@ -355,6 +355,7 @@ def _save_legacy(folder: str, chunks: list[Any], optimizer: Any, args: Any,
     ``state_dict_for_save_checkpoint()``; the optimizer's state dict, ``args``, the
     scheduler's and the RNG states) and ``distrib_optim.pt`` (``save_parameter_state``,
     gathered over the data-parallel ranks)."""
+    import argparse
     import random
 
     import numpy as np
@@ -374,6 +375,8 @@ def _save_legacy(folder: str, chunks: list[Any], optimizer: Any, args: Any,
         for index, chunk in enumerate(chunks)}
     with _CudaOnCpu():
         state = optimizer.state_dict()
+    args = argparse.Namespace(**vars(args), rank=torch.distributed.get_rank(),
+                              world_size=torch.distributed.get_world_size())  # as Megatron-LM's
     torch.save({"args": args, "checkpoint_version": 3.0, "iteration": iteration, **models,
                 "optimizer": state, "opt_param_scheduler": {"max_lr": 1e-2, "num_steps": 2},
                 "rng_state": [{"random_rng_state": random.getstate(),
@@ -636,7 +639,8 @@ def test_bucketed_optimizer_state_of_a_bf16_tp2_run_joins_its_ranks_shards(
     spec's norms under their module names, each rank's shards, a gated MLP's halves cut)
     reads as the same tensors; tampered ones (a replicated norm that differs, an extra
     tensor, args off the grid, a shard of another dtype, another iteration, a rank's
-    distrib_optim.pt gone, a rank folder twice) are refused in one line."""
+    distrib_optim.pt gone, a rank folder twice, the TP ranks' folders swapped) are refused
+    in one line."""
     import shutil
 
     ckpt, held, fields = _bucketed_run(tmp_path / "tp2", tp=2, bf16=True, legacy=True)
@@ -657,11 +661,23 @@ def test_bucketed_optimizer_state_of_a_bf16_tp2_run_joins_its_ranks_shards(
     shutil.copytree(tmp_path / "tp2" / "legacy", alone)
     (alone / "iter_0000002" / "mp_rank_01" / "distrib_optim.pt").unlink()
     tampered[str(alone)] = "mp_rank_01/distrib_optim.pt: absent, while"
+    with open_checkpoint(tmp_path / "tp2" / "legacy") as reader:
+        reader.check_optimizer_files()
+    with open_checkpoint(alone) as reader, pytest.raises(ConvertError, match="absent, while"):
+        reader.check_optimizer_files()  # from the headers, as `mt convert --dry-run` asks
     twice = tmp_path / "tp2" / "twice"  # TP rank 0's folder under a pipeline rank's name too
     shutil.copytree(tmp_path / "tp2" / "legacy", twice)
     shutil.copytree(twice / "iter_0000002" / "mp_rank_00", twice / "iter_0000002" /
                     "mp_rank_00_000")
     tampered[str(twice)] = "holds TP rank 0 of stage 0, as"
+    swapped = tmp_path / "tp2" / "swapped"  # the TP ranks' folders swapped, model and optimizer
+    shutil.copytree(tmp_path / "tp2" / "legacy", swapped)
+    ranks = swapped / "iter_0000002"
+    (ranks / "mp_rank_00").rename(ranks / "mp_rank_xx")
+    (ranks / "mp_rank_01").rename(ranks / "mp_rank_00")
+    (ranks / "mp_rank_xx").rename(ranks / "mp_rank_01")
+    tampered[str(swapped)] = ("mp_rank_00/model_optim_rng.pt: saved by global rank 1 of 2, "
+                              "which does not hold TP rank 0 of pipeline stage 0")
     for folder, expected in tampered.items():
         with pytest.raises(ConvertError) as refused:
             convert_checkpoint(folder, tmp_path / "out", to="mcore")
@@ -856,7 +872,9 @@ def test_bucketed_optimizer_state_of_a_tp2_pp2_run_reads_bit_for_bit(tmp_path: P
     the buckets' sizes and reads the state bit for bit as the ranks held it (the last
     stage's copy equal to the first's): from the run's args, and without them (every split
     of the 4 ranks tried). The same model in Megatron-LM's per-rank files reads as the same
-    weights and state; with its stages' folders swapped it is refused."""
+    weights and state; with its stages' folders swapped it is refused: by the ranks the
+    files record, and where they record one rank (a converter's files) by the stages'
+    roles."""
     import shutil
 
     ckpt, held = _pipelined_run(tmp_path, GPT3, 2, 2, first_layers=1)
@@ -882,10 +900,24 @@ def test_bucketed_optimizer_state_of_a_tp2_pp2_run_reads_bit_for_bit(tmp_path: P
         (swapped / f"{rank}_000").rename(swapped / "first")
         (swapped / f"{rank}_001").rename(swapped / f"{rank}_000")
         (swapped / "first").rename(swapped / f"{rank}_001")
+    with pytest.raises(ConvertError, match=r"mp_rank_00_000/model_optim_rng\.pt: saved by "
+                                           r"global rank 2 of 4, which does not hold TP rank 0 "
+                                           r"of pipeline stage 0"):
+        convert_checkpoint(swapped.parent, tmp_path / "out", to="mcore")
+    run_distributed(_one_saver, 1, str(swapped), timeout=120)
     with pytest.raises(ConvertError, match=r"mp_rank_00_000/model_optim_rng\.pt: model\."
                                            r"decoder\.final_layernorm\.weight belongs to the "
                                            r"last pipeline stage"):
         convert_checkpoint(swapped.parent, tmp_path / "out", to="mcore")
+
+
+def _one_saver(folder: str) -> None:
+    """Every rank file's ``args.rank`` made 0, as a converter that writes all ranks from one
+    process records it (in a rank process: the args unpickle megatron-core's enum)."""
+    for path in Path(folder).rglob("model_optim_rng.pt"):
+        data = torch.load(path, weights_only=False)
+        data["args"].rank = 0
+        torch.save(data, path)
 
 
 def test_bucketed_optimizer_state_of_interleaved_pipeline_stages_reads_bit_for_bit(

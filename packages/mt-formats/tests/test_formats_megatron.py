@@ -90,7 +90,8 @@ def test_convert_megatron_refuses_other_pickles(tmp_path: Path) -> None:
 def _genuine(folder: str, vocab: int | None) -> None:
     """Turn mt's megatron files into what Megatron-LM itself saves: its ``args`` (with a
     real Megatron-core enum and a torch dtype), RNG states (Python, numpy, torch) and
-    scheduler state instead of mt's entry. Run in its own process: importing megatron.core
+    scheduler state instead of mt's entry; each file's ``args.rank`` is its saver's global
+    rank in a TP 2 x PP 2 x DP 2 run. Run in its own process: importing megatron.core
     widens torch's weights-only allow-list for the whole process."""
     import random
 
@@ -110,7 +111,9 @@ def _genuine(folder: str, vocab: int | None) -> None:
         data = torch.load(path, weights_only=True)
         data.pop("mt", None)
         np.random.seed(1)
-        data.update(args=args, num_floating_point_operations_so_far=0,
+        tp_rank, stage = (int(part) for part in path.parent.name.split("_")[2:])
+        saver = argparse.Namespace(**vars(args), rank=tp_rank + 4 * stage, world_size=8)
+        data.update(args=saver, num_floating_point_operations_so_far=0,
                     opt_param_scheduler={"max_lr": 3e-4, "num_steps": 10},
                     rng_state=[{"random_rng_state": random.getstate(),
                                 "np_rng_state": np.random.get_state(),
@@ -133,6 +136,42 @@ def test_convert_genuine_megatron_lm_reads_its_args(tmp_path: Path) -> None:
         assert torch.equal(back.state_dict()[name], tensor), name
     run_distributed(_genuine, 1, str(tmp_path / "meg"), None, timeout=120)
     assert load_model(tmp_path / "meg").config.vocab_size == 1024  # no vocab_size: padded
+    ranks = tmp_path / "meg" / "iter_0000000"  # the last stage's TP ranks' folders swapped
+    (ranks / "mp_rank_00_001").rename(ranks / "swap")
+    (ranks / "mp_rank_01_001").rename(ranks / "mp_rank_00_001")
+    (ranks / "swap").rename(ranks / "mp_rank_01_001")
+    with pytest.raises(ConvertError, match=r"mp_rank_00_001/model_optim_rng\.pt: saved by "
+                                           r"global rank 5 of 8, which does not hold TP rank 0 "
+                                           r"of pipeline stage 1"):
+        load_model(tmp_path / "meg")
+
+
+def test_rank_files_must_lie_in_the_folder_of_the_rank_that_saved_them() -> None:
+    """Megatron-LM's args record the saver's global rank: with TP ranks innermost and the
+    stages outermost (its default order) or inside data parallelism, a file in another
+    rank's folder is refused; files a one-process converter wrote (one rank in all), or
+    without ranks, are not checked."""
+    from mt_formats.megatron_args import check_rank_folders
+
+    def saved(ranks: dict[tuple[int, int], int | None], world: int = 8
+              ) -> dict[tuple[int, int], tuple[Path, argparse.Namespace]]:
+        return {at: (Path(f"mp_rank_{at[1]:02d}_{at[0]:03d}"),
+                     argparse.Namespace(rank=rank, world_size=world))
+                for at, rank in ranks.items()}
+
+    grid = [(stage, tp_rank) for stage in range(2) for tp_rank in range(2)]
+    for order in ({at: at[1] + 4 * at[0] for at in grid},  # tp-cp-ep-dp-pp, DP 2
+                  {at: at[1] + 2 * at[0] for at in grid},  # tp-pp-dp
+                  dict.fromkeys(grid, 0), dict.fromkeys(grid)):
+        check_rank_folders(saved(order), 2, 2)
+    swapped = {at: at[1] + 4 * at[0] for at in grid} | {(1, 0): 5, (1, 1): 4}
+    with pytest.raises(ConvertError, match=r"mp_rank_00_001: saved by global rank 5 of 8, "
+                                           r"which does not hold TP rank 0 of pipeline stage 1 "
+                                           r"\(the folder's name\)"):
+        check_rank_folders(saved(swapped), 2, 2)
+    stages = {at: at[1] + 4 * (1 - at[0]) for at in grid}  # the stages' folders swapped
+    with pytest.raises(ConvertError, match=r"mp_rank_00_000: saved by global rank 4 of 8"):
+        check_rank_folders(saved(stages), 2, 2)
 
 
 def test_megatron_args_outside_the_gpt2_layout_are_refused_by_name() -> None:

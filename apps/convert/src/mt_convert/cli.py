@@ -60,12 +60,15 @@ Layout = tuple[int | None, int | None, int | None]
 
 
 def _dry_run(src: Path, dst: Path, to: str, from_format: str | None, layout: Layout,
-             console: Console, model: str | None = None, gguf_type: str | None = None) -> None:
+             console: Console, model: str | None = None, gguf_type: str | None = None,
+             drop_optimizer: bool = False) -> None:
     from mt_formats.convert import make_writer, open_checkpoint, plan_conversion
 
     with open_checkpoint(src, from_format, model) as reader:
         specs = {name: reader.spec(name) for name in reader.names()}
         writer = make_writer(to, reader.config, specs, *layout, gguf_type)
+        if writer.holds_optimizer_state and not drop_optimizer:
+            reader.check_optimizer_files()
         entries = plan_conversion(reader, writer)
         size = sum(spec.nbytes for spec in specs.values())
         # Plain lines, not a table: greppable and never folded by the terminal width.
@@ -213,7 +216,8 @@ def convert(
                                                           drop_optimizer))
             Console().print("\n".join(lines), markup=False, highlight=False, soft_wrap=True)
         elif dry_run:
-            _dry_run(src, dst, target, source, layout, Console(), model, gguf_type)
+            _dry_run(src, dst, target, source, layout, Console(), model, gguf_type,
+                     drop_optimizer)
         else:
             with _sigterm_interrupts():
                 _convert(src, dst, target, source, layout, force, console, model, optimizer,

@@ -11,7 +11,8 @@
   (``wait_for_ranks``: publishing without a collective).
 - :class:`DirectFile` (:mod:`mt_checkpoint.direct_io`): large files written past the page
   cache (``O_DIRECT`` for whole blocks, buffered elsewhere or where the file system refuses
-  it): every rank file, and the safetensors files of mt-formats.
+  it): every rank file, and the safetensors files of mt-formats; :func:`direct_buffer`,
+  its buffers (huge pages, so that a direct request leaves whole).
 - :mod:`mt_checkpoint.checksums`: every rank file's size and CRC-32C in ``meta.json`` (and
   ``meta.json``'s own), checked whenever a file is read.
 - :mod:`mt_checkpoint.manifest`: the same checksums for a folder another library wrote
@@ -30,7 +31,7 @@ them with it. Neither knows a file name or the rank formula.
 """
 
 from mt_checkpoint.background import BackgroundWrite, HostBuffers, Snapshot, snapshot, to_host
-from mt_checkpoint.direct_io import DirectFile
+from mt_checkpoint.direct_io import DirectFile, direct_buffer
 from mt_checkpoint.format import (
     clean_stale,
     find_checkpoint,
@@ -89,6 +90,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointMeta",
     "DirectFile",
+    "direct_buffer",
     "HostBuffers",
     "SavedLayout",
     "Snapshot",

@@ -13,11 +13,20 @@ two kinds never meet in one page. Where the file system refuses ``O_DIRECT`` (so
 and FUSE file systems, older tmpfs: at the open or at the first write) everything is written
 buffered, the same bytes. :meth:`DirectFile.close` ends with ``fsync``: the file is durable
 either way.
+
+The staging buffers (and mt-formats' direct read buffers) come from :func:`direct_buffer`:
+memory backed by 2 MiB pages where the kernel gives them. A direct request is one segment
+per physically contiguous piece of its buffer, and a device takes a bounded number of
+segments per request (a virtio disk: 254): from 4 KiB pages an 8 MiB write leaves as
+requests of about 512 KiB, from 2 MiB pages as requests of the device's largest size.
+On the 2-core development VM this halves the time of a 1.1 GB direct read (mt-formats'
+README has the figures).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import mmap
 import os
@@ -26,12 +35,31 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-__all__ = ["BLOCK", "DirectFile"]
+__all__ = ["BLOCK", "DirectFile", "direct_buffer"]
 
 #: Alignment of direct writes: file offsets, lengths and buffer addresses are multiples of it.
 BLOCK = 4096
 #: Bytes of one staging buffer (a direct write), two of them per file.
 _STAGE = 8 << 20
+#: A transparent huge page.
+_HUGE = 2 << 20
+
+
+def direct_buffer(size: int) -> memoryview:
+    """A writable buffer of ``size`` bytes for ``O_DIRECT`` requests: private anonymous
+    memory at a page-aligned address; from 2 MiB on, starting at a 2 MiB boundary and
+    advised to be backed by transparent huge pages (``MADV_HUGEPAGE``; where the kernel
+    has none or refuses, 4 KiB pages, the same bytes), so that one request covers few
+    physically contiguous segments (see the module docstring)."""
+    length = max(size, 1)
+    if length < _HUGE:
+        return memoryview(mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE))[:size]
+    region = mmap.mmap(-1, length + _HUGE, flags=mmap.MAP_PRIVATE)
+    skip = -ctypes.addressof(ctypes.c_char.from_buffer(region)) % _HUGE
+    with contextlib.suppress(AttributeError, OSError):  # no MADV_HUGEPAGE here
+        region.madvise(mmap.MADV_HUGEPAGE, skip, length)
+    return memoryview(region)[skip:skip + size]
+
 
 
 class DirectFile:
@@ -49,7 +77,7 @@ class DirectFile:
         self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self._direct = _open_direct(self.path)
         stage = max(BLOCK, stage - stage % BLOCK)
-        self._stages = [memoryview(mmap.mmap(-1, stage)) for _ in range(2)]
+        self._stages = [direct_buffer(stage) for _ in range(2)]
         self._busy: list[Future[None] | None] = [None, None]
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mt-direct")
         self._which = 0

@@ -41,7 +41,12 @@ from mt_formats.canonical import (
     read_pointer,
 )
 from mt_formats.errors import ConvertError
-from mt_formats.megatron_args import config_from_args, layout_from_args, load_megatron_file
+from mt_formats.megatron_args import (
+    check_rank_folders,
+    config_from_args,
+    layout_from_args,
+    load_megatron_file,
+)
 from mt_formats.sharded import stage_layers, stages_of
 from mt_formats.tensors import TensorSpec, tensor_sha256
 from mt_formats.torch_io import save_into
@@ -329,10 +334,14 @@ class MegatronReader(CheckpointReader):
                                f"(expected {sorted(wanted)})")
         self._flat: dict[tuple[int, int], dict[str, Any]] = {}
         self._sha: dict[tuple[int, int], dict[str, str]] = {}
+        saved: dict[tuple[int, int], tuple[Path, Any]] = {}  # Megatron-LM's, per file
         for key, expected in self._plan.keys.items():
-            self._open(key, expected)
+            saved[key] = self._open(key, expected)
+        check_rank_folders(saved, tp, pp)
 
-    def _open(self, key: tuple[int, int], expected: dict[str, TensorSpec]) -> None:
+    def _open(self, key: tuple[int, int], expected: dict[str, TensorSpec]) -> tuple[Path, Any]:
+        """Load rank file ``key`` (stage, TP rank) and check its tensors; its path and its
+        Megatron-LM ``args`` (None in mt's own files)."""
         path = self.root / self._plan.file(*key)
         data = _load(path)
         flat = _flatten(data["model"], "", {})
@@ -347,6 +356,7 @@ class MegatronReader(CheckpointReader):
                                    f"needs {list(spec.shape)}")
         self._flat[key] = flat
         self._sha[key] = dict((data.get("mt") or {}).get("sha256") or {})
+        return path, data.get("args")
 
     def names(self) -> list[str]:
         return list(self._shapes)

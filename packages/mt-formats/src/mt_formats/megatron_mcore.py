@@ -55,7 +55,7 @@ from mt_formats.mcore import (
 )
 from mt_formats.mcore_buckets import STATES, coalesced_starts, join
 from mt_formats.megatron import MODEL_FILE, MegatronReader, iteration_folder
-from mt_formats.megatron_args import config_from_args, load_megatron_file
+from mt_formats.megatron_args import check_rank_folders, config_from_args, load_megatron_file
 from mt_formats.tensors import TensorSpec
 
 __all__ = ["MegatronMcoreReader", "open_megatron"]
@@ -205,6 +205,8 @@ class MegatronMcoreReader(CheckpointReader):
         iteration = _folder_iteration(folder)
         for path in files:
             self._same_run(path, head, files[0], entries, iteration)
+        check_rank_folders({at: (path, self._file(path).get("args"))
+                            for at, path in grid.items()}, self.tp, self.pp)
         self._models: dict[tuple[Path, str], dict[str, Any]] = {}
         self._dtypes: dict[str, torch.dtype] = {}  # per stored key: one dtype in every layer
         self._counts: list[int] = []  # layers per (virtual) stage
@@ -430,21 +432,29 @@ class MegatronMcoreReader(CheckpointReader):
                                "--drop-optimizer to convert the weights alone")
         return buffer
 
+    def check_optimizer_files(self) -> None:
+        self._optimizer_files()
+
+    def _optimizer_files(self) -> bool:
+        """Whether every rank holds the distributed optimizer's ``distrib_optim.pt`` (False:
+        none does; some but not all: raises)."""
+        files = [path.parent / OPTIMIZER_FILE for path in self._rank_files]
+        present = [path for path in files if path.is_file()]
+        if present and len(present) != len(files):
+            missing = next(path for path in files if not path.is_file())
+            raise ConvertError(f"{missing}: absent, while {present[0]} holds the distributed "
+                               "optimizer's state of another rank; give --drop-optimizer to "
+                               "convert the weights alone")
+        return bool(present)
+
     def _optimizer(self) -> bool:
         """Read where each parameter's state lies, once (see the module docstring); False
         where the files hold no distributed optimizer state."""
         if self._starts is not None:
             return bool(self._starts)
         self._starts = {}
-        files = [path.parent / OPTIMIZER_FILE for path in self._rank_files]
-        present = [path for path in files if path.is_file()]
-        if not present:
+        if not self._optimizer_files():
             return False
-        if len(present) != len(files):
-            missing = next(path for path in files if not path.is_file())
-            raise ConvertError(f"{missing}: absent, while {present[0]} holds the distributed "
-                               "optimizer's state of another rank; give --drop-optimizer to "
-                               "convert the weights alone")
         for path in self._rank_files:
             groups = ((self._file(path).get("optimizer") or {}).get("optimizer") or {}).get(
                 "param_groups")

@@ -20,7 +20,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import errno
-import mmap
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -29,7 +28,9 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["FileSpan", "ReadAhead", "ScratchBuffer", "SpanBuffer", "aligned_buffer", "copy_span",
+from mt_checkpoint import direct_buffer
+
+__all__ = ["FileSpan", "ReadAhead", "ScratchBuffer", "SpanBuffer", "copy_span",
            "crc_span", "interleave_rows", "open_direct", "read_ahead"]
 
 
@@ -111,12 +112,6 @@ def _copy(src: int, dst: int, src_offset: int, dst_offset: int, chunk: memoryvie
 _ALIGN = 4096
 
 
-def aligned_buffer(size: int) -> memoryview:
-    """A writable buffer of ``size`` bytes at a page-aligned address (private anonymous
-    memory), as ``O_DIRECT`` reads need."""
-    return memoryview(mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE))[:size]
-
-
 def open_direct(path: str | os.PathLike[str]) -> int:
     """``path`` opened read-only with ``O_DIRECT``, or -1 where the platform or file
     system has none."""
@@ -164,7 +159,7 @@ class SpanBuffer:
     :meth:`reset` starts over."""
 
     def __init__(self) -> None:
-        self._buffer = aligned_buffer(0)
+        self._buffer = direct_buffer(0)
         self._used = 0
 
     @staticmethod
@@ -176,7 +171,7 @@ class SpanBuffer:
         """Forget what was read (views of it must not be used any more) and make room for
         ``room`` bytes (:meth:`room`)."""
         if len(self._buffer) < room:
-            self._buffer = aligned_buffer(room)
+            self._buffer = direct_buffer(room)
         self._used = 0
 
     def start(self, spans: Sequence[FileSpan],
