@@ -61,7 +61,6 @@ def direct_buffer(size: int) -> memoryview:
     return memoryview(region)[skip:skip + size]
 
 
-
 class DirectFile:
     """A file written in runs of consecutive bytes (:meth:`seek` starts a new run, at any
     offset; :meth:`write` appends to it), the whole blocks with ``O_DIRECT`` where allowed.
