@@ -123,6 +123,8 @@ def _genuine(folder: str, vocab: int | None) -> None:
 
 
 def test_convert_genuine_megatron_lm_reads_its_args(tmp_path: Path) -> None:
+    """Files as Megatron-LM saves them read from their args alone; one file of another step
+    or run, or the last stage's TP folders swapped, is refused in one line."""
     from mt_dist.testing import run_distributed
 
     model = GPT(preset("tiny").replace(seq_len=128), seed=9).eval()
@@ -136,6 +138,10 @@ def test_convert_genuine_megatron_lm_reads_its_args(tmp_path: Path) -> None:
         assert torch.equal(back.state_dict()[name], tensor), name
     run_distributed(_genuine, 1, str(tmp_path / "meg"), None, timeout=120)
     assert load_model(tmp_path / "meg").config.vocab_size == 1024  # no vocab_size: padded
+    for folder, words in run_distributed(_other_run, 1, str(tmp_path / "meg"),
+                                         timeout=120)[0].items():
+        with pytest.raises(ConvertError, match=words):
+            load_model(folder)
     ranks = tmp_path / "meg" / "iter_0000000"  # the last stage's TP ranks' folders swapped
     (ranks / "mp_rank_00_001").rename(ranks / "swap")
     (ranks / "mp_rank_01_001").rename(ranks / "mp_rank_00_001")
@@ -144,6 +150,29 @@ def test_convert_genuine_megatron_lm_reads_its_args(tmp_path: Path) -> None:
                                            r"global rank 5 of 8, which does not hold TP rank 0 "
                                            r"of pipeline stage 1"):
         load_model(tmp_path / "meg")
+
+
+def _other_run(folder: str) -> dict[str, str]:
+    """Copies of ``folder`` whose stage 1, TP rank 1 file is of another step, or of another
+    run (its args), and the words their refusal names (in a rank process: the args unpickle
+    megatron-core's enum)."""
+    import shutil
+
+    copies = {}
+    for name, change, words in (
+            ("step", lambda data: data.update(iteration=4),
+             r"mp_rank_01_001/model_optim_rng\.pt: iteration 4, in the folder of iteration 0"),
+            ("run", lambda data: setattr(data["args"], "ffn_hidden_size", 128),
+             r"mp_rank_01_001/model_optim_rng\.pt: args\.ffn_hidden_size is 128, .*"
+             r"mp_rank_00_000/model_optim_rng\.pt's 256: not one run's files")):
+        copy = Path(folder).parent / name
+        shutil.copytree(folder, copy)
+        path = copy / "iter_0000000" / "mp_rank_01_001" / "model_optim_rng.pt"
+        data = torch.load(path, weights_only=False)
+        change(data)
+        torch.save(data, path)
+        copies[str(copy)] = words
+    return copies
 
 
 def test_rank_files_must_lie_in_the_folder_of_the_rank_that_saved_them() -> None:

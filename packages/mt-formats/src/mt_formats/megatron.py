@@ -43,6 +43,7 @@ from mt_formats.canonical import (
 from mt_formats.errors import ConvertError
 from mt_formats.megatron_args import (
     check_rank_folders,
+    check_same_run,
     config_from_args,
     layout_from_args,
     load_megatron_file,
@@ -334,14 +335,18 @@ class MegatronReader(CheckpointReader):
                                f"(expected {sorted(wanted)})")
         self._flat: dict[tuple[int, int], dict[str, Any]] = {}
         self._sha: dict[tuple[int, int], dict[str, str]] = {}
-        saved: dict[tuple[int, int], tuple[Path, Any]] = {}  # Megatron-LM's, per file
+        saved: dict[tuple[int, int], tuple[Path, Any]] = {}  # Megatron-LM's args, per file
         for key, expected in self._plan.keys.items():
-            saved[key] = self._open(key, expected)
+            path, data = self._open(key, expected)
+            if info is None:  # genuine Megatron-LM files: one run's, of this iteration
+                check_same_run(path, data, first[0], head, iteration if iteration >= 0 else None)
+            saved[key] = path, data.get("args")
         check_rank_folders(saved, tp, pp)
 
-    def _open(self, key: tuple[int, int], expected: dict[str, TensorSpec]) -> tuple[Path, Any]:
-        """Load rank file ``key`` (stage, TP rank) and check its tensors; its path and its
-        Megatron-LM ``args`` (None in mt's own files)."""
+    def _open(self, key: tuple[int, int], expected: dict[str, TensorSpec]
+              ) -> tuple[Path, dict[str, Any]]:
+        """Load rank file ``key`` (stage, TP rank) and check its tensors; its path and
+        contents."""
         path = self.root / self._plan.file(*key)
         data = _load(path)
         flat = _flatten(data["model"], "", {})
@@ -356,7 +361,7 @@ class MegatronReader(CheckpointReader):
                                    f"needs {list(spec.shape)}")
         self._flat[key] = flat
         self._sha[key] = dict((data.get("mt") or {}).get("sha256") or {})
-        return path, data.get("args")
+        return path, data
 
     def names(self) -> list[str]:
         return list(self._shapes)

@@ -196,3 +196,25 @@ def check_rank_folders(saved: dict[tuple[int, int], tuple[Path, Any]], tp: int, 
                 f"{saved[stage, tp_rank][0]}: saved by global rank {rank} of {world}, which "
                 f"does not hold TP rank {tp_rank} of pipeline stage {stage} (the folder's "
                 "name) in Megatron-LM's rank orders: rank folders renamed or swapped")
+
+
+#: Megatron-LM's args that every rank of one run records alike.
+_RUN_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+             "padded_vocab_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
+             "virtual_pipeline_model_parallel_size", "swiglu", "normalization")
+
+
+def check_same_run(path: Path, data: dict[str, Any], first: Path, head: dict[str, Any],
+                   iteration: int | None) -> None:
+    """Rank file ``path`` (loaded: ``data``) is of the run and step of the first one
+    (``first``, loaded: ``head``) and of its folder (``iteration``; None: ``release``): its
+    ``iteration`` and the args of :data:`_RUN_ARGS`."""
+    if iteration is not None and data.get("iteration") != iteration:
+        raise ConvertError(f"{path}: iteration {data.get('iteration')!r}, in the folder of "
+                           f"iteration {iteration}")
+    args = data.get("args")
+    for name in _RUN_ARGS:
+        if getattr(args, name, None) != getattr(head.get("args"), name, None):
+            raise ConvertError(f"{path}: args.{name} is {getattr(args, name, None)!r}, "
+                               f"{first}'s {getattr(head.get('args'), name, None)!r}: not one "
+                               "run's files")

@@ -55,7 +55,12 @@ from mt_formats.mcore import (
 )
 from mt_formats.mcore_buckets import STATES, coalesced_starts, join
 from mt_formats.megatron import MODEL_FILE, MegatronReader, iteration_folder
-from mt_formats.megatron_args import check_rank_folders, config_from_args, load_megatron_file
+from mt_formats.megatron_args import (
+    check_rank_folders,
+    check_same_run,
+    config_from_args,
+    load_megatron_file,
+)
 from mt_formats.tensors import TensorSpec
 
 __all__ = ["MegatronMcoreReader", "open_megatron"]
@@ -94,12 +99,6 @@ def _load(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict) or not _entries(data):
         raise ConvertError(f"{path}: not a Megatron-LM checkpoint (no 'model' dict)")
     return data
-
-
-#: Megatron-LM's args that every rank of one run records alike.
-_RUN_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
-             "padded_vocab_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
-             "virtual_pipeline_model_parallel_size", "swiglu", "normalization")
 
 
 def _stage_layers(args: Any, layers: int, stages: int) -> list[int] | None:
@@ -247,15 +246,7 @@ class MegatronMcoreReader(CheckpointReader):
         found = _entries(data)
         if found != entries:
             raise ConvertError(f"{path}: model entries {found}; {first} holds {entries}")
-        if iteration is not None and data.get("iteration") != iteration:
-            raise ConvertError(f"{path}: iteration {data.get('iteration')!r}, in the folder of "
-                               f"iteration {iteration}")
-        args = data.get("args")
-        for name in _RUN_ARGS:
-            if getattr(args, name, None) != getattr(head["args"], name, None):
-                raise ConvertError(f"{path}: args.{name} is {getattr(args, name, None)!r}, "
-                                   f"{first}'s {getattr(head['args'], name, None)!r}: not one "
-                                   "run's files")
+        check_same_run(path, data, first, head, iteration)
 
     def _file(self, path: Path) -> dict[str, Any]:
         if path not in self._files:
