@@ -139,3 +139,24 @@ def test_direct_buffers_are_aligned_and_huge_page_eligible_from_2_mib(size: int)
     enabled = Path("/sys/kernel/mm/transparent_hugepage/enabled")
     if size >= 2 << 20 and enabled.exists() and "[never]" not in enabled.read_text():
         assert re.search(r"^THPeligible:\s+1$", mapping, re.M), mapping
+
+
+def test_a_refused_buffer_leaves_no_file_and_names_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The staging buffers are allocated before the file is created: where memory is refused
+    no empty file is left behind, no descriptor stays open, and the error names the file.
+    A negative size is no buffer."""
+    import mt_checkpoint.direct_io as direct_io
+
+    def refused(size: int) -> memoryview:
+        raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
+
+    monkeypatch.setattr(direct_io, "direct_buffer", refused)
+    fds = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(OSError) as caught:
+        DirectFile(tmp_path / "f.bin")
+    assert caught.value.errno == errno.ENOMEM and str(tmp_path / "f.bin") in str(caught.value)
+    assert not (tmp_path / "f.bin").exists() and len(os.listdir("/proc/self/fd")) == fds
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="a buffer of -1 bytes"):
+        direct_buffer(-1)

@@ -639,8 +639,8 @@ def test_bucketed_optimizer_state_of_a_bf16_tp2_run_joins_its_ranks_shards(
     spec's norms under their module names, each rank's shards, a gated MLP's halves cut)
     reads as the same tensors; tampered ones (a replicated norm that differs, an extra
     tensor, args off the grid, a shard of another dtype, another iteration, a rank's
-    distrib_optim.pt gone, a rank folder twice, the TP ranks' folders swapped) are refused
-    in one line."""
+    distrib_optim.pt gone or empty, a rank folder twice, the TP ranks' folders swapped) are
+    refused in one line."""
     import shutil
 
     ckpt, held, fields = _bucketed_run(tmp_path / "tp2", tp=2, bf16=True, legacy=True)
@@ -661,10 +661,15 @@ def test_bucketed_optimizer_state_of_a_bf16_tp2_run_joins_its_ranks_shards(
     shutil.copytree(tmp_path / "tp2" / "legacy", alone)
     (alone / "iter_0000002" / "mp_rank_01" / "distrib_optim.pt").unlink()
     tampered[str(alone)] = "mp_rank_01/distrib_optim.pt: absent, while"
+    empty = tmp_path / "tp2" / "empty"  # one rank's distrib_optim.pt of no bytes
+    shutil.copytree(tmp_path / "tp2" / "legacy", empty)
+    (empty / "iter_0000002" / "mp_rank_01" / "distrib_optim.pt").write_bytes(b"")
+    tampered[str(empty)] = "mp_rank_01/distrib_optim.pt: empty, while"
     with open_checkpoint(tmp_path / "tp2" / "legacy") as reader:
         reader.check_optimizer_files()
-    with open_checkpoint(alone) as reader, pytest.raises(ConvertError, match="absent, while"):
-        reader.check_optimizer_files()  # from the headers, as `mt convert --dry-run` asks
+    for folder in (alone, empty):  # from the headers, as `mt convert --dry-run` asks
+        with open_checkpoint(folder) as reader, pytest.raises(ConvertError, match=", while"):
+            reader.check_optimizer_files()
     twice = tmp_path / "tp2" / "twice"  # TP rank 0's folder under a pipeline rank's name too
     shutil.copytree(tmp_path / "tp2" / "legacy", twice)
     shutil.copytree(twice / "iter_0000002" / "mp_rank_00", twice / "iter_0000002" /

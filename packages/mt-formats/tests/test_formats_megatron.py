@@ -177,15 +177,15 @@ def _other_run(folder: str) -> dict[str, str]:
 
 def test_rank_files_must_lie_in_the_folder_of_the_rank_that_saved_them() -> None:
     """Megatron-LM's args record the saver's global rank: with TP ranks innermost and the
-    stages outermost (its default order) or inside data parallelism, a file in another
-    rank's folder is refused; files a one-process converter wrote (one rank in all), or
-    without ranks, are not checked."""
+    stages outermost (its default order) or inside data parallelism, any context-parallel
+    rank saving, a file in another rank's folder is refused; files a one-process converter
+    wrote (one rank in all), or without ranks, are not checked."""
     from mt_formats.megatron_args import check_rank_folders
 
-    def saved(ranks: dict[tuple[int, int], int | None], world: int = 8
+    def saved(ranks: dict[tuple[int, int], int | None], world: int = 8, cp: int = 1
               ) -> dict[tuple[int, int], tuple[Path, argparse.Namespace]]:
         return {at: (Path(f"mp_rank_{at[1]:02d}_{at[0]:03d}"),
-                     argparse.Namespace(rank=rank, world_size=world))
+                     argparse.Namespace(rank=rank, world_size=world, context_parallel_size=cp))
                 for at, rank in ranks.items()}
 
     grid = [(stage, tp_rank) for stage in range(2) for tp_rank in range(2)]
@@ -193,6 +193,8 @@ def test_rank_files_must_lie_in_the_folder_of_the_rank_that_saved_them() -> None
                   {at: at[1] + 2 * at[0] for at in grid},  # tp-pp-dp
                   dict.fromkeys(grid, 0), dict.fromkeys(grid)):
         check_rank_folders(saved(order), 2, 2)
+    # CP 2 (DP 1): before megatron-core 0.9 each context-parallel rank saved the file
+    check_rank_folders(saved({at: at[1] + 2 + 4 * at[0] for at in grid}, cp=2), 2, 2)
     swapped = {at: at[1] + 4 * at[0] for at in grid} | {(1, 0): 5, (1, 1): 4}
     with pytest.raises(ConvertError, match=r"mp_rank_00_001: saved by global rank 5 of 8, "
                                            r"which does not hold TP rank 0 of pipeline stage 1 "

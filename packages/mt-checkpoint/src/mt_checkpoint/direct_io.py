@@ -51,6 +51,8 @@ def direct_buffer(size: int) -> memoryview:
     advised to be backed by transparent huge pages (``MADV_HUGEPAGE``; where the kernel
     has none or refuses, 4 KiB pages, the same bytes), so that one request covers few
     physically contiguous segments (see the module docstring)."""
+    if size < 0:
+        raise ValueError(f"a buffer of {size} bytes")
     length = max(size, 1)
     if length < _HUGE:
         return memoryview(mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE))[:size]
@@ -73,10 +75,12 @@ class DirectFile:
 
     def __init__(self, path: str | os.PathLike[str], stage: int = _STAGE) -> None:
         self.path = Path(path)
+        self.fd = self._direct = -1
+        stage = max(BLOCK, stage - stage % BLOCK)
+        with self._named():  # before the file exists: a refused allocation leaves nothing
+            self._stages = [direct_buffer(stage) for _ in range(2)]
         self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self._direct = _open_direct(self.path)
-        stage = max(BLOCK, stage - stage % BLOCK)
-        self._stages = [direct_buffer(stage) for _ in range(2)]
         self._busy: list[Future[None] | None] = [None, None]
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mt-direct")
         self._which = 0

@@ -177,11 +177,13 @@ def layout_from_args(args: Any, config: GPTConfig, where: Path) -> dict[str, Any
 def check_rank_folders(saved: dict[tuple[int, int], tuple[Path, Any]], tp: int, pp: int) -> None:
     """Each rank file (``saved``: (stage, TP rank) -> (path, its ``args``)) lies in the folder
     of the model-parallel rank that saved it. Megatron-LM records the saving process's global
-    rank and the world size in ``args.rank`` and ``args.world_size``; the data-parallel (and
-    context-parallel) rank 0 of each model-parallel rank saves, TP ranks innermost and the
-    pipeline stages outermost (its default order) or inside data parallelism
-    (``--use-tp-pp-dp-mapping``). Skipped where the files do not record distinct ranks (a
-    converter writing every rank from one process records its own rank in all)."""
+    rank and the world size in ``args.rank`` and ``args.world_size``; the data-parallel rank
+    0 of each model-parallel rank saves, TP ranks innermost, then context parallelism, and
+    the pipeline stages outermost (its default order) or inside data parallelism
+    (``--use-tp-pp-dp-mapping``). Any context-parallel rank is accepted: megatron-core before
+    0.9 let each of them save the file, the last one's landing. Skipped where the files do not
+    record distinct ranks (a converter writing every rank from one process records its own
+    rank in all)."""
     ranks = {at: (getattr(args, "rank", None), getattr(args, "world_size", None))
              for at, (_, args) in saved.items()}
     if len(saved) < 2 or len({rank for rank, _ in ranks.values()}) != len(saved) or not all(
@@ -191,7 +193,8 @@ def check_rank_folders(saved: dict[tuple[int, int], tuple[Path, Any]], tp: int, 
     for (stage, tp_rank), (rank, world) in sorted(ranks.items()):
         cp = getattr(saved[stage, tp_rank][1], "context_parallel_size", 1)
         cp = cp if type(cp) is int and cp > 0 else 1
-        if rank not in (tp_rank + world // pp * stage, tp_rank + tp * cp * stage):
+        if not any(offset % tp == 0 and 0 <= offset // tp < cp for offset in (
+                rank - tp_rank - world // pp * stage, rank - tp_rank - tp * cp * stage)):
             raise ConvertError(
                 f"{saved[stage, tp_rank][0]}: saved by global rank {rank} of {world}, which "
                 f"does not hold TP rank {tp_rank} of pipeline stage {stage} (the folder's "

@@ -36,6 +36,7 @@ non-distributed optimizer's, in the ``optimizer`` entries) is not read: a note s
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -428,15 +429,20 @@ class MegatronMcoreReader(CheckpointReader):
 
     def _optimizer_files(self) -> bool:
         """Whether every rank holds the distributed optimizer's ``distrib_optim.pt`` (False:
-        none does; some but not all: raises)."""
+        none does; some but not all, or one that is no file or empty: raises)."""
         files = [path.parent / OPTIMIZER_FILE for path in self._rank_files]
-        present = [path for path in files if path.is_file()]
-        if present and len(present) != len(files):
-            missing = next(path for path in files if not path.is_file())
-            raise ConvertError(f"{missing}: absent, while {present[0]} holds the distributed "
-                               "optimizer's state of another rank; give --drop-optimizer to "
-                               "convert the weights alone")
-        return bool(present)
+        found = [path for path in files if os.path.lexists(path)]
+        for path in files if found else []:
+            wrong = ("absent" if not os.path.lexists(path) else
+                     "a link to nothing" if not path.exists() else
+                     "not a regular file" if not path.is_file() else
+                     "empty" if path.stat().st_size == 0 else None)
+            if wrong:
+                other = (f", while {found[0]} holds the distributed optimizer's state of "
+                         "another rank" if path != found[0] else "")
+                raise ConvertError(f"{path}: {wrong}{other}; give --drop-optimizer to convert "
+                                   "the weights alone")
+        return bool(found)
 
     def _optimizer(self) -> bool:
         """Read where each parameter's state lies, once (see the module docstring); False
