@@ -210,9 +210,8 @@ class CheckpointReader(ABC):
     def check_optimizer_files(self) -> None:  # noqa: B027 - optional hook, no-op by default
         """Raise (:class:`ConvertError`) where the files of the source's optimizer state are
         found incomplete without reading them (some ranks' files absent, not regular files or
-        empty): what a conversion
-        carrying that state would refuse, asked by ``--dry-run``. Checks nothing by
-        default."""
+        empty): what a conversion carrying that state would refuse, asked by ``--dry-run``.
+        Checks nothing by default."""
 
     def progress(self) -> TrainingProgress | None:
         """The optimizer steps (and tokens) the source's training had taken when it was
