@@ -122,3 +122,31 @@ def test_convert_force_replaces_only_its_own_output(checkpoint: Path, tmp_path: 
                                  "--dp", "2", "--force"], env=WIDE)
     assert result.exit_code == 2 and "thesis.txt" in _error(result.output), result.output
     assert (tmp_path / "re" / "thesis.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("refusal", [MemoryError(), RuntimeError("can't start new thread")])
+def test_a_refused_allocation_or_thread_is_one_line(
+        checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        refusal: Exception) -> None:
+    """Under a memory or address-space limit (``ulimit -v``) a conversion's allocation or
+    thread can be refused: one line naming the source and the limits, exit 1, nothing
+    written. Other errors are not swallowed."""
+    import mt_formats.convert
+
+    def refused(*args: object, **kwargs: object) -> None:
+        raise refusal
+
+    monkeypatch.setattr(mt_formats.convert, "convert_checkpoint", refused)
+    result = runner.invoke(app, [str(checkpoint), str(tmp_path / "out")], env=WIDE)
+    assert result.exit_code == 1, result.output
+    line = _error(result.output)
+    assert str(checkpoint) in line and "nothing was written" in line, line
+    assert type(refusal).__name__ in line, line
+    assert not (tmp_path / "out").exists()
+
+    def other(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(mt_formats.convert, "convert_checkpoint", other)
+    result = runner.invoke(app, [str(checkpoint), str(tmp_path / "out")], env=WIDE)
+    assert isinstance(result.exception, RuntimeError) and str(result.exception) == "a bug"

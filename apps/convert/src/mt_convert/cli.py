@@ -229,6 +229,14 @@ def convert(
     except KeyboardInterrupt:
         console.print("interrupted: nothing was written")
         raise typer.Exit(130) from None
+    except (MemoryError, RuntimeError) as err:  # the machine's limits, not the input
+        if isinstance(err, RuntimeError) and "can't start new thread" not in str(err):
+            raise
+        console.print(f"[bold red]error:[/] {escape(str(src))}: converting it needs more memory "
+                      "or threads than this process may have (memory, `ulimit -v` or `ulimit "
+                      f"-u`): {type(err).__name__}: {escape(str(err) or 'allocation refused')}; "
+                      "nothing was written", highlight=False, soft_wrap=True)
+        raise typer.Exit(1) from None
 
 
 def main() -> None:
