@@ -18,9 +18,8 @@ The staging buffers (and mt-formats' direct read buffers) come from :func:`direc
 memory backed by 2 MiB pages where the kernel gives them. A direct request is one segment
 per physically contiguous piece of its buffer, and a device takes a bounded number of
 segments per request (a virtio disk: 254): from 4 KiB pages an 8 MiB write leaves as
-requests of about 512 KiB, from 2 MiB pages as requests of the device's largest size.
-On the 2-core development VM this halves the time of a 1.1 GB direct read (mt-formats'
-README has the figures).
+requests of about 512 KiB, from 2 MiB pages as requests of the device's largest size
+(mt-formats' README has the measurements).
 """
 
 from __future__ import annotations
