@@ -180,6 +180,22 @@ def test_a_rank_leaves_no_process_behind() -> None:
     assert alive == []
 
 
+def _lazy_imports() -> tuple[bool, list[str]]:
+    """Whether the rank began with torch._dynamo, and what building an optimizer imported."""
+    inherited = "torch._dynamo" in sys.modules
+    before = set(sys.modules)
+    torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))])
+    torch.nn.Linear(2, 3, device="meta").to_empty(device="cpu")  # sympy, by torch._refs
+    return inherited, sorted(set(sys.modules) - before)
+
+
+@pytest.mark.skipif(torch.backends.cuda.is_built(), reason="not preloaded on CUDA builds")
+def test_forked_ranks_inherit_the_imports_torch_makes_lazily() -> None:
+    """An optimizer's constructor imports torch._dynamo (seconds per process): the harness
+    imports it once, before forking, and no rank imports it again."""
+    assert run_distributed(_lazy_imports, 2, timeout=60) == [(True, [])] * 2
+
+
 def test_argument_validation() -> None:
     with pytest.raises(ValueError, match="world_size must be >= 1, got 0"):
         run_distributed(_describe, 0, 1)

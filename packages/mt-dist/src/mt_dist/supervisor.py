@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import faulthandler
+import importlib
 import multiprocessing as mp
 import os
 import pickle
@@ -42,7 +43,8 @@ import torch
 
 from mt_dist.exits import Interrupted, LaunchFailed
 
-__all__ = ["LocalRanks", "Outcome", "Report", "default_start_method", "supervise"]
+__all__ = ["LocalRanks", "Outcome", "Report", "default_start_method", "preload_for_fork",
+           "supervise"]
 
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 # After asking stuck ranks to dump their stacks (SIGUSR1), wait at most this long for the
@@ -109,6 +111,20 @@ def default_start_method() -> str:
     if torch.cuda.is_initialized() or "fork" not in mp.get_all_start_methods():
         return "spawn"
     return "fork"
+
+
+def preload_for_fork() -> None:
+    """Import, in a process about to fork ranks that train, what torch imports lazily in each
+    of them: ``torch._dynamo``, which an optimizer's constructor imports, with sympy, which
+    ops on meta tensors import. The forked ranks inherit it instead of importing it each
+    (seconds a process on a small CPU machine, where the ranks share the cores).
+
+    Nothing where ranks are not forked, nor on CUDA builds of torch: there the import is not
+    shown to stay clear of CUDA, and a forked rank cannot use CUDA that its parent started.
+    """
+    if torch.backends.cuda.is_built() or default_start_method() != "fork":
+        return
+    importlib.import_module("torch._dynamo")
 
 
 @dataclass

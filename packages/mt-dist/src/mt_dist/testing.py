@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from mt_dist.launcher import finalize_distributed
-from mt_dist.supervisor import LocalRanks, Outcome, default_start_method
+from mt_dist.supervisor import LocalRanks, Outcome, default_start_method, preload_for_fork
 
 __all__ = [
     "DistributedTestError",
@@ -91,6 +91,8 @@ def launch_local(
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if timeout <= 0:
         raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+    if start_method in (None, "fork"):
+        preload_for_fork()  # test ranks build optimizers: one import for all of them
     workdir = tempfile.mkdtemp(prefix="mt_dist_")
     store = os.path.join(workdir, "store")
     try:

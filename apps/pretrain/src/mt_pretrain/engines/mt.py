@@ -20,6 +20,7 @@ from torch import nn
 from mt_checkpoint import Built
 from mt_data import DataLoaderState
 from mt_dist import ParallelGroups
+from mt_dist.supervisor import preload_for_fork
 from mt_pipeline import PipelineExecutor, StageComm
 from mt_pretrain.config.resolve import RunPlan, activation_shape
 from mt_pretrain.config.schema import PretrainConfig
@@ -89,6 +90,12 @@ class MTEngine(Engine):
         # pp == 1: the same (optionally compiled) forward + loss the executor runs.
         self._forward_loss = (torch.compile(stage.forward_loss) if config.parallel.compile
                               else stage.forward_loss)
+
+    @classmethod
+    def preload(cls, config: PretrainConfig) -> None:
+        """torch's lazy imports that every rank's optimizer would make, once (mt-dist's
+        ``preload_for_fork``)."""
+        preload_for_fork()
 
     @classmethod
     def create(cls, config: PretrainConfig, plan: RunPlan, groups: ParallelGroups,
