@@ -181,7 +181,8 @@ def test_a_rank_leaves_no_process_behind() -> None:
 
 
 def _lazy_imports() -> tuple[bool, list[str]]:
-    """Whether the rank began with torch._dynamo, and what building an optimizer imported."""
+    """Whether the rank began with torch._dynamo, and the modules that building an optimizer
+    and materializing a meta module imported."""
     inherited = "torch._dynamo" in sys.modules
     before = set(sys.modules)
     torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))])
