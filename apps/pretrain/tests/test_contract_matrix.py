@@ -58,6 +58,11 @@ def test_the_matrix_covers_every_pair_of_features() -> None:
                  (("precision", "bf16"), ("recompute", "selective")),
                  (("precision", "fp16"), ("dp", 2)), (("precision", "bf16"), ("pp", 2))]:
         assert tuple(sorted((a, b))) in covered, (a, b)
+    # DeepSpeed in bf16 through both of its engines: ZeRO-3 without a pipeline, and a pipeline
+    # (a triple of factors, which pairs alone do not promise).
+    ds_bf16 = [c.layout for c in CI if c.engine == "deepspeed" and c.layout.precision == "bf16"]
+    assert any(lay.pp == 1 and lay.zero_stage == 3 for lay in ds_bf16), ds_bf16
+    assert any(lay.pp > 1 for lay in ds_bf16), ds_bf16
 
 
 def test_the_context_parallel_rows_hold_every_feature() -> None:

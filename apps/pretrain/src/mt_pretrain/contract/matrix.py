@@ -62,15 +62,18 @@ class EngineTraits:
     """It reduces 16-bit gradients its own way (the contract allows a wider 16-bit floor)."""
     start_seconds: float
     """Extra seconds it takes to start a run on a 2-core CPU (the matrix's costs)."""
+    zero3_seconds: float
+    """Extra seconds its ZeRO-3 takes per micro-batch and tensor-parallel rank (the matrix's
+    costs: DeepSpeed gathers and releases each module's parameters in Python hooks)."""
     tag: str
     """Its mark in case names ("" for the reference engine)."""
 
 
 #: Every engine of mt_pretrain.config.engines, as the matrix sees it.
 TRAITS = {"mt": EngineTraits(keyed_dropout=True, own_reduction=False, start_seconds=0.0,
-                             tag=""),
+                             zero3_seconds=0.0, tag=""),
           "deepspeed": EngineTraits(keyed_dropout=False, own_reduction=True,
-                                    start_seconds=4.0, tag="ds")}
+                                    start_seconds=2.7, zero3_seconds=1.25, tag="ds")}
 
 
 @dataclass(frozen=True)
@@ -216,13 +219,34 @@ def candidates(cp: int = 1) -> list[Case]:
     return out
 
 
-def _cost(case: Case) -> float:
-    """Seconds a case takes on a 2-core CPU, roughly (measured: tensor parallelism pays gloo
-    collectives in every layer, fp16 matmuls have no fast CPU kernel, DeepSpeed starts slowly)."""
+def _run_cost(case: Case) -> float:
+    """Seconds one run of ``case`` takes, 10 steps on a 2-core CPU (fitted to the CI matrix's
+    runs on an AVX2-only EPYC, bf16 emulated): a start per process; tensor parallelism's
+    collectives in every layer of every micro-batch a rank runs, twice as many with sequence
+    parallelism (gloo's small collectives cost 1-2 ms each there), context
+    parallelism's likewise; 16-bit matmuls; DeepSpeed's start and its ZeRO-3 hooks."""
     lay = case.layout
-    return (0.3 * case.nproc + 1.5 * (lay.tp - 1) + 8.0 * (lay.precision == "fp16")
-            + 1.0 * (lay.cp - 1)
-            + TRAITS[case.engine].start_seconds + 0.2 * case.checkpointing)
+    micro = GLOBAL_BATCH / (MICRO_BATCH * lay.dp * lay.cp)  # micro-batches a rank runs
+    traits = TRAITS[case.engine]
+    return (0.8 + 0.4 * case.nproc
+            + (0.4 + 0.65 * lay.sequence_parallel) * (lay.tp - 1) * micro
+            + 1.6 * (lay.cp - 1) * micro
+            + 0.6 * (lay.precision == "fp16") + 1.3 * (lay.precision == "bf16")
+            + traits.start_seconds
+            + traits.zero3_seconds * (lay.zero_stage == 3) * lay.tp * micro)
+
+
+def _cost(case: Case) -> float:
+    """Seconds checking ``case`` takes: its run, and the runs of its reference where that is
+    not the one process every shard trains anyway (dropout under TP or CP compares with a
+    run at the same degree; a 16-bit case with the fp32 run of its reference too)."""
+    cost = _run_cost(case)
+    ref = case.reference()
+    if ref.nproc > 1:
+        cost += _run_cost(ref)
+        if ref.layout.precision != "fp32":
+            cost += _run_cost(replace(ref, layout=replace(ref.layout, precision="fp32")))
+    return cost
 
 
 def pairwise_cover(cases: Iterable[Case] | None = None) -> list[Case]:
@@ -246,7 +270,7 @@ def full_matrix() -> list[Case]:
     schedule, fp32, dropout 0), every feature (SP, checkpointing, selective recomputation,
     bf16, fp16, dropout,
     dropout with checkpointing, DeepSpeed) on every grid it applies to, the pairwise
-    cover, the Llama row set, the context-parallel rows and the engine row of CI; in that
+    cover, the Llama row set, the context-parallel rows and the engine rows of CI; in that
     order, without repeats."""
     pool = candidates()
     plain, variants = _base_and_features(pool)
@@ -336,19 +360,22 @@ CP_CI = (
 )
 
 
-#: The engine row CI adds to the cover: bf16 through DeepSpeed's ``DeepSpeedEngine`` (pp 1)
-#: with ZeRO-3, its stage-3 bf16 optimizer; the cover's DeepSpeed bf16 row runs its pipeline
-#: engine. Measured against its floor multiple: parameters 0.021 of 0.096 (ZeRO 1: 0.024,
-#: ZeRO 2: 0.017, TP 2 x DP 2: 0.060 of 0.128).
+#: The engine rows CI adds to the cover, DeepSpeed in bf16 through each of its engines:
+#: ``DeepSpeedEngine`` (pp 1) with ZeRO-3, its stage-3 bf16 optimizer; ``PipelineEngine`` (PP 2
+#: x DP 2, 1F1B, ZeRO-1), its bf16 pipeline path (a pairwise cover holds DeepSpeed x bf16 and
+#: DeepSpeed x PP, not the three together). The first measured against its floor multiple:
+#: parameters 0.021 of 0.096 (ZeRO 1: 0.024, ZeRO 2: 0.017, TP 2 x DP 2: 0.060 of 0.128).
 ENGINE_CI = (
     Case(matrix_layout(dp=2, zero_stage=3, precision="bf16",
+                       chunked_loss=ENGINES["deepspeed"].chunked_loss), engine="deepspeed"),
+    Case(matrix_layout(pp=2, dp=2, zero_stage=1, precision="bf16",
                        chunked_loss=ENGINES["deepspeed"].chunked_loss), engine="deepspeed"),
 )
 
 
 def ci_matrix() -> list[Case]:
     """What CI and ``mt matrix --set ci`` run: the pairwise cover, the Llama CI rows, the
-    context-parallel CI rows and the engine row."""
+    context-parallel CI rows and the engine rows."""
     return pairwise_cover() + list(LLAMA_CI) + list(CP_CI) + list(ENGINE_CI)
 
 
