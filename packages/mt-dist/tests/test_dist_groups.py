@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import pytest
@@ -140,27 +139,3 @@ def test_context_parallel_groups_on_four_ranks() -> None:
         assert report["tp"] == (2 * cp_rank, 2 * cp_rank + 1)
         assert report["coord"] == (cp_rank, 2, tp_rank)
 
-
-
-def _loop_policies(calm: bool) -> list[int]:
-    from mt_dist.groups import GLOO_LOOP_THREAD
-
-    build_groups(Topology(dp=2), calm_gloo=calm)
-    policies = []
-    for tid in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{tid}/comm", encoding="utf-8") as comm:
-            if comm.read().strip() == GLOO_LOOP_THREAD:
-                policies.append(os.sched_getscheduler(int(tid)))
-    return policies
-
-
-@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux scheduling policies")
-def test_gloo_event_loops_are_scheduled_as_batch_threads() -> None:
-    """After build_groups every gloo event-loop thread of a rank (the default group's and each
-    new group's) runs as a batch thread, so that its polling does not preempt the thread it
-    waits for; calm_gloo=False leaves them as torch made them."""
-    for calm, policy in ((True, os.SCHED_BATCH), (False, os.SCHED_OTHER)):
-        reports = run_distributed(_loop_policies, 2, calm, timeout=60)
-        for policies in reports:
-            assert len(policies) >= 2, policies  # the default group's loop and the groups'
-            assert set(policies) == {policy}, (calm, policies)

@@ -7,7 +7,6 @@ default group's store) and keeps only the groups it belongs to. The result is a 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -17,11 +16,7 @@ from torch.distributed import ProcessGroup
 
 from mt_dist.topology import Coord, Topology, TopologyError
 
-__all__ = ["GLOO_LOOP_THREAD", "ParallelGroups", "backend_for", "build_groups",
-           "calm_gloo_loops"]
-
-#: The name gloo's tcp transport gives each device's event-loop thread (Linux).
-GLOO_LOOP_THREAD = "gloo_tcp_loop"
+__all__ = ["ParallelGroups", "backend_for", "build_groups"]
 
 
 def backend_for(device: torch.device | str) -> str:
@@ -171,39 +166,9 @@ class ParallelGroups:
         return self.topology.next_stage_rank(self.rank)
 
 
-def calm_gloo_loops() -> int:
-    """Schedule this process's gloo event-loop threads as batch threads (Linux
-    ``SCHED_BATCH``: the same share of the CPU, but a wake-up does not preempt the running
-    thread); returns how many it moved (0 where the platform has no such policy).
-
-    gloo's tcp loop answers a ready socket whose pair another thread holds locked by polling
-    it again at once, so on a CPU with more threads than cores it spins against the very thread
-    it waits for. Measured on 2 cores (gloo, fork, one intra-op thread a rank): an all-reduce
-    of 2,048 floats 1.3 -> 0.5 ms on 2 ranks, 21 -> 10 ms on 8; two contract-matrix shards
-    side by side 145-153 -> 130 s. Beside other busy processes a 2-rank run can lose a little
-    instead (a tensor-parallel case 10% in one measurement)."""
-    if not hasattr(os, "sched_setscheduler") or not hasattr(os, "SCHED_BATCH"):
-        return 0
-    moved = 0
-    try:
-        threads = os.listdir("/proc/self/task")
-    except OSError:
-        return 0
-    for tid in threads:
-        try:
-            with open(f"/proc/self/task/{tid}/comm", encoding="utf-8") as comm:
-                if comm.read().strip() != GLOO_LOOP_THREAD:
-                    continue
-            os.sched_setscheduler(int(tid), os.SCHED_BATCH, os.sched_param(0))
-            moved += 1
-        except (OSError, ValueError):  # a thread gone meanwhile, or a policy refused
-            continue
-    return moved
-
-
 def build_groups(
     topology: Topology, device: torch.device | str = "cpu",
-    timeout: timedelta | float | None = None, calm_gloo: bool = True,
+    timeout: timedelta | float | None = None,
 ) -> ParallelGroups:
     """Create all tp / dp / pp / embedding / model-parallel (and, with cp > 1, cp and dp x cp)
     groups; return this rank's.
@@ -212,8 +177,7 @@ def build_groups(
     ``topology``. Requires an initialized default group of ``topology.world_size`` ranks.
     ``timeout`` (a timedelta or seconds) bounds every collective of these groups: a peer that
     hangs makes the others fail after it instead of waiting forever (None: torch's default,
-    30 minutes on gloo). ``calm_gloo``: on gloo, :func:`calm_gloo_loops` once the groups
-    exist.
+    30 minutes on gloo).
     """
     if timeout is not None and not isinstance(timeout, timedelta):
         timeout = timedelta(seconds=float(timeout))
@@ -247,8 +211,6 @@ def build_groups(
     dp_cp = mine(topology.dp_cp_groups()) if topology.cp > 1 else dp
     # Every rank is in exactly one tp/dp/pp group (Topology guarantees it).
     assert tp is not None and dp is not None and pp is not None
-    if calm_gloo and backend == "gloo":
-        calm_gloo_loops()
     return ParallelGroups(
         topology=topology,
         rank=rank,
