@@ -245,7 +245,7 @@ def _cost(case: Case) -> float:
     if ref.nproc > 1:
         cost += _run_cost(ref)
         if ref.layout.precision != "fp32":
-            cost += _run_cost(replace(ref, layout=replace(ref.layout, precision="fp32")))
+            cost += _run_cost(_with(ref, precision="fp32"))
     return cost
 
 
